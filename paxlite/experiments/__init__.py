@@ -1,0 +1,30 @@
+"""The registry: every experiment a user can name with --fdl_config, by its short name.
+
+An explicit dict (no import-time registration side effects). Dotted paths (`paxlite.experiments.gpt.GPT126M`)
+and legacy Pax names (`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) resolve through
+`paxlite.config.registry.resolve_experiment`.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from paxlite.experiments import gpt, tiny
+
+EXPERIMENTS = MappingProxyType(
+    {
+        "GPT126M": gpt.GPT126M,
+        "GPT5B": gpt.Pile5B,  # Pax aliases GPT5B = Pile5B
+        "GPT175B": gpt.Pile175B,  # and GPT175B = Pile175B
+        "Synthetic126M": gpt.Synthetic126M,
+        "Synthetic5B": gpt.Synthetic5B,
+        "Synthetic175B": gpt.Synthetic175B,
+        "Pile126M": gpt.Pile126M,
+        "Pile5B": gpt.Pile5B,
+        "Pile175B": gpt.Pile175B,
+        "Lambada126M": gpt.Lambada126M,
+        "TinySynthetic": tiny.TinySynthetic,
+        "TinySyntheticRepeated": tiny.TinySyntheticRepeated,
+        "DemoSynthetic": tiny.DemoSynthetic,
+    }
+)

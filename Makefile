@@ -1,0 +1,32 @@
+# `make test` and `make demo` work on a fresh machine with only Python 3.11 and the package index.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= demo_job/$(shell date +%Y%m%d-%H%M%S)
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/python -m paxlite.main --fdl_config=DemoSynthetic --job_log_dir=$(DEMO_DIR) --alsologtostderr
+	@echo "Job directory: $(DEMO_DIR) (metrics.jsonl, summaries/, checkpoints/, config.json)"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/cpu_step.py
+
+clean:
+	rm -rf $(VENV) demo_job .pytest_cache

@@ -1,0 +1,104 @@
+"""`python -m paxlite list` and `python -m paxlite show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import fiddle as fdl
+
+
+def describe(experiment, *, num_local_devices: int | None = None) -> dict:
+    """What a user wants to know before launching: size, cost per token, batch and mesh, every hyperparameter."""
+    import jax
+
+    from paxlite.models.transformer import num_params
+    from paxlite.parallel.mesh import MESH_AXES, global_batch_size
+
+    model = fdl.build(experiment.model_config())
+    mesh = fdl.build(experiment.mesh_config())
+    local = jax.local_device_count() if num_local_devices is None else num_local_devices
+    sizes = mesh.axis_sizes(local)
+    num_devices = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    batch = global_batch_size(
+        percore_batch_size=experiment.PERCORE_BATCH_SIZE,
+        num_devices=num_devices,
+        batch_split=sizes["data"] * sizes["fsdp"],
+    )
+    return {
+        "experiment": experiment.name,
+        "class": f"{type(experiment).__module__}.{type(experiment).__qualname__}",
+        "num_params": num_params(model),
+        "flops_per_token": experiment.flops_per_token(),
+        "global_batch_size": batch,
+        "tokens_per_step": batch * experiment.MAX_SEQ_LEN,
+        "num_devices": num_devices,
+        "mesh": {axis: sizes[axis] for axis in MESH_AXES},
+        "hparams": experiment.hparams(),
+    }
+
+
+def _list() -> int:
+    from paxlite.experiments import EXPERIMENTS
+    from paxlite.models.transformer import num_params
+
+    rows = []
+    for name, cls in EXPERIMENTS.items():
+        experiment = cls.resolve({})
+        params = num_params(fdl.build(experiment.model_config()))
+        rows.append((name, f"{params:,}", f"{cls.__module__}.{cls.__qualname__}"))
+    widths = [max(len(r[i]) for r in rows + [("experiment", "parameters", "class")]) for i in range(3)]
+    print(f"{'experiment':<{widths[0]}}  {'parameters':>{widths[1]}}  class")
+    for name, params, path in rows:
+        print(f"{name:<{widths[0]}}  {params:>{widths[1]}}  {path}")
+    return 0
+
+
+def _show(args: argparse.Namespace, assignments: Sequence[str]) -> int:
+    from paxlite.config.build import load_experiment
+
+    info = describe(load_experiment(args.fdl_config or "", assignments))
+    if args.format == "json":
+        print(json.dumps(info, indent=2, sort_keys=False))
+    else:
+        for key, value in info.items():
+            if key != "hparams":
+                print(f"{key}: {value}")
+        print("hparams:")
+        for key, value in info["hparams"].items():
+            print(f"  {key} = {value!r}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from paxlite.config.errors import ConfigError
+    from paxlite.parallel.mesh import MeshError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m paxlite")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="every registered experiment with its parameter count")
+    show = commands.add_parser("show", help="one experiment, resolved (accepts --fdl.NAME=VALUE)")
+    show.add_argument("--fdl_config", required=True, help="registered name, dotted path or Pax name")
+    show.add_argument("--format", choices=("text", "json"), default="text")
+    args, extra = parser.parse_known_args(argv)
+    assignments = []
+    for item in extra:
+        if not item.startswith("--fdl."):
+            parser.error(f"unrecognized argument {item!r}; overrides look like --fdl.NAME=VALUE")
+        assignments.append(item[len("--fdl."):])
+    if args.command == "list":
+        if assignments:
+            parser.error("list takes no --fdl.NAME=VALUE overrides")
+        return _list()
+    try:
+        return _show(args, assignments)
+    except (ConfigError, MeshError) as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Turning `--fdl_config=NAME` into an experiment class.
+
+Three spellings work, so Pax scripts run unchanged: a registered short name (`Pile126M`), a dotted
+import path (`paxlite.experiments.gpt.Pile126M`, or a user's own module), and a legacy Pax path
+(`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) whose last component is a registered name. The
+registry itself is a plain dict passed in by the caller: no global, no import-time side effects.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from paxlite.config.errors import ConfigError, did_you_mean
+from paxlite.config.experiment import Experiment
+
+_LEGACY_PREFIXES = ("paxml.", "praxis.")
+
+
+def legacy_pax_name(name: str) -> str | None:
+    """The last part of a `paxml.`/`praxis.` dotted name ('a.configs.Pile126M' -> 'Pile126M')."""
+    if not name.startswith(_LEGACY_PREFIXES):
+        return None
+    last = name.rsplit(".", 1)[-1]
+    return last or None
+
+
+def resolve_experiment(name: str, registry: Mapping[str, type[Experiment]]) -> type[Experiment]:
+    """The experiment class that `--fdl_config=name` means; ConfigError with suggestions if none."""
+    name = name.strip()
+    if not name:
+        raise ConfigError(
+            "--fdl_config is required: a registered name such as "
+            f"{_some_names(registry)}, or a dotted path pkg.module.Class"
+        )
+    if name in registry:
+        return registry[name]
+    legacy = legacy_pax_name(name)
+    if legacy is not None:
+        if legacy in registry:
+            return registry[legacy]
+        raise ConfigError(
+            f"--fdl_config={name}: legacy Pax name whose experiment {legacy!r} is not "
+            f"registered in paxlite{did_you_mean(legacy, registry)}; "
+            "`python -m paxlite list` shows them all"
+        )
+    if "." in name:
+        return _import_experiment(name, registry)
+    raise ConfigError(
+        f"--fdl_config={name}: unknown experiment{did_you_mean(name, registry)}; "
+        "use a registered name (`python -m paxlite list`) or a dotted path pkg.module.Class"
+    )
+
+
+def _some_names(registry: Mapping[str, type[Experiment]]) -> str:
+    names = sorted(registry)[:3]
+    return ", ".join(names) if names else "(none registered)"
+
+
+def _import_experiment(path: str, registry: Mapping[str, type[Experiment]]) -> type[Experiment]:
+    """Imports the longest importable module prefix of `path`, then follows attributes."""
+    parts = path.split(".")
+    if any(not p.isidentifier() for p in parts):
+        raise ConfigError(f"--fdl_config={path}: not a dotted path of Python identifiers")
+    module = None
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            # Only a missing prefix means "try a shorter one"; a module that exists but imports
+            # something missing is the user's real problem, reported as such.
+            if err.name is not None and module_name.startswith(err.name) and (
+                    module_name == err.name or module_name[len(err.name)] == "."):
+                continue
+            raise ConfigError(
+                f"--fdl_config={path}: importing {module_name} failed: {err}"
+            ) from err
+        except Exception as err:  # a user module that raises on import
+            raise ConfigError(
+                f"--fdl_config={path}: importing {module_name} failed: {type(err).__name__}: {err}"
+            ) from err
+        break
+    if module is None:
+        raise ConfigError(
+            f"--fdl_config={path}: no module {'.'.join(parts[:-1])!r} can be imported"
+            f"{did_you_mean(parts[-1], registry)}"
+        )
+    target: Any = module
+    walked = module_name
+    for attr in parts[cut:]:
+        if not hasattr(target, attr):
+            choices = [n for n, v in vars(target).items() if _is_experiment_class(v)]
+            raise ConfigError(
+                f"--fdl_config={path}: {walked} has no attribute {attr!r}"
+                f"{did_you_mean(attr, [*choices, *registry])}"
+            )
+        target = getattr(target, attr)
+        walked = f"{walked}.{attr}"
+    if not _is_experiment_class(target):
+        raise ConfigError(
+            f"--fdl_config={path}: {_what(target)}, not a subclass of "
+            "paxlite.config.experiment.Experiment"
+        )
+    return target
+
+
+def _is_experiment_class(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, Experiment)
+
+
+def _what(value: Any) -> str:
+    if isinstance(value, Experiment):
+        return f"an instance of {type(value).__name__}; name the class itself"
+    if isinstance(value, type):
+        return f"a class ({value.__module__}.{value.__qualname__})"
+    kind = type(value).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    if callable(value):
+        return f"{article} {kind} ({getattr(value, '__qualname__', value)!r})"
+    return f"{article} {kind} ({value!r})"

@@ -1,0 +1,40 @@
+"""The plain-dataclass description of one run, built from an experiment's Fiddle tree.
+
+Everything downstream of config/ receives these values, never the experiment class: the model gets its
+TransformerConfig, the optimizer its OptimizerConfig, and the loop a LoopConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paxlite.data.synthetic import SyntheticDataConfig
+from paxlite.models.transformer import TransformerConfig
+from paxlite.parallel.mesh import MeshConfig
+from paxlite.train.optimizer import OptimizerConfig
+from paxlite.train.schedules import ScheduleConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    max_steps: int
+    percore_batch_size: float
+    summary_interval_steps: int
+    eval_interval_steps: int
+    eval_num_batches: int
+    checkpoint_every_n_steps: int
+    checkpoint_max_to_keep: int | None
+    seed: int
+    flops_per_token: int
+    peak_tflops: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    experiment: str
+    model: TransformerConfig
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig
+    mesh: MeshConfig
+    data: SyntheticDataConfig
+    loop: LoopConfig

@@ -1,0 +1,142 @@
+"""How the shared UPPERCASE hyperparameters map onto the configs of the parts of a run.
+
+Families (gpt.py, tiny.py) only set hyperparameters and say how they build their model; everything else
+(optimizer, schedule, mesh, data, loop) is mapped here once, as a Fiddle tree, so `config.txt` shows the
+whole run and `fdl.build` turns it into plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import fiddle as fdl
+
+from paxlite.config.errors import ConfigError
+from paxlite.config.experiment import Experiment
+from paxlite.config.run import LoopConfig, RunConfig
+from paxlite.data.synthetic import SyntheticDataConfig
+from paxlite.models.transformer import RematPolicy, TransformerConfig
+from paxlite.parallel.mesh import MeshConfig
+from paxlite.train import flops as flops_lib
+from paxlite.train.optimizer import OptimizerConfig
+from paxlite.train.schedules import ScheduleConfig, ScheduleKind
+
+
+class DataSource(str, enum.Enum):
+    """Where an experiment's training tokens come from (SYNTHETIC_DATA=true replaces any of them)."""
+
+    SYNTHETIC = "synthetic"
+    PILE = "pile"
+    LAMBADA = "lambada"
+
+
+class LanguageModelExperiment(Experiment):
+    """Base of every registered experiment: maps hyperparameters to a `RunConfig` Fiddle tree."""
+
+    data_source: ClassVar[DataSource] = DataSource.SYNTHETIC
+
+    # ------------------------------------------------------------------ parts
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        raise ConfigError(f"{self.name} does not describe a model; subclass a model family")
+
+    def remat_policy(self) -> RematPolicy:
+        """Pax applies CHECKPOINT_POLICY to the repeated (scanned) stack only; unrolled layers keep everything."""
+        if not self.USE_REPEATED_LAYER:
+            return RematPolicy.NONE
+        return RematPolicy(self.CHECKPOINT_POLICY.lower())
+
+    def optimizer_config(self) -> fdl.Config[OptimizerConfig]:
+        return fdl.Config(
+            OptimizerConfig,
+            beta1=self.ADAM_BETA1,
+            beta2=self.ADAM_BETA2,
+            epsilon=self.ADAM_EPSILON,
+            epsilon_root=self.ADAM_EPSILON_ROOT,
+            weight_decay=self.WEIGHT_DECAY,
+            clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
+            clip_threshold=self.ADAM_CLIP_THRESHOLD,
+        )
+
+    def schedule_config(self) -> fdl.Config[ScheduleConfig]:
+        kind = ScheduleKind(self.LR_SCHEDULE)
+        if kind is ScheduleKind.LINEAR_RAMPUP_COSINE_DECAY:
+            return fdl.Config(
+                ScheduleConfig,
+                kind=kind,
+                learning_rate=self.LEARNING_RATE,
+                warmup_steps=self.LR_COS_WARMUP,
+                decay_start=self.LR_COS_DECAY_START,
+                decay_end=self.LR_COS_DECAY_END,
+                min_ratio=self.LR_COS_MIN_RATIO,
+                max_multiplier=self.LR_COS_MAX,
+            )
+        if kind is ScheduleKind.LINEAR_RAMPUP_EXPONENTIAL_DECAY:
+            return fdl.Config(
+                ScheduleConfig,
+                kind=kind,
+                learning_rate=self.LEARNING_RATE,
+                warmup_steps=self.LR_LRED_WARMUP,
+                decay_start=self.LR_LRED_DECAY_START,
+                decay_end=self.LR_LRED_DECAY_END,
+                min_ratio=self.LR_LRED_MIN_RATIO,
+                max_multiplier=self.LR_LRED_MAX,
+            )
+        return fdl.Config(ScheduleConfig, kind=kind, learning_rate=self.LEARNING_RATE)
+
+    def mesh_config(self) -> fdl.Config[MeshConfig]:
+        ici = None if self.ICI_MESH_SHAPE is None else tuple(self.ICI_MESH_SHAPE)
+        return fdl.Config(MeshConfig, ici_mesh_shape=ici, dcn_mesh_shape=tuple(self.DCN_MESH_SHAPE))
+
+    def data_config(self) -> fdl.Config[SyntheticDataConfig]:
+        if not self.SYNTHETIC_DATA and self.data_source is not DataSource.SYNTHETIC:
+            raise ConfigError(
+                f"{self.name} reads {self.data_source.value} data, and this version of paxlite has no "
+                f"{self.data_source.value} input pipeline yet; run it on synthetic tokens of the same shapes "
+                "with --fdl.SYNTHETIC_DATA=true"
+            )
+        return fdl.Config(
+            SyntheticDataConfig, vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, seed=self.SEED
+        )
+
+    def flops_per_token(self) -> int:
+        return flops_lib.flops_per_token(
+            num_layers=self.NUM_LAYERS,
+            model_dims=self.MODEL_DIMS,
+            num_heads=self.NUM_HEADS,
+            num_kv_heads=self.NUM_HEADS,
+            dims_per_head=self.DIMS_PER_HEAD,
+            hidden_dims=self.HIDDEN_DIMS,
+            vocab_size=self.VOCAB_SIZE,
+            seq_len=self.MAX_SEQ_LEN,
+            gated_mlp=False,
+        )
+
+    def loop_config(self) -> fdl.Config[LoopConfig]:
+        return fdl.Config(
+            LoopConfig,
+            max_steps=self.MAX_STEPS,
+            percore_batch_size=self.PERCORE_BATCH_SIZE,
+            summary_interval_steps=self.SUMMARY_INTERVAL_STEPS,
+            eval_interval_steps=self.EVAL_INTERVAL_STEPS,
+            eval_num_batches=self.EVAL_LOOP_NUM_BATCHES,
+            checkpoint_every_n_steps=self.CHECKPOINT_EVERY_N_STEPS,
+            checkpoint_max_to_keep=self.CHECKPOINT_MAX_TO_KEEP,
+            seed=self.SEED,
+            flops_per_token=self.flops_per_token(),
+            peak_tflops=self.PEAK_TFLOPS,
+        )
+
+    # ------------------------------------------------------------------ the run
+    def run_config(self) -> fdl.Config[RunConfig]:
+        """The Fiddle tree of the whole run."""
+        return fdl.Config(
+            RunConfig,
+            experiment=self.name,
+            model=self.model_config(),
+            optimizer=self.optimizer_config(),
+            schedule=self.schedule_config(),
+            mesh=self.mesh_config(),
+            data=self.data_config(),
+            loop=self.loop_config(),
+        )

@@ -1,0 +1,167 @@
+"""GPT-3 style experiments with exactly the dimensions and training hyperparameters of Pax's GPU configs.
+
+Architecture (Pax `configure_gpt3_task`): pre-LayerNorm with float32 reductions, tanh-approximated GELU, learned
+absolute position embeddings, embedding table tied with the softmax (no softmax bias), fused biased QKV, Adam
+with decoupled weight decay, global-norm clipping and a linear-rampup cosine-decay schedule.
+"""
+
+from __future__ import annotations
+
+import fiddle as fdl
+
+from paxlite.experiments.base import DataSource, LanguageModelExperiment
+from paxlite.models.transformer import Activation, NormKind, TransformerConfig
+
+
+class GPT126M(LanguageModelExperiment):
+    """Pax GPT126MBase: 12 layers, 12 heads x 64, d_model 768, ffn 3072, 125,262,336 parameters."""
+
+    data_source = DataSource.PILE
+
+    NUM_LAYERS = 12
+    NUM_HEADS = 12
+    MODEL_DIMS = 768
+    HIDDEN_DIMS = 3072
+    DIMS_PER_HEAD = 64
+    VOCAB_SIZE = 50304
+    MAX_SEQ_LEN = 2048
+    PERCORE_BATCH_SIZE = 4
+    ICI_MESH_SHAPE = [8, 1, 1]
+    DCN_MESH_SHAPE = [8, 1, 1]
+    FPROP_DTYPE = "bfloat16"
+    USE_REPEATED_LAYER = False
+    CHECKPOINT_POLICY = "SAVE_NOTHING"
+    MAX_STEPS = 600000
+    INIT_STD = 0.023
+    LAYERNORM_EPSILON = 1e-5
+    DROPOUT_PROB = 0.0
+    LEARNING_RATE = 6e-4
+    LR_SCHEDULE = "linear_rampup_cosine_decay"
+    LR_COS_WARMUP = 636
+    LR_COS_DECAY_END = 500000
+    LR_COS_MIN_RATIO = 0.1
+    LR_COS_MAX = 1.0
+    ADAM_BETA1 = 0.9
+    ADAM_BETA2 = 0.95
+    ADAM_EPSILON = 1e-8
+    ADAM_EPSILON_ROOT = 0.0
+    ADAM_CLIP_THRESHOLD = -1.0
+    WEIGHT_DECAY = 0.1
+    CLIP_GRADIENT_NORM_TO_VALUE = 1.0
+    CHECKPOINT_EVERY_N_STEPS = 5000
+    CHECKPOINT_MAX_TO_KEEP = 10
+    SUMMARY_INTERVAL_STEPS = 100
+    EVAL_INTERVAL_STEPS = 100
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        return fdl.Config(
+            TransformerConfig,
+            vocab_size=self.VOCAB_SIZE,
+            num_layers=self.NUM_LAYERS,
+            model_dims=self.MODEL_DIMS,
+            num_heads=self.NUM_HEADS,
+            dims_per_head=self.DIMS_PER_HEAD,
+            hidden_dims=self.HIDDEN_DIMS,
+            max_seq_len=self.MAX_SEQ_LEN,
+            norm=NormKind.LAYER_NORM,
+            norm_epsilon=self.LAYERNORM_EPSILON,
+            activation=Activation.GELU_TANH,
+            use_bias=True,
+            tie_embeddings=True,
+            learned_position_embedding=True,
+            init_std=self.INIT_STD,
+            softmax_init_std=self.SOFTMAX_INIT_STD,
+            dropout_prob=self.DROPOUT_PROB,
+            input_dropout_prob=self.INPUT_DROPOUT_PROB,
+            scan_layers=self.USE_REPEATED_LAYER,
+            remat_policy=self.remat_policy(),
+            dtype=self.FPROP_DTYPE,
+            param_dtype="float32",
+        )
+
+
+class GPT5B(GPT126M):
+    """Pax GPT5BBase: 24 layers, 32 heads x 128, d_model 4096, ffn 16384; input dropout 0.1 as Pax's task() sets."""
+
+    NUM_LAYERS = 24
+    NUM_HEADS = 32
+    MODEL_DIMS = 4096
+    HIDDEN_DIMS = 16384
+    DIMS_PER_HEAD = 128
+    PERCORE_BATCH_SIZE = 8
+    ICI_MESH_SHAPE = [1, 8, 1]
+    DCN_MESH_SHAPE = [1, 32, 1]
+    USE_REPEATED_LAYER = True
+    CHECKPOINT_POLICY = "SAVE_DOT_WITH_NO_BATCH_DIM"
+    MAX_STEPS = 75000
+    INIT_STD = 0.01
+    INPUT_DROPOUT_PROB = 0.1
+    LEARNING_RATE = 1.6e-4
+    LR_COS_WARMUP = 115
+    LR_COS_DECAY_END = 62500
+    CHECKPOINT_EVERY_N_STEPS = 250
+    SUMMARY_INTERVAL_STEPS = 10
+    EVAL_INTERVAL_STEPS = 100
+
+
+class GPT175B(GPT126M):
+    """Pax GPT175BBase: 96 layers, 96 heads x 128, d_model 12288, ffn 49152, vocabulary 50257."""
+
+    NUM_LAYERS = 96
+    NUM_HEADS = 96
+    MODEL_DIMS = 12288
+    HIDDEN_DIMS = 49152
+    DIMS_PER_HEAD = 128
+    VOCAB_SIZE = 50257
+    PERCORE_BATCH_SIZE = 6
+    ICI_MESH_SHAPE = [1, 8, 1]
+    DCN_MESH_SHAPE = [1, 32, 1]
+    USE_REPEATED_LAYER = True
+    CHECKPOINT_POLICY = "SAVE_NOTHING"
+    MAX_STEPS = 75000
+    INIT_STD = 0.023
+    LEARNING_RATE = 2e-5
+    LR_COS_WARMUP = 265
+    LR_COS_DECAY_END = 108600
+    CHECKPOINT_EVERY_N_STEPS = 100
+    SUMMARY_INTERVAL_STEPS = 10
+    EVAL_INTERVAL_STEPS = 100
+
+
+class Synthetic126M(GPT126M):
+    """GPT126M on synthetic tokens (no I/O), 100 steps as Pax's synthetic GPU configs."""
+
+    data_source = DataSource.SYNTHETIC
+    SYNTHETIC_DATA = True
+    MAX_STEPS = 100
+
+
+class Synthetic5B(GPT5B):
+    data_source = DataSource.SYNTHETIC
+    SYNTHETIC_DATA = True
+    MAX_STEPS = 100
+
+
+class Synthetic175B(GPT175B):
+    data_source = DataSource.SYNTHETIC
+    SYNTHETIC_DATA = True
+    MAX_STEPS = 100
+
+
+class Pile126M(GPT126M):
+    """GPT126M on The Pile (Pax `PileUnsupervisedDataset`)."""
+
+
+class Pile5B(GPT5B):
+    """GPT5B on The Pile; Pax also registers it as GPT5B."""
+
+
+class Pile175B(GPT175B):
+    """GPT175B on The Pile; Pax also registers it as GPT175B."""
+
+
+class Lambada126M(GPT126M):
+    """Zero-shot Lambada evaluation of a GPT126M checkpoint (Pax: ICI [8,1,1])."""
+
+    data_source = DataSource.LAMBADA
+    ICI_MESH_SHAPE = [8, 1, 1]

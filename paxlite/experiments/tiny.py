@@ -1,0 +1,60 @@
+"""Tiny GPT configurations that train in seconds on a CPU: for tests, the demo and benchmarks."""
+
+from __future__ import annotations
+
+from paxlite.experiments.base import DataSource
+from paxlite.experiments.gpt import GPT126M
+
+
+class TinySynthetic(GPT126M):
+    """2 layers, 8 heads (so an 8-way tensor axis divides them), d_model 64, vocabulary 256, 64 tokens; float32; every local device on the data axis."""
+
+    data_source = DataSource.SYNTHETIC
+    SYNTHETIC_DATA = True
+    NUM_LAYERS = 2
+    NUM_HEADS = 8
+    MODEL_DIMS = 64
+    HIDDEN_DIMS = 256
+    DIMS_PER_HEAD = 8
+    VOCAB_SIZE = 256
+    MAX_SEQ_LEN = 64
+    PERCORE_BATCH_SIZE = 2
+    ICI_MESH_SHAPE = None
+    DCN_MESH_SHAPE = [1, 1, 1]
+    FPROP_DTYPE = "float32"
+    INIT_STD = 0.02
+    MAX_STEPS = 100
+    LEARNING_RATE = 3e-3
+    LR_COS_WARMUP = 10
+    LR_COS_DECAY_END = 100
+    CHECKPOINT_EVERY_N_STEPS = 50
+    CHECKPOINT_MAX_TO_KEEP = 3
+    SUMMARY_INTERVAL_STEPS = 10
+    EVAL_INTERVAL_STEPS = 50
+    EVAL_LOOP_NUM_BATCHES = 2
+
+
+class TinySyntheticRepeated(TinySynthetic):
+    """TinySynthetic with a scanned layer stack and full rematerialisation."""
+
+    USE_REPEATED_LAYER = True
+    CHECKPOINT_POLICY = "SAVE_NOTHING"
+
+
+class DemoSynthetic(TinySynthetic):
+    """`make demo`: 4 layers, d_model 128, 300 steps on one CPU; the loss falls from ln(512) towards zero."""
+
+    NUM_LAYERS = 4
+    NUM_HEADS = 4
+    MODEL_DIMS = 128
+    HIDDEN_DIMS = 512
+    DIMS_PER_HEAD = 32
+    VOCAB_SIZE = 512
+    MAX_SEQ_LEN = 128
+    PERCORE_BATCH_SIZE = 16
+    MAX_STEPS = 300
+    LR_COS_WARMUP = 30
+    LR_COS_DECAY_END = 300
+    CHECKPOINT_EVERY_N_STEPS = 100
+    SUMMARY_INTERVAL_STEPS = 20
+    EVAL_INTERVAL_STEPS = 100

@@ -1,0 +1,173 @@
+"""Pax-compatible entry point: `python -m paxlite.main --fdl_config=NAME --fdl.X=V --job_log_dir=DIR`.
+
+Flags follow paxml/main.py. Fiddle's absl integration defines `--fdl_config` and `--fdl_set` and rewrites
+`--fdl.X=V` into `--fdl_set=X=V`; paxlite reads those two flags itself so that every name and value is validated
+(Fiddle's own override path silently accepts misspelled names). Configuration mistakes are reported before JAX
+touches a device.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+
+from absl import app, flags, logging
+from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, ...
+from fiddle import printing
+
+import paxlite
+
+FLAGS = flags.FLAGS
+
+
+class Mode(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+flags.DEFINE_string("job_log_dir", None, "Directory for checkpoints, summaries, metrics and configs.")
+flags.DEFINE_enum("mode", Mode.TRAIN.value, [m.value for m in Mode], "What to run.")
+flags.DEFINE_bool("enable_checkpoint_saving", True, "Write checkpoints (restoring works either way).")
+flags.DEFINE_string("tfds_data_dir", None, "TFDS data directory for datasets that read TFDS.")
+flags.DEFINE_bool("multiprocess_gpu", False, "Initialise JAX's multi-process runtime.")
+flags.DEFINE_string("server_addr", None, "Coordinator HOST:PORT for --multiprocess_gpu.")
+flags.DEFINE_integer("num_hosts", None, "Number of processes for --multiprocess_gpu.")
+flags.DEFINE_integer("host_idx", None, "This process's index for --multiprocess_gpu.")
+
+_VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
+
+
+class UsageError(ValueError):
+    """A bad command line (not a bad hyperparameter)."""
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"paxlite": paxlite.__version__, "python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def _write_keeping_history(path: str, text: str, *, same_run: bool) -> None:
+    """A config from an earlier run with other hyperparameters is kept beside the new one, never overwritten."""
+    if os.path.exists(path) and not same_run:
+        stem, ext = os.path.splitext(path)
+        n = 1
+        while os.path.exists(f"{stem}.previous-{n}{ext}"):
+            n += 1
+        os.replace(path, f"{stem}.previous-{n}{ext}")
+        logging.warning("Hyperparameters differ from the previous run in this directory; kept %s as %s",
+                        path, f"{stem}.previous-{n}{ext}")
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def write_job_configs(job_dir: str, *, experiment, tree, run, argv) -> None:
+    """config.json (hyperparameters, command line, versions, devices) and config.txt (the Fiddle tree)."""
+    import jax
+
+    devices = jax.devices()
+    record = {
+        "experiment": experiment.name,
+        "hparams": experiment.hparams(),
+        "overridden": sorted(experiment.overridden),
+        "command_line": list(argv),
+        "versions": package_versions(),
+        "devices": {
+            "count": len(devices),
+            "process_count": jax.process_count(),
+            "platform": devices[0].platform,
+            "kind": devices[0].device_kind,
+        },
+        "mesh": dict(run.mesh.shape),
+        "global_batch_size": run.global_batch_size,
+        "flops_per_token": run.config.loop.flops_per_token,
+    }
+    json_path = os.path.join(job_dir, "config.json")
+    same_run = False
+    if os.path.exists(json_path):
+        try:
+            with open(json_path) as f:
+                previous = json.load(f)
+            same_run = (previous.get("experiment"), previous.get("hparams")) == (
+                record["experiment"], record["hparams"])
+        except (OSError, ValueError):
+            same_run = False
+    _write_keeping_history(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n",
+                           same_run=same_run)
+    _write_keeping_history(os.path.join(job_dir, "config.txt"),
+                           printing.as_str_flattened(tree) + "\n", same_run=same_run)
+
+
+def parse_job(argv) -> tuple:
+    """Validate everything that can be validated without devices; returns (experiment, tree, run_config)."""
+    import fiddle as fdl
+
+    from paxlite.config.build import load_experiment, run_tree
+
+    if len(argv) > 1:
+        raise UsageError(f"unexpected positional arguments {argv[1:]}; flags look like --name=value")
+    if not FLAGS.job_log_dir:
+        raise UsageError("--job_log_dir is required (checkpoints, summaries and metrics are written there)")
+    experiment = load_experiment(FLAGS.fdl_config or "", FLAGS.fdl_set or [])
+    tree = run_tree(experiment)
+    return experiment, tree, fdl.build(tree)
+
+
+def main(argv) -> int:
+    from paxlite.config.errors import ConfigError
+    from paxlite.parallel.mesh import MeshError
+
+    try:
+        experiment, tree, run_config = parse_job(argv)
+    except (ConfigError, UsageError, MeshError, ValueError) as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    if FLAGS.multiprocess_gpu:
+        import jax
+
+        missing = [n for n in ("server_addr", "num_hosts", "host_idx") if getattr(FLAGS, n) is None]
+        if missing:
+            print(f"paxlite: error: --multiprocess_gpu needs --{', --'.join(missing)}", file=sys.stderr)
+            return 2
+        jax.distributed.initialize(FLAGS.server_addr, FLAGS.num_hosts, FLAGS.host_idx)
+    if FLAGS.tfds_data_dir:
+        logging.info("--tfds_data_dir=%s is not read by %s's synthetic data", FLAGS.tfds_data_dir,
+                     experiment.name)
+
+    import jax
+
+    from paxlite.train.loop import Run, RunContext
+
+    job_dir = FLAGS.job_log_dir
+    os.makedirs(job_dir, exist_ok=True)
+    try:
+        run = Run(run_config, RunContext(job_dir=job_dir,
+                                         enable_checkpoint_saving=FLAGS.enable_checkpoint_saving))
+    except MeshError as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    with run:
+        if jax.process_index() == 0:
+            write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=sys.argv)
+        if Mode(FLAGS.mode) is Mode.EVAL:
+            metrics = run.run_eval()
+            logging.info("Eval: %s", metrics)
+        else:
+            run.train()
+    return 0
+
+
+def run_main() -> None:
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=fdl_flags.flags_parser)
+
+
+if __name__ == "__main__":
+    run_main()

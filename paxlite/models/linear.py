@@ -1,0 +1,70 @@
+"""The one learned matmul of the model zoo, written as an einsum.
+
+Every weight matmul in paxlite (QKV, attention output, MLP) goes through :class:`Linear`, so a
+different matmul implementation (FP8, LoRA) has a single place to swap in. The kernel keeps its
+natural multi-dimensional shape (e.g. QKV is ``[embed, 3, heads, kv]``) so logical axis names can
+shard heads and head dimensions independently.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+
+class Linear(nn.Module):
+    """``y = einsum(equation, x, kernel) + bias`` with params in param_dtype, math in dtype.
+
+    Attributes:
+        equation: einsum with exactly two operands, input first and kernel second, e.g.
+            ``'BTD,DKNH->BTKNH'``.
+        kernel_shape: shape of ``kernel``; its rank must equal the kernel operand's letters.
+        kernel_axes: one logical axis name per kernel dimension.
+        bias_axes: logical names of the bias, whose shape is the last ``len(bias_axes)``
+            kernel dimensions (the output features); ``None`` means no bias.
+        init_std: the kernel is initialised from normal(0, init_std); the bias with zeros.
+    """
+
+    equation: str
+    kernel_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    bias_axes: tuple[str, ...] | None = None
+    init_std: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def setup(self) -> None:
+        operands = self.equation.split("->")[0].split(",")
+        if len(operands) != 2 or len(operands[1]) != len(self.kernel_shape):
+            raise ValueError(
+                f"Linear equation {self.equation!r} must have two operands, the second with "
+                f"{len(self.kernel_shape)} letters to match kernel_shape {self.kernel_shape}"
+            )
+        if len(self.kernel_axes) != len(self.kernel_shape):
+            raise ValueError(
+                f"kernel_axes {self.kernel_axes} must name each of the "
+                f"{len(self.kernel_shape)} dimensions of kernel_shape {self.kernel_shape}"
+            )
+        self.kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(
+                nn.initializers.normal(stddev=self.init_std), self.kernel_axes
+            ),
+            self.kernel_shape,
+            self.param_dtype,
+        )
+        if self.bias_axes is not None:
+            bias_shape = self.kernel_shape[len(self.kernel_shape) - len(self.bias_axes):]
+            self.bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.bias_axes),
+                bias_shape,
+                self.param_dtype,
+            )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel.astype(self.dtype))
+        if self.bias_axes is not None:
+            y = y + self.bias.astype(self.dtype)
+        return y

@@ -1,0 +1,124 @@
+"""Device meshes from Pax's ICI_MESH_SHAPE x DCN_MESH_SHAPE.
+
+Pax users describe parallelism as two [data, fsdp, tensor] shapes: one within a node (ICI) and one across nodes (DCN).
+The device mesh is their element-wise product. Within one process the devices are laid out with
+`mesh_utils.create_device_mesh` (which knows the physical topology on GPUs); across processes with
+`create_hybrid_device_mesh`, so that the slow-interconnect axes span nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+# Axes a global batch is split over; never over `tensor` (Pax: inputs split over replica and data, never mdl).
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built on the devices at hand."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """[data, fsdp, tensor] shapes within a node (ici) and across nodes (dcn); ici=None puts every local device on data."""
+
+    ici_mesh_shape: tuple[int, ...] | None = None
+    dcn_mesh_shape: tuple[int, ...] = (1, 1, 1)
+
+    def __post_init__(self):
+        for field in ("ici_mesh_shape", "dcn_mesh_shape"):
+            shape = getattr(self, field)
+            if shape is None:
+                continue
+            shape = tuple(shape)
+            object.__setattr__(self, field, shape)
+            if len(shape) != len(MESH_AXES) or any(
+                not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape
+            ):
+                raise MeshError(
+                    f"{field.upper()}={list(shape)}: expected {len(MESH_AXES)} positive integers "
+                    f"for the axes {list(MESH_AXES)}"
+                )
+
+    def resolved_ici(self, num_local_devices: int) -> tuple[int, ...]:
+        if self.ici_mesh_shape is None:
+            return (num_local_devices, 1, 1)
+        return self.ici_mesh_shape
+
+    def shape(self, num_local_devices: int) -> tuple[int, ...]:
+        """The device mesh shape: ICI x DCN element-wise."""
+        ici = self.resolved_ici(num_local_devices)
+        return tuple(i * d for i, d in zip(ici, self.dcn_mesh_shape, strict=True))
+
+    def axis_sizes(self, num_local_devices: int) -> dict[str, int]:
+        return dict(zip(MESH_AXES, self.shape(num_local_devices), strict=True))
+
+
+def check_mesh_fits(config: MeshConfig, *, num_devices: int, num_processes: int) -> None:
+    """Raise MeshError naming both numbers when the mesh does not cover exactly the devices there are."""
+    local = num_devices // max(num_processes, 1)
+    ici = config.resolved_ici(local)
+    dcn = config.dcn_mesh_shape
+    total = math.prod(ici) * math.prod(dcn)
+    if total != num_devices:
+        hint = (
+            f"for one node with {num_devices} devices pass --fdl.ICI_MESH_SHAPE=[{num_devices},1,1] "
+            f"--fdl.DCN_MESH_SHAPE=[1,1,1] (data parallel) or [1,{num_devices},1] (FSDP)"
+        )
+        raise MeshError(
+            f"ICI_MESH_SHAPE={list(ici)} x DCN_MESH_SHAPE={list(dcn)} needs {total} devices, "
+            f"but this job has {num_devices} ({num_processes} process(es)); {hint}"
+        )
+    if num_processes > 1 and math.prod(dcn) != num_processes and math.prod(ici) != local:
+        raise MeshError(
+            f"ICI_MESH_SHAPE={list(ici)} covers {math.prod(ici)} devices but each process has {local}; "
+            f"DCN_MESH_SHAPE={list(dcn)} covers {math.prod(dcn)} processes but there are {num_processes}"
+        )
+
+
+def build_mesh(config: MeshConfig, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over `devices` (default: all devices of the job)."""
+    devices = list(jax.devices() if devices is None else devices)
+    num_processes = len({d.process_index for d in devices})
+    check_mesh_fits(config, num_devices=len(devices), num_processes=num_processes)
+    ici = config.resolved_ici(len(devices) // num_processes)
+    dcn = config.dcn_mesh_shape
+    if math.prod(dcn) > 1 and num_processes > 1:
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices=devices, process_is_granule=True
+        )
+    elif math.prod(dcn) > 1:
+        # One process standing in for several nodes (tests, one big host): same axis sizes, plain layout.
+        device_array = np.asarray(devices).reshape(config.shape(len(devices)))
+    else:
+        try:
+            device_array = mesh_utils.create_device_mesh(ici, devices=devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            device_array = np.asarray(devices).reshape(ici)
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_split: int) -> int:
+    """Pax semantics: PERCORE_BATCH_SIZE x devices, whatever the parallelism; it must be a whole number that
+    divides evenly over the data x fsdp axes (with tensor parallelism PERCORE_BATCH_SIZE may be fractional)."""
+    total = percore_batch_size * num_devices
+    rounded = int(round(total))
+    if rounded < 1 or abs(total - rounded) > 1e-6:
+        raise MeshError(
+            f"PERCORE_BATCH_SIZE={percore_batch_size} x {num_devices} devices = {total:g} is not a "
+            "positive whole global batch; choose PERCORE_BATCH_SIZE so the product is an integer"
+        )
+    if rounded % batch_split:
+        raise MeshError(
+            f"global batch {rounded} (PERCORE_BATCH_SIZE={percore_batch_size} x {num_devices} devices) "
+            f"does not divide over data x fsdp = {batch_split} ways"
+        )
+    return rounded

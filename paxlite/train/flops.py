@@ -1,0 +1,113 @@
+"""Model FLOPs per token and MFU, MaxText convention.
+
+Training FLOPs per token (forward + backward = 3 x forward), for a decoder-only transformer with
+L layers, model width D, H query heads and K key/value heads of size h, MLP width F, vocabulary V
+and sequence length S:
+
+    per layer, forward matmuls:
+        QKV projections      2 * D * (H + 2K) * h
+        attention output     2 * D * H * h
+        MLP                  2 * D * F * (3 if gated else 2)    (gate + up + down, or up + down)
+    unembedding              2 * D * V                           (once, not per layer)
+    matmul total             T = L * (QKV + out + MLP) + unembedding  = 2 * N_matmul
+    causal attention         3 * 2 * S * H * h per layer         (scores + context, 4*S*H*h,
+                                                                  halved for the causal mask)
+
+    flops_per_token = 3 * T + L * 6 * S * H * h = 6 * N_matmul + 6 * L * S * H * h
+
+The input embedding lookup is a gather (0 FLOPs), and norms, biases and activations are not
+counted. This is MaxText's `calculate_tflops_training_per_device` (with the causal halving of
+maxtext PR #1988) divided by tokens; Levanter counts the full attention map and so reports a
+higher MFU for the same run. MFU = tokens/s * flops_per_token / (peak per device * devices).
+"""
+
+from __future__ import annotations
+
+import math
+
+# Dense peak FLOP/s per device (no sparsity), bf16 and fp8 (None: no FP8 tensor cores).
+# Ordered most specific first: device kinds are matched by case-insensitive substring.
+_PEAKS: tuple[tuple[str, float, float | None], ...] = (
+    ("h100 pcie", 756e12, 1513e12),
+    ("h100", 989e12, 1979e12),
+    ("h200", 989e12, 1979e12),
+    ("a100", 312e12, None),
+)
+
+
+def flops_per_token(
+    *,
+    num_layers: int,
+    model_dims: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dims_per_head: int,
+    hidden_dims: int,
+    vocab_size: int,
+    seq_len: int,
+    gated_mlp: bool = False,
+) -> int:
+    """Training FLOPs per token (see the module docstring for the formula)."""
+    sizes = {
+        "num_layers": num_layers,
+        "model_dims": model_dims,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "dims_per_head": dims_per_head,
+        "hidden_dims": hidden_dims,
+        "vocab_size": vocab_size,
+        "seq_len": seq_len,
+    }
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    qkv = 2 * model_dims * (num_heads + 2 * num_kv_heads) * dims_per_head
+    attention_out = 2 * model_dims * num_heads * dims_per_head
+    mlp = 2 * model_dims * hidden_dims * (3 if gated_mlp else 2)
+    unembedding = 2 * model_dims * vocab_size
+    forward_matmuls = num_layers * (qkv + attention_out + mlp) + unembedding
+    causal_attention = num_layers * 3 * 2 * seq_len * num_heads * dims_per_head
+    return 3 * forward_matmuls + causal_attention
+
+
+def peak_flops_per_device(
+    device_kind: str, *, override_tflops: float | None = None, fp8: bool = False
+) -> float | None:
+    """Dense peak FLOP/s of one device, or None where it is unknown (CPU, unlisted GPUs).
+
+    Args:
+        device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H100 80GB HBM3".
+        override_tflops: The user's --fdl.PEAK_TFLOPS in TFLOP/s; wins over the table.
+        fp8: Use the FP8 peak; None on devices without FP8 tensor cores, because an FP8 run
+            there does not run at any published FP8 rate.
+    """
+    if override_tflops is not None:
+        if not (math.isfinite(override_tflops) and override_tflops > 0):
+            raise ValueError(
+                f"override_tflops must be a finite number of TFLOP/s > 0, got {override_tflops!r}."
+            )
+        return float(override_tflops) * 1e12
+    kind = device_kind.lower()
+    for key, bf16_peak, fp8_peak in _PEAKS:
+        if key in kind:
+            return fp8_peak if fp8 else bf16_peak
+    return None
+
+
+def model_flops_utilization(
+    *,
+    tokens_per_s: float,
+    flops_per_token: float,
+    peak_flops_per_device: float | None,
+    num_devices: int,
+) -> float | None:
+    """Achieved model FLOP/s over the peak of all devices (a fraction, 0.41 = 41%)."""
+    if num_devices <= 0:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices!r}.")
+    if peak_flops_per_device is None:
+        return None
+    if peak_flops_per_device <= 0:
+        raise ValueError(
+            f"peak_flops_per_device must be > 0 FLOP/s or None, got {peak_flops_per_device!r}."
+        )
+    return tokens_per_s * flops_per_token / (peak_flops_per_device * num_devices)

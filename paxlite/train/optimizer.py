@@ -1,0 +1,139 @@
+"""Adam as Pax trains it, built from optax pieces.
+
+The chain reproduces `paxml/learners.py` + `praxis/optimizers.py:sharded_adam`:
+
+    g <- g * min(1, clip_gradient_norm_to_value / ||g||)        (if clip_gradient_norm_to_value > 0)
+    u <- m_hat / (sqrt(v_hat + epsilon_root) + epsilon)         (standard bias-corrected Adam)
+    u <- u / max(1, rms(u) / clip_threshold)   per tensor       (if clip_threshold > 0)
+    u <- u + weight_decay * param                               (decoupled, every parameter)
+    u <- -lr(count) * u
+
+Pax stores moments that are already bias-corrected (decay
+beta_hat_t = beta(1-beta^(t-1))/(1-beta^t)); optax's `scale_by_adam` stores raw moments and
+corrects at use. The updates are identical; only the stored `mu`/`nu` differ by a factor
+1/(1-beta^t), which matters when converting optimizer state.
+
+Unlike Pax, a zero is taken at its word: `beta1=0.0` gives beta1 = 0 (Pax's `X if X else default`
+turned GLaM's ADAM_BETA1 = 0 into 0.9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam hyperparameters with Pax names and meanings.
+
+    Attributes:
+        beta1: First-moment decay, in [0, 1).
+        beta2: Second-moment decay, in [0, 1).
+        epsilon: Added to sqrt(v_hat) in the denominator, >= 0.
+        epsilon_root: Added to v_hat inside the square root, >= 0.
+        weight_decay: Decoupled decay; each step subtracts lr * weight_decay * param.
+        clip_gradient_norm_to_value: Global-norm clipping before Adam; <= 0 disables.
+        clip_threshold: Pax ADAM_CLIP_THRESHOLD, RMS cap on each tensor's Adam update;
+            <= 0 disables.
+    """
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+    epsilon_root: float = 0.0
+    weight_decay: float = 0.0
+    clip_gradient_norm_to_value: float = 0.0
+    clip_threshold: float = -1.0
+
+    def __post_init__(self) -> None:
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
+        for name in ("epsilon", "epsilon_root", "weight_decay"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+        for name in ("clip_gradient_norm_to_value", "clip_threshold"):
+            value = getattr(self, name)
+            if math.isnan(value):
+                raise ValueError(f"{name} must be a number (<= 0 disables it), got {value!r}.")
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+    """L2 norm over every leaf of `tree`, accumulated in float32 (bf16 squares would overflow)."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    squares = [jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32))) for leaf in leaves]
+    return jnp.sqrt(sum(squares[1:], squares[0]))
+
+
+class _EmptyState(NamedTuple):
+    """Stateless transformations still need a pytree state."""
+
+
+def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Pax `Learner.scale_gradients`: scale by min(1, max_norm / ||g||)."""
+
+    def init(params: PyTree) -> _EmptyState:
+        del params
+        return _EmptyState()
+
+    def update(
+        updates: PyTree, state: _EmptyState, params: PyTree | None = None
+    ) -> tuple[PyTree, _EmptyState]:
+        del params
+        norm = global_norm(updates)
+        scale = jnp.minimum(1.0, max_norm / norm)
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def _cap_update_rms(clip_threshold: float) -> optax.GradientTransformation:
+    """Pax ADAM_CLIP_THRESHOLD: u / max(1, rms(u) / clip_threshold), tensor by tensor."""
+
+    def cap(u: jax.Array) -> jax.Array:
+        rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))
+        return (u / jnp.maximum(1.0, rms / clip_threshold)).astype(u.dtype)
+
+    def init(params: PyTree) -> _EmptyState:
+        del params
+        return _EmptyState()
+
+    def update(
+        updates: PyTree, state: _EmptyState, params: PyTree | None = None
+    ) -> tuple[PyTree, _EmptyState]:
+        del params
+        return jax.tree.map(cap, updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(
+    config: OptimizerConfig, schedule: optax.Schedule
+) -> optax.GradientTransformation:
+    """Builds the Pax Adam chain; `schedule` maps the 0-based optimizer count to the rate."""
+    stages: list[optax.GradientTransformation] = []
+    if config.clip_gradient_norm_to_value > 0:
+        stages.append(_clip_by_global_norm(config.clip_gradient_norm_to_value))
+    stages.append(
+        optax.scale_by_adam(
+            b1=config.beta1, b2=config.beta2, eps=config.epsilon, eps_root=config.epsilon_root
+        )
+    )
+    if config.clip_threshold > 0:
+        stages.append(_cap_update_rms(config.clip_threshold))
+    if config.weight_decay > 0:
+        stages.append(optax.add_decayed_weights(config.weight_decay))
+    stages.append(optax.scale_by_learning_rate(schedule))
+    return optax.chain(*stages)

@@ -1,0 +1,227 @@
+"""Pure train and eval steps, and their jitted, sharded forms.
+
+`train_step` and `eval_step` are plain functions of (state, batch); `compile_steps` jits them once with explicit
+input/output shardings (parameters and optimizer state by the logical-axis rules, batches over data x fsdp,
+metrics replicated) and donates the train state, so a step updates parameters in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from paxlite.parallel import rules as rules_lib
+from paxlite.train.optimizer import global_norm
+
+PyTree = Any
+Batch = Mapping[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """`step` counts optimizer steps already applied (0 before the first)."""
+
+    step: jax.Array
+    params: PyTree
+    opt_state: PyTree
+
+
+def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool):
+    rngs = {} if deterministic else {"dropout": dropout_rng}
+    return model.apply(
+        {"params": params},
+        batch["inputs"],
+        positions=batch.get("positions"),
+        segment_ids=batch.get("segment_ids"),
+        deterministic=deterministic,
+        rngs=rngs,
+    )
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-token cross entropy in float32: [B, T, V], [B, T] -> [B, T]."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return log_z - target_logit
+
+
+def _loss_and_metrics(logits, batch: Batch):
+    weights = batch["weights"].astype(jnp.float32)
+    num_tokens = jnp.sum(weights)
+    denom = jnp.maximum(num_tokens, 1.0)
+    loss = jnp.sum(token_losses(logits, batch["targets"]) * weights) / denom
+    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    accuracy = jnp.sum(correct * weights) / denom
+    return loss, {"accuracy": accuracy, "num_tokens": num_tokens}
+
+
+def loss_fn(
+    params: PyTree,
+    batch: Batch,
+    *,
+    model: nn.Module,
+    dropout_rng: jax.Array | None = None,
+    deterministic: bool = True,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean weighted cross entropy over the batch, and token accuracy."""
+    logits = _apply(model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic)
+    return _loss_and_metrics(logits, batch)
+
+
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    *,
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    dropout_key: jax.Array,
+    deterministic: bool,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    dropout_rng = jax.random.fold_in(dropout_key, state.step)
+
+    (loss, aux), grads = jax.value_and_grad(
+        functools.partial(
+            loss_fn, batch=batch, model=model, dropout_rng=dropout_rng, deterministic=deterministic
+        ),
+        has_aux=True,
+    )(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss,
+        "accuracy": aux["accuracy"],
+        "grad_norm": global_norm(grads),
+        "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
+    }
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params: PyTree, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
+    """Sums (not means) so that batches of different token counts combine exactly."""
+    logits = _apply(model, params, batch, dropout_rng=None, deterministic=True)
+    weights = batch["weights"].astype(jnp.float32)
+    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    return {
+        "loss_sum": jnp.sum(token_losses(logits, batch["targets"]) * weights),
+        "correct_sum": jnp.sum(correct * weights),
+        "num_tokens": jnp.sum(weights),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledSteps:
+    """The jitted functions of one run and the shardings they were built for."""
+
+    init: Callable[[], TrainState]
+    train: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+    eval: Callable[[PyTree, Batch], dict[str, jax.Array]]
+    all_finite: Callable[[PyTree], jax.Array]  # True when every parameter is finite (checked before saving)
+    state_shardings: TrainState
+    abstract_state: TrainState  # ShapeDtypeStructs carrying the shardings (checkpoint restore target)
+    batch_sharding: jax.sharding.NamedSharding
+
+
+def _with_rules(fn, logical_rules):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with nn.logical_axis_rules(logical_rules):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def compile_steps(
+    *,
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    mesh: Mesh,
+    seq_len: int,
+    seed: int,
+    deterministic: bool,
+    logical_rules: rules_lib.LogicalRules = rules_lib.DEFAULT_RULES,
+) -> CompiledSteps:
+    """Build the sharded init/train/eval functions. Call the results inside `jax.set_mesh(mesh)`."""
+    params_key = jax.random.key(seed)
+    dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
+    dummy_tokens = jnp.zeros((1, seq_len), jnp.int32)
+
+    def boxed_params():
+        return model.init({"params": params_key}, dummy_tokens)["params"]
+
+    with nn.logical_axis_rules(logical_rules):
+        abstract_boxed = jax.eval_shape(boxed_params)
+    param_shardings = rules_lib.logical_to_shardings(
+        nn.get_partition_spec(abstract_boxed), mesh, logical_rules
+    )
+    abstract_params = nn.meta.unbox(abstract_boxed)
+    rules_lib.check_divisible(abstract_params, param_shardings, mesh)
+    replicated = rules_lib.replicated(mesh)
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        jax.eval_shape(optimizer.init, abstract_params),
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
+    def init_state() -> TrainState:
+        params = nn.meta.unbox(boxed_params())
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+        )
+
+    init = jax.jit(_with_rules(init_state, logical_rules), out_shardings=state_shardings)
+    abstract_state = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        jax.eval_shape(init_state),
+        state_shardings,
+    )
+    batch_sharding = rules_lib.batch_sharding(mesh)
+    train = jax.jit(
+        _with_rules(
+            functools.partial(
+                train_step,
+                model=model,
+                optimizer=optimizer,
+                schedule=schedule,
+                dropout_key=dropout_key,
+                deterministic=deterministic,
+            ),
+            logical_rules,
+        ),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+    evaluate = jax.jit(
+        _with_rules(functools.partial(eval_step, model=model), logical_rules),
+        in_shardings=(param_shardings, batch_sharding),
+        out_shardings=replicated,
+    )
+    all_finite = jax.jit(
+        lambda params: jnp.isfinite(global_norm(params)),
+        in_shardings=(param_shardings,),
+        out_shardings=replicated,
+    )
+    return CompiledSteps(
+        init=init,
+        train=train,
+        eval=evaluate,
+        all_finite=all_finite,
+        state_shardings=state_shardings,
+        abstract_state=abstract_state,
+        batch_sharding=batch_sharding,
+    )

@@ -1,0 +1,234 @@
+"""Checkpointer on real Orbax, on a mesh over the 8 fake CPU devices."""
+
+import logging
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from paxlite.train.checkpoint import (
+    Checkpointer,
+    CheckpointExistsError,
+    NoRestorableCheckpointError,
+)
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((4, 2), ("fsdp", "tensor"))
+
+
+def _state(scale: int) -> dict:
+    """A small train state whose values identify the step that wrote it."""
+    mesh = _mesh()
+    w = jnp.arange(32, dtype=jnp.float32).reshape(8, 4) * scale + 0.25
+    b = (jnp.arange(4, dtype=jnp.float32) * scale - 1.5).astype(jnp.bfloat16)
+    return {
+        "params": {
+            "w": jax.device_put(w, NamedSharding(mesh, P("fsdp", "tensor"))),
+            "b": jax.device_put(b, NamedSharding(mesh, P())),
+        },
+        "step": jax.device_put(jnp.int32(scale), NamedSharding(mesh, P())),
+    }
+
+
+def _abstract() -> dict:
+    """Restore targets; `w` gets a different sharding than it was saved with (resharding)."""
+    mesh = _mesh()
+    return {
+        "params": {
+            "w": jax.ShapeDtypeStruct(
+                (8, 4), jnp.float32, sharding=NamedSharding(mesh, P("tensor", "fsdp"))
+            ),
+            "b": jax.ShapeDtypeStruct((4,), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+        },
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+    }
+
+
+def _assert_state_equal(got: dict, want: dict, abstract: dict) -> None:
+    leaves = zip(
+        jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(abstract), strict=True
+    )
+    for g, w, a in leaves:
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()  # bit-equal
+        assert g.sharding == a.sharding
+
+
+def _names(directory: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _save_steps(directory: pathlib.Path, steps: list[int], **kwargs: object) -> None:
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None, **kwargs) as ckpt:
+        for step in steps:
+            assert ckpt.save(step, _state(step))
+
+
+def test_round_trip_bit_equal_with_shardings(tmp_path: pathlib.Path) -> None:
+    directory = tmp_path / "checkpoints"
+    with Checkpointer(directory, save_interval_steps=100, max_to_keep=None) as ckpt:
+        assert ckpt.save(100, _state(100))
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [100]
+    assert _names(directory) == ["checkpoint_00000100"]
+    assert (directory / "checkpoint_00000100" / "state").is_dir()
+    with Checkpointer(directory, save_interval_steps=100, max_to_keep=None) as ckpt:
+        step, restored = ckpt.restore_latest(_abstract())
+    assert step == 100
+    _assert_state_equal(restored, _state(100), _abstract())
+
+
+def test_empty_directory_restores_nothing(tmp_path: pathlib.Path) -> None:
+    with Checkpointer(tmp_path / "c", save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.restore_latest(_abstract()) is None
+
+
+def test_max_to_keep(tmp_path: pathlib.Path) -> None:
+    with Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=2) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _state(step))
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [3, 4]
+    assert _names(tmp_path) == ["checkpoint_00000003", "checkpoint_00000004"]
+
+
+def test_should_save_and_force(tmp_path: pathlib.Path) -> None:
+    with Checkpointer(tmp_path, save_interval_steps=10, max_to_keep=None) as ckpt:
+        assert [s for s in range(25) if ckpt.should_save(s)] == [0, 10, 20]
+        assert not ckpt.save(5, _state(5))
+        assert ckpt.save(10, _state(10))
+        assert ckpt.save(7, _state(7), force=True)
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [7, 10]
+
+
+def test_disabled_saving_never_writes_but_restores(tmp_path: pathlib.Path) -> None:
+    empty = tmp_path / "never"
+    with Checkpointer(empty, save_interval_steps=1, max_to_keep=None, enable_saving=False) as ckpt:
+        assert not ckpt.should_save(1)
+        assert not ckpt.save(1, _state(1), force=True)
+        assert ckpt.restore_latest(_abstract()) is None
+    assert not empty.exists()
+    _save_steps(tmp_path / "c", [3])
+    with Checkpointer(
+        tmp_path / "c", save_interval_steps=1, max_to_keep=1, enable_saving=False
+    ) as ckpt:
+        assert not ckpt.save(4, _state(4), force=True)
+        step, restored = ckpt.restore_latest(_abstract())
+    assert step == 3
+    _assert_state_equal(restored, _state(3), _abstract())
+    assert _names(tmp_path / "c") == ["checkpoint_00000003"]
+
+
+def _delete_manifest(step_dir: pathlib.Path) -> None:
+    (step_dir / "state" / "manifest.ocdbt").unlink()
+
+
+def _truncate_data(step_dir: pathlib.Path) -> None:
+    files = (step_dir / "state").rglob("*")
+    data_files = [p for p in files if p.is_file() and p.parent.name == "d"]
+    assert data_files
+    for path in data_files:
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+
+
+def _garble_metadata(step_dir: pathlib.Path) -> None:
+    (step_dir / "state" / "_METADATA").write_text('{"tree_metadata": {"params": [oops')
+
+
+@pytest.mark.parametrize("corrupt", [_delete_manifest, _truncate_data, _garble_metadata])
+def test_corrupted_latest_falls_back_and_is_moved_aside(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, corrupt
+) -> None:
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2, 3])
+    corrupt(directory / "checkpoint_00000003")
+    with caplog.at_level(logging.WARNING):
+        with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+            step, restored = ckpt.restore_latest(_abstract())
+            assert step == 2
+            _assert_state_equal(restored, _state(2), _abstract())
+            assert ckpt.all_steps() == [1, 2]
+            # The step can be saved again without colliding with the corrupted copy.
+            assert ckpt.save(3, _state(3))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(str(directory / "checkpoint_00000003") in m and "Error" in m for m in warnings)
+    aside = tmp_path / "checkpoints_corrupted" / "checkpoint_00000003"
+    assert aside.is_dir() and (aside / "state").is_dir()
+    # A second corruption of the same step gets a numeric suffix instead of clobbering the first.
+    corrupt(directory / "checkpoint_00000003")
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.restore_latest(_abstract())[0] == 2
+    assert _names(aside.parent) == [
+        "checkpoint_00000003",
+        "checkpoint_00000003.1",
+    ]
+
+
+def test_leftover_tmp_directory_is_ignored(tmp_path: pathlib.Path) -> None:
+    _save_steps(tmp_path, [1])
+    leftover = tmp_path / "checkpoint_00000009.orbax-checkpoint-tmp"
+    (leftover / "state").mkdir(parents=True)
+    (leftover / "state" / "partial").write_bytes(b"\x00" * 10)
+    with Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.all_steps() == [1]
+        step, restored = ckpt.restore_latest(_abstract())
+        assert step == 1
+        assert (leftover / "state" / "partial").exists()
+        # Saving that step later keeps the leftover, moved aside rather than deleted by Orbax.
+        assert ckpt.save(9, _state(9))
+    kept = tmp_path.parent / f"{tmp_path.name}_corrupted" / leftover.name / "state" / "partial"
+    assert kept.read_bytes() == b"\x00" * 10
+    with Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.restore_latest(_abstract())[0] == 9
+
+
+def test_all_corrupt_raises_and_moves_nothing(tmp_path: pathlib.Path) -> None:
+    _save_steps(tmp_path, [1, 2])
+    _delete_manifest(tmp_path / "checkpoint_00000001")
+    _garble_metadata(tmp_path / "checkpoint_00000002")
+    with Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None) as ckpt:
+        with pytest.raises(NoRestorableCheckpointError) as info:
+            ckpt.restore_latest(_abstract())
+    message = str(info.value)
+    assert "checkpoint_00000001" in message and "checkpoint_00000002" in message
+    assert _names(tmp_path) == ["checkpoint_00000001", "checkpoint_00000002"]
+    assert not (tmp_path.parent / f"{tmp_path.name}_corrupted").exists()
+
+
+def _snapshot(directory: pathlib.Path) -> dict[str, bytes]:
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    return {str(p.relative_to(directory)): p.read_bytes() for p in files}
+
+
+def test_existing_step_is_an_error(tmp_path: pathlib.Path) -> None:
+    _save_steps(tmp_path, [5])
+    before = _snapshot(tmp_path / "checkpoint_00000005")
+    with Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None) as ckpt:
+        with pytest.raises(CheckpointExistsError, match="checkpoint_00000005"):
+            ckpt.save(5, _state(6))
+        assert ckpt.save(6, _state(6))
+        with pytest.raises(CheckpointExistsError, match="checkpoint_00000006"):
+            ckpt.save(6, _state(7))  # still in flight or just committed
+        step, restored = ckpt.restore_latest(_abstract())
+    assert step == 6
+    _assert_state_equal(restored, _state(6), _abstract())
+    assert _snapshot(tmp_path / "checkpoint_00000005") == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(save_interval_steps=0, max_to_keep=None), "save_interval_steps"),
+        (dict(save_interval_steps=1, max_to_keep=0), "max_to_keep"),
+    ],
+)
+def test_invalid_arguments(tmp_path: pathlib.Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Checkpointer(tmp_path, **kwargs)

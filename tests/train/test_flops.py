@@ -1,0 +1,154 @@
+"""FLOP counting against published per-token totals and hand arithmetic."""
+
+import pytest
+
+from paxlite.train.flops import flops_per_token, model_flops_utilization, peak_flops_per_device
+
+
+def _gpt(*, layers: int, dims: int, heads: int, head_dim: int, hidden: int, vocab: int) -> int:
+    return flops_per_token(
+        num_layers=layers,
+        model_dims=dims,
+        num_heads=heads,
+        num_kv_heads=heads,
+        dims_per_head=head_dim,
+        hidden_dims=hidden,
+        vocab_size=vocab,
+        seq_len=2048,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        (dict(layers=12, dims=768, heads=12, head_dim=64, hidden=3072, vocab=50304), 854_654_976),
+        (
+            dict(layers=24, dims=4096, heads=32, head_dim=128, hidden=16384, vocab=50304),
+            31_435_259_904,
+        ),
+        (
+            dict(layers=96, dims=12288, heads=96, head_dim=128, hidden=49152, vocab=50257),
+            1_061_877_915_648,
+        ),
+    ],
+    ids=["GPT126M", "GPT5B", "GPT175B"],
+)
+def test_gpt_family_published_totals(kwargs: dict, expected: int) -> None:
+    assert _gpt(**kwargs) == expected
+
+
+def test_llama2_7b_published_total() -> None:
+    got = flops_per_token(
+        num_layers=32,
+        model_dims=4096,
+        num_heads=32,
+        num_kv_heads=32,
+        dims_per_head=128,
+        hidden_dims=11008,
+        vocab_size=32000,
+        seq_len=4096,
+        gated_mlp=True,
+    )
+    assert got == 42_863_689_728
+
+
+def test_tiny_gqa_gated_by_hand() -> None:
+    # L2 D8 H2 K1 h4 F16 V10 S6, gated:
+    # per layer: qkv 2*8*(2+2)*4 = 256, out 2*8*2*4 = 128, mlp 2*8*16*3 = 768 -> 1152
+    # forward matmuls 2*1152 + unembedding 2*8*10 = 2464 -> x3 = 7392
+    # causal attention 2 layers * 3 * 2*6*2*4 = 576
+    got = flops_per_token(
+        num_layers=2,
+        model_dims=8,
+        num_heads=2,
+        num_kv_heads=1,
+        dims_per_head=4,
+        hidden_dims=16,
+        vocab_size=10,
+        seq_len=6,
+        gated_mlp=True,
+    )
+    assert got == 7392 + 576
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_non_attention_part_is_six_times_matmul_params(gated: bool) -> None:
+    dims = dict(L=3, D=16, H=4, K=2, h=8, F=40, V=50, S=32)
+    n_matmul = dims["L"] * (
+        dims["D"] * (dims["H"] + 2 * dims["K"]) * dims["h"]  # wq, wk, wv
+        + dims["H"] * dims["h"] * dims["D"]  # wo
+        + dims["D"] * dims["F"] * (3 if gated else 2)  # (gate,) up, down
+    ) + dims["D"] * dims["V"]  # unembedding
+    total = flops_per_token(
+        num_layers=dims["L"],
+        model_dims=dims["D"],
+        num_heads=dims["H"],
+        num_kv_heads=dims["K"],
+        dims_per_head=dims["h"],
+        hidden_dims=dims["F"],
+        vocab_size=dims["V"],
+        seq_len=dims["S"],
+        gated_mlp=gated,
+    )
+    attention = 6 * dims["L"] * dims["S"] * dims["H"] * dims["h"]
+    assert total - attention == 6 * n_matmul
+
+
+def test_rejects_non_positive_sizes() -> None:
+    with pytest.raises(ValueError, match="vocab_size"):
+        flops_per_token(
+            num_layers=1,
+            model_dims=8,
+            num_heads=1,
+            num_kv_heads=1,
+            dims_per_head=8,
+            hidden_dims=8,
+            vocab_size=0,
+            seq_len=8,
+        )
+
+
+@pytest.mark.parametrize(
+    ("kind", "fp8", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", False, 989e12),
+        ("NVIDIA H100 80GB HBM3", True, 1979e12),
+        ("NVIDIA H200", False, 989e12),
+        ("nvidia h200", True, 1979e12),
+        ("NVIDIA H100 PCIe", False, 756e12),
+        ("NVIDIA A100-SXM4-80GB", False, 312e12),
+        ("NVIDIA A100-SXM4-80GB", True, None),
+        ("cpu", False, None),
+        ("TPU v9 imaginary", False, None),
+    ],
+)
+def test_peak_table(kind: str, fp8: bool, expected: float | None) -> None:
+    assert peak_flops_per_device(kind, fp8=fp8) == expected
+
+
+def test_override_wins_and_is_in_tflops() -> None:
+    assert peak_flops_per_device("cpu", override_tflops=1.5) == 1.5e12
+    assert peak_flops_per_device("NVIDIA H200", override_tflops=500.0, fp8=True) == 500e12
+    with pytest.raises(ValueError, match="override_tflops"):
+        peak_flops_per_device("cpu", override_tflops=0.0)
+
+
+def test_mfu() -> None:
+    # 1,157,192 tokens/s is the ideal GPT126M rate on one H200 (performance.md section 3).
+    mfu = model_flops_utilization(
+        tokens_per_s=1_157_192 * 8 * 0.4,
+        flops_per_token=854_654_976,
+        peak_flops_per_device=989e12,
+        num_devices=8,
+    )
+    assert mfu == pytest.approx(0.4, rel=1e-6)
+    assert (
+        model_flops_utilization(
+            tokens_per_s=1e5, flops_per_token=1e9, peak_flops_per_device=None, num_devices=8
+        )
+        is None
+    )
+    with pytest.raises(ValueError, match="num_devices"):
+        model_flops_utilization(
+            tokens_per_s=1.0, flops_per_token=1.0, peak_flops_per_device=1.0, num_devices=0
+        )
