@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging as logging_std
 import os
 import platform
 import sys
@@ -39,6 +40,21 @@ flags.DEFINE_integer("num_hosts", None, "Number of processes for --multiprocess_
 flags.DEFINE_integer("host_idx", None, "This process's index for --multiprocess_gpu.")
 
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
+
+
+class _LibraryInfoFilter(logging_std.Filter):
+    """Orbax logs dozens of INFO lines per checkpoint; keep its warnings, drop its chatter from the job log."""
+
+    _QUIET = (f"{os.sep}orbax{os.sep}", f"{os.sep}jax{os.sep}_src{os.sep}")
+
+    def filter(self, record: logging_std.LogRecord) -> bool:
+        return record.levelno >= logging_std.WARNING or not any(
+            part in record.pathname for part in self._QUIET
+        )
+
+
+def quiet_library_logs() -> None:
+    logging.get_absl_handler().addFilter(_LibraryInfoFilter())
 
 
 class UsageError(ValueError):
@@ -122,6 +138,7 @@ def parse_job(argv) -> tuple:
 
 
 def main(argv) -> int:
+    quiet_library_logs()
     from paxlite.config.errors import ConfigError
     from paxlite.parallel.mesh import MeshError
 

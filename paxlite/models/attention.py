@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.typing import DTypeLike
 
 from paxlite.models.linear import Linear
 
@@ -48,8 +49,8 @@ class Attention(nn.Module):
     dims_per_head: int
     use_bias: bool = True
     init_std: float = 0.02
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:

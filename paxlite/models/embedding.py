@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.typing import DTypeLike
 
 
 class Embed(nn.Module):
@@ -20,8 +21,8 @@ class Embed(nn.Module):
     features: int
     axes: tuple[str, str] = ("vocab", "embed")
     init_std: float = 0.02
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
 
     def setup(self) -> None:
         self.embedding = self.param(

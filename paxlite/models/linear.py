@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.typing import DTypeLike
 
 
 class Linear(nn.Module):
@@ -31,8 +32,8 @@ class Linear(nn.Module):
     kernel_axes: tuple[str, ...]
     bias_axes: tuple[str, ...] | None = None
     init_std: float = 0.02
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
 
     def setup(self) -> None:
         operands = self.equation.split("->")[0].split(",")

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.typing import DTypeLike
 
 from paxlite.models.linear import Linear
 
@@ -24,8 +25,8 @@ class Mlp(nn.Module):
     activation: Callable[[jax.Array], jax.Array]
     use_bias: bool = True
     init_std: float = 0.02
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.typing import DTypeLike
 
 NORM_AXES: tuple[str, ...] = ("norm",)
 
@@ -18,8 +19,8 @@ class LayerNorm(nn.Module):
     """LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * scale + bias."""
 
     epsilon: float = 1e-5
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -44,8 +45,8 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * scale (no centring, no bias)."""
 
     epsilon: float = 1e-5
-    dtype: jnp.dtype = jnp.float32
-    param_dtype: jnp.dtype = jnp.float32
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -34,6 +34,8 @@ VALID_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 
 class Activation(str, enum.Enum):
+    """MLP non-linearity; GPT uses the tanh approximation of GELU (Pax ``approximate=True``)."""
+
     GELU_TANH = "gelu_tanh"
     GELU = "gelu"
     RELU = "relu"
@@ -41,6 +43,8 @@ class Activation(str, enum.Enum):
 
 
 class NormKind(str, enum.Enum):
+    """LayerNorm for GPT; RMSNorm for LLaMA-style models."""
+
     LAYER_NORM = "layer_norm"
     RMS_NORM = "rms_norm"
 

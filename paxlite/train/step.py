@@ -212,7 +212,7 @@ def compile_steps(
         out_shardings=replicated,
     )
     all_finite = jax.jit(
-        lambda params: jnp.isfinite(global_norm(params)),
+        lambda params: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)])),
         in_shardings=(param_shardings,),
         out_shardings=replicated,
     )

@@ -3,6 +3,7 @@ mixed precision, dropout, sharded gradients and config validation."""
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -70,7 +71,8 @@ def _np_norm(x: np.ndarray, p: dict, cfg: TransformerConfig) -> np.ndarray:
     eps = cfg.norm_epsilon
     if cfg.norm is NormKind.LAYER_NORM:
         centred = x - x.mean(-1, keepdims=True)
-        return centred / np.sqrt((centred**2).mean(-1, keepdims=True) + eps) * p["scale"] + p["bias"]
+        normed = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + eps)
+        return normed * p["scale"] + p["bias"]
     return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * p["scale"]
 
 
@@ -248,17 +250,18 @@ def test_packed_row_equals_documents_run_alone() -> None:
     cfg = tiny()
     params = random_params(cfg, seed=5)
     model = Transformer(cfg)
+    apply = jax.jit(model.apply)
     doc_a, doc_b = _tokens(1, 5, seed=6), _tokens(1, 4, seed=7)
     packed = jnp.concatenate([doc_a, doc_b], axis=1)
     positions = jnp.asarray([[0, 1, 2, 3, 4, 0, 1, 2, 3]], jnp.int32)
     segment_ids = jnp.asarray([[1, 1, 1, 1, 1, 2, 2, 2, 2]], jnp.int32)
-    got = model.apply({"params": params}, packed, positions=positions, segment_ids=segment_ids)
-    alone_a = model.apply({"params": params}, doc_a)
-    alone_b = model.apply({"params": params}, doc_b)
+    got = apply({"params": params}, packed, positions=positions, segment_ids=segment_ids)
+    alone_a = apply({"params": params}, doc_a)
+    alone_b = apply({"params": params}, doc_b)
     np.testing.assert_allclose(got[:, :5], alone_a, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[:, 5:], alone_b, rtol=1e-5, atol=1e-5)
     # Without segment ids the second document does see the first.
-    leaky = model.apply({"params": params}, packed, positions=positions)
+    leaky = apply({"params": params}, packed, positions=positions)
     assert np.abs(np.asarray(leaky[:, 5:] - alone_b)).max() > 1e-3
 
 
@@ -266,12 +269,12 @@ def test_scan_layers_equals_unrolled_layers() -> None:
     cfg = tiny(num_layers=3)
     params = random_params(cfg, seed=8)
     tokens = _tokens(2, 8, seed=9)
-    unrolled = Transformer(cfg).apply({"params": params}, tokens)
+    unrolled = jax.jit(Transformer(cfg).apply)({"params": params}, tokens)
     scan_cfg = dataclasses.replace(cfg, scan_layers=True)
     stacked = stack_layers(params, cfg.num_layers)
     assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(
         jnp.shape, nn.meta.unbox(abstract_variables(scan_cfg))["params"])
-    scanned = Transformer(scan_cfg).apply({"params": stacked}, tokens)
+    scanned = jax.jit(Transformer(scan_cfg).apply)({"params": stacked}, tokens)
     np.testing.assert_allclose(scanned, unrolled, rtol=1e-5, atol=1e-5)
 
 
@@ -283,36 +286,52 @@ def _loss_and_grads(cfg: TransformerConfig, params: Any, tokens: jax.Array) -> A
     return jax.jit(jax.value_and_grad(loss_fn))(params)
 
 
+@pytest.fixture(scope="module")
+def reference() -> Callable[[bool], dict[str, Any]]:
+    """Single-device, no-remat loss and grads, computed once per layer layout (compiles are
+    the slow part of these tests on CPU)."""
+    cache: dict[bool, dict[str, Any]] = {}
+
+    def get(scan_layers: bool) -> dict[str, Any]:
+        if scan_layers not in cache:
+            cfg = tiny(scan_layers=scan_layers)
+            params = random_params(tiny(), seed=10)
+            if scan_layers:
+                params = stack_layers(params, cfg.num_layers)
+            tokens = _tokens(4, 9, seed=11)
+            loss, grads = _loss_and_grads(cfg, params, tokens)
+            assert float(jnp.abs(grads["final_norm"]["scale"]).max()) > 0.0
+            cache[scan_layers] = dict(cfg=cfg, params=params, tokens=tokens, loss=loss,
+                                      grads=grads)
+        return cache[scan_layers]
+
+    return get
+
+
 @pytest.mark.parametrize("scan_layers,policy", [
     (False, RematPolicy.SAVE_NOTHING),
     (False, RematPolicy.SAVE_EVERYTHING),
     (False, RematPolicy.SAVE_DOT_WITH_NO_BATCH_DIM),
     (True, RematPolicy.SAVE_NOTHING),
-    (True, RematPolicy.SAVE_DOT_WITH_NO_BATCH_DIM),
 ])
-def test_remat_policies_give_same_loss_and_grads(scan_layers: bool,
-                                                 policy: RematPolicy) -> None:
-    base_cfg = tiny(scan_layers=scan_layers)
-    params = random_params(tiny(), seed=10)
-    if scan_layers:
-        params = stack_layers(params, base_cfg.num_layers)
-    tokens = _tokens(2, 9, seed=11)
-    want_loss, want_grads = _loss_and_grads(base_cfg, params, tokens)
-    cfg = dataclasses.replace(base_cfg, remat_policy=policy)
-    got_loss, got_grads = _loss_and_grads(cfg, params, tokens)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+def test_remat_policies_give_same_loss_and_grads(
+        reference: Callable[[bool], dict[str, Any]], scan_layers: bool,
+        policy: RematPolicy) -> None:
+    ref = reference(scan_layers)
+    cfg = dataclasses.replace(ref["cfg"], remat_policy=policy)
+    loss, grads = _loss_and_grads(cfg, ref["params"], ref["tokens"])
+    np.testing.assert_allclose(loss, ref["loss"], rtol=1e-6)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6),
-                 got_grads, want_grads)
-    assert float(jnp.abs(want_grads["final_norm"]["scale"]).max()) > 0.0
+                 grads, ref["grads"])
 
 
 def test_bfloat16_compute_is_close_to_float32() -> None:
     cfg = tiny()
     params = random_params(cfg, seed=12)
     tokens = _tokens(2, 8, seed=13)
-    want = Transformer(cfg).apply({"params": params}, tokens)
+    want = jax.jit(Transformer(cfg).apply)({"params": params}, tokens)
     bf16_cfg = tiny(dtype="bfloat16")
-    got = Transformer(bf16_cfg).apply({"params": params}, tokens)
+    got = jax.jit(Transformer(bf16_cfg).apply)({"params": params}, tokens)
     assert got.dtype == jnp.float32
     # Params stay float32 whatever the compute dtype.
     abstract = nn.meta.unbox(abstract_variables(bf16_cfg))["params"]
@@ -349,26 +368,23 @@ RULES = (
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_sharded_grads_equal_single_device_grads(scan_layers: bool) -> None:
-    """(2,2,2) mesh with FSDP x tensor sharded weights: the XLA:CPU case that needs the
-    activation constraints (reference/stack.md section 4)."""
-    cfg = tiny(scan_layers=scan_layers)
-    params = random_params(tiny(), seed=16)
-    if scan_layers:
-        params = stack_layers(params, cfg.num_layers)
-    tokens = _tokens(4, 9, seed=17)
-    want_loss, want_grads = _loss_and_grads(cfg, params, tokens)
-
+def test_sharded_grads_equal_single_device_grads(
+        reference: Callable[[bool], dict[str, Any]], scan_layers: bool) -> None:
+    """(2,2,2) mesh, FSDP x tensor sharded weights, batch over (data, fsdp), under the rules
+    and mesh context the trainer uses: loss and every gradient match one device."""
+    ref = reference(scan_layers)
+    cfg = ref["cfg"]
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
                          axis_types=(AxisType.Auto,) * 3)
     shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, RULES)
-    sharded = jax.device_put(params, shardings)
-    tokens = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+    params = jax.device_put(ref["params"], shardings)
+    assert params["embedding"]["embedding"].sharding.spec == PartitionSpec("tensor", "fsdp")
+    tokens = jax.device_put(ref["tokens"], NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        got_loss, got_grads = _loss_and_grads(cfg, sharded, tokens)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+        loss, grads = _loss_and_grads(cfg, params, tokens)
+    np.testing.assert_allclose(loss, ref["loss"], rtol=1e-5)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5),
-                 got_grads, want_grads)
+                 grads, ref["grads"])
 
 
 # ---------------------------------------------------------------- validation

@@ -1,0 +1,137 @@
+"""End-to-end training loop on 8 devices: learning, exact resume, corrupted-checkpoint fallback, NaN stop."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from paxlite.config.build import build_run_config
+from paxlite.train.loop import Run, RunContext, TrainingDivergedError
+
+N = 4  # steps before the interruption
+
+
+def _run(job_dir, overrides=(), *, name="TinySynthetic", saving=True):
+    _, config = build_run_config(name, list(overrides))
+    with Run(config, RunContext(job_dir=str(job_dir), enable_checkpoint_saving=saving)) as run:
+        state = run.train()
+        return jax.device_get(state)
+
+
+def _train_lines(job_dir):
+    with open(os.path.join(job_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    return [line for line in lines if "loss" in line]
+
+
+def _eval_lines(job_dir):
+    with open(os.path.join(job_dir, "metrics.jsonl")) as f:
+        return [line for line in map(json.loads, f) if "eval/loss" in line]
+
+
+COMMON = [
+    "SUMMARY_INTERVAL_STEPS=1",
+    f"CHECKPOINT_EVERY_N_STEPS={N}",
+    "EVAL_INTERVAL_STEPS=1000",
+    "EVAL_LOOP_NUM_BATCHES=1",
+    "LR_COS_WARMUP=2",
+    "LR_COS_DECAY_END=8",
+]
+
+
+def test_loss_falls_on_learnable_synthetic_task(tmp_path):
+    _run(tmp_path, ["MAX_STEPS=80", "SUMMARY_INTERVAL_STEPS=10", "EVAL_INTERVAL_STEPS=40"])
+    lines = _train_lines(tmp_path)
+    assert [line["step"] for line in lines] == list(range(10, 81, 10))
+    first, last = lines[0]["loss"], lines[-1]["loss"]
+    # Untrained: about ln(256) = 5.55. The permutation task is learnable: loss must fall far below it.
+    assert first > 4.5 and last < 0.5 * first, (first, last)
+    evals = _eval_lines(tmp_path)
+    assert [e["step"] for e in evals] == [40, 80]
+    assert evals[1]["eval/loss"] < evals[0]["eval/loss"] < 5.0
+    assert evals[1]["eval/log_pplx"] == evals[1]["eval/loss"]
+    for line in lines:
+        assert set(line) >= {"step", "loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", "mfu"}
+        assert line["mfu"] is None  # CPU: no known peak
+    assert lines[-1]["tokens_per_s"] > 0
+    # global batch = PERCORE_BATCH_SIZE (2) x 8 devices; 64 tokens per row
+    assert lines[-1]["tokens_per_s"] == pytest.approx(16 * 64 / lines[-1]["step_time_s"])
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_00000050", "checkpoint_00000080"]
+    assert os.listdir(tmp_path / "summaries" / "train") and os.listdir(tmp_path / "summaries" / "eval")
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """2N steps without interruption: the reference for resume tests."""
+    job = tmp_path_factory.mktemp("straight")
+    state = _run(job, COMMON + [f"MAX_STEPS={2 * N}"])
+    return job, state, _train_lines(job)
+
+
+def _assert_same_state(a, b):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b) > 10
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resume_is_bit_exact(tmp_path, straight_run):
+    _, straight_state, straight_lines = straight_run
+    _run(tmp_path, COMMON + [f"MAX_STEPS={N}"])
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [f"checkpoint_{N:08d}"]
+    resumed_state = _run(tmp_path, COMMON + [f"MAX_STEPS={2 * N}"])
+    lines = _train_lines(tmp_path)
+    assert [line["step"] for line in lines] == list(range(1, 2 * N + 1))
+    assert [line["loss"] for line in lines] == [line["loss"] for line in straight_lines]
+    assert [line["grad_norm"] for line in lines] == [line["grad_norm"] for line in straight_lines]
+    assert int(resumed_state.step) == 2 * N
+    _assert_same_state(resumed_state, straight_state)
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, straight_run, caplog):
+    straight_dir, straight_state, straight_lines = straight_run
+    shutil.copytree(straight_dir, tmp_path / "job")
+    job = tmp_path / "job"
+    latest = job / "checkpoints" / f"checkpoint_{2 * N:08d}"
+    # Damage the latest checkpoint: truncate every data file of its state.
+    damaged = 0
+    for root, _, files in os.walk(latest / "state"):
+        for name in files:
+            if os.path.basename(root) == "d":  # OCDBT data files
+                with open(os.path.join(root, name), "r+b") as f:
+                    f.truncate(3)
+                damaged += 1
+    assert damaged
+    state = _run(job, COMMON + [f"MAX_STEPS={2 * N}"])
+    # The damaged directory was kept, not deleted, and reported.
+    assert (job / "checkpoints_corrupted" / latest.name).is_dir()
+    assert any(latest.name in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    # Training resumed from step N and reproduced the uninterrupted run exactly.
+    lines = _train_lines(job)
+    assert [line["step"] for line in lines] == list(range(1, 2 * N + 1)) + list(range(N + 1, 2 * N + 1))
+    assert [line["loss"] for line in lines[2 * N:]] == [line["loss"] for line in straight_lines[N:]]
+    _assert_same_state(state, straight_state)
+    assert sorted(os.listdir(job / "checkpoints")) == [f"checkpoint_{N:08d}", f"checkpoint_{2 * N:08d}"]
+
+
+def test_nan_loss_stops_without_saving(tmp_path):
+    with pytest.raises(TrainingDivergedError, match=r"at step \d+|after step \d+") as info:
+        _run(tmp_path, ["MAX_STEPS=20", "LEARNING_RATE=1e30", "LR_SCHEDULE=constant",
+                        "CLIP_GRADIENT_NORM_TO_VALUE=0.0", "CHECKPOINT_EVERY_N_STEPS=1",
+                        "SUMMARY_INTERVAL_STEPS=1"])
+    message = str(info.value)
+    bad_step = int(message.split("step ")[1].split()[0].rstrip(";"))
+    saved = sorted(int(name.split("_")[1]) for name in os.listdir(tmp_path / "checkpoints"))
+    assert all(step < bad_step for step in saved), (saved, message)
+    assert saved, "the finite steps before the divergence are checkpointed as usual"
+    logged = [line["step"] for line in _train_lines(tmp_path)]
+    assert bad_step not in logged
+
+
+def test_disabled_checkpoint_saving_writes_none(tmp_path):
+    _run(tmp_path, ["MAX_STEPS=3", "CHECKPOINT_EVERY_N_STEPS=1"], saving=False)
+    assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
+    assert len(_train_lines(tmp_path)) == 1  # the final step is always summarised
