@@ -1,0 +1,115 @@
+"""Every registered experiment: exact Pax dimensions, parameter counts, and a golden dump of its configuration.
+
+The golden files make any change to an experiment's hyperparameters or parameter layout a reviewable diff.
+Regenerate with `UPDATE_GOLDEN=1 pytest tests/experiments`.
+"""
+
+import os
+
+import fiddle as fdl
+import flax.linen as nn
+import jax
+import pytest
+
+from paxlite.config.build import load_experiment
+from paxlite.experiments import EXPERIMENTS
+from paxlite.models.transformer import abstract_variables, num_params
+
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "testdata", "golden")
+
+
+def golden_text(name: str) -> str:
+    experiment = EXPERIMENTS[name].resolve({})
+    lines = [f"# {name}: {type(experiment).__module__}.{type(experiment).__qualname__}", "[hparams]"]
+    lines += [f"{key} = {value!r}" for key, value in experiment.hparams().items()]
+    model = fdl.build(experiment.model_config())
+    variables = abstract_variables(model)["params"]
+    specs = nn.get_partition_spec(variables)
+    lines.append("[params]")
+    for (path, leaf), spec in zip(
+        jax.tree_util.tree_leaves_with_path(nn.meta.unbox(variables)), jax.tree.leaves(
+            specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    ):
+        key = "/".join(str(getattr(k, "key", k)) for k in path)
+        lines.append(f"{key} {leaf.dtype} {tuple(leaf.shape)} {tuple(spec)}")
+    lines.append("[derived]")
+    lines.append(f"num_params = {num_params(model)}")
+    lines.append(f"flops_per_token = {experiment.flops_per_token()}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_golden(name):
+    path = os.path.join(GOLDEN_DIR, f"{name}.txt")
+    text = golden_text(name)
+    if os.environ.get("UPDATE_GOLDEN"):
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        expected = f.read()
+    assert text == expected, f"{name} differs from {path}; if intended, regenerate with UPDATE_GOLDEN=1"
+
+
+def test_every_golden_file_has_an_experiment():
+    names = {f[: -len(".txt")] for f in os.listdir(GOLDEN_DIR) if f.endswith(".txt")}
+    assert names == set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("GPT126M", 125_262_336),
+        ("Synthetic126M", 125_262_336),
+        ("Pile126M", 125_262_336),
+        ("GPT5B", 5_047_558_144),
+        ("Synthetic5B", 5_047_558_144),
+        ("GPT175B", 174_604_259_328),
+        ("Synthetic175B", 174_604_259_328),
+    ],
+)
+def test_exact_parameter_counts(name, expected):
+    model = fdl.build(EXPERIMENTS[name].resolve({}).model_config())
+    assert num_params(model) == expected
+
+
+def test_pax_gpt_hyperparameters():
+    """Values from Pax's GPT126MBase / GPT5BBase / GPT175BBase, written out here by hand."""
+    gpt126m = EXPERIMENTS["Synthetic126M"].resolve({})
+    assert (gpt126m.NUM_LAYERS, gpt126m.NUM_HEADS, gpt126m.MODEL_DIMS, gpt126m.HIDDEN_DIMS) == (12, 12, 768, 3072)
+    assert (gpt126m.VOCAB_SIZE, gpt126m.MAX_SEQ_LEN, gpt126m.PERCORE_BATCH_SIZE) == (50304, 2048, 4)
+    assert (gpt126m.ICI_MESH_SHAPE, gpt126m.DCN_MESH_SHAPE) == ([8, 1, 1], [8, 1, 1])
+    assert (gpt126m.LEARNING_RATE, gpt126m.LR_COS_WARMUP, gpt126m.LR_COS_DECAY_START,
+            gpt126m.LR_COS_DECAY_END) == (6e-4, 636, 637, 500000)
+    assert (gpt126m.ADAM_BETA1, gpt126m.ADAM_BETA2, gpt126m.ADAM_EPSILON, gpt126m.WEIGHT_DECAY) == (
+        0.9, 0.95, 1e-8, 0.1)
+    assert (gpt126m.CLIP_GRADIENT_NORM_TO_VALUE, gpt126m.ADAM_CLIP_THRESHOLD) == (1.0, -1.0)
+    assert (gpt126m.INIT_STD, gpt126m.SOFTMAX_INIT_STD, gpt126m.FPROP_DTYPE) == (0.023, 0.023, "bfloat16")
+    gpt5b = EXPERIMENTS["Synthetic5B"].resolve({})
+    assert (gpt5b.LEARNING_RATE, gpt5b.LR_COS_WARMUP, gpt5b.LR_COS_DECAY_START, gpt5b.LR_COS_DECAY_END) == (
+        1.6e-4, 115, 116, 62500)
+    assert (gpt5b.ICI_MESH_SHAPE, gpt5b.DCN_MESH_SHAPE, gpt5b.PERCORE_BATCH_SIZE) == ([1, 8, 1], [1, 32, 1], 8)
+    assert (gpt5b.USE_REPEATED_LAYER, gpt5b.CHECKPOINT_POLICY) == (True, "SAVE_DOT_WITH_NO_BATCH_DIM")
+    assert (gpt5b.CHECKPOINT_EVERY_N_STEPS, gpt5b.SUMMARY_INTERVAL_STEPS, gpt5b.INPUT_DROPOUT_PROB) == (250, 10, 0.1)
+    gpt175b = EXPERIMENTS["Synthetic175B"].resolve({})
+    assert (gpt175b.VOCAB_SIZE, gpt175b.PERCORE_BATCH_SIZE, gpt175b.INIT_STD) == (50257, 6, 0.023)
+    assert (gpt175b.LEARNING_RATE, gpt175b.LR_COS_WARMUP, gpt175b.LR_COS_DECAY_END) == (2e-5, 265, 108600)
+    assert gpt175b.CHECKPOINT_EVERY_N_STEPS == 100
+
+
+def test_model_config_follows_overrides():
+    experiment = load_experiment("Synthetic126M", ["NUM_LAYERS=2", "USE_REPEATED_LAYER=true",
+                                                   "FPROP_DTYPE=float32", "LR_COS_WARMUP=500"])
+    model = fdl.build(experiment.model_config())
+    assert (model.num_layers, model.scan_layers, model.dtype) == (2, True, "float32")
+    assert model.remat_policy.value == "save_nothing"  # Pax applies CHECKPOINT_POLICY to repeated layers
+    schedule = fdl.build(experiment.schedule_config())
+    assert (schedule.warmup_steps, schedule.decay_start) == (500, 501)  # derived after the override
+
+
+def test_pile_without_data_pipeline_is_a_clear_error():
+    from paxlite.config.errors import ConfigError
+
+    experiment = load_experiment("Pile126M")
+    with pytest.raises(ConfigError, match="SYNTHETIC_DATA=true"):
+        experiment.run_config()
+    assert load_experiment("Pile126M", ["SYNTHETIC_DATA=true"]).run_config() is not None

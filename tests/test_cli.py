@@ -1,0 +1,111 @@
+"""The command line as users type it: `python -m paxlite.main ...` and `python -m paxlite list|show`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+ENV.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
+
+
+def _run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
+
+
+def _main(*flags):
+    return _run("-m", "paxlite.main", *flags)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fdl_config=TinySynthetic", "--fdl.NUM_LAYRS=4"], "did you mean 'NUM_LAYERS'"),
+        (["--fdl_config=TinySynthetic", "--fdl.NUM_LAYERS=abc"], "expected int"),
+        (["--fdl_config=TinySynthetic", "--fdl.FPROP_DTYPE=bf16"], "did you mean 'bfloat16'"),
+        (["--fdl_config=Synthetic126m"], "did you mean 'Synthetic126M'"),
+        (["--fdl_config=Synthetic126M"], "needs 64 devices, but this job has 1"),
+        (["--fdl_config=Pile126M", "--fdl.ICI_MESH_SHAPE=[1,1,1]", "--fdl.DCN_MESH_SHAPE=[1,1,1]"],
+         "--fdl.SYNTHETIC_DATA=true"),
+    ],
+)
+def test_bad_input_is_one_clear_error(tmp_path, flags, message):
+    job = tmp_path / "job"
+    result = _main(*flags, f"--job_log_dir={job}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (job / "checkpoints").exists()  # stopped before any work
+
+
+def test_missing_job_log_dir():
+    result = _main("--fdl_config=TinySynthetic")
+    assert result.returncode == 2 and "--job_log_dir is required" in result.stderr
+
+
+def test_train_then_eval_writes_the_job_directory(tmp_path):
+    job = tmp_path / "job"
+    result = _main(
+        "--fdl_config=paxml.contrib.gpu.scripts_gpu.configs.TinySynthetic",
+        "--fdl.MAX_STEPS=6", "--fdl.SUMMARY_INTERVAL_STEPS=3", "--fdl.CHECKPOINT_EVERY_N_STEPS=3",
+        '--fdl.FPROP_DTYPE="float32"', "--fdl.USE_REPEATED_LAYER=True", "--fdl.ADAM_BETA1=0",
+        f"--job_log_dir={job}", "--alsologtostderr",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 6/6 | loss" in result.stderr
+    config = json.loads((job / "config.json").read_text())
+    assert config["experiment"] == "TinySynthetic"
+    assert config["hparams"]["ADAM_BETA1"] == 0.0  # zero is a value, not "use the default"
+    assert config["hparams"]["USE_REPEATED_LAYER"] is True
+    assert set(config["overridden"]) >= {"MAX_STEPS", "ADAM_BETA1", "FPROP_DTYPE"}
+    assert config["versions"]["jax"] and config["devices"]["count"] == 1
+    assert config["global_batch_size"] == 2
+    tree = (job / "config.txt").read_text()
+    assert "optimizer.beta1: float = 0.0" in tree and "model.scan_layers: bool = True" in tree
+    assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000003", "checkpoint_00000006"]
+    lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "loss" in line] == [3, 6]
+
+    evaluated = _main("--fdl_config=TinySynthetic", "--fdl.USE_REPEATED_LAYER=True", "--mode=eval",
+                      f"--job_log_dir={job}")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 6 and "eval/loss" in lines[-1]
+    # The eval run has other hyperparameters: the training run's config is kept, not overwritten.
+    assert (job / "config.previous-1.json").exists()
+
+
+def test_eval_without_checkpoint_is_an_error(tmp_path):
+    result = _main("--fdl_config=TinySynthetic", "--mode=eval", f"--job_log_dir={tmp_path}")
+    assert result.returncode != 0 and "needs a checkpoint" in result.stderr
+
+
+def test_list_prints_every_experiment_with_its_size():
+    result = _run("-m", "paxlite", "list")
+    assert result.returncode == 0, result.stderr
+    assert "125,262,336" in result.stdout and "174,604,259,328" in result.stdout
+    for name in ("Synthetic126M", "Pile5B", "GPT175B", "Lambada126M", "TinySynthetic"):
+        assert name in result.stdout
+
+
+def test_show_json():
+    result = _run("-m", "paxlite", "show", "--fdl_config=Synthetic126M", "--fdl.LR_COS_WARMUP=500",
+                  "--fdl.ICI_MESH_SHAPE=[1,8,1]", "--fdl.DCN_MESH_SHAPE=[1,2,1]", "--format=json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["experiment"] == "Synthetic126M"
+    assert info["num_params"] == 125_262_336
+    assert info["flops_per_token"] == 854_654_976
+    assert info["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}
+    assert info["global_batch_size"] == 4 * 16
+    assert info["hparams"]["LR_COS_DECAY_START"] == 501
+    assert len(info["hparams"]) > 40
+
+
+def test_show_rejects_unknown_override():
+    result = _run("-m", "paxlite", "show", "--fdl_config=GPT5B", "--fdl.LEARNING_RAT=1")
+    assert result.returncode == 2 and "LEARNING_RATE" in result.stderr
