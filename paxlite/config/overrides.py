@@ -271,8 +271,7 @@ def parse_value(raw: str, spec: HParamSpec) -> Any:
         return check_value(spec, raw, label=label)
     raise ConfigError(
         f"{label}: expected {type_name(spec.annotation)}, got {raw!r}, which is not a Python "
-        "literal (write numbers as 4 or 1e-4, lists as [1,8,1], None, true/false; if you meant a "
-        f"string, quote it: --fdl.{spec.name}='\"{raw}\"')"
+        "literal (write numbers as 4 or 1e-4, lists as [1,8,1], None, true/false)"
     )
 
 

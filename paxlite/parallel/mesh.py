@@ -70,8 +70,9 @@ def check_mesh_fits(config: MeshConfig, *, num_devices: int, num_processes: int)
     total = math.prod(ici) * math.prod(dcn)
     if total != num_devices:
         hint = (
-            f"for one node with {num_devices} devices pass --fdl.ICI_MESH_SHAPE=[{num_devices},1,1] "
-            f"--fdl.DCN_MESH_SHAPE=[1,1,1] (data parallel) or [1,{num_devices},1] (FSDP)"
+            f"for one node with {num_devices} device(s) pass --fdl.ICI_MESH_SHAPE=[{num_devices},1,1] "
+            "--fdl.DCN_MESH_SHAPE=[1,1,1]"
+            + (f" (data parallel; [1,{num_devices},1] for FSDP)" if num_devices > 1 else "")
         )
         raise MeshError(
             f"ICI_MESH_SHAPE={list(ici)} x DCN_MESH_SHAPE={list(dcn)} needs {total} devices, "

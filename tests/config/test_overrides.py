@@ -101,10 +101,12 @@ def test_parse_value_errors(name: str, raw: str, message: str) -> None:
     assert message in str(info.value)
 
 
-def test_unparseable_value_suggests_quoting() -> None:
+def test_unparseable_value_names_type_and_syntax() -> None:
     with pytest.raises(ConfigError) as info:
         parse_value("abc", _spec("NUM_LAYERS"))
-    assert "quote it: --fdl.NUM_LAYERS='\"abc\"'" in str(info.value)
+    message = str(info.value)
+    assert message.startswith("--fdl.NUM_LAYERS=abc: expected int, got 'abc'")
+    assert "lists as [1,8,1]" in message and "quote" not in message
 
 
 def test_parse_overrides_then_resolve() -> None:

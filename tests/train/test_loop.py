@@ -39,6 +39,7 @@ COMMON = [
     "EVAL_LOOP_NUM_BATCHES=1",
     "LR_COS_WARMUP=2",
     "LR_COS_DECAY_END=8",
+    "DROPOUT_PROB=0.1",  # resume must also reproduce the dropout masks
 ]
 
 
