@@ -130,6 +130,13 @@ def parse_job(argv) -> tuple:
 
     if len(argv) > 1:
         raise UsageError(f"unexpected positional arguments {argv[1:]}; flags look like --name=value")
+    unsupported = [f"--{name}" for name in ("fdl_config_file", "fiddler", "fdl_tags_set")
+                   if FLAGS[name].present]
+    if unsupported:
+        raise UsageError(
+            f"{', '.join(unsupported)} are Fiddle flags paxlite does not apply; select the experiment with "
+            "--fdl_config=NAME and set hyperparameters with --fdl.NAME=VALUE"
+        )
     if not FLAGS.job_log_dir:
         raise UsageError("--job_log_dir is required (checkpoints, summaries and metrics are written there)")
     experiment = load_experiment(FLAGS.fdl_config or "", FLAGS.fdl_set or [])
@@ -163,7 +170,7 @@ def main(argv) -> int:
 
     from paxlite.train.loop import Run, RunContext
 
-    job_dir = FLAGS.job_log_dir
+    job_dir = os.path.abspath(FLAGS.job_log_dir)
     os.makedirs(job_dir, exist_ok=True)
     try:
         run = Run(run_config, RunContext(job_dir=job_dir,

@@ -11,14 +11,14 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 ENV.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
 
 
-def _run(*args, timeout=300):
+def _run(*args, timeout=300, cwd=None):
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=timeout
+        [sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd
     )
 
 
-def _main(*flags):
-    return _run("-m", "paxlite.main", *flags)
+def _main(*flags, cwd=None):
+    return _run("-m", "paxlite.main", *flags, cwd=cwd)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,11 @@ def test_bad_input_is_one_clear_error(tmp_path, flags, message):
     assert not (job / "checkpoints").exists()  # stopped before any work
 
 
+def test_fiddle_flags_that_would_be_ignored_are_refused(tmp_path):
+    result = _main("--fdl_config=TinySynthetic", "--fiddler=double_layers", f"--job_log_dir={tmp_path}")
+    assert result.returncode == 2 and "--fiddler" in result.stderr
+
+
 def test_missing_job_log_dir():
     result = _main("--fdl_config=TinySynthetic")
     assert result.returncode == 2 and "--job_log_dir is required" in result.stderr
@@ -53,7 +58,8 @@ def test_train_then_eval_writes_the_job_directory(tmp_path):
         "--fdl_config=paxml.contrib.gpu.scripts_gpu.configs.TinySynthetic",
         "--fdl.MAX_STEPS=6", "--fdl.SUMMARY_INTERVAL_STEPS=3", "--fdl.CHECKPOINT_EVERY_N_STEPS=3",
         '--fdl.FPROP_DTYPE="float32"', "--fdl.USE_REPEATED_LAYER=True", "--fdl.ADAM_BETA1=0",
-        f"--job_log_dir={job}", "--alsologtostderr",
+        "--job_log_dir=job", "--alsologtostderr",  # relative, as users type it
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 6/6 | loss" in result.stderr

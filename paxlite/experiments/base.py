@@ -36,6 +36,17 @@ class LanguageModelExperiment(Experiment):
 
     data_source: ClassVar[DataSource] = DataSource.SYNTHETIC
 
+    def uses_synthetic_data(self) -> bool:
+        return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
+
+    def validate(self) -> None:
+        super().validate()
+        if self.uses_synthetic_data() and self.EVAL_LOOP_NUM_BATCHES == -1:
+            raise ConfigError(
+                "EVAL_LOOP_NUM_BATCHES=-1 means 'the whole eval set', and synthetic data has no end; "
+                "give a number of batches (e.g. --fdl.EVAL_LOOP_NUM_BATCHES=10)"
+            )
+
     # ------------------------------------------------------------------ parts
     def model_config(self) -> fdl.Config[TransformerConfig]:
         raise ConfigError(f"{self.name} does not describe a model; subclass a model family")
@@ -89,7 +100,7 @@ class LanguageModelExperiment(Experiment):
         return fdl.Config(MeshConfig, ici_mesh_shape=ici, dcn_mesh_shape=tuple(self.DCN_MESH_SHAPE))
 
     def data_config(self) -> fdl.Config[SyntheticDataConfig]:
-        if not self.SYNTHETIC_DATA and self.data_source is not DataSource.SYNTHETIC:
+        if not self.uses_synthetic_data():
             raise ConfigError(
                 f"{self.name} reads {self.data_source.value} data, and this version of paxlite has no "
                 f"{self.data_source.value} input pipeline yet; run it on synthetic tokens of the same shapes "

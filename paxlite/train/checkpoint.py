@@ -85,7 +85,8 @@ class Checkpointer:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps!r}.")
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep!r}.")
-        self._directory = epath.Path(directory)
+        # Orbax's async save refuses relative paths, and only reports it after training went on.
+        self._directory = epath.Path(os.path.abspath(directory))
         self._interval = save_interval_steps
         self._enable_saving = enable_saving
         if enable_saving:

@@ -113,3 +113,10 @@ def test_pile_without_data_pipeline_is_a_clear_error():
     with pytest.raises(ConfigError, match="SYNTHETIC_DATA=true"):
         experiment.run_config()
     assert load_experiment("Pile126M", ["SYNTHETIC_DATA=true"]).run_config() is not None
+
+
+def test_whole_eval_set_is_refused_for_synthetic_data():
+    from paxlite.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="EVAL_LOOP_NUM_BATCHES=-1"):
+        load_experiment("Synthetic126M", ["EVAL_LOOP_NUM_BATCHES=-1"])

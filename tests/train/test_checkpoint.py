@@ -83,6 +83,19 @@ def test_round_trip_bit_equal_with_shardings(tmp_path: pathlib.Path) -> None:
     _assert_state_equal(restored, _state(100), _abstract())
 
 
+def test_relative_directory(tmp_path: pathlib.Path, monkeypatch) -> None:
+    """Orbax's async save needs absolute paths; users type relative ones (`--job_log_dir=run1`)."""
+    monkeypatch.chdir(tmp_path)
+    with Checkpointer("run1/checkpoints", save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.save(1, _state(1))
+        ckpt.wait_until_finished()
+    assert _names(tmp_path / "run1" / "checkpoints") == ["checkpoint_00000001"]
+    with Checkpointer("run1/checkpoints", save_interval_steps=1, max_to_keep=None) as ckpt:
+        step, restored = ckpt.restore_latest(_abstract())
+    assert step == 1
+    _assert_state_equal(restored, _state(1), _abstract())
+
+
 def test_empty_directory_restores_nothing(tmp_path: pathlib.Path) -> None:
     with Checkpointer(tmp_path / "c", save_interval_steps=1, max_to_keep=None) as ckpt:
         assert ckpt.restore_latest(_abstract()) is None
