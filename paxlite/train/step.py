@@ -132,12 +132,14 @@ class CompiledSteps:
     batch_sharding: jax.sharding.NamedSharding
 
 
-def _with_rules(fn, logical_rules):
-    @functools.wraps(fn)
+def _with_rules(fn, logical_rules, *, name: str):
+    """Trace `fn` under the logical-axis rules; `name` is what compile logs and profiles show."""
+
     def wrapped(*args, **kwargs):
         with nn.logical_axis_rules(logical_rules):
             return fn(*args, **kwargs)
 
+    wrapped.__name__ = wrapped.__qualname__ = name
     return wrapped
 
 
@@ -183,7 +185,9 @@ def compile_steps(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
         )
 
-    init = jax.jit(_with_rules(init_state, logical_rules), out_shardings=state_shardings)
+    init = jax.jit(
+        _with_rules(init_state, logical_rules, name="init_state"), out_shardings=state_shardings
+    )
     abstract_state = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         jax.eval_shape(init_state),
@@ -201,13 +205,14 @@ def compile_steps(
                 deterministic=deterministic,
             ),
             logical_rules,
+            name="train_step",
         ),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
     )
     evaluate = jax.jit(
-        _with_rules(functools.partial(eval_step, model=model), logical_rules),
+        _with_rules(functools.partial(eval_step, model=model), logical_rules, name="eval_step"),
         in_shardings=(param_shardings, batch_sharding),
         out_shardings=replicated,
     )

@@ -132,7 +132,13 @@ def test_nan_loss_stops_without_saving(tmp_path):
     assert bad_step not in logged
 
 
-def test_disabled_checkpoint_saving_writes_none(tmp_path):
-    _run(tmp_path, ["MAX_STEPS=3", "CHECKPOINT_EVERY_N_STEPS=1"], saving=False)
+def test_disabled_checkpoint_saving_writes_none_and_mfu_uses_the_given_peak(tmp_path):
+    overrides = ["MAX_STEPS=3", "CHECKPOINT_EVERY_N_STEPS=1", "PEAK_TFLOPS=0.5"]
+    _run(tmp_path, overrides, saving=False)
     assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
-    assert len(_train_lines(tmp_path)) == 1  # the final step is always summarised
+    lines = _train_lines(tmp_path)
+    assert len(lines) == 1  # the final step is always summarised
+    experiment, _ = build_run_config("TinySynthetic", overrides)
+    # MFU = tokens/s x FLOPs per token / (peak x devices), with the peak from --fdl.PEAK_TFLOPS.
+    expected = lines[0]["tokens_per_s"] * experiment.flops_per_token() / (0.5e12 * 8)
+    assert lines[0]["mfu"] == pytest.approx(expected, rel=1e-9)
