@@ -128,24 +128,24 @@ class GPT175B(GPT126M):
     EVAL_INTERVAL_STEPS = 100
 
 
-class Synthetic126M(GPT126M):
-    """GPT126M on synthetic tokens (no I/O), 100 steps as Pax's synthetic GPU configs."""
+class SyntheticTokens:
+    """Mixin: synthetic tokens of the experiment's shapes (no I/O), 100 steps, as Pax's synthetic GPU configs."""
 
     data_source = DataSource.SYNTHETIC
     SYNTHETIC_DATA = True
     MAX_STEPS = 100
 
 
-class Synthetic5B(GPT5B):
-    data_source = DataSource.SYNTHETIC
-    SYNTHETIC_DATA = True
-    MAX_STEPS = 100
+class Synthetic126M(SyntheticTokens, GPT126M):
+    """GPT126M on synthetic tokens."""
 
 
-class Synthetic175B(GPT175B):
-    data_source = DataSource.SYNTHETIC
-    SYNTHETIC_DATA = True
-    MAX_STEPS = 100
+class Synthetic5B(SyntheticTokens, GPT5B):
+    """GPT5B on synthetic tokens."""
+
+
+class Synthetic175B(SyntheticTokens, GPT175B):
+    """GPT175B on synthetic tokens."""
 
 
 class Pile126M(GPT126M):
