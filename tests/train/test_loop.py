@@ -142,3 +142,14 @@ def test_disabled_checkpoint_saving_writes_none_and_mfu_uses_the_given_peak(tmp_
     # MFU = tokens/s x FLOPs per token / (peak x devices), with the peak from --fdl.PEAK_TFLOPS.
     expected = lines[0]["tokens_per_s"] * experiment.flops_per_token() / (0.5e12 * 8)
     assert lines[0]["mfu"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_bfloat16_scanned_stack_with_dropout_trains(tmp_path):
+    """The GPT5B-style path: bf16 compute over fp32 parameters, scanned layers with remat, input dropout."""
+    state = _run(tmp_path, ["MAX_STEPS=40", "SUMMARY_INTERVAL_STEPS=10", "FPROP_DTYPE=bfloat16",
+                            "USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_DOT_WITH_NO_BATCH_DIM",
+                            "INPUT_DROPOUT_PROB=0.1", "EVAL_INTERVAL_STEPS=1000"])
+    losses = [line["loss"] for line in _train_lines(tmp_path)]
+    assert losses[-1] < 0.75 * losses[0], losses
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(state.params))
+    assert state.params["layers"]["mlp"]["wi"]["kernel"].shape[0] == 2  # scanned: leading layers axis
