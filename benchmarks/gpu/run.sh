@@ -2,7 +2,8 @@
 # The GPU checks, in one call on a lent GPU machine (see docs/performance.md for where the numbers go).
 #   Synthetic126M: 50 steps, bf16 compute, one GPU, checkpoint saving off -> tokens/s and MFU from metrics.jsonl.
 # The device image has jax, flax, optax, orbax-checkpoint and sentencepiece but not fiddle, grain or tensorboardX:
-# fetch their wheels into .whl/ first (python3.12 manylinux wheels, see the device tool's README) and carry .whl.
+# fetch their wheels (and pytest, pluggy, iniconfig) into .whl/ first (python3.12 manylinux wheels, see the
+# device tool's README) and carry .whl.
 set -euo pipefail
 OUT_DIR=${OUT:-/tmp/paxlite_gpu}
 mkdir -p "$OUT_DIR"
@@ -18,6 +19,8 @@ export PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   python3 -c "import jax, flax, optax, orbax.checkpoint as o; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__); print(jax.devices())"
 } | tee "$OUT_DIR/environment.txt"
+
+JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT_DIR/gpu_tests.log" || true
 
 python3 -m paxlite.main --fdl_config=Synthetic126M \
   '--fdl.ICI_MESH_SHAPE=[1,1,1]' '--fdl.DCN_MESH_SHAPE=[1,1,1]' --fdl.FPROP_DTYPE=bfloat16 \
