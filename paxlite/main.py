@@ -168,7 +168,7 @@ def main(argv) -> int:
 
     import jax
 
-    from paxlite.train.loop import Run, RunContext
+    from paxlite.train.loop import Run, RunContext, TrainingDivergedError
 
     job_dir = os.path.abspath(FLAGS.job_log_dir)
     os.makedirs(job_dir, exist_ok=True)
@@ -181,11 +181,15 @@ def main(argv) -> int:
     with run:
         if jax.process_index() == 0:
             write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=sys.argv)
-        if Mode(FLAGS.mode) is Mode.EVAL:
-            metrics = run.run_eval()
-            logging.info("Eval: %s", metrics)
-        else:
-            run.train()
+        try:
+            if Mode(FLAGS.mode) is Mode.EVAL:
+                run.run_eval()
+            else:
+                run.train()
+        except (TrainingDivergedError, FileNotFoundError) as e:
+            logging.error("%s", e)
+            print(f"paxlite: error: {e}", file=sys.stderr)
+            return 1
     return 0
 
 
