@@ -34,6 +34,7 @@ PyTree = Any
 _STEP_PREFIX = "checkpoint"
 _STEP_DIGITS = 8
 _ITEM = "state"
+_DATA_ITEM = "data"  # the input iterators' positions, one JSON object per process
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
@@ -109,7 +110,7 @@ class Checkpointer:
                 cleanup_tmp_directories=False,
             )
         self._manager = ocp.CheckpointManager(
-            self._directory, options=options, item_names=(_ITEM,)
+            self._directory, options=options, item_names=(_ITEM, _DATA_ITEM)
         )
 
     @property
@@ -124,10 +125,14 @@ class Checkpointer:
         """Whether `step` is on the save interval (always False with saving disabled)."""
         return self._enable_saving and step % self._interval == 0
 
-    def save(self, step: int, state: PyTree, *, force: bool = False) -> bool:
+    def save(
+        self, step: int, state: PyTree, *, force: bool = False, data_state: Any = None
+    ) -> bool:
         """Starts saving `state` as `step`; returns whether a save was started.
 
         `force` saves off the interval (e.g. the final step) but never when saving is disabled.
+        `data_state`, when given, is a JSON-serialisable record of where the input pipelines stand
+        (already gathered from every process), saved beside the state and restored by `restore_data`.
         Raises CheckpointExistsError if the step is already saved (or being saved).
         """
         if not self._enable_saving or not (force or self.should_save(step)):
@@ -148,11 +153,19 @@ class Checkpointer:
                 step,
             )
         # force=True: the interval is ours; Orbax's own should_save also refuses steps <= latest.
-        return bool(
-            self._manager.save(
-                step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True
-            )
+        items = {_ITEM: ocp.args.StandardSave(state)}
+        if data_state is not None:
+            items[_DATA_ITEM] = ocp.args.JsonSave(data_state)
+        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+
+    def restore_data(self, step: int) -> Any:
+        """The data record saved with `step`, or None if that checkpoint has none."""
+        if not (self.step_path(step) / _DATA_ITEM).exists():
+            return None
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{_DATA_ITEM: ocp.args.JsonRestore()})
         )
+        return restored[_DATA_ITEM]
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree] | None:
         """Restores the newest readable checkpoint, or returns None when there is none.

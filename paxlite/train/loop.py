@@ -13,10 +13,12 @@ import os
 import time
 
 import jax
+import numpy as np
 from absl import logging
 
 from paxlite.config.run import RunConfig
-from paxlite.data.synthetic import SyntheticData
+from paxlite.data.feed import make_feed
+from paxlite.eval.lambada import acc_strict
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
@@ -55,6 +57,8 @@ class Run:
             batch_split=rules_lib.batch_split(self.mesh),
         )
         self.tokens_per_step = self.global_batch_size * config.data.seq_len
+        # Data first: a missing dataset or vocabulary is reported before anything is compiled.
+        self.data = make_feed(config.data, global_batch_size=self.global_batch_size)
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
         deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
@@ -68,7 +72,6 @@ class Run:
                 seed=config.loop.seed,
                 deterministic=deterministic,
             )
-        self.data = SyntheticData(config.data, global_batch_size=self.global_batch_size)
         self.peak_flops = flops_lib.peak_flops_per_device(
             jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops
         )
@@ -99,6 +102,7 @@ class Run:
             restored = self.checkpointer.restore_latest(self.steps.abstract_state)
             if restored is not None:
                 step, state = restored
+                self.data.restore(self.checkpointer.restore_data(step), step=step)
                 logging.info("Resumed from checkpoint step %d in %s", step, self.context.job_dir)
                 return state
             logging.info("No checkpoint in %s: initialising from seed %d",
@@ -107,21 +111,34 @@ class Run:
 
     # ---------------------------------------------------------------- eval
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        totals = {"loss_sum": 0.0, "correct_sum": 0.0, "num_tokens": 0.0}
+        sums = {"loss_sum": 0.0, "correct_tokens": 0.0, "target_tokens": 0.0}
+        per_example: dict[str, list[np.ndarray]] = {"correct": [], "targets": [], "weights": []}
         with jax.set_mesh(self.mesh):
-            for index in range(self.config.loop.eval_num_batches):
-                batch = self.data.eval_batch(index, self.steps.batch_sharding)
+            for batch in self.data.eval_batches(self.config.loop.eval_num_batches,
+                                                self.steps.batch_sharding):
                 out = jax.device_get(self.steps.eval(state.params, batch))
-                for key in totals:
-                    totals[key] += float(out[key])
-        tokens = max(totals["num_tokens"], 1.0)
-        loss = totals["loss_sum"] / tokens
-        return {
+                for key in sums:
+                    sums[key] += float(np.sum(out[key]))
+                if "example_weights" in batch:
+                    per_example["correct"].append(out["correct_tokens"])
+                    per_example["targets"].append(out["target_tokens"])
+                    per_example["weights"].append(np.asarray(jax.device_get(batch["example_weights"])))
+        if sums["target_tokens"] == 0:
+            raise ValueError("the evaluation data has no weighted tokens; nothing to evaluate")
+        loss = sums["loss_sum"] / sums["target_tokens"]
+        metrics = {
             "loss": loss,
-            "accuracy": totals["correct_sum"] / tokens,
+            "accuracy": sums["correct_tokens"] / sums["target_tokens"],
             "log_pplx": loss,
-            "num_tokens": totals["num_tokens"],
+            "num_tokens": sums["target_tokens"],
         }
+        if per_example["weights"]:
+            metrics["acc_strict"] = acc_strict(
+                correct_tokens=np.concatenate(per_example["correct"]),
+                target_tokens=np.concatenate(per_example["targets"]),
+                example_weights=np.concatenate(per_example["weights"]),
+            )
+        return metrics
 
     def run_eval(self) -> dict[str, float]:
         """--mode=eval: evaluate the latest checkpoint; there must be one."""
@@ -176,7 +193,8 @@ class Run:
                     self.writer.write_eval(step, self.evaluate(state))
                 if self.checkpointer.should_save(step) or step == loop.max_steps:
                     self._check_state_finite(step, state)
-                    self.checkpointer.save(step, state, force=step == loop.max_steps)
+                    self.checkpointer.save(step, state, force=step == loop.max_steps,
+                                           data_state=self.data.state())
                 timer_start, timer_steps = time.perf_counter(), 0
             if pending is not None:
                 self._check_finite(*pending)

@@ -107,16 +107,25 @@ def train_step(
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(params: PyTree, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
-    """Sums (not means) so that batches of different token counts combine exactly."""
-    logits = _apply(model, params, batch, dropout_rng=None, deterministic=True)
-    weights = batch["weights"].astype(jnp.float32)
-    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+def per_example_scores(logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+    """Per-row sums [B] over weighted positions: greedy hits, weighted token count, cross entropy.
+
+    Sums rather than means, so rows and batches of any size combine exactly, and whole-example
+    metrics (Pax's Lambada acc_strict: every target token right) can be formed on the host.
+    """
+    logits = logits.astype(jnp.float32)  # [B, T, V]
+    targets = batch["targets"]  # [B, T]
+    weights = batch["weights"].astype(jnp.float32)  # [B, T]
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)  # [B, T]
     return {
-        "loss_sum": jnp.sum(token_losses(logits, batch["targets"]) * weights),
-        "correct_sum": jnp.sum(correct * weights),
-        "num_tokens": jnp.sum(weights),
+        "correct_tokens": jnp.sum(correct * weights, axis=-1),
+        "target_tokens": jnp.sum(weights, axis=-1),
+        "loss_sum": jnp.sum(token_losses(logits, targets) * weights, axis=-1),
     }
+
+
+def eval_step(params: PyTree, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
+    return per_example_scores(_apply(model, params, batch, dropout_rng=None, deterministic=True), batch)
 
 
 @dataclasses.dataclass(frozen=True)

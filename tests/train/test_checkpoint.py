@@ -245,3 +245,18 @@ def test_existing_step_is_an_error(tmp_path: pathlib.Path) -> None:
 def test_invalid_arguments(tmp_path: pathlib.Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Checkpointer(tmp_path, **kwargs)
+
+
+def test_data_state_is_saved_beside_the_train_state(tmp_path: pathlib.Path) -> None:
+    directory = tmp_path / "checkpoints"
+    record = {"process_count": 1, "states": [{"epoch": 2, "grain": {"next_index": 17}}]}
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.save(1, _state(1))  # synthetic data: nothing to record
+        assert ckpt.save(2, _state(2), data_state=record)
+        ckpt.wait_until_finished()
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        step, restored = ckpt.restore_latest(_abstract())
+        assert step == 2
+        assert ckpt.restore_data(2) == record
+        assert ckpt.restore_data(1) is None
+    _assert_state_equal(restored, _state(2), _abstract())

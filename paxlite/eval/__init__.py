@@ -1,0 +1,1 @@
+"""Zero-shot evaluation tasks (Lambada acc_strict) over a trained language model."""
