@@ -22,11 +22,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(BIN)/python -m paxlite.main --fdl_config=DemoSynthetic --job_log_dir=$(DEMO_DIR) --alsologtostderr
-	@echo "Job directory: $(DEMO_DIR) (metrics.jsonl, summaries/, checkpoints/, config.json)"
+	$(BIN)/python -m paxlite.demo --work_dir=build/demo --job_log_dir=$(DEMO_DIR)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_step.py
 
 clean:
-	rm -rf $(VENV) demo_job .pytest_cache
+	rm -rf $(VENV) demo_job build .pytest_cache

@@ -83,12 +83,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     show = commands.add_parser("show", help="one experiment, resolved (accepts --fdl.NAME=VALUE)")
     show.add_argument("--fdl_config", required=True, help="registered name, dotted path or Pax name")
     show.add_argument("--format", choices=("text", "json"), default="text")
+    plot = commands.add_parser("plot", help="PNG of a job's train and validation loss curves")
+    plot.add_argument("job_log_dir")
+    plot.add_argument("--output", default=None, help="PNG path (default: JOB_LOG_DIR/loss.png)")
     args, extra = parser.parse_known_args(argv)
     assignments = []
     for item in extra:
         if not item.startswith("--fdl."):
             parser.error(f"unrecognized argument {item!r}; overrides look like --fdl.NAME=VALUE")
         assignments.append(item[len("--fdl."):])
+    if args.command == "plot":
+        if extra:
+            parser.error(f"unrecognized arguments {extra}")
+        from paxlite.train.plot import plot_losses
+
+        try:
+            print(plot_losses(args.job_log_dir, args.output))
+        except (FileNotFoundError, ValueError) as e:
+            print(f"paxlite: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "list":
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")

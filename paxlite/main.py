@@ -168,6 +168,8 @@ def main(argv) -> int:
 
     import jax
 
+    from paxlite.data.records import DatasetError
+    from paxlite.data.tokenizer import VocabError
     from paxlite.train.loop import Run, RunContext, TrainingDivergedError
 
     job_dir = os.path.abspath(FLAGS.job_log_dir)
@@ -175,7 +177,7 @@ def main(argv) -> int:
     try:
         run = Run(run_config, RunContext(job_dir=job_dir,
                                          enable_checkpoint_saving=FLAGS.enable_checkpoint_saving))
-    except MeshError as e:
+    except (MeshError, DatasetError, VocabError) as e:
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
     with run:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.transformer import TransformerConfig
 from paxlite.parallel.mesh import MeshConfig
@@ -36,5 +37,5 @@ class RunConfig:
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
     mesh: MeshConfig
-    data: SyntheticDataConfig
+    data: SyntheticDataConfig | TextDataConfig
     loop: LoopConfig

@@ -26,5 +26,6 @@ EXPERIMENTS = MappingProxyType(
         "TinySynthetic": tiny.TinySynthetic,
         "TinySyntheticRepeated": tiny.TinySyntheticRepeated,
         "DemoSynthetic": tiny.DemoSynthetic,
+        "TinyShakespeare": tiny.TinyShakespeare,
     }
 )

@@ -8,6 +8,7 @@ whole run and `fdl.build` turns it into plain dataclasses.
 from __future__ import annotations
 
 import enum
+import os
 from typing import ClassVar
 
 import fiddle as fdl
@@ -15,6 +16,7 @@ import fiddle as fdl
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Experiment
 from paxlite.config.run import LoopConfig, RunConfig
+from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.transformer import RematPolicy, TransformerConfig
 from paxlite.parallel.mesh import MeshConfig
@@ -27,7 +29,7 @@ class DataSource(str, enum.Enum):
     """Where an experiment's training tokens come from (SYNTHETIC_DATA=true replaces any of them)."""
 
     SYNTHETIC = "synthetic"
-    PILE = "pile"
+    TEXT = "text"  # a dataset directory made by `python -m paxlite.data.prepare` (DATA_DIR)
     LAMBADA = "lambada"
 
 
@@ -35,6 +37,9 @@ class LanguageModelExperiment(Experiment):
     """Base of every registered experiment: maps hyperparameters to a `RunConfig` Fiddle tree."""
 
     data_source: ClassVar[DataSource] = DataSource.SYNTHETIC
+
+    DATA_DIR: str | None = None  # a directory made by `python -m paxlite.data.prepare`
+    VOCAB_PATH: str | None = None  # SentencePiece model; None: the VOCAB_PATH environment variable (Pax)
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
@@ -99,15 +104,31 @@ class LanguageModelExperiment(Experiment):
         ici = None if self.ICI_MESH_SHAPE is None else tuple(self.ICI_MESH_SHAPE)
         return fdl.Config(MeshConfig, ici_mesh_shape=ici, dcn_mesh_shape=tuple(self.DCN_MESH_SHAPE))
 
-    def data_config(self) -> fdl.Config[SyntheticDataConfig]:
-        if not self.uses_synthetic_data():
-            raise ConfigError(
-                f"{self.name} reads {self.data_source.value} data, and this version of paxlite has no "
-                f"{self.data_source.value} input pipeline yet; run it on synthetic tokens of the same shapes "
-                "with --fdl.SYNTHETIC_DATA=true"
+    def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig]:
+        if self.uses_synthetic_data():
+            return fdl.Config(
+                SyntheticDataConfig, vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, seed=self.SEED
             )
-        return fdl.Config(
-            SyntheticDataConfig, vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, seed=self.SEED
+        if self.data_source is DataSource.TEXT:
+            if self.DATA_DIR is None:
+                raise ConfigError(
+                    f"{self.name} trains on text and DATA_DIR is not set: pass --fdl.DATA_DIR=<a directory made "
+                    "by python -m paxlite.data.prepare> (for The Pile, prepare its *.jsonl.zst shards), or run on "
+                    "synthetic tokens of the same shapes with --fdl.SYNTHETIC_DATA=true"
+                )
+            return fdl.Config(
+                TextDataConfig,
+                data_dir=self.DATA_DIR,
+                vocab_path=self.VOCAB_PATH or os.environ.get("VOCAB_PATH") or None,
+                vocab_size=self.VOCAB_SIZE,
+                seq_len=self.MAX_SEQ_LEN,
+                packed=self.PACKED_INPUT,
+                seed=self.SEED,
+            )
+        raise ConfigError(
+            f"{self.name} reads {self.data_source.value} data, and this version of paxlite has no "
+            f"{self.data_source.value} input pipeline yet; run it on synthetic tokens of the same shapes "
+            "with --fdl.SYNTHETIC_DATA=true"
         )
 
     def flops_per_token(self) -> int:

@@ -16,7 +16,7 @@ from paxlite.models.transformer import Activation, NormKind, TransformerConfig
 class GPT126M(LanguageModelExperiment):
     """Pax GPT126MBase: 12 layers, 12 heads x 64, d_model 768, ffn 3072, 125,262,336 parameters."""
 
-    data_source = DataSource.PILE
+    data_source = DataSource.TEXT
 
     NUM_LAYERS = 12
     NUM_HEADS = 12

@@ -58,3 +58,33 @@ class DemoSynthetic(TinySynthetic):
     CHECKPOINT_EVERY_N_STEPS = 100
     SUMMARY_INTERVAL_STEPS = 20
     EVAL_INTERVAL_STEPS = 100
+
+
+class TinyShakespeare(TinySynthetic):
+    """`make demo`: a small GPT on Shakespeare's works, tokenised with a 2,048-piece SentencePiece model.
+
+    Needs DATA_DIR (made by `python -m paxlite.data.prepare`) and VOCAB_PATH; `make demo` builds both.
+    Sized to train in a few minutes on two CPU cores.
+    """
+
+    data_source = DataSource.TEXT
+    SYNTHETIC_DATA = False
+    NUM_LAYERS = 4
+    NUM_HEADS = 4
+    MODEL_DIMS = 128
+    HIDDEN_DIMS = 512
+    DIMS_PER_HEAD = 32
+    VOCAB_SIZE = 2048
+    MAX_SEQ_LEN = 128
+    PERCORE_BATCH_SIZE = 16
+    PACKED_INPUT = True
+    DROPOUT_PROB = 0.0
+    MAX_STEPS = 600
+    LEARNING_RATE = 3e-3
+    LR_COS_WARMUP = 60
+    LR_COS_DECAY_END = 600
+    WEIGHT_DECAY = 0.1
+    CHECKPOINT_EVERY_N_STEPS = 200
+    SUMMARY_INTERVAL_STEPS = 20
+    EVAL_INTERVAL_STEPS = 100
+    EVAL_LOOP_NUM_BATCHES = 8

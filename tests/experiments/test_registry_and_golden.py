@@ -106,12 +106,14 @@ def test_model_config_follows_overrides():
     assert (schedule.warmup_steps, schedule.decay_start) == (500, 501)  # derived after the override
 
 
-def test_pile_without_data_pipeline_is_a_clear_error():
+def test_pile_without_data_dir_is_a_clear_error():
     from paxlite.config.errors import ConfigError
 
     experiment = load_experiment("Pile126M")
-    with pytest.raises(ConfigError, match="SYNTHETIC_DATA=true"):
+    with pytest.raises(ConfigError, match=r"DATA_DIR is not set.*--fdl.SYNTHETIC_DATA=true"):
         experiment.run_config()
+    text = fdl.build(load_experiment("Pile126M", ["DATA_DIR=/data/pile", "VOCAB_PATH=/v.model"]).data_config())
+    assert (text.data_dir, text.vocab_path, text.seq_len, text.packed) == ("/data/pile", "/v.model", 2048, True)
     assert load_experiment("Pile126M", ["SYNTHETIC_DATA=true"]).run_config() is not None
 
 
