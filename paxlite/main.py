@@ -163,8 +163,10 @@ def main(argv) -> int:
             return 2
         jax.distributed.initialize(FLAGS.server_addr, FLAGS.num_hosts, FLAGS.host_idx)
     if FLAGS.tfds_data_dir:
-        logging.info("--tfds_data_dir=%s is not read by %s's synthetic data", FLAGS.tfds_data_dir,
-                     experiment.name)
+        logging.warning(
+            "--tfds_data_dir=%s is accepted for Pax scripts but not read: this version has no TFDS/SeqIO "
+            "input path; %s reads --fdl.DATA_DIR (python -m paxlite.data.prepare) or synthetic data",
+            FLAGS.tfds_data_dir, experiment.name)
 
     import jax
 
@@ -176,8 +178,9 @@ def main(argv) -> int:
     os.makedirs(job_dir, exist_ok=True)
     try:
         run = Run(run_config, RunContext(job_dir=job_dir,
-                                         enable_checkpoint_saving=FLAGS.enable_checkpoint_saving))
-    except (MeshError, DatasetError, VocabError) as e:
+                                         enable_checkpoint_saving=FLAGS.enable_checkpoint_saving,
+                                         training=Mode(FLAGS.mode) is Mode.TRAIN))
+    except (MeshError, DatasetError, VocabError, FileNotFoundError, ValueError) as e:
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
     with run:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from paxlite.data.feed import LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.transformer import TransformerConfig
@@ -37,5 +38,6 @@ class RunConfig:
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
     mesh: MeshConfig
-    data: SyntheticDataConfig | TextDataConfig
+    data: SyntheticDataConfig | TextDataConfig | None  # None: evaluation-only (no training data given)
+    eval_task: LambadaEvalConfig | None = None  # None: evaluate on the training data's eval split
     loop: LoopConfig

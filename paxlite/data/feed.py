@@ -8,12 +8,13 @@ batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from paxlite.data.synthetic import SyntheticData, SyntheticDataConfig
 from paxlite.parallel.multihost import allgather_json
@@ -38,6 +39,8 @@ class Feed(Protocol):
 class SyntheticFeed:
     """Synthetic batches are a function of the step: nothing to save."""
 
+    metric_prefix = ""
+
     def __init__(self, config: SyntheticDataConfig, *, global_batch_size: int):
         self._data = SyntheticData(config, global_batch_size=global_batch_size)
 
@@ -55,12 +58,20 @@ class SyntheticFeed:
         del record, step
 
 
-def _to_global(local: dict[str, np.ndarray], sharding: Sharding) -> Batch:
-    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local.items()}
+def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding) -> Batch:
+    """Rows split as `sharding` says; per-example arrays ([B]) use its batch axes only."""
+    return {
+        key: jax.make_array_from_process_local_data(
+            NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[: value.ndim])), value
+        )
+        for key, value in local.items()
+    }
 
 
 class TextFeed:
     """Batches from a prepared dataset; the iterator position is saved in every checkpoint."""
+
+    metric_prefix = ""
 
     def __init__(self, config, *, global_batch_size: int):
         from paxlite.data.pipeline import TextData  # grain and SentencePiece only on this path
@@ -112,7 +123,52 @@ class TextFeed:
         self._next_index = step
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LambadaEvalConfig:
+    """Zero-shot Lambada (Pax `lambada_eval`): a JSONL file of passages and the tokenizer."""
+
+    path: str
+    vocab_path: str
+    seq_len: int
+    targets_len: int = 64
+
+
+class LambadaFeed:
+    """Evaluation only: every example once, in order; reported as lambada_acc_strict."""
+
+    metric_prefix = "lambada_"
+
+    def __init__(self, config: LambadaEvalConfig, *, global_batch_size: int):
+        from paxlite.data.tokenizer import Tokenizer
+        from paxlite.eval.lambada import read_lambada
+
+        self._config = config
+        self._examples = read_lambada(config.path)  # read and checked now, before compiling
+        self._tokenizer = Tokenizer(config.vocab_path)
+        self._global_batch_size = global_batch_size
+        if global_batch_size % jax.process_count():
+            raise ValueError(
+                f"global batch {global_batch_size} does not divide over {jax.process_count()} processes"
+            )
+
+    def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
+        """num_batches -1 (Pax's eval_loop_num_batches=-1): the whole set."""
+        from paxlite.eval.lambada import lambada_batches
+
+        local = self._global_batch_size // jax.process_count()
+        rows = slice(jax.process_index() * local, (jax.process_index() + 1) * local)
+        batches = lambada_batches(self._examples, self._tokenizer, seq_len=self._config.seq_len,
+                                  batch_size=self._global_batch_size,
+                                  targets_len=self._config.targets_len)
+        for index, batch in enumerate(batches):
+            if index == num_batches:
+                break
+            yield _to_global({key: value[rows] for key, value in batch.items()}, sharding)
+
+
 def make_feed(config, *, global_batch_size: int) -> Feed:
+    if isinstance(config, LambadaEvalConfig):
+        return LambadaFeed(config, global_batch_size=global_batch_size)
     if isinstance(config, SyntheticDataConfig):
         return SyntheticFeed(config, global_batch_size=global_batch_size)
     return TextFeed(config, global_batch_size=global_batch_size)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Experiment
 from paxlite.config.run import LoopConfig, RunConfig
+from paxlite.data.feed import LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.transformer import RematPolicy, TransformerConfig
@@ -30,7 +31,6 @@ class DataSource(str, enum.Enum):
 
     SYNTHETIC = "synthetic"
     TEXT = "text"  # a dataset directory made by `python -m paxlite.data.prepare` (DATA_DIR)
-    LAMBADA = "lambada"
 
 
 class LanguageModelExperiment(Experiment):
@@ -40,13 +40,16 @@ class LanguageModelExperiment(Experiment):
 
     DATA_DIR: str | None = None  # a directory made by `python -m paxlite.data.prepare`
     VOCAB_PATH: str | None = None  # SentencePiece model; None: the VOCAB_PATH environment variable (Pax)
+    EVAL_TASK: Literal["validation", "lambada"] = "validation"  # what EVAL_INTERVAL_STEPS / --mode=eval score
+    LAMBADA_PATH: str | None = None  # lambada_test.jsonl ({"text": ...} lines) for EVAL_TASK="lambada"
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
 
     def validate(self) -> None:
         super().validate()
-        if self.uses_synthetic_data() and self.EVAL_LOOP_NUM_BATCHES == -1:
+        whole_eval_set = self.EVAL_LOOP_NUM_BATCHES == -1
+        if self.uses_synthetic_data() and self.EVAL_TASK == "validation" and whole_eval_set:
             raise ConfigError(
                 "EVAL_LOOP_NUM_BATCHES=-1 means 'the whole eval set', and synthetic data has no end; "
                 "give a number of batches (e.g. --fdl.EVAL_LOOP_NUM_BATCHES=10)"
@@ -104,31 +107,43 @@ class LanguageModelExperiment(Experiment):
         ici = None if self.ICI_MESH_SHAPE is None else tuple(self.ICI_MESH_SHAPE)
         return fdl.Config(MeshConfig, ici_mesh_shape=ici, dcn_mesh_shape=tuple(self.DCN_MESH_SHAPE))
 
-    def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig]:
+    def vocab_path(self) -> str | None:
+        return self.VOCAB_PATH or os.environ.get("VOCAB_PATH") or None
+
+    def eval_task_config(self) -> fdl.Config[LambadaEvalConfig] | None:
+        if self.EVAL_TASK == "validation":
+            return None
+        if self.LAMBADA_PATH is None or self.vocab_path() is None:
+            raise ConfigError(
+                f"EVAL_TASK=lambada needs --fdl.LAMBADA_PATH=<lambada_test.jsonl> and a tokenizer "
+                f"(--fdl.VOCAB_PATH or the VOCAB_PATH environment variable); got LAMBADA_PATH="
+                f"{self.LAMBADA_PATH}, VOCAB_PATH={self.vocab_path()}"
+            )
+        return fdl.Config(
+            LambadaEvalConfig, path=self.LAMBADA_PATH, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN
+        )
+
+    def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig] | None:
         if self.uses_synthetic_data():
             return fdl.Config(
                 SyntheticDataConfig, vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, seed=self.SEED
             )
-        if self.data_source is DataSource.TEXT:
-            if self.DATA_DIR is None:
-                raise ConfigError(
-                    f"{self.name} trains on text and DATA_DIR is not set: pass --fdl.DATA_DIR=<a directory made "
-                    "by python -m paxlite.data.prepare> (for The Pile, prepare its *.jsonl.zst shards), or run on "
-                    "synthetic tokens of the same shapes with --fdl.SYNTHETIC_DATA=true"
-                )
-            return fdl.Config(
-                TextDataConfig,
-                data_dir=self.DATA_DIR,
-                vocab_path=self.VOCAB_PATH or os.environ.get("VOCAB_PATH") or None,
-                vocab_size=self.VOCAB_SIZE,
-                seq_len=self.MAX_SEQ_LEN,
-                packed=self.PACKED_INPUT,
-                seed=self.SEED,
+        if self.DATA_DIR is None and self.EVAL_TASK != "validation":
+            return None  # evaluation-only; training without data is refused when it starts
+        if self.DATA_DIR is None:
+            raise ConfigError(
+                f"{self.name} trains on text and DATA_DIR is not set: pass --fdl.DATA_DIR=<a directory made "
+                "by python -m paxlite.data.prepare> (for The Pile, prepare its *.jsonl.zst shards), or run on "
+                "synthetic tokens of the same shapes with --fdl.SYNTHETIC_DATA=true"
             )
-        raise ConfigError(
-            f"{self.name} reads {self.data_source.value} data, and this version of paxlite has no "
-            f"{self.data_source.value} input pipeline yet; run it on synthetic tokens of the same shapes "
-            "with --fdl.SYNTHETIC_DATA=true"
+        return fdl.Config(
+            TextDataConfig,
+            data_dir=self.DATA_DIR,
+            vocab_path=self.vocab_path(),
+            vocab_size=self.VOCAB_SIZE,
+            seq_len=self.MAX_SEQ_LEN,
+            packed=self.PACKED_INPUT,
+            seed=self.SEED,
         )
 
     def flops_per_token(self) -> int:
@@ -170,5 +185,6 @@ class LanguageModelExperiment(Experiment):
             schedule=self.schedule_config(),
             mesh=self.mesh_config(),
             data=self.data_config(),
+            eval_task=self.eval_task_config(),
             loop=self.loop_config(),
         )

@@ -161,7 +161,9 @@ class Pile175B(GPT175B):
 
 
 class Lambada126M(GPT126M):
-    """Zero-shot Lambada evaluation of a GPT126M checkpoint (Pax: ICI [8,1,1])."""
+    """Zero-shot Lambada (acc_strict, perplexity) of GPT126M: `--mode=eval` on a pretraining job directory, or
+    interleaved with training on DATA_DIR (Pax: ICI [8,1,1])."""
 
-    data_source = DataSource.LAMBADA
+    EVAL_TASK = "lambada"
+    EVAL_LOOP_NUM_BATCHES = -1  # the whole set, as Pax
     ICI_MESH_SHAPE = [8, 1, 1]

@@ -41,6 +41,7 @@ class RunContext:
     job_dir: str
     enable_checkpoint_saving: bool = True
     async_checkpointing: bool = True
+    training: bool = True  # False (--mode=eval): the training data is not opened
 
 
 class Run:
@@ -56,9 +57,19 @@ class Run:
             num_devices=num_devices,
             batch_split=rules_lib.batch_split(self.mesh),
         )
-        self.tokens_per_step = self.global_batch_size * config.data.seq_len
+        seq_len = config.model.max_seq_len
+        self.tokens_per_step = self.global_batch_size * seq_len
         # Data first: a missing dataset or vocabulary is reported before anything is compiled.
-        self.data = make_feed(config.data, global_batch_size=self.global_batch_size)
+        needs_train_data = context.training or config.eval_task is None
+        if needs_train_data and config.data is None:
+            raise ValueError(
+                f"{config.experiment} has no training data: pass --fdl.DATA_DIR=<a directory made by "
+                "python -m paxlite.data.prepare> or --fdl.SYNTHETIC_DATA=true"
+            )
+        self.data = (make_feed(config.data, global_batch_size=self.global_batch_size)
+                     if needs_train_data else None)
+        self.eval_data = (make_feed(config.eval_task, global_batch_size=self.global_batch_size)
+                          if config.eval_task is not None else self.data)
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
         deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
@@ -68,7 +79,7 @@ class Run:
                 optimizer=make_optimizer(config.optimizer, self.schedule),
                 schedule=self.schedule,
                 mesh=self.mesh,
-                seq_len=config.data.seq_len,
+                seq_len=seq_len,
                 seed=config.loop.seed,
                 deterministic=deterministic,
             )
@@ -102,7 +113,8 @@ class Run:
             restored = self.checkpointer.restore_latest(self.steps.abstract_state)
             if restored is not None:
                 step, state = restored
-                self.data.restore(self.checkpointer.restore_data(step), step=step)
+                if self.data is not None:
+                    self.data.restore(self.checkpointer.restore_data(step), step=step)
                 logging.info("Resumed from checkpoint step %d in %s", step, self.context.job_dir)
                 return state
             logging.info("No checkpoint in %s: initialising from seed %d",
@@ -114,15 +126,15 @@ class Run:
         sums = {"loss_sum": 0.0, "correct_tokens": 0.0, "target_tokens": 0.0}
         per_example: dict[str, list[np.ndarray]] = {"correct": [], "targets": [], "weights": []}
         with jax.set_mesh(self.mesh):
-            for batch in self.data.eval_batches(self.config.loop.eval_num_batches,
-                                                self.steps.batch_sharding):
+            for batch in self.eval_data.eval_batches(self.config.loop.eval_num_batches,
+                                                     self.steps.batch_sharding):
                 out = jax.device_get(self.steps.eval(state.params, batch))
                 for key in sums:
                     sums[key] += float(np.sum(out[key]))
-                if "example_weights" in batch:
+                if "example_weights" in out:
                     per_example["correct"].append(out["correct_tokens"])
                     per_example["targets"].append(out["target_tokens"])
-                    per_example["weights"].append(np.asarray(jax.device_get(batch["example_weights"])))
+                    per_example["weights"].append(out["example_weights"])
         if sums["target_tokens"] == 0:
             raise ValueError("the evaluation data has no weighted tokens; nothing to evaluate")
         loss = sums["loss_sum"] / sums["target_tokens"]
@@ -133,7 +145,7 @@ class Run:
             "num_tokens": sums["target_tokens"],
         }
         if per_example["weights"]:
-            metrics["acc_strict"] = acc_strict(
+            metrics[f"{self.eval_data.metric_prefix}acc_strict"] = acc_strict(
                 correct_tokens=np.concatenate(per_example["correct"]),
                 target_tokens=np.concatenate(per_example["targets"]),
                 example_weights=np.concatenate(per_example["weights"]),
@@ -165,7 +177,7 @@ class Run:
         logging.info(
             "Training %s from step %d to %d: global batch %d x %d tokens on mesh %s",
             self.config.experiment, start, loop.max_steps, self.global_batch_size,
-            self.config.data.seq_len, dict(self.mesh.shape),
+            self.config.model.max_seq_len, dict(self.mesh.shape),
         )
         pending: tuple[int, dict[str, jax.Array]] | None = None
         timer_start, timer_steps = time.perf_counter(), 0

@@ -125,7 +125,10 @@ def per_example_scores(logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
 
 
 def eval_step(params: PyTree, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
-    return per_example_scores(_apply(model, params, batch, dropout_rng=None, deterministic=True), batch)
+    scores = per_example_scores(_apply(model, params, batch, dropout_rng=None, deterministic=True), batch)
+    if "example_weights" in batch:  # which rows are real examples (0: padding that fills a batch)
+        scores["example_weights"] = batch["example_weights"].astype(jnp.float32)
+    return scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +225,8 @@ def compile_steps(
     )
     evaluate = jax.jit(
         _with_rules(functools.partial(eval_step, model=model), logical_rules, name="eval_step"),
-        in_shardings=(param_shardings, batch_sharding),
+        # Batches arrive as global arrays already laid out by the feed (rows over data x fsdp).
+        in_shardings=(param_shardings, None),
         out_shardings=replicated,
     )
     all_finite = jax.jit(

@@ -84,3 +84,35 @@ def test_missing_dataset_stops_before_compiling(tmp_path, dataset):
     with pytest.raises(ValueError, match="nowhere"):
         Run(config, RunContext(job_dir=str(tmp_path / "job")))
     assert not (tmp_path / "job" / "checkpoints").exists()
+
+
+def test_lambada_eval_interleaved_and_eval_only(tmp_path, dataset):
+    from paxlite.data.tokenizer import Tokenizer
+
+    _, vocab = dataset
+    rng = random.Random(1)
+    passages = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 20))) for _ in range(11)]
+    lambada = tmp_path / "lambada_test.jsonl"
+    lambada.write_text("".join(json.dumps({"text": p}) + "\n" for p in passages))
+    overrides = _overrides(dataset, 4) + ["EVAL_TASK=lambada", f"LAMBADA_PATH={lambada}",
+                                          "EVAL_LOOP_NUM_BATCHES=-1", "EVAL_INTERVAL_STEPS=2"]
+    job = tmp_path / "job"
+    _train(job, overrides)
+    with open(job / "metrics.jsonl") as f:
+        evals = [r for r in map(json.loads, f) if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    tokenizer = Tokenizer(vocab)
+    target_tokens = sum(len(tokenizer.encode(" " + p.split()[-1])) for p in passages)
+    for record in evals:
+        assert record["eval/num_tokens"] == target_tokens  # only target tokens are scored
+        correct = record["eval/lambada_acc_strict"] * len(passages)
+        assert abs(correct - round(correct)) < 1e-9  # a fraction of whole examples, padding rows excluded
+
+    # --mode=eval: no training data needed, the latest checkpoint is scored and logged at its step.
+    eval_only = [o for o in overrides if not o.startswith("DATA_DIR=")]
+    _, config = build_run_config("TinyShakespeare", eval_only)
+    assert config.data is None
+    with Run(config, RunContext(job_dir=str(job), training=False)) as run:
+        metrics = run.run_eval()
+    assert metrics["lambada_acc_strict"] == evals[-1]["eval/lambada_acc_strict"]
+    assert metrics["loss"] == pytest.approx(evals[-1]["eval/loss"], rel=1e-6)
