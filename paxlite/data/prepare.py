@@ -14,7 +14,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from paxlite.data.records import DatasetError, DatasetInfo, Kind, iter_documents, shard_paths
+from paxlite.data.inputs import iter_documents
+from paxlite.data.records import DatasetError, DatasetInfo, Kind, shard_paths
 from paxlite.data.records import write_dataset
 from paxlite.data.tokenizer import Tokenizer, VocabError
 

@@ -1,4 +1,4 @@
-"""Reading raw corpora; writing and reading paxlite dataset directories (ArrayRecord + manifest).
+"""Writing and reading paxlite dataset directories (ArrayRecord + manifest).
 
 On disk: `DIR/paxlite_dataset.json` (the manifest) and `{split}-NNNNN-of-NNNNN.array_record` shards,
 one document per record (UTF-8 text, or little-endian int32 token ids without EOS).
@@ -14,18 +14,17 @@ from __future__ import annotations
 import array
 import dataclasses
 import enum
-import gzip
-import io
 import json
 import math
 import os
-import sys
-import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from array_record.python import array_record_module
+
+from paxlite.data.errors import DatasetError
+from paxlite.data.inputs import Progress
 
 if TYPE_CHECKING:
     from paxlite.data.tokenizer import Tokenizer
@@ -37,13 +36,8 @@ SHARD_BYTES = 64 * 2**20
 _STAGING = ".paxlite_staging.array_record"
 _ENCODE_BATCH = 512
 _READ_BATCH = 1024
-_TEXT_SUFFIXES = (".txt",)
-_JSONL_SUFFIXES = (".jsonl", ".json")
-_COMPRESSIONS = (".gz", ".zst")
 
 
-class DatasetError(ValueError):
-    """Bad input files or a missing/unreadable/invalid dataset directory."""
 
 
 class Kind(str, enum.Enum):
@@ -67,209 +61,6 @@ class DatasetInfo:
     splits: dict[str, SplitInfo]
     tokenizer: dict | None
     sources: tuple[str, ...]
-
-
-class Progress:
-    """One status line on stderr: redrawn in place on a terminal, else printed every `interval_s` s.
-
-    A log file therefore gets a readable line now and then instead of thousands of carriage returns.
-    """
-
-    def __init__(
-        self, *, enabled: bool, stream: TextIO | None = None, interval_s: float | None = None
-    ):
-        self._stream = sys.stderr if stream is None else stream
-        self._enabled = enabled
-        self._tty = enabled and self._stream.isatty()
-        self._interval = interval_s if interval_s is not None else (0.2 if self._tty else 10.0)
-        self._last = time.monotonic()
-        self._width = 0
-
-    def update(self, message: str, *, force: bool = False) -> None:
-        if not self._enabled:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < self._interval:
-            return
-        self._last = now
-        if self._tty:
-            self._stream.write("\r" + message.ljust(self._width))
-            self._width = len(message)
-        else:
-            self._stream.write(message + "\n")
-        self._stream.flush()
-
-    def close(self) -> None:
-        """Ends the status line so later output starts on a fresh line."""
-        if self._tty and self._width:
-            self._stream.write("\n")
-            self._stream.flush()
-            self._width = 0
-
-
-# --------------------------------------------------------------------------------------------------
-# Raw input: text, JSONL, compressed, directories.
-
-
-def _input_format(path: str) -> tuple[str, str] | None:
-    """('text' | 'jsonl', compression suffix or '') for a supported file name, else None."""
-    name = os.path.basename(path).lower()
-    compression = next((c for c in _COMPRESSIONS if name.endswith(c)), "")
-    base = name[: len(name) - len(compression)]
-    if base.endswith(_TEXT_SUFFIXES):
-        return "text", compression
-    if base.endswith(_JSONL_SUFFIXES):
-        return "jsonl", compression
-    return None
-
-
-def _supported() -> str:
-    bases = _TEXT_SUFFIXES + _JSONL_SUFFIXES
-    return ", ".join(b + c for b in bases for c in ("",) + _COMPRESSIONS)
-
-
-def list_input_files(paths: Sequence[str | os.PathLike]) -> list[str]:
-    """The files `paths` name: files as given, directories expanded recursively in sorted order.
-
-    Checks everything up front so a typo fails before any output is created.
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    if not paths:
-        raise DatasetError("no input paths given")
-    files: list[str] = []
-    for raw in paths:
-        path = os.fspath(raw)
-        if os.path.isdir(path):
-            found = sorted(
-                os.path.join(root, name)
-                for root, _, names in os.walk(path)
-                for name in names
-                if _input_format(name) is not None
-            )
-            if not found:
-                raise DatasetError(
-                    f"directory {path} holds no input files (supported: {_supported()})"
-                )
-            files.extend(found)
-        elif os.path.isfile(path):
-            if _input_format(path) is None:
-                raise DatasetError(
-                    f"unsupported input file {path}: the name must end in one of {_supported()}"
-                )
-            files.append(path)
-        else:
-            raise DatasetError(f"input path {path} does not exist")
-    return files
-
-
-def _open_text(path: str, compression: str) -> TextIO:
-    if compression == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    if compression == ".zst":
-        try:
-            import zstandard
-        except ImportError as e:
-            raise DatasetError(
-                f"reading {path} needs the zstandard package: pip install zstandard"
-            ) from e
-        raw = zstandard.ZstdDecompressor().stream_reader(
-            open(path, "rb"), read_across_frames=True, closefd=True
-        )
-        return io.TextIOWrapper(raw, encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def _paragraphs(lines: Iterable[str]) -> Iterator[str]:
-    """Documents separated by blank (or whitespace-only) lines; inner newlines are kept."""
-    buffer: list[str] = []
-    for line in lines:
-        if line.strip():
-            buffer.append(line)
-        elif buffer:
-            yield "".join(buffer).rstrip("\n")
-            buffer = []
-    if buffer:
-        yield "".join(buffer).rstrip("\n")
-
-
-def _jsonl_documents(lines: Iterable[str], *, path: str, text_field: str) -> Iterator[str]:
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(
-                f"{path}:{number}: not valid JSON ({e.msg}); "
-                "expected JSON Lines, one object per line"
-            ) from e
-        if not isinstance(obj, dict) or text_field not in obj:
-            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise DatasetError(
-                f"{path}:{number}: no {text_field!r} field (found {keys}); "
-                "choose the field with --text_field"
-            )
-        text = obj[text_field]
-        if not isinstance(text, str):
-            raise DatasetError(
-                f"{path}:{number}: field {text_field!r} is {type(text).__name__}, expected a string"
-            )
-        if text.strip():
-            yield text
-
-
-def _file_documents(path: str, *, text_field: str, document_per_file: bool) -> Iterator[str]:
-    form, compression = _input_format(path) or ("", "")
-    try:
-        with _open_text(path, compression) as f:
-            if form == "jsonl":
-                yield from _jsonl_documents(f, path=path, text_field=text_field)
-            elif document_per_file:
-                text = f.read().rstrip("\n")
-                if text.strip():
-                    yield text
-            else:
-                yield from _paragraphs(f)
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{path} is not valid UTF-8 ({e})") from e
-    except (gzip.BadGzipFile, EOFError) as e:
-        raise DatasetError(f"{path} is not a valid {compression or 'text'} file ({e})") from e
-    except OSError as e:
-        # zstandard.ZstdError is not an OSError; caught below by name to keep the import lazy.
-        raise DatasetError(f"cannot read {path}: {e}") from e
-    except Exception as e:
-        if type(e).__name__ == "ZstdError":
-            raise DatasetError(f"{path} is not a valid .zst file ({e})") from e
-        raise
-
-
-def iter_documents(
-    paths: Sequence[str | os.PathLike],
-    *,
-    text_field: str = "text",
-    document_per_file: bool = False,
-) -> Iterator[str]:
-    """Documents from text/JSONL files (plain, .gz or .zst) or directories of them.
-
-    `.txt`: documents are paragraphs separated by blank lines (whole files with
-    `document_per_file`). `.jsonl`/`.json`: one JSON object per line, the document in `text_field`.
-    Empty documents are skipped. Paths are checked now (DatasetError for a missing path or an
-    unknown suffix); reading is lazy.
-    """
-    files = list_input_files(paths)
-
-    def generate() -> Iterator[str]:
-        for path in files:
-            yield from _file_documents(
-                path, text_field=text_field, document_per_file=document_per_file
-            )
-
-    return generate()
-
-
-# --------------------------------------------------------------------------------------------------
-# Writing a dataset.
 
 
 def _parse_kind(kind: str) -> Kind:

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
 
-from paxlite.data.records import DatasetError, Progress, iter_documents
+from paxlite.data.errors import DatasetError
+from paxlite.data.inputs import Progress, iter_documents
 
 # SentencePiece drops longer sentences (in bytes); sampling skips them so the count is exact.
 MAX_SENTENCE_BYTES = 16384

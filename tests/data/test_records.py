@@ -18,12 +18,11 @@ import pytest
 import zstandard
 from array_record.python import array_record_module
 
+from paxlite.data.inputs import Progress, iter_documents
 from paxlite.data.records import (
     MANIFEST,
     DatasetError,
-    Progress,
     decode_record,
-    iter_documents,
     read_info,
     shard_paths,
     validation_count,
