@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Zero-shot Lambada of a pretrained GPT126M, with Pax's positional arguments:
+#   bash run_lambada_singlenode.sh LAMBADA_DIR VOCAB_PATH [PREC=bfloat16] [NUM_GPUS=8] [PERCORE_BATCH_SIZE=4] LOG_DIR [extra flags...]
+# LAMBADA_DIR holds lambada_test.jsonl (where Pax's TFDS_DATA_DIR stood); LOG_DIR is the pretraining job directory,
+# whose latest checkpoint is evaluated (eval/lambada_acc_strict and eval/log_pplx go to its metrics.jsonl).
+set -uo pipefail
+
+LAMBADA_DIR=${1:?usage: run_lambada_singlenode.sh LAMBADA_DIR VOCAB_PATH [PREC] [NUM_GPUS] [PERCORE_BATCH_SIZE] LOG_DIR}
+VOCAB_PATH=${2:?VOCAB_PATH (a SentencePiece model) is required}
+PREC=${3:-bfloat16}
+NUM_GPUS=${4:-8}
+PERCORE_BATCH_SIZE=${5:-4}
+LOG_DIR=${6:?LOG_DIR, the pretraining job directory, is required}
+shift $(( $# < 6 ? $# : 6 ))
+
+export VOCAB_PATH
+BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=33554432 --xla_gpu_enable_command_buffer=}
+export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+
+python -m paxlite.main \
+    --fdl_config=paxlite.experiments.gpt.Lambada126M \
+    --fdl.FPROP_DTYPE="\"$PREC\"" \
+    --fdl.ICI_MESH_SHAPE="[$NUM_GPUS,1,1]" \
+    --fdl.DCN_MESH_SHAPE="[1,1,1]" \
+    --fdl.PERCORE_BATCH_SIZE="$PERCORE_BATCH_SIZE" \
+    --fdl.LAMBADA_PATH="$LAMBADA_DIR/lambada_test.jsonl" \
+    --mode=eval \
+    --job_log_dir="$LOG_DIR" \
+    --alsologtostderr "$@" \
+    2>&1 | tee "$LOG_DIR/lambada_output.log"
+status=${PIPESTATUS[0]}
+if [ "$status" -ne 0 ]; then echo "Run failed"; else echo "Run succeeded!"; fi
+exit "$status"

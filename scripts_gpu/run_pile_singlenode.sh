@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Pile126M on one node, with Pax's positional arguments:
+#   bash run_pile_singlenode.sh DATA_DIR VOCAB_PATH [PREC=bfloat16] [NUM_GPUS=8] [PERCORE_BATCH_SIZE=4] [LOG_DIR=test_logdir] [extra flags...]
+# DATA_DIR is where Pax's TFDS_DATA_DIR stood: here a dataset directory made by `python -m paxlite.data.prepare`.
+# Extra flags after the six positional arguments are passed on (e.g. --fdl.MAX_STEPS=1000).
+set -uo pipefail
+
+DATA_DIR=${1:?usage: run_pile_singlenode.sh DATA_DIR VOCAB_PATH [PREC] [NUM_GPUS] [PERCORE_BATCH_SIZE] [LOG_DIR]}
+VOCAB_PATH=${2:?VOCAB_PATH (a SentencePiece model) is required}
+PREC=${3:-bfloat16}
+NUM_GPUS=${4:-8}
+PERCORE_BATCH_SIZE=${5:-4}
+LOG_DIR=${6:-test_logdir}
+shift $(( $# < 6 ? $# : 6 ))
+
+export VOCAB_PATH
+BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=33554432 --xla_gpu_enable_command_buffer=}
+export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+mkdir -p "$LOG_DIR"
+
+python -m paxlite.main \
+    --fdl_config=paxlite.experiments.gpt.Pile126M \
+    --fdl.FPROP_DTYPE="\"$PREC\"" \
+    --fdl.ICI_MESH_SHAPE="[$NUM_GPUS,1,1]" \
+    --fdl.DCN_MESH_SHAPE="[1,1,1]" \
+    --fdl.PERCORE_BATCH_SIZE="$PERCORE_BATCH_SIZE" \
+    --fdl.DATA_DIR="$DATA_DIR" \
+    --job_log_dir="$LOG_DIR" \
+    --alsologtostderr "$@" \
+    2>&1 | tee "$LOG_DIR/pile_output.log"
+status=${PIPESTATUS[0]}
+if [ "$status" -ne 0 ]; then echo "Run failed"; else echo "Run succeeded!"; fi
+exit "$status"
