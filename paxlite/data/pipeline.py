@@ -31,7 +31,8 @@ from paxlite.data import tokenizer as tokenizer_lib
 
 _STATE_VERSION = 1
 # Reading happens in the calling thread: with the GIL, reader threads made pre-tokenized packing
-# slower (4.0M tokens/s with 0 threads, 3.0M with 2, 1.5M with 16, on 2 shared cores).
+# slower (4.0M tokens/s with 0 threads, 3.0M with 2, 1.5M with 16, on 2 shared cores, for documents of
+# a few thousand tokens; short documents are bound by a per-document cost, see docs/performance.md).
 _READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
