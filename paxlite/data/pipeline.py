@@ -1,4 +1,4 @@
-"""The input pipeline: Grain over ArrayRecord shards -> tokens -> packed or padded rows -> batches.
+"""The input pipeline: ArrayRecord shards -> tokens -> packed or padded rows -> batches.
 
 The features follow SeqIO's LM feature converter, which is what Pax's `the_pile_lm` task fed: every
 document gets EOS appended; packed rows concatenate documents and split them at `seq_len` (a
@@ -7,7 +7,8 @@ row is padded); `inputs` are the targets shifted right *within each segment* wit
 segment start, so no token is ever predicted from the previous document. Concat-then-split was
 chosen over first-fit packing because it wastes no tokens on padding (first-fit left ~8% padding
 with 32 bins on 10..1500-token documents), keeps documents longer than `seq_len` without a separate
-chunking step, and was ~20% faster.
+chunking step, and was ~20% faster. Training rows are cut by `_DocumentStream` (chunked reads, numpy
+packing, a three-number position); evaluation, which reads each document once, goes through Grain.
 
 Each process reads only its slice `[process_index::process_count]` of the records, before shuffling,
 so processes never see the same document and need not talk to each other; each returns its own
@@ -16,8 +17,8 @@ so processes never see the same document and need not talk to each other; each r
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Iterator
@@ -29,10 +30,8 @@ import numpy as np
 from paxlite.data import records
 from paxlite.data import tokenizer as tokenizer_lib
 
-_STATE_VERSION = 1
-# Reading happens in the calling thread: with the GIL, reader threads made pre-tokenized packing
-# slower (4.0M tokens/s with 0 threads, 3.0M with 2, 1.5M with 16, on 2 shared cores, for documents of
-# a few thousand tokens; short documents are bound by a per-document cost, see docs/performance.md).
+_STATE_VERSION = 2  # 2: position = (epoch, cursor, offset) of the document stream
+# Evaluation reads in the calling thread: with the GIL, Grain's reader threads were slower.
 _READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
@@ -109,30 +108,6 @@ class _UnpackedRow:
         return {"targets": targets, "segment_ids": segment_ids, "positions": positions}
 
 
-class _PackInput:
-    """One record -> the single-feature element that Grain's concat-then-split packs.
-
-    One map stage rather than two: Grain's per-element overhead is comparable to reading a record.
-    """
-
-    def __init__(self, encode: _EncodeDocument):
-        self._encode = encode
-
-    def __call__(self, record: bytes) -> dict[str, np.ndarray]:
-        return {"targets": self._encode(record)}
-
-
-def _packed_features(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Grain's concat-then-split feature names -> the row keys used here, for a whole batch."""
-    return _lm_features(
-        {
-            "targets": rows["targets"],
-            "segment_ids": rows["targets_segment_ids"],
-            "positions": rows["targets_positions"],
-        }
-    )
-
-
 def _lm_features(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """[B, L] targets/segment_ids/positions -> the full batch; vectorised, no per-token Python."""
     targets = rows["targets"].astype(np.int32, copy=False)
@@ -151,22 +126,115 @@ def _lm_features(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def _json_roundtrip(state: Any) -> Any:
-    return json.loads(json.dumps(state))
+class _DocumentStream:
+    """This process's documents, epoch after epoch, cut into rows, with a small exact position.
 
+    Why not Grain's per-element iterators: on short documents their Python overhead per element
+    (~150 us) made the pipeline slower than one GPU's appetite. Here documents are read in chunks
+    and rows are cut with numpy; the position is (epoch, index in that epoch's order, tokens of that
+    document already emitted), so saving and restoring it costs nothing.
 
-def _restore_tuples(state: Any) -> Any:
-    """Undoes JSON's tuple -> list for Grain's concat-then-split slices (it compares to tuples)."""
-    if isinstance(state, dict):
-        return {
-            key: (
-                {k: tuple(v) for k, v in value.items()}
-                if key == "remainder_slices"
-                else _restore_tuples(value)
-            )
-            for key, value in state.items()
-        }
-    return state
+    Packed rows follow concat-then-split: documents (EOS appended) are concatenated and cut every
+    `seq_len` tokens; the piece of a document inside a row is one segment, numbered from 1, whose
+    positions start at 0. Unpacked rows hold one document each, truncated and right-padded.
+    """
+
+    def __init__(self, *, source, indices: np.ndarray, encode: _EncodeDocument, shuffle: bool,
+                 seed: int, seq_len: int, rows: int, packed: bool, chunk: int = 256):
+        self._source, self._indices, self._encode = source, indices, encode
+        self._shuffle, self._seed = shuffle, seed
+        self._seq_len, self._rows, self._packed, self._chunk = seq_len, rows, packed, chunk
+        self._set(epoch=0, cursor=0, offset=0)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self._shuffle:
+            return self._indices
+        return self._indices[np.random.default_rng([self._seed, epoch]).permutation(len(self._indices))]
+
+    def _set(self, *, epoch: int, cursor: int, offset: int) -> None:
+        self._epoch, self._cursor = epoch, cursor  # the next document to read
+        self._order_cache = (epoch, self._order(epoch))
+        self._docs: collections.deque[tuple[int, int, np.ndarray]] = collections.deque()
+        self._buffered = 0  # tokens in _docs not yet emitted
+        self._head_offset = 0  # tokens of the first buffered document already emitted
+        if offset:
+            self._read(1)
+            self._head_offset = offset
+            self._buffered -= offset
+
+    def _read(self, count: int) -> None:
+        """Appends the next `count` documents (crossing into new epochs) to the buffer."""
+        wanted: list[tuple[int, int, int]] = []
+        while len(wanted) < count:
+            epoch, order = self._order_cache
+            if epoch != self._epoch:
+                self._order_cache = (self._epoch, self._order(self._epoch))
+                epoch, order = self._order_cache
+            take = order[self._cursor : self._cursor + count - len(wanted)]
+            wanted += [(self._epoch, self._cursor + i, int(r)) for i, r in enumerate(take)]
+            self._cursor += len(take)
+            if self._cursor == len(order):
+                self._epoch, self._cursor = self._epoch + 1, 0
+        payloads = self._source.__getitems__([r for _, _, r in wanted])
+        for (epoch, cursor, _), payload in zip(wanted, payloads):
+            ids = self._encode(payload)
+            self._docs.append((epoch, cursor, ids))
+            self._buffered += len(ids)
+
+    def get_state(self) -> dict[str, int]:
+        if not self._docs:
+            return {"epoch": self._epoch, "cursor": self._cursor, "offset": 0}
+        epoch, cursor, _ = self._docs[0]
+        return {"epoch": epoch, "cursor": cursor, "offset": self._head_offset}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self._set(epoch=int(state["epoch"]), cursor=int(state["cursor"]), offset=int(state["offset"]))
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self._next_packed() if self._packed else self._next_unpacked()
+
+    def _next_unpacked(self) -> dict[str, np.ndarray]:
+        if len(self._docs) < self._rows:
+            self._read(max(self._chunk, self._rows - len(self._docs)))
+        rows = [self._docs.popleft()[2] for _ in range(self._rows)]
+        self._buffered -= sum(len(r) for r in rows)
+        shape = (self._rows, self._seq_len)
+        batch = {key: np.zeros(shape, np.int32) for key in ("targets", "segment_ids", "positions")}
+        for i, ids in enumerate(rows):
+            n = min(len(ids), self._seq_len)
+            batch["targets"][i, :n] = ids[:n]
+            batch["segment_ids"][i, :n] = 1
+            batch["positions"][i, :n] = np.arange(n, dtype=np.int32)
+        return _lm_features(batch)
+
+    def _next_packed(self) -> dict[str, np.ndarray]:
+        need = self._rows * self._seq_len
+        while self._buffered < need:
+            self._read(self._chunk)
+        pieces, lengths, taken = [], [], 0
+        while taken < need:
+            epoch, cursor, ids = self._docs[0]
+            piece = ids[self._head_offset : self._head_offset + need - taken]
+            pieces.append(piece)
+            lengths.append(len(piece))
+            taken += len(piece)
+            if self._head_offset + len(piece) == len(ids):
+                self._docs.popleft()
+                self._head_offset = 0
+            else:
+                self._head_offset += len(piece)
+        self._buffered -= need
+        targets = np.concatenate(pieces).reshape(self._rows, self._seq_len)
+        doc = np.repeat(np.arange(len(lengths)), lengths).reshape(self._rows, self._seq_len)
+        starts = np.ones(targets.shape, dtype=bool)
+        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        columns = np.broadcast_to(np.arange(self._seq_len, dtype=np.int32), targets.shape)
+        last_start = np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
+        return _lm_features({
+            "targets": targets,
+            "segment_ids": np.cumsum(starts, axis=1, dtype=np.int32),
+            "positions": (columns - last_start).astype(np.int32),
+        })
 
 
 class TrainIterator:
@@ -177,31 +245,27 @@ class TrainIterator:
     instead of silently yielding other data.
     """
 
-    def __init__(self, iterator: grain.DatasetIterator, *, meta: dict[str, Any]):
-        self._iterator = iterator
+    def __init__(self, stream: _DocumentStream, *, meta: dict[str, Any]):
+        self._stream = stream
         self._meta = meta
 
     def __iter__(self) -> TrainIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return next(self._iterator)
+        return next(self._stream)
 
     def get_state(self) -> dict:
-        return {
-            "version": _STATE_VERSION,
-            **self._meta,
-            "grain": _json_roundtrip(self._iterator.get_state()),
-        }
+        return {"version": _STATE_VERSION, **self._meta, "position": self._stream.get_state()}
 
     def set_state(self, state: dict) -> None:
         if (
             not isinstance(state, dict)
             or state.get("version") != _STATE_VERSION
-            or "grain" not in state
+            or "position" not in state
         ):
             raise ValueError(
-                f"not a paxlite TrainIterator state (version {_STATE_VERSION} with a 'grain' "
+                f"not a paxlite TrainIterator state (version {_STATE_VERSION} with a 'position' "
                 f"entry): {str(state)[:200]}"
             )
         for key, expected in self._meta.items():
@@ -210,7 +274,7 @@ class TrainIterator:
                     f"data iterator state was saved with {key}={state.get(key)!r} but this "
                     f"pipeline has {key}={expected!r}; resume with the same data settings"
                 )
-        self._iterator.set_state(_restore_tuples(state["grain"]))
+        self._stream.set_state(state["position"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -340,21 +404,17 @@ class TextData:
     def train_iterator(self) -> TrainIterator:
         """Infinite stream of this process's training rows, reshuffled every epoch from the seed."""
         config = self.config
-        docs = self._documents(self._train)
-        if config.shuffle:
-            docs = docs.shuffle(seed=config.seed)
-        # reseed_each_epoch hands the shuffle indices past the first epoch, which it reshuffles.
-        docs = docs.repeat(reseed_each_epoch=True)
-        if config.packed:
-            stream = grain.experimental.ConcatThenSplitIterDataset(
-                docs.map(_PackInput(self._encode)).to_iter_dataset(_READ_OPTIONS),
-                length_struct={"targets": config.seq_len},
-            )
-            finish = _packed_features
-        else:
-            rows = docs.map(_UnpackedRow(self._encode, seq_len=config.seq_len))
-            stream, finish = rows.to_iter_dataset(_READ_OPTIONS), _lm_features
-        stream = stream.batch(self.local_batch_size, drop_remainder=True).map(finish)
+        stream = _DocumentStream(
+            source=self._train.source,
+            # This process's records, in file order: the slice is taken before any shuffle.
+            indices=np.arange(self.process_index, len(self._train.source), self.process_count),
+            encode=self._encode,
+            shuffle=config.shuffle,
+            seed=config.seed,
+            seq_len=config.seq_len,
+            rows=self.local_batch_size,
+            packed=config.packed,
+        )
         meta = {
             "split": config.train_split,
             "packed": config.packed,
@@ -365,7 +425,7 @@ class TextData:
             "process_index": self.process_index,
             "process_count": self.process_count,
         }
-        return TrainIterator(iter(stream), meta=meta)
+        return TrainIterator(stream, meta=meta)
 
     def num_eval_batches(self) -> int:
         """Global batches that hold the whole eval split once (the same on every process)."""
