@@ -89,23 +89,27 @@ class _EncodeDocument:
         return np.concatenate([ids, self._eos])
 
 
+def _unpacked_row(ids: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """One document -> one row of `seq_len`: truncated, right-padded with 0 (segment 0, weight 0)."""
+    n = min(ids.shape[0], seq_len)
+    targets = np.zeros(seq_len, dtype=np.int32)
+    targets[:n] = ids[:n]
+    segment_ids = np.zeros(seq_len, dtype=np.int32)
+    segment_ids[:n] = 1
+    positions = np.zeros(seq_len, dtype=np.int32)
+    positions[:n] = np.arange(n, dtype=np.int32)
+    return {"targets": targets, "segment_ids": segment_ids, "positions": positions}
+
+
 class _UnpackedRow:
-    """One record -> one row of `seq_len`: truncated, right-padded with 0 (segment 0, weight 0)."""
+    """One record -> one unpacked row (a Grain map for evaluation)."""
 
     def __init__(self, encode: _EncodeDocument, *, seq_len: int):
         self._encode = encode
         self._seq_len = seq_len
 
     def __call__(self, record: bytes) -> dict[str, np.ndarray]:
-        ids = self._encode(record)
-        n = min(ids.shape[0], self._seq_len)
-        targets = np.zeros(self._seq_len, dtype=np.int32)
-        targets[:n] = ids[:n]
-        segment_ids = np.zeros(self._seq_len, dtype=np.int32)
-        segment_ids[:n] = 1
-        positions = np.zeros(self._seq_len, dtype=np.int32)
-        positions[:n] = np.arange(n, dtype=np.int32)
-        return {"targets": targets, "segment_ids": segment_ids, "positions": positions}
+        return _unpacked_row(self._encode(record), self._seq_len)
 
 
 def _lm_features(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -196,16 +200,10 @@ class _DocumentStream:
     def _next_unpacked(self) -> dict[str, np.ndarray]:
         if len(self._docs) < self._rows:
             self._read(max(self._chunk, self._rows - len(self._docs)))
-        rows = [self._docs.popleft()[2] for _ in range(self._rows)]
-        self._buffered -= sum(len(r) for r in rows)
-        shape = (self._rows, self._seq_len)
-        batch = {key: np.zeros(shape, np.int32) for key in ("targets", "segment_ids", "positions")}
-        for i, ids in enumerate(rows):
-            n = min(len(ids), self._seq_len)
-            batch["targets"][i, :n] = ids[:n]
-            batch["segment_ids"][i, :n] = 1
-            batch["positions"][i, :n] = np.arange(n, dtype=np.int32)
-        return _lm_features(batch)
+        docs = [self._docs.popleft()[2] for _ in range(self._rows)]
+        self._buffered -= sum(len(ids) for ids in docs)
+        rows = [_unpacked_row(ids, self._seq_len) for ids in docs]
+        return _lm_features({key: np.stack([row[key] for row in rows]) for key in rows[0]})
 
     def _next_packed(self) -> dict[str, np.ndarray]:
         need = self._rows * self._seq_len

@@ -56,13 +56,12 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def _loss_and_metrics(logits, batch: Batch):
-    weights = batch["weights"].astype(jnp.float32)
-    num_tokens = jnp.sum(weights)
+    """Batch means of the per-example sums that evaluation reports too."""
+    scores = per_example_scores(logits, batch)
+    num_tokens = jnp.sum(scores["target_tokens"])
     denom = jnp.maximum(num_tokens, 1.0)
-    loss = jnp.sum(token_losses(logits, batch["targets"]) * weights) / denom
-    correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
-    accuracy = jnp.sum(correct * weights) / denom
-    return loss, {"accuracy": accuracy, "num_tokens": num_tokens}
+    loss = jnp.sum(scores["loss_sum"]) / denom
+    return loss, {"accuracy": jnp.sum(scores["correct_tokens"]) / denom, "num_tokens": num_tokens}
 
 
 def loss_fn(
