@@ -33,7 +33,8 @@ class Mode(str, enum.Enum):
 flags.DEFINE_string("job_log_dir", None, "Directory for checkpoints, summaries, metrics and configs.")
 flags.DEFINE_enum("mode", Mode.TRAIN.value, [m.value for m in Mode], "What to run.")
 flags.DEFINE_bool("enable_checkpoint_saving", True, "Write checkpoints (restoring works either way).")
-flags.DEFINE_string("tfds_data_dir", None, "TFDS data directory for datasets that read TFDS.")
+flags.DEFINE_string("tfds_data_dir", None,
+                    "TFDS data directory (Pax's flag): sets --fdl.TFDS_DATA_DIR unless that is given.")
 flags.DEFINE_bool("multiprocess_gpu", False, "Initialise JAX's multi-process runtime.")
 flags.DEFINE_string("server_addr", None, "Coordinator HOST:PORT for --multiprocess_gpu.")
 flags.DEFINE_integer("num_hosts", None, "Number of processes for --multiprocess_gpu.")
@@ -139,7 +140,10 @@ def parse_job(argv) -> tuple:
         )
     if not FLAGS.job_log_dir:
         raise UsageError("--job_log_dir is required (checkpoints, summaries and metrics are written there)")
-    experiment = load_experiment(FLAGS.fdl_config or "", FLAGS.fdl_set or [])
+    assignments = list(FLAGS.fdl_set or [])
+    if FLAGS.tfds_data_dir and not any(a.split("=", 1)[0].strip() == "TFDS_DATA_DIR" for a in assignments):
+        assignments.append(f"TFDS_DATA_DIR={FLAGS.tfds_data_dir!r}")
+    experiment = load_experiment(FLAGS.fdl_config or "", assignments)
     tree = run_tree(experiment)
     return experiment, tree, fdl.build(tree)
 
@@ -162,11 +166,6 @@ def main(argv) -> int:
             print(f"paxlite: error: --multiprocess_gpu needs --{', --'.join(missing)}", file=sys.stderr)
             return 2
         jax.distributed.initialize(FLAGS.server_addr, FLAGS.num_hosts, FLAGS.host_idx)
-    if FLAGS.tfds_data_dir:
-        logging.warning(
-            "--tfds_data_dir=%s is accepted for Pax scripts but not read: this version has no TFDS/SeqIO "
-            "input path; %s reads --fdl.DATA_DIR (python -m paxlite.data.prepare) or synthetic data",
-            FLAGS.tfds_data_dir, experiment.name)
 
     import jax
 

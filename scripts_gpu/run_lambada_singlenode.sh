@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Zero-shot Lambada of a pretrained GPT126M, with Pax's positional arguments:
 #   bash run_lambada_singlenode.sh LAMBADA_DIR VOCAB_PATH [PREC=bfloat16] [NUM_GPUS=8] [PERCORE_BATCH_SIZE=4] LOG_DIR [extra flags...]
-# LAMBADA_DIR holds lambada_test.jsonl (where Pax's TFDS_DATA_DIR stood); LOG_DIR is the pretraining job directory,
+# LAMBADA_DIR is Pax's TFDS_DATA_DIR (holding my_lambada/1.0.0 from download_lambada.py) or a directory holding
+# OpenAI's lambada_test.jsonl; LOG_DIR is the pretraining job directory,
 # whose latest checkpoint is evaluated (eval/lambada_acc_strict and eval/log_pplx go to its metrics.jsonl).
 set -uo pipefail
 
@@ -14,6 +15,8 @@ LOG_DIR=${6:?LOG_DIR, the pretraining job directory, is required}
 shift $(( $# < 6 ? $# : 6 ))
 
 export VOCAB_PATH
+if [ -f "$LAMBADA_DIR/lambada_test.jsonl" ]; then LAMBADA_FLAG="--fdl.LAMBADA_PATH=$LAMBADA_DIR/lambada_test.jsonl"
+else LAMBADA_FLAG="--tfds_data_dir=$LAMBADA_DIR"; fi
 BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=33554432 --xla_gpu_enable_command_buffer=}
 export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
 
@@ -23,7 +26,7 @@ python -m paxlite.main \
     --fdl.ICI_MESH_SHAPE="[$NUM_GPUS,1,1]" \
     --fdl.DCN_MESH_SHAPE="[1,1,1]" \
     --fdl.PERCORE_BATCH_SIZE="$PERCORE_BATCH_SIZE" \
-    --fdl.LAMBADA_PATH="$LAMBADA_DIR/lambada_test.jsonl" \
+    "$LAMBADA_FLAG" \
     --mode=eval \
     --job_log_dir="$LOG_DIR" \
     --alsologtostderr "$@" \

@@ -14,6 +14,7 @@ shift $(( $# < 6 ? $# : 6 ))
 : "${SLURM_JOB_NUM_NODES:?run under SLURM (srun), or use run_pile_singlenode.sh}"
 
 export VOCAB_PATH
+if [ -f "$DATA_DIR/paxlite_dataset.json" ]; then DATA_FLAG="--fdl.DATA_DIR=$DATA_DIR"; else DATA_FLAG="--tfds_data_dir=$DATA_DIR"; fi
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
 BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=33554432 --xla_gpu_enable_command_buffer=}
 export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
@@ -25,7 +26,7 @@ python -m paxlite.main \
     --fdl.ICI_MESH_SHAPE="[$NUM_GPUS,1,1]" \
     --fdl.DCN_MESH_SHAPE="[$SLURM_JOB_NUM_NODES,1,1]" \
     --fdl.PERCORE_BATCH_SIZE="$PERCORE_BATCH_SIZE" \
-    --fdl.DATA_DIR="$DATA_DIR" \
+    "$DATA_FLAG" \
     --job_log_dir="$LOG_DIR" \
     --multiprocess_gpu \
     --server_addr="${SLURM_LAUNCH_NODE_IPADDR}:12345" \

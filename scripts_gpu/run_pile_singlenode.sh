@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Pile126M on one node, with Pax's positional arguments:
 #   bash run_pile_singlenode.sh DATA_DIR VOCAB_PATH [PREC=bfloat16] [NUM_GPUS=8] [PERCORE_BATCH_SIZE=4] [LOG_DIR=test_logdir] [extra flags...]
-# DATA_DIR is where Pax's TFDS_DATA_DIR stood: here a dataset directory made by `python -m paxlite.data.prepare`.
+# DATA_DIR is Pax's TFDS_DATA_DIR (holding the_pile/1.0.0 from download_the_pile.py), or a dataset directory made by
+# `python -m paxlite.data.prepare` (recognised by its paxlite_dataset.json).
 # Extra flags after the six positional arguments are passed on (e.g. --fdl.MAX_STEPS=1000).
 set -uo pipefail
 
@@ -14,6 +15,7 @@ LOG_DIR=${6:-test_logdir}
 shift $(( $# < 6 ? $# : 6 ))
 
 export VOCAB_PATH
+if [ -f "$DATA_DIR/paxlite_dataset.json" ]; then DATA_FLAG="--fdl.DATA_DIR=$DATA_DIR"; else DATA_FLAG="--tfds_data_dir=$DATA_DIR"; fi
 BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=33554432 --xla_gpu_enable_command_buffer=}
 export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
 mkdir -p "$LOG_DIR"
@@ -24,7 +26,7 @@ python -m paxlite.main \
     --fdl.ICI_MESH_SHAPE="[$NUM_GPUS,1,1]" \
     --fdl.DCN_MESH_SHAPE="[1,1,1]" \
     --fdl.PERCORE_BATCH_SIZE="$PERCORE_BATCH_SIZE" \
-    --fdl.DATA_DIR="$DATA_DIR" \
+    "$DATA_FLAG" \
     --job_log_dir="$LOG_DIR" \
     --alsologtostderr "$@" \
     2>&1 | tee "$LOG_DIR/pile_output.log"

@@ -66,3 +66,30 @@ def test_failure_is_reported(tmp_path, assets):
                      str(tmp_path / "logs"), *TINY)
     assert result.returncode == 2
     assert "Run failed" in result.stdout and "no_data" in result.stdout
+
+
+def test_pile_and_lambada_from_a_pax_tfds_data_dir(tmp_path, assets):
+    """Pax's layout: one TFDS_DATA_DIR made by the download scripts, passed as the first argument to both."""
+    from paxlite.data import tfds_datasets
+
+    root, vocab = assets
+    pile = tmp_path / "pile"
+    (pile / "train").mkdir(parents=True)
+    texts = (root / "c.txt").read_text().split("\n\n")
+    (pile / "train" / "00.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:70]))
+    (pile / "val.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[70:]))
+    tfds_dir = str(tmp_path / "tfds")
+    tfds_datasets.build(tfds_datasets.THE_PILE, data_dir=tfds_dir, local_dir=str(pile))
+    tfds_datasets.build(tfds_datasets.LAMBADA, data_dir=tfds_dir,
+                        local_file=str(root / "lambada" / "lambada_test.jsonl"))
+    log_dir = tmp_path / "logs"
+    trained = _script("run_pile_singlenode.sh", tfds_dir, vocab, "float32", "1", "2", str(log_dir),
+                      *TINY, "--fdl.MAX_STEPS=2", "--fdl.CHECKPOINT_EVERY_N_STEPS=2")
+    assert trained.returncode == 0, trained.stdout[-3000:]
+    config = json.loads((log_dir / "config.json").read_text())
+    assert config["hparams"]["TFDS_DATA_DIR"] == tfds_dir and config["hparams"]["DATA_DIR"] is None
+    assert "data.tfds_name: str | None = 'the_pile:1.0.0'" in (log_dir / "config.txt").read_text()
+    evaluated = _script("run_lambada_singlenode.sh", tfds_dir, vocab, "float32", "1", "2", str(log_dir), *TINY)
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:]
+    lines = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 2 and "eval/lambada_acc_strict" in lines[-1]

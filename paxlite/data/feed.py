@@ -125,12 +125,20 @@ class TextFeed:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LambadaEvalConfig:
-    """Zero-shot Lambada (Pax `lambada_eval`): a JSONL file of passages and the tokenizer."""
+    """Zero-shot Lambada (Pax `lambada_eval`): a JSONL file of passages, or TFDS `my_lambada:1.0.0` in
+    `tfds_data_dir` (exactly one of the two), and the tokenizer."""
 
-    path: str
     vocab_path: str
     seq_len: int
     targets_len: int = 64
+    path: str | None = None
+    tfds_data_dir: str | None = None
+
+    def __post_init__(self):
+        if (self.path is None) == (self.tfds_data_dir is None):
+            raise ValueError(
+                f"Lambada needs exactly one source: path={self.path!r} or tfds_data_dir={self.tfds_data_dir!r}"
+            )
 
 
 class LambadaFeed:
@@ -143,7 +151,12 @@ class LambadaFeed:
         from paxlite.eval.lambada import read_lambada
 
         self._config = config
-        self._examples = read_lambada(config.path)  # read and checked now, before compiling
+        if config.path is not None:
+            self._examples = read_lambada(config.path)  # read and checked now, before compiling
+        else:
+            from paxlite.data.tfds_datasets import read_lambada_examples
+
+            self._examples = read_lambada_examples(config.tfds_data_dir)
         self._tokenizer = Tokenizer(config.vocab_path)
         self._global_batch_size = global_batch_size
         if global_batch_size % jax.process_count():

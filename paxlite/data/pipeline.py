@@ -50,6 +50,8 @@ class TextDataConfig:
         shuffle: shuffle documents, reshuffled every epoch from `seed`.
         seed: the shuffle seed (0 <= seed < 2**32).
         train_split, eval_split: split names in the manifest; `eval_split=None` means no eval data.
+        tfds_name: when set (e.g. "the_pile:1.0.0"), `data_dir` is a TFDS data directory and this
+            dataset's text feature is read from its ArrayRecord files (no TensorFlow needed).
     """
 
     data_dir: str
@@ -61,6 +63,7 @@ class TextDataConfig:
     seed: int = 0
     train_split: str = "train"
     eval_split: str | None = "validation"
+    tfds_name: str | None = None
 
     def __post_init__(self):
         if self.seq_len < 1:
@@ -278,7 +281,7 @@ class TrainIterator:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Split:
     name: str
-    source: grain.sources.ArrayRecordDataSource
+    source: Any  # random access: __len__, __getitem__, __getitems__ -> record bytes
 
 
 class TextData:
@@ -316,8 +319,19 @@ class TextData:
         data_dir = os.path.abspath(os.path.expanduser(config.data_dir))
         if not os.path.isdir(data_dir):
             raise records.DatasetError(f"dataset directory {data_dir!r} does not exist")
-        self.info = records.read_info(data_dir)
         self._data_dir = data_dir
+        self._tfds = None
+        if config.tfds_name is not None:
+            from paxlite.data import tfds_datasets  # tensorflow_datasets only on this path
+
+            self._tfds = tfds_datasets.TfdsName.parse(config.tfds_name)
+            tfds_datasets.check_prepared(self._tfds, data_dir)
+            self.info = records.DatasetInfo(
+                directory=data_dir, kind=records.Kind.TEXT.value, tokenizer=None, splits={},
+                sources=(str(self._tfds),),
+            )
+        else:
+            self.info = records.read_info(data_dir)
         # Every process needs training documents; for eval, a process past the end just pads.
         self._train = self._open_split(config.train_split, min_records=process_count)
         self._eval = (
@@ -328,6 +342,31 @@ class TextData:
         self._encode = self._make_encoder()
 
     def _open_split(self, split: str, *, min_records: int) -> _Split:
+        if self._tfds is not None:
+            source = self._open_tfds_split(split)
+        else:
+            source = self._open_record_split(split)
+        if len(source) < min_records:
+            raise records.DatasetError(
+                f"split {split!r} of {self._data_dir!r} has {len(source)} documents; it needs at "
+                f"least {min_records} ({self.process_count} processes)"
+            )
+        return _Split(name=split, source=source)
+
+    def _open_tfds_split(self, split: str):
+        from paxlite.data import tfds_datasets
+
+        feature = tfds_datasets.LM_TEXT_FEATURES.get(self._tfds.name)
+        if feature is None:
+            raise records.DatasetError(
+                f"TFDS dataset {self._tfds} has no known text feature to train a language model on; "
+                f"paxlite trains on {sorted(tfds_datasets.LM_TEXT_FEATURES)}"
+            )
+        return tfds_datasets.TextFeatureSource(
+            tfds_datasets.open_split(self._tfds, self._data_dir, split), feature=feature
+        )
+
+    def _open_record_split(self, split: str) -> grain.sources.ArrayRecordDataSource:
         if split not in self.info.splits:
             raise records.DatasetError(
                 f"dataset {self._data_dir!r} has no split {split!r}; it has "
@@ -337,13 +376,7 @@ class TextData:
         for path in paths:
             if not os.path.isfile(path):
                 raise records.DatasetError(f"split {split!r} shard {path!r} does not exist")
-        source = grain.sources.ArrayRecordDataSource(paths)
-        if len(source) < min_records:
-            raise records.DatasetError(
-                f"split {split!r} of {self._data_dir!r} has {len(source)} documents; it needs at "
-                f"least {min_records} ({self.process_count} processes)"
-            )
-        return _Split(name=split, source=source)
+        return grain.sources.ArrayRecordDataSource(paths)
 
     def _make_encoder(self) -> _EncodeDocument:
         config, info = self.config, self.info

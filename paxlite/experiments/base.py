@@ -30,7 +30,7 @@ class DataSource(str, enum.Enum):
     """Where an experiment's training tokens come from (SYNTHETIC_DATA=true replaces any of them)."""
 
     SYNTHETIC = "synthetic"
-    TEXT = "text"  # a dataset directory made by `python -m paxlite.data.prepare` (DATA_DIR)
+    TEXT = "text"  # DATA_DIR (python -m paxlite.data.prepare) or TFDS_DATASET under TFDS_DATA_DIR
 
 
 class LanguageModelExperiment(Experiment):
@@ -42,6 +42,13 @@ class LanguageModelExperiment(Experiment):
     VOCAB_PATH: str | None = None  # SentencePiece model; None: the VOCAB_PATH environment variable (Pax)
     EVAL_TASK: Literal["validation", "lambada"] = "validation"  # what EVAL_INTERVAL_STEPS / --mode=eval score
     LAMBADA_PATH: str | None = None  # lambada_test.jsonl ({"text": ...} lines) for EVAL_TASK="lambada"
+    # Pax's --tfds_data_dir (the flag sets this; else the TFDS_DATA_DIR environment variable). Used when
+    # DATA_DIR is unset: training reads TFDS_DATASET there, and EVAL_TASK="lambada" reads my_lambada:1.0.0.
+    TFDS_DATA_DIR: str | None = None
+    TFDS_DATASET: str = "the_pile:1.0.0"  # or "c4/en:3.0.1"
+    # grain: TFDS ArrayRecord files, random access, exact resume, no TensorFlow. seqio: Pax's own tasks
+    # (the_pile_lm, c4_lm_v301_gpt) through TensorFlow; needs pip install 'paxlite[seqio]'.
+    INPUT_PIPELINE: Literal["grain", "seqio"] = "grain"
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
@@ -53,6 +60,18 @@ class LanguageModelExperiment(Experiment):
             raise ConfigError(
                 "EVAL_LOOP_NUM_BATCHES=-1 means 'the whole eval set', and synthetic data has no end; "
                 "give a number of batches (e.g. --fdl.EVAL_LOOP_NUM_BATCHES=10)"
+            )
+        from paxlite.data.tfds_datasets import LM_TEXT_FEATURES, TfdsName
+        from paxlite.data.errors import DatasetError
+
+        try:
+            dataset = TfdsName.parse(self.TFDS_DATASET)
+        except DatasetError as e:
+            raise ConfigError(f"TFDS_DATASET: {e}") from e
+        if dataset.name not in LM_TEXT_FEATURES:
+            raise ConfigError(
+                f"TFDS_DATASET={self.TFDS_DATASET!r}: paxlite trains language models on {sorted(LM_TEXT_FEATURES)} "
+                "(e.g. 'the_pile:1.0.0', 'c4/en:3.0.1')"
             )
 
     # ------------------------------------------------------------------ parts
@@ -110,35 +129,66 @@ class LanguageModelExperiment(Experiment):
     def vocab_path(self) -> str | None:
         return self.VOCAB_PATH or os.environ.get("VOCAB_PATH") or None
 
+    def tfds_data_dir(self) -> str | None:
+        return self.TFDS_DATA_DIR or os.environ.get("TFDS_DATA_DIR") or None
+
     def eval_task_config(self) -> fdl.Config[LambadaEvalConfig] | None:
         if self.EVAL_TASK == "validation":
             return None
-        if self.LAMBADA_PATH is None or self.vocab_path() is None:
+        source = {"path": self.LAMBADA_PATH} if self.LAMBADA_PATH else {"tfds_data_dir": self.tfds_data_dir()}
+        if not any(source.values()) or self.vocab_path() is None:
             raise ConfigError(
-                f"EVAL_TASK=lambada needs --fdl.LAMBADA_PATH=<lambada_test.jsonl> and a tokenizer "
-                f"(--fdl.VOCAB_PATH or the VOCAB_PATH environment variable); got LAMBADA_PATH="
-                f"{self.LAMBADA_PATH}, VOCAB_PATH={self.vocab_path()}"
+                f"EVAL_TASK=lambada needs Lambada (--fdl.LAMBADA_PATH=<lambada_test.jsonl>, or --tfds_data_dir "
+                f"holding my_lambada:1.0.0 from scripts_gpu/download_lambada.py) and a tokenizer (--fdl.VOCAB_PATH "
+                f"or the VOCAB_PATH environment variable); got LAMBADA_PATH={self.LAMBADA_PATH}, "
+                f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
             )
-        return fdl.Config(
-            LambadaEvalConfig, path=self.LAMBADA_PATH, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN
-        )
+        return fdl.Config(LambadaEvalConfig, **source, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN)
 
     def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig] | None:
         if self.uses_synthetic_data():
             return fdl.Config(
                 SyntheticDataConfig, vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, seed=self.SEED
             )
-        if self.DATA_DIR is None and self.EVAL_TASK != "validation":
+        tfds_dir = None if self.DATA_DIR else self.tfds_data_dir()
+        if self.DATA_DIR is None and tfds_dir is None and self.EVAL_TASK != "validation":
             return None  # evaluation-only; training without data is refused when it starts
-        if self.DATA_DIR is None:
+        if self.DATA_DIR is None and tfds_dir is None:
             raise ConfigError(
-                f"{self.name} trains on text and DATA_DIR is not set: pass --fdl.DATA_DIR=<a directory made "
-                "by python -m paxlite.data.prepare> (for The Pile, prepare its *.jsonl.zst shards), or run on "
-                "synthetic tokens of the same shapes with --fdl.SYNTHETIC_DATA=true"
+                f"{self.name} trains on text and neither DATA_DIR nor TFDS_DATA_DIR is set: pass "
+                "--fdl.DATA_DIR=<a directory made by python -m paxlite.data.prepare>, or --tfds_data_dir=<a TFDS "
+                f"directory holding {self.TFDS_DATASET}> (scripts_gpu/download_the_pile.py makes one from The "
+                "Pile's *.jsonl.zst shards), or run on synthetic tokens of the same shapes with "
+                "--fdl.SYNTHETIC_DATA=true"
+            )
+        if tfds_dir is not None and self.INPUT_PIPELINE == "seqio":
+            return self.seqio_data_config(tfds_dir)
+        if self.INPUT_PIPELINE == "seqio":
+            raise ConfigError(
+                "INPUT_PIPELINE=seqio reads TFDS datasets: give --tfds_data_dir (DATA_DIR is paxlite's own format, "
+                "read by INPUT_PIPELINE=grain)"
             )
         return fdl.Config(
             TextDataConfig,
-            data_dir=self.DATA_DIR,
+            data_dir=self.DATA_DIR or tfds_dir,
+            tfds_name=None if self.DATA_DIR else self.TFDS_DATASET,
+            vocab_path=self.vocab_path(),
+            vocab_size=self.VOCAB_SIZE,
+            seq_len=self.MAX_SEQ_LEN,
+            packed=self.PACKED_INPUT,
+            seed=self.SEED,
+        )
+
+    def seqio_data_config(self, tfds_dir: str):
+        """Pax's SeqIO task for TFDS_DATASET (the_pile_lm or c4_lm_v301_gpt), read through TensorFlow."""
+        from paxlite.data.seqio_pipeline import SeqIODataConfig, task_for_dataset
+
+        if self.vocab_path() is None:
+            raise ConfigError("INPUT_PIPELINE=seqio needs a tokenizer: --fdl.VOCAB_PATH or the VOCAB_PATH environment variable")
+        return fdl.Config(
+            SeqIODataConfig,
+            task=task_for_dataset(self.TFDS_DATASET),
+            tfds_data_dir=tfds_dir,
             vocab_path=self.vocab_path(),
             vocab_size=self.VOCAB_SIZE,
             seq_len=self.MAX_SEQ_LEN,

@@ -106,15 +106,36 @@ def test_model_config_follows_overrides():
     assert (schedule.warmup_steps, schedule.decay_start) == (500, 501)  # derived after the override
 
 
-def test_pile_without_data_dir_is_a_clear_error():
+def test_pile_without_data_dir_is_a_clear_error(monkeypatch):
     from paxlite.config.errors import ConfigError
 
+    monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
     experiment = load_experiment("Pile126M")
-    with pytest.raises(ConfigError, match=r"DATA_DIR is not set.*--fdl.SYNTHETIC_DATA=true"):
+    with pytest.raises(ConfigError, match=r"neither DATA_DIR nor TFDS_DATA_DIR.*--fdl.SYNTHETIC_DATA=true"):
         experiment.run_config()
     text = fdl.build(load_experiment("Pile126M", ["DATA_DIR=/data/pile", "VOCAB_PATH=/v.model"]).data_config())
     assert (text.data_dir, text.vocab_path, text.seq_len, text.packed) == ("/data/pile", "/v.model", 2048, True)
     assert load_experiment("Pile126M", ["SYNTHETIC_DATA=true"]).run_config() is not None
+
+
+def test_pile_reads_pax_tfds_data_dir_from_the_flag_or_the_environment(monkeypatch):
+    from paxlite.config.errors import ConfigError
+
+    monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
+    text = fdl.build(load_experiment("Pile126M", ["TFDS_DATA_DIR='/tfds'", "VOCAB_PATH=/v.model"]).data_config())
+    assert (text.data_dir, text.tfds_name) == ("/tfds", "the_pile:1.0.0")
+    monkeypatch.setenv("TFDS_DATA_DIR", "/env/tfds")
+    text = fdl.build(load_experiment("Pile126M", ["TFDS_DATASET='c4/en:3.0.1'"]).data_config())
+    assert (text.data_dir, text.tfds_name) == ("/env/tfds", "c4/en:3.0.1")
+    # DATA_DIR (paxlite's own format) wins over an environment-wide TFDS_DATA_DIR
+    text = fdl.build(load_experiment("Pile126M", ["DATA_DIR=/data/pile"]).data_config())
+    assert (text.data_dir, text.tfds_name) == ("/data/pile", None)
+    with pytest.raises(ConfigError, match=r"TFDS_DATASET='wiki:1.0.0'.*the_pile"):
+        load_experiment("Pile126M", ["TFDS_DATASET='wiki:1.0.0'"])
+    with pytest.raises(ConfigError, match=r"name\[/config\]:X.Y.Z"):
+        load_experiment("Pile126M", ["TFDS_DATASET=the_pile"])
+    with pytest.raises(ConfigError, match=r"INPUT_PIPELINE=seqio reads TFDS datasets"):
+        load_experiment("Pile126M", ["DATA_DIR=/data/pile", "INPUT_PIPELINE=seqio"]).run_config()
 
 
 def test_whole_eval_set_is_refused_for_synthetic_data():
