@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from paxlite.data.feeding import FeedPlan
 from paxlite.data.synthetic import SyntheticData, SyntheticDataConfig
 from paxlite.parallel.multihost import allgather_json
 
@@ -58,11 +59,13 @@ class SyntheticFeed:
         del record, step
 
 
-def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding) -> Batch:
-    """Rows split as `sharding` says; per-example arrays ([B]) use its batch axes only."""
+def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding, plan: FeedPlan) -> Batch:
+    """This process's rows (`plan.rows`) into global arrays; per-example arrays ([B]) use the batch axes only."""
     return {
         key: jax.make_array_from_process_local_data(
-            NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[: value.ndim])), value
+            NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[: value.ndim])),
+            value,
+            (plan.global_batch_size, *value.shape[1:]),
         )
         for key, value in local.items()
     }
@@ -73,14 +76,15 @@ class TextFeed:
 
     metric_prefix = ""
 
-    def __init__(self, config, *, global_batch_size: int):
+    def __init__(self, config, *, plan: FeedPlan):
         from paxlite.data.pipeline import TextData  # grain and SentencePiece only on this path
 
+        self._plan = plan
         self._data = TextData(
             config,
-            global_batch_size=global_batch_size,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
+            global_batch_size=plan.global_batch_size,
+            process_index=plan.feed_index,
+            process_count=plan.num_feeds,
         )
         self._iterator = self._data.train_iterator()
         self._next_index = 0
@@ -91,11 +95,11 @@ class TextFeed:
                 f"text batches are read in order: asked for batch {index}, next is {self._next_index}"
             )
         self._next_index += 1
-        return _to_global(next(self._iterator), sharding)
+        return _to_global(next(self._iterator), sharding, self._plan)
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         for local in self._data.eval_batches(num_batches):
-            yield _to_global(local, sharding)
+            yield _to_global(local, sharding, self._plan)
 
     def state(self) -> dict:
         return {
@@ -146,7 +150,7 @@ class LambadaFeed:
 
     metric_prefix = "lambada_"
 
-    def __init__(self, config: LambadaEvalConfig, *, global_batch_size: int):
+    def __init__(self, config: LambadaEvalConfig, *, plan: FeedPlan):
         from paxlite.data.tokenizer import Tokenizer
         from paxlite.eval.lambada import read_lambada
 
@@ -158,30 +162,26 @@ class LambadaFeed:
 
             self._examples = read_lambada_examples(config.tfds_data_dir)
         self._tokenizer = Tokenizer(config.vocab_path)
-        self._global_batch_size = global_batch_size
-        if global_batch_size % jax.process_count():
-            raise ValueError(
-                f"global batch {global_batch_size} does not divide over {jax.process_count()} processes"
-            )
+        self._plan = plan
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         """num_batches -1 (Pax's eval_loop_num_batches=-1): the whole set."""
         from paxlite.eval.lambada import lambada_batches
 
-        local = self._global_batch_size // jax.process_count()
-        rows = slice(jax.process_index() * local, (jax.process_index() + 1) * local)
+        plan = self._plan
         batches = lambada_batches(self._examples, self._tokenizer, seq_len=self._config.seq_len,
-                                  batch_size=self._global_batch_size,
+                                  batch_size=plan.global_batch_size,
                                   targets_len=self._config.targets_len)
         for index, batch in enumerate(batches):
             if index == num_batches:
                 break
-            yield _to_global({key: value[rows] for key, value in batch.items()}, sharding)
+            yield _to_global({key: value[plan.rows] for key, value in batch.items()}, sharding, plan)
 
 
-def make_feed(config, *, global_batch_size: int) -> Feed:
+def make_feed(config, *, plan: FeedPlan) -> Feed:
+    """The feed for a data or eval-task config; `plan` says which rows this process supplies."""
     if isinstance(config, LambadaEvalConfig):
-        return LambadaFeed(config, global_batch_size=global_batch_size)
+        return LambadaFeed(config, plan=plan)
     if isinstance(config, SyntheticDataConfig):
-        return SyntheticFeed(config, global_batch_size=global_batch_size)
-    return TextFeed(config, global_batch_size=global_batch_size)
+        return SyntheticFeed(config, global_batch_size=plan.global_batch_size)
+    return TextFeed(config, plan=plan)

@@ -75,6 +75,18 @@ DOWNLOAD_SCRIPTS = {
 }
 
 
+def _tfds():
+    """tensorflow_datasets, or an error that says how to get it (it is an extra, not a core dependency)."""
+    try:
+        import tensorflow_datasets
+    except ImportError as e:
+        raise DatasetError(
+            f"TFDS datasets need tensorflow_datasets ({e}): pip install 'paxlite[tfds]' (no TensorFlow) or "
+            "'paxlite[seqio]'"
+        ) from e
+    return tensorflow_datasets
+
+
 def resolve_data_dir(data_dir: str | None) -> str:
     """The flag's value, else the TFDS_DATA_DIR environment variable (as TFDS and Pax's scripts read)."""
     chosen = data_dir or os.environ.get(TFDS_DATA_DIR_ENV)
@@ -134,9 +146,7 @@ def open_split(spec: TfdsName, data_dir: str, split: str):
     sizes = split_sizes(spec, data_dir)
     if split not in sizes:
         raise DatasetError(f"TFDS dataset {spec} in {data_dir!r} has no split {split!r}; it has {sorted(sizes)}")
-    import tensorflow_datasets as tfds
-
-    return tfds.builder_from_directory(directory).as_data_source(split=split)
+    return _tfds().builder_from_directory(directory).as_data_source(split=split)
 
 
 class TextFeatureSource:
@@ -234,7 +244,8 @@ def _boolq_files(local_dir: str) -> dict[str, str]:
 def _builder_classes():
     """The three builders; defined on demand because their base class comes from tensorflow_datasets."""
     import numpy as np
-    import tensorflow_datasets as tfds
+
+    tfds = _tfds()
 
     class ThePile(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         """`the_pile:1.0.0`: one `text` feature; splits train, validation (and test)."""

@@ -18,6 +18,7 @@ from absl import logging
 
 from paxlite.config.run import RunConfig
 from paxlite.data.feed import make_feed
+from paxlite.data.feeding import plan_feeding
 from paxlite.eval.lambada import acc_strict
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
@@ -66,9 +67,10 @@ class Run:
                 f"{config.experiment} has no training data: pass --fdl.DATA_DIR=<a directory made by "
                 "python -m paxlite.data.prepare> or --fdl.SYNTHETIC_DATA=true"
             )
-        self.data = (make_feed(config.data, global_batch_size=self.global_batch_size)
-                     if needs_train_data else None)
-        self.eval_data = (make_feed(config.eval_task, global_batch_size=self.global_batch_size)
+        plan = plan_feeding(rules_lib.batch_sharding(self.mesh), global_batch_size=self.global_batch_size,
+                            seq_len=seq_len)
+        self.data = make_feed(config.data, plan=plan) if needs_train_data else None
+        self.eval_data = (make_feed(config.eval_task, plan=plan)
                           if config.eval_task is not None else self.data)
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
