@@ -7,8 +7,8 @@ row is padded); `inputs` are the targets shifted right *within each segment* wit
 segment start, so no token is ever predicted from the previous document. Concat-then-split was
 chosen over first-fit packing because it wastes no tokens on padding (first-fit left ~8% padding
 with 32 bins on 10..1500-token documents), keeps documents longer than `seq_len` without a separate
-chunking step, and was ~20% faster. Training rows are cut by `_DocumentStream` (chunked reads, numpy
-packing, a three-number position); evaluation, which reads each document once, goes through Grain.
+chunking step, and was ~20% faster. Training rows are cut by `packing.DocumentStream` (chunked reads,
+numpy packing, a three-number position); evaluation, which reads each document once, goes through Grain.
 
 Each process reads only its slice `[process_index::process_count]` of the records, before shuffling,
 so processes never see the same document and need not talk to each other; each returns its own
@@ -17,7 +17,6 @@ so processes never see the same document and need not talk to each other; each r
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -29,6 +28,14 @@ import numpy as np
 
 from paxlite.data import records
 from paxlite.data import tokenizer as tokenizer_lib
+from paxlite.data.packing import (
+    DocumentStream,
+    ShardedRecords,
+    lm_features,
+    text_chunk_encoder,
+    token_chunk_encoder,
+    unpacked_row,
+)
 
 _STATE_VERSION = 2  # 2: position = (epoch, cursor, offset) of the document stream
 # Evaluation reads in the calling thread: with the GIL, Grain's reader threads were slower.
@@ -79,29 +86,18 @@ class _EncodeDocument:
 
     def __init__(self, *, kind: str, tokenizer: tokenizer_lib.Tokenizer | None, eos_id: int):
         self._kind = kind
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
         self._eos = np.asarray([eos_id], dtype=np.int32)
 
     def __call__(self, record: bytes) -> np.ndarray:
         doc = records.decode_record(self._kind, record)
         if isinstance(doc, str):
-            assert self._tokenizer is not None  # guaranteed by TextData's validation
-            ids = np.asarray(self._tokenizer.encode(doc), dtype=np.int32)
+            assert self.tokenizer is not None  # guaranteed by TextData's validation
+            ids = np.asarray(self.tokenizer.encode(doc), dtype=np.int32)
         else:
             ids = np.asarray(doc, dtype=np.int32)
         return np.concatenate([ids, self._eos])
-
-
-def _unpacked_row(ids: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-    """One document -> one row of `seq_len`: truncated, right-padded with 0 (segment 0, weight 0)."""
-    n = min(ids.shape[0], seq_len)
-    targets = np.zeros(seq_len, dtype=np.int32)
-    targets[:n] = ids[:n]
-    segment_ids = np.zeros(seq_len, dtype=np.int32)
-    segment_ids[:n] = 1
-    positions = np.zeros(seq_len, dtype=np.int32)
-    positions[:n] = np.arange(n, dtype=np.int32)
-    return {"targets": targets, "segment_ids": segment_ids, "positions": positions}
 
 
 class _UnpackedRow:
@@ -112,130 +108,7 @@ class _UnpackedRow:
         self._seq_len = seq_len
 
     def __call__(self, record: bytes) -> dict[str, np.ndarray]:
-        return _unpacked_row(self._encode(record), self._seq_len)
-
-
-def _lm_features(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """[B, L] targets/segment_ids/positions -> the full batch; vectorised, no per-token Python."""
-    targets = rows["targets"].astype(np.int32, copy=False)
-    positions = rows["positions"].astype(np.int32, copy=False)
-    segment_ids = rows["segment_ids"].astype(np.int32, copy=False)
-    inputs = np.zeros_like(targets)
-    inputs[:, 1:] = targets[:, :-1]
-    # Every segment (and all padding) starts at position 0: nothing is predicted across documents.
-    inputs[positions == 0] = 0
-    return {
-        "inputs": inputs,
-        "targets": targets,
-        "weights": (segment_ids > 0).astype(np.float32),
-        "positions": positions,
-        "segment_ids": segment_ids,
-    }
-
-
-class _DocumentStream:
-    """This process's documents, epoch after epoch, cut into rows, with a small exact position.
-
-    Why not Grain's per-element iterators: on short documents their Python overhead per element
-    (~150 us) made the pipeline slower than one GPU's appetite. Here documents are read in chunks
-    and rows are cut with numpy; the position is (epoch, index in that epoch's order, tokens of that
-    document already emitted), so saving and restoring it costs nothing.
-
-    Packed rows follow concat-then-split: documents (EOS appended) are concatenated and cut every
-    `seq_len` tokens; the piece of a document inside a row is one segment, numbered from 1, whose
-    positions start at 0. Unpacked rows hold one document each, truncated and right-padded.
-    """
-
-    def __init__(self, *, source, indices: np.ndarray, encode: _EncodeDocument, shuffle: bool,
-                 seed: int, seq_len: int, rows: int, packed: bool, chunk: int = 256):
-        self._source, self._indices, self._encode = source, indices, encode
-        self._shuffle, self._seed = shuffle, seed
-        self._seq_len, self._rows, self._packed, self._chunk = seq_len, rows, packed, chunk
-        self._set(epoch=0, cursor=0, offset=0)
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if not self._shuffle:
-            return self._indices
-        return self._indices[np.random.default_rng([self._seed, epoch]).permutation(len(self._indices))]
-
-    def _set(self, *, epoch: int, cursor: int, offset: int) -> None:
-        self._epoch, self._cursor = epoch, cursor  # the next document to read
-        self._order_cache = (epoch, self._order(epoch))
-        self._docs: collections.deque[tuple[int, int, np.ndarray]] = collections.deque()
-        self._buffered = 0  # tokens in _docs not yet emitted
-        self._head_offset = 0  # tokens of the first buffered document already emitted
-        if offset:
-            self._read(1)
-            self._head_offset = offset
-            self._buffered -= offset
-
-    def _read(self, count: int) -> None:
-        """Appends the next `count` documents (crossing into new epochs) to the buffer."""
-        wanted: list[tuple[int, int, int]] = []
-        while len(wanted) < count:
-            epoch, order = self._order_cache
-            if epoch != self._epoch:
-                self._order_cache = (self._epoch, self._order(self._epoch))
-                epoch, order = self._order_cache
-            take = order[self._cursor : self._cursor + count - len(wanted)]
-            wanted += [(self._epoch, self._cursor + i, int(r)) for i, r in enumerate(take)]
-            self._cursor += len(take)
-            if self._cursor == len(order):
-                self._epoch, self._cursor = self._epoch + 1, 0
-        payloads = self._source.__getitems__([r for _, _, r in wanted])
-        for (epoch, cursor, _), payload in zip(wanted, payloads):
-            ids = self._encode(payload)
-            self._docs.append((epoch, cursor, ids))
-            self._buffered += len(ids)
-
-    def get_state(self) -> dict[str, int]:
-        if not self._docs:
-            return {"epoch": self._epoch, "cursor": self._cursor, "offset": 0}
-        epoch, cursor, _ = self._docs[0]
-        return {"epoch": epoch, "cursor": cursor, "offset": self._head_offset}
-
-    def set_state(self, state: dict[str, int]) -> None:
-        self._set(epoch=int(state["epoch"]), cursor=int(state["cursor"]), offset=int(state["offset"]))
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        return self._next_packed() if self._packed else self._next_unpacked()
-
-    def _next_unpacked(self) -> dict[str, np.ndarray]:
-        if len(self._docs) < self._rows:
-            self._read(max(self._chunk, self._rows - len(self._docs)))
-        docs = [self._docs.popleft()[2] for _ in range(self._rows)]
-        self._buffered -= sum(len(ids) for ids in docs)
-        rows = [_unpacked_row(ids, self._seq_len) for ids in docs]
-        return _lm_features({key: np.stack([row[key] for row in rows]) for key in rows[0]})
-
-    def _next_packed(self) -> dict[str, np.ndarray]:
-        need = self._rows * self._seq_len
-        while self._buffered < need:
-            self._read(self._chunk)
-        pieces, lengths, taken = [], [], 0
-        while taken < need:
-            epoch, cursor, ids = self._docs[0]
-            piece = ids[self._head_offset : self._head_offset + need - taken]
-            pieces.append(piece)
-            lengths.append(len(piece))
-            taken += len(piece)
-            if self._head_offset + len(piece) == len(ids):
-                self._docs.popleft()
-                self._head_offset = 0
-            else:
-                self._head_offset += len(piece)
-        self._buffered -= need
-        targets = np.concatenate(pieces).reshape(self._rows, self._seq_len)
-        doc = np.repeat(np.arange(len(lengths)), lengths).reshape(self._rows, self._seq_len)
-        starts = np.ones(targets.shape, dtype=bool)
-        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-        columns = np.broadcast_to(np.arange(self._seq_len, dtype=np.int32), targets.shape)
-        last_start = np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
-        return _lm_features({
-            "targets": targets,
-            "segment_ids": np.cumsum(starts, axis=1, dtype=np.int32),
-            "positions": (columns - last_start).astype(np.int32),
-        })
+        return unpacked_row(self._encode(record), self._seq_len)
 
 
 class TrainIterator:
@@ -246,7 +119,7 @@ class TrainIterator:
     instead of silently yielding other data.
     """
 
-    def __init__(self, stream: _DocumentStream, *, meta: dict[str, Any]):
+    def __init__(self, stream: DocumentStream, *, meta: dict[str, Any]):
         self._stream = stream
         self._meta = meta
 
@@ -366,7 +239,7 @@ class TextData:
             tfds_datasets.open_split(self._tfds, self._data_dir, split), feature=feature
         )
 
-    def _open_record_split(self, split: str) -> grain.sources.ArrayRecordDataSource:
+    def _open_record_split(self, split: str) -> ShardedRecords:
         if split not in self.info.splits:
             raise records.DatasetError(
                 f"dataset {self._data_dir!r} has no split {split!r}; it has "
@@ -376,7 +249,7 @@ class TextData:
         for path in paths:
             if not os.path.isfile(path):
                 raise records.DatasetError(f"split {split!r} shard {path!r} does not exist")
-        return grain.sources.ArrayRecordDataSource(paths)
+        return ShardedRecords(paths)
 
     def _make_encoder(self) -> _EncodeDocument:
         config, info = self.config, self.info
@@ -435,11 +308,17 @@ class TextData:
     def train_iterator(self) -> TrainIterator:
         """Infinite stream of this process's training rows, reshuffled every epoch from the seed."""
         config = self.config
-        stream = _DocumentStream(
+        encode = self._encode
+        chunk_encoder = (
+            text_chunk_encoder(encode.tokenizer, eos_id=encode.eos_id)
+            if encode.tokenizer is not None
+            else token_chunk_encoder(eos_id=encode.eos_id)
+        )
+        stream = DocumentStream(
             source=self._train.source,
             # This process's records, in file order: the slice is taken before any shuffle.
             indices=np.arange(self.process_index, len(self._train.source), self.process_count),
-            encode=self._encode,
+            encode=chunk_encoder,
             shuffle=config.shuffle,
             seed=config.seed,
             seq_len=config.seq_len,
@@ -496,4 +375,4 @@ class TextData:
             for i, row in zip(range(self.local_batch_size), rows, strict=False):
                 for key, value in row.items():
                     batch[key][i] = value
-            yield _lm_features(batch)
+            yield lm_features(batch)

@@ -121,6 +121,11 @@ def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+# One record per chunk (group_size:1) for random access. Token ids barely compress (zstd saved 16% on
+# Shakespeare's) while decompressing each tiny chunk cost more than reading it, so they are stored raw.
+_SHARD_OPTIONS = {Kind.TOKENS: "group_size:1,uncompressed", Kind.TEXT: "group_size:1"}
+
+
 def _stage(
     path: str,
     documents: Iterable[str],
@@ -161,6 +166,7 @@ def _write_shards(
     num_shards: int,
     written: list[str],
     progress: Progress,
+    options: str,
 ) -> tuple[str, ...]:
     """Copies staged records `order` into shards round-robin: the j-th goes to shard j % n."""
     reader = array_record_module.ArrayRecordReader(staging, "readahead_buffer_size:0")
@@ -170,7 +176,7 @@ def _write_shards(
             name = f"{split}-{shard:05d}-of-{num_shards:05d}.array_record"
             path = os.path.join(directory, name)
             written.append(path)
-            writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+            writer = array_record_module.ArrayRecordWriter(path, options)
             try:
                 indices = order[shard::num_shards]
                 for start in range(0, len(indices), _READ_BATCH):
@@ -259,6 +265,7 @@ def write_dataset(
                 ),
                 written=written,
                 progress=status,
+                options=_SHARD_OPTIONS[kind_],
             )
             splits[split] = {
                 "shards": list(shards),
