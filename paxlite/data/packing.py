@@ -100,6 +100,9 @@ class ShardedRecords:
         return out
 
 
+_CHUNK_TOKENS = 1 << 18  # ~1 MiB of int32 ids per read
+_MIN_CHUNK, _MAX_CHUNK = 16, 8192
+
 # (payloads) -> (tokens with EOS after each document, lengths including EOS)
 ChunkEncoder = Callable[[list[bytes]], tuple[np.ndarray, np.ndarray]]
 
@@ -113,10 +116,11 @@ class DocumentStream:
     """
 
     def __init__(self, *, source, indices: np.ndarray, encode: ChunkEncoder, shuffle: bool,
-                 seed: int, seq_len: int, rows: int, packed: bool, chunk: int = 1024):
+                 seed: int, seq_len: int, rows: int, packed: bool, chunk: int | None = None):
         self._source, self._indices, self._encode = source, indices, encode
         self._shuffle, self._seed = shuffle, seed
-        self._seq_len, self._rows, self._packed, self._chunk = seq_len, rows, packed, chunk
+        self._seq_len, self._rows, self._packed, self._fixed_chunk = seq_len, rows, packed, chunk
+        self._read_docs, self._read_tokens = 0, 0
         self._set(epoch=0, cursor=0, offset=0)
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -137,19 +141,22 @@ class DocumentStream:
 
     def _read(self, count: int) -> None:
         """Appends the next `count` documents (crossing into new epochs); drops emitted ones."""
-        keys, records = [], []
-        while len(records) < count:
+        keys, records, wanted = [], [], 0
+        while wanted < count:
             epoch, order = self._order_cache
             if epoch != self._epoch:
                 self._order_cache = (self._epoch, self._order(self._epoch))
                 epoch, order = self._order_cache
-            take = order[self._cursor : self._cursor + count - len(records)]
+            take = order[self._cursor : self._cursor + count - wanted]
             keys.append(np.stack([np.full(len(take), self._epoch), self._cursor + np.arange(len(take))], axis=1))
             records.append(take)
+            wanted += len(take)
             self._cursor += len(take)
             if self._cursor == len(order):
                 self._epoch, self._cursor = self._epoch + 1, 0
         tokens, lengths = self._encode(self._source.__getitems__(np.concatenate(records).tolist()))
+        self._read_docs += len(lengths)
+        self._read_tokens += len(tokens)
         first = self._first_unfinished()
         base = self._starts[first] if first < len(self._starts) else self._pos
         self._tokens = np.concatenate([self._tokens[base:], tokens])
@@ -157,6 +164,18 @@ class DocumentStream:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) + (len(self._tokens) - len(tokens))
         self._starts = np.concatenate([self._starts[first:] - base, starts])
         self._keys = np.concatenate([self._keys[first:], *keys])
+
+    @property
+    def _chunk(self) -> int:
+        """Documents per read: fixed if given, else about _CHUNK_TOKENS tokens at the mean length so far.
+
+        Large reads amortise the per-request cost of ArrayRecord (per shard) and NumPy; the token target
+        keeps memory bounded when documents are long.
+        """
+        if self._fixed_chunk is not None:
+            return self._fixed_chunk
+        mean = self._read_tokens / self._read_docs if self._read_docs else 256.0
+        return int(np.clip(_CHUNK_TOKENS / mean, _MIN_CHUNK, _MAX_CHUNK))
 
     def _first_unfinished(self) -> int:
         """Index of the first buffered document with tokens not yet emitted (len(_starts) if none)."""

@@ -107,3 +107,17 @@ def test_unpacked_rows_truncate_and_pad():
         assert batch["targets"][r, : len(ids)].tolist() == ids
         assert batch["weights"][r].sum() == len(ids) and not batch["targets"][r, len(ids):].any()
     assert stream.get_state() == {"epoch": 0, "cursor": 4, "offset": 0}
+
+
+def test_the_stream_reads_only_a_chunk_ahead():
+    """Reading ahead is bounded: one chunk past what the rows need (a wasteful read is invisible in the rows)."""
+    docs = _docs(400, seed=3)
+    source = ListSource(docs)
+    fetched = []
+    original = source.__getitems__
+    source.__getitems__ = lambda indices: (fetched.append(len(indices)), original(indices))[1]
+    stream = DocumentStream(source=source, indices=np.arange(400), encode=token_chunk_encoder(eos_id=EOS),
+                            shuffle=True, seed=0, seq_len=16, rows=2, packed=True, chunk=10)
+    next(stream)
+    needed = int(np.searchsorted(np.cumsum([len(d) + 1 for d in docs]), 32)) + 1  # upper bound, any order
+    assert fetched and all(n == 10 for n in fetched) and sum(fetched) < needed + 40
