@@ -9,8 +9,9 @@ packing -> batches with inputs/targets/weights/positions/segment_ids) in two cas
     text    raw-text ArrayRecord -> SentencePiece encode on the fly -> packed batches
 
 and, when the `seqio` extra is installed, the SeqIO pipeline Pax used on the same documents and
-vocabulary (SentencePieceVocabulary, FunctionDataSource, rekey -> tokenize ->
-append_eos_after_trim, DecoderFeatureConverter(pack=True)). Only real tokens (weight 1) count.
+vocabulary (SentencePieceVocabulary, FunctionDataSource, Pax's `the_pile_lm` preprocessing: rekey
+-> tokenize -> reduce_concat_tokens -> split_tokens_to_targets_length -> append_eos_after_trim,
+then DecoderFeatureConverter(pack=True)). Only real tokens (weight 1) count.
 A diagnostic case, `plays`, packs the same pre-tokenized text stored as one document per play
 (~40 long documents instead of ~38,000 paragraphs of ~39 tokens), which separates the pipeline's
 per-document cost from its per-token cost. SentencePiece's own encode rate over the train
@@ -22,7 +23,8 @@ a shared host took the core away. Data: Shakespeare's works (`paxlite.demo.fetch
 tokenizer of 8000 pieces and the three prepared datasets, all cached in `build/bench_input/`.
 Each case warms up, then reports the median of `--rounds` timed windows; `--tokens` real tokens
 are timed in total for pre-tokenized 2048x8 (and `plays`), half that for the demo shape 128x16,
-and 1/`--text_divisor` of it for raw text and SeqIO. Ratios are to the tokens/s GPT126M consumes
+and 1/`--text_divisor` of it for raw text and SeqIO (SeqIO at least three packing groups of
+seq_len**2 tokens per round, see `main`). Ratios are to the tokens/s GPT126M consumes
 on one H200 at 100 % MFU (1,157,192) and to Rosetta's measured H100 rate (150,692 tokens/s/GPU).
 
     .venv/bin/python benchmarks/input_pipeline.py --rounds 3 --tokens 20000000
@@ -62,6 +64,9 @@ VOCAB_SIZE = 8000
 NUM_SHARDS = 4
 VALIDATION_FRACTION = 0.01
 SEQIO_MISSING = "seqio not installed: SeqIO comparison skipped (pip install 'paxlite[seqio]')"
+# Pax shuffles the_pile_lm's pieces with a 100,000-example buffer; at 2048 tokens a piece that is
+# ~200M tokens to fill before the first batch, so the benchmark uses SeqIO's default of 1,000.
+SEQIO_SHUFFLE_BUFFER = 1000
 Batch = dict[str, np.ndarray]
 
 
@@ -160,16 +165,18 @@ def train_documents(text_dir: str) -> list[str]:
 
 
 def seqio_batches(documents: list[str], *, vocab_path: str, shape: Shape) -> Iterator[Batch]:
-    """Pax's SeqIO LM pipeline over `documents` (needs `pip install 'paxlite[seqio]'`).
+    """Pax's SeqIO LM pipeline (`the_pile_lm`) over `documents` (needs the `seqio` extra).
 
-    Not run where seqio is absent (it is not installed in paxlite's default environment, so this
-    function has not been executed there). Differences in what each side delivers:
-    append_eos_after_trim cuts a document longer than `seq_len` (the rest is dropped, where
-    paxlite continues it in the next row), and SeqIO's packing leaves padding at row ends, which
-    costs time but is not counted (only decoder_loss_weights == 1 is).
+    The preprocessors are Pax's, from `paxlite.data.seqio_pipeline`: the ids of every 128
+    documents are joined without separators and cut into pieces of `seq_len - 1` plus EOS, so
+    nothing is dropped; SeqIO's packer then fills rows with those pieces and may leave padding at
+    row ends, which costs time but is not counted (only decoder_loss_weights == 1 is). Only the
+    source differs from Pax: a FunctionDataSource over the in-memory documents, not TFDS files.
     """
     import seqio  # the optional extra: imported only on this path
     import tensorflow as tf
+
+    from paxlite.data import seqio_pipeline
 
     def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
         del split, shuffle_files, seed  # one in-memory split; the task shuffles examples
@@ -182,9 +189,12 @@ def seqio_batches(documents: list[str], *, vocab_path: str, shape: Shape) -> Ite
         preprocessors=[
             functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}),
             seqio.preprocessors.tokenize,
+            seqio_pipeline.reduce_concat_tokens,
+            seqio_pipeline.split_tokens_to_targets_length,
             seqio.preprocessors.append_eos_after_trim,
         ],
         output_features={"targets": seqio.Feature(vocabulary=vocabulary, add_eos=True)},
+        shuffle_buffer_size=SEQIO_SHUFFLE_BUFFER,
     )
     lengths = {"targets": shape.seq_len}
     dataset = task.get_dataset(lengths, split="train", shuffle=True, seed=0, num_epochs=None)
@@ -252,11 +262,12 @@ def measure(
     make: Callable[[], Iterator[Batch]],
     tokens: int,
     rounds: int,
+    warmup_tokens: int = 0,
 ) -> Result:
     """Times one case; `tokens` is split evenly over the rounds."""
     per_round = max(tokens // rounds, 1)
     # Warm-up: open every shard and fill the packer's buffer before the clock starts.
-    warmup = max(8 * shape.seq_len * shape.batch_size, 100_000)
+    warmup = max(8 * shape.seq_len * shape.batch_size, 100_000, warmup_tokens)
     rates, shares = time_rounds(make(), warmup_tokens=warmup, tokens=per_round, rounds=rounds)
     result = Result(
         pipeline=pipeline, shape=shape, rounds=rates, cpu_shares=shares, tokens_per_round=per_round
@@ -355,7 +366,12 @@ def main(argv: list[str] | None = None) -> int:
                 seqio_batches, documents, vocab_path=datasets.vocab_path, shape=shape
             )
             text = results[-1]
-            seqio = measure(Pipeline.SEQIO, shape, make=make, tokens=tokens // args.text_divisor,
+            # SeqIO's packer works on groups of seq_len pieces (seq_len**2 tokens: 4.2M at 2048)
+            # and then serves that group's rows at no cost: warm up over one group and time at
+            # least three per round, or a window may only read rows packed before it began.
+            group = shape.seq_len**2
+            seqio = measure(Pipeline.SEQIO, shape, make=make, warmup_tokens=group,
+                            tokens=max(tokens // args.text_divisor, args.rounds * 3 * group),
                             rounds=args.rounds)
             results.append(seqio)
             print(f"       {shape.name:>6}  paxlite text / SeqIO = "

@@ -72,15 +72,18 @@ def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding, plan: Feed
 
 
 class TextFeed:
-    """Batches from a prepared dataset; the iterator position is saved in every checkpoint."""
+    """Batches from a prepared dataset, TFDS files, or a Pax SeqIO task; the iterator position is saved in
+    every checkpoint."""
 
     metric_prefix = ""
 
     def __init__(self, config, *, plan: FeedPlan):
         from paxlite.data.pipeline import TextData  # grain and SentencePiece only on this path
+        from paxlite.data.seqio_pipeline import SeqIOData, SeqIODataConfig  # TensorFlow only when used
 
         self._plan = plan
-        self._data = TextData(
+        reader = SeqIOData if isinstance(config, SeqIODataConfig) else TextData
+        self._data = reader(
             config,
             global_batch_size=plan.global_batch_size,
             process_index=plan.feed_index,

@@ -171,9 +171,24 @@ def _text(value: Any) -> str:
 
 
 def read_lambada_examples(data_dir: str, *, split: str = "test") -> list[tuple[str, str]]:
-    """(inputs, target) pairs of `my_lambada`, in TFDS's stored order (the same on every run)."""
-    source = open_split(LAMBADA, data_dir, split)
-    examples = [(_text(ex["inputs"]), _text(ex["targets"])) for ex in source.__getitems__(range(len(source)))]
+    """(inputs, target) pairs of `my_lambada`, in TFDS's stored order (the same on every run).
+
+    A TFRecord copy (what Pax's script wrote) is streamed through TensorFlow, which then must be installed.
+    """
+    directory = check_prepared(LAMBADA, data_dir)
+    if _file_format(directory) == "array_record":
+        source = open_split(LAMBADA, data_dir, split)
+        rows = source.__getitems__(range(len(source)))
+    else:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorflow") is None:  # TFDS streams TFRecord files through it
+            raise DatasetError(
+                f"TFDS dataset {LAMBADA} in {data_dir!r} is stored as TFRecord, which needs TensorFlow "
+                "(pip install 'paxlite[seqio]'), or rebuild it with scripts_gpu/download_lambada.py"
+            )
+        rows = _tfds().builder_from_directory(directory).as_dataset(split=split).as_numpy_iterator()
+    examples = [(_text(ex["inputs"]), _text(ex["targets"])) for ex in rows]
     if not examples:
         raise DatasetError(f"TFDS dataset {LAMBADA} in {data_dir!r}: split {split!r} is empty")
     return examples
