@@ -1,4 +1,6 @@
-"""`python -m paxlite list` and `python -m paxlite show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`."""
+"""`python -m paxlite list`, `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
+`plot JOB_DIR` and `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
+paxlite/plan.py)."""
 
 from __future__ import annotations
 
@@ -72,10 +74,22 @@ def _show(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from paxlite.config.errors import ConfigError
-    from paxlite.parallel.mesh import MeshError
+def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
+    """Runs before anything imports JAX, so that the fake CPU devices can still be set."""
+    from paxlite import plan
 
+    try:
+        request = plan.PlanRequest(
+            name=args.fdl_config, assignments=tuple(assignments), num_devices=args.devices,
+            device_memory_gib=args.device_memory_gib, peak_tflops=args.peak_tflops,
+        )
+    except ValueError as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    return plan.run_plan_command(request, output_format=plan.OutputFormat(args.format))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m paxlite")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     show = commands.add_parser("show", help="one experiment, resolved (accepts --fdl.NAME=VALUE)")
     show.add_argument("--fdl_config", required=True, help="registered name, dotted path or Pax name")
     show.add_argument("--format", choices=("text", "json"), default="text")
+    plan = commands.add_parser(
+        "plan", help="will it fit? compile the train step on N fake devices; memory per device")
+    plan.add_argument("--fdl_config", required=True,
+                      help="registered name, dotted path or Pax name")
+    plan.add_argument("--devices", type=int, required=True, help="devices to plan for (ICI x DCN)")
+    plan.add_argument("--device_memory_gib", type=float, default=80.0, help="memory of one device")
+    plan.add_argument("--peak_tflops", type=float, default=989.0,
+                      help="dense peak TFLOP/s of one device (step time at 100%% MFU)")
+    plan.add_argument("--format", choices=("text", "json"), default="text")
     plot = commands.add_parser("plot", help="PNG of a job's train and validation loss curves")
     plot.add_argument("job_log_dir")
     plot.add_argument("--output", default=None, help="PNG path (default: JOB_LOG_DIR/loss.png)")
@@ -103,10 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"paxlite: error: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "plan":
+        return _plan(args, assignments)
     if args.command == "list":
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")
         return _list()
+    from paxlite.config.errors import ConfigError
+    from paxlite.parallel.mesh import MeshError
+
     try:
         return _show(args, assignments)
     except (ConfigError, MeshError) as e:

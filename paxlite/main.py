@@ -28,6 +28,7 @@ FLAGS = flags.FLAGS
 class Mode(str, enum.Enum):
     TRAIN = "train"
     EVAL = "eval"
+    DRY_RUN = "dry_run"
 
 
 flags.DEFINE_string("job_log_dir", None, "Directory for checkpoints, summaries, metrics and configs.")
@@ -35,10 +36,18 @@ flags.DEFINE_enum("mode", Mode.TRAIN.value, [m.value for m in Mode], "What to ru
 flags.DEFINE_bool("enable_checkpoint_saving", True, "Write checkpoints (restoring works either way).")
 flags.DEFINE_string("tfds_data_dir", None,
                     "TFDS data directory (Pax's flag): sets --fdl.TFDS_DATA_DIR unless that is given.")
-flags.DEFINE_bool("multiprocess_gpu", False, "Initialise JAX's multi-process runtime.")
-flags.DEFINE_string("server_addr", None, "Coordinator HOST:PORT for --multiprocess_gpu.")
-flags.DEFINE_integer("num_hosts", None, "Number of processes for --multiprocess_gpu.")
-flags.DEFINE_integer("host_idx", None, "This process's index for --multiprocess_gpu.")
+flags.DEFINE_bool("multiprocess_gpu", False,
+                  "Join a multi-process job (as in Pax) with --server_addr, --num_hosts and "
+                  "--host_idx. Without it SLURM (SLURM_NTASKS > 1) and "
+                  "PAXLITE_COORDINATOR_ADDRESS / PAXLITE_NUM_PROCESSES (Kubernetes Indexed Jobs) "
+                  "are detected; see docs/parallelism.md.")
+flags.DEFINE_string("server_addr", None,
+                    "HOST:PORT of process 0, where the coordinator listens (--multiprocess_gpu).")
+flags.DEFINE_integer("num_hosts", None,
+                     "Number of processes in the job, usually one per node (--multiprocess_gpu).")
+flags.DEFINE_integer("host_idx", None,
+                     "This process's index, 0..num_hosts-1; 0 runs the coordinator "
+                     "(--multiprocess_gpu).")
 
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
 
@@ -143,6 +152,10 @@ def parse_job(argv) -> tuple:
     assignments = list(FLAGS.fdl_set or [])
     if FLAGS.tfds_data_dir and not any(a.split("=", 1)[0].strip() == "TFDS_DATA_DIR" for a in assignments):
         assignments.append(f"TFDS_DATA_DIR={FLAGS.tfds_data_dir!r}")
+    if Mode(FLAGS.mode) is Mode.DRY_RUN and not any(a.split("=", 1)[0].strip() == "SYNTHETIC_DATA"
+                                                    for a in assignments):
+        # The planner compiles on shapes only: no dataset or tokenizer is needed, or opened.
+        assignments.append("SYNTHETIC_DATA=true")
     experiment = load_experiment(FLAGS.fdl_config or "", assignments)
     tree = run_tree(experiment)
     return experiment, tree, fdl.build(tree)
@@ -158,14 +171,21 @@ def main(argv) -> int:
     except (ConfigError, UsageError, MeshError, ValueError) as e:
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
-    if FLAGS.multiprocess_gpu:
-        import jax
+    if Mode(FLAGS.mode) is Mode.DRY_RUN:
+        from paxlite.plan import dry_run
 
-        missing = [n for n in ("server_addr", "num_hosts", "host_idx") if getattr(FLAGS, n) is None]
-        if missing:
-            print(f"paxlite: error: --multiprocess_gpu needs --{', --'.join(missing)}", file=sys.stderr)
-            return 2
-        jax.distributed.initialize(FLAGS.server_addr, FLAGS.num_hosts, FLAGS.host_idx)
+        return dry_run(experiment, job_log_dir=os.path.abspath(FLAGS.job_log_dir), argv=sys.argv)
+    from paxlite.parallel import distributed
+
+    try:  # Pax's --multiprocess_gpu flags, else SLURM / Kubernetes from the environment
+        distributed.setup(multiprocess_gpu=FLAGS.multiprocess_gpu, server_addr=FLAGS.server_addr,
+                          num_hosts=FLAGS.num_hosts, host_idx=FLAGS.host_idx)
+    except distributed.DistributedError as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    except distributed.ConnectionFailedError as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 1
 
     import jax
 

@@ -1,6 +1,7 @@
 """Device meshes from Pax's ICI_MESH_SHAPE x DCN_MESH_SHAPE.
 
-Pax users describe parallelism as two [data, fsdp, tensor] shapes: one within a node (ICI) and one across nodes (DCN).
+Pax users describe parallelism as two [data, fsdp, tensor] shapes: one within a node (ICI) and one
+across nodes (DCN).
 The device mesh is their element-wise product. Within one process the devices are laid out with
 `mesh_utils.create_device_mesh` (which knows the physical topology on GPUs); across processes with
 `create_hybrid_device_mesh`, so that the slow-interconnect axes span nodes.
@@ -14,11 +15,13 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
-# Axes a global batch is split over; never over `tensor` (Pax: inputs split over replica and data, never mdl).
+# Axes a global batch is split over; never over `tensor` (Pax: inputs split over replica and data,
+# never mdl).
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 
 
@@ -28,7 +31,10 @@ class MeshError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """[data, fsdp, tensor] shapes within a node (ici) and across nodes (dcn); ici=None puts every local device on data."""
+    """[data, fsdp, tensor] shapes within a node (ici) and across nodes (dcn).
+
+    ici=None puts every local device on data.
+    """
 
     ici_mesh_shape: tuple[int, ...] | None = None
     dcn_mesh_shape: tuple[int, ...] = (1, 1, 1)
@@ -63,53 +69,117 @@ class MeshConfig:
 
 
 def check_mesh_fits(config: MeshConfig, *, num_devices: int, num_processes: int) -> None:
-    """Raise MeshError naming both numbers when the mesh does not cover exactly the devices there are."""
-    local = num_devices // max(num_processes, 1)
+    """Raise MeshError naming the numbers when the mesh does not cover exactly the devices.
+
+    With several processes the split is exact: ICI_MESH_SHAPE covers the devices of one process and
+    DCN_MESH_SHAPE the processes. One process may stand in for several (DCN > 1 on one host, as in
+    tests): then only the product must match the device count.
+    """
+    processes = max(num_processes, 1)
+    if num_devices % processes:
+        raise MeshError(
+            f"{num_devices} devices over {processes} processes is uneven; every process must "
+            "have the same number of devices"
+        )
+    local = num_devices // processes
     ici = config.resolved_ici(local)
     dcn = config.dcn_mesh_shape
+    if processes > 1:
+        problems = []
+        if math.prod(ici) != local:
+            problems.append(
+                f"ICI_MESH_SHAPE={list(ici)} covers {math.prod(ici)} devices "
+                f"but each process has {local}"
+            )
+        if math.prod(dcn) != processes:
+            problems.append(
+                f"DCN_MESH_SHAPE={list(dcn)} covers {math.prod(dcn)} processes "
+                f"but there are {processes}"
+            )
+        if problems:
+            raise MeshError(
+                "; ".join(problems) + f" (for data parallelism across processes: "
+                f"--fdl.ICI_MESH_SHAPE=[{local},1,1] --fdl.DCN_MESH_SHAPE=[{processes},1,1])"
+            )
     total = math.prod(ici) * math.prod(dcn)
     if total != num_devices:
         hint = (
-            f"for one node with {num_devices} device(s) pass --fdl.ICI_MESH_SHAPE=[{num_devices},1,1] "
+            f"for one node with {num_devices} device(s) pass "
+            f"--fdl.ICI_MESH_SHAPE=[{num_devices},1,1] "
             "--fdl.DCN_MESH_SHAPE=[1,1,1]"
             + (f" (data parallel; [1,{num_devices},1] for FSDP)" if num_devices > 1 else "")
         )
         raise MeshError(
             f"ICI_MESH_SHAPE={list(ici)} x DCN_MESH_SHAPE={list(dcn)} needs {total} devices, "
-            f"but this job has {num_devices} ({num_processes} process(es)); {hint}"
+            f"but this job has {num_devices} ({processes} process(es)); {hint}"
         )
-    if num_processes > 1 and math.prod(dcn) != num_processes and math.prod(ici) != local:
-        raise MeshError(
-            f"ICI_MESH_SHAPE={list(ici)} covers {math.prod(ici)} devices but each process has {local}; "
-            f"DCN_MESH_SHAPE={list(dcn)} covers {math.prod(dcn)} processes but there are {num_processes}"
-        )
+
+
+def _granule_layout(ici: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
+    """The ICI-shaped array of one granule's devices; topology-aware where JAX knows it."""
+    try:
+        return mesh_utils.create_device_mesh(ici, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        return np.asarray(devices, dtype=object).reshape(ici)
+
+
+def hybrid_layout(
+    ici: Sequence[int], dcn: Sequence[int], granules: Sequence[Sequence[jax.Device]]
+) -> np.ndarray:
+    """Granule g (of prod(dcn)) at DCN position unravel(g, dcn); inside it, the ICI layout.
+
+    The rule of `mesh_utils.create_hybrid_device_mesh`: along each axis the DCN index is the outer
+    one, so mesh index = dcn_index x ici_size + ici_index. Used to lay out one process as if it were
+    several.
+    """
+    blocks = np.stack([_granule_layout(ici, granule) for granule in granules])
+    blocks = blocks.reshape(*dcn, *ici)  # [dcn_0, dcn_1, dcn_2, ici_0, ici_1, ici_2]
+    n = len(ici)
+    interleaved = blocks.transpose([a for i in range(n) for a in (i, n + i)])
+    return interleaved.reshape([d * i for d, i in zip(dcn, ici, strict=True)])
 
 
 def build_mesh(config: MeshConfig, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over `devices` (default: all devices of the job)."""
+    """The (data, fsdp, tensor) mesh over `devices` (default: all devices of the job).
+
+    Several processes: `create_hybrid_device_mesh` with one granule per process, so the DCN axes
+    span processes (nodes) and the ICI axes stay within one. One process with DCN > 1 is laid out by
+    the same rule over consecutive blocks of devices, so single-process tests see the multi-process
+    layout.
+    """
     devices = list(jax.devices() if devices is None else devices)
     num_processes = len({d.process_index for d in devices})
     check_mesh_fits(config, num_devices=len(devices), num_processes=num_processes)
     ici = config.resolved_ici(len(devices) // num_processes)
     dcn = config.dcn_mesh_shape
-    if math.prod(dcn) > 1 and num_processes > 1:
+    if num_processes > 1:
         device_array = mesh_utils.create_hybrid_device_mesh(
             ici, dcn, devices=devices, process_is_granule=True
         )
     elif math.prod(dcn) > 1:
-        # One process standing in for several nodes (tests, one big host): same axis sizes, plain layout.
-        device_array = np.asarray(devices).reshape(config.shape(len(devices)))
+        ordered = sorted(devices, key=lambda d: d.id)
+        size = len(ordered) // math.prod(dcn)
+        device_array = hybrid_layout(
+            ici, dcn, [ordered[g * size : (g + 1) * size] for g in range(math.prod(dcn))]
+        )
     else:
-        try:
-            device_array = mesh_utils.create_device_mesh(ici, devices=devices)
-        except (ValueError, NotImplementedError, AssertionError):
-            device_array = np.asarray(devices).reshape(ici)
+        device_array = _granule_layout(ici, devices)
+    logging.info(
+        "Mesh %s (ICI %s x DCN %s) over device ids %s",
+        dict(zip(MESH_AXES, device_array.shape, strict=True)),
+        list(ici),
+        list(dcn),
+        np.vectorize(lambda d: d.id, otypes=[int])(device_array).tolist(),
+    )
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_split: int) -> int:
-    """Pax semantics: PERCORE_BATCH_SIZE x devices, whatever the parallelism; it must be a whole number that
-    divides evenly over the data x fsdp axes (with tensor parallelism PERCORE_BATCH_SIZE may be fractional)."""
+    """Pax semantics: PERCORE_BATCH_SIZE x devices, whatever the parallelism.
+
+    It must be a whole number that divides evenly over the data x fsdp axes (with tensor
+    parallelism PERCORE_BATCH_SIZE may be fractional).
+    """
     total = percore_batch_size * num_devices
     rounded = int(round(total))
     if rounded < 1 or abs(total - rounded) > 1e-6:
@@ -119,7 +189,8 @@ def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_spli
         )
     if rounded % batch_split:
         raise MeshError(
-            f"global batch {rounded} (PERCORE_BATCH_SIZE={percore_batch_size} x {num_devices} devices) "
+            f"global batch {rounded} (PERCORE_BATCH_SIZE={percore_batch_size} x "
+            f"{num_devices} devices) "
             f"does not divide over data x fsdp = {batch_split} ways"
         )
     return rounded

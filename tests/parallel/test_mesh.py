@@ -1,7 +1,19 @@
 import jax
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from paxlite.parallel.mesh import MeshConfig, MeshError, build_mesh, global_batch_size
+from paxlite.data.feeding import plan_feeding
+from paxlite.parallel.mesh import (
+    BATCH_AXES,
+    MeshConfig,
+    MeshError,
+    build_mesh,
+    check_mesh_fits,
+    global_batch_size,
+    hybrid_layout,
+)
 
 
 def test_mesh_is_ici_times_dcn():
@@ -48,5 +60,123 @@ def test_indivisible_parameter_is_named_before_compiling():
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 8)))
     schedule = make_schedule(run.schedule)
     with jax.set_mesh(mesh), pytest.raises(MeshError, match=r"qkv.*dimension 4 over tensor=8"):
-        compile_steps(model=Transformer(run.model), optimizer=make_optimizer(run.optimizer, schedule),
-                      schedule=schedule, mesh=mesh, seq_len=64, seed=0, deterministic=True)
+        compile_steps(
+            model=Transformer(run.model),
+            optimizer=make_optimizer(run.optimizer, schedule),
+            schedule=schedule,
+            mesh=mesh,
+            seq_len=64,
+            seed=0,
+            deterministic=True,
+        )
+
+
+def _ids(mesh) -> list:
+    return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices).tolist()
+
+
+@pytest.mark.parametrize(
+    ("ici", "dcn", "expected"),
+    [
+        # Hand-derived from the hybrid rule: granule g = devices 4g..4g+3; along each axis the DCN
+        # index is the outer one (mesh index = dcn_index x ici_size + ici_index).
+        ((1, 2, 2), (2, 1, 1), [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]),
+        ((2, 1, 2), (1, 2, 1), [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]),
+        ((2, 2, 1), (1, 1, 2), [[[0, 4], [1, 5]], [[2, 6], [3, 7]]]),
+        ((1, 4, 1), (1, 2, 1), [[[0], [1], [2], [3], [4], [5], [6], [7]]]),
+    ],
+)
+def test_one_process_lays_out_dcn_axes_as_a_hybrid_mesh(ici, dcn, expected):
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
+    assert _ids(mesh) == expected
+
+
+def test_hybrid_layout_matches_jax_hybrid_mesh_rule():
+    # The rule of mesh_utils.create_hybrid_device_mesh: np.block of per-granule ICI meshes in DCN
+    # shape.
+    devices = jax.devices()
+    ici, dcn = (1, 2, 2), (2, 1, 1)
+    granules = [devices[:4], devices[4:]]
+    blocks = np.empty(dcn, dtype=object)
+    for g, granule in enumerate(granules):
+        blocks[np.unravel_index(g, dcn)] = np.asarray(granule, dtype=object).reshape(ici)
+    reference = np.block(blocks.tolist())
+    got = hybrid_layout(ici, dcn, granules)
+    assert got.shape == reference.shape == (2, 2, 2)
+    assert [d.id for d in got.flat] == [d.id for d in reference.flat]
+
+
+@pytest.mark.parametrize(
+    ("ici", "dcn"), [((1, 2, 2), (2, 1, 1)), ((1, 4, 1), (1, 2, 1)), ((1, 2, 2), (1, 2, 1))]
+)
+def test_each_stand_in_process_feeds_one_contiguous_block(ici, dcn):
+    # Devices 0-3 stand for process 0, 4-7 for process 1: the batch rows each holds must be one
+    # block, the first half for process 0, as the multi-process feed requires.
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
+    sharding = NamedSharding(mesh, P(BATCH_AXES))
+    plans = [
+        plan_feeding(
+            sharding, global_batch_size=16, process_index=p, process_of=lambda d: d.id // 4
+        )
+        for p in (0, 1)
+    ]
+    assert [(p.row_start, p.row_stop) for p in plans] == [(0, 8), (8, 16)]
+
+
+@pytest.mark.parametrize(
+    ("ici", "dcn", "message"),
+    [
+        (
+            (2, 2, 2),
+            (1, 1, 1),
+            r"ICI_MESH_SHAPE=\[2, 2, 2\] covers 8 devices but each process has 4; "
+            r"DCN_MESH_SHAPE=\[1, 1, 1\] covers 1 processes but there are 2",
+        ),
+        ((1, 2, 2), (1, 1, 1), r"DCN_MESH_SHAPE=\[1, 1, 1\] covers 1 processes but there are 2"),
+        (
+            (1, 2, 1),
+            (2, 1, 1),
+            r"ICI_MESH_SHAPE=\[1, 2, 1\] covers 2 devices but each process has 4",
+        ),
+        ((1, 4, 1), (4, 1, 1), r"DCN_MESH_SHAPE=\[4, 1, 1\] covers 4 processes but there are 2"),
+        (
+            None,
+            (1, 1, 1),
+            r"DCN_MESH_SHAPE=\[1, 1, 1\] covers 1 processes.*DCN_MESH_SHAPE=\[2,1,1\]",
+        ),
+    ],
+)
+def test_several_processes_need_ici_per_process_and_dcn_per_process_count(ici, dcn, message):
+    with pytest.raises(MeshError, match=message):
+        check_mesh_fits(
+            MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn), num_devices=8, num_processes=2
+        )
+
+
+@pytest.mark.parametrize(
+    ("ici", "dcn"), [((1, 2, 2), (2, 1, 1)), ((4, 1, 1), (1, 1, 2)), (None, (2, 1, 1))]
+)
+def test_exact_split_over_processes_is_accepted(ici, dcn):
+    check_mesh_fits(
+        MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn), num_devices=8, num_processes=2
+    )
+
+
+def test_uneven_devices_per_process():
+    with pytest.raises(MeshError, match="7 devices over 2 processes is uneven"):
+        check_mesh_fits(MeshConfig(), num_devices=7, num_processes=2)
+
+
+def test_one_process_keeps_accepting_dcn_when_the_product_matches():
+    # One host standing in for two nodes; ICI x DCN must still cover exactly its devices.
+    check_mesh_fits(
+        MeshConfig(ici_mesh_shape=(1, 2, 2), dcn_mesh_shape=(2, 1, 1)),
+        num_devices=8,
+        num_processes=1,
+    )
+    with pytest.raises(MeshError, match=r"needs 16 devices, but this job has 8 \(1 process"):
+        check_mesh_fits(
+            MeshConfig(ici_mesh_shape=(2, 2, 2), dcn_mesh_shape=(2, 1, 1)),
+            num_devices=8,
+            num_processes=1,
+        )

@@ -1,0 +1,498 @@
+"""Will it fit? Compile a run's train step ahead of time on fake CPU devices and read its memory.
+
+Nothing is allocated: the state and the batch are ShapeDtypeStructs carrying their shardings, and
+`jit(...).lower(...).compile()` runs XLA's SPMD partitioner and buffer assignment for one device's
+program. The numbers are those of the *CPU* compiler: GPU fusion and buffer assignment differ (cuDNN
+attention, different fusions), so temporaries are an estimate; parameter, optimizer-state and
+gradient bytes are exact (they follow from shapes and shardings alone). The CPU stands in because a
+deviceless CUDA compile needs the CUDA plugin on the planning machine (see the AOT notes in
+docs/parallelism.md).
+
+The planner needs as many JAX devices as the mesh has. Fake CPU devices are set by
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX starts; a process whose JAX already
+started with fewer devices (pytest has 8, `python -m paxlite.main` has its real ones) plans in a
+fresh `python -m paxlite plan` subprocess instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_DEVICE_MEMORY_GIB = 80.0  # H100 80GB
+DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 dense BF16 (docs/performance.md)
+GIB = 2**30
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_MAX_COMPILED_LEVERS = 3  # re-plans per verdict: each is one more compile of the whole step
+
+
+class OutputFormat(str, enum.Enum):
+    TEXT = "text"
+    JSON = "json"
+
+
+class PlanError(RuntimeError):
+    """The planner could not run (not a bad configuration: those raise ConfigError / MeshError)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What to plan: the experiment as typed on the command line, and the hardware to plan for."""
+
+    name: str
+    assignments: tuple[str, ...] = ()
+    num_devices: int
+    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB
+    peak_tflops: float = DEFAULT_PEAK_TFLOPS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int) \
+                or self.num_devices < 1:
+            raise ValueError(f"--devices={self.num_devices!r}: expected a positive integer")
+        for flag, value in (("--device_memory_gib", self.device_memory_gib),
+                            ("--peak_tflops", self.peak_tflops)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag}={value!r}: expected a positive number")
+
+
+# ------------------------------------------------------------------------------------------------
+# Devices: this process, or a fresh one with enough fake CPU devices
+
+
+def fake_device_env(num_devices: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """`base` (default os.environ) with XLA_FLAGS asking for exactly `num_devices` CPU devices."""
+    env = dict(os.environ if base is None else base)
+    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", env.get("XLA_FLAGS", "")).split()
+    env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={num_devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def prepare_this_process(num_devices: int) -> bool:
+    """True when this process can plan for `num_devices` (setting the fake devices if JAX has not
+    started yet); False when JAX already runs with other devices and a subprocess must plan."""
+    if "jax" not in sys.modules:
+        os.environ.update(fake_device_env(num_devices))
+        return True
+    import jax
+
+    devices = jax.devices()
+    return devices[0].platform == "cpu" and len(devices) >= num_devices
+
+
+def plan_command_line(request: PlanRequest, *, output_format: OutputFormat) -> list[str]:
+    """The `python -m paxlite plan ...` command that plans `request` in a fresh process."""
+    return [
+        sys.executable, "-m", "paxlite", "plan", f"--fdl_config={request.name}",
+        *(f"--fdl.{a}" for a in request.assignments),
+        f"--devices={request.num_devices}",
+        f"--device_memory_gib={request.device_memory_gib!r}",
+        f"--peak_tflops={request.peak_tflops!r}",
+        f"--format={output_format.value}",
+    ]
+
+
+def plan_in_subprocess(request: PlanRequest) -> dict[str, Any]:
+    """Plan in a fresh process; its error message (one line on stderr) becomes a PlanError."""
+    result = subprocess.run(
+        plan_command_line(request, output_format=OutputFormat.JSON),
+        capture_output=True, text=True, env=fake_device_env(request.num_devices), check=False,
+    )
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        raise PlanError(lines[-1] if lines else f"the planner exited with {result.returncode}")
+    return json.loads(result.stdout)
+
+
+def plan(request: PlanRequest) -> dict[str, Any]:
+    """The plan of `request`, in this process when its devices allow, else in a subprocess."""
+    if not prepare_this_process(request.num_devices):
+        return plan_in_subprocess(request)
+    from paxlite.config.build import load_experiment
+
+    return plan_experiment(
+        load_experiment(request.name, request.assignments),
+        num_devices=request.num_devices,
+        device_memory_gib=request.device_memory_gib,
+        peak_tflops=request.peak_tflops,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# One compile
+
+
+def _resolved_mesh_shapes(experiment, num_devices: int) -> tuple[list[int], list[int]]:
+    """[data, fsdp, tensor] ICI and DCN shapes for `num_devices`; ICI=None puts each node's devices
+    (num_devices / DCN) on data, as a real multi-node run does."""
+    from paxlite.parallel.mesh import MeshError
+
+    dcn = list(experiment.DCN_MESH_SHAPE)
+    nodes = math.prod(dcn)
+    if experiment.ICI_MESH_SHAPE is None:
+        if num_devices % nodes:
+            raise MeshError(
+                f"ICI_MESH_SHAPE=None x DCN_MESH_SHAPE={dcn}: {nodes} node(s) do not divide "
+                f"--devices={num_devices}"
+            )
+        return [num_devices // nodes, 1, 1], dcn
+    ici = list(experiment.ICI_MESH_SHAPE)
+    if math.prod(ici) * nodes != num_devices:
+        raise MeshError(
+            f"ICI_MESH_SHAPE={ici} x DCN_MESH_SHAPE={dcn} needs {math.prod(ici) * nodes} devices, "
+            f"but the plan is for --devices={num_devices}; pass --devices={math.prod(ici) * nodes} "
+            f"or change the mesh with --fdl.ICI_MESH_SHAPE / --fdl.DCN_MESH_SHAPE"
+        )
+    return ici, dcn
+
+
+def _shard_bytes(abstract_tree) -> int:
+    """Bytes of one device's shard of every leaf (the largest shard, for uneven splits)."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(abstract_tree):
+        total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    return total
+
+
+def _flops_of(compiled) -> float | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    return None if not cost or "flops" not in cost else float(cost["flops"])
+
+
+def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
+    """Compile the experiment's train step for `num_devices` CPU devices and measure one device."""
+    import fiddle as fdl
+    import jax
+    import jax.numpy as jnp
+
+    from paxlite.models.transformer import Transformer
+    from paxlite.parallel import mesh as mesh_lib
+    from paxlite.parallel import rules as rules_lib
+    from paxlite.train.optimizer import make_optimizer
+    from paxlite.train.schedules import make_schedule
+    from paxlite.train.step import compile_steps
+
+    devices = jax.devices()
+    if devices[0].platform != "cpu" or len(devices) < num_devices:
+        raise PlanError(
+            f"planning for {num_devices} devices needs that many CPU devices in this process, "
+            "which "
+            f"has {len(devices)} {devices[0].platform} device(s); use paxlite.plan.plan(), which "
+            "starts a subprocess when needed"
+        )
+    ici, dcn = _resolved_mesh_shapes(experiment, num_devices)
+    mesh_config = mesh_lib.MeshConfig(ici_mesh_shape=tuple(ici), dcn_mesh_shape=tuple(dcn))
+    mesh = mesh_lib.build_mesh(mesh_config, devices=devices[:num_devices])
+    global_batch = mesh_lib.global_batch_size(
+        percore_batch_size=experiment.PERCORE_BATCH_SIZE, num_devices=num_devices,
+        batch_split=rules_lib.batch_split(mesh),
+    )
+    model_config = fdl.build(experiment.model_config())
+    schedule = make_schedule(fdl.build(experiment.schedule_config()))
+    seq_len = model_config.max_seq_len
+    loop = fdl.build(experiment.loop_config())
+    # Gradient accumulation (GRAD_ACCUM_STEPS) where the run config has it: activations then
+    # scale with the microbatch, as in the real run.
+    accum = {"grad_accum_steps": loop.grad_accum_steps} if hasattr(loop, "grad_accum_steps") else {}
+    started = time.perf_counter()
+    with jax.set_mesh(mesh):
+        steps = compile_steps(
+            model=Transformer(model_config),
+            optimizer=make_optimizer(fdl.build(experiment.optimizer_config()), schedule),
+            schedule=schedule,
+            mesh=mesh,
+            seq_len=seq_len,
+            seed=experiment.SEED,
+            deterministic=model_config.dropout_prob == 0 and model_config.input_dropout_prob == 0,
+            **accum,
+        )
+        # A packed text batch, the largest the feed produces; synthetic data has the first three.
+        dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32,
+                  "positions": jnp.int32, "segment_ids": jnp.int32}
+        batch = {key: jax.ShapeDtypeStruct((global_batch, seq_len), dtype,
+                                           sharding=steps.batch_sharding)
+                 for key, dtype in dtypes.items()}
+        compiled = steps.train.lower(steps.abstract_state, batch).compile()
+    compile_s = time.perf_counter() - started
+    stats = compiled.memory_analysis()
+    memory = {
+        "parameter_bytes": _shard_bytes(steps.abstract_state.params),
+        "optimizer_state_bytes": _shard_bytes(steps.abstract_state.opt_state),
+        "gradient_bytes": _shard_bytes(steps.abstract_state.params),  # grads: the params' dtype
+        "argument_bytes": int(stats.argument_size_in_bytes),
+        "output_bytes": int(stats.output_size_in_bytes),
+        "alias_bytes": int(stats.alias_size_in_bytes),
+        "temp_bytes": int(stats.temp_size_in_bytes),
+        "generated_code_bytes": int(stats.generated_code_size_in_bytes),
+    }
+    # Donated state: outputs reuse argument buffers, counted once. Temporaries (activations kept
+    # for the backward pass, gradients, gathered FSDP weights) are the peak of the scratch space.
+    memory["peak_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
+                            - memory["alias_bytes"] + memory["temp_bytes"]
+                            + memory["generated_code_bytes"])
+    compiler_flops = _flops_of(compiled)
+    return {
+        "mesh": dict(mesh.shape),
+        "ici_mesh_shape": ici,
+        "dcn_mesh_shape": dcn,
+        "global_batch_size": global_batch,
+        "seq_len": seq_len,
+        "memory": memory,
+        "compiler_flops_per_device": compiler_flops,
+        "compile_s": round(compile_s, 2),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan: one compile, a verdict, and levers when it does not fit
+
+
+def _variant(experiment, changes: dict[str, Any]):
+    overrides = {name: getattr(experiment, name) for name in experiment.overridden}
+    return type(experiment).resolve({**overrides, **changes})
+
+
+def _verdict(peak_bytes: int, device_bytes: int) -> dict[str, Any]:
+    return {"fits": peak_bytes <= device_bytes, "margin_bytes": device_bytes - peak_bytes,
+            "margin_gib": round((device_bytes - peak_bytes) / GIB, 3)}
+
+
+def _levers(experiment, base: dict[str, Any], *, num_devices: int,
+            device_bytes: int) -> list[dict[str, Any]]:
+    """Ways to make the run fit, each measured: analytic where the change is exact arithmetic,
+    compiled (at most _MAX_COMPILED_LEVERS compiles) where the compiler decides."""
+    from paxlite.config.errors import ConfigError
+    from paxlite.parallel.mesh import MeshError
+
+    levers: list[dict[str, Any]] = []
+    ici, dcn = base["ici_mesh_shape"], base["dcn_mesh_shape"]
+    data, fsdp = ici[0] * dcn[0], ici[1] * dcn[1]
+    state = base["memory"]["parameter_bytes"] + base["memory"]["optimizer_state_bytes"]
+    state += base["memory"]["gradient_bytes"]
+    candidates: list[tuple[str, str, dict[str, Any]]] = []
+    if data > 1:
+        # Intermediate fsdp sizes: only the sharded state changes (exactly 1/fsdp); the batch split
+        # data x fsdp, and so the activations, stay as they are.
+        factor = 2
+        while data % factor == 0 and factor < data:
+            new_fsdp = fsdp * factor
+            peak = base["memory"]["peak_bytes"] - state + math.ceil(state * fsdp / new_fsdp)
+            levers.append({"lever": f"fsdp {fsdp} -> {new_fsdp} (data {data} -> {data // factor})",
+                           "method": "analytic: parameter + optimizer + gradient bytes x "
+                                     f"{fsdp}/{new_fsdp}, the rest as compiled",
+                           "peak_bytes": peak, **_verdict(peak, device_bytes)})
+            factor *= 2
+        candidates.append((f"fsdp {fsdp} -> {fsdp * data} (all of data moved to fsdp)",
+                           "compiled", {"ICI_MESH_SHAPE": [1, ici[0] * ici[1], ici[2]],
+                                        "DCN_MESH_SHAPE": [1, dcn[0] * dcn[1], dcn[2]]}))
+    else:
+        levers.append({"lever": "more fsdp", "applicable": False,
+                       "reason": "the data axis is 1: every device that splits the batch is "
+                                 "already on fsdp"})
+    if experiment.USE_REPEATED_LAYER and experiment.CHECKPOINT_POLICY != "SAVE_NOTHING":
+        candidates.append(("CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)", "compiled",
+                           {"CHECKPOINT_POLICY": "SAVE_NOTHING"}))
+    else:
+        levers.append({"lever": "CHECKPOINT_POLICY=SAVE_NOTHING", "applicable": False,
+                       "reason": "already SAVE_NOTHING" if experiment.USE_REPEATED_LAYER else
+                       "the policy applies to the repeated layer stack (USE_REPEATED_LAYER=true)"})
+    candidates.append((f"PERCORE_BATCH_SIZE {experiment.PERCORE_BATCH_SIZE:g} -> "
+                       f"{experiment.PERCORE_BATCH_SIZE / 2:g}", "compiled",
+                       {"PERCORE_BATCH_SIZE": experiment.PERCORE_BATCH_SIZE / 2}))
+    for description, method, changes in candidates[:_MAX_COMPILED_LEVERS]:
+        lever = {"lever": description, "method": method, "overrides": changes}
+        try:
+            measured = compile_train_step(_variant(experiment, changes), num_devices=num_devices)
+        except (ConfigError, MeshError, ValueError) as e:  # e.g. a batch that no longer divides
+            levers.append({**lever, "applicable": False, "reason": str(e)})
+            continue
+        peak = measured["memory"]["peak_bytes"]
+        levers.append({**lever, "peak_bytes": peak, **_verdict(peak, device_bytes)})
+    return levers
+
+
+def plan_experiment(experiment, *, num_devices: int,
+                    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
+                    peak_tflops: float = DEFAULT_PEAK_TFLOPS) -> dict[str, Any]:
+    """The plan (a JSON-friendly dict) of `experiment` on `num_devices` devices of this process."""
+    import fiddle as fdl
+
+    from paxlite.models.transformer import num_params
+
+    started = time.perf_counter()
+    base = compile_train_step(experiment, num_devices=num_devices)
+    device_bytes = int(device_memory_gib * GIB)
+    tokens = base["global_batch_size"] * base["seq_len"]
+    analytic = experiment.flops_per_token() * tokens
+    compiler = base["compiler_flops_per_device"]
+    ideal_step_s = analytic / (num_devices * peak_tflops * 1e12)
+    verdict = _verdict(base["memory"]["peak_bytes"], device_bytes)
+    batch_ways = base["mesh"]["data"] * base["mesh"]["fsdp"]
+    result = {
+        "experiment": experiment.name,
+        "class": f"{type(experiment).__module__}.{type(experiment).__qualname__}",
+        "overrides": {name: experiment.hparams()[name] for name in sorted(experiment.overridden)},
+        "num_devices": num_devices,
+        "compiled_for": "cpu",
+        **{key: base[key] for key in ("mesh", "ici_mesh_shape", "dcn_mesh_shape",
+                                      "global_batch_size", "seq_len")},
+        "tokens_per_step": tokens,
+        "num_params": num_params(fdl.build(experiment.model_config())),
+        "memory_per_device": base["memory"],
+        "peak_formula": "argument + output - alias + temp + generated_code",
+        "device_memory_bytes": device_bytes,
+        **verdict,
+        # The attention logits and probabilities [B, N, T, S] per layer: the model materialises
+        # them in float32, and under remat they are rebuilt layer by layer.
+        "attention_logits_bytes_per_layer": 4 * base["global_batch_size"] // batch_ways
+        * experiment.NUM_HEADS // base["mesh"]["tensor"] * base["seq_len"] ** 2,
+        "flops_per_step": {
+            "analytic": analytic,
+            "analytic_per_token": experiment.flops_per_token(),
+            "compiler_per_device": compiler,
+            "compiler_total": None if compiler is None else compiler * num_devices,
+            # XLA's cost analysis counts a while loop's body once: with a scanned layer stack the
+            # compiler figure is about one layer's work plus the embedding and the loss.
+            "compiler_counts_scanned_layers_once": bool(experiment.USE_REPEATED_LAYER),
+        },
+        "peak_tflops_per_device": peak_tflops,
+        "step_time_at_100pct_mfu_s": ideal_step_s,
+        "tokens_per_s_at_100pct_mfu": tokens / ideal_step_s,
+        "levers": [] if verdict["fits"] else _levers(experiment, base, num_devices=num_devices,
+                                                     device_bytes=device_bytes),
+        "compile_s": base["compile_s"],
+    }
+    result["plan_s"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Presentation and entry points
+
+
+def _gib(n: int | float) -> str:
+    """Bytes in the largest binary unit that keeps a number >= 1 (GiB at most)."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def format_text(p: dict[str, Any]) -> str:
+    m = p["memory_per_device"]
+    mesh = " x ".join(f"{axis} {size}" for axis, size in p["mesh"].items())
+    flops = p["flops_per_step"]
+    lines = [
+        f"{p['experiment']} ({p['class']}) on {p['num_devices']} devices: mesh {mesh} "
+        f"(ICI {p['ici_mesh_shape']} x DCN {p['dcn_mesh_shape']})",
+        f"  {p['num_params']:,} parameters; global batch {p['global_batch_size']} x {p['seq_len']}"
+        f" = {p['tokens_per_step']:,} tokens per step",
+        "Memory per device (train step compiled for CPU; GPU temporaries differ):",
+        f"  parameters          {_gib(m['parameter_bytes']):>14}",
+        f"  optimizer state     {_gib(m['optimizer_state_bytes']):>14}",
+        f"  gradients           {_gib(m['gradient_bytes']):>14}  (live inside temporaries)",
+        f"  arguments           {_gib(m['argument_bytes']):>14}  (state + batch)",
+        f"  outputs             {_gib(m['output_bytes']):>14}",
+        f"  aliased (donated)   {_gib(m['alias_bytes']):>14}",
+        f"  temporaries (peak)  {_gib(m['temp_bytes']):>14}",
+        f"  generated code      {_gib(m['generated_code_bytes']):>14}",
+        f"  peak live           {_gib(m['peak_bytes']):>14}  = {p['peak_formula']}",
+        f"  (of the temporaries: attention logits of one layer, float32 [B, N, T, S], "
+        f"{_gib(p['attention_logits_bytes_per_layer'])})",
+        f"Verdict: {'fits' if p['fits'] else 'does NOT fit'} in "
+        f"{_gib(p['device_memory_bytes'])}: {_gib(abs(p['margin_bytes']))} "
+        f"{'to spare' if p['fits'] else 'short'}",
+        f"FLOPs per step: analytic {flops['analytic']:.4g} (6N + attention, "
+        f"{flops['analytic_per_token']:,} per token); compiler "
+        + ("n/a" if flops["compiler_total"] is None else
+           f"{flops['compiler_total']:.4g} ({flops['compiler_per_device']:.4g} per device x "
+           f"{p['num_devices']}; counts rematerialisation"
+           + ("; counts the scanned layer stack's loop body ONCE, so it is not comparable"
+              if flops["compiler_counts_scanned_layers_once"] else "") + ")"),
+        f"At 100% MFU ({p['peak_tflops_per_device']:g} TFLOP/s per device): "
+        f"{p['step_time_at_100pct_mfu_s']:.4g} s per step, "
+        f"{p['tokens_per_s_at_100pct_mfu']:,.0f} tokens/s. Real MFU is lower; the batch that "
+        "memory allows bounds it.",
+    ]
+    if p["levers"]:
+        lines.append("Levers (each re-planned; none changes the model):")
+        for lever in p["levers"]:
+            if lever.get("applicable", True):
+                lines.append(f"  {lever['lever']}: peak {_gib(lever['peak_bytes'])} -> "
+                             f"{'fits' if lever['fits'] else 'does not fit'} "
+                             f"[{lever['method']}]")
+            else:
+                lines.append(f"  {lever['lever']}: not applicable: {lever['reason']}")
+    lines.append(f"Planned in {p['plan_s']:.1f} s (compile {p['compile_s']:.1f} s).")
+    return "\n".join(lines)
+
+
+def emit(p: dict[str, Any], output_format: OutputFormat) -> str:
+    return json.dumps(p, indent=2) if output_format is OutputFormat.JSON else format_text(p)
+
+
+def run_plan_command(request: PlanRequest, *, output_format: OutputFormat) -> int:
+    """`python -m paxlite plan`: prints the plan; a bad configuration exits 2 with one line."""
+    from paxlite.config.errors import ConfigError
+    from paxlite.parallel.mesh import MeshError
+
+    if not prepare_this_process(request.num_devices):
+        command = plan_command_line(request, output_format=output_format)
+        return subprocess.run(command, env=fake_device_env(request.num_devices),
+                              check=False).returncode
+    try:
+        print(emit(plan(request), output_format))
+    except (ConfigError, MeshError, PlanError, ValueError) as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def implied_num_devices(experiment, *, num_local_devices: int) -> int:
+    """The device count the mesh flags describe (ICI=None: this process's devices per node)."""
+    ici = experiment.ICI_MESH_SHAPE
+    return (num_local_devices if ici is None else math.prod(ici)) * math.prod(
+        experiment.DCN_MESH_SHAPE)
+
+
+def dry_run(experiment, *, job_log_dir: str, peak_tflops: float | None = None,
+            argv: Sequence[str] = ()) -> int:
+    """`python -m paxlite.main --mode=dry_run`: plan for the devices the mesh flags imply, print the
+    plan and write DIR/plan.json; nothing is allocated and no checkpoint directory is made."""
+    import jax
+
+    from paxlite.config.errors import ConfigError
+    from paxlite.parallel.mesh import MeshError
+
+    cls = type(experiment)
+    request = PlanRequest(
+        name=f"{cls.__module__}.{cls.__qualname__}",
+        assignments=tuple(f"{name}={experiment.hparams()[name]!r}"  # plain literals
+                          for name in sorted(experiment.overridden)),
+        num_devices=implied_num_devices(experiment, num_local_devices=jax.local_device_count()),
+        peak_tflops=peak_tflops or experiment.PEAK_TFLOPS or DEFAULT_PEAK_TFLOPS,
+    )
+    try:
+        result = plan(request)
+    except (ConfigError, MeshError, PlanError) as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    result["command_line"] = list(argv)
+    os.makedirs(job_log_dir, exist_ok=True)
+    with open(os.path.join(job_log_dir, "plan.json"), "w") as f:
+        f.write(json.dumps(result, indent=2) + "\n")
+    print(format_text(result))
+    return 0

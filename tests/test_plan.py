@@ -1,0 +1,178 @@
+"""The dry-run planner: exact per-device state bytes, the verdict, the CLI and --mode=dry_run."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import fiddle as fdl
+import pytest
+
+from paxlite import plan as plan_lib
+from paxlite.config.build import load_experiment
+from paxlite.config.errors import ConfigError
+from paxlite.models.transformer import num_params
+from paxlite.parallel.mesh import MeshError
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+ENV.pop("XLA_FLAGS", None)  # a plain process: one CPU device until the planner asks for more
+
+# 1 layer, d_model 64, 8 heads of 8, vocabulary 256: every dimension splits 8 ways.
+TINY = ("NUM_LAYERS=1", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1")
+# Parameters without an embed dimension stay whole on every device (norms; QKV, out and MLP biases):
+# per layer 2 norms x (scale + bias) + QKV bias 3 x 8 x 8 + out bias + MLP biases; + final norm.
+REPLICATED = (2 * 2 * 64 + 3 * 8 * 8 + 64 + 256 + 64) + 2 * 64
+
+
+def _tiny_plan(*mesh: str, num_devices: int, **kwargs) -> dict:
+    experiment = load_experiment("TinySynthetic", (*TINY, *mesh))
+    return plan_lib.plan_experiment(experiment, num_devices=num_devices, **kwargs)
+
+
+def _hand_count(*, layers=1, d=64, heads=8, head=8, mlp=256, vocab=256, seq=64) -> int:
+    """GPT block: 2 LayerNorms (scale+bias), fused biased QKV, biased out projection, biased MLP;
+    tied embedding, learned positions (max_seq_len rows), final LayerNorm."""
+    block = 2 * 2 * d + (d * 3 * heads * head + 3 * heads * head) + (heads * head * d + d)
+    block += d * mlp + mlp + mlp * d + d
+    return layers * block + vocab * d + seq * d + 2 * d
+
+
+@pytest.fixture(scope="module")
+def fsdp_plans() -> dict[int, dict]:
+    return {f: _tiny_plan(f"ICI_MESH_SHAPE=[{8 // f},{f},1]", num_devices=8) for f in (1, 2, 4, 8)}
+
+
+def test_parameter_bytes_are_an_exact_hand_count_over_fsdp(fsdp_plans):
+    config = fdl.build(load_experiment("TinySynthetic", TINY).model_config())
+    count = _hand_count(seq=32)
+    assert num_params(config) == count
+    for fsdp, p in fsdp_plans.items():
+        m = p["memory_per_device"]
+        # Every parameter has one embed dimension (64, divisible by 8) sharded over fsdp, except
+        # the norm scales/biases and the biases without an embed dimension, which are replicated.
+        sharded = count - REPLICATED
+        assert m["parameter_bytes"] == 4 * (sharded // fsdp + REPLICATED), fsdp
+        assert m["gradient_bytes"] == m["parameter_bytes"]
+        assert p["num_params"] == count
+
+
+def test_sharded_state_falls_as_one_over_fsdp(fsdp_plans):
+    full = fsdp_plans[1]["memory_per_device"]
+    replicated_bytes = 4 * REPLICATED
+    for fsdp in (2, 4, 8):
+        m = fsdp_plans[fsdp]["memory_per_device"]
+        sharded = m["parameter_bytes"] - replicated_bytes
+        assert sharded * fsdp == full["parameter_bytes"] - replicated_bytes
+        # Adam: mu and nu shaped and sharded like the parameters, plus replicated scalars.
+        scalars = full["optimizer_state_bytes"] - 2 * full["parameter_bytes"]
+        assert 0 <= scalars <= 64
+        assert m["optimizer_state_bytes"] == 2 * m["parameter_bytes"] + scalars
+        assert m["argument_bytes"] < full["argument_bytes"]
+    assert [fsdp_plans[f]["mesh"]["fsdp"] for f in (1, 2, 4, 8)] == [1, 2, 4, 8]
+
+
+def test_plan_fields_and_flops(fsdp_plans):
+    p = fsdp_plans[2]
+    for key in ("experiment", "num_devices", "mesh", "global_batch_size", "tokens_per_step",
+                "num_params", "memory_per_device", "peak_formula", "device_memory_bytes", "fits",
+                "margin_bytes", "flops_per_step", "step_time_at_100pct_mfu_s", "levers",
+                "compile_s"):
+        assert key in p, key
+    m = p["memory_per_device"]
+    assert m["peak_bytes"] == (m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"]
+                               + m["temp_bytes"] + m["generated_code_bytes"])
+    assert m["alias_bytes"] > 0  # the donated state is updated in place
+    assert p["global_batch_size"] == 8 and p["tokens_per_step"] == 8 * 32
+    # 6 N_matmul + 6 L S H h per token (paxlite/train/flops.py), by hand.
+    n_matmul = (64 * 3 * 64 + 64 * 64 + 2 * 64 * 256) + 64 * 256
+    assert p["flops_per_step"]["analytic"] == (6 * n_matmul + 6 * 1 * 32 * 64) * 256
+    # The compiler counts the same matmuls (plus elementwise work), split over 8 devices.
+    ratio = p["flops_per_step"]["compiler_total"] / p["flops_per_step"]["analytic"]
+    assert 0.9 < ratio < 2.0, ratio
+    assert p["step_time_at_100pct_mfu_s"] == pytest.approx(
+        p["flops_per_step"]["analytic"] / (8 * 989e12))
+    assert p["fits"] and p["levers"] == []
+    # f32 logits [B/(data x fsdp), N/tensor, T, S] = [1, 8, 32, 32]
+    assert p["attention_logits_bytes_per_layer"] == 4 * 8 * 32 * 32
+    json.dumps(p)
+
+
+def test_fits_flips_and_levers_are_computed(fsdp_plans):
+    fits = fsdp_plans[2]  # mesh data 4 x fsdp 2
+    peak = fits["memory_per_device"]["peak_bytes"]
+    tight = _tiny_plan("ICI_MESH_SHAPE=[4,2,1]", num_devices=8, device_memory_gib=peak / 2**30 / 2)
+    assert fits["fits"] and not tight["fits"]
+    assert tight["memory_per_device"] == fits["memory_per_device"]
+    assert tight["margin_bytes"] == tight["device_memory_bytes"] - peak < 0
+    levers = {lever["lever"]: lever for lever in tight["levers"]}
+    all_fsdp = levers["fsdp 2 -> 8 (all of data moved to fsdp)"]
+    assert all_fsdp["method"] == "compiled" and all_fsdp["peak_bytes"] < peak
+    # The analytic step in between: only the sharded state shrinks (exactly 1/fsdp).
+    state = sum(fits["memory_per_device"][k] for k in
+                ("parameter_bytes", "optimizer_state_bytes", "gradient_bytes"))
+    assert levers["fsdp 2 -> 4 (data 4 -> 2)"]["peak_bytes"] == peak - state + math.ceil(state / 2)
+    assert levers["CHECKPOINT_POLICY=SAVE_NOTHING"]["applicable"] is False  # not repeated
+    half = levers["PERCORE_BATCH_SIZE 1 -> 0.5"]
+    # Half of 8 rows over data x fsdp = 8 ways is not a whole number of rows per device.
+    assert half["applicable"] is False and "does not divide" in half["reason"]
+
+
+def test_mesh_mismatch_and_unknown_experiment_raise():
+    experiment = load_experiment("TinySynthetic", ("ICI_MESH_SHAPE=[2,2,1]",))
+    with pytest.raises(MeshError, match=r"needs 4 devices, but the plan is for --devices=8"):
+        plan_lib.plan_experiment(experiment, num_devices=8)
+    with pytest.raises(ConfigError, match="NoSuchExperiment"):
+        plan_lib.plan(plan_lib.PlanRequest(name="NoSuchExperiment", num_devices=8))
+
+
+def test_fake_device_env_replaces_the_device_count():
+    flags = "--a=1 --xla_force_host_platform_device_count=8"
+    env = plan_lib.fake_device_env(256, {"XLA_FLAGS": flags})
+    assert env["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=256"
+    assert env["JAX_PLATFORMS"] == "cpu"
+
+
+def test_a_process_with_fewer_devices_plans_in_a_subprocess():
+    # pytest runs with 8 devices: 16 need a fresh `python -m paxlite plan` (exercised end to end by
+    # the --mode=dry_run test below, whose process has one device).
+    assert plan_lib.prepare_this_process(8) and not plan_lib.prepare_this_process(16)
+    command = plan_lib.plan_command_line(
+        plan_lib.PlanRequest(name="TinySynthetic", assignments=("NUM_LAYERS=1",), num_devices=16),
+        output_format=plan_lib.OutputFormat.JSON)
+    assert command[1:5] == ["-m", "paxlite", "plan", "--fdl_config=TinySynthetic"]
+    assert "--fdl.NUM_LAYERS=1" in command and "--devices=16" in command
+
+
+def _run(*args, cwd=None):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV,
+                          timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fdl_config=NoSuchExperiment", "--devices=8"], "NoSuchExperiment"),
+    (["--fdl_config=TinySynthetic", "--fdl.ICI_MESH_SHAPE=[2,2,1]", "--devices=8"],
+     "needs 4 devices, but the plan is for --devices=8"),
+    (["--fdl_config=TinySynthetic", "--devices=0"], "--devices=0"),
+])
+def test_cli_errors_exit_2_with_one_message(flags, message):
+    result = _run("-m", "paxlite", "plan", *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("paxlite: error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_dry_run_mode_writes_plan_json_and_allocates_nothing(tmp_path):
+    """A text experiment with no dataset given: the planner needs shapes only."""
+    job = tmp_path / "job"
+    result = _run("-m", "paxlite.main", "--fdl_config=TinyShakespeare", "--mode=dry_run",
+                  *(f"--fdl.{a}" for a in TINY), "--fdl.ICI_MESH_SHAPE=[2,2,1]",
+                  f"--job_log_dir={job}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    p = json.loads((job / "plan.json").read_text())
+    assert p["num_devices"] == 4 and p["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+    assert p["overrides"]["ICI_MESH_SHAPE"] == [2, 2, 1]
+    assert "Verdict: fits" in result.stdout
+    assert sorted(os.listdir(job)) == ["plan.json"]  # no checkpoints, metrics or summaries
+    assert math.isclose(p["peak_tflops_per_device"], 989.0)
