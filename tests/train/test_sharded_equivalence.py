@@ -82,10 +82,20 @@ def one_device_reference():
     return run, _loss_grads_and_losses(run, mesh)
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-def test_mesh_matches_one_device(shape, one_device_reference):
+# (ICI, DCN) as the experiments lay them out, one process standing in for the nodes: FSDP in nodes and data across
+# them (the multi-node default), FSDP across nodes (GPT5B/175B: DCN [1,N,1]), tensor in nodes and data across them.
+HYBRID_MESHES = [((1, 4, 1), (2, 1, 1)), ((1, 2, 1), (1, 4, 1)), ((1, 2, 2), (2, 1, 1)), ((2, 1, 2), (1, 1, 2))]
+
+
+@pytest.mark.parametrize(
+    "ici,dcn",
+    [(shape, (1, 1, 1)) for shape in MESHES] + HYBRID_MESHES,
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_mesh_matches_one_device(ici, dcn, one_device_reference):
     run, (params_ref, loss_ref, grads_ref, losses_ref) = one_device_reference
-    mesh = build_mesh(MeshConfig(ici_mesh_shape=shape))
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
+    shape = tuple(i * d for i, d in zip(ici, dcn))
     assert dict(mesh.shape) == dict(zip(("data", "fsdp", "tensor"), shape))
     params, loss, grads, losses = _loss_grads_and_losses(run, mesh)
     # Initialisation is a function of the seed only, not of the mesh.
