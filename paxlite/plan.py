@@ -32,7 +32,7 @@ DEFAULT_DEVICE_MEMORY_GIB = 80.0  # H100 80GB
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 dense BF16 (docs/performance.md)
 GIB = 2**30
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-_MAX_COMPILED_LEVERS = 3  # re-plans per verdict: each is one more compile of the whole step
+_MAX_COMPILED_LEVERS = 4  # re-plans per verdict: each is one more compile of the whole step
 
 
 class OutputFormat(str, enum.Enum):
@@ -183,7 +183,7 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
     from paxlite.parallel import rules as rules_lib
     from paxlite.train.optimizer import make_optimizer
     from paxlite.train.schedules import make_schedule
-    from paxlite.train.step import compile_steps
+    from paxlite.train.step import compile_steps, microbatch_size
 
     devices = jax.devices()
     if devices[0].platform != "cpu" or len(devices) < num_devices:
@@ -204,9 +204,11 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
     schedule = make_schedule(fdl.build(experiment.schedule_config()))
     seq_len = model_config.max_seq_len
     loop = fdl.build(experiment.loop_config())
-    # Gradient accumulation (GRAD_ACCUM_STEPS) where the run config has it: activations then
-    # scale with the microbatch, as in the real run.
-    accum = {"grad_accum_steps": loop.grad_accum_steps} if hasattr(loop, "grad_accum_steps") else {}
+    # Gradient accumulation: activations scale with the microbatch, as in the real run, which
+    # refuses microbatches that do not split over data x fsdp; so does the plan.
+    microbatch_size(global_batch_size=global_batch, grad_accum_steps=loop.grad_accum_steps,
+                    batch_split=rules_lib.batch_split(mesh))
+    accum = {"grad_accum_steps": loop.grad_accum_steps}
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         steps = compile_steps(
@@ -309,6 +311,9 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
         levers.append({"lever": "CHECKPOINT_POLICY=SAVE_NOTHING", "applicable": False,
                        "reason": "already SAVE_NOTHING" if experiment.USE_REPEATED_LAYER else
                        "the policy applies to the repeated layer stack (USE_REPEATED_LAYER=true)"})
+    accum = experiment.GRAD_ACCUM_STEPS
+    candidates.append((f"GRAD_ACCUM_STEPS {accum} -> {2 * accum} (same global batch, same training)",
+                       "compiled", {"GRAD_ACCUM_STEPS": 2 * accum}))
     candidates.append((f"PERCORE_BATCH_SIZE {experiment.PERCORE_BATCH_SIZE:g} -> "
                        f"{experiment.PERCORE_BATCH_SIZE / 2:g}", "compiled",
                        {"PERCORE_BATCH_SIZE": experiment.PERCORE_BATCH_SIZE / 2}))

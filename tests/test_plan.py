@@ -116,6 +116,16 @@ def test_fits_flips_and_levers_are_computed(fsdp_plans):
     half = levers["PERCORE_BATCH_SIZE 1 -> 0.5"]
     # Half of 8 rows over data x fsdp = 8 ways is not a whole number of rows per device.
     assert half["applicable"] is False and "does not divide" in half["reason"]
+    # Two microbatches of 4 rows cannot be spread over 8 devices either: refused, with the reason.
+    accum = levers["GRAD_ACCUM_STEPS 1 -> 2 (same global batch, same training)"]
+    assert accum["applicable"] is False and "GRAD_ACCUM_STEPS" in accum["reason"]
+
+
+def test_gradient_accumulation_lever_lowers_the_peak():
+    plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
+    accum = {lever["lever"]: lever for lever in plan["levers"]}["GRAD_ACCUM_STEPS 1 -> 2 (same global batch, "
+                                                                  "same training)"]
+    assert accum["method"] == "compiled" and accum["peak_bytes"] < plan["memory_per_device"]["peak_bytes"]
 
 
 def test_mesh_mismatch_and_unknown_experiment_raise():

@@ -142,6 +142,9 @@ class Experiment:
     VOCAB_SIZE: int = 32000
     MAX_SEQ_LEN: int = 1024
     PERCORE_BATCH_SIZE: float = 1.0
+    # Microbatches per optimizer step. The global batch stays PERCORE_BATCH_SIZE x devices; each step
+    # runs forward/backward on global/GRAD_ACCUM_STEPS rows at a time and applies one update.
+    GRAD_ACCUM_STEPS: int = 1
     ICI_MESH_SHAPE: list[int] | None = None  # [data, fsdp, tensor]; None: all local devices on data
     DCN_MESH_SHAPE: list[int] = [1, 1, 1]
     FPROP_DTYPE: Literal["float32", "bfloat16"] = "float32"
@@ -173,8 +176,11 @@ class Experiment:
     EVAL_INTERVAL_STEPS: int = 100
     EVAL_LOOP_NUM_BATCHES: int = 10  # -1: the whole eval set, as Pax
     USE_REPEATED_LAYER: bool = False
+    # Pax remat policy of the repeated (scanned) stack; docs/training.md says what each saves.
     CHECKPOINT_POLICY: Literal[
-        "SAVE_NOTHING", "SAVE_EVERYTHING", "SAVE_DOT_WITH_NO_BATCH_DIM"
+        "SAVE_NOTHING", "SAVE_EVERYTHING", "SAVE_DOT_ONLY", "SAVE_DOT_WITH_NO_BATCH_DIM",
+        "SAVE_DOT_FOR_MLPERF_200B", "SAVE_ITERATION_INPUT", "SAVE_QKV_OUT_PROJ", "SAVE_OUT_PROJ",
+        "SAVE_CONTEXT", "SAVE_CONTEXT_AND_OUT_PROJ",
     ] = "SAVE_NOTHING"
     DROPOUT_PROB: float = 0.0
     INPUT_DROPOUT_PROB: float = 0.0
@@ -331,6 +337,9 @@ def _base_problems(hp: Experiment) -> Iterable[str]:
             yield f"{name} must be 3 positive sizes [data, fsdp, tensor], got {shape}"
     if hp.PERCORE_BATCH_SIZE <= 0:
         yield f"PERCORE_BATCH_SIZE must be > 0, got {hp.PERCORE_BATCH_SIZE}"
+    if hp.GRAD_ACCUM_STEPS < 1:
+        yield (f"GRAD_ACCUM_STEPS must be >= 1 (1: no accumulation), got {hp.GRAD_ACCUM_STEPS}; "
+               "the global batch must also divide into that many microbatches (checked at start-up)")
     for prefix in ("LR_LRED", "LR_COS"):
         warmup, start, end = (getattr(hp, f"{prefix}_{s}") for s in
                               ("WARMUP", "DECAY_START", "DECAY_END"))

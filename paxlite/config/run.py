@@ -29,6 +29,7 @@ class LoopConfig:
     seed: int
     flops_per_token: int
     peak_tflops: float | None = None
+    grad_accum_steps: int = 1  # microbatches per optimizer step; the global batch is unchanged
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

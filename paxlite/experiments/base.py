@@ -82,7 +82,7 @@ class LanguageModelExperiment(Experiment):
         """Pax applies CHECKPOINT_POLICY to the repeated (scanned) stack only; unrolled layers keep everything."""
         if not self.USE_REPEATED_LAYER:
             return RematPolicy.NONE
-        return RematPolicy(self.CHECKPOINT_POLICY.lower())
+        return RematPolicy.parse(self.CHECKPOINT_POLICY)
 
     def optimizer_config(self) -> fdl.Config[OptimizerConfig]:
         return fdl.Config(
@@ -222,6 +222,7 @@ class LanguageModelExperiment(Experiment):
             seed=self.SEED,
             flops_per_token=self.flops_per_token(),
             peak_tflops=self.PEAK_TFLOPS,
+            grad_accum_steps=self.GRAD_ACCUM_STEPS,
         )
 
     # ------------------------------------------------------------------ the run

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from paxlite.models.linear import Linear
@@ -16,6 +17,10 @@ from paxlite.models.linear import Linear
 HEAD_ACTIVATION_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_heads", "activation_kv",
 )
+# checkpoint_name tags (Pax's names) that the name-based remat policies select.
+QKV_PROJ_NAME: str = "combined_qkv_proj"  # fused q/k/v projection output [B, T, 3, N, H]
+CONTEXT_NAME: str = "context"  # probabilities x values, before the output projection [B, T, N, H]
+OUT_PROJ_NAME: str = "out_proj"  # output projection [B, T, D]
 # Pax uses -0.7 * max(float32) rather than -inf so that a fully masked row stays finite.
 LARGE_NEGATIVE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -67,6 +72,7 @@ class Attention(nn.Module):
             param_dtype=self.param_dtype,
             name="qkv",
         )(x)  # [B, T, 3, N, H]
+        qkv = checkpoint_name(qkv, QKV_PROJ_NAME)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, N, H]
         q = nn.with_logical_constraint(q, HEAD_ACTIVATION_AXES)
         k = nn.with_logical_constraint(k, HEAD_ACTIVATION_AXES)
@@ -78,8 +84,9 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, N, T, S]
         out = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
         out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)
+        out = checkpoint_name(out, CONTEXT_NAME)
 
-        return Linear(
+        out = Linear(
             equation="BTNH,NHD->BTD",
             kernel_shape=(n, h, model_dims),
             kernel_axes=("heads", "kv", "embed"),
@@ -88,4 +95,5 @@ class Attention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="out",
-        )(out)
+        )(out)  # [B, T, D]
+        return checkpoint_name(out, OUT_PROJ_NAME)

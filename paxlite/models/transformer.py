@@ -8,6 +8,7 @@ activations carry logical sharding constraints at block boundaries (no-ops witho
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import functools
 import math
@@ -18,7 +19,13 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from paxlite.models.attention import Attention, make_attention_mask
+from paxlite.models.attention import (
+    CONTEXT_NAME,
+    OUT_PROJ_NAME,
+    QKV_PROJ_NAME,
+    Attention,
+    make_attention_mask,
+)
 from paxlite.models.embedding import Embed
 from paxlite.models.linear import Linear
 from paxlite.models.mlp import Mlp
@@ -50,12 +57,44 @@ class NormKind(str, enum.Enum):
 
 
 class RematPolicy(str, enum.Enum):
-    """What a transformer block keeps for the backward pass (Pax ``CHECKPOINT_POLICY``)."""
+    """What a transformer block keeps for the backward pass (Pax ``CHECKPOINT_POLICY``).
+
+    Values are Pax's names in lower case. Everything a policy does not keep is recomputed from the
+    block's input during the backward pass, which a remat'd block always keeps. The name-based
+    policies select tensors tagged in ``models/attention.py`` (``QKV_PROJ_NAME``, ``CONTEXT_NAME``,
+    ``OUT_PROJ_NAME``); ``docs/training.md`` says what each one saves.
+    """
 
     NONE = "none"  # no jax.checkpoint wrapper at all
     SAVE_NOTHING = "save_nothing"  # recompute the whole block
     SAVE_EVERYTHING = "save_everything"  # checkpoint wrapper that saves everything
-    SAVE_DOT_WITH_NO_BATCH_DIM = "save_dot_with_no_batch_dim"  # keep matmul outputs
+    SAVE_DOT_ONLY = "save_dot_only"  # every matmul output, batched ones (attention) included
+    SAVE_DOT_WITH_NO_BATCH_DIM = "save_dot_with_no_batch_dim"  # matmuls against weights only
+    SAVE_DOT_FOR_MLPERF_200B = "save_dot_for_mlperf_200b"  # q/k/v, context, attention output
+    SAVE_ITERATION_INPUT = "save_iteration_input"  # only the layer input (same as SAVE_NOTHING)
+    SAVE_QKV_OUT_PROJ = "save_qkv_out_proj"  # fused q/k/v projection and attention output
+    SAVE_OUT_PROJ = "save_out_proj"  # attention output projection
+    SAVE_CONTEXT = "save_context"  # attention context (probabilities x values)
+    SAVE_CONTEXT_AND_OUT_PROJ = "save_context_and_out_proj"
+
+    @classmethod
+    def parse(cls, name: str | RematPolicy) -> RematPolicy:
+        """A policy from its value or Pax name, any case (``"SAVE_DOT_ONLY"``, ``"save_dot_only"``).
+
+        Raises ValueError listing every valid name, with the closest one first when there is one.
+        """
+        if isinstance(name, cls):
+            return name
+        text = str(name).strip().lower()
+        for member in cls:
+            if text == member.value:
+                return member
+        names = [m.name for m in cls if m is not cls.NONE]
+        close = difflib.get_close_matches(text.upper(), names, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(
+            f"unknown checkpoint (remat) policy {name!r}{hint}; valid names: {', '.join(names)}"
+        )
 
 
 def _coerce_enum(config: Any, field: str, enum_cls: type[enum.Enum]) -> None:
@@ -151,13 +190,26 @@ def _activation_fn(activation: Activation) -> Callable[[jax.Array], jax.Array]:
 
 
 def _remat_policy_fn(policy: RematPolicy) -> Callable[..., bool]:
-    if policy is RematPolicy.SAVE_NOTHING:
-        return jax.checkpoint_policies.nothing_saveable
-    if policy is RematPolicy.SAVE_EVERYTHING:
-        return jax.checkpoint_policies.everything_saveable
-    if policy is RematPolicy.SAVE_DOT_WITH_NO_BATCH_DIM:
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    raise ValueError(f"RematPolicy {policy!r} has no jax.checkpoint policy (it means no remat)")
+    """The ``jax.checkpoint`` policy of a RematPolicy, as Pax's ``custom_policy`` maps them."""
+    names = jax.checkpoint_policies.save_only_these_names
+    policies: dict[RematPolicy, Callable[..., bool]] = {
+        RematPolicy.SAVE_NOTHING: jax.checkpoint_policies.nothing_saveable,
+        RematPolicy.SAVE_EVERYTHING: jax.checkpoint_policies.everything_saveable,
+        RematPolicy.SAVE_DOT_ONLY: jax.checkpoint_policies.dots_saveable,
+        RematPolicy.SAVE_DOT_WITH_NO_BATCH_DIM:
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        RematPolicy.SAVE_DOT_FOR_MLPERF_200B: names(QKV_PROJ_NAME, CONTEXT_NAME, OUT_PROJ_NAME),
+        # Pax tags the scan iteration's input; a remat'd block keeps its input anyway, so there is
+        # nothing else to save.
+        RematPolicy.SAVE_ITERATION_INPUT: jax.checkpoint_policies.nothing_saveable,
+        RematPolicy.SAVE_QKV_OUT_PROJ: names(QKV_PROJ_NAME, OUT_PROJ_NAME),
+        RematPolicy.SAVE_OUT_PROJ: names(OUT_PROJ_NAME),
+        RematPolicy.SAVE_CONTEXT: names(CONTEXT_NAME),
+        RematPolicy.SAVE_CONTEXT_AND_OUT_PROJ: names(CONTEXT_NAME, OUT_PROJ_NAME),
+    }
+    if policy not in policies:
+        raise ValueError(f"RematPolicy {policy!r} has no jax.checkpoint policy (it means no remat)")
+    return policies[policy]
 
 
 def _make_norm(config: TransformerConfig, *, name: str) -> nn.Module:

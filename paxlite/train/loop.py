@@ -28,7 +28,7 @@ from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.metrics import MetricsWriter
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import CompiledSteps, TrainState, compile_steps
+from paxlite.train.step import CompiledSteps, TrainState, compile_steps, microbatch_size
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -58,6 +58,9 @@ class Run:
             num_devices=num_devices,
             batch_split=rules_lib.batch_split(self.mesh),
         )
+        # Each optimizer step's microbatches must split over data x fsdp too; say so before compiling.
+        microbatch_size(global_batch_size=self.global_batch_size, grad_accum_steps=config.loop.grad_accum_steps,
+                        batch_split=rules_lib.batch_split(self.mesh))
         seq_len = config.model.max_seq_len
         self.tokens_per_step = self.global_batch_size * seq_len
         # Data first: a missing dataset or vocabulary is reported before anything is compiled.
@@ -84,6 +87,7 @@ class Run:
                 seq_len=seq_len,
                 seed=config.loop.seed,
                 deterministic=deterministic,
+                grad_accum_steps=config.loop.grad_accum_steps,
             )
         self.peak_flops = flops_lib.peak_flops_per_device(
             jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops

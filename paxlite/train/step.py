@@ -77,6 +77,107 @@ def loss_fn(
     return _loss_and_metrics(logits, batch)
 
 
+def _check_accum_steps(value: object, *, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (1: no accumulation), got {value!r}")
+    return value
+
+
+def microbatch_size(*, global_batch_size: int, grad_accum_steps: int, batch_split: int) -> int:
+    """Rows per microbatch; a ValueError naming the numbers and the valid choices if none fits.
+
+    Each microbatch must itself split evenly over the data x fsdp devices (`batch_split` ways), so
+    `global_batch_size` must be a multiple of `grad_accum_steps * batch_split`.
+    """
+    k = _check_accum_steps(grad_accum_steps, name="GRAD_ACCUM_STEPS")
+    if global_batch_size % (k * batch_split) == 0:
+        return global_batch_size // k
+    per_split = global_batch_size // batch_split if global_batch_size % batch_split == 0 else 0
+    valid = ", ".join(str(v) for v in range(1, per_split + 1) if per_split % v == 0) or "none"
+    raise ValueError(
+        f"GRAD_ACCUM_STEPS={k} does not fit the global batch of {global_batch_size} rows "
+        f"(PERCORE_BATCH_SIZE x devices) split over data x fsdp = {batch_split} ways: each "
+        f"microbatch of {global_batch_size}/{k} rows must be a multiple of {batch_split}. Valid "
+        f"GRAD_ACCUM_STEPS here: {valid}; or make the global batch a multiple of "
+        f"{k} x {batch_split} = {k * batch_split}"
+    )
+
+
+def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
+    """Every [B, ...] array -> [K, B/K, ...]; microbatch k holds global rows k, k + K, k + 2K, ...
+
+    Why strided rather than contiguous blocks: the feed lays a global batch out over the
+    n = data x fsdp devices in contiguous blocks (device d holds rows [d B/n, (d+1) B/n)).
+    Reshaping to [B/K, K, ...] leaves that leading dimension block-sharded exactly as before (each
+    device's B/n rows are whole groups of K when B/K is a multiple of n), and moving K to the front
+    is a local transpose. So every microbatch takes B/(nK) rows from every device: no rows cross
+    devices and no device idles. With contiguous blocks ([K, B/K] directly) microbatch k would live
+    on only n/K of the devices, and spreading it out again would cost an all-to-all per step.
+    """
+    def split(x: jax.Array) -> jax.Array:
+        if x.shape[0] % num_microbatches:
+            raise ValueError(
+                f"batch of {x.shape[0]} rows does not split into {num_microbatches} microbatches"
+            )
+        x = x.reshape(x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:])
+        x = jnp.moveaxis(x, 1, 0)  # [K, B/K, ...]
+        axes = (None, "activation_batch") + (None,) * (x.ndim - 2)
+        return nn.with_logical_constraint(x, axes)
+
+    return {key: split(value) for key, value in batch.items()}
+
+
+def _accumulated_loss_and_grads(
+    params: PyTree,
+    batch: Batch,
+    *,
+    model: nn.Module,
+    dropout_rng: jax.Array,
+    deterministic: bool,
+    num_microbatches: int,
+) -> tuple[jax.Array, jax.Array, PyTree]:
+    """Loss, accuracy and gradients of the whole batch, computed one microbatch at a time.
+
+    The loss of the batch is (sum of weighted token losses) / (number of weighted tokens), and
+    microbatches may hold different numbers of weighted tokens; so each microbatch contributes the
+    gradient of its loss *sum*, and the total is divided once by the whole batch's token count.
+    The result is the gradient of the batch's mean loss, not a mean of microbatch means.
+    `lax.scan` keeps one microbatch's activations alive at a time.
+    """
+    micro = split_microbatches(batch, num_microbatches)
+    num_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
+
+    def sums(p: PyTree, mb: Batch, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = _apply(model, p, mb, dropout_rng=rng, deterministic=deterministic)
+        scores = per_example_scores(logits, mb)
+        return jnp.sum(scores["loss_sum"]), jnp.sum(scores["correct_tokens"])
+
+    grad_fn = jax.value_and_grad(sums, has_aux=True)
+
+    Carry = tuple[PyTree, jax.Array, jax.Array]  # gradient sums, loss sum, correct-token count
+
+    def body(carry: Carry, xs: tuple[jax.Array, Batch]) -> tuple[Carry, None]:
+        grads_acc, loss_acc, correct_acc = carry
+        index, mb = xs
+        mb = {  # each microbatch spread over data x fsdp, as the whole batch was
+            key: nn.with_logical_constraint(x, ("activation_batch",) + (None,) * (x.ndim - 1))
+            for key, x in mb.items()
+        }
+        # A different dropout mask per microbatch, and a function of (step, microbatch) only.
+        (loss_sum, correct), grads = grad_fn(params, mb, jax.random.fold_in(dropout_rng, index))
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+        return (grads_acc, loss_acc + loss_sum, correct_acc + correct), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grad_sums, loss_sum, correct), _ = jax.lax.scan(
+        body, init, (jnp.arange(num_microbatches), micro)
+    )
+    denom = jnp.maximum(num_tokens, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sums, params)
+    return loss_sum / denom, correct / denom, grads
+
+
 def train_step(
     state: TrainState,
     batch: Batch,
@@ -86,20 +187,41 @@ def train_step(
     schedule: optax.Schedule,
     dropout_key: jax.Array,
     deterministic: bool,
+    grad_accum_steps: int = 1,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a global batch.
+
+    With `grad_accum_steps` = K > 1 the batch is processed as K microbatches of B/K rows (see
+    `split_microbatches`); the update and the metrics are still the whole batch's.
+    """
     dropout_rng = jax.random.fold_in(dropout_key, state.step)
 
-    (loss, aux), grads = jax.value_and_grad(
-        functools.partial(
-            loss_fn, batch=batch, model=model, dropout_rng=dropout_rng, deterministic=deterministic
-        ),
-        has_aux=True,
-    )(state.params)
+    if grad_accum_steps == 1:
+        (loss, aux), grads = jax.value_and_grad(
+            functools.partial(
+                loss_fn,
+                batch=batch,
+                model=model,
+                dropout_rng=dropout_rng,
+                deterministic=deterministic,
+            ),
+            has_aux=True,
+        )(state.params)
+        accuracy = aux["accuracy"]
+    else:
+        loss, accuracy, grads = _accumulated_loss_and_grads(
+            state.params,
+            batch,
+            model=model,
+            dropout_rng=dropout_rng,
+            deterministic=deterministic,
+            num_microbatches=grad_accum_steps,
+        )
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": loss,
-        "accuracy": aux["accuracy"],
+        "accuracy": accuracy,
         "grad_norm": global_norm(grads),
         "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
     }
@@ -164,8 +286,15 @@ def compile_steps(
     seed: int,
     deterministic: bool,
     logical_rules: rules_lib.LogicalRules = rules_lib.DEFAULT_RULES,
+    grad_accum_steps: int = 1,
 ) -> CompiledSteps:
-    """Build the sharded init/train/eval functions. Call the results inside `jax.set_mesh(mesh)`."""
+    """Build the sharded init/train/eval functions. Call the results inside `jax.set_mesh(mesh)`.
+
+    `grad_accum_steps` > 1 makes each train step accumulate gradients over that many microbatches of
+    its global batch (whose size must then divide by grad_accum_steps x data x fsdp; see
+    `microbatch_size`).
+    """
+    _check_accum_steps(grad_accum_steps, name="grad_accum_steps")
     params_key = jax.random.key(seed)
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
     dummy_tokens = jnp.zeros((1, seq_len), jnp.int32)
@@ -214,6 +343,7 @@ def compile_steps(
                 schedule=schedule,
                 dropout_key=dropout_key,
                 deterministic=deterministic,
+                grad_accum_steps=grad_accum_steps,
             ),
             logical_rules,
             name="train_step",

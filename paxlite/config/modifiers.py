@@ -1,0 +1,203 @@
+"""Configuring in Python: named-axis mesh shapes, a hybrid (ICI x DCN) shape, and composable modifiers.
+
+The command line sets hyperparameters one flag at a time; code that builds many variants (sweeps, per-cluster
+launch scripts) wants to say "this mesh, four microbatches" as values it can name, combine and reuse. This mirrors
+AXLearn's seed (`mesh_shape_from_axes`, `HybridMeshShape`, `GradientAccumulationModifier`, `MeshShapeModifier`,
+`ChainConfigModifier`) on paxlite's hyperparameters: a modifier turns one set of overrides into another, and
+`configure` resolves an experiment with them, through exactly the checks `--fdl.X=V` goes through.
+
+    from paxlite.config.modifiers import (ChainConfigModifier, GradientAccumulationModifier, HybridMeshShape,
+                                          MeshShapeModifier, configure, mesh_shape_from_axes)
+    experiment = configure("Pile5B", ChainConfigModifier([
+        MeshShapeModifier(HybridMeshShape(ici=mesh_shape_from_axes(fsdp=8), dcn=mesh_shape_from_axes(data=16))),
+        GradientAccumulationModifier(4),
+    ]), MAX_STEPS=1000)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from paxlite.config.errors import ConfigError
+from paxlite.config.experiment import Experiment
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# AXLearn's axis names that paxlite's meshes do not have (yet); asking for more than one of them is an error.
+_ABSENT_AXES = ("pipeline", "expert", "seq")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Sizes of paxlite's mesh axes (data, fsdp, tensor); at most one may be -1 ("all that is left")."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = self.as_list()
+        if any(not isinstance(s, int) or isinstance(s, bool) or (s < 1 and s != -1) for s in sizes):
+            raise ConfigError(f"mesh axis sizes must be positive integers or -1, got {dict(zip(MESH_AXES, sizes))}")
+        if sizes.count(-1) > 1:
+            raise ConfigError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+
+    def as_list(self) -> list[int]:
+        return [self.data, self.fsdp, self.tensor]
+
+    def resolve(self, num_devices: int) -> list[int]:
+        """The sizes with a -1 replaced so that the product is `num_devices` (an error if it cannot be)."""
+        sizes = self.as_list()
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ConfigError(
+                    f"mesh {dict(zip(MESH_AXES, sizes))}: the fixed axes ({known}) do not divide {num_devices} devices"
+                )
+            sizes[sizes.index(-1)] = num_devices // known
+        elif known != num_devices:
+            raise ConfigError(
+                f"mesh {dict(zip(MESH_AXES, sizes))} covers {known} devices, not {num_devices}; use -1 on one axis "
+                "to take the rest"
+            )
+        return sizes
+
+
+def mesh_shape_from_axes(
+    *, data: int = 1, fsdp: int = 1, tensor: int = 1, model: int | None = None, pipeline: int = 1,
+    expert: int = 1, seq: int = 1,
+) -> MeshShape:
+    """A mesh shape by axis name, as AXLearn spells it (`model` is AXLearn's name for `tensor`).
+
+    `pipeline`, `expert` and `seq` are accepted so AXLearn-style calls read the same, but must stay 1: paxlite's
+    meshes have no such axes.
+    """
+    if model is not None:
+        if tensor != 1:
+            raise ConfigError(f"give tensor={tensor} or model={model}, not both (model is AXLearn's name for tensor)")
+        tensor = model
+    absent = {name: size for name, size in zip(_ABSENT_AXES, (pipeline, expert, seq)) if size != 1}
+    if absent:
+        raise ConfigError(f"paxlite meshes have the axes {list(MESH_AXES)}; {absent} cannot be honoured")
+    return MeshShape(data=data, fsdp=fsdp, tensor=tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridMeshShape:
+    """ICI (within a node, fast links) and DCN (across nodes) shapes; the device mesh is their product."""
+
+    ici: MeshShape
+    dcn: MeshShape = MeshShape()
+
+
+class ConfigModifier(Protocol):
+    """Takes the overrides so far and returns new ones; never mutates its input."""
+
+    def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientAccumulationModifier:
+    """K microbatches per optimizer step; the global batch (PERCORE_BATCH_SIZE x devices) is unchanged."""
+
+    grad_acc_steps: int
+
+    def __post_init__(self):
+        if not isinstance(self.grad_acc_steps, int) or self.grad_acc_steps < 1:
+            raise ConfigError(f"grad_acc_steps must be an integer >= 1, got {self.grad_acc_steps!r}")
+
+    def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        return {**overrides, "GRAD_ACCUM_STEPS": self.grad_acc_steps}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShapeModifier:
+    """Sets ICI_MESH_SHAPE / DCN_MESH_SHAPE; a plain MeshShape is ICI with DCN all 1s.
+
+    A -1 is resolved when the modifier is applied: against `num_local_devices` for ICI and `num_processes` for
+    DCN, which default to this process's `jax.local_device_count()` and `jax.process_count()`.
+    """
+
+    mesh_shape: MeshShape | HybridMeshShape
+    num_local_devices: int | None = None
+    num_processes: int | None = None
+
+    def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        shape = self.mesh_shape
+        hybrid = shape if isinstance(shape, HybridMeshShape) else HybridMeshShape(ici=shape)
+        ici, dcn = hybrid.ici.as_list(), hybrid.dcn.as_list()
+        if -1 in ici:
+            ici = hybrid.ici.resolve(self._local_devices())
+        if -1 in dcn:
+            dcn = hybrid.dcn.resolve(self._processes())
+        return {**overrides, "ICI_MESH_SHAPE": ici, "DCN_MESH_SHAPE": dcn}
+
+    def _local_devices(self) -> int:
+        if self.num_local_devices is not None:
+            return self.num_local_devices
+        import jax
+
+        return jax.local_device_count()
+
+    def _processes(self) -> int:
+        if self.num_processes is not None:
+            return self.num_processes
+        import jax
+
+        return jax.process_count()
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicyModifier:
+    """Scans the layer stack (USE_REPEATED_LAYER) and rematerialises it with one of Pax's CHECKPOINT_POLICY names."""
+
+    policy: str
+
+    def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        return {**overrides, "USE_REPEATED_LAYER": True, "CHECKPOINT_POLICY": self.policy}
+
+
+@dataclasses.dataclass(frozen=True)
+class OverridesModifier:
+    """Any hyperparameters by name, as --fdl.NAME=VALUE would set them."""
+
+    values: Mapping[str, Any]
+
+    def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        return {**overrides, **self.values}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainConfigModifier:
+    """Applies modifiers in order; a later one wins where two set the same hyperparameter."""
+
+    config_modifiers: Sequence[ConfigModifier]
+
+    def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        result = dict(overrides)
+        for modifier in self.config_modifiers:
+            result = modifier(result)
+        return result
+
+
+def configure(
+    experiment: str | type[Experiment], *modifiers: ConfigModifier, **overrides: Any
+) -> Experiment:
+    """The resolved experiment: `modifiers` applied in order, then `overrides` (NAME=value) on top.
+
+    `experiment` is a registered name, a dotted path, or an Experiment subclass. Names and values are checked
+    exactly as on the command line (unknown names get "did you mean").
+    """
+    from paxlite.config.build import default_registry
+    from paxlite.config.registry import resolve_experiment
+
+    cls = experiment if isinstance(experiment, type) else resolve_experiment(experiment, default_registry())
+    if not (isinstance(cls, type) and issubclass(cls, Experiment)):
+        raise ConfigError(f"configure() needs an experiment name or an Experiment subclass, got {experiment!r}")
+    values: dict[str, Any] = {}
+    for modifier in modifiers:
+        values = modifier(values)
+    values.update(overrides)
+    return cls.resolve(values)

@@ -1,0 +1,86 @@
+"""The Python configuration API: named-axis meshes, hybrid shapes and composable modifiers."""
+
+import fiddle as fdl
+import pytest
+
+from paxlite.config.build import load_experiment
+from paxlite.config.errors import ConfigError
+from paxlite.config.modifiers import (
+    ChainConfigModifier,
+    GradientAccumulationModifier,
+    HybridMeshShape,
+    MeshShape,
+    MeshShapeModifier,
+    OverridesModifier,
+    RematPolicyModifier,
+    configure,
+    mesh_shape_from_axes,
+)
+
+
+def test_mesh_shape_from_axes_uses_axlearn_names():
+    assert mesh_shape_from_axes(fsdp=8).as_list() == [1, 8, 1]
+    assert mesh_shape_from_axes(data=2, model=4).as_list() == [2, 1, 4]  # model is AXLearn's tensor
+    assert mesh_shape_from_axes(data=-1, fsdp=4).resolve(32) == [8, 4, 1]
+    with pytest.raises(ConfigError, match=r"'pipeline': 2"):
+        mesh_shape_from_axes(pipeline=2)
+    with pytest.raises(ConfigError, match="at most one mesh axis may be -1"):
+        mesh_shape_from_axes(data=-1, fsdp=-1)
+    with pytest.raises(ConfigError, match="do not divide 12 devices"):
+        mesh_shape_from_axes(data=-1, fsdp=8).resolve(12)
+    with pytest.raises(ConfigError, match="not both"):
+        mesh_shape_from_axes(tensor=2, model=2)
+
+
+def test_configure_matches_the_same_command_line():
+    """A chain of modifiers gives exactly the experiment the equivalent --fdl flags give."""
+    experiment = configure("Synthetic5B", ChainConfigModifier([
+        MeshShapeModifier(HybridMeshShape(ici=mesh_shape_from_axes(fsdp=-1), dcn=mesh_shape_from_axes(data=-1)),
+                          num_local_devices=8, num_processes=16),
+        RematPolicyModifier("SAVE_NOTHING"),
+        OverridesModifier({"MAX_STEPS": 10}),
+    ]), LR_COS_WARMUP=500)
+    flags = load_experiment("Synthetic5B", ["ICI_MESH_SHAPE=[1,8,1]", "DCN_MESH_SHAPE=[16,1,1]", "MAX_STEPS=10",
+                                            "USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_NOTHING",
+                                            "LR_COS_WARMUP=500"])
+    assert experiment.hparams() == flags.hparams()
+    assert experiment.LR_COS_DECAY_START == 501  # derived after the override, as on the command line
+    assert fdl.build(experiment.mesh_config()) == fdl.build(flags.mesh_config())
+
+
+def test_later_modifiers_win_and_inputs_are_not_mutated():
+    first = {"MAX_STEPS": 1}
+    chained = ChainConfigModifier([OverridesModifier({"MAX_STEPS": 2}), OverridesModifier({"MAX_STEPS": 3})])
+    assert chained(first) == {"MAX_STEPS": 3} and first == {"MAX_STEPS": 1}
+    plain = MeshShapeModifier(MeshShape(data=2, fsdp=2, tensor=2))({})
+    assert plain == {"ICI_MESH_SHAPE": [2, 2, 2], "DCN_MESH_SHAPE": [1, 1, 1]}
+
+
+def test_gradient_accumulation_modifier_sets_the_hyperparameter():
+    assert GradientAccumulationModifier(4)({"X": 1}) == {"X": 1, "GRAD_ACCUM_STEPS": 4}
+    experiment = configure("Synthetic126M", GradientAccumulationModifier(4))
+    assert experiment.GRAD_ACCUM_STEPS == 4 and fdl.build(experiment.loop_config()).grad_accum_steps == 4
+    with pytest.raises(ConfigError, match="grad_acc_steps must be an integer >= 1"):
+        GradientAccumulationModifier(0)
+
+
+def test_names_and_values_are_checked_as_on_the_command_line():
+    with pytest.raises(ConfigError, match="NUM_LAYRS.*did you mean 'NUM_LAYERS'"):
+        configure("Synthetic126M", NUM_LAYRS=2)
+    with pytest.raises(ConfigError, match="did you mean"):
+        configure("Synthetic126m")
+
+
+def test_the_example_in_docs_parallelism_runs():
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "parallelism.md")
+    with open(path) as f:
+        text = f.read()
+    start = text.index("# my_configs.py")
+    namespace: dict = {}
+    exec(compile(text[start : text.index("```", start)], "docs/parallelism.md", "exec"), namespace)
+    experiment = namespace["experiment"]
+    assert (experiment.ICI_MESH_SHAPE, experiment.GRAD_ACCUM_STEPS) == ([1, 8, 1], 4)
+    assert experiment.CHECKPOINT_POLICY == "SAVE_DOT_WITH_NO_BATCH_DIM" and experiment.MAX_STEPS == 1000
+    assert namespace["run_config"].data.tfds_name == "the_pile:1.0.0"
