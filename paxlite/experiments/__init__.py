@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from paxlite.experiments import gpt, tiny
+from paxlite.experiments import gpt, llama, tiny
 
 EXPERIMENTS = MappingProxyType(
     {
@@ -23,6 +23,9 @@ EXPERIMENTS = MappingProxyType(
         "Pile5B": gpt.Pile5B,
         "Pile175B": gpt.Pile175B,
         "Lambada126M": gpt.Lambada126M,
+        "LLaMA7B": llama.LLaMA7B,
+        "LLaMA13B": llama.LLaMA13B,
+        "LLaMA70B": llama.LLaMA70B,
         "TinySynthetic": tiny.TinySynthetic,
         "TinySyntheticRepeated": tiny.TinySyntheticRepeated,
         "DemoSynthetic": tiny.DemoSynthetic,

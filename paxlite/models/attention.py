@@ -1,7 +1,8 @@
-"""Causal multi-head self-attention with a fused QKV projection (Pax GPT layout).
+"""Causal self-attention: Pax GPT's fused QKV, or separate q/k/v with grouped-query attention.
 
-Einsum letters: B batch, T query length, S key length, D model (embed) dims, K the 3 of
-q/k/v, N heads, H dims per head.
+Einsum letters: B batch, T query length, S key length, D model (embed) dims, K the 3 of q/k/v
+(fused path) or the key/value heads (grouped path), N query heads, G query heads per kv head
+(N = K * G), H dims per head.
 """
 
 from __future__ import annotations
@@ -13,12 +14,21 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from paxlite.models.linear import Linear
+from paxlite.models.rotary import apply_rotary
 
 HEAD_ACTIVATION_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_heads", "activation_kv",
 )
+# Keys and values of grouped-query attention have fewer heads than the query; their head axis has
+# its own logical name so a rules table can shard it differently (it is replicated by default).
+KV_HEAD_ACTIVATION_AXES: tuple[str, ...] = (
+    "activation_batch", "activation_length", "activation_kv_heads", "activation_kv",
+)
 # checkpoint_name tags (Pax's names) that the name-based remat policies select.
 QKV_PROJ_NAME: str = "combined_qkv_proj"  # fused q/k/v projection output [B, T, 3, N, H]
+QUERY_PROJ_NAME: str = "query_proj"  # separate projections (grouped path): q [B, T, N, H]
+KEY_PROJ_NAME: str = "key_proj"  # k [B, T, K, H]
+VALUE_PROJ_NAME: str = "value_proj"  # v [B, T, K, H]
 CONTEXT_NAME: str = "context"  # probabilities x values, before the output projection [B, T, N, H]
 OUT_PROJ_NAME: str = "out_proj"  # output projection [B, T, D]
 # Pax uses -0.7 * max(float32) rather than -inf so that a fully masked row stays finite.
@@ -44,46 +54,107 @@ def make_attention_mask(*, seq_len: int, segment_ids: jax.Array | None) -> jax.A
 
 
 class Attention(nn.Module):
-    """Multi-head attention: fused QKV -> scaled dot product (softmax in f32) -> output.
+    """Multi-head attention: projections -> (RoPE) -> scaled dot product (softmax in f32) -> out.
 
-    Attributes mirror Pax ``DotProductAttention`` with ``combine_qkv=True`` and
-    ``internal_enable_per_dim_scale=False``: the query is scaled by 1/sqrt(dims_per_head).
+    With ``num_kv_heads`` unset or equal to ``num_heads`` this is Pax ``DotProductAttention`` with
+    ``combine_qkv=True``: one fused ``qkv`` kernel [D, 3, N, H] (GPT's parameter layout). With fewer
+    kv heads it is Pax ``MultiQueryDotProductAttention``: separate ``query`` [D, N, H], ``key`` and
+    ``value`` [D, K, H] kernels, and query head i attends with kv head ``i // (N / K)`` (contiguous
+    groups, as HF ``repeat_kv``). Either way the query is scaled by 1/sqrt(dims_per_head)
+    (``internal_enable_per_dim_scale=False``).
+
+    Attributes:
+        num_kv_heads: key/value heads; None means num_heads. Must divide num_heads.
+        rope_theta: None for no rotary embedding (GPT); else RoPE base (LLaMA-2: 10000) applied to
+            q and k at the positions passed to ``__call__``.
     """
 
     num_heads: int
     dims_per_head: int
+    num_kv_heads: int | None = None
+    rope_theta: float | None = None
     use_bias: bool = True
     init_std: float = 0.02
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
 
-    @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        """x [B, T, D], mask bool broadcastable to [B, N, T, S] -> [B, T, D] in dtype."""
-        model_dims = x.shape[-1]
-        n, h = self.num_heads, self.dims_per_head
-        qkv = Linear(
-            equation="BTD,DKNH->BTKNH",
-            kernel_shape=(model_dims, 3, n, h),
-            kernel_axes=("embed", "qkv", "heads", "kv"),
-            bias_axes=("qkv", "heads", "kv") if self.use_bias else None,
+    def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
+                name: str) -> Linear:
+        return Linear(
+            equation=equation,
+            kernel_shape=shape,
+            kernel_axes=axes,
+            bias_axes=axes[1:] if self.use_bias else None,
             init_std=self.init_std,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            name="qkv",
-        )(x)  # [B, T, 3, N, H]
-        qkv = checkpoint_name(qkv, QKV_PROJ_NAME)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, N, H]
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None
+    ) -> jax.Array:
+        """x [B, T, D], mask bool broadcastable to [B, N, T, S], positions int [B, T] (needed for
+        RoPE; default arange) -> [B, T, D] in dtype."""
+        batch, length, model_dims = x.shape
+        n, h = self.num_heads, self.dims_per_head
+        kv = n if self.num_kv_heads is None else self.num_kv_heads
+        if kv <= 0 or n % kv:
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} must be a positive divisor of "
+                f"num_heads={n}"
+            )
+        grouped = kv != n
+
+        if not grouped:
+            qkv = self._linear(
+                equation="BTD,DKNH->BTKNH", shape=(model_dims, 3, n, h),
+                axes=("embed", "qkv", "heads", "kv"), name="qkv",
+            )(x)  # [B, T, 3, N, H]
+            qkv = checkpoint_name(qkv, QKV_PROJ_NAME)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, N, H]
+            kv_axes = HEAD_ACTIVATION_AXES
+        else:
+            q = self._linear(
+                equation="BTD,DNH->BTNH", shape=(model_dims, n, h),
+                axes=("embed", "heads", "kv"), name="query",
+            )(x)  # [B, T, N, H]
+            k = self._linear(
+                equation="BTD,DKH->BTKH", shape=(model_dims, kv, h),
+                axes=("embed", "kv_heads", "kv"), name="key",
+            )(x)  # [B, T, K, H]
+            v = self._linear(
+                equation="BTD,DKH->BTKH", shape=(model_dims, kv, h),
+                axes=("embed", "kv_heads", "kv"), name="value",
+            )(x)  # [B, T, K, H]
+            q = checkpoint_name(q, QUERY_PROJ_NAME)
+            k = checkpoint_name(k, KEY_PROJ_NAME)
+            v = checkpoint_name(v, VALUE_PROJ_NAME)
+            kv_axes = KV_HEAD_ACTIVATION_AXES
         q = nn.with_logical_constraint(q, HEAD_ACTIVATION_AXES)
-        k = nn.with_logical_constraint(k, HEAD_ACTIVATION_AXES)
-        v = nn.with_logical_constraint(v, HEAD_ACTIVATION_AXES)
+        k = nn.with_logical_constraint(k, kv_axes)
+        v = nn.with_logical_constraint(v, kv_axes)
+
+        if self.rope_theta is not None:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+            q = apply_rotary(q, positions, theta=self.rope_theta)
+            k = apply_rotary(k, positions, theta=self.rope_theta)
         q = q * jnp.asarray(h**-0.5, dtype=self.dtype)
 
-        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
-        logits = jnp.where(mask, logits, LARGE_NEGATIVE)
-        probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, N, T, S]
-        out = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
-        out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)
+        if not grouped:
+            logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
+            logits = jnp.where(mask, logits, LARGE_NEGATIVE)
+            probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, N, T, S]
+            out = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+        else:
+            qg = q.reshape(batch, length, kv, n // kv, h)  # [B, T, K, G, H]; head i = k*G + g
+            logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
+            logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)  # mask [B|1, 1, 1, T, S]
+            probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, K, G, T, S]
+            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, n, h)
+        out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)  # [B, T, N, H]
         out = checkpoint_name(out, CONTEXT_NAME)
 
         out = Linear(

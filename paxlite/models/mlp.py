@@ -1,4 +1,7 @@
-"""The position-wise feed-forward block: wi -> activation -> wo (Pax GPT, ungated)."""
+"""The position-wise feed-forward block: plain (Pax GPT) or gated (LLaMA's SwiGLU).
+
+Einsum letters: B batch, T length, D model (embed) dims, F hidden (mlp) dims.
+"""
 
 from __future__ import annotations
 
@@ -15,41 +18,48 @@ MLP_ACTIVATION_AXES: tuple[str, ...] = ("activation_batch", "activation_length",
 
 
 class Mlp(nn.Module):
-    """x [B, T, D] -> wi [D, F] -> activation -> wo [F, D] -> [B, T, D] in dtype.
+    """x [B, T, D] -> hidden [B, T, F] -> wo [F, D] -> [B, T, D] in dtype.
 
-    ``activation`` is a plain callable so the module stays independent of the config enums;
-    the transformer maps its ``Activation`` enum to a function.
+    Plain: ``hidden = act(x @ wi)``. Gated (``gated=True``, Pax ``use_gated_activation``):
+    ``hidden = act(x @ wi_gate) * (x @ wi)``, which with SiLU is LLaMA's SwiGLU
+    (Pax ``ffn_layer1_gate`` / ``ffn_layer1`` / ``ffn_layer2``; HF ``gate_proj`` / ``up_proj`` /
+    ``down_proj``). ``activation`` is a plain callable so the module stays independent of the
+    config enums; the transformer maps its ``Activation`` enum to a function.
     """
 
     hidden_dims: int
     activation: Callable[[jax.Array], jax.Array]
+    gated: bool = False
     use_bias: bool = True
     init_std: float = 0.02
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
 
+    def _linear(self, *, equation: str, shape: tuple[int, int], axes: tuple[str, str],
+                bias_axes: tuple[str, ...], name: str) -> Linear:
+        return Linear(
+            equation=equation,
+            kernel_shape=shape,
+            kernel_axes=axes,
+            bias_axes=bias_axes if self.use_bias else None,
+            init_std=self.init_std,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )
+
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         model_dims = x.shape[-1]
-        hidden = Linear(
-            equation="BTD,DF->BTF",
-            kernel_shape=(model_dims, self.hidden_dims),
-            kernel_axes=("embed", "mlp"),
-            bias_axes=("mlp",) if self.use_bias else None,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="wi",
-        )(x)  # [B, T, F]
-        hidden = self.activation(hidden)
+        shape_in = (model_dims, self.hidden_dims)
+        hidden = self._linear(equation="BTD,DF->BTF", shape=shape_in, axes=("embed", "mlp"),
+                              bias_axes=("mlp",), name="wi")(x)  # [B, T, F]
+        if self.gated:
+            gate = self._linear(equation="BTD,DF->BTF", shape=shape_in, axes=("embed", "mlp"),
+                                bias_axes=("mlp",), name="wi_gate")(x)  # [B, T, F]
+            hidden = self.activation(gate) * hidden
+        else:
+            hidden = self.activation(hidden)
         hidden = nn.with_logical_constraint(hidden, MLP_ACTIVATION_AXES)
-        return Linear(
-            equation="BTF,FD->BTD",
-            kernel_shape=(self.hidden_dims, model_dims),
-            kernel_axes=("mlp", "embed"),
-            bias_axes=("norm",) if self.use_bias else None,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="wo",
-        )(hidden)
+        return self._linear(equation="BTF,FD->BTD", shape=(self.hidden_dims, model_dims),
+                            axes=("mlp", "embed"), bias_axes=("norm",), name="wo")(hidden)

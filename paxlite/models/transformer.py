@@ -1,4 +1,4 @@
-"""Decoder-only transformer language model with Pax GPT semantics and logical axis names.
+"""Decoder-only transformer language model (Pax GPT and LLaMA) with logical axis names.
 
 Usable on its own: ``Transformer(TransformerConfig(...)).init({'params': key}, tokens)``. Params
 are created with logical axis names so the trainer can shard them with one rules table, and
@@ -21,8 +21,11 @@ from flax import linen as nn
 
 from paxlite.models.attention import (
     CONTEXT_NAME,
+    KEY_PROJ_NAME,
     OUT_PROJ_NAME,
     QKV_PROJ_NAME,
+    QUERY_PROJ_NAME,
+    VALUE_PROJ_NAME,
     Attention,
     make_attention_mask,
 )
@@ -30,6 +33,7 @@ from paxlite.models.embedding import Embed
 from paxlite.models.linear import Linear
 from paxlite.models.mlp import Mlp
 from paxlite.models.norms import LayerNorm, RMSNorm
+from paxlite.models.rotary import DEFAULT_THETA
 
 EMBED_ACTIVATION_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_embed",
@@ -56,13 +60,26 @@ class NormKind(str, enum.Enum):
     RMS_NORM = "rms_norm"
 
 
+class PositionEmbedding(str, enum.Enum):
+    """How tokens learn where they are: GPT's learned absolute table, LLaMA's RoPE, or nothing."""
+
+    LEARNED = "learned"  # a [max_seq_len, embed] table added to the token embeddings
+    ROTARY = "rotary"  # interleaved-pair RoPE on q and k inside attention (models/rotary.py)
+    NONE = "none"
+
+
+# q/k/v projection tags: the fused one (GPT) and the separate ones (grouped-query attention).
+_QKV_NAMES: tuple[str, ...] = (QKV_PROJ_NAME, QUERY_PROJ_NAME, KEY_PROJ_NAME, VALUE_PROJ_NAME)
+
+
 class RematPolicy(str, enum.Enum):
     """What a transformer block keeps for the backward pass (Pax ``CHECKPOINT_POLICY``).
 
     Values are Pax's names in lower case. Everything a policy does not keep is recomputed from the
     block's input during the backward pass, which a remat'd block always keeps. The name-based
-    policies select tensors tagged in ``models/attention.py`` (``QKV_PROJ_NAME``, ``CONTEXT_NAME``,
-    ``OUT_PROJ_NAME``); ``docs/training.md`` says what each one saves.
+    policies select tensors tagged in ``models/attention.py`` (``QKV_PROJ_NAME``, or
+    ``QUERY_PROJ_NAME`` / ``KEY_PROJ_NAME`` / ``VALUE_PROJ_NAME`` when q, k and v are separate,
+    ``CONTEXT_NAME``, ``OUT_PROJ_NAME``); ``docs/training.md`` says what each one saves.
     """
 
     NONE = "none"  # no jax.checkpoint wrapper at all
@@ -113,7 +130,16 @@ def _coerce_enum(config: Any, field: str, enum_cls: type[enum.Enum]) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
-    """Every size and switch of a GPT-style decoder; defaults follow Pax GPT126M."""
+    """Every size and switch of a decoder; defaults follow Pax GPT126M.
+
+    LLaMA-style models set ``num_kv_heads`` (grouped-query attention), ``gated_mlp=True`` with
+    ``activation=SILU`` (SwiGLU), ``position_embedding=ROTARY``, ``norm=RMS_NORM``,
+    ``use_bias=False`` and ``tie_embeddings=False``.
+
+    ``position_embedding`` is the position switch; when it is None the older boolean
+    ``learned_position_embedding`` decides (True: LEARNED, False: NONE), so GPT configs that only
+    set the boolean keep working. Read the resolved kind from ``position_kind``.
+    """
 
     vocab_size: int
     num_layers: int
@@ -127,7 +153,11 @@ class TransformerConfig:
     activation: Activation = Activation.GELU_TANH
     use_bias: bool = True  # biases on QKV, attention output, both MLP matmuls
     tie_embeddings: bool = True  # True: the embedding table is also the softmax weight
-    learned_position_embedding: bool = True
+    learned_position_embedding: bool = True  # read only when position_embedding is None
+    position_embedding: PositionEmbedding | None = None
+    rope_theta: float = DEFAULT_THETA  # RoPE base, used when the position kind is ROTARY
+    num_kv_heads: int | None = None  # grouped-query attention; None: num_heads (plain MHA)
+    gated_mlp: bool = False  # act(x W_gate) * (x W_up) -> W_down; with SILU this is SwiGLU
     init_std: float = 0.02  # normal(0, init_std) for every matmul weight and the position table
     softmax_init_std: float | None = None  # token embedding / softmax table; None -> init_std
     dropout_prob: float = 0.0  # residual dropout after attention and after the MLP
@@ -141,6 +171,8 @@ class TransformerConfig:
         _coerce_enum(self, "norm", NormKind)
         _coerce_enum(self, "activation", Activation)
         _coerce_enum(self, "remat_policy", RematPolicy)
+        if self.position_embedding is not None:
+            _coerce_enum(self, "position_embedding", PositionEmbedding)
         for name in ("vocab_size", "num_layers", "model_dims", "num_heads", "dims_per_head",
                      "hidden_dims", "max_seq_len"):
             value = getattr(self, name)
@@ -148,12 +180,26 @@ class TransformerConfig:
                 raise ValueError(
                     f"TransformerConfig.{name}={value!r} must be a positive integer"
                 )
-        for name in ("use_bias", "tie_embeddings", "learned_position_embedding", "scan_layers"):
+        if self.num_kv_heads is not None and (
+            isinstance(self.num_kv_heads, bool) or not isinstance(self.num_kv_heads, int)
+            or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads
+        ):
+            raise ValueError(
+                f"TransformerConfig.num_kv_heads={self.num_kv_heads!r} must be None or a positive "
+                f"divisor of num_heads={self.num_heads}"
+            )
+        if self.position_kind is PositionEmbedding.ROTARY and self.dims_per_head % 2:
+            raise ValueError(
+                f"TransformerConfig.dims_per_head={self.dims_per_head} must be even for rotary "
+                "position embeddings (they rotate pairs of dimensions)"
+            )
+        for name in ("use_bias", "tie_embeddings", "learned_position_embedding", "scan_layers",
+                     "gated_mlp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"TransformerConfig.{name}={getattr(self, name)!r} must be True or False"
                 )
-        for name in ("norm_epsilon", "init_std", "softmax_init_std"):
+        for name in ("norm_epsilon", "init_std", "softmax_init_std", "rope_theta"):
             value = getattr(self, name)
             if name == "softmax_init_std" and value is None:
                 continue
@@ -173,6 +219,20 @@ class TransformerConfig:
                     f"TransformerConfig.{name}={value!r} is not valid; expected one of "
                     f"{', '.join(repr(d) for d in VALID_DTYPES)}"
                 )
+
+    @property
+    def position_kind(self) -> PositionEmbedding:
+        """The resolved position embedding: ``position_embedding``, else from the boolean."""
+        if self.position_embedding is not None:
+            return self.position_embedding
+        if self.learned_position_embedding:
+            return PositionEmbedding.LEARNED
+        return PositionEmbedding.NONE
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used (num_heads when num_kv_heads is None)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def embedding_init_std(self) -> float:
@@ -198,11 +258,11 @@ def _remat_policy_fn(policy: RematPolicy) -> Callable[..., bool]:
         RematPolicy.SAVE_DOT_ONLY: jax.checkpoint_policies.dots_saveable,
         RematPolicy.SAVE_DOT_WITH_NO_BATCH_DIM:
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        RematPolicy.SAVE_DOT_FOR_MLPERF_200B: names(QKV_PROJ_NAME, CONTEXT_NAME, OUT_PROJ_NAME),
+        RematPolicy.SAVE_DOT_FOR_MLPERF_200B: names(*_QKV_NAMES, CONTEXT_NAME, OUT_PROJ_NAME),
         # Pax tags the scan iteration's input; a remat'd block keeps its input anyway, so there is
         # nothing else to save.
         RematPolicy.SAVE_ITERATION_INPUT: jax.checkpoint_policies.nothing_saveable,
-        RematPolicy.SAVE_QKV_OUT_PROJ: names(QKV_PROJ_NAME, OUT_PROJ_NAME),
+        RematPolicy.SAVE_QKV_OUT_PROJ: names(*_QKV_NAMES, OUT_PROJ_NAME),
         RematPolicy.SAVE_OUT_PROJ: names(OUT_PROJ_NAME),
         RematPolicy.SAVE_CONTEXT: names(CONTEXT_NAME),
         RematPolicy.SAVE_CONTEXT_AND_OUT_PROJ: names(CONTEXT_NAME, OUT_PROJ_NAME),
@@ -233,7 +293,10 @@ class Block(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(
+        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, None]:
+        """x [B, T, D], mask [B|1, 1, T, S], positions [B, T] (RoPE only) -> (x [B, T, D], None)."""
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)  # [B, T, D]
@@ -242,12 +305,14 @@ class Block(nn.Module):
         h = Attention(
             num_heads=cfg.num_heads,
             dims_per_head=cfg.dims_per_head,
+            num_kv_heads=cfg.num_kv_heads,
+            rope_theta=cfg.rope_theta if cfg.position_kind is PositionEmbedding.ROTARY else None,
             use_bias=cfg.use_bias,
             init_std=cfg.init_std,
             dtype=dtype,
             param_dtype=param_dtype,
             name="attention",
-        )(h, mask)
+        )(h, mask, positions)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
         x = x + h
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
@@ -256,6 +321,7 @@ class Block(nn.Module):
         h = Mlp(
             hidden_dims=cfg.hidden_dims,
             activation=_activation_fn(cfg.activation),
+            gated=cfg.gated_mlp,
             use_bias=cfg.use_bias,
             init_std=cfg.init_std,
             dtype=dtype,
@@ -269,7 +335,7 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """GPT decoder: embeddings -> num_layers pre-norm blocks -> final norm -> logits."""
+    """Decoder: embeddings -> num_layers pre-norm blocks -> final norm -> logits."""
 
     config: TransformerConfig
 
@@ -285,7 +351,8 @@ class Transformer(nn.Module):
         """tokens int32 [B, T] -> float32 logits [B, T, vocab].
 
         positions default to ``arange(T)``; for packed rows pass positions restarting at 0 per
-        document together with segment_ids, and attention stays within each document.
+        document together with segment_ids, and attention stays within each document (and RoPE
+        rotates each document as if it ran alone).
         """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -312,9 +379,10 @@ class Transformer(nn.Module):
             name="embedding",
         )
         x = embed(tokens)  # [B, T, D]
-        if cfg.learned_position_embedding:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        position_kind = cfg.position_kind
+        if position_kind is not PositionEmbedding.NONE and positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        if position_kind is PositionEmbedding.LEARNED:
             x = x + Embed(
                 num_embeddings=cfg.max_seq_len,
                 features=cfg.model_dims,
@@ -328,6 +396,8 @@ class Transformer(nn.Module):
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
 
         mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)  # [B|1, 1, T, S]
+        # Only RoPE reads positions inside the blocks; GPT blocks get None (an empty pytree).
+        block_positions = positions if position_kind is PositionEmbedding.ROTARY else None
         block_cls: Any = Block
         if cfg.remat_policy is not RematPolicy.NONE:
             block_cls = nn.remat(
@@ -338,15 +408,17 @@ class Transformer(nn.Module):
                 block_cls,
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast,),
+                in_axes=(nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = scanned(config=cfg, deterministic=deterministic, name="layers")(x, mask)
+            x, _ = scanned(config=cfg, deterministic=deterministic, name="layers")(
+                x, mask, block_positions
+            )
         else:
             for i in range(cfg.num_layers):
                 x, _ = block_cls(config=cfg, deterministic=deterministic, name=f"layers_{i}")(
-                    x, mask
+                    x, mask, block_positions
                 )
 
         x = _make_norm(cfg, name="final_norm")(x)

@@ -1,0 +1,140 @@
+"""LLaMA-2 experiments with the dimensions and settings of Pax's GPU configs (`BaseLLaMA`, `LLaMA7B/13B/70B`).
+
+Architecture (Pax `BaseLLaMA`, Meta `llama/model.py`): pre-RMSNorm (eps 1e-5, float32 reductions, no bias),
+interleaved-pair rotary position embeddings (no absolute positions), no biases anywhere, gated SiLU MLP (SwiGLU),
+an untied output head without bias, query scaling 1/sqrt(head_dim), and grouped-query attention for 70B
+(Pax `USE_MQA` with `NUM_KV_HEADS=8`; here NUM_KV_HEADS alone says it). The optimizer keeps Pax's c4 Adam defaults
+(the base Experiment's values), which fine-tuning runs override on the command line as Pax's scripts do.
+
+The weights are meant to come from a converted Meta or Hugging Face checkpoint (HF needs the q/k row permutation of
+paxlite/models/rotary.py at conversion); the training text is given by the user (DATA_DIR / --tfds_data_dir), and
+`--fdl.SYNTHETIC_DATA=true` runs any of them on synthetic tokens of the same shapes.
+"""
+
+from __future__ import annotations
+
+import fiddle as fdl
+
+from paxlite.config.errors import ConfigError
+from paxlite.config.experiment import Derived
+from paxlite.experiments.base import DataSource, LanguageModelExperiment
+from paxlite.models.transformer import (
+    Activation,
+    NormKind,
+    PositionEmbedding,
+    TransformerConfig,
+)
+from paxlite.train import flops as flops_lib
+
+
+class BaseLLaMA(LanguageModelExperiment):
+    """Pax BaseLLaMA's settings shared by every size; not registered (it has no size of its own).
+
+    MAX_STEPS is 0 as in Pax, whose LLaMA configs say "only eval supported currently": training needs an explicit
+    --fdl.MAX_STEPS (Pax's run_llama_boolq.sh passes 600 for LoRA, 1000 for SFT). Pax's packed_input=False is
+    PACKED_INPUT=False.
+    """
+
+    data_source = DataSource.TEXT
+
+    # Key/value heads of grouped-query attention; equal to NUM_HEADS means plain multi-head attention with Pax's
+    # combined QKV projection, fewer means separate q/k/v projections (Pax USE_MQA=True, NUM_KV_HEADS=K).
+    NUM_KV_HEADS: int = Derived(lambda hp: hp.NUM_HEADS, doc="NUM_HEADS")
+    DIMS_PER_HEAD = 128
+    VOCAB_SIZE = 32000
+    MAX_SEQ_LEN = 4096
+    FPROP_DTYPE = "bfloat16"
+    LAYERNORM_EPSILON = 1e-5
+    USE_REPEATED_LAYER = False
+    PACKED_INPUT = False
+    MAX_STEPS = 0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.NUM_KV_HEADS <= 0 or self.NUM_HEADS % self.NUM_KV_HEADS:
+            raise ConfigError(
+                f"NUM_KV_HEADS={self.NUM_KV_HEADS} must be a positive divisor of NUM_HEADS={self.NUM_HEADS} "
+                "(query head i uses key/value head i // (NUM_HEADS / NUM_KV_HEADS))"
+            )
+        if self.DIMS_PER_HEAD % 2:
+            raise ConfigError(
+                f"DIMS_PER_HEAD={self.DIMS_PER_HEAD} must be even: rotary embeddings rotate pairs of dimensions"
+            )
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        return fdl.Config(
+            TransformerConfig,
+            vocab_size=self.VOCAB_SIZE,
+            num_layers=self.NUM_LAYERS,
+            model_dims=self.MODEL_DIMS,
+            num_heads=self.NUM_HEADS,
+            num_kv_heads=self.NUM_KV_HEADS,
+            dims_per_head=self.DIMS_PER_HEAD,
+            hidden_dims=self.HIDDEN_DIMS,
+            max_seq_len=self.MAX_SEQ_LEN,
+            norm=NormKind.RMS_NORM,
+            norm_epsilon=self.LAYERNORM_EPSILON,
+            activation=Activation.SILU,
+            gated_mlp=True,
+            use_bias=False,
+            tie_embeddings=False,
+            learned_position_embedding=False,
+            position_embedding=PositionEmbedding.ROTARY,
+            init_std=self.INIT_STD,
+            softmax_init_std=self.SOFTMAX_INIT_STD,
+            dropout_prob=self.DROPOUT_PROB,
+            input_dropout_prob=self.INPUT_DROPOUT_PROB,
+            scan_layers=self.USE_REPEATED_LAYER,
+            remat_policy=self.remat_policy(),
+            dtype=self.FPROP_DTYPE,
+            param_dtype="float32",
+        )
+
+    def flops_per_token(self) -> int:
+        """MaxText's count with this model's K key/value heads and its three-matrix gated MLP."""
+        return flops_lib.flops_per_token(
+            num_layers=self.NUM_LAYERS,
+            model_dims=self.MODEL_DIMS,
+            num_heads=self.NUM_HEADS,
+            num_kv_heads=self.NUM_KV_HEADS,
+            dims_per_head=self.DIMS_PER_HEAD,
+            hidden_dims=self.HIDDEN_DIMS,
+            vocab_size=self.VOCAB_SIZE,
+            seq_len=self.MAX_SEQ_LEN,
+            gated_mlp=True,
+        )
+
+
+class LLaMA7B(BaseLLaMA):
+    """LLaMA-2 7B: 32 layers, 32 heads x 128, d_model 4096, ffn 11008; 6,738,415,616 parameters."""
+
+    NUM_LAYERS = 32
+    NUM_HEADS = 32
+    MODEL_DIMS = 4096
+    HIDDEN_DIMS = 11008
+    PERCORE_BATCH_SIZE = 16
+    ICI_MESH_SHAPE = [1, 8, 1]
+    DCN_MESH_SHAPE = [1, 1, 1]
+
+
+class LLaMA13B(LLaMA7B):
+    """LLaMA-2 13B: 40 layers, 40 heads x 128, d_model 5120, ffn 13824; 13,015,864,320 parameters."""
+
+    NUM_LAYERS = 40
+    NUM_HEADS = 40
+    MODEL_DIMS = 5120
+    HIDDEN_DIMS = 13824
+    PERCORE_BATCH_SIZE = 8
+
+
+class LLaMA70B(LLaMA7B):
+    """LLaMA-2 70B: 80 layers, 64 query heads and 8 key/value heads x 128, d_model 8192, ffn 28672;
+    68,976,648,192 parameters. Pax runs it on 16 GPUs (DCN [1,2,1])."""
+
+    NUM_LAYERS = 80
+    NUM_HEADS = 64
+    NUM_KV_HEADS = 8
+    MODEL_DIMS = 8192
+    HIDDEN_DIMS = 28672
+    PERCORE_BATCH_SIZE = 4
+    DCN_MESH_SHAPE = [1, 2, 1]

@@ -1,0 +1,65 @@
+"""Rotary position embedding (RoPE) in the Meta / Pax *interleaved-pair* layout.
+
+Each head vector of size h is read as h/2 pairs, pair j = (x[2j], x[2j+1]), and pair j is rotated
+by the angle ``pos * theta^(-2j/h)``:
+
+    out[2j]     = x[2j] * cos(a_j) - x[2j+1] * sin(a_j)
+    out[2j + 1] = x[2j] * sin(a_j) + x[2j+1] * cos(a_j)
+
+This is Meta's original ``llama/model.py`` and Pax's ``LLaMARotaryEmbedding``, so Meta (and
+saxml-converted Pax) checkpoints load with no permutation. Hugging Face checkpoints use the
+*rotate-half* layout instead, pair j = (x[j], x[j + h/2]); HF's converter permuted the output rows
+of the query and key projections (per head: even rows first, then odd rows) to match it. Loading an
+HF checkpoint into this layout therefore needs the inverse row permutation on q and k at conversion
+time (``meta_row[2j + p] = hf_row[p * h/2 + j]``, reference interop.md section 1); v and the output
+projection are untouched. Skipping it gives a model that runs and produces plausible, wrong logits.
+
+Angles come from the batch's ``positions`` rather than ``arange(T)``, so packed rows whose
+positions restart at 0 for every document rotate each document exactly as if it ran alone.
+The rotation is computed in float32 and cast back, as large positions times the fastest frequency
+lose too much precision in bfloat16.
+
+Einsum letters: B batch, T length, N heads, H dims per head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_THETA: float = 10000.0
+
+
+def rotary_angles(positions: jax.Array, *, dims_per_head: int, theta: float = DEFAULT_THETA
+                  ) -> jax.Array:
+    """positions int [B, T] -> float32 angles [B, T, H/2], angle[..., j] = pos * theta^(-2j/H)."""
+    if dims_per_head <= 0 or dims_per_head % 2:
+        raise ValueError(
+            f"rotary embedding needs an even, positive dims_per_head, got {dims_per_head}"
+        )
+    if not theta > 0:
+        raise ValueError(f"rotary theta must be a positive number, got {theta!r}")
+    exponents = jnp.arange(0, dims_per_head, 2, dtype=jnp.float32) / dims_per_head  # [H/2]
+    inv_freq = 1.0 / (jnp.float32(theta) ** exponents)  # [H/2]
+    return positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, H/2]
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, *, theta: float = DEFAULT_THETA
+                 ) -> jax.Array:
+    """Rotate interleaved pairs of x [B, T, N, H] by their positions [B, T]; same shape and dtype.
+
+    Works for any number of heads N, so the same call serves queries (N heads) and keys (KV heads).
+    """
+    if x.ndim != 4:
+        raise ValueError(f"rotary embedding expects x of shape [B, T, N, H], got {x.shape}")
+    if positions.shape != x.shape[:2]:
+        raise ValueError(
+            f"positions must have shape [batch, length] = {x.shape[:2]}, got {positions.shape}"
+        )
+    batch, length, heads, dims = x.shape
+    angles = rotary_angles(positions, dims_per_head=dims, theta=theta)[:, :, None, :]  # [B,T,1,H/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    pairs = x.astype(jnp.float32).reshape(batch, length, heads, dims // 2, 2)  # [B, T, N, H/2, 2]
+    even, odd = pairs[..., 0], pairs[..., 1]  # each [B, T, N, H/2]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
