@@ -304,13 +304,18 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
         levers.append({"lever": "more fsdp", "applicable": False,
                        "reason": "the data axis is 1: every device that splits the batch is "
                                  "already on fsdp"})
-    if experiment.USE_REPEATED_LAYER and experiment.CHECKPOINT_POLICY != "SAVE_NOTHING":
+    if not experiment.USE_REPEATED_LAYER:
+        # Unrolled layers keep every activation for the backward pass (Pax applies the policy to
+        # the repeated stack only), so the remat lever is the scanned stack with SAVE_NOTHING.
+        candidates.append(("USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING (recompute each "
+                           "layer)", "compiled",
+                           {"USE_REPEATED_LAYER": True, "CHECKPOINT_POLICY": "SAVE_NOTHING"}))
+    elif experiment.CHECKPOINT_POLICY != "SAVE_NOTHING":
         candidates.append(("CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)", "compiled",
                            {"CHECKPOINT_POLICY": "SAVE_NOTHING"}))
     else:
         levers.append({"lever": "CHECKPOINT_POLICY=SAVE_NOTHING", "applicable": False,
-                       "reason": "already SAVE_NOTHING" if experiment.USE_REPEATED_LAYER else
-                       "the policy applies to the repeated layer stack (USE_REPEATED_LAYER=true)"})
+                       "reason": "already SAVE_NOTHING"})
     accum = experiment.GRAD_ACCUM_STEPS
     candidates.append((f"GRAD_ACCUM_STEPS {accum} -> {2 * accum} (same global batch, same training)",
                        "compiled", {"GRAD_ACCUM_STEPS": 2 * accum}))
