@@ -153,3 +153,18 @@ def test_bfloat16_scanned_stack_with_dropout_trains(tmp_path):
     assert losses[-1] < 0.75 * losses[0], losses
     assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(state.params))
     assert state.params["layers"]["mlp"]["wi"]["kernel"].shape[0] == 2  # scanned: leading layers axis
+
+
+def test_fractional_percore_batch_with_tensor_parallelism(tmp_path):
+    """Pax: PERCORE_BATCH_SIZE=0.5 with tensor=2 is one row per model replica; global = 0.5 x 8 devices = 4."""
+    overrides = ["MAX_STEPS=2", "SUMMARY_INTERVAL_STEPS=1", "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[2,2,2]",
+                 "EVAL_INTERVAL_STEPS=1000", "CHECKPOINT_EVERY_N_STEPS=1000"]
+    _, config = build_run_config("TinySynthetic", overrides)
+    with Run(config, RunContext(job_dir=str(tmp_path / "job"))) as run:
+        assert run.global_batch_size == 4 and run.tokens_per_step == 4 * config.model.max_seq_len
+        run.train()
+    lines = _train_lines(tmp_path / "job")
+    assert [line["step"] for line in lines] == [1, 2] and all(np.isfinite(line["loss"]) for line in lines)
+    _, bad = build_run_config("TinySynthetic", ["PERCORE_BATCH_SIZE=0.3", "ICI_MESH_SHAPE=[2,2,2]"])
+    with pytest.raises(Exception, match=r"0.3 x 8 devices = 2.4 is not a positive whole global batch"):
+        Run(bad, RunContext(job_dir=str(tmp_path / "bad")))
