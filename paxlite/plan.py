@@ -456,13 +456,14 @@ def emit(p: dict[str, Any], output_format: OutputFormat) -> str:
 
 def run_plan_command(request: PlanRequest, *, output_format: OutputFormat) -> int:
     """`python -m paxlite plan`: prints the plan; a bad configuration exits 2 with one line."""
-    from paxlite.config.errors import ConfigError
-    from paxlite.parallel.mesh import MeshError
-
+    # First, before anything imports JAX (paxlite.parallel does): a fresh process plans itself.
     if not prepare_this_process(request.num_devices):
         command = plan_command_line(request, output_format=output_format)
         return subprocess.run(command, env=fake_device_env(request.num_devices),
                               check=False).returncode
+    from paxlite.config.errors import ConfigError
+    from paxlite.parallel.mesh import MeshError
+
     try:
         print(emit(plan(request), output_format))
     except (ConfigError, MeshError, PlanError, ValueError) as e:

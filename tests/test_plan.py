@@ -190,3 +190,20 @@ def test_dry_run_mode_writes_plan_json_and_allocates_nothing(tmp_path):
     assert "Verdict: fits" in result.stdout
     assert sorted(os.listdir(job)) == ["plan.json"]  # no checkpoints, metrics or summaries
     assert math.isclose(p["peak_tflops_per_device"], 989.0)
+
+
+def test_a_fresh_process_plans_itself_without_a_second_jax_start():
+    """`python -m paxlite plan` sets the fake devices before JAX starts, so it never re-executes itself."""
+    code = (
+        "import subprocess, sys\n"
+        "from paxlite import plan\n"
+        "spawned = []\n"
+        "plan.subprocess.run = lambda *a, **k: spawned.append(a) or subprocess.CompletedProcess(a, 1)\n"
+        f"request = plan.PlanRequest(name='TinySynthetic', assignments={TINY + ('ICI_MESH_SHAPE=[2,1,1]',)!r}, "
+        "num_devices=2)\n"
+        "code = plan.run_plan_command(request, output_format=plan.OutputFormat.JSON)\n"
+        "print('RESULT', code, len(spawned))\n"
+    )
+    result = _run("-c", code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "RESULT 0 0"

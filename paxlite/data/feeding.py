@@ -46,6 +46,21 @@ class FeedPlan:
         return slice(self.row_start, self.row_stop)
 
 
+def local_batch_size(*, global_batch_size: int, process_index: int, process_count: int) -> int:
+    """Rows one of `process_count` feeds supplies; a ValueError naming the numbers when they do not split."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(
+            f"process_index must be in [0, process_count), got process_index={process_index}, "
+            f"process_count={process_count}"
+        )
+    if global_batch_size < 1 or global_batch_size % process_count:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} must be a positive multiple of the process "
+            f"count {process_count}"
+        )
+    return global_batch_size // process_count
+
+
 def plan_feeding(
     sharding: Sharding,
     *,

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from paxlite.data import tokenizer as tokenizer_lib
+from paxlite.data.feeding import local_batch_size
 from paxlite.data.errors import DatasetError
 
 THE_PILE_TASK = "the_pile_lm"
@@ -379,19 +380,11 @@ class SeqIOData:
         process_index: int = 0,
         process_count: int = 1,
     ):
-        if process_count < 1 or not 0 <= process_index < process_count:
-            raise ValueError(
-                f"process_index must be in [0, process_count), got process_index={process_index}, "
-                f"process_count={process_count}"
-            )
-        if global_batch_size < 1 or global_batch_size % process_count:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} must be a positive multiple of the process "
-                f"count {process_count}"
-            )
         self.config = config
         self.global_batch_size = global_batch_size
-        self.local_batch_size = global_batch_size // process_count
+        self.local_batch_size = local_batch_size(
+            global_batch_size=global_batch_size, process_index=process_index, process_count=process_count
+        )
         self.process_index = process_index
         self.process_count = process_count
         self._eval_batch_count: int | None = None

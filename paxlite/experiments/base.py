@@ -197,16 +197,18 @@ class LanguageModelExperiment(Experiment):
         )
 
     def flops_per_token(self) -> int:
+        """MaxText's count, read off the model this experiment builds (so GQA and gated MLPs follow it)."""
+        model = fdl.build(self.model_config())
         return flops_lib.flops_per_token(
-            num_layers=self.NUM_LAYERS,
-            model_dims=self.MODEL_DIMS,
-            num_heads=self.NUM_HEADS,
-            num_kv_heads=self.NUM_HEADS,
-            dims_per_head=self.DIMS_PER_HEAD,
-            hidden_dims=self.HIDDEN_DIMS,
-            vocab_size=self.VOCAB_SIZE,
-            seq_len=self.MAX_SEQ_LEN,
-            gated_mlp=False,
+            num_layers=model.num_layers,
+            model_dims=model.model_dims,
+            num_heads=model.num_heads,
+            num_kv_heads=model.kv_heads,
+            dims_per_head=model.dims_per_head,
+            hidden_dims=model.hidden_dims,
+            vocab_size=model.vocab_size,
+            seq_len=model.max_seq_len,
+            gated_mlp=model.gated_mlp,
         )
 
     def loop_config(self) -> fdl.Config[LoopConfig]:

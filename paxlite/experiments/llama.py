@@ -24,7 +24,6 @@ from paxlite.models.transformer import (
     PositionEmbedding,
     TransformerConfig,
 )
-from paxlite.train import flops as flops_lib
 
 
 class BaseLLaMA(LanguageModelExperiment):
@@ -88,20 +87,6 @@ class BaseLLaMA(LanguageModelExperiment):
             remat_policy=self.remat_policy(),
             dtype=self.FPROP_DTYPE,
             param_dtype="float32",
-        )
-
-    def flops_per_token(self) -> int:
-        """MaxText's count with this model's K key/value heads and its three-matrix gated MLP."""
-        return flops_lib.flops_per_token(
-            num_layers=self.NUM_LAYERS,
-            model_dims=self.MODEL_DIMS,
-            num_heads=self.NUM_HEADS,
-            num_kv_heads=self.NUM_KV_HEADS,
-            dims_per_head=self.DIMS_PER_HEAD,
-            hidden_dims=self.HIDDEN_DIMS,
-            vocab_size=self.VOCAB_SIZE,
-            seq_len=self.MAX_SEQ_LEN,
-            gated_mlp=True,
         )
 
 
