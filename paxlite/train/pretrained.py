@@ -1,0 +1,173 @@
+"""Pretrained weights on disk: the one format converters write and `CHECKPOINT_RESTORE_PATH` reads.
+
+A converted (or exported) model is a normal paxlite checkpoint, `DIR/checkpoints/checkpoint_<STEP>/state`,
+whose "state" item holds at least `params` (a training job's checkpoint also holds `step` and `opt_state`).
+So one reader serves both: initialising a fine-tuning run from a converted LLaMA, and from another job's
+training checkpoint, without ever reading optimizer state it does not need. Beside a converted checkpoint,
+`DIR/model_config.json` records the TransformerConfig, so exporting back needs no experiment name.
+
+Paths are accepted in the three spellings users have in hand: the job or output directory (`DIR`, as Pax's
+`CHECKPOINT_RESTORE_PATH=<DIR>`), its `checkpoints/` directory (what Pax's run_llama_boolq.sh passes), or
+one `checkpoint_<STEP>` directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from etils import epath
+
+from paxlite.models.transformer import TransformerConfig
+
+PyTree = Any
+
+_STEP_DIR = re.compile(r"^checkpoint_(\d+)$")
+_ITEM = "state"
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+class PretrainedCheckpointError(FileNotFoundError):
+    """A restore path that holds no readable paxlite checkpoint, or one that does not fit the model."""
+
+
+def _step_dirs(checkpoints: epath.Path) -> list[tuple[int, epath.Path]]:
+    """Complete step directories (those with a `state` item), ascending; Orbax temp dirs never match."""
+    found = []
+    for child in checkpoints.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / _ITEM).is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[int, epath.Path]:
+    """(step, step directory) of the latest complete checkpoint that `path` designates."""
+    root = epath.Path(os.path.abspath(os.fspath(path)))
+    if not root.exists():
+        raise PretrainedCheckpointError(f"checkpoint path {root} does not exist")
+    match = _STEP_DIR.match(root.name)
+    if match:
+        if not (root / _ITEM).is_dir():
+            raise PretrainedCheckpointError(
+                f"{root} has no '{_ITEM}' item: not a complete paxlite checkpoint")
+        return int(match.group(1)), root
+    for checkpoints in (root / "checkpoints", root):
+        if checkpoints.is_dir():
+            steps = _step_dirs(checkpoints)
+            if steps:
+                return steps[-1]
+    raise PretrainedCheckpointError(
+        f"no paxlite checkpoint under {root}: expected {root}/checkpoints/checkpoint_<STEP>/{_ITEM}, "
+        f"{root}/checkpoint_<STEP>/{_ITEM}, or a checkpoint_<STEP> directory itself "
+        "(python -m paxlite convert writes the first layout)"
+    )
+
+
+def save_params(
+    directory: str | os.PathLike,
+    params: PyTree,
+    *,
+    step: int = 0,
+    model_config: TransformerConfig | None = None,
+) -> epath.Path:
+    """Writes `directory/checkpoints/checkpoint_<step>/state` = {"step", "params"}; returns the step dir.
+
+    Refuses to write into a directory that already holds a checkpoint or a model config: nothing a
+    user saved is overwritten.
+    """
+    root = epath.Path(os.path.abspath(os.fspath(directory)))
+    checkpoints = root / "checkpoints"
+    if checkpoints.exists() and any(checkpoints.iterdir()):
+        raise FileExistsError(f"{checkpoints} already holds checkpoints; refusing to overwrite them")
+    if model_config is not None and (root / MODEL_CONFIG_FILE).exists():
+        raise FileExistsError(f"{root / MODEL_CONFIG_FILE} exists; refusing to overwrite it")
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    options = ocp.CheckpointManagerOptions(
+        step_prefix="checkpoint", step_format_fixed_length=8, enable_async_checkpointing=False,
+        create=True,
+    )
+    state = {"step": jnp.asarray(step, jnp.int32), "params": params}
+    with ocp.CheckpointManager(checkpoints, options=options, item_names=(_ITEM,)) as manager:
+        manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True)
+        manager.wait_until_finished()
+    if model_config is not None and jax.process_index() == 0:
+        (root / MODEL_CONFIG_FILE).write_text(model_config_to_json(model_config))
+    return checkpoints / f"checkpoint_{step:08d}"
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[int, PyTree]:
+    """(step, params) read from the checkpoint at `path` into the structure of `abstract_params`.
+
+    `abstract_params` is a tree of `jax.ShapeDtypeStruct` (with shardings, so each process reads only
+    its shards) and may be a subset of the saved params: leaves left out (e.g. LoRA weights a base
+    checkpoint does not have, or parameters an ignore rule excludes) are simply not read. Any leaf it
+    asks for must exist with the same shape; an error names every one that does not.
+    """
+    step, step_dir = find_checkpoint(path)
+    state_dir = step_dir / _ITEM
+    metadata = ocp.PyTreeCheckpointer().metadata(state_dir)
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    if not isinstance(tree, dict) or "params" not in tree:
+        raise PretrainedCheckpointError(f"{state_dir} holds no 'params' (keys: {sorted(tree)})")
+    saved = dict(jax.tree_util.tree_flatten_with_path(tree["params"])[0])
+    saved = {_path_str(p): leaf for p, leaf in saved.items()}
+    problems = []
+    for p, want in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        name = _path_str(p)
+        have = saved.get(name)
+        if have is None:
+            problems.append(f"  {name}: missing from the checkpoint")
+        elif tuple(have.shape) != tuple(want.shape):
+            problems.append(f"  {name}: checkpoint shape {tuple(have.shape)}, model shape {tuple(want.shape)}")
+    if problems:
+        raise PretrainedCheckpointError(
+            f"the checkpoint {step_dir} does not fit the model ({len(problems)} parameters):\n"
+            + "\n".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
+        )
+    restore_args = jax.tree.map(
+        lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding, global_shape=leaf.shape, dtype=leaf.dtype)
+        if getattr(leaf, "sharding", None) is not None else ocp.RestoreArgs(restore_type=jax.Array, dtype=leaf.dtype),
+        abstract_params,
+    )
+    restored = ocp.PyTreeCheckpointer().restore(
+        state_dir,
+        args=ocp.args.PyTreeRestore(
+            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True
+        ),
+    )
+    return step, restored["params"]
+
+
+def model_config_to_json(config: TransformerConfig) -> str:
+    fields = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        fields[field.name] = value.value if hasattr(value, "value") else value
+    return json.dumps(fields, indent=2, sort_keys=True) + "\n"
+
+
+def model_config_from_json(text: str) -> TransformerConfig:
+    fields = json.loads(text)
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"model config has unknown fields {unknown}; known: {sorted(known)}")
+    return TransformerConfig(**fields)
+
+
+def load_model_config(directory: str | os.PathLike) -> TransformerConfig | None:
+    """The TransformerConfig recorded beside a converted checkpoint, or None if there is none."""
+    path = epath.Path(os.fspath(directory)) / MODEL_CONFIG_FILE
+    return model_config_from_json(path.read_text()) if path.exists() else None
