@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,seqio]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,seqio,hf]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,6 +1,7 @@
 """`python -m paxlite list`, `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
-`plot JOB_DIR` and `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
-paxlite/plan.py)."""
+`plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
+paxlite/plan.py) and `convert --from=hf|meta|paxlite --to=paxlite|hf --input=P --output=P`
+(paxlite/interop/convert.py)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot = commands.add_parser("plot", help="PNG of a job's train and validation loss curves")
     plot.add_argument("job_log_dir")
     plot.add_argument("--output", default=None, help="PNG path (default: JOB_LOG_DIR/loss.png)")
+    from paxlite.interop.convert import add_arguments as add_convert_arguments
+
+    add_convert_arguments(commands.add_parser(
+        "convert", help="checkpoints: HF/Meta/paxlite -> paxlite/HF (accepts --fdl.NAME=VALUE)"))
     args, extra = parser.parse_known_args(argv)
     assignments = []
     for item in extra:
@@ -128,6 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return _plan(args, assignments)
+    if args.command == "convert":
+        from paxlite.interop.convert import run_cli
+
+        return run_cli(args, assignments)
     if args.command == "list":
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")

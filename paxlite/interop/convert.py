@@ -1,0 +1,223 @@
+"""``python -m paxlite convert``: any of HF / Meta / paxlite checkpoints to paxlite or HF.
+
+    python -m paxlite convert --from=hf --to=paxlite --input=llama-2-7b-hf --output=ckpt \
+        --fdl_config=LLaMA7B
+    python -m paxlite convert --from=meta --to=paxlite --input=llama-2-7b --output=ckpt
+    python -m paxlite convert --from=paxlite --to=hf --input=JOB_OR_CKPT_DIR --output=hf_dir
+
+With ``--fdl_config`` (and optional ``--fdl.X=V`` overrides) the converted model must have the
+experiment's architecture; every differing field is reported with both values. The paxlite
+checkpoint written then records the experiment's own model config (e.g. its scanned layer stack),
+so a training run restoring from it reads it as it is.
+
+Reading a paxlite checkpoint, the model config comes from, in order: ``model_config.json`` beside it
+(written by every conversion; exact), ``--fdl_config`` (checked against model_config.json when both
+exist), or the training job's ``config.json`` (experiment name + overridden hyperparameters, rebuilt
+through the registry, so it follows the experiment's current code).
+
+This module imports only the standard library at the top, so ``python -m paxlite`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paxlite.interop.hf import Pretrained
+    from paxlite.models.transformer import TransformerConfig
+
+
+class ConversionError(ValueError):
+    """A conversion that cannot be done as asked (e.g. the model is not the experiment's)."""
+
+
+class Source(str, enum.Enum):
+    HF = "hf"
+    META = "meta"
+    PAXLITE = "paxlite"
+
+
+class Target(str, enum.Enum):
+    PAXLITE = "paxlite"
+    HF = "hf"
+
+
+# Fields that decide the weights and the function a model computes (not dtypes, remat, dropout,
+# init).
+ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "vocab_size", "num_layers", "model_dims", "num_heads", "kv_heads", "dims_per_head",
+    "hidden_dims", "norm", "norm_epsilon", "activation", "gated_mlp", "use_bias", "tie_embeddings",
+    "position_kind",
+)
+
+
+def _plain(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+def architecture_differences(have: TransformerConfig, want: TransformerConfig) -> list[str]:
+    """'field: converted X, experiment Y' for every architecture field that differs."""
+    from paxlite.models.transformer import PositionEmbedding
+
+    fields = list(ARCHITECTURE_FIELDS)
+    if want.position_kind is PositionEmbedding.ROTARY:
+        fields.append("rope_theta")
+    if want.position_kind is PositionEmbedding.LEARNED:
+        fields.append("max_seq_len")  # the learned position table's size
+    out = []
+    for name in fields:
+        a, b = getattr(have, name), getattr(want, name)
+        same = (math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) and isinstance(b, float)
+                else a == b)
+        if not same:
+            out.append(f"{name}: converted {_plain(a)!r}, experiment {_plain(b)!r}")
+    return out
+
+
+def experiment_model_config(name: str, assignments: Sequence[str] = ()) -> TransformerConfig:
+    """The model an experiment builds (as the trainer builds it), after --fdl.X overrides."""
+    import fiddle as fdl
+
+    from paxlite.config.build import load_experiment
+
+    return fdl.build(load_experiment(name, assignments).model_config())
+
+
+def adopt_config(pretrained: Pretrained, config: TransformerConfig, *, experiment: str
+                 ) -> Pretrained:
+    """``pretrained`` with the experiment's model config; an error names every differing field."""
+    diffs = architecture_differences(pretrained.config, config)
+    if diffs:
+        raise ConversionError(
+            f"the converted model is not {experiment}'s model ({len(diffs)} differing fields):\n  "
+            + "\n  ".join(diffs)
+            + "\n(pick the matching experiment, or override its hyperparameters with "
+            "--fdl.NAME=VALUE)")
+    config = dataclasses.replace(config, param_dtype=pretrained.config.param_dtype)
+    return dataclasses.replace(pretrained, config=config)
+
+
+def model_config_from_job(job_dir: Any) -> TransformerConfig:
+    """Rebuilds the model of a training job from its ``config.json`` (experiment + overrides)."""
+    import fiddle as fdl
+
+    from paxlite.config.build import default_registry
+    from paxlite.config.registry import resolve_experiment
+
+    path = os.path.join(os.fspath(job_dir), "config.json")
+    if not os.path.exists(path):
+        raise ConversionError(
+            f"no model config for the checkpoint: expected model_config.json beside it (written by "
+            f"python -m paxlite convert) or a training job's config.json at {path}; or pass "
+            "--fdl_config=NAME (with the job's --fdl.X overrides)")
+    with open(path) as f:
+        record = json.load(f)
+    try:
+        cls = resolve_experiment(record["experiment"], default_registry())
+        hparams = record["hparams"]
+        experiment = cls.resolve({k: hparams[k] for k in record.get("overridden", [])})
+    except (KeyError, ValueError) as e:
+        raise ConversionError(
+            f"cannot rebuild the model from {path} ({type(e).__name__}: {e}); pass "
+            "--fdl_config=NAME "
+            "and the job's --fdl.X overrides instead") from e
+    return fdl.build(experiment.model_config())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvertRequest:
+    source: Source
+    target: Target
+    input: str
+    output: str
+    fdl_config: str | None = None
+    assignments: tuple[str, ...] = ()
+    dtype: str = "float32"
+    vocab_size: int | None = None  # Meta checkpoints whose params.json says vocab_size -1
+
+
+def _read(request: ConvertRequest, experiment_config: TransformerConfig | None) -> Pretrained:
+    from paxlite.interop import hf
+
+    if request.source is Source.HF:
+        return hf.load(request.input, dtype=request.dtype)
+    if request.source is Source.META:
+        return hf.from_meta(request.input, vocab_size=request.vocab_size, dtype=request.dtype)
+    from paxlite.train.pretrained import find_checkpoint
+
+    _, step_dir = find_checkpoint(request.input)
+    beside = hf.find_model_config(os.path.abspath(request.input), step_dir)
+    if beside is None and experiment_config is not None:
+        return hf.from_paxlite(request.input, config=experiment_config, dtype=request.dtype)
+    return hf.from_paxlite(request.input, dtype=request.dtype)
+
+
+def convert(request: ConvertRequest) -> Pretrained:
+    """Reads the input, checks it against --fdl_config if given, writes the output."""
+    from paxlite.interop import hf
+
+    if request.assignments and not request.fdl_config:
+        raise ConversionError(f"--fdl.X overrides {list(request.assignments)} need --fdl_config")
+    if request.vocab_size is not None and request.source is not Source.META:
+        raise ConversionError("--vocab_size is only for --from=meta (params.json vocab_size -1)")
+    experiment_config = None
+    if request.fdl_config:
+        experiment_config = experiment_model_config(request.fdl_config, request.assignments)
+    pretrained = _read(request, experiment_config)
+    if experiment_config is not None:
+        adopted = adopt_config(pretrained, experiment_config, experiment=request.fdl_config)
+        if request.target is Target.PAXLITE:
+            pretrained = adopted
+    if request.target is Target.HF:
+        hf.save(pretrained, request.output, dtype=request.dtype)
+    else:
+        hf.to_paxlite(pretrained, request.output)
+    return pretrained
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="source", required=True, choices=[s.value for s in Source])
+    parser.add_argument("--to", dest="target", required=True, choices=[t.value for t in Target])
+    parser.add_argument("--input", required=True, help="HF model dir, Meta checkpoint dir, or "
+                        "paxlite job/checkpoint dir")
+    parser.add_argument("--output", required=True, help="a new (or empty) directory")
+    parser.add_argument("--fdl_config", default=None,
+                        help="experiment whose model the converted one must be (accepts --fdl.X=V)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of the written weights")
+    parser.add_argument("--vocab_size", type=int, default=None,
+                        help="Meta only: vocabulary size when params.json says -1 and there is no "
+                        "tokenizer.model beside the checkpoint")
+
+
+def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
+    from paxlite.config.errors import ConfigError
+    from paxlite.interop.hf_config import UnsupportedCheckpointError
+    from paxlite.interop.layouts import LayoutError
+    from paxlite.interop.meta import UnsafeCheckpointError
+
+    request = ConvertRequest(
+        source=Source(args.source), target=Target(args.target), input=args.input,
+        output=args.output, fdl_config=args.fdl_config, assignments=tuple(assignments),
+        dtype=args.dtype, vocab_size=args.vocab_size,
+    )
+    start = time.perf_counter()
+    try:
+        pretrained = convert(request)
+    except (ConversionError, ConfigError, UnsupportedCheckpointError, LayoutError,
+            UnsafeCheckpointError, FileNotFoundError, FileExistsError) as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    print(f"converted {pretrained.family.value} {request.source.value} -> {request.target.value}: "
+          f"{pretrained.num_params:,} parameters, {request.dtype}, "
+          f"{time.perf_counter() - start:.1f} s -> {request.output}")
+    return 0

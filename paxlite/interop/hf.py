@@ -1,0 +1,286 @@
+"""Public API: load / save Hugging Face checkpoints, read Meta and paxlite ones (DESIGN.md 3.4).
+
+    from paxlite.interop import hf
+    pretrained = hf.load("path/to/hf_model_dir")   # LLaMA-style or GPT-2
+    logits = pretrained.logits(tokens)             # int32 [B, T] -> float32 [B, T, V]
+    hf.save(pretrained, "out_dir")                 # loadable by transformers
+
+Every reader returns the same :class:`Pretrained` (a TransformerConfig plus the unscanned params
+tree as NumPy arrays), and every writer takes one, so any source converts to any target. HF files
+are read through safetensors' NumPy backend (bfloat16 arrives as ml_dtypes.bfloat16); torch is only
+imported for ``.bin``/``.pth`` pickles, which are read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from paxlite.interop import layouts
+from paxlite.interop.hf_config import (
+    Family,
+    UnsupportedCheckpointError,
+    family_of_config,
+    from_hf_config,
+    stored_dtype,
+    to_hf_config,
+)
+from paxlite.models.transformer import VALID_DTYPES, RematPolicy, TransformerConfig
+
+Params = layouts.Params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pretrained:
+    """A converted model: its config, its params (unscanned tree of NumPy arrays) and its family.
+
+    ``config.param_dtype`` is the dtype of ``params``. ``bos_token_id`` / ``eos_token_id`` are
+    carried from an HF config into the exported one (paxlite does not need them).
+    """
+
+    config: TransformerConfig
+    params: Params
+    family: Family
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def num_params(self) -> int:
+        return layouts.count(self.params)
+
+    @property
+    def dtype(self) -> str:
+        return self.config.param_dtype
+
+    def logits(self, tokens: Any) -> np.ndarray:
+        """tokens int32 [B, T] -> float32 logits [B, T, V] from paxlite's Transformer."""
+        import jax.numpy as jnp
+
+        from paxlite.models.transformer import Transformer
+
+        config = dataclasses.replace(self.config, scan_layers=False, remat_policy=RematPolicy.NONE)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        # Eager on purpose: compiling the whole model costs seconds per call and per config, while
+        # eager dispatch compiles each primitive once per shape and reuses it.
+        out = Transformer(config).apply({"params": self.params}, tokens)
+        return np.asarray(out, np.float32)
+
+
+def _check_dtype(dtype: str) -> str:
+    if dtype not in VALID_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not valid; expected one of {VALID_DTYPES}")
+    return dtype
+
+
+def cast_params(params: Params, dtype: str) -> Params:
+    """Every leaf as a NumPy array of ``dtype`` ('float32' or 'bfloat16')."""
+    import jax
+    import ml_dtypes
+
+    target = np.float32 if _check_dtype(dtype) == "float32" else ml_dtypes.bfloat16
+    return jax.tree.map(lambda x: np.asarray(x).astype(target, copy=False), params)
+
+
+def _with_dtype(config: TransformerConfig, dtype: str) -> TransformerConfig:
+    return dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+
+
+# ---------------------------------------------------------------- reading HF
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="np") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
+    """Every tensor of an HF model directory: model.safetensors, sharded safetensors with their
+    index, or (read safely) pytorch_model.bin and its shards."""
+    from paxlite.interop.meta import load_torch_file
+
+    for single, index, reader in (
+        ("model.safetensors", "model.safetensors.index.json", _read_safetensors),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json", load_torch_file),
+    ):
+        if os.path.exists(os.path.join(directory, single)):
+            return reader(os.path.join(directory, single))
+        index_path = os.path.join(directory, index)
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                weight_map: Mapping[str, str] = json.load(f)["weight_map"]
+            tensors: dict[str, np.ndarray] = {}
+            for shard in sorted(set(weight_map.values())):
+                for name, array in reader(os.path.join(directory, shard)).items():
+                    if name in tensors:
+                        raise layouts.LayoutError(f"{directory}: tensor {name} is in two shards")
+                    tensors[name] = array
+            return tensors
+    raise FileNotFoundError(
+        f"{directory} holds no model.safetensors, model.safetensors.index.json, pytorch_model.bin "
+        "or pytorch_model.bin.index.json")
+
+
+def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
+    """An HF ``*ForCausalLM`` directory (config.json + weights) as paxlite params in ``dtype``."""
+    directory = os.fspath(path)
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(
+            f"{directory} has no config.json: not a Hugging Face model directory")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    family, config = from_hf_config(hf_config, dtype=_check_dtype(dtype))
+    tensors = read_hf_tensors(directory)
+    if family is Family.LLAMA:
+        params = layouts.llama_to_params(tensors, config)
+    else:
+        params = layouts.gpt2_to_params(tensors, config)
+    params = cast_params(params, dtype)
+    layouts.check_params(params, config)
+    return Pretrained(config=config, params=params, family=family,
+                      bos_token_id=hf_config.get("bos_token_id"),
+                      eos_token_id=hf_config.get("eos_token_id"))
+
+
+def stored_hf_dtype(path: str | os.PathLike) -> str | None:
+    """The dtype an HF directory's config.json says its weights are stored in, if any."""
+    with open(os.path.join(os.fspath(path), "config.json")) as f:
+        return stored_dtype(json.load(f))
+
+
+# ---------------------------------------------------------------- writing HF
+def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "float32") -> None:
+    """config.json, generation_config.json and model.safetensors for transformers'
+    ``AutoModelForCausalLM.from_pretrained``; refuses an existing non-empty ``out_dir``."""
+    from safetensors.numpy import save_file
+
+    directory = os.fspath(out_dir)
+    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+        raise FileExistsError(f"{directory} exists and is not empty; refusing to overwrite it")
+    family = family_of_config(pretrained.config)
+    if family is not pretrained.family:
+        raise UnsupportedCheckpointError(
+            f"Pretrained.family={pretrained.family.value!r} but its config fits {family.value!r}")
+    layouts.check_params(pretrained.params, pretrained.config)
+    params = cast_params(pretrained.params, dtype)
+    if family is Family.LLAMA:
+        tensors = layouts.llama_from_params(params, pretrained.config)
+    else:
+        tensors = layouts.gpt2_from_params(params, pretrained.config)
+    hf_config = to_hf_config(pretrained.config, family=family, dtype=dtype,
+                             bos_token_id=pretrained.bos_token_id,
+                             eos_token_id=pretrained.eos_token_id)
+    generation = {"_from_model_config": True, "bos_token_id": pretrained.bos_token_id,
+                  "eos_token_id": pretrained.eos_token_id,
+                  "transformers_version": hf_config["transformers_version"]}
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    for name, content in (("config.json", hf_config), ("generation_config.json", generation)):
+        with open(os.path.join(directory, name), "w") as f:
+            json.dump(content, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+# ---------------------------------------------------------------- Meta
+def from_meta(path: str | os.PathLike, *, vocab_size: int | None = None,
+              dtype: str = "float32") -> Pretrained:
+    """A Meta consolidated checkpoint directory (params.json + consolidated.NN.pth)."""
+    from paxlite.interop.meta import load_meta
+
+    config, params = load_meta(path, vocab_size=vocab_size)
+    config = _with_dtype(config, _check_dtype(dtype))
+    params = cast_params(params, dtype)
+    layouts.check_params(params, config)
+    return Pretrained(config=config, params=params, family=Family.LLAMA)
+
+
+# ---------------------------------------------------------------- paxlite checkpoints
+def _lora_leaves(step_dir: Any) -> list[str]:
+    """Paths of saved params whose name mentions LoRA (read from the checkpoint's metadata only)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    metadata = ocp.PyTreeCheckpointer().metadata(step_dir / "state")
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    params = tree.get("params", {}) if isinstance(tree, Mapping) else {}
+    paths: list[str] = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        if "lora" in name.lower():
+            paths.append(name)
+    return paths
+
+
+def find_model_config(path: str, step_dir: Any) -> TransformerConfig | None:
+    from paxlite.train.pretrained import load_model_config
+
+    for directory in (path, step_dir.parent, step_dir.parent.parent):
+        config = load_model_config(directory)
+        if config is not None:
+            return config
+    return None
+
+
+def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
+                 dtype: str = "float32") -> Pretrained:
+    """A paxlite checkpoint (converted model or training job) as a Pretrained.
+
+    The model config is ``config`` if given, else ``model_config.json`` beside the checkpoint (what
+    ``convert`` writes), else the training job's ``config.json`` (experiment + overridden
+    hyperparameters, rebuilt through the registry).
+    """
+    import jax
+    from flax import linen as nn
+
+    from paxlite.models.transformer import abstract_variables
+    from paxlite.train.pretrained import find_checkpoint, restore_params
+
+    path = os.path.abspath(os.fspath(path))
+    _, step_dir = find_checkpoint(path)
+    if config is None:
+        config = find_model_config(path, step_dir)
+    if config is None:
+        from paxlite.interop.convert import model_config_from_job
+
+        config = model_config_from_job(step_dir.parent.parent)
+    lora = _lora_leaves(step_dir)
+    if lora:
+        raise UnsupportedCheckpointError(
+            f"{step_dir} holds LoRA parameters ({', '.join(lora[:4])}"
+            f"{', ...' if len(lora) > 4 else ''}); export the merged model instead: merge the LoRA "
+            "weights into the base weights (paxlite.models.lora.merge_lora) and save that "
+            "checkpoint")
+    family = family_of_config(config)
+    # Read onto one local device: a converter holds the whole model on the host anyway.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, np.float32, sharding=device),
+        nn.meta.unbox(abstract_variables(config)["params"]))
+    _, restored = restore_params(step_dir, abstract)
+    params = jax.tree.map(np.asarray, restored)
+    if config.scan_layers:
+        params = layouts.unstack_layers(params, config.num_layers)
+    config = dataclasses.replace(_with_dtype(config, _check_dtype(dtype)), scan_layers=False,
+                                 remat_policy=RematPolicy.NONE)
+    params = cast_params(params, dtype)
+    layouts.check_params(params, config)
+    return Pretrained(config=config, params=params, family=family)
+
+
+def to_paxlite(pretrained: Pretrained, out_dir: str | os.PathLike) -> str:
+    """Writes a paxlite checkpoint (``out_dir/checkpoints/checkpoint_00000000``) plus
+    ``model_config.json``; params are stacked when ``config.scan_layers``. Returns the step dir."""
+    from paxlite.train.pretrained import save_params
+
+    config = pretrained.config
+    layouts.check_params(pretrained.params, config)
+    params = cast_params(pretrained.params, config.param_dtype)
+    if config.scan_layers:
+        params = layouts.stack_layers(params, config.num_layers)
+    return os.fspath(save_params(out_dir, params, model_config=config))

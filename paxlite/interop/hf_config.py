@@ -1,0 +1,278 @@
+"""Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models and GPT-2.
+
+Readers accept both transformers 4.x spellings (``rope_theta`` at the top level, ``torch_dtype``)
+and 5.x spellings (a ``rope_parameters`` object, ``dtype``). Writers emit the 5.x form, and also the
+top-level ``rope_theta`` so that a transformers 4.x reader does not silently fall back to 10000.
+
+Anything the paxlite model cannot represent exactly (RoPE scaling, biases in a LLaMA, sliding
+windows, mixture-of-experts, ...) is refused with one error naming the field and its value: a
+converter that drops such a setting produces a model that runs and is quietly wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from paxlite.models.transformer import (
+    Activation,
+    NormKind,
+    PositionEmbedding,
+    TransformerConfig,
+)
+
+TRANSFORMERS_VERSION_WRITTEN: str = "5.24.0"
+DEFAULT_ROPE_THETA: float = 10000.0
+
+
+class Family(str, enum.Enum):
+    """The checkpoint layouts paxlite converts; the value is the HF ``model_type``."""
+
+    LLAMA = "llama"
+    GPT2 = "gpt2"
+
+
+class UnsupportedCheckpointError(ValueError):
+    """A checkpoint or config that paxlite cannot represent exactly; the message names the field."""
+
+
+# HF activation names -> paxlite; "gelu_new" and "gelu_pytorch_tanh" are both tanh-approximate GELU.
+_GPT2_ACTIVATIONS: Mapping[str, Activation] = {
+    "gelu_new": Activation.GELU_TANH,
+    "gelu_pytorch_tanh": Activation.GELU_TANH,
+    "gelu_fast": Activation.GELU_TANH,
+    "gelu": Activation.GELU,
+    "relu": Activation.RELU,
+}
+
+
+def _require(hf: Mapping[str, Any], key: str) -> Any:
+    if key not in hf or hf[key] is None:
+        raise UnsupportedCheckpointError(f"config.json has no {key!r}; it is required for "
+                                         f"model_type={hf.get('model_type')!r}")
+    return hf[key]
+
+
+def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
+    if condition:
+        raise UnsupportedCheckpointError(f"config.json {field}={value!r} is not supported: {why}")
+
+
+def rope_theta_of(hf: Mapping[str, Any]) -> float:
+    """RoPE base from either spelling; refuses RoPE scaling (paxlite implements plain RoPE only)."""
+    scaling = hf.get("rope_scaling")
+    _refuse_if(scaling is not None, "rope_scaling", scaling,
+               "paxlite implements unscaled RoPE only (rope_scaling must be null)")
+    params = hf.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, Mapping):
+            raise UnsupportedCheckpointError(
+                f"config.json rope_parameters={params!r} must be an object holding rope_theta")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        _refuse_if(rope_type != "default", "rope_parameters.rope_type", rope_type,
+                   "paxlite implements unscaled RoPE only (rope_type must be 'default')")
+        if params.get("rope_theta") is not None:
+            return float(params["rope_theta"])
+    if hf.get("rope_theta") is not None:
+        return float(hf["rope_theta"])
+    return DEFAULT_ROPE_THETA
+
+
+def stored_dtype(hf: Mapping[str, Any]) -> str | None:
+    """The dtype the checkpoint says it was saved in (5.x ``dtype``, 4.x ``torch_dtype``)."""
+    value = hf.get("dtype", hf.get("torch_dtype"))
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def family_of(hf: Mapping[str, Any]) -> Family:
+    model_type = hf.get("model_type")
+    if model_type == "mixtral":
+        raise UnsupportedCheckpointError(
+            "config.json model_type='mixtral' is not supported: paxlite has no mixture-of-experts "
+            "model yet, so a Mixtral checkpoint has nothing to load into (supported model_type: "
+            "'llama', 'gpt2')")
+    try:
+        return Family(model_type)
+    except ValueError:
+        raise UnsupportedCheckpointError(
+            f"config.json model_type={model_type!r} is not supported; supported: 'llama' "
+            "(LLaMA-1/2/3 "
+            "shapes, GQA, any rope_theta, head_dim) and 'gpt2'") from None
+
+
+def _llama_config(hf: Mapping[str, Any]) -> TransformerConfig:
+    _refuse_if(bool(hf.get("attention_bias", False)), "attention_bias", hf.get("attention_bias"),
+               "paxlite's LLaMA has no attention biases")
+    _refuse_if(bool(hf.get("mlp_bias", False)), "mlp_bias", hf.get("mlp_bias"),
+               "paxlite's LLaMA has no MLP biases")
+    act = hf.get("hidden_act", "silu")
+    _refuse_if(act != "silu", "hidden_act", act, "LLaMA conversion supports 'silu' (SwiGLU) only")
+    window = hf.get("sliding_window")
+    _refuse_if(window is not None, "sliding_window", window, "paxlite attends to the whole context")
+    dims = int(_require(hf, "hidden_size"))
+    heads = int(_require(hf, "num_attention_heads"))
+    kv_heads = hf.get("num_key_value_heads")
+    head_dim = hf.get("head_dim")
+    if head_dim is None:
+        if dims % heads:
+            raise UnsupportedCheckpointError(
+                f"config.json hidden_size={dims} is not a multiple of num_attention_heads={heads} "
+                "and head_dim is not given")
+        head_dim = dims // heads
+    return TransformerConfig(
+        vocab_size=int(_require(hf, "vocab_size")),
+        num_layers=int(_require(hf, "num_hidden_layers")),
+        model_dims=dims,
+        num_heads=heads,
+        num_kv_heads=heads if kv_heads is None else int(kv_heads),
+        dims_per_head=int(head_dim),
+        hidden_dims=int(_require(hf, "intermediate_size")),
+        max_seq_len=int(hf.get("max_position_embeddings") or 4096),
+        norm=NormKind.RMS_NORM,
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        activation=Activation.SILU,
+        gated_mlp=True,
+        use_bias=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        learned_position_embedding=False,
+        position_embedding=PositionEmbedding.ROTARY,
+        rope_theta=rope_theta_of(hf),
+    )
+
+
+def _gpt2_config(hf: Mapping[str, Any]) -> TransformerConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACTIVATIONS:
+        raise UnsupportedCheckpointError(
+            f"config.json activation_function={act!r} is not supported; supported: "
+            f"{sorted(_GPT2_ACTIVATIONS)}")
+    _refuse_if(not hf.get("scale_attn_weights", True), "scale_attn_weights",
+               hf.get("scale_attn_weights"), "paxlite always scales attention by 1/sqrt(head_dim)")
+    _refuse_if(bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
+               "scale_attn_by_inverse_layer_idx", hf.get("scale_attn_by_inverse_layer_idx"),
+               "paxlite does not scale attention per layer")
+    _refuse_if(bool(hf.get("add_cross_attention", False)), "add_cross_attention",
+               hf.get("add_cross_attention"), "paxlite is decoder-only")
+    _refuse_if(not hf.get("tie_word_embeddings", True), "tie_word_embeddings",
+               hf.get("tie_word_embeddings"), "GPT-2's output layer is the token embedding")
+    dims = int(_require(hf, "n_embd"))
+    heads = int(_require(hf, "n_head"))
+    if dims % heads:
+        raise UnsupportedCheckpointError(
+            f"config.json n_embd={dims} is not a multiple of n_head={heads}")
+    inner = hf.get("n_inner")
+    return TransformerConfig(
+        vocab_size=int(_require(hf, "vocab_size")),
+        num_layers=int(_require(hf, "n_layer")),
+        model_dims=dims,
+        num_heads=heads,
+        dims_per_head=dims // heads,
+        hidden_dims=4 * dims if inner is None else int(inner),
+        max_seq_len=int(_require(hf, "n_positions")),
+        norm=NormKind.LAYER_NORM,
+        norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation=_GPT2_ACTIVATIONS[act],
+        gated_mlp=False,
+        use_bias=True,
+        tie_embeddings=True,
+        learned_position_embedding=True,
+        position_embedding=PositionEmbedding.LEARNED,
+    )
+
+
+def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
+                   ) -> tuple[Family, TransformerConfig]:
+    """(family, TransformerConfig) of an HF ``config.json`` dict; params and math in ``dtype``."""
+    family = family_of(hf)
+    config = _llama_config(hf) if family is Family.LLAMA else _gpt2_config(hf)
+    return family, dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+
+
+def family_of_config(config: TransformerConfig) -> Family:
+    """Which HF layout a paxlite model fits; an error names every field that fits neither."""
+    llama = {
+        "norm": (config.norm, NormKind.RMS_NORM),
+        "activation": (config.activation, Activation.SILU),
+        "gated_mlp": (config.gated_mlp, True),
+        "use_bias": (config.use_bias, False),
+        "position_kind": (config.position_kind, PositionEmbedding.ROTARY),
+    }
+    gpt2 = {
+        "norm": (config.norm, NormKind.LAYER_NORM),
+        "activation": (config.activation, Activation.GELU_TANH),
+        "gated_mlp": (config.gated_mlp, False),
+        "use_bias": (config.use_bias, True),
+        "position_kind": (config.position_kind, PositionEmbedding.LEARNED),
+        "tie_embeddings": (config.tie_embeddings, True),
+        "num_heads*dims_per_head": (config.num_heads * config.dims_per_head, config.model_dims),
+        "kv_heads": (config.kv_heads, config.num_heads),
+    }
+    for family, wanted in ((Family.LLAMA, llama), (Family.GPT2, gpt2)):
+        if all(have == want for have, want in wanted.values()):
+            return family
+    def _diff(wanted: Mapping[str, tuple[Any, Any]]) -> str:
+        return ", ".join(f"{k}={getattr(h, 'value', h)!r} (needs {getattr(w, 'value', w)!r})"
+                         for k, (h, w) in wanted.items() if h != w)
+    raise UnsupportedCheckpointError(
+        "this paxlite model fits no Hugging Face layout: as LLaMA it differs in "
+        f"{_diff(llama)}; as GPT-2 it differs in {_diff(gpt2)}")
+
+
+def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "float32",
+                 bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None
+                 ) -> dict[str, Any]:
+    """The ``config.json`` transformers 5.x writes for this model (plus 4.x's ``rope_theta``)."""
+    if family_of_config(config) is not family:
+        raise UnsupportedCheckpointError(f"the model does not fit the {family.value} layout")
+    if family is Family.LLAMA:
+        out: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.model_dims,
+            "intermediate_size": config.hidden_dims,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.kv_heads,
+            "head_dim": config.dims_per_head,
+            "hidden_act": "silu",
+            "max_position_embeddings": config.max_seq_len,
+            "rms_norm_eps": config.norm_epsilon,
+            "tie_word_embeddings": config.tie_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)},
+            "rope_theta": float(config.rope_theta),
+            "rope_scaling": None,
+        }
+    else:
+        out = {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": config.vocab_size,
+            "n_embd": config.model_dims,
+            "n_layer": config.num_layers,
+            "n_head": config.num_heads,
+            "n_inner": config.hidden_dims,
+            "n_positions": config.max_seq_len,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": config.norm_epsilon,
+            "tie_word_embeddings": True,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        }
+    out.update({
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": dtype,
+        "transformers_version": TRANSFORMERS_VERSION_WRITTEN,
+    })
+    return out

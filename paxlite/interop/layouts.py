@@ -1,0 +1,400 @@
+"""Pure NumPy maps between checkpoint tensors (HF / Meta names) and the paxlite params tree.
+
+The paxlite tree here is the *unscanned* one (``layers_0``, ``layers_1``, ...; see
+``stack_layers`` for the ``scan_layers=True`` form). Every source tensor is consumed exactly once:
+a leftover or a missing tensor, or a shape that does not follow from the config, is an error that
+names the tensor and the config field, so a checkpoint never half-loads.
+
+LLaMA-family tensors are torch ``Linear`` weights, [out, in]: they are transposed into paxlite's
+[in, ...out] kernels. HF stores q and k rows per head in the *rotate-half* order, paxlite (like Meta
+and Pax) rotates *interleaved* pairs, so HF q/k rows are permuted on the way in
+(``meta_row[2j + p] = hf_row[p * h/2 + j]``) and back on the way out; Meta rows are used as they
+are. GPT-2's ``Conv1D`` weights are already [in, out] and are not transposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from paxlite.models.transformer import TransformerConfig
+
+Params = dict[str, Any]  # nested dicts of np.ndarray, the structure of variables["params"]
+
+
+class LayoutError(ValueError):
+    """Tensors that do not fit the layout: missing, left over, or of the wrong shape."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dim:
+    """One expected dimension and how the config gives it, e.g.
+    ``Dim("num_attention_heads * head_dim = 4 * 16 = 64", 64)``; names the field a tensor defies."""
+
+    expr: str
+    size: int
+
+
+_AXIS_WORDS = ("rows", "columns", "entries along axis 2", "entries along axis 3")
+
+
+def _some(names: list[str], limit: int = 20) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+class TensorSource:
+    """Hands out each named tensor once and checks its shape against the config."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], *, what: str,
+                 ignore: Callable[[str], bool] = lambda name: False) -> None:
+        self._tensors = {k: v for k, v in tensors.items() if not ignore(k)}
+        self._used: set[str] = set()
+        self._missing: list[str] = []
+        self._what = what
+
+    def take(self, name: str, dims: tuple[Dim, ...]) -> np.ndarray:
+        expected = tuple(d.size for d in dims)
+        if name in self._used:
+            raise LayoutError(f"{self._what}: tensor {name} was read twice (a converter bug)")
+        if name not in self._tensors:
+            self._missing.append(name)
+            return np.zeros(expected, np.float32)
+        self._used.add(name)
+        array = self._tensors[name]
+        shape = tuple(array.shape)
+        if shape != expected:
+            if len(shape) != len(expected):
+                raise LayoutError(
+                    f"{self._what}: {name} has shape {shape}, expected rank {len(expected)} "
+                    f"[{', '.join(d.expr for d in dims)}] = {expected}")
+            bad = [f"{name} has {have} {_AXIS_WORDS[axis] if len(shape) > 1 else 'entries'} "
+                   f"but {d.expr}" for axis, (have, d) in enumerate(zip(shape, dims))
+                   if have != d.size]
+            raise LayoutError(f"{self._what}: " + "; ".join(bad)
+                              + f" (shape {shape}, expected {expected})")
+        return array
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def finish(self) -> None:
+        """Raises if any tensor was missing or was never consumed."""
+        leftover = sorted(set(self._tensors) - self._used)
+        problems = []
+        if self._missing:
+            problems.append(f"missing tensors: {_some(self._missing)}")
+        if leftover:
+            problems.append(f"unexpected tensors (not part of this model): {_some(leftover)}")
+        if problems:
+            raise LayoutError(f"{self._what}: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------- RoPE row order
+def rotate_half_to_interleaved(w: np.ndarray, *, heads: int, head_dim: int) -> np.ndarray:
+    """Rows of an HF q/k weight [heads*h, in] -> Meta/paxlite order: out[2j + p] = w[p*h/2 + j]."""
+    rest = w.shape[1:]
+    return w.reshape(heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def interleaved_to_rotate_half(w: np.ndarray, *, heads: int, head_dim: int) -> np.ndarray:
+    """Inverse of rotate_half_to_interleaved (the row order HF's Meta converter writes)."""
+    rest = w.shape[1:]
+    return w.reshape(heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------- LLaMA
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaNaming:
+    """Tensor names and config field names of one LLaMA checkpoint flavour (HF or Meta)."""
+
+    what: str
+    embed: str
+    q: str
+    k: str
+    v: str
+    o: str
+    gate: str
+    up: str
+    down: str
+    attn_norm: str
+    mlp_norm: str
+    final_norm: str
+    output: str
+    rotate_half: bool  # HF q/k row order; Meta's is interleaved like paxlite's
+    vocab: str
+    dims: str
+    heads: str
+    kv_heads: str
+    head_dim: str
+    hidden: str
+    ignore: Callable[[str], bool] = lambda name: False
+
+
+_HF_LLAMA_BUFFERS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+HF_LLAMA = LlamaNaming(
+    what="Hugging Face LLaMA checkpoint",
+    embed="model.embed_tokens.weight",
+    q="model.layers.{i}.self_attn.q_proj.weight",
+    k="model.layers.{i}.self_attn.k_proj.weight",
+    v="model.layers.{i}.self_attn.v_proj.weight",
+    o="model.layers.{i}.self_attn.o_proj.weight",
+    gate="model.layers.{i}.mlp.gate_proj.weight",
+    up="model.layers.{i}.mlp.up_proj.weight",
+    down="model.layers.{i}.mlp.down_proj.weight",
+    attn_norm="model.layers.{i}.input_layernorm.weight",
+    mlp_norm="model.layers.{i}.post_attention_layernorm.weight",
+    final_norm="model.norm.weight",
+    output="lm_head.weight",
+    rotate_half=True,
+    vocab="vocab_size",
+    dims="hidden_size",
+    heads="num_attention_heads",
+    kv_heads="num_key_value_heads",
+    head_dim="head_dim",
+    hidden="intermediate_size",
+    ignore=lambda name: bool(_HF_LLAMA_BUFFERS.match(name)),
+)
+
+
+def _llama_dims(c: TransformerConfig, n: LlamaNaming) -> dict[str, Dim]:
+    h, heads, kv = c.dims_per_head, c.num_heads, c.kv_heads
+    return {
+        "vocab": Dim(f"{n.vocab}={c.vocab_size}", c.vocab_size),
+        "dims": Dim(f"{n.dims}={c.model_dims}", c.model_dims),
+        "q": Dim(f"{n.heads} * {n.head_dim} = {heads} * {h} = {heads * h}", heads * h),
+        "kv": Dim(f"{n.kv_heads} * {n.head_dim} = {kv} * {h} = {kv * h}", kv * h),
+        "hidden": Dim(f"{n.hidden}={c.hidden_dims}", c.hidden_dims),
+    }
+
+
+def llama_to_params(tensors: Mapping[str, np.ndarray], config: TransformerConfig, *,
+                    naming: LlamaNaming = HF_LLAMA) -> Params:
+    """HF (or Meta, with its naming) LLaMA tensors -> unscanned paxlite params."""
+    src = TensorSource(tensors, what=naming.what, ignore=naming.ignore)
+    d = _llama_dims(config, naming)
+    n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
+    params: Params = {"embedding": {"embedding": src.take(naming.embed, (d["vocab"], d["dims"]))}}
+    for i in range(config.num_layers):
+        q = src.take(naming.q.format(i=i), (d["q"], d["dims"]))  # [N*H, D]
+        k = src.take(naming.k.format(i=i), (d["kv"], d["dims"]))  # [K*H, D]
+        v = src.take(naming.v.format(i=i), (d["kv"], d["dims"]))
+        o = src.take(naming.o.format(i=i), (d["dims"], d["q"]))  # [D, N*H]
+        if naming.rotate_half:
+            q = rotate_half_to_interleaved(q, heads=n, head_dim=h)
+            k = rotate_half_to_interleaved(k, heads=kv, head_dim=h)
+        q_k = q.T.reshape(dm, n, h)  # [D, N, H]
+        k_k = k.T.reshape(dm, kv, h)  # [D, K, H]
+        v_k = v.T.reshape(dm, kv, h)
+        if kv == n:
+            attention = {"qkv": {"kernel": np.stack([q_k, k_k, v_k], axis=1)}}  # [D, 3, N, H]
+        else:
+            attention = {"query": {"kernel": q_k}, "key": {"kernel": k_k},
+                         "value": {"kernel": v_k}}
+        attention["out"] = {"kernel": o.T.reshape(n, h, dm)}  # [N, H, D]
+        gate = src.take(naming.gate.format(i=i), (d["hidden"], d["dims"]))  # [F, D]
+        up = src.take(naming.up.format(i=i), (d["hidden"], d["dims"]))
+        down = src.take(naming.down.format(i=i), (d["dims"], d["hidden"]))  # [D, F]
+        params[f"layers_{i}"] = {
+            "pre_attention_norm": {"scale": src.take(naming.attn_norm.format(i=i), (d["dims"],))},
+            "attention": attention,
+            "pre_mlp_norm": {"scale": src.take(naming.mlp_norm.format(i=i), (d["dims"],))},
+            "mlp": {"wi_gate": {"kernel": gate.T}, "wi": {"kernel": up.T},
+                    "wo": {"kernel": down.T}},
+        }
+    params["final_norm"] = {"scale": src.take(naming.final_norm, (d["dims"],))}
+    if not config.tie_embeddings:
+        params["output"] = {"kernel": src.take(naming.output, (d["vocab"], d["dims"])).T}  # [D, V]
+    elif src.has(naming.output):
+        # Some tied checkpoints also store the head; it must be the embedding itself.
+        head = src.take(naming.output, (d["vocab"], d["dims"]))
+        if not np.array_equal(head, params["embedding"]["embedding"]):
+            raise LayoutError(f"{naming.what}: tie_word_embeddings is true but {naming.output} "
+                              f"differs from {naming.embed}")
+    src.finish()
+    return params
+
+
+def llama_from_params(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
+    """Unscanned paxlite LLaMA params -> HF tensors (rotate-half q/k rows, [out, in] weights)."""
+    nm = HF_LLAMA
+    n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
+    out = {nm.embed: params["embedding"]["embedding"]}
+    for i in range(config.num_layers):
+        layer = params[f"layers_{i}"]
+        att = layer["attention"]
+        if "qkv" in att:
+            qkv = att["qkv"]["kernel"]  # [D, 3, N, H]
+            q_k, k_k, v_k = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        else:
+            q_k, k_k, v_k = (att[name]["kernel"] for name in ("query", "key", "value"))
+        q = interleaved_to_rotate_half(q_k.reshape(dm, n * h).T, heads=n, head_dim=h)
+        k = interleaved_to_rotate_half(k_k.reshape(dm, kv * h).T, heads=kv, head_dim=h)
+        out[nm.q.format(i=i)] = q
+        out[nm.k.format(i=i)] = k
+        out[nm.v.format(i=i)] = v_k.reshape(dm, kv * h).T
+        out[nm.o.format(i=i)] = att["out"]["kernel"].reshape(n * h, dm).T
+        out[nm.gate.format(i=i)] = layer["mlp"]["wi_gate"]["kernel"].T
+        out[nm.up.format(i=i)] = layer["mlp"]["wi"]["kernel"].T
+        out[nm.down.format(i=i)] = layer["mlp"]["wo"]["kernel"].T
+        out[nm.attn_norm.format(i=i)] = layer["pre_attention_norm"]["scale"]
+        out[nm.mlp_norm.format(i=i)] = layer["pre_mlp_norm"]["scale"]
+    out[nm.final_norm] = params["final_norm"]["scale"]
+    if not config.tie_embeddings:
+        out[nm.output] = params["output"]["kernel"].T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- GPT-2
+_GPT2_BUFFERS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+_GPT2_PREFIX = "transformer."
+
+
+def _strip_gpt2_prefix(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Accepts names with and without ``transformer.``; ``lm_head.weight`` keeps its name."""
+    out: dict[str, np.ndarray] = {}
+    for name, array in tensors.items():
+        short = name.removeprefix(_GPT2_PREFIX)
+        if short in out:
+            raise LayoutError(f"GPT-2 checkpoint holds {short} both with and without the "
+                              f"'{_GPT2_PREFIX}' prefix")
+        out[short] = array
+    return out
+
+
+def gpt2_to_params(tensors: Mapping[str, np.ndarray], config: TransformerConfig) -> Params:
+    """HF GPT-2 tensors (Conv1D [in, out], used as they are) -> unscanned paxlite params."""
+    src = TensorSource(_strip_gpt2_prefix(tensors), what="Hugging Face GPT-2 checkpoint",
+                       ignore=lambda name: bool(_GPT2_BUFFERS.match(name)))
+    n, h, dm, f = config.num_heads, config.dims_per_head, config.model_dims, config.hidden_dims
+    vocab = Dim(f"vocab_size={config.vocab_size}", config.vocab_size)
+    dims = Dim(f"n_embd={dm}", dm)
+    qkv3 = Dim(f"3 * n_embd = 3 * {n * h} = {3 * n * h}", 3 * n * h)
+    hidden = Dim(f"n_inner={f}", f)
+    pos = Dim(f"n_positions={config.max_seq_len}", config.max_seq_len)
+
+    def norm(name: str) -> dict[str, np.ndarray]:
+        return {"scale": src.take(f"{name}.weight", (dims,)),
+                "bias": src.take(f"{name}.bias", (dims,))}
+
+    params: Params = {
+        "embedding": {"embedding": src.take("wte.weight", (vocab, dims))},
+        "position_embedding": {"embedding": src.take("wpe.weight", (pos, dims))},
+    }
+    for i in range(config.num_layers):
+        p = f"h.{i}"
+        c_attn = src.take(f"{p}.attn.c_attn.weight", (dims, qkv3))  # [D, 3*N*H]
+        c_attn_b = src.take(f"{p}.attn.c_attn.bias", (qkv3,))
+        c_proj = src.take(f"{p}.attn.c_proj.weight", (dims, dims))  # [N*H, D]
+        params[f"layers_{i}"] = {
+            "pre_attention_norm": norm(f"{p}.ln_1"),
+            "attention": {
+                "qkv": {"kernel": c_attn.reshape(dm, 3, n, h), "bias": c_attn_b.reshape(3, n, h)},
+                "out": {"kernel": c_proj.reshape(n, h, dm),
+                        "bias": src.take(f"{p}.attn.c_proj.bias", (dims,))},
+            },
+            "pre_mlp_norm": norm(f"{p}.ln_2"),
+            "mlp": {
+                "wi": {"kernel": src.take(f"{p}.mlp.c_fc.weight", (dims, hidden)),
+                       "bias": src.take(f"{p}.mlp.c_fc.bias", (hidden,))},
+                "wo": {"kernel": src.take(f"{p}.mlp.c_proj.weight", (hidden, dims)),
+                       "bias": src.take(f"{p}.mlp.c_proj.bias", (dims,))},
+            },
+        }
+    params["final_norm"] = norm("ln_f")
+    if src.has("lm_head.weight"):
+        head = src.take("lm_head.weight", (vocab, dims))
+        if not np.array_equal(head, params["embedding"]["embedding"]):
+            raise LayoutError("Hugging Face GPT-2 checkpoint: lm_head.weight differs from "
+                              "wte.weight, but GPT-2's output layer is tied to the token embedding")
+    src.finish()
+    return params
+
+
+def gpt2_from_params(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
+    """Unscanned paxlite GPT params -> HF GPT-2 tensors (with the ``transformer.`` prefix)."""
+    n, h, dm = config.num_heads, config.dims_per_head, config.model_dims
+    t = _GPT2_PREFIX
+    out = {f"{t}wte.weight": params["embedding"]["embedding"],
+           f"{t}wpe.weight": params["position_embedding"]["embedding"]}
+    for i in range(config.num_layers):
+        layer, p = params[f"layers_{i}"], f"{t}h.{i}"
+        att, mlp = layer["attention"], layer["mlp"]
+        out.update({
+            f"{p}.ln_1.weight": layer["pre_attention_norm"]["scale"],
+            f"{p}.ln_1.bias": layer["pre_attention_norm"]["bias"],
+            f"{p}.attn.c_attn.weight": att["qkv"]["kernel"].reshape(dm, 3 * n * h),
+            f"{p}.attn.c_attn.bias": att["qkv"]["bias"].reshape(3 * n * h),
+            f"{p}.attn.c_proj.weight": att["out"]["kernel"].reshape(n * h, dm),
+            f"{p}.attn.c_proj.bias": att["out"]["bias"],
+            f"{p}.ln_2.weight": layer["pre_mlp_norm"]["scale"],
+            f"{p}.ln_2.bias": layer["pre_mlp_norm"]["bias"],
+            f"{p}.mlp.c_fc.weight": mlp["wi"]["kernel"],
+            f"{p}.mlp.c_fc.bias": mlp["wi"]["bias"],
+            f"{p}.mlp.c_proj.weight": mlp["wo"]["kernel"],
+            f"{p}.mlp.c_proj.bias": mlp["wo"]["bias"],
+        })
+    out[f"{t}ln_f.weight"] = params["final_norm"]["scale"]
+    out[f"{t}ln_f.bias"] = params["final_norm"]["bias"]
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- tree helpers
+def flatten(params: Params, prefix: str = "") -> dict[str, np.ndarray]:
+    """{'a/b/c': leaf} of a nested dict."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in params.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{path}/"))
+        else:
+            out[path] = value
+    return out
+
+
+def check_params(params: Params, config: TransformerConfig) -> None:
+    """The tree must be exactly the (unscanned) model's: same paths, same shapes."""
+    from flax import linen as nn
+
+    from paxlite.models.transformer import abstract_variables
+
+    unscanned = dataclasses.replace(config, scan_layers=False)
+    want = flatten(nn.meta.unbox(abstract_variables(unscanned)["params"]))
+    have = flatten(params)
+    problems = [f"{p}: missing" for p in sorted(set(want) - set(have))]
+    problems += [f"{p}: not a parameter of this model" for p in sorted(set(have) - set(want))]
+    problems += [f"{p}: shape {tuple(have[p].shape)}, model {tuple(want[p].shape)}"
+                 for p in sorted(set(want) & set(have))
+                 if tuple(have[p].shape) != tuple(want[p].shape)]
+    if problems:
+        raise LayoutError("params do not fit the model: " + "; ".join(problems[:20]))
+
+
+def stack_layers(params: Params, num_layers: int) -> Params:
+    """layers_0..layers_{L-1} -> one ``layers`` subtree with a leading [L] axis (nn.scan's form)."""
+    import jax
+
+    layers = [params[f"layers_{i}"] for i in range(num_layers)]
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    out["layers"] = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
+    return out
+
+
+def unstack_layers(params: Params, num_layers: int) -> Params:
+    """Inverse of stack_layers."""
+    import jax
+
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: np.asarray(x)[i], params["layers"])
+    return out
+
+
+def count(params: Params) -> int:
+    return sum(math.prod(np.shape(v)) for v in flatten(params).values())
