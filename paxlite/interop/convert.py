@@ -64,7 +64,7 @@ def _plain(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
-def architecture_differences(have: TransformerConfig, want: TransformerConfig) -> list[str]:
+def architecture_differences(have: TransformerConfig, *, want: TransformerConfig) -> list[str]:
     """'field: converted X, experiment Y' for every architecture field that differs."""
     from paxlite.models.transformer import PositionEmbedding
 
@@ -92,10 +92,10 @@ def experiment_model_config(name: str, assignments: Sequence[str] = ()) -> Trans
     return fdl.build(load_experiment(name, assignments).model_config())
 
 
-def adopt_config(pretrained: Pretrained, config: TransformerConfig, *, experiment: str
+def adopt_config(pretrained: Pretrained, *, config: TransformerConfig, experiment: str
                  ) -> Pretrained:
     """``pretrained`` with the experiment's model config; an error names every differing field."""
-    diffs = architecture_differences(pretrained.config, config)
+    diffs = architecture_differences(pretrained.config, want=config)
     if diffs:
         raise ConversionError(
             f"the converted model is not {experiment}'s model ({len(diffs)} differing fields):\n  "
@@ -155,7 +155,7 @@ def _read(request: ConvertRequest, experiment_config: TransformerConfig | None) 
     from paxlite.train.pretrained import find_checkpoint
 
     _, step_dir = find_checkpoint(request.input)
-    beside = hf.find_model_config(os.path.abspath(request.input), step_dir)
+    beside = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
     if beside is None and experiment_config is not None:
         return hf.from_paxlite(request.input, config=experiment_config, dtype=request.dtype)
     return hf.from_paxlite(request.input, dtype=request.dtype)
@@ -174,7 +174,7 @@ def convert(request: ConvertRequest) -> Pretrained:
         experiment_config = experiment_model_config(request.fdl_config, request.assignments)
     pretrained = _read(request, experiment_config)
     if experiment_config is not None:
-        adopted = adopt_config(pretrained, experiment_config, experiment=request.fdl_config)
+        adopted = adopt_config(pretrained, config=experiment_config, experiment=request.fdl_config)
         if request.target is Target.PAXLITE:
             pretrained = adopted
     if request.target is Target.HF:

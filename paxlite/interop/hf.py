@@ -137,11 +137,11 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
     family, config = from_hf_config(hf_config, dtype=_check_dtype(dtype))
     tensors = read_hf_tensors(directory)
     if family is Family.LLAMA:
-        params = layouts.llama_to_params(tensors, config)
+        params = layouts.llama_to_params(tensors, config=config)
     else:
-        params = layouts.gpt2_to_params(tensors, config)
+        params = layouts.gpt2_to_params(tensors, config=config)
     params = cast_params(params, dtype)
-    layouts.check_params(params, config)
+    layouts.check_params(params, config=config)
     return Pretrained(config=config, params=params, family=family,
                       bos_token_id=hf_config.get("bos_token_id"),
                       eos_token_id=hf_config.get("eos_token_id"))
@@ -166,12 +166,12 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "fl
     if family is not pretrained.family:
         raise UnsupportedCheckpointError(
             f"Pretrained.family={pretrained.family.value!r} but its config fits {family.value!r}")
-    layouts.check_params(pretrained.params, pretrained.config)
+    layouts.check_params(pretrained.params, config=pretrained.config)
     params = cast_params(pretrained.params, dtype)
     if family is Family.LLAMA:
-        tensors = layouts.llama_from_params(params, pretrained.config)
+        tensors = layouts.llama_from_params(params, config=pretrained.config)
     else:
-        tensors = layouts.gpt2_from_params(params, pretrained.config)
+        tensors = layouts.gpt2_from_params(params, config=pretrained.config)
     hf_config = to_hf_config(pretrained.config, family=family, dtype=dtype,
                              bos_token_id=pretrained.bos_token_id,
                              eos_token_id=pretrained.eos_token_id)
@@ -195,7 +195,7 @@ def from_meta(path: str | os.PathLike, *, vocab_size: int | None = None,
     config, params = load_meta(path, vocab_size=vocab_size)
     config = _with_dtype(config, _check_dtype(dtype))
     params = cast_params(params, dtype)
-    layouts.check_params(params, config)
+    layouts.check_params(params, config=config)
     return Pretrained(config=config, params=params, family=Family.LLAMA)
 
 
@@ -217,7 +217,7 @@ def _lora_leaves(step_dir: Any) -> list[str]:
     return paths
 
 
-def find_model_config(path: str, step_dir: Any) -> TransformerConfig | None:
+def find_model_config(path: str, *, step_dir: Any) -> TransformerConfig | None:
     from paxlite.train.pretrained import load_model_config
 
     for directory in (path, step_dir.parent, step_dir.parent.parent):
@@ -244,7 +244,7 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
     path = os.path.abspath(os.fspath(path))
     _, step_dir = find_checkpoint(path)
     if config is None:
-        config = find_model_config(path, step_dir)
+        config = find_model_config(path, step_dir=step_dir)
     if config is None:
         from paxlite.interop.convert import model_config_from_job
 
@@ -265,11 +265,11 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
     _, restored = restore_params(step_dir, abstract)
     params = jax.tree.map(np.asarray, restored)
     if config.scan_layers:
-        params = layouts.unstack_layers(params, config.num_layers)
+        params = layouts.unstack_layers(params, num_layers=config.num_layers)
     config = dataclasses.replace(_with_dtype(config, _check_dtype(dtype)), scan_layers=False,
                                  remat_policy=RematPolicy.NONE)
     params = cast_params(params, dtype)
-    layouts.check_params(params, config)
+    layouts.check_params(params, config=config)
     return Pretrained(config=config, params=params, family=family)
 
 
@@ -279,8 +279,8 @@ def to_paxlite(pretrained: Pretrained, out_dir: str | os.PathLike) -> str:
     from paxlite.train.pretrained import save_params
 
     config = pretrained.config
-    layouts.check_params(pretrained.params, config)
+    layouts.check_params(pretrained.params, config=config)
     params = cast_params(pretrained.params, config.param_dtype)
     if config.scan_layers:
-        params = layouts.stack_layers(params, config.num_layers)
+        params = layouts.stack_layers(params, num_layers=config.num_layers)
     return os.fspath(save_params(out_dir, params, model_config=config))

@@ -174,7 +174,7 @@ def _llama_dims(c: TransformerConfig, n: LlamaNaming) -> dict[str, Dim]:
     }
 
 
-def llama_to_params(tensors: Mapping[str, np.ndarray], config: TransformerConfig, *,
+def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConfig,
                     naming: LlamaNaming = HF_LLAMA) -> Params:
     """HF (or Meta, with its naming) LLaMA tensors -> unscanned paxlite params."""
     src = TensorSource(tensors, what=naming.what, ignore=naming.ignore)
@@ -221,7 +221,7 @@ def llama_to_params(tensors: Mapping[str, np.ndarray], config: TransformerConfig
     return params
 
 
-def llama_from_params(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
+def llama_from_params(params: Params, *, config: TransformerConfig) -> dict[str, np.ndarray]:
     """Unscanned paxlite LLaMA params -> HF tensors (rotate-half q/k rows, [out, in] weights)."""
     nm = HF_LLAMA
     n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
@@ -268,7 +268,7 @@ def _strip_gpt2_prefix(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarra
     return out
 
 
-def gpt2_to_params(tensors: Mapping[str, np.ndarray], config: TransformerConfig) -> Params:
+def gpt2_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConfig) -> Params:
     """HF GPT-2 tensors (Conv1D [in, out], used as they are) -> unscanned paxlite params."""
     src = TensorSource(_strip_gpt2_prefix(tensors), what="Hugging Face GPT-2 checkpoint",
                        ignore=lambda name: bool(_GPT2_BUFFERS.match(name)))
@@ -317,7 +317,7 @@ def gpt2_to_params(tensors: Mapping[str, np.ndarray], config: TransformerConfig)
     return params
 
 
-def gpt2_from_params(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
+def gpt2_from_params(params: Params, *, config: TransformerConfig) -> dict[str, np.ndarray]:
     """Unscanned paxlite GPT params -> HF GPT-2 tensors (with the ``transformer.`` prefix)."""
     n, h, dm = config.num_heads, config.dims_per_head, config.model_dims
     t = _GPT2_PREFIX
@@ -358,7 +358,7 @@ def flatten(params: Params, prefix: str = "") -> dict[str, np.ndarray]:
     return out
 
 
-def check_params(params: Params, config: TransformerConfig) -> None:
+def check_params(params: Params, *, config: TransformerConfig) -> None:
     """The tree must be exactly the (unscanned) model's: same paths, same shapes."""
     from flax import linen as nn
 
@@ -376,7 +376,7 @@ def check_params(params: Params, config: TransformerConfig) -> None:
         raise LayoutError("params do not fit the model: " + "; ".join(problems[:20]))
 
 
-def stack_layers(params: Params, num_layers: int) -> Params:
+def stack_layers(params: Params, *, num_layers: int) -> Params:
     """layers_0..layers_{L-1} -> one ``layers`` subtree with a leading [L] axis (nn.scan's form)."""
     import jax
 
@@ -386,7 +386,7 @@ def stack_layers(params: Params, num_layers: int) -> Params:
     return out
 
 
-def unstack_layers(params: Params, num_layers: int) -> Params:
+def unstack_layers(params: Params, *, num_layers: int) -> Params:
     """Inverse of stack_layers."""
     import jax
 

@@ -231,6 +231,6 @@ def load_meta(path: str | os.PathLike, *, vocab_size: int | None = None
     with open(params_path) as f:
         config = meta_config(json.load(f), directory=directory, vocab_size=vocab_size)
     shards = [load_torch_file(p) for p in shard_paths(directory)]
-    params = llama_to_params(merge_shards(shards, config=config), config,
+    params = llama_to_params(merge_shards(shards, config=config), config=config,
                              naming=meta_naming())
     return config, params

@@ -62,7 +62,7 @@ def test_shape_mismatch_and_missing_or_extra_tensors(llama_gqa, tmp_path):
     tensors.pop("model.layers.1.mlp.up_proj.weight")
     tensors["model.layers.0.mlp.extra.weight"] = np.zeros(3, np.float32)
     with pytest.raises(layouts.LayoutError) as err:
-        layouts.llama_to_params(tensors, config)
+        layouts.llama_to_params(tensors, config=config)
     assert "missing tensors: model.layers.1.mlp.up_proj.weight" in str(err.value)
     assert "unexpected tensors (not part of this model): model.layers.0.mlp.extra.weight" in str(
         err.value)
