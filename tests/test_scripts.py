@@ -93,3 +93,130 @@ def test_pile_and_lambada_from_a_pax_tfds_data_dir(tmp_path, assets):
     assert evaluated.returncode == 0, evaluated.stdout[-3000:]
     lines = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 2 and "eval/lambada_acc_strict" in lines[-1]
+
+
+# ---------------------------------------------------------------- run_llama_boolq.sh and the Slurm files
+TINY_LLAMA_ENV = {"CONFIG": "paxlite.experiments.tiny.TinyLLaMA", "ICI_MESH_SHAPE": "[1,1,1]",
+                  "DCN_MESH_SHAPE": "[1,1,1]", "PERCORE_BATCH_SIZE": "2", "MAX_SEQ_LEN": "64", "MAX_STEPS": "2",
+                  "LR_COS_WARMUP": "1"}
+
+
+def _llama(env, *args):
+    full = {**_env(), **env}
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts_gpu", "run_llama_boolq.sh"), *args],
+                          capture_output=True, text=True, env=full, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def boolq_assets(tmp_path_factory):
+    """A tokenizer with single pieces for 'yes' and 'no', and TFDS super_glue/boolq:1.0.2 (ArrayRecord)."""
+    import sentencepiece as spm
+
+    from paxlite.data import tfds_datasets
+
+    root = tmp_path_factory.mktemp("boolq")
+    rng = random.Random(1)
+    words = "a king rode out to the sea and the queen sang of rain and gold".split()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([" ".join(rng.choice(words) for _ in range(10)) + "?\nanswer: yes no"
+                                for _ in range(200)]),
+        model_prefix=str(root / "spm"), model_type="bpe", vocab_size=80, pad_id=0, eos_id=1, unk_id=2,
+        bos_id=-1, num_threads=1, minloglevel=2, user_defined_symbols=["\u2581yes", "\u2581no"])
+    (root / "raw").mkdir()
+    for split, n in (("train", 4), ("val", 6)):
+        (root / "raw" / f"{split}.jsonl").write_text("".join(
+            json.dumps({"question": " ".join(rng.choice(words) for _ in range(4)), "idx": i, "label": i % 2 == 0,
+                        "passage": " ".join(rng.choice(words) for _ in range(15))}) + "\n" for i in range(n)))
+    tfds_datasets.build(tfds_datasets.BOOLQ, data_dir=str(root / "tfds"), local_dir=str(root / "raw"))
+    return str(root / "spm.model"), str(root / "tfds")
+
+
+def _boolq_lines(job_dir):
+    lines = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "eval/boolq_acc" in line]
+
+
+def test_llama_boolq_trains_then_evaluates_and_eval_only(tmp_path, boolq_assets):
+    vocab, tfds_dir = boolq_assets
+    env = {"VOCAB_PATH": vocab, "TFDS_DATA_DIR": tfds_dir, "LOG_DIR": str(tmp_path / "llama"), **TINY_LLAMA_ENV}
+    # No BoolQ training feed: the tiny model trains on synthetic tokens, then BoolQ is scored.
+    result = _llama(env, "--fdl.SYNTHETIC_DATA=true")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    job = tmp_path / "llama" / "llama-TinyLLaMA-mbs-2-te-0-lora-0"
+    assert (tmp_path / "llama" / "logs" / "llama-TinyLLaMA-mbs-2-te-0-lora-0.txt").exists()
+    config = json.loads((job / "config.json").read_text())["hparams"]
+    # Pax's SFT branch, with DECAY_START following the warm-up and the cosine ending at MAX_STEPS
+    assert config["LEARNING_RATE"] == 1e-6 and config["LR_SCHEDULE"] == "linear_rampup_cosine_decay"
+    assert (config["LR_COS_WARMUP"], config["LR_COS_DECAY_START"], config["LR_COS_DECAY_END"]) == (1, 2, 2)
+    assert config["EVAL_TASK"] == "boolq" and config["EVAL_LOOP_NUM_BATCHES"] == -1
+    trained = _boolq_lines(job)
+    assert [line["step"] for line in trained] == [2, 2]  # during training, then --mode=eval
+    assert trained[0]["eval/boolq_acc"] == trained[1]["eval/boolq_acc"]
+
+    # EVAL_ONLY=1 scores the checkpoint the path names (here the checkpoints directory itself).
+    only = _llama({**env, "EVAL_ONLY": "1", "CHECKPOINT_RESTORE_PATH": str(job / "checkpoints")})
+    assert only.returncode == 0, only.stdout[-3000:] + only.stderr[-3000:]
+    lines = _boolq_lines(job)
+    assert len(lines) == 3 and lines[-1]["eval/boolq_acc"] == trained[0]["eval/boolq_acc"]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"TFDS_DATA_DIR": "/x"}, "Need to set both VOCAB_PATH"),
+    ({"VOCAB_PATH": "/x"}, "Need to set both VOCAB_PATH"),
+    ({"VOCAB_PATH": "/x", "TFDS_DATA_DIR": "/x", "EVAL_ONLY": "1"}, "EVAL_ONLY=1 needs CHECKPOINT_RESTORE_PATH"),
+    ({"VOCAB_PATH": "/x", "TFDS_DATA_DIR": "/x", "USE_LORA": "maybe"}, "USE_LORA=maybe: expected 1/true"),
+    ({"VOCAB_PATH": "/x", "TFDS_DATA_DIR": "/x", "EVAL_ONLY": "1", "CHECKPOINT_RESTORE_PATH": "/nonexistent"},
+     "holds no checkpoints/"),
+])
+def test_llama_boolq_refuses_missing_settings(tmp_path, env, message):
+    base = {k: v for k, v in _env().items() if k not in ("VOCAB_PATH", "TFDS_DATA_DIR")}
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts_gpu", "run_llama_boolq.sh")], capture_output=True,
+                            text=True, env={**base, "LOG_DIR": str(tmp_path), "ENABLE_TE": "1", **env}, timeout=60)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+
+
+def _fake_srun(tmp_path):
+    """An `srun` that records its arguments and environment instead of launching anything."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$SRUN_RECORD.args"\n'
+                                  'env > "$SRUN_RECORD.env"\n')
+    (bin_dir / "srun").chmod(0o755)
+    return str(bin_dir)
+
+
+@pytest.mark.parametrize("sub, script, args, exported", [
+    ("example_slurm_llama.sub", "run_llama_boolq.sh", [],
+     {"VOCAB_PATH": "/mnt/vocab", "TFDS_DATA_DIR": "/mnt/datasets", "CONFIG": "LLaMA7B", "USE_LORA": "0",
+      "EVAL_ONLY": "0", "ENABLE_TE": "0", "USE_MULTIPROCESS": "1",
+      "CHECKPOINT_RESTORE_PATH": "{ROOT}/workspace/llama-checkpoint", "LOG_DIR": "{ROOT}/workspace/llama_boolq"}),
+    ("example_slurm_pile.sub", "run_pile_multinode.sh",
+     ["/mnt/datasets", "/mnt/vocab", "bfloat16", "8", "4", "{ROOT}/workspace/log_dir"], {"ENABLE_TE": "0"}),
+    ("launch_base_script.sub", "run_base_config_multinode.sh",
+     ["Synthetic126M", "bfloat16", "8", "{ROOT}/workspace/log_dir", "None", "", ""], {"ENABLE_TE": "0"}),
+])
+def test_slurm_files_launch_an_existing_script_with_its_settings(tmp_path, sub, script, args, exported):
+    path = os.path.join(ROOT, "slurm", sub)
+    assert subprocess.run(["bash", "-n", path]).returncode == 0
+    record = str(tmp_path / "srun")
+    env = {**_env(), "PATH": _fake_srun(tmp_path) + ":" + _env()["PATH"], "SRUN_RECORD": record,
+           "CONTAINER": "registry/paxlite:test", "BASE_WORKSPACE_DIR": str(tmp_path / "ws"),
+           "BASE_TFDS_DATA_DIR": str(tmp_path / "tfds"), "BASE_VOCAB_PATH": str(tmp_path / "spm.model"),
+           "BASE_CHECKPOINT_RESTORE_PATH": str(tmp_path / "ckpt"), "PAXLITE_DIR": ROOT}
+    if sub == "launch_base_script.sub":  # a synthetic experiment: no data, no vocabulary
+        env = {k: v for k, v in env.items() if k not in ("BASE_TFDS_DATA_DIR", "BASE_VOCAB_PATH")}
+    result = subprocess.run(["bash", path], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    argv = open(record + ".args").read().split("\n")[:-1]
+    assert "--container-image=registry/paxlite:test" in argv and "--export=ALL" in argv
+    mounts = next(a for a in argv if a.startswith("--container-mounts="))
+    assert f"{tmp_path / 'ws'}:{ROOT}/workspace" in mounts
+    launched = argv.index("bash")
+    assert argv[launched + 1] == os.path.join(ROOT, "scripts_gpu", script)
+    assert os.path.isfile(argv[launched + 1]) and subprocess.run(["bash", "-n", argv[launched + 1]]).returncode == 0
+    assert argv[launched + 2:] == [a.replace("{ROOT}", ROOT) for a in args]
+    recorded = dict(line.split("=", 1) for line in open(record + ".env").read().splitlines() if "=" in line)
+    text = open(argv[launched + 1]).read()
+    for name, value in exported.items():
+        assert recorded.get(name) == value.replace("{ROOT}", ROOT), name
+        assert name in text or name == "ENABLE_TE", f"{script} does not read {name}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paxlite.data.feed import LambadaEvalConfig
+from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.transformer import TransformerConfig
@@ -40,5 +40,6 @@ class RunConfig:
     schedule: ScheduleConfig
     mesh: MeshConfig
     data: SyntheticDataConfig | TextDataConfig | None  # None: evaluation-only (no training data given)
-    eval_task: LambadaEvalConfig | None = None  # None: evaluate on the training data's eval split
+    # None: evaluate on the training data's eval split
+    eval_task: LambadaEvalConfig | BoolQEvalConfig | None = None
     loop: LoopConfig

@@ -181,10 +181,61 @@ class LambadaFeed:
             yield _to_global({key: value[plan.rows] for key, value in batch.items()}, sharding, plan)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BoolQEvalConfig:
+    """Zero-shot BoolQ (Pax `boolq`): a SuperGLUE JSONL file (val.jsonl), or TFDS `super_glue/boolq:1.0.2`
+    in `tfds_data_dir` (exactly one of the two; its `split`), and the tokenizer."""
+
+    vocab_path: str
+    seq_len: int
+    path: str | None = None
+    tfds_data_dir: str | None = None
+    split: str = "validation"
+
+    def __post_init__(self):
+        if (self.path is None) == (self.tfds_data_dir is None):
+            raise ValueError(
+                f"BoolQ needs exactly one source: path={self.path!r} or tfds_data_dir={self.tfds_data_dir!r}"
+            )
+
+
+class BoolQFeed:
+    """Evaluation only: every example once, in order, with its yes/no token pair; reported as boolq_acc."""
+
+    metric_prefix = "boolq_"
+
+    def __init__(self, config: BoolQEvalConfig, *, plan: FeedPlan):
+        from paxlite.data.tokenizer import Tokenizer
+        from paxlite.eval.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
+
+        self._config = config
+        if config.path is not None:  # read and checked now, before compiling
+            self._examples = read_boolq(config.path)
+        else:
+            self._examples = read_boolq_tfds(config.tfds_data_dir, split=config.split)
+        self._tokenizer = Tokenizer(config.vocab_path)
+        yes_no_token_ids(self._tokenizer)  # a tokenizer that splits yes/no is refused up front
+        self._plan = plan
+
+    def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
+        """num_batches -1 (Pax's eval_loop_num_batches=-1): the whole set."""
+        from paxlite.eval.boolq import boolq_batches
+
+        plan = self._plan
+        batches = boolq_batches(self._examples, self._tokenizer, seq_len=self._config.seq_len,
+                                batch_size=plan.global_batch_size)
+        for index, batch in enumerate(batches):
+            if index == num_batches:
+                break
+            yield _to_global({key: value[plan.rows] for key, value in batch.items()}, sharding, plan)
+
+
 def make_feed(config, *, plan: FeedPlan) -> Feed:
     """The feed for a data or eval-task config; `plan` says which rows this process supplies."""
     if isinstance(config, LambadaEvalConfig):
         return LambadaFeed(config, plan=plan)
+    if isinstance(config, BoolQEvalConfig):
+        return BoolQFeed(config, plan=plan)
     if isinstance(config, SyntheticDataConfig):
         return SyntheticFeed(config, global_batch_size=plan.global_batch_size)
     return TextFeed(config, plan=plan)

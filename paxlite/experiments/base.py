@@ -16,7 +16,7 @@ import fiddle as fdl
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Experiment
 from paxlite.config.run import LoopConfig, RunConfig
-from paxlite.data.feed import LambadaEvalConfig
+from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.transformer import RematPolicy, TransformerConfig
@@ -40,10 +40,13 @@ class LanguageModelExperiment(Experiment):
 
     DATA_DIR: str | None = None  # a directory made by `python -m paxlite.data.prepare`
     VOCAB_PATH: str | None = None  # SentencePiece model; None: the VOCAB_PATH environment variable (Pax)
-    EVAL_TASK: Literal["validation", "lambada"] = "validation"  # what EVAL_INTERVAL_STEPS / --mode=eval score
+    # What EVAL_INTERVAL_STEPS / --mode=eval score: the training data's validation split, or a zero-shot task.
+    EVAL_TASK: Literal["validation", "lambada", "boolq"] = "validation"
     LAMBADA_PATH: str | None = None  # lambada_test.jsonl ({"text": ...} lines) for EVAL_TASK="lambada"
+    BOOLQ_PATH: str | None = None  # SuperGLUE BoolQ val.jsonl (passage, question, label) for EVAL_TASK="boolq"
     # Pax's --tfds_data_dir (the flag sets this; else the TFDS_DATA_DIR environment variable). Used when
-    # DATA_DIR is unset: training reads TFDS_DATASET there, and EVAL_TASK="lambada" reads my_lambada:1.0.0.
+    # DATA_DIR is unset: training reads TFDS_DATASET there, EVAL_TASK="lambada" reads my_lambada:1.0.0 and
+    # EVAL_TASK="boolq" reads super_glue/boolq:1.0.2 (validation split).
     TFDS_DATA_DIR: str | None = None
     TFDS_DATASET: str = "the_pile:1.0.0"  # or "c4/en:3.0.1"
     # grain: TFDS ArrayRecord files, random access, exact resume, no TensorFlow. seqio: Pax's own tasks
@@ -132,9 +135,11 @@ class LanguageModelExperiment(Experiment):
     def tfds_data_dir(self) -> str | None:
         return self.TFDS_DATA_DIR or os.environ.get("TFDS_DATA_DIR") or None
 
-    def eval_task_config(self) -> fdl.Config[LambadaEvalConfig] | None:
+    def eval_task_config(self) -> fdl.Config[LambadaEvalConfig] | fdl.Config[BoolQEvalConfig] | None:
         if self.EVAL_TASK == "validation":
             return None
+        if self.EVAL_TASK == "boolq":
+            return self.boolq_config()
         source = {"path": self.LAMBADA_PATH} if self.LAMBADA_PATH else {"tfds_data_dir": self.tfds_data_dir()}
         if not any(source.values()) or self.vocab_path() is None:
             raise ConfigError(
@@ -144,6 +149,18 @@ class LanguageModelExperiment(Experiment):
                 f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
             )
         return fdl.Config(LambadaEvalConfig, **source, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN)
+
+    def boolq_config(self) -> fdl.Config[BoolQEvalConfig]:
+        source = {"path": self.BOOLQ_PATH} if self.BOOLQ_PATH else {"tfds_data_dir": self.tfds_data_dir()}
+        if not any(source.values()) or self.vocab_path() is None:
+            raise ConfigError(
+                "EVAL_TASK=boolq needs BoolQ (--fdl.BOOLQ_PATH=<SuperGLUE val.jsonl>, or --tfds_data_dir holding "
+                "super_glue/boolq:1.0.2 from scripts_gpu/download_boolq.py) and a tokenizer (--fdl.VOCAB_PATH or "
+                "the VOCAB_PATH environment variable); or evaluate on the training data with "
+                f"--fdl.EVAL_TASK=validation. Got BOOLQ_PATH={self.BOOLQ_PATH}, "
+                f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
+            )
+        return fdl.Config(BoolQEvalConfig, **source, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN)
 
     def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig] | None:
         if self.uses_synthetic_data():

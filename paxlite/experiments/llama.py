@@ -32,6 +32,11 @@ class BaseLLaMA(LanguageModelExperiment):
     MAX_STEPS is 0 as in Pax, whose LLaMA configs say "only eval supported currently": training needs an explicit
     --fdl.MAX_STEPS (Pax's run_llama_boolq.sh passes 600 for LoRA, 1000 for SFT). Pax's packed_input=False is
     PACKED_INPUT=False.
+
+    Evaluation is zero-shot BoolQ (Pax eval_task='boolq', the whole validation split), which needs BoolQ data and a
+    tokenizer. `--fdl.SYNTHETIC_DATA=true` asks for a run without data files or tokenizer (benchmarks, smoke tests),
+    so there EVAL_TASK derives to "validation" (synthetic batches, EVAL_LOOP_NUM_BATCHES=10); an explicit
+    `--fdl.EVAL_TASK=boolq` still scores BoolQ after synthetic training. `paxlite show` prints the resolved values.
     """
 
     data_source = DataSource.TEXT
@@ -47,6 +52,10 @@ class BaseLLaMA(LanguageModelExperiment):
     USE_REPEATED_LAYER = False
     PACKED_INPUT = False
     MAX_STEPS = 0
+    EVAL_TASK = Derived(lambda hp: "validation" if hp.SYNTHETIC_DATA else "boolq",
+                        doc="'boolq', or 'validation' with SYNTHETIC_DATA")
+    EVAL_LOOP_NUM_BATCHES = Derived(lambda hp: 10 if hp.EVAL_TASK == "validation" else -1,
+                                    doc="-1 (the whole set) for a zero-shot task, else 10")
 
     def validate(self) -> None:
         super().validate()

@@ -1,9 +1,10 @@
-"""Tiny GPT configurations that train in seconds on a CPU: for tests, the demo and benchmarks."""
+"""Tiny GPT and LLaMA configurations that train in seconds on a CPU: for tests, the demo and benchmarks."""
 
 from __future__ import annotations
 
 from paxlite.experiments.base import DataSource
 from paxlite.experiments.gpt import GPT126M
+from paxlite.experiments.llama import BaseLLaMA
 
 
 class TinySynthetic(GPT126M):
@@ -88,3 +89,28 @@ class TinyShakespeare(TinySynthetic):
     SUMMARY_INTERVAL_STEPS = 20
     EVAL_INTERVAL_STEPS = 100
     EVAL_LOOP_NUM_BATCHES = 8
+
+
+class TinyLLaMA(BaseLLaMA):
+    """LLaMA's architecture and BoolQ evaluation at test size: 2 layers, 4 query / 2 key-value heads x 8,
+    d_model 32, vocabulary 512, 64 tokens, float32. `CONFIG=paxlite.experiments.tiny.TinyLLaMA` runs
+    scripts_gpu/run_llama_boolq.sh on a CPU."""
+
+    NUM_LAYERS = 2
+    NUM_HEADS = 4
+    NUM_KV_HEADS = 2
+    DIMS_PER_HEAD = 8
+    MODEL_DIMS = 32
+    HIDDEN_DIMS = 64
+    VOCAB_SIZE = 512
+    MAX_SEQ_LEN = 64
+    FPROP_DTYPE = "float32"
+    PERCORE_BATCH_SIZE = 2
+    ICI_MESH_SHAPE = None
+    DCN_MESH_SHAPE = [1, 1, 1]
+    MAX_STEPS = 2
+    LEARNING_RATE = 3e-3
+    LR_SCHEDULE = "constant"
+    CHECKPOINT_EVERY_N_STEPS = 50
+    SUMMARY_INTERVAL_STEPS = 10
+    EVAL_INTERVAL_STEPS = 50

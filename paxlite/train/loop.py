@@ -19,6 +19,7 @@ from absl import logging
 from paxlite.config.run import RunConfig
 from paxlite.data.feed import make_feed
 from paxlite.data.feeding import plan_feeding
+from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
@@ -130,7 +131,7 @@ class Run:
     # ---------------------------------------------------------------- eval
     def evaluate(self, state: TrainState) -> dict[str, float]:
         sums = {"loss_sum": 0.0, "correct_tokens": 0.0, "target_tokens": 0.0}
-        per_example: dict[str, list[np.ndarray]] = {"correct": [], "targets": [], "weights": []}
+        per_example: dict[str, list[np.ndarray]] = {"correct": [], "targets": [], "weights": [], "choice": []}
         with jax.set_mesh(self.mesh):
             for batch in self.eval_data.eval_batches(self.config.loop.eval_num_batches,
                                                      self.steps.batch_sharding):
@@ -141,6 +142,8 @@ class Run:
                     per_example["correct"].append(out["correct_tokens"])
                     per_example["targets"].append(out["target_tokens"])
                     per_example["weights"].append(out["example_weights"])
+                if "choice_correct" in out:  # a two-way choice per example (BoolQ)
+                    per_example["choice"].append(out["choice_correct"])
         if sums["target_tokens"] == 0:
             raise ValueError("the evaluation data has no weighted tokens; nothing to evaluate")
         loss = sums["loss_sum"] / sums["target_tokens"]
@@ -150,7 +153,12 @@ class Run:
             "log_pplx": loss,
             "num_tokens": sums["target_tokens"],
         }
-        if per_example["weights"]:
+        if per_example["choice"]:  # Pax's boolq_acc: the right answer's logit beats the other's
+            metrics[f"{self.eval_data.metric_prefix}acc"] = boolq_acc(
+                choice_correct=np.concatenate(per_example["choice"]),
+                example_weights=np.concatenate(per_example["weights"]),
+            )
+        elif per_example["weights"]:
             metrics[f"{self.eval_data.metric_prefix}acc_strict"] = acc_strict(
                 correct_tokens=np.concatenate(per_example["correct"]),
                 target_tokens=np.concatenate(per_example["targets"]),

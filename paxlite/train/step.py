@@ -245,8 +245,30 @@ def per_example_scores(logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
     }
 
 
+def choice_correct(logits: jax.Array, batch: Batch) -> jax.Array:
+    """Per-row weighted count [B] of target positions where the label beats the other choice.
+
+    Pax's BoolQ score (`CustomMetricsLM`, eval_task='boolq'): each row names its two answer tokens in
+    `yn_tokens` [B, 2]; at a target position holding one of them, the other is their sum minus the
+    label, and the position counts when logit[label] - logit[other] > 0 (a tie loses).
+    """
+    logits = logits.astype(jnp.float32)  # [B, T, V]
+    targets = batch["targets"]  # [B, T]
+    weights = batch["weights"].astype(jnp.float32)  # [B, T]
+    pair_sum = jnp.sum(batch["yn_tokens"].astype(jnp.int32), axis=-1, keepdims=True)  # [B, 1]
+    # Off-target positions (weight 0) may hold any token; clipping keeps their gather in range.
+    other = jnp.clip(pair_sum - targets, 0, logits.shape[-1] - 1)  # [B, T]
+    label_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    other_logit = jnp.take_along_axis(logits, other[..., None], axis=-1)[..., 0]  # [B, T]
+    won = (label_logit - other_logit > 0).astype(jnp.float32)
+    return jnp.sum(won * weights, axis=-1)
+
+
 def eval_step(params: PyTree, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
-    scores = per_example_scores(_apply(model, params, batch, dropout_rng=None, deterministic=True), batch)
+    logits = _apply(model, params, batch, dropout_rng=None, deterministic=True)
+    scores = per_example_scores(logits, batch)
+    if "yn_tokens" in batch:  # a two-way choice per row (BoolQ): Pax's boolq_acc numerator
+        scores["choice_correct"] = choice_correct(logits, batch)
     if "example_weights" in batch:  # which rows are real examples (0: padding that fills a batch)
         scores["example_weights"] = batch["example_weights"].astype(jnp.float32)
     return scores

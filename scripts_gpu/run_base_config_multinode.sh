@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Any registered experiment on several nodes under SLURM (one process per node), with Pax's positional
+# arguments:
+#   bash run_base_config_multinode.sh CONFIG [PREC=bfloat16] [NUM_GPUS=8] [LOG_DIR=test_logdir]
+#       [TFDS_DATA_DIR=None] [VOCAB_PATH] [ADDITIONAL_ARGS] [extra flags...]
+# CONFIG is a registered name (Synthetic126M, LLaMA7B, ...) or a dotted path. NUM_GPUS is accepted and
+# unused, as in Pax (the experiment's ICI_MESH_SHAPE decides). TFDS_DATA_DIR "None" passes no
+# --tfds_data_dir. VOCAB_PATH is exported when given; Pax defaulted it to a gs:// T5 vocabulary that
+# paxlite cannot read, so here there is no default. ADDITIONAL_ARGS is one string of flags (word-split).
+set -uo pipefail
+
+CONFIG=${1:?usage: run_base_config_multinode.sh CONFIG [PREC] [NUM_GPUS] [LOG_DIR] [TFDS_DATA_DIR] [VOCAB_PATH] [ADDITIONAL_ARGS]}
+PREC=${2:-bfloat16}
+NUM_GPUS=${3:-8}
+LOG_DIR=${4:-test_logdir}
+TFDS_DATA_DIR=${5:-None}
+VOCAB_PATH=${6:-}
+ADDITIONAL_ARGS=${7:-}
+shift $(( $# < 7 ? $# : 7 ))
+: "${SLURM_JOB_NUM_NODES:?run under SLURM (srun); on one machine call python -m paxlite.main directly}"
+
+if [ -n "$VOCAB_PATH" ]; then export VOCAB_PATH; fi
+TFDS_FLAGS=()
+if [ "$TFDS_DATA_DIR" != "None" ]; then TFDS_FLAGS=("--tfds_data_dir=$TFDS_DATA_DIR"); fi
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=51200 --xla_gpu_enable_command_buffer=}
+export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+mkdir -p "$LOG_DIR"
+
+# shellcheck disable=SC2086  # ADDITIONAL_ARGS is a list of flags in one string, as in Pax
+python -u -m paxlite.main \
+    --job_log_dir="$LOG_DIR" \
+    --fdl_config="$CONFIG" \
+    --fdl.FPROP_DTYPE="\"$PREC\"" \
+    --multiprocess_gpu \
+    --server_addr="${SLURM_LAUNCH_NODE_IPADDR}:12345" \
+    --num_hosts="$SLURM_NTASKS" \
+    --host_idx="$SLURM_PROCID" \
+    ${TFDS_FLAGS[@]+"${TFDS_FLAGS[@]}"} \
+    --alsologtostderr $ADDITIONAL_ARGS "$@" \
+    2>&1 | tee "$LOG_DIR/output_${SLURM_PROCID}.log"
+status=${PIPESTATUS[0]}
+if [ "$status" -ne 0 ]; then echo "Run failed"; else echo "Run succeeded!"; fi
+exit "$status"
