@@ -53,7 +53,8 @@ def _list() -> int:
         experiment = cls.resolve({})
         params = num_params(fdl.build(experiment.model_config()))
         path = f"{cls.__module__}.{cls.__qualname__}"
-        rows.append((name, f"{params:,}", path + (f"  (also {alias_of[name]})" if name in alias_of else "")))
+        also = f"  (also {alias_of[name]})" if name in alias_of else ""
+        rows.append((name, f"{params:,}", path + also))
     widths = [max(len(r[i]) for r in rows + [("experiment", "parameters", "class")]) for i in range(3)]
     print(f"{'experiment':<{widths[0]}}  {'parameters':>{widths[1]}}  class")
     for name, params, path in rows:

@@ -33,7 +33,7 @@ class Registry(Mapping[str, type[Experiment]]):
         self._aliases = dict(aliases or {})
         for alias, target in self._aliases.items():
             if target not in self._experiments:
-                raise ConfigError(f"registry alias {alias!r} names {target!r}, which is not registered")
+                raise ConfigError(f"registry alias {alias!r} names unregistered {target!r}")
             if alias in self._experiments:
                 raise ConfigError(f"registry alias {alias!r} is also a registered primary name")
 

@@ -28,9 +28,9 @@ What is AXLearn's and how it maps:
   for every matrix whose fan-in is d_model (all but the MLP down projection, whose fan-in is the ffn
   size) and for the embedding (1/fan_out = 1/d_model).
 - Not reproduced: AXLearn's rotate-half RoPE layout (paxlite rotates interleaved pairs; the same
-  function up to a fixed permutation of q/k, which training from scratch does not see), its per-hardware
-  mesh rules (pass ICI/DCN_MESH_SHAPE), and the `-fp8` variants. Text is packed with segment masks
-  (PACKED_INPUT), which is stricter than AXLearn's window packing.
+  function up to a fixed permutation of q/k, which training from scratch does not see), its
+  per-hardware mesh rules (pass ICI/DCN_MESH_SHAPE), and the `-fp8` variants. Text is packed with
+  segment masks (PACKED_INPUT), which is stricter than AXLearn's window packing.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ import fiddle as fdl
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from paxlite.__main__ import describe
@@ -27,8 +26,9 @@ from paxlite.train.schedules import make_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 1024**4
-# AXLearn's table, written out by hand (axlearn.md sections 1-2; test ffn 32 from fuji-test-v1_init.txt):
-# (size, version): (layers, d, heads, head_dim, kv heads, ffn, vocab, tied, seq, theta, total tokens)
+# AXLearn's table, written out by hand (axlearn.md sections 1-2; the test model's ffn 32 is from
+# fuji-test-v1_init.txt). (size, version): (layers, d, heads, head_dim, kv heads, ffn, vocab, tied,
+# seq, theta, total tokens)
 TABLE = {
     ("test", 1): (4, 8, 4, 2, 2, 32, 32, True, 64, 1e4, 1 * T),
     ("test", 2): (4, 8, 4, 2, 2, 32, 32, True, 64, 1e4, 2 * T),
@@ -43,8 +43,9 @@ TABLE = {
     ("70B", 3): (80, 8192, 64, 128, 8, 28672, 131072, False, 8192, 5e5, 15 * T),
 }
 # axlearn.md's derived column, in billions as printed there (3 or 4 significant digits).
-DERIVED_BILLIONS = {("1B", 3): "1.242", ("3B", 3): "3.221", ("7B", 1): "6.610", ("7B", 2): "6.610",
-                    ("7B", 3): "6.208", ("70B", 1): "78.38", ("70B", 2): "68.99", ("70B", 3): "70.60"}
+DERIVED_BILLIONS = {("1B", 3): "1.242", ("3B", 3): "3.221", ("7B", 1): "6.610",
+                    ("7B", 2): "6.610", ("7B", 3): "6.208", ("70B", 1): "78.38",
+                    ("70B", 2): "68.99", ("70B", 3): "70.60"}
 
 
 def _variants():
@@ -64,9 +65,10 @@ def _name(size, version, flash, single_host):
 
 
 def _count(size, version):
-    """interop.md section 5's LLaMA formula with the head tied (one V x D table) where Fuji ties it."""
+    """interop.md section 5's LLaMA formula, with one V x D table where Fuji ties the head."""
     layers, d, heads, h, kv, f, v, tied, *_ = TABLE[size, version]
-    return (1 if tied else 2) * v * d + layers * (2 * d * heads * h + 2 * d * kv * h + 3 * d * f + 2 * d) + d
+    per_layer = 2 * d * heads * h + 2 * d * kv * h + 3 * d * f + 2 * d
+    return (1 if tied else 2) * v * d + layers * per_layer + d
 
 
 def test_registered_pairs_and_variants_are_exactly_axlearns():
@@ -106,8 +108,9 @@ def test_architecture_and_learner_values():
     for (size, version), row in TABLE.items():
         layers, d, heads, h, kv, f, v, tied, seq, theta, total = row
         e = load_experiment(f"fuji-{size}-v{version}")
-        assert (e.NUM_LAYERS, e.MODEL_DIMS, e.NUM_HEADS, e.DIMS_PER_HEAD, e.NUM_KV_HEADS, e.HIDDEN_DIMS,
-                e.VOCAB_SIZE, e.TIE_EMBEDDINGS, e.MAX_SEQ_LEN, e.ROPE_THETA, e.TOTAL_TOKENS) == row
+        assert (e.NUM_LAYERS, e.MODEL_DIMS, e.NUM_HEADS, e.DIMS_PER_HEAD, e.NUM_KV_HEADS,
+                e.HIDDEN_DIMS, e.VOCAB_SIZE, e.TIE_EMBEDDINGS, e.MAX_SEQ_LEN, e.ROPE_THETA,
+                e.TOTAL_TOKENS) == row
         model = fdl.build(e.model_config())
         assert (model.norm.value, model.norm_epsilon, model.activation.value, model.gated_mlp,
                 model.use_bias, model.position_kind, model.rope_theta, model.tie_embeddings,
@@ -137,10 +140,12 @@ def test_global_batches_max_steps_and_single_host():
         batch, steps = want[size, version]
         assert e.MAX_STEPS == steps and e.LR_COS_DECAY_END == steps
         assert e.GLOBAL_BATCH_SIZE == (single_host[version] if single else batch)
-    for name, batch, seq in (("fuji-7B-v1-single-host", 64, 2048), ("fuji-3B-v3-flash-single-host", 16, 8192)):
+    for name, batch, seq in (("fuji-7B-v1-single-host", 64, 2048),
+                             ("fuji-3B-v3-flash-single-host", 16, 8192)):
         info = describe(load_experiment(name), num_local_devices=8)  # what `show` prints
         assert (info["global_batch_size"], info["tokens_per_step"]) == (batch, batch * seq)
-    assert "16 x 2048" in fuji.Fuji7BV1SingleHost.__doc__ and "8 x 4096" in fuji.Fuji7BV2SingleHost.__doc__
+    assert "16 x 2048" in fuji.Fuji7BV1SingleHost.__doc__
+    assert "8 x 4096" in fuji.Fuji7BV2SingleHost.__doc__
     # the global batch does not follow the device count (PERCORE_BATCH_SIZE is not used)
     e = load_experiment("fuji-7B-v2", ["ICI_MESH_SHAPE=[2,4,1]", "DCN_MESH_SHAPE=[4,1,1]"])
     assert describe(e, num_local_devices=8)["global_batch_size"] == 1024
@@ -149,15 +154,16 @@ def test_global_batches_max_steps_and_single_host():
 def test_global_batch_that_does_not_split_is_one_clear_error():
     assert global_batch_size(percore_batch_size=1.0, num_devices=8, batch_split=4,
                              fixed_global_batch_size=12) == 12  # tensor 2: 1.5 rows per device
-    with pytest.raises(MeshError, match=r"GLOBAL_BATCH_SIZE=12 does not divide over data x fsdp = 8 "
-                                        r"ways \(8 devices, 1.5 rows per device\)"):
-        global_batch_size(percore_batch_size=1.0, num_devices=8, batch_split=8, fixed_global_batch_size=12)
+    with pytest.raises(MeshError, match=r"GLOBAL_BATCH_SIZE=12 does not divide over data x fsdp = "
+                                        r"8 ways \(8 devices, 1.5 rows per device\)"):
+        global_batch_size(percore_batch_size=1.0, num_devices=8, batch_split=8,
+                          fixed_global_batch_size=12)
     with pytest.raises(ConfigError, match="GLOBAL_BATCH_SIZE must be a positive"):
         load_experiment("fuji-test-v3", ["GLOBAL_BATCH_SIZE=0"])
     # The run refuses it when it builds its mesh, before data, model or compilation.
-    run_config = fdl.build(load_experiment("fuji-test-v3", ["SYNTHETIC_DATA=true", "GLOBAL_BATCH_SIZE=12"])
-                           .run_config())
-    with pytest.raises(MeshError, match="GLOBAL_BATCH_SIZE=12 does not divide over data x fsdp = 8 ways"):
+    overrides = ["SYNTHETIC_DATA=true", "GLOBAL_BATCH_SIZE=12"]
+    run_config = fdl.build(load_experiment("fuji-test-v3", overrides).run_config())
+    with pytest.raises(MeshError, match="GLOBAL_BATCH_SIZE=12 does not divide over data x fsdp"):
         Run(run_config, RunContext(job_dir="/nonexistent/never-written"))
 
 
@@ -173,8 +179,11 @@ def _axlearn_multiplier(step: int, *, warmup: int, max_step: int, alpha: float) 
 def test_learning_rate_is_peak_times_cosine_with_linear_warmup(name, max_step):
     e = load_experiment(name)
     schedule = make_schedule(fdl.build(e.schedule_config()))
-    for step in (0, 1, 999, 1999, 2000, 2001, 100_000, max_step // 2, max_step - 1, max_step, 2 * max_step):
-        want = e.LEARNING_RATE * _axlearn_multiplier(step, warmup=2000, max_step=max_step, alpha=0.1)
+    steps = (0, 1, 999, 1999, 2000, 2001, 100_000, max_step // 2, max_step - 1, max_step,
+             2 * max_step)
+    for step in steps:
+        multiplier = _axlearn_multiplier(step, warmup=2000, max_step=max_step, alpha=0.1)
+        want = e.LEARNING_RATE * multiplier
         assert float(schedule(step)) == pytest.approx(want, rel=1e-5, abs=1e-12), step
     assert float(schedule(max_step)) == pytest.approx(0.1 * e.LEARNING_RATE, rel=1e-5)
     # a smoke test with a few steps keeps a valid schedule (decay end at least the warm-up)
@@ -184,7 +193,8 @@ def test_learning_rate_is_peak_times_cosine_with_linear_warmup(name, max_step):
 def test_one_step_is_axlearns_adamw_decoupled_update():
     """-eta * (peak * adam + wd * param) after clipping to norm 1; eta = 1 with no warm-up."""
     e = load_experiment("fuji-7B-v3", ["LR_COS_WARMUP=0"])
-    optimizer = make_optimizer(fdl.build(e.optimizer_config()), make_schedule(fdl.build(e.schedule_config())))
+    schedule = make_schedule(fdl.build(e.schedule_config()))
+    optimizer = make_optimizer(fdl.build(e.optimizer_config()), schedule)
     rng = np.random.default_rng(0)
     params = {"w": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,))}
     grads = {"w": 3.0 * rng.normal(size=(3, 4)), "b": 3.0 * rng.normal(size=(5,))}
@@ -200,10 +210,11 @@ def test_one_step_is_axlearns_adamw_decoupled_update():
 
 
 def _tiny(kv_heads, attention_kind):
-    return TransformerConfig(vocab_size=64, num_layers=1, model_dims=16, num_heads=4, dims_per_head=4,
-                             num_kv_heads=kv_heads, hidden_dims=32, max_seq_len=12, norm="rms_norm",
-                             activation="silu", gated_mlp=True, use_bias=False, tie_embeddings=True,
-                             position_embedding="rotary", rope_theta=5e5, attention_kind=attention_kind)
+    return TransformerConfig(
+        vocab_size=64, num_layers=1, model_dims=16, num_heads=4, dims_per_head=4,
+        num_kv_heads=kv_heads, hidden_dims=32, max_seq_len=12, norm="rms_norm", activation="silu",
+        gated_mlp=True, use_bias=False, tie_embeddings=True, position_embedding="rotary",
+        rope_theta=5e5, attention_kind=attention_kind)
 
 
 @pytest.mark.parametrize("kv_heads", [2, None], ids=["gqa", "mha"])
@@ -211,7 +222,7 @@ def test_flash_attention_equals_dot_product(kv_heads):
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
     other = tokens.at[0, 1].set((tokens[0, 1] + 1) % 64)  # a change inside packed document 1
     segments = jnp.asarray([[1] * 5 + [2] * 4 + [0] * 3, [7] * 12], jnp.int32)
-    positions = jnp.asarray([list(range(5)) + list(range(4)) + list(range(3)), list(range(12))], jnp.int32)
+    positions = jnp.asarray([[*range(5), *range(4), *range(3)], [*range(12)]], jnp.int32)
     dense, flash = (Transformer(_tiny(kv_heads, kind)) for kind in ("dot_product", "flash"))
     params = jax.tree.map(  # same parameters, same layout for both
         lambda s: jnp.asarray(np.random.default_rng(0).normal(0, 0.3, s.shape), jnp.float32),
@@ -236,10 +247,10 @@ def test_flash_attention_equals_dot_product(kv_heads):
 
 
 def test_flash_on_a_family_that_ignores_it_is_refused():
-    with pytest.raises(ConfigError, match="ATTENTION_KIND='flash': GPT126M's model does not use it"):
+    with pytest.raises(ConfigError, match="ATTENTION_KIND='flash': GPT126M's model does not"):
         load_experiment("GPT126M", ["ATTENTION_KIND=flash"])
-    assert fdl.build(load_experiment("LLaMA7B", ["ATTENTION_KIND=flash"]).model_config()).attention_kind \
-        is AttentionKind.FLASH
+    llama = fdl.build(load_experiment("LLaMA7B", ["ATTENTION_KIND=flash"]).model_config())
+    assert llama.attention_kind is AttentionKind.FLASH
 
 
 @pytest.mark.parametrize("name, message", [
@@ -251,22 +262,25 @@ def test_typos_get_suggestions(name, message):
     with pytest.raises(ConfigError, match=message.replace("*", r"\*")) as err:
         load_experiment(name)
     if name == "fuji-8B-v3":
-        assert "fuji-70B-v3-flash" in str(err.value) and "fuji-8B" not in str(err.value).split(";")[1]
+        listed = str(err.value).split(";")[1]
+        assert "fuji-70B-v3-flash" in listed and "fuji-8B" not in listed
 
 
 def test_fuji_test_v3_trains_three_steps_through_main(tmp_path):
     job = tmp_path / "job"
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")  # 8 fake devices from conftest
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=fuji-test-v3", "--fdl.SYNTHETIC_DATA=true",
-         "--fdl.MAX_STEPS=3", "--fdl.SUMMARY_INTERVAL_STEPS=1", "--fdl.EVAL_LOOP_NUM_BATCHES=1",
+        [sys.executable, "-m", "paxlite.main", "--fdl_config=fuji-test-v3",
+         "--fdl.SYNTHETIC_DATA=true", "--fdl.MAX_STEPS=3", "--fdl.SUMMARY_INTERVAL_STEPS=1",
+         "--fdl.EVAL_LOOP_NUM_BATCHES=1",
          "--enable_checkpoint_saving=false", f"--job_log_dir={job}"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(job / "config.json") as f:
         config = json.load(f)
-    assert (config["experiment"], config["global_batch_size"], config["mesh"]["data"]) == ("FujiTestV3", 64, 8)
+    got = (config["experiment"], config["global_batch_size"], config["mesh"]["data"])
+    assert got == ("FujiTestV3", 64, 8)
     with open(job / "metrics.jsonl") as f:
         train = [line for line in map(json.loads, f) if "loss" in line]
     assert [line["step"] for line in train] == [1, 2, 3]
