@@ -29,6 +29,7 @@ def describe(experiment, *, num_local_devices: int | None = None) -> dict:
         percore_batch_size=experiment.PERCORE_BATCH_SIZE,
         num_devices=num_devices,
         batch_split=sizes["data"] * sizes["fsdp"],
+        fixed_global_batch_size=getattr(experiment, "GLOBAL_BATCH_SIZE", None),
     )
     return {
         "experiment": experiment.name,
@@ -48,10 +49,13 @@ def _list() -> int:
     from paxlite.models.transformer import num_params
 
     rows = []
+    alias_of = {name: alias for alias, name in getattr(EXPERIMENTS, "aliases", {}).items()}
     for name, cls in EXPERIMENTS.items():
         experiment = cls.resolve({})
         params = num_params(fdl.build(experiment.model_config()))
-        rows.append((name, f"{params:,}", f"{cls.__module__}.{cls.__qualname__}"))
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        also = f"  (also {alias_of[name]})" if name in alias_of else ""
+        rows.append((name, f"{params:,}", path + also))
     widths = [max(len(r[i]) for r in rows + [("experiment", "parameters", "class")]) for i in range(3)]
     print(f"{'experiment':<{widths[0]}}  {'parameters':>{widths[1]}}  class")
     for name, params, path in rows:

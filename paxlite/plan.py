@@ -199,6 +199,7 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
     global_batch = mesh_lib.global_batch_size(
         percore_batch_size=experiment.PERCORE_BATCH_SIZE, num_devices=num_devices,
         batch_split=rules_lib.batch_split(mesh),
+        fixed_global_batch_size=getattr(experiment, "GLOBAL_BATCH_SIZE", None),
     )
     model_config = fdl.build(experiment.model_config())
     schedule = make_schedule(fdl.build(experiment.schedule_config()))
@@ -319,9 +320,14 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
     accum = experiment.GRAD_ACCUM_STEPS
     candidates.append((f"GRAD_ACCUM_STEPS {accum} -> {2 * accum} (same global batch, same training)",
                        "compiled", {"GRAD_ACCUM_STEPS": 2 * accum}))
-    candidates.append((f"PERCORE_BATCH_SIZE {experiment.PERCORE_BATCH_SIZE:g} -> "
-                       f"{experiment.PERCORE_BATCH_SIZE / 2:g}", "compiled",
-                       {"PERCORE_BATCH_SIZE": experiment.PERCORE_BATCH_SIZE / 2}))
+    if getattr(experiment, "GLOBAL_BATCH_SIZE", None) is not None:  # a fixed batch wins
+        candidates.append((f"GLOBAL_BATCH_SIZE {experiment.GLOBAL_BATCH_SIZE} -> "
+                           f"{experiment.GLOBAL_BATCH_SIZE // 2}", "compiled",
+                           {"GLOBAL_BATCH_SIZE": experiment.GLOBAL_BATCH_SIZE // 2}))
+    else:
+        candidates.append((f"PERCORE_BATCH_SIZE {experiment.PERCORE_BATCH_SIZE:g} -> "
+                           f"{experiment.PERCORE_BATCH_SIZE / 2:g}", "compiled",
+                           {"PERCORE_BATCH_SIZE": experiment.PERCORE_BATCH_SIZE / 2}))
     for description, method, changes in candidates[:_MAX_COMPILED_LEVERS]:
         lever = {"lever": description, "method": method, "overrides": changes}
         try:

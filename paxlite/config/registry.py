@@ -1,21 +1,74 @@
 """Turning `--fdl_config=NAME` into an experiment class.
 
-Three spellings work, so Pax scripts run unchanged: a registered short name (`Pile126M`), a dotted
-import path (`paxlite.experiments.gpt.Pile126M`, or a user's own module), and a legacy Pax path
+Three spellings work, so Pax scripts run unchanged: a registered short name (`Pile126M`) or one of
+its aliases (AXLearn's `fuji-7B-v2` for `Fuji7BV2`), a dotted import path
+(`paxlite.experiments.gpt.Pile126M`, or a user's own module), and a legacy Pax path
 (`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) whose last component is a registered name. The
-registry itself is a plain dict passed in by the caller: no global, no import-time side effects.
+registry itself is a mapping passed in by the caller (a plain dict, or a `Registry` that also knows
+aliases): no global, no import-time side effects.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from paxlite.config.errors import ConfigError, did_you_mean
 from paxlite.config.experiment import Experiment
 
 _LEGACY_PREFIXES = ("paxml.", "praxis.")
+
+
+class Registry(Mapping[str, type[Experiment]]):
+    """Registered experiments by name, plus aliases (other projects' names for the same ones).
+
+    Iterating gives the primary names only, so `list` and the golden tests see each experiment
+    once; lookups accept both (`registry["fuji-7B-v2"] is registry["Fuji7BV2"]`).
+    """
+
+    def __init__(self, experiments: Mapping[str, type[Experiment]],
+                 *, aliases: Mapping[str, str] | None = None) -> None:
+        self._experiments = dict(experiments)
+        self._aliases = dict(aliases or {})
+        for alias, target in self._aliases.items():
+            if target not in self._experiments:
+                raise ConfigError(f"registry alias {alias!r} names unregistered {target!r}")
+            if alias in self._experiments:
+                raise ConfigError(f"registry alias {alias!r} is also a registered primary name")
+
+    @property
+    def aliases(self) -> Mapping[str, str]:
+        """alias -> primary name."""
+        return dict(self._aliases)
+
+    def __getitem__(self, name: str) -> type[Experiment]:
+        return self._experiments[self._aliases.get(name, name)]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._experiments or name in self._aliases
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._experiments)
+
+    def __len__(self) -> int:
+        return len(self._experiments)
+
+
+def _all_names(registry: Mapping[str, type[Experiment]]) -> list[str]:
+    """Primary names and aliases: what a 'did you mean' may suggest."""
+    return [*registry, *getattr(registry, "aliases", {})]
+
+
+def _family_hint(name: str, registry: Mapping[str, type[Experiment]]) -> str:
+    """'; valid fuji-* names: ...' when `name` starts like a family of aliases ('fuji-8B-v3')."""
+    prefix = name.split("-", 1)[0].lower()
+    if prefix == name.lower() or name.lower() in {n.lower() for n in _all_names(registry)}:
+        return ""  # no family, or a case slip that 'did you mean' already names exactly
+    family = [a for a in getattr(registry, "aliases", {}) if a.lower().startswith(prefix + "-")]
+    if not family:
+        return ""
+    return f"; valid {prefix}-* names: " + ", ".join(family)
 
 
 def legacy_pax_name(name: str) -> str | None:
@@ -48,7 +101,8 @@ def resolve_experiment(name: str, registry: Mapping[str, type[Experiment]]) -> t
     if "." in name:
         return _import_experiment(name, registry)
     raise ConfigError(
-        f"--fdl_config={name}: unknown experiment{did_you_mean(name, registry)}; "
+        f"--fdl_config={name}: unknown experiment{did_you_mean(name, _all_names(registry))}"
+        f"{_family_hint(name, registry)}; "
         "use a registered name (`python -m paxlite list`) or a dotted path pkg.module.Class"
     )
 

@@ -30,6 +30,7 @@ class LoopConfig:
     flops_per_token: int
     peak_tflops: float | None = None
     grad_accum_steps: int = 1  # microbatches per optimizer step; the global batch is unchanged
+    global_batch_size: int | None = None  # GLOBAL_BATCH_SIZE; None: percore_batch_size x devices
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

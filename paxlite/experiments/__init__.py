@@ -1,17 +1,16 @@
 """The registry: every experiment a user can name with --fdl_config, by its short name.
 
-An explicit dict (no import-time registration side effects). Dotted paths (`paxlite.experiments.gpt.GPT126M`)
-and legacy Pax names (`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) resolve through
-`paxlite.config.registry.resolve_experiment`.
+An explicit dict (no import-time registration side effects). Dotted paths (`paxlite.experiments.gpt.GPT126M`),
+legacy Pax names (`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) and aliases (AXLearn's `fuji-7B-v2` for
+`Fuji7BV2`) resolve through `paxlite.config.registry.resolve_experiment`.
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
+from paxlite.config.registry import Registry
+from paxlite.experiments import fuji, gpt, llama, tiny
 
-from paxlite.experiments import gpt, llama, tiny
-
-EXPERIMENTS = MappingProxyType(
+EXPERIMENTS = Registry(
     {
         "GPT126M": gpt.GPT126M,
         "GPT5B": gpt.Pile5B,  # Pax aliases GPT5B = Pile5B
@@ -30,5 +29,7 @@ EXPERIMENTS = MappingProxyType(
         "TinySyntheticRepeated": tiny.TinySyntheticRepeated,
         "DemoSynthetic": tiny.DemoSynthetic,
         "TinyShakespeare": tiny.TinyShakespeare,
-    }
+        **{cls.__name__: cls for cls in fuji.FUJI_EXPERIMENTS},
+    },
+    aliases=fuji.AXLEARN_NAMES,
 )

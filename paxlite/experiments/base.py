@@ -19,6 +19,7 @@ from paxlite.config.run import LoopConfig, RunConfig
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
+from paxlite.models.attention import AttentionKind
 from paxlite.models.transformer import RematPolicy, TransformerConfig
 from paxlite.parallel.mesh import MeshConfig
 from paxlite.train import flops as flops_lib
@@ -52,12 +53,32 @@ class LanguageModelExperiment(Experiment):
     # grain: TFDS ArrayRecord files, random access, exact resume, no TensorFlow. seqio: Pax's own tasks
     # (the_pile_lm, c4_lm_v301_gpt) through TensorFlow; needs pip install 'paxlite[seqio]'.
     INPUT_PIPELINE: Literal["grain", "seqio"] = "grain"
+    # The global batch in sequences, fixed whatever the device count (AXLearn's train_batch_size).
+    # None: PERCORE_BATCH_SIZE x devices (Pax). Set, it wins; each device holds GLOBAL / devices rows
+    # (fractional only with tensor parallelism), and it must divide over data x fsdp.
+    GLOBAL_BATCH_SIZE: int | None = None
+    # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash"
+    # (jax.nn.dot_product_attention; cuDNN flash attention on GPUs). Same parameters, same result.
+    ATTENTION_KIND: Literal["dot_product", "flash"] = "dot_product"
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
 
     def validate(self) -> None:
         super().validate()
+        if self.GLOBAL_BATCH_SIZE is not None and self.GLOBAL_BATCH_SIZE < 1:
+            raise ConfigError(
+                f"GLOBAL_BATCH_SIZE must be a positive number of sequences or None "
+                f"(PERCORE_BATCH_SIZE x devices), got {self.GLOBAL_BATCH_SIZE}"
+            )
+        if self.ATTENTION_KIND != AttentionKind.DOT_PRODUCT.value:
+            # A family whose model_config ignores the switch would silently run dot-product.
+            built = AttentionKind(self.model_config().attention_kind)
+            if built.value != self.ATTENTION_KIND:
+                raise ConfigError(
+                    f"ATTENTION_KIND={self.ATTENTION_KIND!r}: {self.name}'s model does not use it "
+                    f"(it builds {built.value!r}); LLaMA and Fuji experiments support 'flash'"
+                )
         whole_eval_set = self.EVAL_LOOP_NUM_BATCHES == -1
         if self.uses_synthetic_data() and self.EVAL_TASK == "validation" and whole_eval_set:
             raise ConfigError(
@@ -242,6 +263,7 @@ class LanguageModelExperiment(Experiment):
             flops_per_token=self.flops_per_token(),
             peak_tflops=self.PEAK_TFLOPS,
             grad_accum_steps=self.GRAD_ACCUM_STEPS,
+            global_batch_size=self.GLOBAL_BATCH_SIZE,
         )
 
     # ------------------------------------------------------------------ the run

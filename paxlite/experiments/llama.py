@@ -88,6 +88,7 @@ class BaseLLaMA(LanguageModelExperiment):
             tie_embeddings=False,
             learned_position_embedding=False,
             position_embedding=PositionEmbedding.ROTARY,
+            attention_kind=self.ATTENTION_KIND,
             init_std=self.INIT_STD,
             softmax_init_std=self.SOFTMAX_INIT_STD,
             dropout_prob=self.DROPOUT_PROB,

@@ -1,11 +1,18 @@
 """Causal self-attention: Pax GPT's fused QKV, or separate q/k/v with grouped-query attention.
 
+The softmax(q k^T) v core has two implementations (``AttentionKind``): the explicit einsums below
+(DOT_PRODUCT, Pax's), or ``jax.nn.dot_product_attention`` (FLASH), which runs cuDNN's fused flash
+attention on GPUs (bf16/fp16, head dims a multiple of 8 up to 128) and XLA's fused op elsewhere.
+Both compute the same function; AXLearn's ``-flash`` Fuji variants select FLASH.
+
 Einsum letters: B batch, T query length, S key length, D model (embed) dims, K the 3 of q/k/v
 (fused path) or the key/value heads (grouped path), N query heads, G query heads per kv head
 (N = K * G), H dims per head.
 """
 
 from __future__ import annotations
+
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +40,26 @@ CONTEXT_NAME: str = "context"  # probabilities x values, before the output proje
 OUT_PROJ_NAME: str = "out_proj"  # output projection [B, T, D]
 # Pax uses -0.7 * max(float32) rather than -inf so that a fully masked row stays finite.
 LARGE_NEGATIVE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class AttentionKind(str, enum.Enum):
+    """How softmax(q k^T) v is computed; the parameters and the result are the same."""
+
+    DOT_PRODUCT = "dot_product"  # explicit einsums, float32 softmax (Pax DotProductAttention)
+    FLASH = "flash"  # jax.nn.dot_product_attention: cuDNN flash attention on GPU, XLA elsewhere
+
+
+def _flash_implementation(q: jax.Array) -> str | None:
+    """'cudnn' where cuDNN's flash kernel takes these shapes, else None (JAX's XLA path).
+
+    jax.nn.dot_product_attention(implementation=None) always uses XLA (JAX 0.10), so the GPU
+    kernel has to be asked for by name; it needs bf16/fp16 and head dims a multiple of 8 <= 128.
+    """
+    head_dims = q.shape[-1]
+    if (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+            and head_dims % 8 == 0 and head_dims <= 128):
+        return "cudnn"
+    return None
 
 
 def make_attention_mask(*, seq_len: int, segment_ids: jax.Array | None) -> jax.Array:
@@ -67,6 +94,8 @@ class Attention(nn.Module):
         num_kv_heads: key/value heads; None means num_heads. Must divide num_heads.
         rope_theta: None for no rotary embedding (GPT); else RoPE base (LLaMA-2: 10000) applied to
             q and k at the positions passed to ``__call__``.
+        attention_kind: DOT_PRODUCT (einsums) or FLASH (``jax.nn.dot_product_attention``, causal,
+            with ``mask`` further restricting it, e.g. to packed segments).
     """
 
     num_heads: int
@@ -77,6 +106,7 @@ class Attention(nn.Module):
     init_std: float = 0.02
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
+    attention_kind: AttentionKind = AttentionKind.DOT_PRODUCT
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str) -> Linear:
@@ -143,7 +173,15 @@ class Attention(nn.Module):
             k = apply_rotary(k, positions, theta=self.rope_theta)
         q = q * jnp.asarray(h**-0.5, dtype=self.dtype)
 
-        if not grouped:
+        if AttentionKind(self.attention_kind) is AttentionKind.FLASH:
+            # q is already scaled; k/v keep their K heads (JAX groups query head i with kv head
+            # i // G, as below). is_causal lets cuDNN skip the upper triangle; the mask (causal,
+            # and same-segment for packed rows) [B|1, 1, T, S] is a subset of it.
+            out = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, scale=1.0, is_causal=True,
+                implementation=_flash_implementation(q),
+            )  # [B, T, N, H]
+        elif not grouped:
             logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
             logits = jnp.where(mask, logits, LARGE_NEGATIVE)
             probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, N, T, S]

@@ -27,6 +27,7 @@ from paxlite.models.attention import (
     QUERY_PROJ_NAME,
     VALUE_PROJ_NAME,
     Attention,
+    AttentionKind,
     make_attention_mask,
 )
 from paxlite.models.embedding import Embed
@@ -158,6 +159,7 @@ class TransformerConfig:
     rope_theta: float = DEFAULT_THETA  # RoPE base, used when the position kind is ROTARY
     num_kv_heads: int | None = None  # grouped-query attention; None: num_heads (plain MHA)
     gated_mlp: bool = False  # act(x W_gate) * (x W_up) -> W_down; with SILU this is SwiGLU
+    attention_kind: AttentionKind = AttentionKind.DOT_PRODUCT  # FLASH: jax.nn.dot_product_attention
     init_std: float = 0.02  # normal(0, init_std) for every matmul weight and the position table
     softmax_init_std: float | None = None  # token embedding / softmax table; None -> init_std
     dropout_prob: float = 0.0  # residual dropout after attention and after the MLP
@@ -171,6 +173,7 @@ class TransformerConfig:
         _coerce_enum(self, "norm", NormKind)
         _coerce_enum(self, "activation", Activation)
         _coerce_enum(self, "remat_policy", RematPolicy)
+        _coerce_enum(self, "attention_kind", AttentionKind)
         if self.position_embedding is not None:
             _coerce_enum(self, "position_embedding", PositionEmbedding)
         for name in ("vocab_size", "num_layers", "model_dims", "num_heads", "dims_per_head",
@@ -311,6 +314,7 @@ class Block(nn.Module):
             init_std=cfg.init_std,
             dtype=dtype,
             param_dtype=param_dtype,
+            attention_kind=cfg.attention_kind,
             name="attention",
         )(h, mask, positions)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)

@@ -174,12 +174,25 @@ def build_mesh(config: MeshConfig, *, devices: Sequence[jax.Device] | None = Non
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_split: int) -> int:
+def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_split: int,
+                      fixed_global_batch_size: int | None = None) -> int:
     """Pax semantics: PERCORE_BATCH_SIZE x devices, whatever the parallelism.
 
     It must be a whole number that divides evenly over the data x fsdp axes (with tensor
-    parallelism PERCORE_BATCH_SIZE may be fractional).
+    parallelism PERCORE_BATCH_SIZE may be fractional). `fixed_global_batch_size` (GLOBAL_BATCH_SIZE,
+    as AXLearn fixes it) replaces the product; each device then holds GLOBAL / devices rows, and
+    the same split rule applies.
     """
+    if fixed_global_batch_size is not None:
+        fixed = fixed_global_batch_size
+        if fixed < 1 or fixed % batch_split:
+            per_device = fixed / num_devices
+            raise MeshError(
+                f"GLOBAL_BATCH_SIZE={fixed} does not divide over data x fsdp = {batch_split} ways "
+                f"({num_devices} devices, {per_device:g} rows per device); choose a multiple of "
+                f"{batch_split} or a mesh whose data x fsdp divides {fixed}"
+            )
+        return fixed
     total = percore_batch_size * num_devices
     rounded = int(round(total))
     if rounded < 1 or abs(total - rounded) > 1e-6:

@@ -58,6 +58,7 @@ class Run:
             percore_batch_size=config.loop.percore_batch_size,
             num_devices=num_devices,
             batch_split=rules_lib.batch_split(self.mesh),
+            fixed_global_batch_size=config.loop.global_batch_size,
         )
         # Each optimizer step's microbatches must split over data x fsdp too; say so before compiling.
         microbatch_size(global_batch_size=self.global_batch_size, grad_accum_steps=config.loop.grad_accum_steps,

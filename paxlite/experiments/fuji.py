@@ -1,0 +1,298 @@
+"""AXLearn's Fuji family (apple/axlearn `experiments/text/gpt/fuji.py`) as paxlite experiments.
+
+Fuji models are LLaMA-shaped: pre-RMSNorm (eps 1e-5), SwiGLU, RoPE, no biases, grouped-query
+attention where AXLearn has it. The mapping onto `TransformerConfig` is `BaseLLaMA`'s; Fuji adds the
+RoPE base and the tied head. A (size, version) pair exists only where AXLearn's TOTAL_TOKENS table
+has it; each has a `-flash` variant, and 1B/3B/7B have `-single-host` ones. `--fdl_config` takes the
+class names (`Fuji7BV2Flash`) and AXLearn's names (`fuji-7B-v2-flash`); docs/training.md ("Fuji")
+has the table.
+
+What is AXLearn's and how it maps:
+- Batch: AXLearn fixes the *global* batch (tokens per batch / sequence length: v1 2048 x 2048,
+  v2 1024 x 4096, v3 2048 x 8192), so GLOBAL_BATCH_SIZE is set and PERCORE_BATCH_SIZE is unused.
+- Steps: MAX_STEPS = TOTAL_TOKENS // TOKENS_PER_BATCH (v1 7B 262,144; v1 70B 367,001; v2 524,288;
+  v3 983,040). The single-host variants keep it, as AXLearn's clone does.
+- Learner (AXLearn `adamw_decoupled_learner_config`): global-norm clipping to 1.0, then Adam
+  (b1 0.9, b2 0.95, eps 1e-8) with decoupled weight decay; the schedule multiplier eta_t rises
+  linearly from 0 over 2000 steps, then follows a cosine to 0.1 at MAX_STEPS. This is Pax's
+  linear_rampup_cosine_decay with LR_COS_DECAY_START = LR_COS_WARMUP and LR_COS_DECAY_END =
+  MAX_STEPS, so no new schedule kind is needed.
+- Weight decay, read from AXLearn's `adamw_decoupled_optimizer` (Loshchilov & Hutter, Algorithm 2):
+  the update is -eta_t * (peak_lr * adam_update + wd * param); the decay is scaled by the schedule
+  multiplier but NOT by the peak learning rate. paxlite's optimizer scales the decay by the whole
+  rate (peak_lr * eta_t, as optax/PyTorch AdamW), so Fuji sets WEIGHT_DECAY = DECOUPLED_WEIGHT_DECAY
+  / LEARNING_RATE (0.1 / 3e-4 = 333.3), which gives AXLearn's update exactly: each step shrinks the
+  parameters by a factor (1 - 0.1 * eta_t). For the PyTorch-style reading (decay 0.1 * lr) pass
+  --fdl.WEIGHT_DECAY=0.1, which replaces the derived value.
+- Init: AXLearn draws every weight from normal(0, 1/fan_in); INIT_STD = MODEL_DIMS**-0.5 gives that
+  for every matrix whose fan-in is d_model (all but the MLP down projection, whose fan-in is the ffn
+  size) and for the embedding (1/fan_out = 1/d_model).
+- Not reproduced: AXLearn's rotate-half RoPE layout (paxlite rotates interleaved pairs; the same
+  function up to a fixed permutation of q/k, which training from scratch does not see), its
+  per-hardware mesh rules (pass ICI/DCN_MESH_SHAPE), and the `-fp8` variants. Text is packed with
+  segment masks (PACKED_INPUT), which is stricter than AXLearn's window packing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import fiddle as fdl
+
+from paxlite.config.experiment import Derived
+from paxlite.experiments.llama import BaseLLaMA
+from paxlite.models.transformer import TransformerConfig
+
+_TERA = 1024**4  # AXLearn's "T" of TOTAL_TOKENS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FujiVersion:
+    """What changes between Fuji v1, v2 and v3 (axlearn.md section 1)."""
+
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float
+    tokens_per_batch: int
+    # AXLearn's -single-host *intended* divisor of the batch (its code divides by 128 for all).
+    single_host_divisor: int
+
+
+VERSIONS: Mapping[int, FujiVersion] = MappingProxyType({
+    1: FujiVersion(vocab_size=32 * 1024, max_seq_len=2048, rope_theta=1e4,
+                   tokens_per_batch=4 * 1024**2, single_host_divisor=32),
+    2: FujiVersion(vocab_size=32 * 1024, max_seq_len=4096, rope_theta=1e4,
+                   tokens_per_batch=4 * 1024**2, single_host_divisor=32),
+    3: FujiVersion(vocab_size=128 * 1024, max_seq_len=8192, rope_theta=5e5,
+                   tokens_per_batch=16 * 1024**2, single_host_divisor=128),
+})
+
+# (version, size) -> training tokens; a pair exists only if AXLearn's TOTAL_TOKENS lists it.
+TOTAL_TOKENS: Mapping[tuple[int, str], int] = MappingProxyType({
+    (1, "test"): 1 * _TERA, (1, "7B"): 1 * _TERA, (1, "70B"): int(1.4 * _TERA),
+    (2, "test"): 2 * _TERA, (2, "7B"): 2 * _TERA, (2, "70B"): 2 * _TERA,
+    (3, "test"): 15 * _TERA, (3, "1B"): 15 * _TERA, (3, "3B"): 15 * _TERA,
+    (3, "7B"): 15 * _TERA, (3, "70B"): 15 * _TERA,
+})
+SINGLE_HOST_SIZES: tuple[str, ...] = ("1B", "3B", "7B")  # AXLearn also has 8B (v3-tiktoken)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FujiSize:
+    """One row of AXLearn's `get_trainer_kwargs` (axlearn.md section 2)."""
+
+    num_layers: int
+    model_dims: int
+    num_heads: int
+    dims_per_head: int
+    hidden_dims: int
+    tie_embeddings: bool
+    learning_rate: float
+    weight_decay: float
+    # key/value heads by version; None: as many as query heads (plain multi-head attention)
+    kv_heads: Mapping[int, int | None]
+
+
+SIZES: Mapping[str, FujiSize] = MappingProxyType({
+    # test: ffn = ceil(8 * 8/3 / 16) * 16 = 32, the shape in AXLearn's fuji-test-v1_init.txt.
+    "test": FujiSize(num_layers=4, model_dims=8, num_heads=4, dims_per_head=2, hidden_dims=32,
+                     tie_embeddings=True, learning_rate=6e-4, weight_decay=0.01,
+                     kv_heads=MappingProxyType({1: 2, 2: 2, 3: 2})),
+    "1B": FujiSize(num_layers=16, model_dims=2048, num_heads=32, dims_per_head=64, hidden_dims=8192,
+                   tie_embeddings=True, learning_rate=3e-4, weight_decay=0.1,
+                   kv_heads=MappingProxyType({3: 8})),
+    "3B": FujiSize(num_layers=28, model_dims=3072, num_heads=24, dims_per_head=128,
+                   hidden_dims=8192, tie_embeddings=True, learning_rate=3e-4, weight_decay=0.1,
+                   kv_heads=MappingProxyType({3: 8})),
+    "7B": FujiSize(num_layers=32, model_dims=4096, num_heads=32, dims_per_head=128,
+                   hidden_dims=11008, tie_embeddings=True, learning_rate=3e-4, weight_decay=0.1,
+                   kv_heads=MappingProxyType({1: None, 2: None, 3: 8})),
+    "70B": FujiSize(num_layers=80, model_dims=8192, num_heads=64, dims_per_head=128,
+                    hidden_dims=28672, tie_embeddings=False, learning_rate=1.5e-4,
+                    weight_decay=0.1, kv_heads=MappingProxyType({1: None, 2: 8, 3: 8})),
+})
+
+
+class BaseFuji(BaseLLaMA):
+    """Settings every Fuji config shares; not registered (it has no size of its own).
+
+    Hyperparameters added to LLaMA's: ROPE_THETA, TIE_EMBEDDINGS, TOTAL_TOKENS, TOKENS_PER_BATCH
+    (from which MAX_STEPS and GLOBAL_BATCH_SIZE are derived) and DECOUPLED_WEIGHT_DECAY (AXLearn's
+    weight decay; WEIGHT_DECAY is derived from it, see the module docstring).
+    """
+
+    axlearn_name: ClassVar[str] = ""
+
+    ROPE_THETA: float = 1e4
+    TIE_EMBEDDINGS: bool = True
+    TOTAL_TOKENS: int = 1 * _TERA
+    TOKENS_PER_BATCH: int = 4 * 1024**2
+    # AXLearn's lambda: each step multiplies the parameters by (1 - lambda * schedule multiplier).
+    DECOUPLED_WEIGHT_DECAY: float = 0.1
+
+    GLOBAL_BATCH_SIZE = Derived(lambda hp: hp.TOKENS_PER_BATCH // hp.MAX_SEQ_LEN,
+                                doc="TOKENS_PER_BATCH // MAX_SEQ_LEN")
+    MAX_STEPS = Derived(lambda hp: hp.TOTAL_TOKENS // hp.TOKENS_PER_BATCH,
+                        doc="TOTAL_TOKENS // TOKENS_PER_BATCH")
+    LR_SCHEDULE = "linear_rampup_cosine_decay"
+    LR_COS_WARMUP = 2000
+    LR_COS_DECAY_START = Derived(lambda hp: hp.LR_COS_WARMUP, doc="LR_COS_WARMUP")
+    # At least the warm-up, so a smoke test with a few MAX_STEPS stays a valid schedule.
+    LR_COS_DECAY_END = Derived(lambda hp: max(hp.MAX_STEPS, hp.LR_COS_WARMUP),
+                               doc="max(MAX_STEPS, LR_COS_WARMUP)")
+    LR_COS_MIN_RATIO = 0.1
+    LR_COS_MAX = 1.0
+    ADAM_BETA1 = 0.9
+    ADAM_BETA2 = 0.95
+    ADAM_EPSILON = 1e-8
+    ADAM_EPSILON_ROOT = 0.0
+    ADAM_CLIP_THRESHOLD = -1.0
+    CLIP_GRADIENT_NORM_TO_VALUE = 1.0
+    WEIGHT_DECAY = Derived(lambda hp: hp.DECOUPLED_WEIGHT_DECAY / hp.LEARNING_RATE,
+                           doc="DECOUPLED_WEIGHT_DECAY / LEARNING_RATE")
+    INIT_STD = Derived(lambda hp: hp.MODEL_DIMS**-0.5, doc="MODEL_DIMS ** -0.5 (1/sqrt(fan_in))")
+    FPROP_DTYPE = "bfloat16"
+    USE_REPEATED_LAYER = True  # AXLearn's RepeatedTransformerLayer
+    # AXLearn saves names matching .*([qkvo]_proj|context): q/k/v, the context and the output proj.
+    CHECKPOINT_POLICY = "SAVE_DOT_FOR_MLPERF_200B"
+    PACKED_INPUT = True
+    TFDS_DATASET = "c4/en:3.0.1"
+    ICI_MESH_SHAPE = [1, 8, 1]  # AXLearn's default mesh: fsdp 8 within a node, data across nodes
+    DCN_MESH_SHAPE = [1, 1, 1]
+    CHECKPOINT_EVERY_N_STEPS = 5000
+    CHECKPOINT_MAX_TO_KEEP = 3
+    SUMMARY_INTERVAL_STEPS = 100
+    EVAL_INTERVAL_STEPS = 5000
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        config = super().model_config()
+        config.tie_embeddings = self.TIE_EMBEDDINGS
+        config.rope_theta = self.ROPE_THETA
+        return config
+
+
+def axlearn_name(size: str, version: int, *, flash: bool = False,
+                 single_host: bool = False) -> str:
+    """AXLearn's config name, e.g. 'fuji-3B-v3-flash-single-host'."""
+    return (f"fuji-{size}-v{version}" + ("-flash" if flash else "")
+            + ("-single-host" if single_host else ""))
+
+
+def class_name(size: str, version: int, *, flash: bool = False, single_host: bool = False) -> str:
+    """The paxlite class name, e.g. 'Fuji3BV3FlashSingleHost', 'FujiTestV1'."""
+    return (f"Fuji{'Test' if size == 'test' else size}V{version}" + ("Flash" if flash else "")
+            + ("SingleHost" if single_host else ""))
+
+
+def _fuji(size: str, version: int, *, flash: bool = False,
+          single_host: bool = False) -> type[BaseFuji]:
+    """The experiment class of one AXLearn Fuji config (only pairs AXLearn has)."""
+    if (version, size) not in TOTAL_TOKENS:
+        raise ValueError(f"AXLearn has no fuji-{size}-v{version}; pairs: {sorted(TOTAL_TOKENS)}")
+    if single_host and size not in SINGLE_HOST_SIZES:
+        raise ValueError(f"-single-host exists for {SINGLE_HOST_SIZES} only, not {size}")
+    v, s = VERSIONS[version], SIZES[size]
+    kv = s.kv_heads[version]
+    hparams: dict[str, Any] = dict(
+        NUM_LAYERS=s.num_layers, MODEL_DIMS=s.model_dims, NUM_HEADS=s.num_heads,
+        DIMS_PER_HEAD=s.dims_per_head, HIDDEN_DIMS=s.hidden_dims, TIE_EMBEDDINGS=s.tie_embeddings,
+        LEARNING_RATE=s.learning_rate, DECOUPLED_WEIGHT_DECAY=s.weight_decay,
+        VOCAB_SIZE=v.vocab_size, MAX_SEQ_LEN=v.max_seq_len, ROPE_THETA=v.rope_theta,
+        TOTAL_TOKENS=TOTAL_TOKENS[version, size], TOKENS_PER_BATCH=v.tokens_per_batch,
+    )
+    if kv is not None:
+        hparams["NUM_KV_HEADS"] = kv
+    if size == "test":  # AXLearn's test model: vocab 32, 64 x 64 batch, 3000 steps, data=-1 mesh
+        hparams.update(VOCAB_SIZE=32, MAX_SEQ_LEN=64, TOKENS_PER_BATCH=64 * 64, MAX_STEPS=3000,
+                       EVAL_INTERVAL_STEPS=1500, CHECKPOINT_EVERY_N_STEPS=500,
+                       ICI_MESH_SHAPE=None)
+    if flash:
+        hparams["ATTENTION_KIND"] = "flash"
+    if single_host:
+        divisor = v.single_host_divisor
+        hparams["GLOBAL_BATCH_SIZE"] = Derived(
+            # divisor bound now, not looked up later: the late-binding closure is AXLearn's bug.
+            lambda hp, divisor=divisor: hp.TOKENS_PER_BATCH // hp.MAX_SEQ_LEN // divisor,
+            doc=f"TOKENS_PER_BATCH // MAX_SEQ_LEN // {divisor}",
+        )
+    name = class_name(size, version, flash=flash, single_host=single_host)
+    batch = hparams["TOKENS_PER_BATCH"] // hparams["MAX_SEQ_LEN"] // (
+        v.single_host_divisor if single_host else 1)
+    heads = f"{s.num_heads} heads x {s.dims_per_head}, " + (
+        f"{kv} kv heads" if kv is not None and kv != s.num_heads else "MHA")
+    doc = (
+        f"AXLearn {axlearn_name(size, version, flash=flash, single_host=single_host)}: "
+        f"{s.num_layers} layers, d_model {s.model_dims}, {heads}, ffn {s.hidden_dims}, "
+        f"{'tied' if s.tie_embeddings else 'separate'} head, vocab {hparams['VOCAB_SIZE']:,}, "
+        f"RoPE theta {v.rope_theta:g}; global batch {batch} x {hparams['MAX_SEQ_LEN']}; "
+        f"peak LR {s.learning_rate:g}, weight decay {s.weight_decay:g}."
+        + (" Attention through jax.nn.dot_product_attention (cuDNN flash on GPU)." if flash else "")
+    )
+    if single_host:
+        doc += (
+            f"\n\n    Single host: the batch is divided by {v.single_host_divisor}, as AXLearn "
+            "intends (128 for v3, 32 for v1/v2). AXLearn's code divides by 128 for every version "
+            "(a late-binding loop closure over `version`), so its fuji-7B-v1-single-host trains "
+            "16 x 2048 and its v2 ones 8 x 4096; here they are 64 x 2048 and 32 x 4096 (128K "
+            "tokens, what its docstring timings refer to). MAX_STEPS is unchanged, as in AXLearn."
+        )
+    namespace = dict(hparams, __doc__=doc, __module__=__name__, __qualname__=name,
+                     axlearn_name=axlearn_name(size, version, flash=flash,
+                                               single_host=single_host))
+    return type(name, (BaseFuji,), namespace)
+
+
+FujiTestV1 = _fuji("test", 1)
+FujiTestV1Flash = _fuji("test", 1, flash=True)
+FujiTestV2 = _fuji("test", 2)
+FujiTestV2Flash = _fuji("test", 2, flash=True)
+FujiTestV3 = _fuji("test", 3)
+FujiTestV3Flash = _fuji("test", 3, flash=True)
+
+Fuji7BV1 = _fuji("7B", 1)
+Fuji7BV1Flash = _fuji("7B", 1, flash=True)
+Fuji7BV1SingleHost = _fuji("7B", 1, single_host=True)
+Fuji7BV1FlashSingleHost = _fuji("7B", 1, flash=True, single_host=True)
+Fuji70BV1 = _fuji("70B", 1)
+Fuji70BV1Flash = _fuji("70B", 1, flash=True)
+
+Fuji7BV2 = _fuji("7B", 2)
+Fuji7BV2Flash = _fuji("7B", 2, flash=True)
+Fuji7BV2SingleHost = _fuji("7B", 2, single_host=True)
+Fuji7BV2FlashSingleHost = _fuji("7B", 2, flash=True, single_host=True)
+Fuji70BV2 = _fuji("70B", 2)
+Fuji70BV2Flash = _fuji("70B", 2, flash=True)
+
+Fuji1BV3 = _fuji("1B", 3)
+Fuji1BV3Flash = _fuji("1B", 3, flash=True)
+Fuji1BV3SingleHost = _fuji("1B", 3, single_host=True)
+Fuji1BV3FlashSingleHost = _fuji("1B", 3, flash=True, single_host=True)
+Fuji3BV3 = _fuji("3B", 3)
+Fuji3BV3Flash = _fuji("3B", 3, flash=True)
+Fuji3BV3SingleHost = _fuji("3B", 3, single_host=True)
+Fuji3BV3FlashSingleHost = _fuji("3B", 3, flash=True, single_host=True)
+Fuji7BV3 = _fuji("7B", 3)
+Fuji7BV3Flash = _fuji("7B", 3, flash=True)
+Fuji7BV3SingleHost = _fuji("7B", 3, single_host=True)
+Fuji7BV3FlashSingleHost = _fuji("7B", 3, flash=True, single_host=True)
+Fuji70BV3 = _fuji("70B", 3)
+Fuji70BV3Flash = _fuji("70B", 3, flash=True)
+
+FUJI_EXPERIMENTS: tuple[type[BaseFuji], ...] = (
+    FujiTestV1, FujiTestV1Flash, FujiTestV2, FujiTestV2Flash, FujiTestV3, FujiTestV3Flash,
+    Fuji7BV1, Fuji7BV1Flash, Fuji7BV1SingleHost, Fuji7BV1FlashSingleHost,
+    Fuji70BV1, Fuji70BV1Flash,
+    Fuji7BV2, Fuji7BV2Flash, Fuji7BV2SingleHost, Fuji7BV2FlashSingleHost,
+    Fuji70BV2, Fuji70BV2Flash,
+    Fuji1BV3, Fuji1BV3Flash, Fuji1BV3SingleHost, Fuji1BV3FlashSingleHost,
+    Fuji3BV3, Fuji3BV3Flash, Fuji3BV3SingleHost, Fuji3BV3FlashSingleHost,
+    Fuji7BV3, Fuji7BV3Flash, Fuji7BV3SingleHost, Fuji7BV3FlashSingleHost,
+    Fuji70BV3, Fuji70BV3Flash,
+)
+# AXLearn name -> paxlite class name, for the registry's aliases.
+AXLEARN_NAMES: Mapping[str, str] = MappingProxyType(
+    {cls.axlearn_name: cls.__name__ for cls in FUJI_EXPERIMENTS}
+)
