@@ -9,7 +9,8 @@
 # (all), CONFIG (LLaMA7B; a registered name or a dotted path), CHECKPOINT_RESTORE_PATH, USE_REPEATED_LAYER
 # (False), ENABLE_TE (0), XLA_PYTHON_CLIENT_MEM_FRACTION (0.85), and every hyperparameter below
 # (LEARNING_RATE, LR_SCHEDULE, MAX_STEPS, PERCORE_BATCH_SIZE, MAX_SEQ_LEN, ICI_MESH_SHAPE, DCN_MESH_SHAPE,
-# LR_COS_WARMUP, LR_COS_DECAY_START, LR_COS_DECAY_END).
+# LR_COS_WARMUP, LR_COS_DECAY_START, LR_COS_DECAY_END). TRAIN_TASK (boolq: fine-tune on BoolQ's train split, as
+# Pax's LLaMA configs did; text: the experiment's text data).
 # eval/boolq_acc goes to $JOB_DIR/metrics.jsonl (EVAL_ONLY=1: to the directory holding the checkpoints).
 #
 # Differences from Pax's script, on purpose:
@@ -130,7 +131,10 @@ if [[ "$EVAL_ONLY" == false ]]; then
         RESTORE_FLAGS=("--fdl.CHECKPOINT_RESTORE_PATH=\"$CHECKPOINT_RESTORE_PATH\"")
     fi
     mkdir -p "$JOB_DIR"
+    # Like Pax's LLaMA configs (BoolQDataset), fine-tune on BoolQ's train split; TRAIN_TASK=text trains on
+    # the experiment's text data instead (DATA_DIR / TFDS_DATASET).
     python -u -m paxlite.main --job_log_dir="$JOB_DIR" "${COMMON_FLAGS[@]}" \
+        "--fdl.TRAIN_TASK=\"${TRAIN_TASK:-boolq}\"" \
         ${RESTORE_FLAGS[@]+"${RESTORE_FLAGS[@]}"} "$@" 2>&1 | tee "$LOG_PATH"
     EVAL_DIR=$JOB_DIR
 else

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
+from paxlite.data.feed import BoolQEvalConfig, BoolQTrainConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.transformer import TransformerConfig
@@ -40,7 +40,7 @@ class RunConfig:
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
     mesh: MeshConfig
-    data: SyntheticDataConfig | TextDataConfig | None  # None: evaluation-only (no training data given)
+    data: SyntheticDataConfig | TextDataConfig | BoolQTrainConfig | None  # None: evaluation-only (no training data given)
     # None: evaluate on the training data's eval split
     eval_task: LambadaEvalConfig | BoolQEvalConfig | None = None
     loop: LoopConfig

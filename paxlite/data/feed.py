@@ -230,12 +230,93 @@ class BoolQFeed:
             yield _to_global({key: value[plan.rows] for key, value in batch.items()}, sharding, plan)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BoolQTrainConfig:
+    """Supervised fine-tuning on BoolQ's training split (Pax's LLaMA configs train on the `boolq` task): a
+    SuperGLUE JSONL file (train.jsonl) or TFDS `super_glue/boolq:1.0.2` in `tfds_data_dir`, and the tokenizer."""
+
+    vocab_path: str
+    seq_len: int
+    seed: int = 1234
+    path: str | None = None
+    tfds_data_dir: str | None = None
+    split: str = "train"
+
+    def __post_init__(self):
+        if (self.path is None) == (self.tfds_data_dir is None):
+            raise ValueError(
+                f"BoolQ training needs exactly one source: path={self.path!r} or tfds_data_dir={self.tfds_data_dir!r}"
+            )
+
+
+class BoolQTrainFeed:
+    """BoolQ examples as training rows: one example per row, loss on the answer token only.
+
+    The batch of step `index` is a pure function of (seed, index): global row r of that step is example
+    `perm_e[k mod N]` with k = index * B + r and perm_e a seeded permutation of the N examples for epoch
+    e = k // N. So nothing needs saving for an exact resume, every process can build just its own rows, and
+    each epoch visits every example once in a fresh order. Evaluation batches are the validation split's
+    (use EVAL_TASK=boolq for boolq_acc).
+    """
+
+    metric_prefix = ""
+
+    def __init__(self, config: BoolQTrainConfig, *, plan: FeedPlan):
+        from paxlite.data.tokenizer import Tokenizer
+        from paxlite.eval.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
+
+        self._config = config
+        if config.path is not None:  # read and checked now, before compiling
+            self._examples = read_boolq(config.path)
+        else:
+            self._examples = read_boolq_tfds(config.tfds_data_dir, split=config.split)
+        if not self._examples:
+            raise ValueError(f"BoolQ training data {config.path or config.tfds_data_dir} has no examples")
+        self._tokenizer = Tokenizer(config.vocab_path)
+        yes_no_token_ids(self._tokenizer)
+        self._plan = plan
+
+    def example_indices(self, index: int) -> np.ndarray:
+        """Indices into the examples of the global rows of step `index + 1`, in row order."""
+        n, b = len(self._examples), self._plan.global_batch_size
+        ks = np.arange(index * b, (index + 1) * b, dtype=np.int64)
+        out = np.empty(b, dtype=np.int64)
+        for epoch in np.unique(ks // n):
+            perm = np.random.default_rng([self._config.seed, int(epoch)]).permutation(n)
+            chosen = ks // n == epoch
+            out[chosen] = perm[ks[chosen] % n]
+        return out
+
+    def train_batch(self, index: int, sharding: Sharding) -> Batch:
+        from paxlite.eval.boolq import boolq_batches
+
+        rows = self.example_indices(index)[self._plan.rows]
+        (local,) = boolq_batches([self._examples[i] for i in rows], self._tokenizer,
+                                 seq_len=self._config.seq_len, batch_size=len(rows))
+        train_keys = ("inputs", "targets", "weights", "positions", "segment_ids")
+        return _to_global({key: local[key] for key in train_keys}, sharding, self._plan)
+
+    def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
+        raise ValueError(
+            "BoolQ training has no validation-loss split of its own: evaluate with --fdl.EVAL_TASK=boolq "
+            "(boolq_acc on the validation split)"
+        )
+
+    def state(self) -> None:
+        return None
+
+    def restore(self, record: Any, *, step: int) -> None:
+        del record, step
+
+
 def make_feed(config, *, plan: FeedPlan) -> Feed:
     """The feed for a data or eval-task config; `plan` says which rows this process supplies."""
     if isinstance(config, LambadaEvalConfig):
         return LambadaFeed(config, plan=plan)
     if isinstance(config, BoolQEvalConfig):
         return BoolQFeed(config, plan=plan)
+    if isinstance(config, BoolQTrainConfig):
+        return BoolQTrainFeed(config, plan=plan)
     if isinstance(config, SyntheticDataConfig):
         return SyntheticFeed(config, global_batch_size=plan.global_batch_size)
     return TextFeed(config, plan=plan)

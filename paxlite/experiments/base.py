@@ -45,6 +45,10 @@ class LanguageModelExperiment(Experiment):
     EVAL_TASK: Literal["validation", "lambada", "boolq"] = "validation"
     LAMBADA_PATH: str | None = None  # lambada_test.jsonl ({"text": ...} lines) for EVAL_TASK="lambada"
     BOOLQ_PATH: str | None = None  # SuperGLUE BoolQ val.jsonl (passage, question, label) for EVAL_TASK="boolq"
+    # What training reads: "text" (DATA_DIR / TFDS_DATASET, language modelling) or "boolq" (supervised fine-tuning on
+    # BoolQ's train split, one example per row, loss on the answer token; BOOLQ_TRAIN_PATH or super_glue/boolq:1.0.2).
+    TRAIN_TASK: Literal["text", "boolq"] = "text"
+    BOOLQ_TRAIN_PATH: str | None = None  # SuperGLUE BoolQ train.jsonl for TRAIN_TASK="boolq"
     # Pax's --tfds_data_dir (the flag sets this; else the TFDS_DATA_DIR environment variable). Used when
     # DATA_DIR is unset: training reads TFDS_DATASET there, EVAL_TASK="lambada" reads my_lambada:1.0.0 and
     # EVAL_TASK="boolq" reads super_glue/boolq:1.0.2 (validation split).
@@ -183,11 +187,35 @@ class LanguageModelExperiment(Experiment):
             )
         return fdl.Config(BoolQEvalConfig, **source, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN)
 
+    def boolq_train_config(self):
+        from paxlite.data.feed import BoolQTrainConfig
+
+        if self.EVAL_TASK == "validation":
+            raise ConfigError(
+                "TRAIN_TASK=boolq has no validation-loss split: evaluate with --fdl.EVAL_TASK=boolq (boolq_acc)"
+            )
+        if self.DATA_DIR is not None:
+            raise ConfigError(
+                f"TRAIN_TASK=boolq trains on BoolQ, but DATA_DIR={self.DATA_DIR!r} is set too: drop one of them"
+            )
+        source = {"path": self.BOOLQ_TRAIN_PATH} if self.BOOLQ_TRAIN_PATH else {"tfds_data_dir": self.tfds_data_dir()}
+        if not any(source.values()) or self.vocab_path() is None:
+            raise ConfigError(
+                "TRAIN_TASK=boolq needs BoolQ's train split (--fdl.BOOLQ_TRAIN_PATH=<SuperGLUE train.jsonl>, or "
+                "--tfds_data_dir holding super_glue/boolq:1.0.2 from scripts_gpu/download_boolq.py) and a tokenizer "
+                f"(--fdl.VOCAB_PATH or VOCAB_PATH); got BOOLQ_TRAIN_PATH={self.BOOLQ_TRAIN_PATH}, "
+                f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
+            )
+        return fdl.Config(BoolQTrainConfig, **source, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN,
+                          seed=self.SEED)
+
     def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig] | None:
         if self.uses_synthetic_data():
             return fdl.Config(
                 SyntheticDataConfig, vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, seed=self.SEED
             )
+        if self.TRAIN_TASK == "boolq":
+            return self.boolq_train_config()
         tfds_dir = None if self.DATA_DIR else self.tfds_data_dir()
         if self.DATA_DIR is None and tfds_dir is None and self.EVAL_TASK != "validation":
             return None  # evaluation-only; training without data is refused when it starts

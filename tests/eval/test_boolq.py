@@ -323,3 +323,55 @@ def test_missing_boolq_data_or_vocab_names_what_to_pass(monkeypatch, vocab) -> N
     assert config.eval_task is None and config.loop.eval_num_batches == 10
     _, config = build_run_config(TINY_LLAMA, [f"VOCAB_PATH={vocab!r}", "BOOLQ_PATH='val.jsonl'"])
     assert config.eval_task.path == "val.jsonl" and config.loop.eval_num_batches == -1
+
+
+# ---------------------------------------------------------------- BoolQ as training data (TRAIN_TASK=boolq)
+
+
+def _train_feed(path: str, vocab: str, *, rows: slice, global_batch: int, seed: int = 7):
+    from paxlite.data.feed import BoolQTrainConfig, BoolQTrainFeed
+    from paxlite.data.feeding import FeedPlan
+
+    plan = FeedPlan(feed_index=0, num_feeds=1, row_start=rows.start, row_stop=rows.stop,
+                    global_batch_size=global_batch)
+    return BoolQTrainFeed(BoolQTrainConfig(vocab_path=vocab, seq_len=64, seed=seed, path=path), plan=plan)
+
+
+def test_training_feed_epochs_order_rows_and_weights(tmp_path, vocab, tok) -> None:
+    examples = _examples(10, seed=5)
+    path = _write_jsonl(tmp_path / "train.jsonl", examples)
+    feed = _train_feed(path, vocab, rows=slice(0, 4), global_batch=4)
+    # 10 examples, 4 rows per step: steps 0..4 cover two epochs; each epoch visits every example exactly once.
+    order = np.concatenate([feed.example_indices(i) for i in range(5)])
+    assert sorted(order[:10]) == list(range(10)) and sorted(order[10:20]) == list(range(10))
+    assert list(order[:10]) != list(order[10:20])  # a fresh permutation per epoch
+    # A pure function of (seed, step): a new feed gives the same rows; another seed does not.
+    again = _train_feed(path, vocab, rows=slice(0, 4), global_batch=4)
+    assert np.array_equal(again.example_indices(3), feed.example_indices(3))
+    other = _train_feed(path, vocab, rows=slice(0, 4), global_batch=4, seed=8)
+    assert not np.array_equal(np.concatenate([other.example_indices(i) for i in range(3)]), order[:12])
+    # A process that owns rows 2..4 of the same global batch gets exactly those rows.
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    whole = jax.device_get(feed.train_batch(1, sharding))
+    assert set(whole) == {"inputs", "targets", "weights", "positions", "segment_ids"}
+    yes, no = yes_no_token_ids(tok)
+    for row, example_index in enumerate(feed.example_indices(1)):
+        example = examples[example_index]
+        (weighted,) = np.nonzero(whole["weights"][row])
+        assert whole["targets"][row, weighted[0]] == (yes if example.label else no)  # loss on the answer only
+        prompt = tok.encode(boolq_prompt(passage=example.passage, question=example.question,
+                                         label=int(example.label))[0])
+        assert list(whole["targets"][row, :weighted[0]]) == list(prompt)
+
+
+def test_train_task_boolq_needs_data_and_a_boolq_eval(tmp_path, vocab) -> None:
+    path = _write_jsonl(tmp_path / "train.jsonl", _examples(4))
+    base = [f"VOCAB_PATH={vocab!r}", "TRAIN_TASK='boolq'"]
+    with pytest.raises(ConfigError, match="EVAL_TASK=boolq"):
+        build_run_config(TINY_LLAMA, base + [f"BOOLQ_TRAIN_PATH={path!r}", "EVAL_TASK='validation'"])
+    with pytest.raises(ConfigError, match="BOOLQ_TRAIN_PATH"):
+        build_run_config(TINY_LLAMA, base + ["EVAL_TASK='boolq'", f"BOOLQ_PATH={path!r}"])
+    _, config = build_run_config(TINY_LLAMA, base + [f"BOOLQ_TRAIN_PATH={path!r}", "EVAL_TASK='boolq'",
+                                                      f"BOOLQ_PATH={path!r}"])
+    assert type(config.data).__name__ == "BoolQTrainConfig" and config.data.path == path
