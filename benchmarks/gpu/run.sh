@@ -36,3 +36,21 @@ tok = sorted(l["tokens_per_s"] for l in steady)[len(steady) // 2]
 mfu = sorted(l["mfu"] for l in steady)[len(steady) // 2]
 print(f"Synthetic126M 1 GPU bf16: median tokens/s {tok:,.0f}, median MFU {mfu:.1%} over steps 11-50")
 PY
+
+# fuji-1B-v3 (AXLearn's 1B: 16 layers, d 2048, 32 heads, 8 kv heads, vocab 131072, tied head) for 50 steps at
+# sequence 4096 in bf16 on one GPU: 8 sequences (32,768 tokens) per step, scanned layers, flash attention.
+python3 -m paxlite.main --fdl_config=fuji-1B-v3-flash --fdl.SYNTHETIC_DATA=true \
+  '--fdl.ICI_MESH_SHAPE=[1,1,1]' '--fdl.DCN_MESH_SHAPE=[1,1,1]' --fdl.FPROP_DTYPE=bfloat16 \
+  --fdl.MAX_SEQ_LEN=4096 --fdl.GLOBAL_BATCH_SIZE=8 --fdl.USE_REPEATED_LAYER=true \
+  --fdl.MAX_STEPS=50 --fdl.SUMMARY_INTERVAL_STEPS=10 --fdl.EVAL_INTERVAL_STEPS=1000 --fdl.EVAL_LOOP_NUM_BATCHES=1 \
+  --enable_checkpoint_saving=false --job_log_dir="$OUT_DIR/fuji1b" --alsologtostderr \
+  2>&1 | grep -v 'Involuntary full rematerialization' | tee "$OUT_DIR/fuji1b.log"
+cp "$OUT_DIR/fuji1b/metrics.jsonl" "$OUT_DIR/fuji1b_metrics.jsonl"
+python3 - "$OUT_DIR/fuji1b_metrics.jsonl" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+steady = [l for l in lines if l["step"] > 10]
+tok = sorted(l["tokens_per_s"] for l in steady)[len(steady) // 2]
+mfu = sorted(l["mfu"] for l in steady)[len(steady) // 2]
+print(f"fuji-1B-v3 1 GPU bf16 seq 4096: median tokens/s {tok:,.0f}, median MFU {mfu:.1%} over steps 11-50")
+PY
