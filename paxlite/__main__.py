@@ -1,6 +1,7 @@
 """`python -m paxlite list`, `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
-`plot JOB_DIR` and `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
-paxlite/plan.py)."""
+`plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
+paxlite/plan.py) and `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its adapters
+folded in; see paxlite/train/export.py)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,29 @@ def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     return plan.run_plan_command(request, output_format=plan.OutputFormat(args.format))
 
 
+def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
+    from paxlite.config.build import default_registry, load_experiment
+    from paxlite.config.errors import ConfigError
+    from paxlite.config.overrides import parse_overrides
+    from paxlite.config.registry import resolve_experiment
+    from paxlite.train import export, pretrained
+
+    try:
+        if args.fdl_config:
+            experiment = load_experiment(args.fdl_config, assignments)
+        else:  # the job's own record of its experiment and overrides
+            name, overrides = export.job_config_record(args.input)
+            cls = resolve_experiment(name, default_registry())
+            experiment = cls.resolve({**overrides, **parse_overrides(cls, assignments)})
+        model = fdl.build(experiment.with_lora(experiment.model_config()))
+        print(export.export_merged(args.input, args.output, model_config=model))
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError,
+            pretrained.PretrainedCheckpointError) as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m paxlite")
@@ -109,6 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot = commands.add_parser("plot", help="PNG of a job's train and validation loss curves")
     plot.add_argument("job_log_dir")
     plot.add_argument("--output", default=None, help="PNG path (default: JOB_LOG_DIR/loss.png)")
+    export = commands.add_parser(
+        "export_merged", help="a LoRA run's parameters with the adapters folded in (base model)")
+    export.add_argument("--input", required=True,
+                        help="the LoRA job dir, its checkpoints/ or one checkpoint_<STEP> dir")
+    export.add_argument("--output", required=True, help="new directory for the merged checkpoint")
+    export.add_argument("--fdl_config", default=None,
+                        help="the run's experiment (default: read from the job's config.json)")
     args, extra = parser.parse_known_args(argv)
     assignments = []
     for item in extra:
@@ -128,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return _plan(args, assignments)
+    if args.command == "export_merged":
+        return _export_merged(args, assignments)
     if args.command == "list":
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")
