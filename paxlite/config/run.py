@@ -30,7 +30,7 @@ class LoopConfig:
     flops_per_token: int
     peak_tflops: float | None = None
     grad_accum_steps: int = 1  # microbatches per optimizer step; the global batch is unchanged
-    # Parameters to initialise a run without checkpoints from (Pax CHECKPOINT_RESTORE_PATH; the formats
+    # Parameters to initialise a run without checkpoints from (Pax CHECKPOINT_RESTORE_PATH; what
     # train/pretrained.py reads), except those a CHECKPOINT_IGNORE_RULES regex matches.
     checkpoint_restore_path: str | None = None
     checkpoint_ignore_rules: tuple[str, ...] = ()

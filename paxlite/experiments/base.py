@@ -51,17 +51,20 @@ class LanguageModelExperiment(Experiment):
     # grain: TFDS ArrayRecord files, random access, exact resume, no TensorFlow. seqio: Pax's own tasks
     # (the_pile_lm, c4_lm_v301_gpt) through TensorFlow; needs pip install 'paxlite[seqio]'.
     INPUT_PIPELINE: Literal["grain", "seqio"] = "grain"
-    # Initialise from pretrained weights (Pax CheckpointRestoreMixin): a job directory, its checkpoints/ or one
-    # checkpoint_<STEP> directory (e.g. written by python -m paxlite convert). Used only when the job has no
-    # checkpoint of its own; the run starts at step 0 with fresh optimizer state. docs/training.md.
+    # Initialise from pretrained weights (Pax CheckpointRestoreMixin): a job directory, its
+    # checkpoints/ or one checkpoint_<STEP> directory (e.g. from python -m paxlite convert). Used
+    # only when the job has no checkpoint of its own; the run starts at step 0 with fresh optimizer
+    # state. docs/training.md.
     CHECKPOINT_RESTORE_PATH: str | None = None
-    # Regexes of parameters NOT read from CHECKPOINT_RESTORE_PATH (they keep their fresh initialisation), matched
-    # as Pax does (re.match) against the path joined with '/' (layers_0/mlp/wi/kernel) and with '.'.
+    # Regexes of parameters NOT read from CHECKPOINT_RESTORE_PATH (they keep their fresh
+    # initialisation), matched as Pax does (re.match) against the path joined with '/'
+    # (layers_0/mlp/wi/kernel) and with '.'.
     CHECKPOINT_IGNORE_RULES: list[str] | None = Derived(
-        lambda hp: [PAX_LORA_RULE] if hp.USE_LORA else None, doc="['^.*lora.*$'] if USE_LORA else None")
-    # LoRA (Pax LoRAMixin): adapters of rank LORA_RANK on LORA_TARGET_LAYERS ("attention": q, k, v and the
-    # attention output; "mlp": every MLP matmul; "all": both); only they train. The deltas are scaled by
-    # LORA_ALPHA / LORA_RANK; None means LORA_ALPHA = LORA_RANK (scale 1, Pax's unscaled adapters).
+        lambda hp: [PAX_LORA_RULE] if hp.USE_LORA else None,
+        doc="['^.*lora.*$'] if USE_LORA else None")
+    # LoRA (Pax LoRAMixin): adapters of rank LORA_RANK on LORA_TARGET_LAYERS ("attention": q, k, v
+    # and the attention output; "mlp": every MLP matmul; "all": both); only they train. The deltas
+    # are scaled by LORA_ALPHA / LORA_RANK; None means LORA_ALPHA = LORA_RANK (scale 1, as Pax).
     USE_LORA: bool = False
     LORA_RANK: int = 8
     LORA_TARGET_LAYERS: Literal["all", "attention", "mlp"] = "all"
@@ -91,21 +94,24 @@ class LanguageModelExperiment(Experiment):
                 "(e.g. 'the_pile:1.0.0', 'c4/en:3.0.1')"
             )
         if self.LORA_RANK <= 0:
-            raise ConfigError(f"LORA_RANK={self.LORA_RANK} must be a positive integer (Pax's default is 8)")
+            raise ConfigError(
+                f"LORA_RANK={self.LORA_RANK} must be a positive integer (Pax's default is 8)")
         if self.LORA_ALPHA is not None and not self.LORA_ALPHA > 0:
-            raise ConfigError(f"LORA_ALPHA={self.LORA_ALPHA} must be > 0, or None (= LORA_RANK: scale 1, as Pax)")
+            raise ConfigError(
+                f"LORA_ALPHA={self.LORA_ALPHA} must be > 0, or None (= LORA_RANK: scale 1, as Pax)")
         for rule in self.CHECKPOINT_IGNORE_RULES or []:
             try:
                 re.compile(rule)
             except re.error as e:
-                raise ConfigError(f"CHECKPOINT_IGNORE_RULES: {rule!r} is not a regular expression: {e}") from e
+                raise ConfigError(
+                    f"CHECKPOINT_IGNORE_RULES: {rule!r} is not a regular expression: {e}") from e
 
     # ------------------------------------------------------------------ parts
     def model_config(self) -> fdl.Config[TransformerConfig]:
         raise ConfigError(f"{self.name} does not describe a model; subclass a model family")
 
     def with_lora(self, model: fdl.Config[TransformerConfig]) -> fdl.Config[TransformerConfig]:
-        """The family's base model with USE_LORA's adapters added (families describe only the base model)."""
+        """The family's base model plus USE_LORA's adapters (families describe the base model)."""
         if self.USE_LORA:
             model.lora_rank = self.LORA_RANK
             model.lora_alpha = self.LORA_ALPHA

@@ -3,9 +3,9 @@
 `python -m paxlite export_merged --input=JOB_DIR --output=DIR` reads the latest checkpoint of a LoRA
 job (or a `checkpoints/` or `checkpoint_<STEP>` directory), computes `kernel + (alpha / r) * A @ B`
 for every adapted projection (models/lora.py:merge_lora) and writes an ordinary pretrained
-checkpoint (train/pretrained.py: `DIR/checkpoints/checkpoint_<STEP>/state` and `DIR/model_config.json`
-with the base model's config, no LoRA). That is what the Hugging Face converter and
-CHECKPOINT_RESTORE_PATH read, and it runs at the base model's speed.
+checkpoint (train/pretrained.py: `DIR/checkpoints/checkpoint_<STEP>/state`, and
+`DIR/model_config.json` with the base model's config, no LoRA). That is what the Hugging Face
+converter and CHECKPOINT_RESTORE_PATH read, and it runs at the base model's speed.
 """
 
 from __future__ import annotations

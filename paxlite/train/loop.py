@@ -179,8 +179,8 @@ class Run:
         wanted = {name: leaf for name, leaf in flat.items() if name not in ignored}
         if not wanted:
             raise ValueError(
-                f"CHECKPOINT_IGNORE_RULES={list(rules)} exclude every parameter, so nothing would be "
-                f"read from CHECKPOINT_RESTORE_PATH={path}"
+                f"CHECKPOINT_IGNORE_RULES={list(rules)} exclude every parameter, so nothing "
+                f"would be read from CHECKPOINT_RESTORE_PATH={path}"
             )
         return wanted, ignored
 
@@ -193,11 +193,12 @@ class Run:
         """Every parameter that no CHECKPOINT_IGNORE_RULES rule matches, read from `path` with its
         sharding (a subset of the params tree)."""
         wanted, ignored = self._restore_plan(path)
-        step, loaded = pretrained.restore_params(path, traverse_util.unflatten_dict(wanted, sep="/"))
+        abstract = traverse_util.unflatten_dict(wanted, sep="/")
+        step, loaded = pretrained.restore_params(path, abstract)
         logging.info(
-            "Initialised %d of %d parameters from CHECKPOINT_RESTORE_PATH=%s (its step %d); this run "
-            "starts at step 0 with fresh optimizer state", len(wanted), len(wanted) + len(ignored),
-            path, step)
+            "Initialised %d of %d parameters from CHECKPOINT_RESTORE_PATH=%s (its step %d); this "
+            "run starts at step 0 with fresh optimizer state",
+            len(wanted), len(wanted) + len(ignored), path, step)
         if ignored:
             logging.info("Kept at their fresh initialisation (CHECKPOINT_IGNORE_RULES=%s): %s",
                          list(self.config.loop.checkpoint_ignore_rules), ", ".join(ignored))

@@ -5,8 +5,8 @@ input/output shardings (parameters and optimizer state by the logical-axis rules
 metrics replicated) and donates the train state, so a step updates parameters in place.
 
 With a `trainable` predicate over parameter paths (LoRA: only the adapters, Pax's
-`bprop_variable_inclusion`), the step differentiates with respect to the trainable subtree only and the
-optimizer state holds only its leaves; the other parameters pass through the step unchanged.
+`bprop_variable_inclusion`), the step differentiates with respect to the trainable subtree only
+and the optimizer state holds only its leaves; the other parameters pass through unchanged.
 """
 
 from __future__ import annotations
@@ -172,8 +172,8 @@ def _accumulated_loss_and_grads(
     microbatches may hold different numbers of weighted tokens; so each microbatch contributes the
     gradient of its loss *sum*, and the total is divided once by the whole batch's token count.
     The result is the gradient of the batch's mean loss, not a mean of microbatch means.
-    `lax.scan` keeps one microbatch's activations alive at a time. Gradients are taken with respect to
-    `params`, which `combine` completes into the model's parameters (frozen ones added).
+    `lax.scan` keeps one microbatch's activations alive at a time. Gradients are taken with respect
+    to `params`, which `combine` completes into the model's parameters (frozen ones added).
     """
     micro = split_microbatches(batch, num_microbatches)
     num_tokens = jnp.sum(batch["weights"].astype(jnp.float32))

@@ -1,4 +1,4 @@
-"""LoRA on the model: Pax's target sets and layouts, exact step-0 identity, merging, alpha scaling."""
+"""LoRA on the model: Pax's target sets and layouts, exact step-0 identity, merging, alpha."""
 
 import dataclasses
 
