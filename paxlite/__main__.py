@@ -1,7 +1,8 @@
 """`python -m paxlite list`, `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
 `plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
-paxlite/plan.py) and `convert --from=hf|meta|paxlite --to=paxlite|hf --input=P --output=P`
-(paxlite/interop/convert.py)."""
+paxlite/plan.py), `convert --from=hf|meta|paxlite --to=paxlite|hf --input=P --output=P`
+(paxlite/interop/convert.py) and `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
+adapters folded in; see paxlite/train/export.py)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,29 @@ def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     return plan.run_plan_command(request, output_format=plan.OutputFormat(args.format))
 
 
+def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
+    from paxlite.config.build import default_registry, load_experiment
+    from paxlite.config.errors import ConfigError
+    from paxlite.config.overrides import parse_overrides
+    from paxlite.config.registry import resolve_experiment
+    from paxlite.train import export, pretrained
+
+    try:
+        if args.fdl_config:
+            experiment = load_experiment(args.fdl_config, assignments)
+        else:  # the job's own record of its experiment and overrides
+            name, overrides = export.job_config_record(args.input)
+            cls = resolve_experiment(name, default_registry())
+            experiment = cls.resolve({**overrides, **parse_overrides(cls, assignments)})
+        model = fdl.build(experiment.with_lora(experiment.model_config()))
+        print(export.export_merged(args.input, args.output, model_config=model))
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError,
+            pretrained.PretrainedCheckpointError) as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m paxlite")
@@ -118,6 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_convert_arguments(commands.add_parser(
         "convert", help="checkpoints: HF/Meta/paxlite -> paxlite/HF (accepts --fdl.NAME=VALUE)"))
+    export = commands.add_parser(
+        "export_merged", help="a LoRA run's parameters with the adapters folded in (base model)")
+    export.add_argument("--input", required=True,
+                        help="the LoRA job dir, its checkpoints/ or one checkpoint_<STEP> dir")
+    export.add_argument("--output", required=True, help="new directory for the merged checkpoint")
+    export.add_argument("--fdl_config", default=None,
+                        help="the run's experiment (default: read from the job's config.json)")
     args, extra = parser.parse_known_args(argv)
     assignments = []
     for item in extra:
@@ -141,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from paxlite.interop.convert import run_cli
 
         return run_cli(args, assignments)
+    if args.command == "export_merged":
+        return _export_merged(args, assignments)
     if args.command == "list":
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")

@@ -31,6 +31,10 @@ class LoopConfig:
     peak_tflops: float | None = None
     grad_accum_steps: int = 1  # microbatches per optimizer step; the global batch is unchanged
     global_batch_size: int | None = None  # GLOBAL_BATCH_SIZE; None: percore_batch_size x devices
+    # Parameters to initialise a run without checkpoints from (Pax CHECKPOINT_RESTORE_PATH; what
+    # train/pretrained.py reads), except those a CHECKPOINT_IGNORE_RULES regex matches.
+    checkpoint_restore_path: str | None = None
+    checkpoint_ignore_rules: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

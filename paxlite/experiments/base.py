@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from typing import ClassVar, Literal
 
 import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
-from paxlite.config.experiment import Experiment
+from paxlite.config.experiment import Derived, Experiment
 from paxlite.config.run import LoopConfig, RunConfig
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.attention import AttentionKind
+from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
 from paxlite.models.transformer import RematPolicy, TransformerConfig
 from paxlite.parallel.mesh import MeshConfig
 from paxlite.train import flops as flops_lib
@@ -64,6 +66,24 @@ class LanguageModelExperiment(Experiment):
     # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash"
     # (jax.nn.dot_product_attention; cuDNN flash attention on GPUs). Same parameters, same result.
     ATTENTION_KIND: Literal["dot_product", "flash"] = "dot_product"
+    # Initialise from pretrained weights (Pax CheckpointRestoreMixin): a job directory, its
+    # checkpoints/ or one checkpoint_<STEP> directory (e.g. from python -m paxlite convert). Used
+    # only when the job has no checkpoint of its own; the run starts at step 0 with fresh optimizer
+    # state. docs/training.md.
+    CHECKPOINT_RESTORE_PATH: str | None = None
+    # Regexes of parameters NOT read from CHECKPOINT_RESTORE_PATH (they keep their fresh
+    # initialisation), matched as Pax does (re.match) against the path joined with '/'
+    # (layers_0/mlp/wi/kernel) and with '.'.
+    CHECKPOINT_IGNORE_RULES: list[str] | None = Derived(
+        lambda hp: [PAX_LORA_RULE] if hp.USE_LORA else None,
+        doc="['^.*lora.*$'] if USE_LORA else None")
+    # LoRA (Pax LoRAMixin): adapters of rank LORA_RANK on LORA_TARGET_LAYERS ("attention": q, k, v
+    # and the attention output; "mlp": every MLP matmul; "all": both); only they train. The deltas
+    # are scaled by LORA_ALPHA / LORA_RANK; None means LORA_ALPHA = LORA_RANK (scale 1, as Pax).
+    USE_LORA: bool = False
+    LORA_RANK: int = 8
+    LORA_TARGET_LAYERS: Literal["all", "attention", "mlp"] = "all"
+    LORA_ALPHA: float | None = None
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
@@ -101,10 +121,30 @@ class LanguageModelExperiment(Experiment):
                 f"TFDS_DATASET={self.TFDS_DATASET!r}: paxlite trains language models on {sorted(LM_TEXT_FEATURES)} "
                 "(e.g. 'the_pile:1.0.0', 'c4/en:3.0.1')"
             )
+        if self.LORA_RANK <= 0:
+            raise ConfigError(
+                f"LORA_RANK={self.LORA_RANK} must be a positive integer (Pax's default is 8)")
+        if self.LORA_ALPHA is not None and not self.LORA_ALPHA > 0:
+            raise ConfigError(
+                f"LORA_ALPHA={self.LORA_ALPHA} must be > 0, or None (= LORA_RANK: scale 1, as Pax)")
+        for rule in self.CHECKPOINT_IGNORE_RULES or []:
+            try:
+                re.compile(rule)
+            except re.error as e:
+                raise ConfigError(
+                    f"CHECKPOINT_IGNORE_RULES: {rule!r} is not a regular expression: {e}") from e
 
     # ------------------------------------------------------------------ parts
     def model_config(self) -> fdl.Config[TransformerConfig]:
         raise ConfigError(f"{self.name} does not describe a model; subclass a model family")
+
+    def with_lora(self, model: fdl.Config[TransformerConfig]) -> fdl.Config[TransformerConfig]:
+        """The family's base model plus USE_LORA's adapters (families describe the base model)."""
+        if self.USE_LORA:
+            model.lora_rank = self.LORA_RANK
+            model.lora_alpha = self.LORA_ALPHA
+            model.lora_targets = LoraTargets(self.LORA_TARGET_LAYERS)
+        return model
 
     def remat_policy(self) -> RematPolicy:
         """Pax applies CHECKPOINT_POLICY to the repeated (scanned) stack only; unrolled layers keep everything."""
@@ -292,6 +332,8 @@ class LanguageModelExperiment(Experiment):
             peak_tflops=self.PEAK_TFLOPS,
             grad_accum_steps=self.GRAD_ACCUM_STEPS,
             global_batch_size=self.GLOBAL_BATCH_SIZE,
+            checkpoint_restore_path=self.CHECKPOINT_RESTORE_PATH,
+            checkpoint_ignore_rules=tuple(self.CHECKPOINT_IGNORE_RULES or ()),
         )
 
     # ------------------------------------------------------------------ the run
@@ -300,7 +342,7 @@ class LanguageModelExperiment(Experiment):
         return fdl.Config(
             RunConfig,
             experiment=self.name,
-            model=self.model_config(),
+            model=self.with_lora(self.model_config()),
             optimizer=self.optimizer_config(),
             schedule=self.schedule_config(),
             mesh=self.mesh_config(),

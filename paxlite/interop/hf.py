@@ -253,9 +253,9 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
     if lora:
         raise UnsupportedCheckpointError(
             f"{step_dir} holds LoRA parameters ({', '.join(lora[:4])}"
-            f"{', ...' if len(lora) > 4 else ''}); export the merged model instead: merge the LoRA "
-            "weights into the base weights (paxlite.models.lora.merge_lora) and save that "
-            "checkpoint")
+            f"{', ...' if len(lora) > 4 else ''}); fold the adapters into the base weights first: "
+            f"python -m paxlite export_merged --input={step_dir} --output=MERGED_DIR, then convert "
+            "MERGED_DIR")
     family = family_of_config(config)
     # Read onto one local device: a converter holds the whole model on the host anyway.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

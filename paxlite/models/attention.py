@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from paxlite.models.linear import Linear
+from paxlite.models.lora import LoraSpec
 from paxlite.models.rotary import apply_rotary
 
 HEAD_ACTIVATION_AXES: tuple[str, ...] = (
@@ -96,6 +97,8 @@ class Attention(nn.Module):
             q and k at the positions passed to ``__call__``.
         attention_kind: DOT_PRODUCT (einsums) or FLASH (``jax.nn.dot_product_attention``, causal,
             with ``mask`` further restricting it, e.g. to packed segments).
+        lora: LoRA adapters on q, k, v (separate ones per q/k/v also when fused) and the output
+            projection (Pax LORA_TARGET_LAYERS "attention"); None: none.
     """
 
     num_heads: int
@@ -107,9 +110,10 @@ class Attention(nn.Module):
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
     attention_kind: AttentionKind = AttentionKind.DOT_PRODUCT
+    lora: LoraSpec | None = None
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
-                name: str) -> Linear:
+                name: str, lora_groups: int = 0) -> Linear:
         return Linear(
             equation=equation,
             kernel_shape=shape,
@@ -118,6 +122,7 @@ class Attention(nn.Module):
             init_std=self.init_std,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            lora=None if self.lora is None else self.lora.with_groups(lora_groups),
             name=name,
         )
 
@@ -140,7 +145,7 @@ class Attention(nn.Module):
         if not grouped:
             qkv = self._linear(
                 equation="BTD,DKNH->BTKNH", shape=(model_dims, 3, n, h),
-                axes=("embed", "qkv", "heads", "kv"), name="qkv",
+                axes=("embed", "qkv", "heads", "kv"), name="qkv", lora_groups=1,
             )(x)  # [B, T, 3, N, H]
             qkv = checkpoint_name(qkv, QKV_PROJ_NAME)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, T, N, H]
@@ -203,6 +208,7 @@ class Attention(nn.Module):
             init_std=self.init_std,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            lora=self.lora,
             name="out",
         )(out)  # [B, T, D]
         return checkpoint_name(out, OUT_PROJ_NAME)

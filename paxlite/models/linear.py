@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.typing import DTypeLike
 
+from paxlite.models.lora import LoraSpec, create_lora_params, lora_output
+
 
 class Linear(nn.Module):
     """``y = einsum(equation, x, kernel) + bias`` with params in param_dtype, math in dtype.
@@ -25,6 +27,8 @@ class Linear(nn.Module):
         bias_axes: logical names of the bias, whose shape is the last ``len(bias_axes)``
             kernel dimensions (the output features); ``None`` means no bias.
         init_std: the kernel is initialised from normal(0, init_std); the bias with zeros.
+        lora: None, or low-rank adapters ``lora_a`` / ``lora_b`` beside the kernel
+            (models/lora.py): ``y = x @ kernel + scale * (x @ lora_a) @ lora_b``.
     """
 
     equation: str
@@ -34,6 +38,7 @@ class Linear(nn.Module):
     init_std: float = 0.02
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
+    lora: LoraSpec | None = None
 
     def setup(self) -> None:
         operands = self.equation.split("->")[0].split(",")
@@ -63,9 +68,18 @@ class Linear(nn.Module):
                 bias_shape,
                 self.param_dtype,
             )
+        if self.lora is not None:
+            self.lora_a, self.lora_b = create_lora_params(
+                self, equation=self.equation, kernel_shape=self.kernel_shape,
+                kernel_axes=self.kernel_axes, spec=self.lora, init_std=self.init_std,
+                param_dtype=self.param_dtype,
+            )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel.astype(self.dtype))
+        if self.lora is not None:
+            y = y + lora_output(x, self.lora_a, self.lora_b, equation=self.equation,
+                                spec=self.lora, dtype=self.dtype)
         if self.bias_axes is not None:
             y = y + self.bias.astype(self.dtype)
         return y

@@ -13,6 +13,7 @@ from flax import linen as nn
 from jax.typing import DTypeLike
 
 from paxlite.models.linear import Linear
+from paxlite.models.lora import LoraSpec
 
 MLP_ACTIVATION_AXES: tuple[str, ...] = ("activation_batch", "activation_length", "activation_mlp")
 
@@ -24,7 +25,8 @@ class Mlp(nn.Module):
     ``hidden = act(x @ wi_gate) * (x @ wi)``, which with SiLU is LLaMA's SwiGLU
     (Pax ``ffn_layer1_gate`` / ``ffn_layer1`` / ``ffn_layer2``; HF ``gate_proj`` / ``up_proj`` /
     ``down_proj``). ``activation`` is a plain callable so the module stays independent of the
-    config enums; the transformer maps its ``Activation`` enum to a function.
+    config enums; the transformer maps its ``Activation`` enum to a function. ``lora`` puts LoRA
+    adapters on all of ``wi``, ``wi_gate`` and ``wo`` (Pax LORA_TARGET_LAYERS "mlp").
     """
 
     hidden_dims: int
@@ -34,6 +36,7 @@ class Mlp(nn.Module):
     init_std: float = 0.02
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
+    lora: LoraSpec | None = None
 
     def _linear(self, *, equation: str, shape: tuple[int, int], axes: tuple[str, str],
                 bias_axes: tuple[str, ...], name: str) -> Linear:
@@ -45,6 +48,7 @@ class Mlp(nn.Module):
             init_std=self.init_std,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            lora=self.lora,
             name=name,
         )
 

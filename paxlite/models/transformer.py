@@ -32,6 +32,7 @@ from paxlite.models.attention import (
 )
 from paxlite.models.embedding import Embed
 from paxlite.models.linear import Linear
+from paxlite.models.lora import LoraSpec, LoraTargets, check_alpha, check_rank
 from paxlite.models.mlp import Mlp
 from paxlite.models.norms import LayerNorm, RMSNorm
 from paxlite.models.rotary import DEFAULT_THETA
@@ -140,6 +141,10 @@ class TransformerConfig:
     ``position_embedding`` is the position switch; when it is None the older boolean
     ``learned_position_embedding`` decides (True: LEARNED, False: NONE), so GPT configs that only
     set the boolean keep working. Read the resolved kind from ``position_kind``.
+
+    ``lora_rank`` adds LoRA adapters of that rank to the projections ``lora_targets`` names
+    (models/lora.py); the base weights keep their names and shapes, so a base checkpoint loads
+    into a LoRA model unchanged.
     """
 
     vocab_size: int
@@ -168,9 +173,16 @@ class TransformerConfig:
     remat_policy: RematPolicy = RematPolicy.NONE
     dtype: str = "float32"  # compute dtype; params are always param_dtype
     param_dtype: str = "float32"
+    lora_rank: int | None = None  # LoRA adapters of this rank (Pax LORA_RANK); None: no LoRA
+    lora_alpha: float | None = None  # deltas scaled by alpha / rank; None: alpha = rank (Pax)
+    lora_targets: LoraTargets = LoraTargets.ALL  # which projections (Pax LORA_TARGET_LAYERS)
 
     def __post_init__(self) -> None:
         _coerce_enum(self, "norm", NormKind)
+        _coerce_enum(self, "lora_targets", LoraTargets)
+        if self.lora_rank is not None:
+            check_rank(self.lora_rank, name="TransformerConfig.lora_rank")
+        check_alpha(self.lora_alpha, name="TransformerConfig.lora_alpha")
         _coerce_enum(self, "activation", Activation)
         _coerce_enum(self, "remat_policy", RematPolicy)
         _coerce_enum(self, "attention_kind", AttentionKind)
@@ -236,6 +248,13 @@ class TransformerConfig:
     def kv_heads(self) -> int:
         """Key/value heads actually used (num_heads when num_kv_heads is None)."""
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def lora_spec(self) -> LoraSpec | None:
+        """The adapters of every targeted Linear, or None without LoRA."""
+        if self.lora_rank is None:
+            return None
+        return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha)
 
     @property
     def embedding_init_std(self) -> float:
@@ -315,6 +334,7 @@ class Block(nn.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             attention_kind=cfg.attention_kind,
+            lora=cfg.lora_spec if cfg.lora_targets.attention else None,
             name="attention",
         )(h, mask, positions)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
@@ -330,6 +350,7 @@ class Block(nn.Module):
             init_std=cfg.init_std,
             dtype=dtype,
             param_dtype=param_dtype,
+            lora=cfg.lora_spec if cfg.lora_targets.mlp else None,
             name="mlp",
         )(h)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
@@ -454,7 +475,7 @@ def abstract_variables(config: TransformerConfig) -> Any:
 
 
 def num_params(config: TransformerConfig) -> int:
-    """Exact number of parameters (all trainable), computed abstractly."""
+    """Exact number of parameters (LoRA adapters included), computed abstractly."""
     params = nn.meta.unbox(abstract_variables(config)["params"])
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
 

@@ -10,30 +10,51 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from absl import logging
+from flax import traverse_util
 
 from paxlite.config.run import RunConfig
 from paxlite.data.feed import make_feed
 from paxlite.data.feeding import plan_feeding
 from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
+from paxlite.models.lora import is_lora_path
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
 from paxlite.train import flops as flops_lib
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.metrics import MetricsWriter
+from paxlite.train import pretrained
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import CompiledSteps, TrainState, compile_steps, microbatch_size
+from paxlite.train.step import (
+    CompiledSteps,
+    TrainState,
+    compile_steps,
+    join_params,
+    microbatch_size,
+)
 
 
 class TrainingDivergedError(FloatingPointError):
     """A non-finite loss or gradient norm; the bad state is never checkpointed."""
+
+
+def ignored_by(rules: Sequence[str], path: str) -> bool:
+    """Whether a '/'-joined parameter path matches one of CHECKPOINT_IGNORE_RULES.
+
+    As Pax: `re.match` (anchored at the start, not the end), and a rule may be written with Pax's
+    '.' separator or paxlite's '/': each rule is tried on both spellings of the path.
+    """
+    dotted = path.replace("/", ".")
+    return any(re.match(rule, path) or re.match(rule, dotted) for rule in rules)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,6 +111,8 @@ class Run:
                 seed=config.loop.seed,
                 deterministic=deterministic,
                 grad_accum_steps=config.loop.grad_accum_steps,
+                # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
+                trainable=is_lora_path if config.model.lora_rank is not None else None,
             )
         self.peak_flops = flops_lib.peak_flops_per_device(
             jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops
@@ -104,6 +127,12 @@ class Run:
         self.writer = MetricsWriter(
             context.job_dir, enabled=jax.process_index() == 0, max_steps=config.loop.max_steps
         )
+        if config.loop.checkpoint_restore_path is not None and not self.checkpointer.all_steps():
+            try:
+                self._check_restore_path(config.loop.checkpoint_restore_path)
+            except Exception:
+                self.close()
+                raise
 
     def close(self) -> None:
         self.checkpointer.close()
@@ -117,6 +146,10 @@ class Run:
 
     # ---------------------------------------------------------------- state
     def restore_or_init(self) -> TrainState:
+        """Pax's order: (1) the latest checkpoint of this job (resume), else (2) a fresh
+        initialisation, overwritten from CHECKPOINT_RESTORE_PATH where one is set (step 0, fresh
+        optimizer state)."""
+        restore_path = self.config.loop.checkpoint_restore_path
         with jax.set_mesh(self.mesh):
             restored = self.checkpointer.restore_latest(self.steps.abstract_state)
             if restored is not None:
@@ -124,10 +157,54 @@ class Run:
                 if self.data is not None:
                     self.data.restore(self.checkpointer.restore_data(step), step=step)
                 logging.info("Resumed from checkpoint step %d in %s", step, self.context.job_dir)
+                if restore_path is not None:
+                    logging.info("CHECKPOINT_RESTORE_PATH=%s is ignored: it only initialises a run "
+                                 "that has no checkpoint of its own", restore_path)
                 return state
             logging.info("No checkpoint in %s: initialising from seed %d",
                          self.context.job_dir, self.config.loop.seed)
-            return self.steps.init()
+            return self._init_state()
+
+    def _init_state(self) -> TrainState:
+        """A fresh state, its parameters overwritten from CHECKPOINT_RESTORE_PATH where one is set
+        (read first, so a bad path or shape is reported before anything compiles)."""
+        path = self.config.loop.checkpoint_restore_path
+        loaded = None if path is None else self._read_pretrained(path)
+        state = self.steps.init()
+        return state if loaded is None else state.replace(params=join_params(loaded, state.params))
+
+    def _restore_plan(self, path: str) -> tuple[dict, list[str]]:
+        """({name: abstract leaf} to read, [names left at their initialisation])."""
+        rules = self.config.loop.checkpoint_ignore_rules
+        flat = traverse_util.flatten_dict(self.steps.abstract_state.params, sep="/")
+        ignored = sorted(name for name in flat if ignored_by(rules, name))
+        wanted = {name: leaf for name, leaf in flat.items() if name not in ignored}
+        if not wanted:
+            raise ValueError(
+                f"CHECKPOINT_IGNORE_RULES={list(rules)} exclude every parameter, so nothing "
+                f"would be read from CHECKPOINT_RESTORE_PATH={path}"
+            )
+        return wanted, ignored
+
+    def _check_restore_path(self, path: str) -> None:
+        """A missing restore path or rules that exclude everything: said before anything runs."""
+        pretrained.find_checkpoint(path)
+        self._restore_plan(path)
+
+    def _read_pretrained(self, path: str) -> dict:
+        """Every parameter that no CHECKPOINT_IGNORE_RULES rule matches, read from `path` with its
+        sharding (a subset of the params tree)."""
+        wanted, ignored = self._restore_plan(path)
+        abstract = traverse_util.unflatten_dict(wanted, sep="/")
+        step, loaded = pretrained.restore_params(path, abstract)
+        logging.info(
+            "Initialised %d of %d parameters from CHECKPOINT_RESTORE_PATH=%s (its step %d); this "
+            "run starts at step 0 with fresh optimizer state",
+            len(wanted), len(wanted) + len(ignored), path, step)
+        if ignored:
+            logging.info("Kept at their fresh initialisation (CHECKPOINT_IGNORE_RULES=%s): %s",
+                         list(self.config.loop.checkpoint_ignore_rules), ", ".join(ignored))
+        return loaded
 
     # ---------------------------------------------------------------- eval
     def evaluate(self, state: TrainState) -> dict[str, float]:
@@ -168,13 +245,18 @@ class Run:
         return metrics
 
     def run_eval(self) -> dict[str, float]:
-        """--mode=eval: evaluate the latest checkpoint; there must be one."""
+        """--mode=eval: evaluate the latest checkpoint of the job; without one, the parameters
+        CHECKPOINT_RESTORE_PATH gives (at step 0, as Pax's EVAL_ONLY runs of run_llama_boolq.sh)."""
+        restore_path = self.config.loop.checkpoint_restore_path
         with jax.set_mesh(self.mesh):
             restored = self.checkpointer.restore_latest(self.steps.abstract_state)
+            if restored is None and restore_path is not None:
+                restored = 0, self._init_state()
         if restored is None:
             raise FileNotFoundError(
                 f"--mode=eval needs a checkpoint, and {self.checkpointer.directory} has none; "
-                "train first or point --job_log_dir at a training job's directory"
+                "train first, point --job_log_dir at a training job's directory, or give "
+                "--fdl.CHECKPOINT_RESTORE_PATH"
             )
         step, state = restored
         metrics = self.evaluate(state)

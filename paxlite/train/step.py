@@ -3,6 +3,10 @@
 `train_step` and `eval_step` are plain functions of (state, batch); `compile_steps` jits them once with explicit
 input/output shardings (parameters and optimizer state by the logical-axis rules, batches over data x fsdp,
 metrics replicated) and donates the train state, so a step updates parameters in place.
+
+With a `trainable` predicate over parameter paths (LoRA: only the adapters, Pax's
+`bprop_variable_inclusion`), the step differentiates with respect to the trainable subtree only
+and the optimizer state holds only its leaves; the other parameters pass through unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 from jax.sharding import Mesh
 
 from paxlite.parallel import rules as rules_lib
@@ -24,6 +29,30 @@ from paxlite.train.optimizer import global_norm
 
 PyTree = Any
 Batch = Mapping[str, jax.Array]
+# Which parameters train, by '/'-joined path (e.g. "layers_0/mlp/wi/lora_a"); None: all of them.
+Trainable = Callable[[str], bool] | None
+_SEP = "/"
+
+
+def split_trainable(params: PyTree, trainable: Callable[[str], bool]) -> tuple[PyTree, PyTree]:
+    """(trainable, frozen): two nested dicts of the parameters whose '/'-joined path `trainable`
+    accepts, and of the rest. Works on arrays, abstract arrays and shardings alike."""
+    flat = traverse_util.flatten_dict(params, sep=_SEP)
+    chosen = {k: v for k, v in flat.items() if trainable(k)}
+    rest = {k: v for k, v in flat.items() if not trainable(k)}
+    return (traverse_util.unflatten_dict(chosen, sep=_SEP),
+            traverse_util.unflatten_dict(rest, sep=_SEP))
+
+
+def _identity(tree: PyTree) -> PyTree:
+    return tree
+
+
+def join_params(trainable: PyTree, frozen: PyTree) -> PyTree:
+    """The inverse of `split_trainable`."""
+    flat = traverse_util.flatten_dict(frozen, sep=_SEP)
+    flat.update(traverse_util.flatten_dict(trainable, sep=_SEP))
+    return traverse_util.unflatten_dict(flat, sep=_SEP)
 
 
 @flax.struct.dataclass
@@ -135,6 +164,7 @@ def _accumulated_loss_and_grads(
     dropout_rng: jax.Array,
     deterministic: bool,
     num_microbatches: int,
+    combine: Callable[[PyTree], PyTree] = _identity,
 ) -> tuple[jax.Array, jax.Array, PyTree]:
     """Loss, accuracy and gradients of the whole batch, computed one microbatch at a time.
 
@@ -142,13 +172,14 @@ def _accumulated_loss_and_grads(
     microbatches may hold different numbers of weighted tokens; so each microbatch contributes the
     gradient of its loss *sum*, and the total is divided once by the whole batch's token count.
     The result is the gradient of the batch's mean loss, not a mean of microbatch means.
-    `lax.scan` keeps one microbatch's activations alive at a time.
+    `lax.scan` keeps one microbatch's activations alive at a time. Gradients are taken with respect
+    to `params`, which `combine` completes into the model's parameters (frozen ones added).
     """
     micro = split_microbatches(batch, num_microbatches)
     num_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
 
     def sums(p: PyTree, mb: Batch, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = _apply(model, p, mb, dropout_rng=rng, deterministic=deterministic)
+        logits = _apply(model, combine(p), mb, dropout_rng=rng, deterministic=deterministic)
         scores = per_example_scores(logits, mb)
         return jnp.sum(scores["loss_sum"]), jnp.sum(scores["correct_tokens"])
 
@@ -188,37 +219,45 @@ def train_step(
     dropout_key: jax.Array,
     deterministic: bool,
     grad_accum_steps: int = 1,
+    trainable: Trainable = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
 
     With `grad_accum_steps` = K > 1 the batch is processed as K microbatches of B/K rows (see
-    `split_microbatches`); the update and the metrics are still the whole batch's.
+    `split_microbatches`); the update and the metrics are still the whole batch's. With `trainable`,
+    only those parameters are differentiated and updated (`state.opt_state` covers only them); the
+    others are returned as they came, and `grad_norm` is the norm of the trainable gradients.
     """
     dropout_rng = jax.random.fold_in(dropout_key, state.step)
+    train_params, combine = state.params, _identity
+    if trainable is not None:
+        train_params, frozen = split_trainable(state.params, trainable)
+        combine = functools.partial(join_params, frozen=frozen)
 
     if grad_accum_steps == 1:
         (loss, aux), grads = jax.value_and_grad(
-            functools.partial(
-                loss_fn,
+            lambda p: loss_fn(
+                combine(p),
                 batch=batch,
                 model=model,
                 dropout_rng=dropout_rng,
                 deterministic=deterministic,
             ),
             has_aux=True,
-        )(state.params)
+        )(train_params)
         accuracy = aux["accuracy"]
     else:
         loss, accuracy, grads = _accumulated_loss_and_grads(
-            state.params,
+            train_params,
             batch,
             model=model,
             dropout_rng=dropout_rng,
             deterministic=deterministic,
             num_microbatches=grad_accum_steps,
+            combine=combine,
         )
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = optimizer.update(grads, state.opt_state, train_params)
+    params = combine(optax.apply_updates(train_params, updates))
     metrics = {
         "loss": loss,
         "accuracy": accuracy,
@@ -309,12 +348,14 @@ def compile_steps(
     deterministic: bool,
     logical_rules: rules_lib.LogicalRules = rules_lib.DEFAULT_RULES,
     grad_accum_steps: int = 1,
+    trainable: Trainable = None,
 ) -> CompiledSteps:
     """Build the sharded init/train/eval functions. Call the results inside `jax.set_mesh(mesh)`.
 
     `grad_accum_steps` > 1 makes each train step accumulate gradients over that many microbatches of
     its global batch (whose size must then divide by grad_accum_steps x data x fsdp; see
-    `microbatch_size`).
+    `microbatch_size`). `trainable` (a predicate over '/'-joined parameter paths) freezes every
+    parameter it rejects: no gradient, no optimizer state, passed through each step unchanged.
     """
     _check_accum_steps(grad_accum_steps, name="grad_accum_steps")
     params_key = jax.random.key(seed)
@@ -332,11 +373,17 @@ def compile_steps(
     abstract_params = nn.meta.unbox(abstract_boxed)
     rules_lib.check_divisible(abstract_params, param_shardings, mesh)
     replicated = rules_lib.replicated(mesh)
+
+    def trained(params: PyTree) -> PyTree:
+        return params if trainable is None else split_trainable(params, trainable)[0]
+
+    if not jax.tree.leaves(trained(abstract_params)):
+        raise ValueError("the trainable-parameter filter accepts no parameter: nothing would train")
     opt_shardings = optax.tree_map_params(
         optimizer,
         lambda _, sharding: sharding,
-        jax.eval_shape(optimizer.init, abstract_params),
-        param_shardings,
+        jax.eval_shape(optimizer.init, trained(abstract_params)),
+        trained(param_shardings),
         transform_non_params=lambda _: replicated,
     )
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
@@ -344,7 +391,7 @@ def compile_steps(
     def init_state() -> TrainState:
         params = nn.meta.unbox(boxed_params())
         return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(trained(params))
         )
 
     init = jax.jit(
@@ -366,6 +413,7 @@ def compile_steps(
                 dropout_key=dropout_key,
                 deterministic=deterministic,
                 grad_accum_steps=grad_accum_steps,
+                trainable=trainable,
             ),
             logical_rules,
             name="train_step",

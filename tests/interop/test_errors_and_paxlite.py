@@ -114,7 +114,7 @@ def test_job_config_json_and_lora_refusal(llama_gqa, tmp_path):
     params["layers_0"] = {**params["layers_0"], "lora_a": np.zeros((64, 2), np.float32)}
     save_params(tmp_path / "lora", params, model_config=pretrained.config)
     with pytest.raises(UnsupportedCheckpointError,
-                       match="layers_0/lora_a.*export the merged model"):
+                       match="layers_0/lora_a.*export_merged"):
         hf.from_paxlite(tmp_path / "lora")
 
 

@@ -1,0 +1,73 @@
+"""Merged export of a LoRA run: the base model's parameters with the adapters folded in.
+
+`python -m paxlite export_merged --input=JOB_DIR --output=DIR` reads the latest checkpoint of a LoRA
+job (or a `checkpoints/` or `checkpoint_<STEP>` directory), computes `kernel + (alpha / r) * A @ B`
+for every adapted projection (models/lora.py:merge_lora) and writes an ordinary pretrained
+checkpoint (train/pretrained.py: `DIR/checkpoints/checkpoint_<STEP>/state`, and
+`DIR/model_config.json` with the base model's config, no LoRA). That is what the Hugging Face
+converter and CHECKPOINT_RESTORE_PATH read, and it runs at the base model's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import flax.linen as nn
+import jax
+from etils import epath
+
+from paxlite.models.lora import merge_lora
+from paxlite.models.transformer import TransformerConfig, abstract_variables
+from paxlite.train import pretrained
+
+
+def base_model_config(config: TransformerConfig) -> TransformerConfig:
+    """`config` without its LoRA adapters: the model a merged export fits."""
+    return dataclasses.replace(config, lora_rank=None, lora_alpha=None)
+
+
+def export_merged(
+    input_path: str | os.PathLike, output_dir: str | os.PathLike, *, model_config: TransformerConfig
+) -> epath.Path:
+    """Writes the merged parameters of the LoRA checkpoint at `input_path`; returns the step dir.
+
+    `model_config` is the LoRA run's model config (it must have ``lora_rank``). The parameters are
+    read onto the default device, so the whole model must fit there; the step number is kept.
+    """
+    if model_config.lora_rank is None:
+        raise ValueError(
+            "export_merged needs the LoRA run's model config (USE_LORA=true); this one has no "
+            "adapters, so there is nothing to merge"
+        )
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+        nn.meta.unbox(abstract_variables(model_config)["params"]),
+    )
+    step, params = pretrained.restore_params(input_path, abstract)
+    merged = merge_lora(params, config=model_config)
+    return pretrained.save_params(
+        output_dir, merged, step=step, model_config=base_model_config(model_config)
+    )
+
+
+def job_config_record(input_path: str | os.PathLike) -> tuple[str, dict]:
+    """(--fdl_config name, {overridden hyperparameter: value}) from the config.json of the job that
+    `input_path` (the job dir, its checkpoints/ or one checkpoint_<STEP>) belongs to."""
+    here = epath.Path(os.path.abspath(os.fspath(input_path)))
+    for directory in (here, here.parent, here.parent.parent):
+        path = directory / "config.json"
+        if path.exists():
+            record = json.loads(path.read_text())
+            name = record["experiment"]
+            for arg in record.get("command_line", []):
+                if arg.startswith("--fdl_config="):
+                    name = arg[len("--fdl_config="):]
+            hparams = record["hparams"]
+            return name, {key: hparams[key] for key in record.get("overridden", [])}
+    raise FileNotFoundError(
+        f"no config.json in {here} or the two directories above it: give the experiment with "
+        "--fdl_config=NAME and the run's --fdl.USE_LORA=true --fdl.LORA_RANK=... overrides"
+    )
