@@ -166,6 +166,9 @@ class BaseFuji(BaseLLaMA):
     CHECKPOINT_MAX_TO_KEEP = 3
     SUMMARY_INTERVAL_STEPS = 100
     EVAL_INTERVAL_STEPS = 5000
+    # AXLearn evaluates Fuji on its training corpus's validation split, not on BoolQ (LLaMA's default here).
+    EVAL_TASK = "validation"
+    EVAL_LOOP_NUM_BATCHES = 10
 
     def model_config(self) -> fdl.Config[TransformerConfig]:
         config = super().model_config()

@@ -1,0 +1,104 @@
+"""The fine-tuning story end to end: a Hugging Face LLaMA -> paxlite -> LoRA on BoolQ -> merged -> Hugging Face.
+
+Each step is tested on its own elsewhere; this test checks that they fit together the way a user chains them:
+`python -m paxlite convert` writes what CHECKPOINT_RESTORE_PATH reads, a LoRA run on TRAIN_TASK=boolq starts
+from it and scores eval/boolq_acc, `export_merged` folds the adapters in, and transformers, loading the
+exported model, computes the same logits as the trained LoRA model in paxlite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from paxlite.config.build import build_run_config  # noqa: E402
+from paxlite.interop import hf  # noqa: E402
+from paxlite.models.lora import is_lora_path  # noqa: E402
+from paxlite.models.transformer import Transformer  # noqa: E402
+from paxlite.train import pretrained  # noqa: E402
+from paxlite.train.export import export_merged  # noqa: E402
+from paxlite.train.loop import Run, RunContext  # noqa: E402
+from tests.eval.test_boolq import _examples, _train_spm, _write_jsonl  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_LLAMA = "paxlite.experiments.tiny.TinyLLaMA"
+VOCAB = 150  # the test tokenizer's size
+
+
+def _hf_llama(directory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # TinyLLaMA's shape: 2 layers, 4 query / 2 key-value heads x 8, d_model 32, ffn 64, eps 1e-5.
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                         max_position_embeddings=64, initializer_range=0.1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+    return {"/".join(str(k.key) for k in path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.slow
+def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    vocab = _train_spm(str(tmp_path / "spm"), single_yes_no=True)
+    train = _write_jsonl(tmp_path / "train.jsonl", _examples(24, seed=1))
+    val = _write_jsonl(tmp_path / "val.jsonl", _examples(8, seed=2))
+    _hf_llama(tmp_path / "hf_in")
+
+    # 1. Convert with the CLI, checked against the experiment the fine-tuning run will use.
+    converted = tmp_path / "converted"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "paxlite", "convert", "--from=hf", "--to=paxlite", f"--input={tmp_path / 'hf_in'}",
+         f"--output={converted}", f"--fdl_config={TINY_LLAMA}", f"--fdl.VOCAB_SIZE={VOCAB}"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # 2. LoRA on BoolQ's train split, initialised from the converted checkpoint, scored on BoolQ.
+    job = tmp_path / "job"
+    _, config = build_run_config(TINY_LLAMA, [
+        f"VOCAB_SIZE={VOCAB}", f"VOCAB_PATH={vocab!r}", f"CHECKPOINT_RESTORE_PATH={str(converted)!r}",
+        "USE_LORA=True", "LORA_RANK=4", "TRAIN_TASK='boolq'", f"BOOLQ_TRAIN_PATH={train!r}",
+        "EVAL_TASK='boolq'", f"BOOLQ_PATH={val!r}", "MAX_STEPS=3", "LEARNING_RATE=3e-2"])
+    with Run(config, RunContext(job_dir=str(job), async_checkpointing=False)) as run:
+        trained = jax.device_get(run.train().params)
+    evals = [json.loads(line) for line in open(job / "metrics.jsonl") if "eval/boolq_acc" in line]
+    assert [line["step"] for line in evals] == [3] and 0.0 <= evals[0]["eval/boolq_acc"] <= 1.0
+
+    start = hf.from_paxlite(converted)
+    flat_trained, flat_start = _flat(trained), _flat(start.params)
+    assert {k for k in flat_trained if not is_lora_path(k)} == set(flat_start)
+    for name, value in flat_start.items():  # the base model is frozen: bit for bit what was converted
+        np.testing.assert_array_equal(flat_trained[name], value, err_msg=name)
+    assert any(is_lora_path(k) and k.endswith("lora_b") and np.abs(v).max() > 0 for k, v in flat_trained.items())
+
+    # 3. Fold the adapters in, export to Hugging Face, and compare transformers with the LoRA model.
+    export_merged(job, tmp_path / "merged", model_config=config.model)
+    hf.save(hf.from_paxlite(tmp_path / "merged"), tmp_path / "hf_out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 24)).astype(np.int32)
+    with torch.no_grad():
+        theirs = reloaded(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    ours = np.asarray(Transformer(config.model).apply({"params": trained}, tokens))
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+    before = start.logits(tokens)
+    assert np.abs(before - ours).max() > 1e-3  # the fine-tuning changed the model the export carries
+    assert pretrained.load_model_config(tmp_path / "merged").lora_rank is None
