@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
 
 from paxlite.data.seqio_pipeline import boolq_prompt
+from paxlite.eval.jsonl import read_jsonl_examples
 from paxlite.eval.lambada import BATCH_KEYS as LM_BATCH_KEYS
 from paxlite.eval.lambada import TextEncoder
 
@@ -86,23 +86,9 @@ def read_boolq(path: str) -> list[BoolQExample]:
 
     A bad line is an error, not a skipped example: a silently smaller set changes the accuracy.
     """
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"BoolQ file {path!r} does not exist (expected SuperGLUE's val.jsonl: one JSON object "
-            "with passage, question, label per line)"
-        )
-    examples: list[BoolQExample] = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                examples.append(_parse_line(line))
-            except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}:{line_number}: bad BoolQ line: {e}") from e
-    if not examples:
-        raise ValueError(f"BoolQ file {path!r} holds no examples")
-    return examples
+    return read_jsonl_examples(
+        path, _parse_line, what="BoolQ",
+        expected="SuperGLUE's val.jsonl: one JSON object with passage, question, label per line")
 
 
 def read_boolq_tfds(data_dir: str, *, split: str = TFDS_SPLIT) -> list[BoolQExample]:

@@ -12,11 +12,12 @@ order (`eval_loop_num_batches=-1`, `shuffle=False`).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
+
+from paxlite.eval.jsonl import read_jsonl_examples
 
 
 # Pax's TFDS builder replaces exactly these four characters before splitting.
@@ -85,20 +86,8 @@ def read_lambada(path: str) -> list[tuple[str, str]]:
     Any unreadable line is an error rather than a skipped example: a silently shorter test set
     would change the reported accuracy without anyone noticing.
     """
-    if not os.path.isfile(path):
-        raise ValueError(f"Lambada file {path!r} does not exist (expected a JSONL file)")
-    examples: list[tuple[str, str]] = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                examples.append(_parse_line(line))
-            except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}:{line_number}: bad Lambada line: {e}") from e
-    if not examples:
-        raise ValueError(f"Lambada file {path!r} holds no examples")
-    return examples
+    return read_jsonl_examples(path, _parse_line, what="Lambada",
+                               expected="a JSONL file")
 
 
 def _empty_batch(*, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
