@@ -337,7 +337,43 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
             continue
         peak = measured["memory"]["peak_bytes"]
         levers.append({**lever, "peak_bytes": peak, **_verdict(peak, device_bytes)})
-    return levers
+    combined = _combined_lever(experiment, levers, num_devices=num_devices, device_bytes=device_bytes)
+    return levers + ([combined] if combined else [])
+
+
+# Levers that leave the training computation unchanged (same global batch, same math); halving the
+# batch is left out of the combination because it changes the run being planned.
+_SAME_TRAINING_KEYS = frozenset({"ICI_MESH_SHAPE", "DCN_MESH_SHAPE", "USE_REPEATED_LAYER",
+                                 "CHECKPOINT_POLICY", "GRAD_ACCUM_STEPS"})
+
+
+def _combined_lever(experiment, levers: list[dict[str, Any]], *, num_devices: int,
+                    device_bytes: int) -> dict[str, Any] | None:
+    """When no single lever fits, every applicable same-training lever at once, compiled.
+
+    Large models often need several (LLaMA70B on 16 devices: the scanned stack with SAVE_NOTHING and
+    gradient accumulation together); the user should not have to find the combination by hand.
+    """
+    from paxlite.config.errors import ConfigError
+    from paxlite.parallel.mesh import MeshError
+
+    if any(lever.get("fits") for lever in levers):
+        return None
+    parts = [lever for lever in levers if lever.get("method") == "compiled" and "peak_bytes" in lever
+             and set(lever["overrides"]) <= _SAME_TRAINING_KEYS]
+    if len(parts) < 2:
+        return None
+    changes: dict[str, Any] = {}
+    for lever in parts:
+        changes.update(lever["overrides"])
+    lever = {"lever": "together: " + " + ".join(p["lever"] for p in parts), "method": "compiled",
+             "overrides": changes}
+    try:
+        measured = compile_train_step(_variant(experiment, changes), num_devices=num_devices)
+    except (ConfigError, MeshError, ValueError) as e:
+        return {**lever, "applicable": False, "reason": str(e)}
+    peak = measured["memory"]["peak_bytes"]
+    return {**lever, "peak_bytes": peak, **_verdict(peak, device_bytes)}
 
 
 def plan_experiment(experiment, *, num_devices: int,

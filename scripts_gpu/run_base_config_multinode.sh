@@ -8,6 +8,7 @@
 # --tfds_data_dir. VOCAB_PATH is exported when given; Pax defaulted it to a gs:// T5 vocabulary that
 # paxlite cannot read, so here there is no default. ADDITIONAL_ARGS is one string of flags (word-split).
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 CONFIG=${1:?usage: run_base_config_multinode.sh CONFIG [PREC] [NUM_GPUS] [LOG_DIR] [TFDS_DATA_DIR] [VOCAB_PATH] [ADDITIONAL_ARGS]}
 PREC=${2:-bfloat16}
@@ -23,8 +24,7 @@ if [ -n "$VOCAB_PATH" ]; then export VOCAB_PATH; fi
 TFDS_FLAGS=()
 if [ "$TFDS_DATA_DIR" != "None" ]; then TFDS_FLAGS=("--tfds_data_dir=$TFDS_DATA_DIR"); fi
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
-BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=51200 --xla_gpu_enable_command_buffer=}
-export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+paxlite_set_xla_flags 51200
 mkdir -p "$LOG_DIR"
 
 # shellcheck disable=SC2086  # ADDITIONAL_ARGS is a list of flags in one string, as in Pax

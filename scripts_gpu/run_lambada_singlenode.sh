@@ -5,6 +5,7 @@
 # OpenAI's lambada_test.jsonl; LOG_DIR is the pretraining job directory,
 # whose latest checkpoint is evaluated (eval/lambada_acc_strict and eval/log_pplx go to its metrics.jsonl).
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 LAMBADA_DIR=${1:?usage: run_lambada_singlenode.sh LAMBADA_DIR VOCAB_PATH [PREC] [NUM_GPUS] [PERCORE_BATCH_SIZE] LOG_DIR}
 VOCAB_PATH=${2:?VOCAB_PATH (a SentencePiece model) is required}
@@ -17,8 +18,7 @@ shift $(( $# < 6 ? $# : 6 ))
 export VOCAB_PATH
 if [ -f "$LAMBADA_DIR/lambada_test.jsonl" ]; then LAMBADA_FLAG="--fdl.LAMBADA_PATH=$LAMBADA_DIR/lambada_test.jsonl"
 else LAMBADA_FLAG="--tfds_data_dir=$LAMBADA_DIR"; fi
-BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=33554432 --xla_gpu_enable_command_buffer=}
-export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+paxlite_set_xla_flags 33554432
 
 python -m paxlite.main \
     --fdl_config=paxlite.experiments.gpt.Lambada126M \

@@ -25,6 +25,7 @@
 # - EVAL_ONLY=1 without CHECKPOINT_RESTORE_PATH is an error here (Pax crashed on the unset variable).
 # - ENABLE_TE is accepted and ignored with a warning: paxlite has no Transformer Engine path.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 VOCAB_PATH=${VOCAB_PATH:-}
 TFDS_DATA_DIR=${TFDS_DATA_DIR:-}
@@ -59,8 +60,7 @@ fi
 # Kept from Pax for the NCCL/TE behaviour its results were measured with.
 export ENABLE_FP8=0 NCCL_IB_SL=0 NCCL_PROTO=LL128
 export NVTE_FWD_LAYERNORM_SM_MARGIN=4 NVTE_BWD_LAYERNORM_SM_MARGIN=4 NVTE_FUSED_ATTN=${NVTE_FUSED_ATTN:-0}
-BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=51200 --xla_gpu_enable_command_buffer=}
-export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+paxlite_set_xla_flags 51200
 
 LORA_FLAGS=()
 if [[ "$USE_LORA" == true ]]; then

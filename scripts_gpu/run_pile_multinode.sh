@@ -3,6 +3,7 @@
 #   bash run_pile_multinode.sh DATA_DIR VOCAB_PATH [PREC=bfloat16] [NUM_GPUS=8] [PERCORE_BATCH_SIZE=4] [LOG_DIR=test_logdir] [extra flags...]
 # DCN_MESH_SHAPE follows $SLURM_JOB_NUM_NODES; JAX's runtime connects the processes (--multiprocess_gpu).
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 DATA_DIR=${1:?usage: run_pile_multinode.sh DATA_DIR VOCAB_PATH [PREC] [NUM_GPUS] [PERCORE_BATCH_SIZE] [LOG_DIR]}
 VOCAB_PATH=${2:?VOCAB_PATH (a SentencePiece model) is required}
@@ -14,10 +15,9 @@ shift $(( $# < 6 ? $# : 6 ))
 : "${SLURM_JOB_NUM_NODES:?run under SLURM (srun), or use run_pile_singlenode.sh}"
 
 export VOCAB_PATH
-if [ -f "$DATA_DIR/paxlite_dataset.json" ]; then DATA_FLAG="--fdl.DATA_DIR=$DATA_DIR"; else DATA_FLAG="--tfds_data_dir=$DATA_DIR"; fi
+DATA_FLAG=$(paxlite_data_flag "$DATA_DIR")
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
-BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=33554432 --xla_gpu_enable_command_buffer=}
-export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+paxlite_set_xla_flags 33554432
 mkdir -p "$LOG_DIR"
 
 python -m paxlite.main \

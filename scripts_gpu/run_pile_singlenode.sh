@@ -5,6 +5,7 @@
 # `python -m paxlite.data.prepare` (recognised by its paxlite_dataset.json).
 # Extra flags after the six positional arguments are passed on (e.g. --fdl.MAX_STEPS=1000).
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 DATA_DIR=${1:?usage: run_pile_singlenode.sh DATA_DIR VOCAB_PATH [PREC] [NUM_GPUS] [PERCORE_BATCH_SIZE] [LOG_DIR]}
 VOCAB_PATH=${2:?VOCAB_PATH (a SentencePiece model) is required}
@@ -15,9 +16,8 @@ LOG_DIR=${6:-test_logdir}
 shift $(( $# < 6 ? $# : 6 ))
 
 export VOCAB_PATH
-if [ -f "$DATA_DIR/paxlite_dataset.json" ]; then DATA_FLAG="--fdl.DATA_DIR=$DATA_DIR"; else DATA_FLAG="--tfds_data_dir=$DATA_DIR"; fi
-BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=33554432 --xla_gpu_enable_command_buffer=}
-export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+DATA_FLAG=$(paxlite_data_flag "$DATA_DIR")
+paxlite_set_xla_flags 33554432
 mkdir -p "$LOG_DIR"
 
 python -m paxlite.main \

@@ -130,6 +130,16 @@ def test_gradient_accumulation_lever_lowers_the_peak():
     accum = {lever["lever"]: lever for lever in plan["levers"]}["GRAD_ACCUM_STEPS 1 -> 2 (same global batch, "
                                                                   "same training)"]
     assert accum["method"] == "compiled" and accum["peak_bytes"] < plan["memory_per_device"]["peak_bytes"]
+    # Nothing fits alone, so the same-training levers are also compiled together (batch halving is not among them).
+    together = plan["levers"][-1]
+    singles = [lever for lever in plan["levers"][:-1] if lever.get("method") == "compiled" and "peak_bytes" in lever
+               and "PERCORE_BATCH_SIZE" not in lever["overrides"]]
+    assert len(singles) >= 2 and together["lever"].startswith("together: ")
+    want = {}
+    for lever in singles:
+        want.update(lever["overrides"])
+    assert together["overrides"] == want and "PERCORE_BATCH_SIZE" not in together["overrides"]
+    assert together["peak_bytes"] < min(lever["peak_bytes"] for lever in singles)
 
 
 def test_mesh_mismatch_and_unknown_experiment_raise():
