@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_job/$(shell date +%Y%m%d-%H%M%S)
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); each holds 8 simulated CPU devices and its own compiles (~1-3 GB).
+TEST_WORKERS ?= 2
 
 .PHONY: install test demo bench lint clean
 
@@ -19,7 +21,7 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m paxlite.demo --work_dir=build/demo --job_log_dir=$(DEMO_DIR)
