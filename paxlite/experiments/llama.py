@@ -18,12 +18,7 @@ import fiddle as fdl
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived
 from paxlite.experiments.base import DataSource, LanguageModelExperiment
-from paxlite.models.transformer import (
-    Activation,
-    NormKind,
-    PositionEmbedding,
-    TransformerConfig,
-)
+from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
 
 
 class BaseLLaMA(LanguageModelExperiment):
@@ -80,14 +75,9 @@ class BaseLLaMA(LanguageModelExperiment):
             dims_per_head=self.DIMS_PER_HEAD,
             hidden_dims=self.HIDDEN_DIMS,
             max_seq_len=self.MAX_SEQ_LEN,
-            norm=NormKind.RMS_NORM,
             norm_epsilon=self.LAYERNORM_EPSILON,
-            activation=Activation.SILU,
-            gated_mlp=True,
-            use_bias=False,
             tie_embeddings=False,
-            learned_position_embedding=False,
-            position_embedding=PositionEmbedding.ROTARY,
+            **LLAMA_ARCHITECTURE,
             attention_kind=self.ATTENTION_KIND,
             init_std=self.INIT_STD,
             softmax_init_std=self.SOFTMAX_INIT_STD,

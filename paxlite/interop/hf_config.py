@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from paxlite.models.transformer import (
+    LLAMA_ARCHITECTURE,
     Activation,
     NormKind,
     PositionEmbedding,
@@ -130,14 +131,9 @@ def _llama_config(hf: Mapping[str, Any]) -> TransformerConfig:
         dims_per_head=int(head_dim),
         hidden_dims=int(_require(hf, "intermediate_size")),
         max_seq_len=int(hf.get("max_position_embeddings") or 4096),
-        norm=NormKind.RMS_NORM,
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        activation=Activation.SILU,
-        gated_mlp=True,
-        use_bias=False,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        learned_position_embedding=False,
-        position_embedding=PositionEmbedding.ROTARY,
+        **LLAMA_ARCHITECTURE,
         rope_theta=rope_theta_of(hf),
     )
 

@@ -21,12 +21,7 @@ import numpy as np
 
 from paxlite.interop.hf_config import UnsupportedCheckpointError
 from paxlite.interop.layouts import LlamaNaming, LayoutError, Params, llama_to_params
-from paxlite.models.transformer import (
-    Activation,
-    NormKind,
-    PositionEmbedding,
-    TransformerConfig,
-)
+from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
 
 META_MAX_SEQ_LEN: int = 4096  # params.json does not say; LLaMA-2's context
 _SHARD = re.compile(r"^consolidated\.(\d+)\.pth$")
@@ -140,14 +135,9 @@ def meta_config(params_json: Mapping[str, Any], *, directory: str,
         hidden_dims=ffn_hidden_dims(dim=dim, multiple_of=int(params_json.get("multiple_of", 256)),
                                     ffn_dim_multiplier=params_json.get("ffn_dim_multiplier")),
         max_seq_len=int(params_json.get("max_seq_len", META_MAX_SEQ_LEN)),
-        norm=NormKind.RMS_NORM,
         norm_epsilon=float(params_json.get("norm_eps", 1e-5)),
-        activation=Activation.SILU,
-        gated_mlp=True,
-        use_bias=False,
         tie_embeddings=False,
-        learned_position_embedding=False,
-        position_embedding=PositionEmbedding.ROTARY,
+        **LLAMA_ARCHITECTURE,
         rope_theta=float(params_json.get("rope_theta", 10000.0)),
     )
 

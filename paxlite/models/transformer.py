@@ -12,7 +12,8 @@ import difflib
 import enum
 import functools
 import math
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -114,6 +115,19 @@ class RematPolicy(str, enum.Enum):
         raise ValueError(
             f"unknown checkpoint (remat) policy {name!r}{hint}; valid names: {', '.join(names)}"
         )
+
+
+# The switches that make a TransformerConfig LLaMA-style (Meta llama/model.py, HF LlamaForCausalLM, Pax BaseLLaMA):
+# RMSNorm, SwiGLU, no biases, RoPE instead of a position table. Every LLaMA builder (the experiments, the HF and
+# Meta converters) takes them from here; sizes, epsilon, RoPE theta and head tying stay with the builder.
+LLAMA_ARCHITECTURE: Mapping[str, Any] = types.MappingProxyType({
+    "norm": NormKind.RMS_NORM,
+    "activation": Activation.SILU,
+    "gated_mlp": True,
+    "use_bias": False,
+    "learned_position_embedding": False,
+    "position_embedding": PositionEmbedding.ROTARY,
+})
 
 
 def _coerce_enum(config: Any, field: str, enum_cls: type[enum.Enum]) -> None:
