@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import os
 import re
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import fiddle as fdl
 
@@ -137,6 +137,28 @@ class LanguageModelExperiment(Experiment):
     # ------------------------------------------------------------------ parts
     def model_config(self) -> fdl.Config[TransformerConfig]:
         raise ConfigError(f"{self.name} does not describe a model; subclass a model family")
+
+    def transformer_fields(self) -> dict[str, Any]:
+        """The TransformerConfig fields every family maps the same way (sizes, init, dropout, layer
+        stacking, remat, dtypes); a family's model_config adds only its architecture switches."""
+        return {
+            "vocab_size": self.VOCAB_SIZE,
+            "num_layers": self.NUM_LAYERS,
+            "model_dims": self.MODEL_DIMS,
+            "num_heads": self.NUM_HEADS,
+            "dims_per_head": self.DIMS_PER_HEAD,
+            "hidden_dims": self.HIDDEN_DIMS,
+            "max_seq_len": self.MAX_SEQ_LEN,
+            "norm_epsilon": self.LAYERNORM_EPSILON,
+            "init_std": self.INIT_STD,
+            "softmax_init_std": self.SOFTMAX_INIT_STD,
+            "dropout_prob": self.DROPOUT_PROB,
+            "input_dropout_prob": self.INPUT_DROPOUT_PROB,
+            "scan_layers": self.USE_REPEATED_LAYER,
+            "remat_policy": self.remat_policy(),
+            "dtype": self.FPROP_DTYPE,
+            "param_dtype": "float32",
+        }
 
     def with_lora(self, model: fdl.Config[TransformerConfig]) -> fdl.Config[TransformerConfig]:
         """The family's base model plus USE_LORA's adapters (families describe the base model)."""

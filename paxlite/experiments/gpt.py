@@ -56,27 +56,12 @@ class GPT126M(LanguageModelExperiment):
     def model_config(self) -> fdl.Config[TransformerConfig]:
         return fdl.Config(
             TransformerConfig,
-            vocab_size=self.VOCAB_SIZE,
-            num_layers=self.NUM_LAYERS,
-            model_dims=self.MODEL_DIMS,
-            num_heads=self.NUM_HEADS,
-            dims_per_head=self.DIMS_PER_HEAD,
-            hidden_dims=self.HIDDEN_DIMS,
-            max_seq_len=self.MAX_SEQ_LEN,
+            **self.transformer_fields(),
             norm=NormKind.LAYER_NORM,
-            norm_epsilon=self.LAYERNORM_EPSILON,
             activation=Activation.GELU_TANH,
             use_bias=True,
             tie_embeddings=True,
             learned_position_embedding=True,
-            init_std=self.INIT_STD,
-            softmax_init_std=self.SOFTMAX_INIT_STD,
-            dropout_prob=self.DROPOUT_PROB,
-            input_dropout_prob=self.INPUT_DROPOUT_PROB,
-            scan_layers=self.USE_REPEATED_LAYER,
-            remat_policy=self.remat_policy(),
-            dtype=self.FPROP_DTYPE,
-            param_dtype="float32",
         )
 
 

@@ -16,7 +16,7 @@ from flax import traverse_util
 from paxlite.config.build import load_experiment
 from paxlite.config.errors import ConfigError
 from paxlite.data.synthetic import SyntheticData
-from paxlite.experiments.llama import BaseLLaMA
+from paxlite.experiments.tiny import TinyLLaMA
 from paxlite.models.lora import is_lora_path, merge_lora
 from paxlite.models.transformer import Transformer, TransformerConfig, abstract_variables
 from paxlite.parallel.mesh import MeshConfig, build_mesh
@@ -31,23 +31,13 @@ NUM_STEPS = 3
 LORA = ["USE_LORA=true", "LORA_RANK=4", "LR_SCHEDULE=constant", "LEARNING_RATE=1e-2"]
 
 
-class TinyLLaMAForLoRATest(BaseLLaMA):
-    """A LLaMA-shaped model small enough for a CPU test: GQA, RoPE, SwiGLU, untied head."""
+class TinyLLaMAForLoRATest(TinyLLaMA):
+    """TinyLLaMA (GQA, RoPE, SwiGLU, untied head) on synthetic tokens, with a smaller vocabulary and rows."""
 
     SYNTHETIC_DATA = True
-    NUM_LAYERS = 2
-    NUM_HEADS = 4
-    NUM_KV_HEADS = 2
-    DIMS_PER_HEAD = 8
-    MODEL_DIMS = 32
-    HIDDEN_DIMS = 64
     VOCAB_SIZE = 128
     MAX_SEQ_LEN = 16
-    FPROP_DTYPE = "float32"
     PERCORE_BATCH_SIZE = 4
-    ICI_MESH_SHAPE = None
-    DCN_MESH_SHAPE = [1, 1, 1]
-    LR_SCHEDULE = "constant"
     LEARNING_RATE = 1e-2
     SUMMARY_INTERVAL_STEPS = 1
     EVAL_INTERVAL_STEPS = 1000
