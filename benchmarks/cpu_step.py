@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from paxlite.config.build import build_run_config
-from paxlite.config.run import RunConfig
+from paxlite.experiments.build import build_run_config
+from paxlite.train.run_config import RunConfig
 from paxlite.models.transformer import num_params
 from paxlite.train.loop import Run, RunContext
 

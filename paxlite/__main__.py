@@ -1,7 +1,7 @@
 """`python -m paxlite list`, `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
 `plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
 paxlite/plan.py), `convert --from=hf|meta|paxlite --to=paxlite|hf --input=P --output=P`
-(paxlite/interop/convert.py) and `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
+(paxlite/convert.py) and `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
 adapters folded in; see paxlite/train/export.py)."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _list() -> int:
 
 
 def _show(args: argparse.Namespace, assignments: Sequence[str]) -> int:
-    from paxlite.config.build import load_experiment
+    from paxlite.experiments.build import load_experiment
 
     info = describe(load_experiment(args.fdl_config or "", assignments))
     if args.format == "json":
@@ -96,10 +96,8 @@ def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
 
 
 def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
-    from paxlite.config.build import default_registry, load_experiment
     from paxlite.config.errors import ConfigError
-    from paxlite.config.overrides import parse_overrides
-    from paxlite.config.registry import resolve_experiment
+    from paxlite.experiments.build import load_experiment, load_recorded_experiment
     from paxlite.train import export, pretrained
 
     try:
@@ -107,8 +105,7 @@ def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
             experiment = load_experiment(args.fdl_config, assignments)
         else:  # the job's own record of its experiment and overrides
             name, overrides = export.job_config_record(args.input)
-            cls = resolve_experiment(name, default_registry())
-            experiment = cls.resolve({**overrides, **parse_overrides(cls, assignments)})
+            experiment = load_recorded_experiment(name, overrides, assignments)
         model = fdl.build(experiment.with_lora(experiment.model_config()))
         print(export.export_merged(args.input, args.output, model_config=model))
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError,
@@ -138,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot = commands.add_parser("plot", help="PNG of a job's train and validation loss curves")
     plot.add_argument("job_log_dir")
     plot.add_argument("--output", default=None, help="PNG path (default: JOB_LOG_DIR/loss.png)")
-    from paxlite.interop.convert import add_arguments as add_convert_arguments
+    from paxlite.convert import add_arguments as add_convert_arguments
 
     add_convert_arguments(commands.add_parser(
         "convert", help="checkpoints: HF/Meta/paxlite -> paxlite/HF (accepts --fdl.NAME=VALUE)"))
@@ -169,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args, assignments)
     if args.command == "convert":
-        from paxlite.interop.convert import run_cli
+        from paxlite.convert import run_cli
 
         return run_cli(args, assignments)
     if args.command == "export_merged":

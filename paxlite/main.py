@@ -136,7 +136,7 @@ def parse_job(argv) -> tuple:
     """Validate everything that can be validated without devices; returns (experiment, tree, run_config)."""
     import fiddle as fdl
 
-    from paxlite.config.build import load_experiment, run_tree
+    from paxlite.experiments.build import load_experiment, run_tree
 
     if len(argv) > 1:
         raise UsageError(f"unexpected positional arguments {argv[1:]}; flags look like --name=value")

@@ -117,7 +117,7 @@ def plan(request: PlanRequest) -> dict[str, Any]:
     """The plan of `request`, in this process when its devices allow, else in a subprocess."""
     if not prepare_this_process(request.num_devices):
         return plan_in_subprocess(request)
-    from paxlite.config.build import load_experiment
+    from paxlite.experiments.build import load_experiment
 
     return plan_experiment(
         load_experiment(request.name, request.assignments),

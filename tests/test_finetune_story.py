@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from paxlite.config.build import build_run_config  # noqa: E402
+from paxlite.experiments.build import build_run_config  # noqa: E402
 from paxlite.interop import hf  # noqa: E402
 from paxlite.models.lora import is_lora_path  # noqa: E402
 from paxlite.models.transformer import Transformer  # noqa: E402

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.config.build import load_experiment
+from paxlite.experiments.build import load_experiment
 from paxlite.data.synthetic import SyntheticData
 from paxlite.models.transformer import Transformer
 from paxlite.parallel.mesh import MeshConfig, build_mesh

@@ -10,7 +10,7 @@ import fiddle as fdl
 import pytest
 
 from paxlite import plan as plan_lib
-from paxlite.config.build import load_experiment
+from paxlite.experiments.build import load_experiment
 from paxlite.config.errors import ConfigError
 from paxlite.models.transformer import num_params
 from paxlite.parallel.mesh import MeshError

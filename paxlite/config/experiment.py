@@ -10,7 +10,6 @@ created attribute.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
 import sys
@@ -18,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from paxlite.config.errors import ConfigError, did_you_mean
-from paxlite.config.overrides import check_value, to_json_friendly, type_name
+from paxlite.config.values import HParamSpec, check_value, to_json_friendly, type_name
 
 _HPARAM_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 
@@ -44,15 +43,6 @@ class Derived:
 
     def __repr__(self) -> str:
         return f"Derived({self.doc!r})" if self.doc else "Derived(<function>)"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class HParamSpec:
-    """One hyperparameter: its name, its annotation (the most derived one) and its class default."""
-
-    name: str
-    annotation: Any
-    default: Any  # a value, or a Derived
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,10 +4,12 @@ The command line sets hyperparameters one flag at a time; code that builds many 
 launch scripts) wants to say "this mesh, four microbatches" as values it can name, combine and reuse. This mirrors
 AXLearn's seed (`mesh_shape_from_axes`, `HybridMeshShape`, `GradientAccumulationModifier`, `MeshShapeModifier`,
 `ChainConfigModifier`) on paxlite's hyperparameters: a modifier turns one set of overrides into another, and
-`configure` resolves an experiment with them, through exactly the checks `--fdl.X=V` goes through.
+`paxlite.experiments.build.configure` resolves an experiment with them, through exactly the checks
+`--fdl.X=V` goes through.
 
     from paxlite.config.modifiers import (ChainConfigModifier, GradientAccumulationModifier, HybridMeshShape,
-                                          MeshShapeModifier, configure, mesh_shape_from_axes)
+                                          MeshShapeModifier, mesh_shape_from_axes)
+    from paxlite.experiments.build import configure
     experiment = configure("Pile5B", ChainConfigModifier([
         MeshShapeModifier(HybridMeshShape(ici=mesh_shape_from_axes(fsdp=8), dcn=mesh_shape_from_axes(data=16))),
         GradientAccumulationModifier(4),
@@ -22,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from paxlite.config.errors import ConfigError
-from paxlite.config.experiment import Experiment
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # AXLearn's axis names that paxlite's meshes do not have (yet); asking for more than one of them is an error.
@@ -180,24 +181,3 @@ class ChainConfigModifier:
         for modifier in self.config_modifiers:
             result = modifier(result)
         return result
-
-
-def configure(
-    experiment: str | type[Experiment], *modifiers: ConfigModifier, **overrides: Any
-) -> Experiment:
-    """The resolved experiment: `modifiers` applied in order, then `overrides` (NAME=value) on top.
-
-    `experiment` is a registered name, a dotted path, or an Experiment subclass. Names and values are checked
-    exactly as on the command line (unknown names get "did you mean").
-    """
-    from paxlite.config.build import default_registry
-    from paxlite.config.registry import resolve_experiment
-
-    cls = experiment if isinstance(experiment, type) else resolve_experiment(experiment, default_registry())
-    if not (isinstance(cls, type) and issubclass(cls, Experiment)):
-        raise ConfigError(f"configure() needs an experiment name or an Experiment subclass, got {experiment!r}")
-    values: dict[str, Any] = {}
-    for modifier in modifiers:
-        values = modifier(values)
-    values.update(overrides)
-    return cls.resolve(values)

@@ -155,7 +155,7 @@ class LambadaFeed:
 
     def __init__(self, config: LambadaEvalConfig, *, plan: FeedPlan):
         from paxlite.data.tokenizer import Tokenizer
-        from paxlite.eval.lambada import read_lambada
+        from paxlite.data.lambada import read_lambada
 
         self._config = config
         if config.path is not None:
@@ -169,7 +169,7 @@ class LambadaFeed:
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         """num_batches -1 (Pax's eval_loop_num_batches=-1): the whole set."""
-        from paxlite.eval.lambada import lambada_batches
+        from paxlite.data.lambada import lambada_batches
 
         plan = self._plan
         batches = lambada_batches(self._examples, self._tokenizer, seq_len=self._config.seq_len,
@@ -206,7 +206,7 @@ class BoolQFeed:
 
     def __init__(self, config: BoolQEvalConfig, *, plan: FeedPlan):
         from paxlite.data.tokenizer import Tokenizer
-        from paxlite.eval.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
+        from paxlite.data.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
 
         self._config = config
         if config.path is not None:  # read and checked now, before compiling
@@ -219,7 +219,7 @@ class BoolQFeed:
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         """num_batches -1 (Pax's eval_loop_num_batches=-1): the whole set."""
-        from paxlite.eval.boolq import boolq_batches
+        from paxlite.data.boolq import boolq_batches
 
         plan = self._plan
         batches = boolq_batches(self._examples, self._tokenizer, seq_len=self._config.seq_len,
@@ -263,7 +263,7 @@ class BoolQTrainFeed:
 
     def __init__(self, config: BoolQTrainConfig, *, plan: FeedPlan):
         from paxlite.data.tokenizer import Tokenizer
-        from paxlite.eval.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
+        from paxlite.data.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
 
         self._config = config
         if config.path is not None:  # read and checked now, before compiling
@@ -288,7 +288,7 @@ class BoolQTrainFeed:
         return out
 
     def train_batch(self, index: int, sharding: Sharding) -> Batch:
-        from paxlite.eval.boolq import boolq_batches
+        from paxlite.data.boolq import boolq_batches
 
         rows = self.example_indices(index)[self._plan.rows]
         (local,) = boolq_batches([self._examples[i] for i in rows], self._tokenizer,

@@ -24,7 +24,7 @@ from typing import Any
 
 from paxlite.data.errors import DatasetError
 from paxlite.data.inputs import iter_documents
-from paxlite.eval.lambada import read_lambada
+from paxlite.data.lambada import read_lambada
 
 FILE_FORMATS = ("array_record", "tfrecord")
 PILE_URL = "https://the-eye.eu/public/AI/pile/"

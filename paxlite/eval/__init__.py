@@ -1,1 +1,1 @@
-"""Zero-shot evaluation tasks (Lambada acc_strict) over a trained language model."""
+"""Scoring of model outputs (Lambada's acc_strict, BoolQ's boolq_acc); the examples come from data/."""

@@ -16,7 +16,7 @@ import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived, Experiment
-from paxlite.config.run import LoopConfig, RunConfig
+from paxlite.train.run_config import LoopConfig, RunConfig
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig

@@ -35,6 +35,10 @@ from paxlite.models.transformer import VALID_DTYPES, RematPolicy, TransformerCon
 Params = layouts.Params
 
 
+class ConversionError(ValueError):
+    """A conversion that cannot be done as asked (e.g. the model is not the experiment's)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Pretrained:
     """A converted model: its config, its params (unscanned tree of NumPy arrays) and its family.
@@ -232,8 +236,8 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
     """A paxlite checkpoint (converted model or training job) as a Pretrained.
 
     The model config is ``config`` if given, else ``model_config.json`` beside the checkpoint (what
-    ``convert`` writes), else the training job's ``config.json`` (experiment + overridden
-    hyperparameters, rebuilt through the registry).
+    ``convert`` writes). A training job's ``config.json`` names an experiment, which only the registry
+    above interop/ can rebuild: `paxlite.convert.read_paxlite` reads those too.
     """
     import jax
     from flax import linen as nn
@@ -246,9 +250,10 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
     if config is None:
         config = find_model_config(path, step_dir=step_dir)
     if config is None:
-        from paxlite.interop.convert import model_config_from_job
-
-        config = model_config_from_job(step_dir.parent.parent)
+        raise ConversionError(
+            f"no model config for the checkpoint: expected model_config.json beside {path} (written "
+            "by python -m paxlite convert), or pass config=TransformerConfig(...); a training job's "
+            "config.json is read by paxlite.convert.read_paxlite and python -m paxlite convert")
     lora = _lora_leaves(step_dir)
     if lora:
         raise UnsupportedCheckpointError(

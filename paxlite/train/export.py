@@ -2,7 +2,7 @@
 
 `python -m paxlite export_merged --input=JOB_DIR --output=DIR` reads the latest checkpoint of a LoRA
 job (or a `checkpoints/` or `checkpoint_<STEP>` directory), computes `kernel + (alpha / r) * A @ B`
-for every adapted projection (models/lora.py:merge_lora) and writes an ordinary pretrained
+for every adapted projection (models/lora_merge.py:merge_lora) and writes an ordinary pretrained
 checkpoint (train/pretrained.py: `DIR/checkpoints/checkpoint_<STEP>/state`, and
 `DIR/model_config.json` with the base model's config, no LoRA). That is what the Hugging Face
 converter and CHECKPOINT_RESTORE_PATH read, and it runs at the base model's speed.
@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 from etils import epath
 
-from paxlite.models.lora import merge_lora
+from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import TransformerConfig, abstract_variables
 from paxlite.train import pretrained
 

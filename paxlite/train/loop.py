@@ -19,7 +19,7 @@ import numpy as np
 from absl import logging
 from flax import traverse_util
 
-from paxlite.config.run import RunConfig
+from paxlite.train.run_config import RunConfig
 from paxlite.data.feed import make_feed
 from paxlite.data.feeding import plan_feeding
 from paxlite.eval.boolq import boolq_acc

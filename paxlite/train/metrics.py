@@ -13,19 +13,44 @@ queues events to a background thread, so its `flush()` cannot promise that a ste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import pathlib
+import sys
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TextIO
 
 from absl import logging
-from tensorboardX import summary as tb_summary
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto import event_pb2
+
+
+@contextlib.contextmanager
+def _without_torch() -> Iterator[None]:
+    """Makes `import torch` fail inside the block, unless torch is loaded already.
+
+    tensorboardX's package imports torch whenever it is installed, for PyTorch helpers paxlite never
+    calls; torch is an optional extra (checkpoint conversion), and loading it costs every training
+    process 1.3-1.6 s on a 2-core machine. A None entry in sys.modules is Python's way of saying a
+    module is unavailable, and tensorboardX falls back to NumPy exactly as it does without torch.
+    """
+    if "torch" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+
+
+with _without_torch():
+    from tensorboardX import summary as tb_summary
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto import event_pb2
 
 _EVAL_PREFIX = "eval/"
 

@@ -9,7 +9,8 @@ from typing import Literal
 import pytest
 
 from paxlite.config.errors import ConfigError, did_you_mean, suggestions
-from paxlite.config.experiment import Derived, Experiment, HParamSpec, check_value
+from paxlite.config.experiment import Derived, Experiment
+from paxlite.config.values import HParamSpec, check_value
 
 # Pax TransformerLmSpmdAdam values (pax.md section 1), written out independently of experiment.py.
 PAX_ADAM_DEFAULTS = {

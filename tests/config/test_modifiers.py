@@ -3,7 +3,6 @@
 import fiddle as fdl
 import pytest
 
-from paxlite.config.build import load_experiment
 from paxlite.config.errors import ConfigError
 from paxlite.config.modifiers import (
     ChainConfigModifier,
@@ -13,9 +12,9 @@ from paxlite.config.modifiers import (
     MeshShapeModifier,
     OverridesModifier,
     RematPolicyModifier,
-    configure,
     mesh_shape_from_axes,
 )
+from paxlite.experiments.build import configure, load_experiment
 
 
 def test_mesh_shape_from_axes_uses_axlearn_names():

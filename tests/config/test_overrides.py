@@ -7,7 +7,8 @@ from typing import Literal
 import pytest
 
 from paxlite.config.errors import ConfigError
-from paxlite.config.experiment import Experiment, HParamSpec
+from paxlite.config.experiment import Experiment
+from paxlite.config.values import HParamSpec
 from paxlite.config.overrides import parse_assignments, parse_overrides, parse_value
 
 

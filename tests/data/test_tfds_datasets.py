@@ -16,7 +16,7 @@ import zstandard
 from paxlite.data import tfds_datasets as td
 from paxlite.data.errors import DatasetError
 from paxlite.data.pipeline import TextData, TextDataConfig
-from paxlite.eval.lambada import split_lambada
+from paxlite.data.lambada import split_lambada
 from tests.data.test_pipeline import spm_model  # noqa: F401  (a fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,18 +14,12 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from paxlite.config.build import build_run_config
+from paxlite.experiments.build import build_run_config
 from paxlite.config.errors import ConfigError
+from paxlite.data.boolq import BATCH_KEYS, BoolQExample, boolq_batches, read_boolq, yes_no_token_ids
 from paxlite.data.seqio_pipeline import boolq_prompt
 from paxlite.data.tokenizer import Tokenizer
-from paxlite.eval.boolq import (
-    BATCH_KEYS,
-    BoolQExample,
-    boolq_acc,
-    boolq_batches,
-    read_boolq,
-    yes_no_token_ids,
-)
+from paxlite.eval.boolq import boolq_acc
 from paxlite.models.transformer import Transformer
 from paxlite.train.loop import Run, RunContext
 from paxlite.train.step import choice_correct

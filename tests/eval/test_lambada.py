@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from paxlite.data.lambada import BATCH_KEYS, lambada_batches, read_lambada, split_lambada
+from paxlite.eval.lambada import acc_strict
 from paxlite.train.step import per_example_scores
-from paxlite.eval.lambada import (
-    BATCH_KEYS,
-    acc_strict,
-    lambada_batches,
-    read_lambada,
-    split_lambada,
-)
 
 _WORDS = (
     "the cat sat on a mat and looked at dog who ran down road with big red ball while old man sang"

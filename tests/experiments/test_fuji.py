@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from paxlite.__main__ import describe
-from paxlite.config.build import load_experiment
+from paxlite.experiments.build import load_experiment
 from paxlite.config.errors import ConfigError
 from paxlite.experiments import EXPERIMENTS, fuji
 from paxlite.models.attention import AttentionKind

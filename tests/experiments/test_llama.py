@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.config.build import load_experiment
+from paxlite.experiments.build import load_experiment
 from paxlite.config.errors import ConfigError
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments import EXPERIMENTS

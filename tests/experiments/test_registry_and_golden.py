@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import pytest
 
-from paxlite.config.build import load_experiment
+from paxlite.experiments.build import load_experiment
 from paxlite.experiments import EXPERIMENTS
 from paxlite.models.transformer import abstract_variables, num_params
 

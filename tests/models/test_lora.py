@@ -10,7 +10,8 @@ import pytest
 from flax import traverse_util
 
 from paxlite.models.linear import Linear
-from paxlite.models.lora import LoraSpec, LoraTargets, is_lora_path, merge_lora
+from paxlite.models.lora import LoraSpec, LoraTargets, is_lora_path
+from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import (
     Activation,
     NormKind,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from paxlite.config.build import build_run_config
+from paxlite.experiments.build import build_run_config
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Experiment
 from paxlite.models.transformer import (

@@ -50,7 +50,7 @@ def test_global_batch_pax_semantics():
 
 
 def test_indivisible_parameter_is_named_before_compiling():
-    from paxlite.config.build import build_run_config
+    from paxlite.experiments.build import build_run_config
     from paxlite.models.transformer import Transformer
     from paxlite.train.optimizer import make_optimizer
     from paxlite.train.schedules import make_schedule

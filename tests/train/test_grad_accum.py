@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import linen as nn
 
-from paxlite.config.build import build_run_config, load_experiment
+from paxlite.experiments.build import build_run_config, load_experiment
 from paxlite.config.errors import ConfigError
 from paxlite.models.transformer import Transformer, TransformerConfig, abstract_variables
 from paxlite.parallel.mesh import MeshConfig, build_mesh

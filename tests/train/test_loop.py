@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.config.build import build_run_config
+from paxlite.experiments.build import build_run_config
 from paxlite.train.loop import Run, RunContext, TrainingDivergedError
 
 N = 4  # steps before the interruption

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from paxlite.config.build import load_experiment
+from paxlite.experiments.build import load_experiment
 from paxlite.config.errors import ConfigError
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments.tiny import TinyLLaMA
-from paxlite.models.lora import is_lora_path, merge_lora
+from paxlite.models.lora import is_lora_path
+from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import Transformer, TransformerConfig, abstract_variables
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train import pretrained

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from paxlite.config.build import build_run_config
+from paxlite.experiments.build import build_run_config
 from paxlite.data.synthetic import SyntheticData
 from paxlite.models.transformer import Transformer
 from paxlite.train import pretrained

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.config.build import build_run_config
+from paxlite.experiments.build import build_run_config
 from paxlite.data import tfds_datasets
 from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.train.loop import Run, RunContext

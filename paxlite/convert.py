@@ -15,6 +15,8 @@ Reading a paxlite checkpoint, the model config comes from, in order: ``model_con
 exist), or the training job's ``config.json`` (experiment name + overridden hyperparameters, rebuilt
 through the registry, so it follows the experiment's current code).
 
+A command rather than part of interop/, because ``--fdl_config`` and a job's ``config.json`` need the
+registry of experiments, which sits above interop/; the formats themselves are `paxlite.interop.hf`'s.
 This module imports only the standard library at the top, so ``python -m paxlite`` stays fast.
 """
 
@@ -31,13 +33,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from paxlite.interop.hf import ConversionError
+
 if TYPE_CHECKING:
     from paxlite.interop.hf import Pretrained
     from paxlite.models.transformer import TransformerConfig
 
-
-class ConversionError(ValueError):
-    """A conversion that cannot be done as asked (e.g. the model is not the experiment's)."""
+__all__ = ["ConversionError", "ConvertRequest", "Source", "Target", "convert", "read_paxlite"]
 
 
 class Source(str, enum.Enum):
@@ -87,7 +89,7 @@ def experiment_model_config(name: str, assignments: Sequence[str] = ()) -> Trans
     """The model an experiment builds (as the trainer builds it), after --fdl.X overrides."""
     import fiddle as fdl
 
-    from paxlite.config.build import load_experiment
+    from paxlite.experiments.build import load_experiment
 
     return fdl.build(load_experiment(name, assignments).model_config())
 
@@ -110,8 +112,7 @@ def model_config_from_job(job_dir: Any) -> TransformerConfig:
     """Rebuilds the model of a training job from its ``config.json`` (experiment + overrides)."""
     import fiddle as fdl
 
-    from paxlite.config.build import default_registry
-    from paxlite.config.registry import resolve_experiment
+    from paxlite.experiments.build import load_recorded_experiment
 
     path = os.path.join(os.fspath(job_dir), "config.json")
     if not os.path.exists(path):
@@ -122,9 +123,9 @@ def model_config_from_job(job_dir: Any) -> TransformerConfig:
     with open(path) as f:
         record = json.load(f)
     try:
-        cls = resolve_experiment(record["experiment"], default_registry())
         hparams = record["hparams"]
-        experiment = cls.resolve({k: hparams[k] for k in record.get("overridden", [])})
+        experiment = load_recorded_experiment(
+            record["experiment"], {k: hparams[k] for k in record.get("overridden", [])})
     except (KeyError, ValueError) as e:
         raise ConversionError(
             f"cannot rebuild the model from {path} ({type(e).__name__}: {e}); pass "
@@ -145,6 +146,22 @@ class ConvertRequest:
     vocab_size: int | None = None  # Meta checkpoints whose params.json says vocab_size -1
 
 
+def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
+                 dtype: str = "float32") -> Pretrained:
+    """`hf.from_paxlite`, and also a training job that has no ``model_config.json``: its model is
+    rebuilt from the job's ``config.json`` through the registry. ``config``, when given, is used only
+    if no ``model_config.json`` lies beside the checkpoint."""
+    from paxlite.interop import hf
+    from paxlite.train.pretrained import find_checkpoint
+
+    _, step_dir = find_checkpoint(path)
+    if hf.find_model_config(os.path.abspath(os.fspath(path)), step_dir=step_dir) is None:
+        if config is None:
+            config = model_config_from_job(step_dir.parent.parent)
+        return hf.from_paxlite(path, config=config, dtype=dtype)
+    return hf.from_paxlite(path, dtype=dtype)
+
+
 def _read(request: ConvertRequest, experiment_config: TransformerConfig | None) -> Pretrained:
     from paxlite.interop import hf
 
@@ -152,13 +169,7 @@ def _read(request: ConvertRequest, experiment_config: TransformerConfig | None) 
         return hf.load(request.input, dtype=request.dtype)
     if request.source is Source.META:
         return hf.from_meta(request.input, vocab_size=request.vocab_size, dtype=request.dtype)
-    from paxlite.train.pretrained import find_checkpoint
-
-    _, step_dir = find_checkpoint(request.input)
-    beside = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
-    if beside is None and experiment_config is not None:
-        return hf.from_paxlite(request.input, config=experiment_config, dtype=request.dtype)
-    return hf.from_paxlite(request.input, dtype=request.dtype)
+    return read_paxlite(request.input, config=experiment_config, dtype=request.dtype)
 
 
 def convert(request: ConvertRequest) -> Pretrained:

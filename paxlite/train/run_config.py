@@ -1,7 +1,8 @@
-"""The plain-dataclass description of one run, built from an experiment's Fiddle tree.
+"""The plain-dataclass description of one run: what the training loop takes, built from an experiment's Fiddle tree.
 
-Everything downstream of config/ receives these values, never the experiment class: the model gets its
-TransformerConfig, the optimizer its OptimizerConfig, and the loop a LoopConfig.
+Defined here, by its consumer, so that train/ needs nothing from config/ or experiments/: everything downstream
+of the experiment receives these values, never the experiment class. The model gets its TransformerConfig, the
+optimizer its OptimizerConfig, and the loop a LoopConfig.
 """
 
 from __future__ import annotations

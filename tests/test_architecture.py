@@ -1,0 +1,95 @@
+"""The rules of the house (docs/architecture.md): the import contracts hold, and each one bites.
+
+`make lint` runs `lint-imports` over the contracts in pyproject.toml. Here the same contracts run on
+the real tree, and on copies of it with one forbidden import added, so that a contract which could
+never fail (a typo in a module name, a rule that covers nothing) fails this test instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINT_IMPORTS = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+HEAVY_EXTRAS = ("tensorflow", "seqio", "tensorflow_datasets", "torch", "transformers",
+                "transformer_engine")
+
+
+def _lint_imports(tree: str) -> subprocess.CompletedProcess:
+    # PYTHONPATH first, so the tree under test shadows the editable install of the checkout.
+    env = {**os.environ, "PYTHONPATH": tree}
+    return subprocess.run(
+        [LINT_IMPORTS, "--no-cache", "--config", os.path.join(tree, "pyproject.toml")],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+
+
+def _broken_section(output: str) -> str:
+    _, sep, broken = output.partition("Broken contracts")
+    return broken if sep else ""
+
+
+def test_the_tree_keeps_every_contract():
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "path, line, contract, importer",
+    [
+        ("paxlite/data/jsonl.py", "import paxlite.eval.lambada", "Data flows one way",
+         "paxlite.data.jsonl -> paxlite.eval.lambada"),
+        ("paxlite/models/lora.py", "import paxlite.models.transformer", "No circles",
+         "No cycles are allowed in paxlite.models."),
+        ("paxlite/config/values.py", "import paxlite.config.experiment", "No circles",
+         "No cycles are allowed in paxlite.config."),
+        ("paxlite/train/loop.py", "import paxlite.experiments.gpt", "train/ never knows",
+         "paxlite.train.loop -> paxlite.experiments.gpt"),
+        ("paxlite/interop/hf.py", "import paxlite.experiments.build", "Layers",
+         "paxlite.interop.hf -> paxlite.experiments.build"),
+        ("paxlite/models/norms.py", "import paxlite.data.tokenizer", "models/ imports nothing",
+         "paxlite.models.norms -> paxlite.data.tokenizer"),
+        ("paxlite/experiments/gpt.py", "import optax", "experiments/ only describe",
+         "paxlite.experiments.gpt -> optax"),
+        ("paxlite/data/packing.py", "import tensorflow", "TensorFlow/SeqIO",
+         "paxlite.data.packing -> tensorflow"),
+    ],
+)
+def test_each_contract_breaks_on_a_forbidden_import(tmp_path, path, line, contract, importer):
+    tree = tmp_path / "tree"
+    shutil.copytree(os.path.join(ROOT, "paxlite"), tree / "paxlite",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tree / "pyproject.toml")
+    with open(tree / path, "a") as f:
+        f.write(f"\n{line}  # added by the test\n")
+    result = _lint_imports(str(tree))
+    assert result.returncode == 1, result.stdout + result.stderr
+    broken = _broken_section(result.stdout)
+    assert contract in broken, result.stdout
+    assert importer in broken, result.stdout
+
+
+def test_importing_every_module_loads_no_heavy_extra():
+    """DESIGN.md section 2: optional heavy dependencies load only on the path that needs them (the
+    contract above says where they are imported; this says that importing paxlite runs none of it)."""
+    code = (
+        "import importlib, json, pkgutil, sys\n"
+        "import paxlite\n"
+        "names = [m.name for m in pkgutil.walk_packages(paxlite.__path__, 'paxlite.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        f"print(json.dumps([len(names), sorted(k for k in {HEAVY_EXTRAS!r} if k in sys.modules)]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    num_modules, loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert num_modules > 50  # every module of the package was imported, not an empty walk
+    assert loaded == []
