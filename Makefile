@@ -26,6 +26,13 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m paxlite.demo --work_dir=build/demo --job_log_dir=$(DEMO_DIR)
 
+# The rules of the house: style (ruff), one-way imports (import-linter contracts in pyproject.toml),
+# and the shell scripts users launch (shellcheck; -x follows the scripts' `source common.sh`).
+lint: $(STAMP)
+	$(BIN)/ruff check paxlite tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/shellcheck -x scripts_gpu/*.sh slurm/*.sub
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_step.py
 

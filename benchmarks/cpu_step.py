@@ -35,9 +35,9 @@ import numpy as np
 import optax
 
 from paxlite.experiments.build import build_run_config
-from paxlite.train.run_config import RunConfig
 from paxlite.models.transformer import num_params
 from paxlite.train.loop import Run, RunContext
+from paxlite.train.run_config import RunConfig
 
 PyTree = Any
 EXPERIMENT = "TinySynthetic"
@@ -376,20 +376,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     pax_times: list[float] = []
     bare_times: list[float] = []
-    with tempfile.TemporaryDirectory() as job_dir:
-        with Run(config, RunContext(job_dir=job_dir, enable_checkpoint_saving=False)) as run:
-            checks = check_same_model(run, bare_params, model, batches[0])
-            del bare_params  # donated by the first step
-            for index in range(args.rounds):
-                # Alternate which side goes first so slow drift on a shared host hits both.
-                order = ("paxlite", "bare") if index % 2 == 0 else ("bare", "paxlite")
-                for side in order:
-                    if side == "paxlite":
-                        pax_times.append(paxlite_round(run, max_steps=args.steps + 1))
-                    else:
-                        bare_times.append(bare_round(step_fn, bare_state, batches))
-                print(f"round {index + 1}: paxlite {1e3 * pax_times[-1]:.2f} ms/step, "
-                      f"bare JAX {1e3 * bare_times[-1]:.2f} ms/step", flush=True)
+    with (tempfile.TemporaryDirectory() as job_dir,
+          Run(config, RunContext(job_dir=job_dir, enable_checkpoint_saving=False)) as run):
+        checks = check_same_model(run, bare_params, model, batches[0])
+        del bare_params  # donated by the first step
+        for index in range(args.rounds):
+            # Alternate which side goes first so slow drift on a shared host hits both.
+            order = ("paxlite", "bare") if index % 2 == 0 else ("bare", "paxlite")
+            for side in order:
+                if side == "paxlite":
+                    pax_times.append(paxlite_round(run, max_steps=args.steps + 1))
+                else:
+                    bare_times.append(bare_round(step_fn, bare_state, batches))
+            print(f"round {index + 1}: paxlite {1e3 * pax_times[-1]:.2f} ms/step, "
+                  f"bare JAX {1e3 * bare_times[-1]:.2f} ms/step", flush=True)
 
     pax_ms = 1e3 * statistics.median(pax_times)
     bare_ms = 1e3 * statistics.median(bare_times)

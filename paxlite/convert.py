@@ -15,8 +15,8 @@ Reading a paxlite checkpoint, the model config comes from, in order: ``model_con
 exist), or the training job's ``config.json`` (experiment name + overridden hyperparameters, rebuilt
 through the registry, so it follows the experiment's current code).
 
-A command rather than part of interop/, because ``--fdl_config`` and a job's ``config.json`` need the
-registry of experiments, which sits above interop/; the formats themselves are `paxlite.interop.hf`'s.
+A command rather than part of interop/, because ``--fdl_config`` and a job's ``config.json`` need
+the registry of experiments, which sits above interop/; the formats are `paxlite.interop.hf`'s.
 This module imports only the standard library at the top, so ``python -m paxlite`` stays fast.
 """
 

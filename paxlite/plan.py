@@ -308,8 +308,8 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
     if not experiment.USE_REPEATED_LAYER:
         # Unrolled layers keep every activation for the backward pass (Pax applies the policy to
         # the repeated stack only), so the remat lever is the scanned stack with SAVE_NOTHING.
-        candidates.append(("USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING (recompute each "
-                           "layer)", "compiled",
+        candidates.append((("USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING (recompute each "
+                            "layer)"), "compiled",
                            {"USE_REPEATED_LAYER": True, "CHECKPOINT_POLICY": "SAVE_NOTHING"}))
     elif experiment.CHECKPOINT_POLICY != "SAVE_NOTHING":
         candidates.append(("CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)", "compiled",
@@ -321,12 +321,12 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
     candidates.append((f"GRAD_ACCUM_STEPS {accum} -> {2 * accum} (same global batch, same training)",
                        "compiled", {"GRAD_ACCUM_STEPS": 2 * accum}))
     if getattr(experiment, "GLOBAL_BATCH_SIZE", None) is not None:  # a fixed batch wins
-        candidates.append((f"GLOBAL_BATCH_SIZE {experiment.GLOBAL_BATCH_SIZE} -> "
-                           f"{experiment.GLOBAL_BATCH_SIZE // 2}", "compiled",
+        candidates.append(((f"GLOBAL_BATCH_SIZE {experiment.GLOBAL_BATCH_SIZE} -> "
+                            f"{experiment.GLOBAL_BATCH_SIZE // 2}"), "compiled",
                            {"GLOBAL_BATCH_SIZE": experiment.GLOBAL_BATCH_SIZE // 2}))
     else:
-        candidates.append((f"PERCORE_BATCH_SIZE {experiment.PERCORE_BATCH_SIZE:g} -> "
-                           f"{experiment.PERCORE_BATCH_SIZE / 2:g}", "compiled",
+        candidates.append(((f"PERCORE_BATCH_SIZE {experiment.PERCORE_BATCH_SIZE:g} -> "
+                            f"{experiment.PERCORE_BATCH_SIZE / 2:g}"), "compiled",
                            {"PERCORE_BATCH_SIZE": experiment.PERCORE_BATCH_SIZE / 2}))
     for description, method, changes in candidates[:_MAX_COMPILED_LEVERS]:
         lever = {"lever": description, "method": method, "overrides": changes}
@@ -435,7 +435,7 @@ def plan_experiment(experiment, *, num_devices: int,
 # Presentation and entry points
 
 
-def _gib(n: int | float) -> str:
+def _gib(n: float) -> str:
     """Bytes in the largest binary unit that keeps a number >= 1 (GiB at most)."""
     for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
@@ -448,10 +448,10 @@ def format_text(p: dict[str, Any]) -> str:
     mesh = " x ".join(f"{axis} {size}" for axis, size in p["mesh"].items())
     flops = p["flops_per_step"]
     lines = [
-        f"{p['experiment']} ({p['class']}) on {p['num_devices']} devices: mesh {mesh} "
-        f"(ICI {p['ici_mesh_shape']} x DCN {p['dcn_mesh_shape']})",
-        f"  {p['num_params']:,} parameters; global batch {p['global_batch_size']} x {p['seq_len']}"
-        f" = {p['tokens_per_step']:,} tokens per step",
+        (f"{p['experiment']} ({p['class']}) on {p['num_devices']} devices: mesh {mesh} "
+         f"(ICI {p['ici_mesh_shape']} x DCN {p['dcn_mesh_shape']})"),
+        (f"  {p['num_params']:,} parameters; global batch {p['global_batch_size']} x {p['seq_len']}"
+         f" = {p['tokens_per_step']:,} tokens per step"),
         "Memory per device (train step compiled for CPU; GPU temporaries differ):",
         f"  parameters          {_gib(m['parameter_bytes']):>14}",
         f"  optimizer state     {_gib(m['optimizer_state_bytes']):>14}",
@@ -462,11 +462,11 @@ def format_text(p: dict[str, Any]) -> str:
         f"  temporaries (peak)  {_gib(m['temp_bytes']):>14}",
         f"  generated code      {_gib(m['generated_code_bytes']):>14}",
         f"  peak live           {_gib(m['peak_bytes']):>14}  = {p['peak_formula']}",
-        f"  (of the temporaries: attention logits of one layer, float32 [B, N, T, S], "
-        f"{_gib(p['attention_logits_bytes_per_layer'])})",
-        f"Verdict: {'fits' if p['fits'] else 'does NOT fit'} in "
-        f"{_gib(p['device_memory_bytes'])}: {_gib(abs(p['margin_bytes']))} "
-        f"{'to spare' if p['fits'] else 'short'}",
+        (f"  (of the temporaries: attention logits of one layer, float32 [B, N, T, S], "
+         f"{_gib(p['attention_logits_bytes_per_layer'])})"),
+        (f"Verdict: {'fits' if p['fits'] else 'does NOT fit'} in "
+         f"{_gib(p['device_memory_bytes'])}: {_gib(abs(p['margin_bytes']))} "
+         f"{'to spare' if p['fits'] else 'short'}"),
         f"FLOPs per step: analytic {flops['analytic']:.4g} (6N + attention, "
         f"{flops['analytic_per_token']:,} per token); compiler "
         + ("n/a" if flops["compiler_total"] is None else
@@ -474,10 +474,10 @@ def format_text(p: dict[str, Any]) -> str:
            f"{p['num_devices']}; counts rematerialisation"
            + ("; counts the scanned layer stack's loop body ONCE, so it is not comparable"
               if flops["compiler_counts_scanned_layers_once"] else "") + ")"),
-        f"At 100% MFU ({p['peak_tflops_per_device']:g} TFLOP/s per device): "
-        f"{p['step_time_at_100pct_mfu_s']:.4g} s per step, "
-        f"{p['tokens_per_s_at_100pct_mfu']:,.0f} tokens/s. Real MFU is lower; the batch that "
-        "memory allows bounds it.",
+        (f"At 100% MFU ({p['peak_tflops_per_device']:g} TFLOP/s per device): "
+         f"{p['step_time_at_100pct_mfu_s']:.4g} s per step, "
+         f"{p['tokens_per_s_at_100pct_mfu']:,.0f} tokens/s. Real MFU is lower; the batch that "
+         "memory allows bounds it."),
     ]
     if p["levers"]:
         lines.append("Levers (each re-planned; none changes the model):")

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the run_*.sh scripts (sourced, not run): Pax's default XLA flags and the data flag.
 
 # XLA_FLAGS = BASE_XLA_FLAGS (Pax's defaults unless set) + the user's XLA_FLAGS. $1 is the all-reduce

@@ -8,6 +8,7 @@
 # --tfds_data_dir. VOCAB_PATH is exported when given; Pax defaulted it to a gs:// T5 vocabulary that
 # paxlite cannot read, so here there is no default. ADDITIONAL_ARGS is one string of flags (word-split).
 set -uo pipefail
+# shellcheck source=scripts_gpu/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 CONFIG=${1:?usage: run_base_config_multinode.sh CONFIG [PREC] [NUM_GPUS] [LOG_DIR] [TFDS_DATA_DIR] [VOCAB_PATH] [ADDITIONAL_ARGS]}
@@ -21,13 +22,14 @@ shift $(( $# < 7 ? $# : 7 ))
 : "${SLURM_JOB_NUM_NODES:?run under SLURM (srun); on one machine call python -m paxlite.main directly}"
 
 if [ -n "$VOCAB_PATH" ]; then export VOCAB_PATH; fi
+# ADDITIONAL_ARGS -> one argument per whitespace-separated word, as Pax's unquoted expansion split it.
+read -r -d '' -a ADDITIONAL_FLAGS <<< "$ADDITIONAL_ARGS" || true  # -d '': status 1 at end of input
 TFDS_FLAGS=()
 if [ "$TFDS_DATA_DIR" != "None" ]; then TFDS_FLAGS=("--tfds_data_dir=$TFDS_DATA_DIR"); fi
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 paxlite_set_xla_flags 51200
 mkdir -p "$LOG_DIR"
 
-# shellcheck disable=SC2086  # ADDITIONAL_ARGS is a list of flags in one string, as in Pax
 python -u -m paxlite.main \
     --job_log_dir="$LOG_DIR" \
     --fdl_config="$CONFIG" \
@@ -37,7 +39,7 @@ python -u -m paxlite.main \
     --num_hosts="$SLURM_NTASKS" \
     --host_idx="$SLURM_PROCID" \
     ${TFDS_FLAGS[@]+"${TFDS_FLAGS[@]}"} \
-    --alsologtostderr $ADDITIONAL_ARGS "$@" \
+    --alsologtostderr ${ADDITIONAL_FLAGS[@]+"${ADDITIONAL_FLAGS[@]}"} "$@" \
     2>&1 | tee "$LOG_DIR/output_${SLURM_PROCID}.log"
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ]; then echo "Run failed"; else echo "Run succeeded!"; fi

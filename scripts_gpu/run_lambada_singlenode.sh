@@ -5,6 +5,7 @@
 # OpenAI's lambada_test.jsonl; LOG_DIR is the pretraining job directory,
 # whose latest checkpoint is evaluated (eval/lambada_acc_strict and eval/log_pplx go to its metrics.jsonl).
 set -uo pipefail
+# shellcheck source=scripts_gpu/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 LAMBADA_DIR=${1:?usage: run_lambada_singlenode.sh LAMBADA_DIR VOCAB_PATH [PREC] [NUM_GPUS] [PERCORE_BATCH_SIZE] LOG_DIR}

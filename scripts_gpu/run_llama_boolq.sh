@@ -25,6 +25,7 @@
 # - EVAL_ONLY=1 without CHECKPOINT_RESTORE_PATH is an error here (Pax crashed on the unset variable).
 # - ENABLE_TE is accepted and ignored with a warning: paxlite has no Transformer Engine path.
 set -euo pipefail
+# shellcheck source=scripts_gpu/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 VOCAB_PATH=${VOCAB_PATH:-}

@@ -3,6 +3,7 @@
 #   bash run_pile_multinode.sh DATA_DIR VOCAB_PATH [PREC=bfloat16] [NUM_GPUS=8] [PERCORE_BATCH_SIZE=4] [LOG_DIR=test_logdir] [extra flags...]
 # DCN_MESH_SHAPE follows $SLURM_JOB_NUM_NODES; JAX's runtime connects the processes (--multiprocess_gpu).
 set -uo pipefail
+# shellcheck source=scripts_gpu/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 DATA_DIR=${1:?usage: run_pile_multinode.sh DATA_DIR VOCAB_PATH [PREC] [NUM_GPUS] [PERCORE_BATCH_SIZE] [LOG_DIR]}

@@ -5,6 +5,7 @@
 # `python -m paxlite.data.prepare` (recognised by its paxlite_dataset.json).
 # Extra flags after the six positional arguments are passed on (e.g. --fdl.MAX_STEPS=1000).
 set -uo pipefail
+# shellcheck source=scripts_gpu/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 DATA_DIR=${1:?usage: run_pile_singlenode.sh DATA_DIR VOCAB_PATH [PREC] [NUM_GPUS] [PERCORE_BATCH_SIZE] [LOG_DIR]}

@@ -13,7 +13,7 @@ ENV.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
 
 def _run(*args, timeout=300, cwd=None):
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd
+        [sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd, check=False
     )
 
 

@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.experiments.build import load_experiment
 from paxlite.data.synthetic import SyntheticData
+from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import Transformer
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.optimizer import make_optimizer

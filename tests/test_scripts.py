@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import random
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def _env():
 
 def _script(name, *args):
     return subprocess.run(["bash", os.path.join(ROOT, "scripts_gpu", name), *args], capture_output=True,
-                          text=True, env=_env(), timeout=600)
+                          text=True, env=_env(), timeout=600, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ TINY_LLAMA_ENV = {"CONFIG": "paxlite.experiments.tiny.TinyLLaMA", "ICI_MESH_SHAP
 def _llama(env, *args):
     full = {**_env(), **env}
     return subprocess.run(["bash", os.path.join(ROOT, "scripts_gpu", "run_llama_boolq.sh"), *args],
-                          capture_output=True, text=True, env=full, timeout=600)
+                          capture_output=True, text=True, env=full, timeout=600, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,7 @@ def test_llama_boolq_trains_then_evaluates_and_eval_only(tmp_path, boolq_assets)
 def test_llama_boolq_refuses_missing_settings(tmp_path, env, message):
     base = {k: v for k, v in _env().items() if k not in ("VOCAB_PATH", "TFDS_DATA_DIR")}
     result = subprocess.run(["bash", os.path.join(ROOT, "scripts_gpu", "run_llama_boolq.sh")], capture_output=True,
-                            text=True, env={**base, "LOG_DIR": str(tmp_path), "ENABLE_TE": "1", **env}, timeout=60)
+                            text=True, env={**base, "LOG_DIR": str(tmp_path), "ENABLE_TE": "1", **env}, timeout=60, check=False)
     assert result.returncode == 1 and message in result.stderr, result.stderr
 
 
@@ -197,7 +198,7 @@ def _fake_srun(tmp_path):
 ])
 def test_slurm_files_launch_an_existing_script_with_its_settings(tmp_path, sub, script, args, exported):
     path = os.path.join(ROOT, "slurm", sub)
-    assert subprocess.run(["bash", "-n", path]).returncode == 0
+    assert subprocess.run(["bash", "-n", path], check=False).returncode == 0
     record = str(tmp_path / "srun")
     env = {**_env(), "PATH": _fake_srun(tmp_path) + ":" + _env()["PATH"], "SRUN_RECORD": record,
            "CONTAINER": "registry/paxlite:test", "BASE_WORKSPACE_DIR": str(tmp_path / "ws"),
@@ -205,18 +206,18 @@ def test_slurm_files_launch_an_existing_script_with_its_settings(tmp_path, sub, 
            "BASE_CHECKPOINT_RESTORE_PATH": str(tmp_path / "ckpt"), "PAXLITE_DIR": ROOT}
     if sub == "launch_base_script.sub":  # a synthetic experiment: no data, no vocabulary
         env = {k: v for k, v in env.items() if k not in ("BASE_TFDS_DATA_DIR", "BASE_VOCAB_PATH")}
-    result = subprocess.run(["bash", path], capture_output=True, text=True, env=env, timeout=60)
+    result = subprocess.run(["bash", path], capture_output=True, text=True, env=env, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
-    argv = open(record + ".args").read().split("\n")[:-1]
+    argv = pathlib.Path(record + ".args").read_text().split("\n")[:-1]
     assert "--container-image=registry/paxlite:test" in argv and "--export=ALL" in argv
     mounts = next(a for a in argv if a.startswith("--container-mounts="))
     assert f"{tmp_path / 'ws'}:{ROOT}/workspace" in mounts
     launched = argv.index("bash")
     assert argv[launched + 1] == os.path.join(ROOT, "scripts_gpu", script)
-    assert os.path.isfile(argv[launched + 1]) and subprocess.run(["bash", "-n", argv[launched + 1]]).returncode == 0
+    assert os.path.isfile(argv[launched + 1]) and subprocess.run(["bash", "-n", argv[launched + 1]], check=False).returncode == 0
     assert argv[launched + 2:] == [a.replace("{ROOT}", ROOT) for a in args]
-    recorded = dict(line.split("=", 1) for line in open(record + ".env").read().splitlines() if "=" in line)
-    text = open(argv[launched + 1]).read()
+    recorded = dict(line.split("=", 1) for line in pathlib.Path(record + ".env").read_text().splitlines() if "=" in line)
+    text = pathlib.Path(argv[launched + 1]).read_text()
     for name, value in exported.items():
         assert recorded.get(name) == value.replace("{ROOT}", ROOT), name
         assert name in text or name == "ENABLE_TE", f"{script} does not read {name}"

@@ -285,7 +285,7 @@ def _hparam_annotations(klass: type) -> dict[str, Any]:
             module = sys.modules.get(klass.__module__)
             namespace = dict(vars(module)) if module is not None else {}
             try:
-                annotation = eval(annotation, namespace, dict(vars(klass)))  # noqa: S307
+                annotation = eval(annotation, namespace, dict(vars(klass)))
             except Exception as err:
                 raise ConfigError(
                     f"{klass.__name__}.{name}: cannot evaluate annotation {annotation!r}: "

@@ -79,7 +79,10 @@ class TextFeed:
 
     def __init__(self, config, *, plan: FeedPlan):
         from paxlite.data.pipeline import TextData  # grain and SentencePiece only on this path
-        from paxlite.data.seqio_pipeline import SeqIOData, SeqIODataConfig  # TensorFlow only when used
+        from paxlite.data.seqio_pipeline import (  # TensorFlow only when used
+            SeqIOData,
+            SeqIODataConfig,
+        )
 
         self._plan = plan
         reader = SeqIOData if isinstance(config, SeqIODataConfig) else TextData
@@ -154,8 +157,8 @@ class LambadaFeed:
     metric_prefix = "lambada_"
 
     def __init__(self, config: LambadaEvalConfig, *, plan: FeedPlan):
-        from paxlite.data.tokenizer import Tokenizer
         from paxlite.data.lambada import read_lambada
+        from paxlite.data.tokenizer import Tokenizer
 
         self._config = config
         if config.path is not None:
@@ -205,8 +208,8 @@ class BoolQFeed:
     metric_prefix = "boolq_"
 
     def __init__(self, config: BoolQEvalConfig, *, plan: FeedPlan):
-        from paxlite.data.tokenizer import Tokenizer
         from paxlite.data.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
+        from paxlite.data.tokenizer import Tokenizer
 
         self._config = config
         if config.path is not None:  # read and checked now, before compiling
@@ -262,8 +265,8 @@ class BoolQTrainFeed:
     metric_prefix = ""
 
     def __init__(self, config: BoolQTrainConfig, *, plan: FeedPlan):
-        from paxlite.data.tokenizer import Tokenizer
         from paxlite.data.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
+        from paxlite.data.tokenizer import Tokenizer
 
         self._config = config
         if config.path is not None:  # read and checked now, before compiling

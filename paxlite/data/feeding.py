@@ -13,6 +13,7 @@ with a tensor axis across processes, processes share a feed (Pax's subset of inf
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import jax
@@ -82,7 +83,7 @@ def plan_feeding(
     spans: dict[int, tuple[int, int]] = {}
     for process, ranges in blocks.items():
         ordered = sorted(ranges)
-        if any(a[1] != b[0] for a, b in zip(ordered, ordered[1:])):
+        if any(a[1] != b[0] for a, b in itertools.pairwise(ordered)):
             raise ValueError(
                 f"process {process} holds non-contiguous batch rows {ordered}: order the mesh so each "
                 "process's devices hold one contiguous block of the batch"

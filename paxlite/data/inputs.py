@@ -127,7 +127,8 @@ def _open_text(path: str, compression: str) -> TextIO:
                 f"reading {path} needs the zstandard package: pip install zstandard"
             ) from e
         raw = zstandard.ZstdDecompressor().stream_reader(
-            open(path, "rb"), read_across_frames=True, closefd=True
+            open(path, "rb"),  # noqa: SIM115  the returned reader owns and closes it (closefd)
+            read_across_frames=True, closefd=True,
         )
         return io.TextIOWrapper(raw, encoding="utf-8")
     return open(path, encoding="utf-8")

@@ -19,7 +19,6 @@ import numpy as np
 
 from paxlite.data.jsonl import read_jsonl_examples
 
-
 # Pax's TFDS builder replaces exactly these four characters before splitting.
 _QUOTE_TRANSLATION = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
 

@@ -15,8 +15,7 @@ import time
 from collections.abc import Sequence
 
 from paxlite.data.inputs import iter_documents
-from paxlite.data.records import DatasetError, DatasetInfo, Kind, shard_paths
-from paxlite.data.records import write_dataset
+from paxlite.data.records import DatasetError, DatasetInfo, Kind, shard_paths, write_dataset
 from paxlite.data.tokenizer import Tokenizer, VocabError
 
 

@@ -269,7 +269,7 @@ def write_dataset(
             )
             splits[split] = {
                 "shards": list(shards),
-                "documents": int(len(split_order)),
+                "documents": len(split_order),
                 "tokens": None if count_of is None else int(count_of[split_order].sum()),
             }
         os.remove(staging)

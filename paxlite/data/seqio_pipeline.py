@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from paxlite.data import tokenizer as tokenizer_lib
-from paxlite.data.feeding import local_batch_size
 from paxlite.data.errors import DatasetError
+from paxlite.data.feeding import local_batch_size
 
 THE_PILE_TASK = "the_pile_lm"
 C4_TASK = "c4_lm_v301_gpt"

@@ -20,7 +20,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from paxlite.data.errors import DatasetError
 from paxlite.data.inputs import iter_documents
@@ -331,7 +331,7 @@ def _builder_classes():
         """`super_glue/boolq:1.0.2`, with the features of TFDS's own SuperGLUE builder (label -1 = none)."""
 
         VERSION = tfds.core.Version(BOOLQ.version)
-        BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="boolq", description="BoolQ yes/no questions")]
+        BUILDER_CONFIGS: ClassVar[list] = [tfds.core.BuilderConfig(name="boolq", description="BoolQ yes/no questions")]
 
         def __init__(self, *, local_dir: str | None, **kwargs):
             self._local_dir = local_dir

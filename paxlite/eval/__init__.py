@@ -1,1 +1,1 @@
-"""Scoring of model outputs (Lambada's acc_strict, BoolQ's boolq_acc); the examples come from data/."""
+"""Scoring of model outputs (Lambada's acc_strict, BoolQ's boolq_acc); examples come from data/."""

@@ -16,7 +16,6 @@ import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived, Experiment
-from paxlite.train.run_config import LoopConfig, RunConfig
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
@@ -26,6 +25,7 @@ from paxlite.models.transformer import RematPolicy, TransformerConfig
 from paxlite.parallel.mesh import MeshConfig
 from paxlite.train import flops as flops_lib
 from paxlite.train.optimizer import OptimizerConfig
+from paxlite.train.run_config import LoopConfig, RunConfig
 from paxlite.train.schedules import ScheduleConfig, ScheduleKind
 
 
@@ -109,8 +109,8 @@ class LanguageModelExperiment(Experiment):
                 "EVAL_LOOP_NUM_BATCHES=-1 means 'the whole eval set', and synthetic data has no end; "
                 "give a number of batches (e.g. --fdl.EVAL_LOOP_NUM_BATCHES=10)"
             )
-        from paxlite.data.tfds_datasets import LM_TEXT_FEATURES, TfdsName
         from paxlite.data.errors import DatasetError
+        from paxlite.data.tfds_datasets import LM_TEXT_FEATURES, TfdsName
 
         try:
             dataset = TfdsName.parse(self.TFDS_DATASET)

@@ -1,7 +1,7 @@
-"""From an experiment's name and its overrides to the resolved experiment and the Fiddle tree of a run.
+"""From an experiment's name and its overrides to the resolved experiment and its run's Fiddle tree.
 
-Here rather than in config/ because it needs the registry of experiments, and the experiments are built
-on config/'s base class: config/ stays below the experiments, and only this package knows them all.
+Here rather than in config/ because it needs the registry of experiments, and the experiments are
+built on config/'s base class: config/ stays below them, and only this package knows them all.
 """
 
 from __future__ import annotations

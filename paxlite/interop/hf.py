@@ -99,7 +99,7 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
     with safe_open(path, framework="np") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+        return {name: f.get_tensor(name) for name in f}
 
 
 def read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
@@ -251,9 +251,10 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
         config = find_model_config(path, step_dir=step_dir)
     if config is None:
         raise ConversionError(
-            f"no model config for the checkpoint: expected model_config.json beside {path} (written "
-            "by python -m paxlite convert), or pass config=TransformerConfig(...); a training job's "
-            "config.json is read by paxlite.convert.read_paxlite and python -m paxlite convert")
+            f"no model config for the checkpoint: expected model_config.json beside {path} "
+            "(written by python -m paxlite convert), or pass config=TransformerConfig(...); a "
+            "training job's config.json is read by paxlite.convert.read_paxlite and python -m "
+            "paxlite convert")
     lora = _lora_leaves(step_dir)
     if lora:
         raise UnsupportedCheckpointError(

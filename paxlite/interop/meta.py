@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from paxlite.interop.hf_config import UnsupportedCheckpointError
-from paxlite.interop.layouts import LlamaNaming, LayoutError, Params, llama_to_params
+from paxlite.interop.layouts import LayoutError, LlamaNaming, Params, llama_to_params
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
 
 META_MAX_SEQ_LEN: int = 4096  # params.json does not say; LLaMA-2's context

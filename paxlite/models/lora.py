@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.typing import DTypeLike
 
-
 LORA_RANK_AXIS: str = "lora_rank"
 LORA_A: str = "lora_a"
 LORA_B: str = "lora_b"

@@ -194,7 +194,7 @@ def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_spli
             )
         return fixed
     total = percore_batch_size * num_devices
-    rounded = int(round(total))
+    rounded = round(total)
     if rounded < 1 or abs(total - rounded) > 1e-6:
         raise MeshError(
             f"PERCORE_BATCH_SIZE={percore_batch_size} x {num_devices} devices = {total:g} is not a "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any
+from typing import Any, Self
 
 import jax
 import numpy as np
@@ -224,7 +224,7 @@ class Checkpointer:
         self._manager.wait_until_finished()
         self._manager.close()
 
-    def __enter__(self) -> Checkpointer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -13,13 +13,13 @@ import os
 import re
 import time
 from collections.abc import Sequence
+from typing import Self
 
 import jax
 import numpy as np
 from absl import logging
 from flax import traverse_util
 
-from paxlite.train.run_config import RunConfig
 from paxlite.data.feed import make_feed
 from paxlite.data.feeding import plan_feeding
 from paxlite.eval.boolq import boolq_acc
@@ -29,10 +29,11 @@ from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
 from paxlite.train import flops as flops_lib
+from paxlite.train import pretrained
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.metrics import MetricsWriter
-from paxlite.train import pretrained
 from paxlite.train.optimizer import make_optimizer
+from paxlite.train.run_config import RunConfig
 from paxlite.train.schedules import make_schedule
 from paxlite.train.step import (
     CompiledSteps,
@@ -138,7 +139,7 @@ class Run:
         self.checkpointer.close()
         self.writer.close()
 
-    def __enter__(self) -> Run:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -331,7 +332,7 @@ class Run:
             raise TrainingDivergedError(
                 f"{' and '.join(f'{k}={host[k]}' for k in bad)} at step {step}; stopping without saving "
                 f"this state (latest checkpoint: "
-                f"{'step %d' % saved[-1] if saved else 'none'} in {self.checkpointer.directory})"
+                f"{f'step {saved[-1]}' if saved else 'none'} in {self.checkpointer.directory})"
             )
         return host
 

@@ -22,7 +22,7 @@ import sys
 import time
 import types
 from collections.abc import Iterator, Mapping
-from typing import TextIO
+from typing import Self, TextIO
 
 from absl import logging
 
@@ -69,7 +69,7 @@ def _json_value(value: object) -> int | float | None:
 
 def _format_duration(seconds: float) -> str:
     """'2d 04:13:07' or '04:13:07'."""
-    total = int(round(seconds))
+    total = round(seconds)
     days, rest = divmod(total, 86400)
     hours, rest = divmod(rest, 3600)
     minutes, secs = divmod(rest, 60)
@@ -138,7 +138,9 @@ class MetricsWriter:
         self._tensorboard: dict[str, EventsWriter] = {}
         if enabled:
             self._job_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self._job_dir / "metrics.jsonl", "a", encoding="utf-8")
+            # Open for the writer's lifetime (one line per step, flushed); close() closes it.
+            path = self._job_dir / "metrics.jsonl"
+            self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write_train(self, step: int, metrics: Mapping[str, float | None]) -> None:
         """Records one training step's metrics (keys as in DESIGN.md section 3.3)."""
@@ -177,7 +179,7 @@ class MetricsWriter:
             writer.close()
         self._tensorboard.clear()
 
-    def __enter__(self) -> MetricsWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

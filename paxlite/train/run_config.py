@@ -1,8 +1,9 @@
-"""The plain-dataclass description of one run: what the training loop takes, built from an experiment's Fiddle tree.
+"""The plain-dataclass description of one run that the training loop takes.
 
-Defined here, by its consumer, so that train/ needs nothing from config/ or experiments/: everything downstream
-of the experiment receives these values, never the experiment class. The model gets its TransformerConfig, the
-optimizer its OptimizerConfig, and the loop a LoopConfig.
+Built from an experiment's Fiddle tree, and defined here, by its consumer, so that train/ needs
+nothing from config/ or experiments/: everything downstream of the experiment receives these values,
+never the experiment class. The model gets its TransformerConfig, the optimizer its OptimizerConfig,
+and the loop a LoopConfig.
 """
 
 from __future__ import annotations

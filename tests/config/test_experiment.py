@@ -163,8 +163,8 @@ def test_zero_and_false_are_kept() -> None:
         ("ICI_MESH_SHAPE", "1,8,1", "expected list[int] or None, got '1,8,1' (str)"),
         ("PEAK_TFLOPS", "fast", "expected float or None, got 'fast' (str)"),
         ("FPROP_DTYPE", "bf16",
-         "--fdl.FPROP_DTYPE='bf16': expected one of 'float32', 'bfloat16' "
-         "(did you mean 'bfloat16'?)"),
+         ("--fdl.FPROP_DTYPE='bf16': expected one of 'float32', 'bfloat16' "
+          "(did you mean 'bfloat16'?)")),
         ("FPROP_DTYPE", 16, "expected one of 'float32', 'bfloat16', got 16 (int)"),
     ],
 )

@@ -8,8 +8,8 @@ import pytest
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Experiment
-from paxlite.config.values import HParamSpec
 from paxlite.config.overrides import parse_assignments, parse_overrides, parse_value
+from paxlite.config.values import HParamSpec
 
 
 class Named(Experiment):
@@ -77,20 +77,20 @@ def test_parse_value(name: str, raw: str, expected: object) -> None:
 @pytest.mark.parametrize(
     ("name", "raw", "message"),
     [
-        ("NUM_LAYERS", "abc", "--fdl.NUM_LAYERS=abc: expected int, got 'abc', which is not a "
-                              "Python literal"),
+        ("NUM_LAYERS", "abc", ("--fdl.NUM_LAYERS=abc: expected int, got 'abc', which is not a "
+                               "Python literal")),
         ("NUM_LAYERS", "4.0", "--fdl.NUM_LAYERS=4.0: expected int, got 4.0 (float)"),
         ("NUM_LAYERS", "true", "--fdl.NUM_LAYERS=true: expected int, got True (bool)"),
         ("LEARNING_RATE", "fast", "--fdl.LEARNING_RATE=fast: expected float, got 'fast'"),
         ("LEARNING_RATE", "'1e-3'", "expected float, got '1e-3' (str)"),
-        ("USE_REPEATED_LAYER", "1", "--fdl.USE_REPEATED_LAYER=1: expected bool (true or false), "
-                                    "got 1 (int)"),
+        ("USE_REPEATED_LAYER", "1", ("--fdl.USE_REPEATED_LAYER=1: expected bool (true or false), "
+                                     "got 1 (int)")),
         ("USE_REPEATED_LAYER", "yes", "expected bool (true or false), got 'yes'"),
         ("ICI_MESH_SHAPE", "[1,8,1", "--fdl.ICI_MESH_SHAPE=[1,8,1: expected list[int] or None"),
         ("ICI_MESH_SHAPE", "[1,'8',1]", "expected list[int] or None, got '8' (str) at index 1"),
         ("DCN_MESH_SHAPE", "1", "expected list[int], got 1 (int)"),
-        ("FPROP_DTYPE", "bf16", "--fdl.FPROP_DTYPE=bf16: expected one of 'float32', 'bfloat16' "
-                                "(did you mean 'bfloat16'?)"),
+        ("FPROP_DTYPE", "bf16", ("--fdl.FPROP_DTYPE=bf16: expected one of 'float32', 'bfloat16' "
+                                 "(did you mean 'bfloat16'?)")),
         ("FPROP_DTYPE", "BFLOAT16", "(did you mean 'bfloat16'?)"),
         ("FPROP_DTYPE", "16", "expected one of 'float32', 'bfloat16', got '16' (str)"),
         ("PRECISION", "fp4", "expected one of 'fp8', 'bf16' or None (did you mean 'fp8'"),

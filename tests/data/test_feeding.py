@@ -39,7 +39,7 @@ def test_fractional_percore_with_tensor_inside_a_process():
 
 def test_tensor_across_processes_makes_them_share_one_feed():
     """Pax's subset of infeed hosts: both processes hold the same rows, so they read the same data slice."""
-    alternate = lambda device: device.id % 2  # noqa: E731  (tensor pairs straddle the two processes)
+    alternate = lambda device: device.id % 2  # tensor pairs straddle the two processes
     p0, p1 = _plans(_sharding(4, 1, 2), 4, alternate)
     assert (p0.num_feeds, p0.rows) == (1, slice(0, 4)) and (p1.feed_index, p1.rows) == (0, slice(0, 4))
     p0, p1 = _plans(_sharding(1, 1, 8), 1, by_block)  # PERCORE_BATCH_SIZE=0.125: one row in all

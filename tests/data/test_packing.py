@@ -78,7 +78,7 @@ def _reference_rows(docs, order, *, seq_len, rows, count):
 def test_packed_rows_and_resume_from_every_step(chunk):
     docs = _docs(60, seed=1)
     seq_len, rows = 16, 3
-    make = lambda: DocumentStream(  # noqa: E731
+    make = lambda: DocumentStream(
         source=ListSource(docs), indices=np.arange(60), encode=token_chunk_encoder(eos_id=EOS), shuffle=False,
         seed=0, seq_len=seq_len, rows=rows, packed=True, chunk=chunk)
     total = sum(len(d) + 1 for d in docs)

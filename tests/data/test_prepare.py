@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -48,12 +49,12 @@ def test_train_tokenizer_cli_makes_a_loadable_model_and_refuses_to_overwrite(mod
     assert (tok.vocab_size, tok.pad_id, tok.eos_id, tok.bos_id) == (300, 0, 1, None)
     assert tok.decode(tok.encode("Document 7 says hello")) == "Document 7 says hello"
     assert os.path.isfile(model[: -len(".model")] + ".vocab")
-    before = open(model, "rb").read()
+    before = pathlib.Path(model).read_bytes()
     again = run("train_tokenizer", "--input", os.path.dirname(model), "--output",
                 model[: -len(".model")], "--vocab_size", "280")
     assert again.returncode == 2
     assert again.stderr.startswith("train_tokenizer: error:") and "--overwrite" in again.stderr
-    assert open(model, "rb").read() == before
+    assert pathlib.Path(model).read_bytes() == before
 
 
 def test_prepare_tokens_success(tmp_path, model):

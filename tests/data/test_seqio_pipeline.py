@@ -177,8 +177,8 @@ def take(iterator, count: int) -> dict[str, np.ndarray]:
 
 def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
     assert set(got) == set(want)
-    for key in want:
-        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    for key, value in want.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
 
 
 @pytest.mark.parametrize("seq_len,packed", [(16, False), (16, True), (700, True)])

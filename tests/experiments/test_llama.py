@@ -13,11 +13,16 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.experiments.build import load_experiment
 from paxlite.config.errors import ConfigError
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments import EXPERIMENTS
-from paxlite.models.transformer import PositionEmbedding, Transformer, abstract_variables, num_params
+from paxlite.experiments.build import load_experiment
+from paxlite.models.transformer import (
+    PositionEmbedding,
+    Transformer,
+    abstract_variables,
+    num_params,
+)
 from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.step import loss_fn

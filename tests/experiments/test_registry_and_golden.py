@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax
 import pytest
 
-from paxlite.experiments.build import load_experiment
 from paxlite.experiments import EXPERIMENTS
+from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import abstract_variables, num_params
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "testdata", "golden")

@@ -9,8 +9,8 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=(2, 16)).astype(np.int32)
 LLAMA_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,

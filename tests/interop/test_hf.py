@@ -17,7 +17,7 @@ TOL = 1e-4
 
 def _tensors(path):
     with safe_open(os.path.join(path, "model.safetensors"), framework="np") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+        return {name: f.get_tensor(name) for name in f}
 
 
 @pytest.mark.parametrize("fixture", ["llama_gqa", "llama_mha", "gpt2"])
@@ -114,7 +114,7 @@ def test_cli_round_trip_hf_paxlite_hf_is_byte_equal(llama_gqa, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "paxlite", "convert", "--from=hf", "--to=paxlite",
          f"--input={directory}", f"--output={tmp_path / 'pax'}"],
-        capture_output=True, text=True, env=env, timeout=120)
+        capture_output=True, text=True, env=env, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "converted llama hf -> paxlite: 123,712 parameters, float32" in result.stdout
     assert (tmp_path / "pax" / "model_config.json").exists()

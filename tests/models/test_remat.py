@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from paxlite.experiments.build import build_run_config
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Experiment
+from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import (
     RematPolicy,
     Transformer,

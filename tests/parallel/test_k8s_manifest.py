@@ -1,6 +1,7 @@
 """The Kubernetes example is wired to what paxlite reads: its env makes pod i process i of the job."""
 
 import os
+import pathlib
 import re
 
 from paxlite.parallel.distributed import detect_launch
@@ -9,7 +10,7 @@ MANIFEST = os.path.join(os.path.dirname(__file__), "..", "..", "k8s", "indexed-j
 
 
 def test_indexed_job_env_gives_each_pod_its_process_index():
-    text = open(MANIFEST).read()
+    text = pathlib.Path(MANIFEST).read_text()
     env = dict(re.findall(r"\{name: (PAXLITE_\w+), value: \"([^\"]+)\"\}", text))
     completions = int(re.search(r"completions: (\d+)", text).group(1))
     assert int(env["PAXLITE_NUM_PROCESSES"]) == completions

@@ -129,8 +129,8 @@ def test_each_stand_in_process_feeds_one_contiguous_block(ici, dcn):
         (
             (2, 2, 2),
             (1, 1, 1),
-            r"ICI_MESH_SHAPE=\[2, 2, 2\] covers 8 devices but each process has 4; "
-            r"DCN_MESH_SHAPE=\[1, 1, 1\] covers 1 processes but there are 2",
+            (r"ICI_MESH_SHAPE=\[2, 2, 2\] covers 8 devices but each process has 4; "
+             r"DCN_MESH_SHAPE=\[1, 1, 1\] covers 1 processes but there are 2"),
         ),
         ((1, 2, 2), (1, 1, 1), r"DCN_MESH_SHAPE=\[1, 1, 1\] covers 1 processes but there are 2"),
         (

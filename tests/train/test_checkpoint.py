@@ -162,14 +162,14 @@ def test_corrupted_latest_falls_back_and_is_moved_aside(
     directory = tmp_path / "checkpoints"
     _save_steps(directory, [1, 2, 3])
     corrupt(directory / "checkpoint_00000003")
-    with caplog.at_level(logging.WARNING):
-        with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
-            step, restored = ckpt.restore_latest(_abstract())
-            assert step == 2
-            _assert_state_equal(restored, _state(2), _abstract())
-            assert ckpt.all_steps() == [1, 2]
-            # The step can be saved again without colliding with the corrupted copy.
-            assert ckpt.save(3, _state(3))
+    with (caplog.at_level(logging.WARNING),
+          Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt):
+        step, restored = ckpt.restore_latest(_abstract())
+        assert step == 2
+        _assert_state_equal(restored, _state(2), _abstract())
+        assert ckpt.all_steps() == [1, 2]
+        # The step can be saved again without colliding with the corrupted copy.
+        assert ckpt.save(3, _state(3))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(directory / "checkpoint_00000003") in m and "Error" in m for m in warnings)
     aside = tmp_path / "checkpoints_corrupted" / "checkpoint_00000003"
@@ -191,7 +191,7 @@ def test_leftover_tmp_directory_is_ignored(tmp_path: pathlib.Path) -> None:
     (leftover / "state" / "partial").write_bytes(b"\x00" * 10)
     with Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None) as ckpt:
         assert ckpt.all_steps() == [1]
-        step, restored = ckpt.restore_latest(_abstract())
+        step, _restored = ckpt.restore_latest(_abstract())
         assert step == 1
         assert (leftover / "state" / "partial").exists()
         # Saving that step later keeps the leftover, moved aside rather than deleted by Orbax.
@@ -206,9 +206,9 @@ def test_all_corrupt_raises_and_moves_nothing(tmp_path: pathlib.Path) -> None:
     _save_steps(tmp_path, [1, 2])
     _delete_manifest(tmp_path / "checkpoint_00000001")
     _garble_metadata(tmp_path / "checkpoint_00000002")
-    with Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None) as ckpt:
-        with pytest.raises(NoRestorableCheckpointError) as info:
-            ckpt.restore_latest(_abstract())
+    with (Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None) as ckpt,
+          pytest.raises(NoRestorableCheckpointError) as info):
+        ckpt.restore_latest(_abstract())
     message = str(info.value)
     assert "checkpoint_00000001" in message and "checkpoint_00000002" in message
     assert _names(tmp_path) == ["checkpoint_00000001", "checkpoint_00000002"]

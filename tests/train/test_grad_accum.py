@@ -16,8 +16,8 @@ import optax
 import pytest
 from flax import linen as nn
 
-from paxlite.experiments.build import build_run_config, load_experiment
 from paxlite.config.errors import ConfigError
+from paxlite.experiments.build import build_run_config, load_experiment
 from paxlite.models.transformer import Transformer, TransformerConfig, abstract_variables
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.loop import Run, RunContext

@@ -129,9 +129,9 @@ def test_bad_keys_are_rejected(tmp_path: pathlib.Path) -> None:
 
 
 def test_train_line_is_logged(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger=absl_logging.get_absl_logger().name):
-        with MetricsWriter(tmp_path, max_steps=10) as writer:
-            writer.write_train(4, {"loss": 2.0, "step_time_s": 1.0})
+    with (caplog.at_level("INFO", logger=absl_logging.get_absl_logger().name),
+          MetricsWriter(tmp_path, max_steps=10) as writer):
+        writer.write_train(4, {"loss": 2.0, "step_time_s": 1.0})
     assert any("step 4/10 | loss 2.0000" in r.getMessage() for r in caplog.records)
 
 

@@ -1,7 +1,6 @@
 """The pretrained-weights reader and writer: exact round trip, partial restore, path spellings, refusals."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec

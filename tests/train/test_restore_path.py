@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from paxlite.experiments.build import build_run_config
 from paxlite.data.synthetic import SyntheticData
+from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import Transformer
 from paxlite.train import pretrained
 from paxlite.train.loop import Run, RunContext, ignored_by
@@ -132,9 +132,9 @@ def test_errors_come_before_training(tmp_path, job_a):
             RunContext(job_dir=str(tmp_path / "b2")))
     # A model of another shape: every mismatched parameter is named, nothing is trained.
     config = _restoring(job, ["HIDDEN_DIMS=128"])
-    with Run(config, RunContext(job_dir=str(tmp_path / "b3"))) as run:
-        with pytest.raises(pretrained.PretrainedCheckpointError) as err:
-            run.train()
+    with (Run(config, RunContext(job_dir=str(tmp_path / "b3"))) as run,
+          pytest.raises(pretrained.PretrainedCheckpointError) as err):
+        run.train()
     message = str(err.value)
     assert "layers_0/mlp/wi/kernel: checkpoint shape (64, 256), model shape (64, 128)" in message
     assert "layers_1/mlp/wo/kernel" in message and "attention" not in message

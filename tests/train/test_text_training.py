@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.experiments.build import build_run_config
 from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
+from paxlite.experiments.build import build_run_config
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.loop import Run, RunContext
 
@@ -77,7 +77,7 @@ def test_text_run_learns_and_evaluates(tmp_path, dataset):
 
 
 def test_missing_dataset_stops_before_compiling(tmp_path, dataset):
-    _, vocab = dataset
+    _, _vocab = dataset
     overrides = _overrides(dataset, 3)
     overrides[0] = f"DATA_DIR={tmp_path / 'nowhere'}"
     _, config = build_run_config("TinyShakespeare", overrides)

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.experiments.build import build_run_config
 from paxlite.data import tfds_datasets
 from paxlite.data.train_tokenizer import train_tokenizer
+from paxlite.experiments.build import build_run_config
 from paxlite.train.loop import Run, RunContext
 
 WORDS = ("the king and queen of a far land rode out at dawn to see the sea while bells rang and "
