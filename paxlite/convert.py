@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from paxlite.interop.hf import ConversionError
+from paxlite.interop.errors import ConversionError
 
 if TYPE_CHECKING:
     from paxlite.interop.hf import Pretrained

@@ -94,3 +94,14 @@ def test_importing_every_module_loads_no_heavy_extra():
     num_modules, loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert num_modules > 50  # every module of the package was imported, not an empty walk
     assert loaded == []
+
+
+def test_the_command_line_parses_before_jax_is_imported():
+    """`python -m paxlite plan` sets its fake device count before JAX starts, and the `convert`
+    parser is built for every subcommand: neither may pull in JAX or NumPy at import."""
+    code = ("import json, sys\nimport paxlite.__main__, paxlite.convert\n"
+            "print(json.dumps(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules)))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from paxlite.interop import layouts
+from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
     Family,
     UnsupportedCheckpointError,
@@ -33,10 +34,6 @@ from paxlite.interop.hf_config import (
 from paxlite.models.transformer import VALID_DTYPES, RematPolicy, TransformerConfig
 
 Params = layouts.Params
-
-
-class ConversionError(ValueError):
-    """A conversion that cannot be done as asked (e.g. the model is not the experiment's)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,7 +96,7 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
     with safe_open(path, framework="np") as f:
-        return {name: f.get_tensor(name) for name in f}
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  safe_open is not iterable
 
 
 def read_hf_tensors(directory: str) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ TOL = 1e-4
 
 def _tensors(path):
     with safe_open(os.path.join(path, "model.safetensors"), framework="np") as f:
-        return {name: f.get_tensor(name) for name in f}
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  safe_open is not iterable
 
 
 @pytest.mark.parametrize("fixture", ["llama_gqa", "llama_mha", "gpt2"])
