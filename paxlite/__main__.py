@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import fiddle as fdl
 
+from paxlite.errors import UserError
+
 
 def describe(experiment, *, num_local_devices: int | None = None) -> dict:
     """What a user wants to know before launching: size, cost per token, batch and mesh, every hyperparameter."""
@@ -96,9 +98,8 @@ def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
 
 
 def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
-    from paxlite.config.errors import ConfigError
     from paxlite.experiments.build import load_experiment, load_recorded_experiment
-    from paxlite.train import export, pretrained
+    from paxlite.train import export
 
     try:
         if args.fdl_config:
@@ -108,8 +109,7 @@ def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
             experiment = load_recorded_experiment(name, overrides, assignments)
         model = fdl.build(experiment.with_lora(experiment.model_config()))
         print(export.export_merged(args.input, args.output, model_config=model))
-    except (ConfigError, ValueError, FileNotFoundError, FileExistsError,
-            pretrained.PretrainedCheckpointError) as e:
+    except UserError as e:
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             print(plot_losses(args.job_log_dir, args.output))
-        except (FileNotFoundError, ValueError) as e:
+        except UserError as e:
             print(f"paxlite: error: {e}", file=sys.stderr)
             return 2
         return 0
@@ -175,12 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")
         return _list()
-    from paxlite.config.errors import ConfigError
-    from paxlite.parallel.mesh import MeshError
-
     try:
         return _show(args, assignments)
-    except (ConfigError, MeshError) as e:
+    except UserError as e:
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
 

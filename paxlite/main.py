@@ -21,6 +21,7 @@ from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, .
 from fiddle import printing
 
 import paxlite
+from paxlite.errors import RunStoppedError, UserError
 
 FLAGS = flags.FLAGS
 
@@ -67,7 +68,7 @@ def quiet_library_logs() -> None:
     logging.get_absl_handler().addFilter(_LibraryInfoFilter())
 
 
-class UsageError(ValueError):
+class UsageError(UserError, ValueError):
     """A bad command line (not a bad hyperparameter)."""
 
 
@@ -136,6 +137,7 @@ def parse_job(argv) -> tuple:
     """Validate everything that can be validated without devices; returns (experiment, tree, run_config)."""
     import fiddle as fdl
 
+    from paxlite.config.errors import ConfigError
     from paxlite.experiments.build import load_experiment, run_tree
 
     if len(argv) > 1:
@@ -157,63 +159,69 @@ def parse_job(argv) -> tuple:
         # The planner compiles on shapes only: no dataset or tokenizer is needed, or opened.
         assignments.append("SYNTHETIC_DATA=true")
     experiment = load_experiment(FLAGS.fdl_config or "", assignments)
+    if Mode(FLAGS.mode) is Mode.TRAIN and experiment.MAX_STEPS == 0:
+        # Pax's evaluation-only configs (the LLaMA ones) have MAX_STEPS=0: zero means "no training",
+        # so say so here, before a checkpoint is read, a step compiled or the job directory made.
+        where = ("--fdl.MAX_STEPS=0" if "MAX_STEPS" in experiment.overridden
+                 else f"MAX_STEPS=0 ({experiment.name}'s value, as in Pax's evaluation-only configs)")
+        raise UsageError(
+            f"{where} with --mode=train trains nothing; pass --fdl.MAX_STEPS=N (N >= 1) to train, or "
+            "--mode=eval to evaluate the job's latest checkpoint (or CHECKPOINT_RESTORE_PATH)")
     tree = run_tree(experiment)
-    return experiment, tree, fdl.build(tree)
+    try:
+        run_config = fdl.build(tree)
+    except ValueError as e:
+        # Fiddle builds plain config dataclasses here (no JAX runs); a ValueError is one of their
+        # __post_init__ value checks, i.e. a hyperparameter the experiment's own checks let through.
+        if isinstance(e, UserError):
+            raise
+        raise ConfigError(str(e).split("\n\nFiddle context:", 1)[0]) from e
+    return experiment, tree, run_config
 
 
 def main(argv) -> int:
+    """0, or 2 with one line for a user's mistake (any UserError), or 1 with one line for a run that
+    stopped (RunStoppedError); any other exception is a bug and keeps its traceback."""
     quiet_library_logs()
-    from paxlite.config.errors import ConfigError
-    from paxlite.parallel.mesh import MeshError
-
     try:
-        experiment, tree, run_config = parse_job(argv)
-    except (ConfigError, UsageError, MeshError, ValueError) as e:
+        return _run_job(argv)
+    except UserError as e:
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
+    except RunStoppedError as e:
+        logging.error("%s", e)
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run_job(argv) -> int:
+    experiment, tree, run_config = parse_job(argv)
     if Mode(FLAGS.mode) is Mode.DRY_RUN:
         from paxlite.plan import dry_run
 
         return dry_run(experiment, job_log_dir=os.path.abspath(FLAGS.job_log_dir), argv=sys.argv)
     from paxlite.parallel import distributed
 
-    try:  # Pax's --multiprocess_gpu flags, else SLURM / Kubernetes from the environment
-        distributed.setup(multiprocess_gpu=FLAGS.multiprocess_gpu, server_addr=FLAGS.server_addr,
-                          num_hosts=FLAGS.num_hosts, host_idx=FLAGS.host_idx)
-    except distributed.DistributedError as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
-    except distributed.ConnectionFailedError as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 1
+    # Pax's --multiprocess_gpu flags, else SLURM / Kubernetes from the environment
+    distributed.setup(multiprocess_gpu=FLAGS.multiprocess_gpu, server_addr=FLAGS.server_addr,
+                      num_hosts=FLAGS.num_hosts, host_idx=FLAGS.host_idx)
 
     import jax
 
-    from paxlite.data.records import DatasetError
-    from paxlite.data.tokenizer import VocabError
-    from paxlite.train.loop import Run, RunContext, TrainingDivergedError
+    from paxlite.train.loop import Run, RunContext
 
     job_dir = os.path.abspath(FLAGS.job_log_dir)
     os.makedirs(job_dir, exist_ok=True)
-    try:
-        run = Run(run_config, RunContext(job_dir=job_dir,
-                                         enable_checkpoint_saving=FLAGS.enable_checkpoint_saving,
-                                         training=Mode(FLAGS.mode) is Mode.TRAIN))
-    except (MeshError, DatasetError, VocabError, FileNotFoundError, ValueError) as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
+    run = Run(run_config, RunContext(job_dir=job_dir,
+                                     enable_checkpoint_saving=FLAGS.enable_checkpoint_saving,
+                                     training=Mode(FLAGS.mode) is Mode.TRAIN))
     with run:
         if jax.process_index() == 0:
             write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=sys.argv)
-        try:
-            if Mode(FLAGS.mode) is Mode.EVAL:
-                run.run_eval()
-            else:
-                run.train()
-        except (TrainingDivergedError, FileNotFoundError) as e:
-            logging.error("%s", e)
-            print(f"paxlite: error: {e}", file=sys.stderr)
-            return 1
+        if Mode(FLAGS.mode) is Mode.EVAL:
+            run.run_eval()
+        else:
+            run.train()
     return 0
 
 

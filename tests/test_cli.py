@@ -87,7 +87,59 @@ def test_train_then_eval_writes_the_job_directory(tmp_path):
 
 def test_eval_without_checkpoint_is_an_error(tmp_path):
     result = _main("--fdl_config=TinySynthetic", "--mode=eval", f"--job_log_dir={tmp_path}")
-    assert result.returncode != 0 and "needs a checkpoint" in result.stderr
+    assert result.returncode == 2 and "needs a checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["train", "dry_run"])
+def test_max_steps_zero_trains_nothing_so_it_is_refused_before_any_work(tmp_path, mode):
+    job = tmp_path / "job"
+    result = _main("--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=0", f"--mode={mode}",
+                   f"--job_log_dir={job}")
+    if mode == "dry_run":  # the planner compiles the step for its shapes; MAX_STEPS plays no part
+        assert result.returncode == 0, result.stderr[-3000:]
+        return
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        ("paxlite: error: --fdl.MAX_STEPS=0 with --mode=train trains nothing; pass --fdl.MAX_STEPS=N "
+         "(N >= 1) to train, or --mode=eval to evaluate the job's latest checkpoint (or "
+         "CHECKPOINT_RESTORE_PATH)")]
+    assert not job.exists()  # no checkpoint read, nothing compiled, no job directory made
+
+
+def test_max_steps_zero_with_mode_eval_evaluates(tmp_path):
+    """Zero is the value of Pax's evaluation-only configs: --mode=eval runs with it."""
+    job = tmp_path / "job"
+    trained = _main("--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=2", f"--job_log_dir={job}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    evaluated = _main("--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=0", "--mode=eval",
+                      f"--job_log_dir={job}")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 2 and "eval/loss" in lines[-1]
+
+
+_BROKEN_MODEL = """
+import sys
+from paxlite.models import transformer
+
+def broken(self, *args, **kwargs):
+    raise ValueError("an internal bug while tracing the model")
+
+transformer.Transformer.__call__ = broken
+sys.argv = ["paxlite.main", *sys.argv[1:]]
+from paxlite.main import run_main
+run_main()
+"""
+
+
+def test_a_bug_while_tracing_keeps_its_traceback(tmp_path):
+    """A ValueError inside paxlite is not a user's mistake: it is not turned into one line."""
+    result = _run("-c", _BROKEN_MODEL, "--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=2",
+                  f"--job_log_dir={tmp_path / 'job'}")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" in result.stderr and "an internal bug while tracing the model" in result.stderr
+    assert "paxlite: error:" not in result.stderr
 
 
 def test_list_prints_every_experiment_with_its_size():

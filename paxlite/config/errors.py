@@ -10,8 +10,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+from paxlite.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A user-facing configuration mistake; the message alone says what to change."""
 
 

@@ -129,14 +129,14 @@ def yes_no_token_ids(tokenizer: PieceEncoder) -> tuple[int, int]:
         pieces = list(tokenizer.encode(word))
         if len(pieces) != 1:
             names = [tokenizer.id_to_piece(i) for i in pieces]
-            raise ValueError(
+            raise DatasetError(
                 f"BoolQ scoring needs {word!r} to be one token, as Pax assumes; this tokenizer "
                 f"encodes it as {len(pieces)} pieces {names} (ids {pieces}). Use a vocabulary "
                 "with single pieces for yes and no (LLaMA's has '\u2581yes' and '\u2581no')"
             )
         ids[word] = pieces[0]
     if ids["yes"] == ids["no"]:
-        raise ValueError(f"'yes' and 'no' encode to the same token {ids['yes']}")
+        raise DatasetError(f"'yes' and 'no' encode to the same token {ids['yes']}")
     return ids["yes"], ids["no"]
 
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from paxlite.data.errors import DatasetError
 from paxlite.data.feeding import FeedPlan
 from paxlite.data.synthetic import SyntheticData, SyntheticDataConfig
 from paxlite.parallel.multihost import allgather_json
@@ -115,18 +116,18 @@ class TextFeed:
 
     def restore(self, record: Any, *, step: int) -> None:
         if record is None:
-            raise ValueError(
+            raise DatasetError(
                 f"the checkpoint at step {step} has no input-pipeline position, so the batches after it "
                 "cannot be reproduced; it was written for other data (e.g. synthetic)"
             )
         processes = record["processes"]
         if len(processes) != jax.process_count():
-            raise ValueError(
+            raise DatasetError(
                 f"the checkpoint at step {step} was written by {len(processes)} process(es) and this job has "
                 f"{jax.process_count()}: each process's input position cannot be split or merged"
             )
         if record["batches_consumed"] != step:
-            raise ValueError(
+            raise DatasetError(
                 f"the checkpoint at step {step} records {record['batches_consumed']} batches consumed"
             )
         self._iterator.set_state(processes[jax.process_index()])
@@ -274,7 +275,7 @@ class BoolQTrainFeed:
         else:
             self._examples = read_boolq_tfds(config.tfds_data_dir, split=config.split)
         if not self._examples:
-            raise ValueError(f"BoolQ training data {config.path or config.tfds_data_dir} has no examples")
+            raise DatasetError(f"BoolQ training data {config.path or config.tfds_data_dir} has no examples")
         self._tokenizer = Tokenizer(config.vocab_path)
         yes_no_token_ids(self._tokenizer)
         self._plan = plan
@@ -300,7 +301,7 @@ class BoolQTrainFeed:
         return _to_global({key: local[key] for key in train_keys}, sharding, self._plan)
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
-        raise ValueError(
+        raise DatasetError(
             "BoolQ training has no validation-loss split of its own: evaluate with --fdl.EVAL_TASK=boolq "
             "(boolq_acc on the validation split)"
         )

@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+from paxlite.data.errors import DatasetError
+
 Example = TypeVar("Example")
 
 
@@ -21,7 +23,7 @@ def read_jsonl_examples(path: str, parse_line: Callable[[str], Example], *, what
     ValueError for a missing file, a line `parse_line` rejects (its ValueError), or an empty file.
     """
     if not os.path.isfile(path):
-        raise ValueError(f"{what} file {path!r} does not exist (expected {expected})")
+        raise DatasetError(f"{what} file {path!r} does not exist (expected {expected})")
     examples: list[Example] = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
@@ -30,7 +32,7 @@ def read_jsonl_examples(path: str, parse_line: Callable[[str], Example], *, what
             try:
                 examples.append(parse_line(line))
             except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}:{line_number}: bad {what} line: {e}") from e
+                raise DatasetError(f"{path}:{line_number}: bad {what} line: {e}") from e
     if not examples:
-        raise ValueError(f"{what} file {path!r} holds no examples")
+        raise DatasetError(f"{what} file {path!r} holds no examples")
     return examples

@@ -139,13 +139,13 @@ class TrainIterator:
             or state.get("version") != _STATE_VERSION
             or "position" not in state
         ):
-            raise ValueError(
+            raise records.DatasetError(
                 f"not a paxlite TrainIterator state (version {_STATE_VERSION} with a 'position' "
                 f"entry): {str(state)[:200]}"
             )
         for key, expected in self._meta.items():
             if state.get(key) != expected:
-                raise ValueError(
+                raise records.DatasetError(
                     f"data iterator state was saved with {key}={state.get(key)!r} but this "
                     f"pipeline has {key}={expected!r}; resume with the same data settings"
                 )

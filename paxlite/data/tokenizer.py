@@ -12,11 +12,13 @@ from collections.abc import Mapping, Sequence
 
 import sentencepiece as spm
 
+from paxlite.errors import NotFoundError, UserError
+
 # The environment variable Pax's GPU scripts use to point at the tokenizer.
 VOCAB_PATH_ENV = "VOCAB_PATH"
 
 
-class VocabError(ValueError):
+class VocabError(UserError, ValueError):
     """The tokenizer file is missing, unusable, or does not fit the model."""
 
 
@@ -33,7 +35,7 @@ class Tokenizer:
     def __init__(self, path: str | os.PathLike):
         path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no SentencePiece model file at {path}")
+            raise NotFoundError(f"no SentencePiece model file at {path}")
         with open(path, "rb") as f:
             proto = f.read()
         processor = spm.SentencePieceProcessor()

@@ -21,7 +21,7 @@ from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.attention import AttentionKind
 from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
-from paxlite.models.transformer import RematPolicy, TransformerConfig
+from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
 from paxlite.parallel.mesh import MeshConfig
 from paxlite.train import flops as flops_lib
 from paxlite.train.optimizer import OptimizerConfig
@@ -325,8 +325,14 @@ class LanguageModelExperiment(Experiment):
         )
 
     def flops_per_token(self) -> int:
-        """MaxText's count, read off the model this experiment builds (so GQA and gated MLPs follow it)."""
+        """MaxText's count, read off the model this experiment builds (so GQA and gated MLPs follow it).
+
+        With USE_LORA the work actually done: the base weights are frozen (no weight-gradient
+        matmuls) and the adapters train (paxlite/train/flops.py), so MFU is not overstated."""
         model = fdl.build(self.model_config())
+        lora_params = None
+        if self.USE_LORA:  # the adapters are what with_lora adds to the base model
+            lora_params = num_params(fdl.build(self.with_lora(self.model_config()))) - num_params(model)
         return flops_lib.flops_per_token(
             num_layers=model.num_layers,
             model_dims=model.model_dims,
@@ -337,6 +343,7 @@ class LanguageModelExperiment(Experiment):
             vocab_size=model.vocab_size,
             seq_len=model.max_seq_len,
             gated_mlp=model.gated_mlp,
+            lora_params=lora_params,
         )
 
     def loop_config(self) -> fdl.Config[LoopConfig]:

@@ -16,6 +16,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from paxlite.errors import UserError
 from paxlite.models.transformer import (
     LLAMA_ARCHITECTURE,
     Activation,
@@ -35,7 +36,7 @@ class Family(str, enum.Enum):
     GPT2 = "gpt2"
 
 
-class UnsupportedCheckpointError(ValueError):
+class UnsupportedCheckpointError(UserError, ValueError):
     """A checkpoint or config that paxlite cannot represent exactly; the message names the field."""
 
 

@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from paxlite.errors import UserError
 from paxlite.models.transformer import TransformerConfig
 
 Params = dict[str, Any]  # nested dicts of np.ndarray, the structure of variables["params"]
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """Tensors that do not fit the layout: missing, left over, or of the wrong shape."""
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from paxlite.errors import UserError
 from paxlite.interop.hf_config import UnsupportedCheckpointError
 from paxlite.interop.layouts import LayoutError, LlamaNaming, Params, llama_to_params
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
@@ -30,7 +31,7 @@ _ROW_PARALLEL = re.compile(r"(attention\.wo|feed_forward\.w2)\.weight$")
 _IGNORED = ("rope.freqs",)
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(UserError, ValueError):
     """A pickle that holds something other than tensors; it is not loaded."""
 
 

@@ -32,14 +32,16 @@ from collections.abc import Mapping
 
 from absl import logging
 
+from paxlite.errors import RunStoppedError, UserError
+
 DEFAULT_SLURM_PORT = 12345
 
 
-class DistributedError(ValueError):
+class DistributedError(UserError, ValueError):
     """A multi-process launch that is incomplete or inconsistent."""
 
 
-class ConnectionFailedError(RuntimeError):
+class ConnectionFailedError(RunStoppedError, RuntimeError):
     """`jax.distributed.initialize` raised (e.g. JAX was already in use).
 
     A coordinator that cannot be reached in time does not raise: JAX aborts the process

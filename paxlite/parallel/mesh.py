@@ -19,13 +19,15 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from paxlite.errors import UserError
+
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
 # Axes a global batch is split over; never over `tensor` (Pax: inputs split over replica and data,
 # never mdl).
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh that cannot be built on the devices at hand."""
 
 

@@ -29,6 +29,8 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from paxlite.errors import UserError
+
 PyTree = Any
 
 _STEP_PREFIX = "checkpoint"
@@ -38,11 +40,11 @@ _DATA_ITEM = "data"  # the input iterators' positions, one JSON object per proce
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
-class CheckpointExistsError(FileExistsError):
+class CheckpointExistsError(UserError, FileExistsError):
     """A save would overwrite an existing checkpoint."""
 
 
-class NoRestorableCheckpointError(RuntimeError):
+class NoRestorableCheckpointError(UserError, RuntimeError):
     """Checkpoints exist but none of them can be restored."""
 
 

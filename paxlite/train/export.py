@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 from etils import epath
 
+from paxlite.errors import NotFoundError, SettingError
 from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import TransformerConfig, abstract_variables
 from paxlite.train import pretrained
@@ -37,7 +38,7 @@ def export_merged(
     read onto the default device, so the whole model must fit there; the step number is kept.
     """
     if model_config.lora_rank is None:
-        raise ValueError(
+        raise SettingError(
             "export_merged needs the LoRA run's model config (USE_LORA=true); this one has no "
             "adapters, so there is nothing to merge"
         )
@@ -67,7 +68,7 @@ def job_config_record(input_path: str | os.PathLike) -> tuple[str, dict]:
                     name = arg[len("--fdl_config="):]
             hparams = record["hparams"]
             return name, {key: hparams[key] for key in record.get("overridden", [])}
-    raise FileNotFoundError(
+    raise NotFoundError(
         f"no config.json in {here} or the two directories above it: give the experiment with "
         "--fdl_config=NAME and the run's --fdl.USE_LORA=true --fdl.LORA_RANK=... overrides"
     )

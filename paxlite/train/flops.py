@@ -15,6 +15,16 @@ and sequence length S:
 
     flops_per_token = 3 * T + L * 6 * S * H * h = 6 * N_matmul + 6 * L * S * H * h
 
+LoRA (`lora_params`, the adapters' parameter count, given): FLOPs are the work actually done. The
+frozen weights need no weight gradient, only the gradient of their input, so their matmuls cost
+2 x forward instead of 3 x; each adapter parameter costs 6 (forward 2, input and weight gradients
+2 + 2), as a trained weight does; attention has no weights and keeps its 3 x:
+
+    flops_per_token (LoRA) = 2 * T + 6 * lora_params + L * 6 * S * H * h
+                           = 4 * N_matmul + 6 * lora_params + 6 * L * S * H * h
+
+(The input gradient below the lowest adapter, which XLA may skip, is still counted.)
+
 The input embedding lookup is a gather (0 FLOPs), and norms, biases and activations are not
 counted. This is MaxText's `calculate_tflops_training_per_device` (with the causal halving of
 maxtext PR #1988) divided by tokens; Levanter counts the full attention map and so reports a
@@ -46,8 +56,13 @@ def flops_per_token(
     vocab_size: int,
     seq_len: int,
     gated_mlp: bool = False,
+    lora_params: int | None = None,
 ) -> int:
-    """Training FLOPs per token (see the module docstring for the formula)."""
+    """Training FLOPs per token (see the module docstring for the formula).
+
+    `lora_params`: None when every weight trains; with LoRA, the number of adapter parameters (the
+    base weights are then frozen, and their weight gradients, never computed, are not counted).
+    """
     sizes = {
         "num_layers": num_layers,
         "model_dims": model_dims,
@@ -61,12 +76,17 @@ def flops_per_token(
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if lora_params is not None and (
+            isinstance(lora_params, bool) or not isinstance(lora_params, int) or lora_params <= 0):
+        raise ValueError(f"lora_params must be a positive integer or None, got {lora_params!r}.")
     qkv = 2 * model_dims * (num_heads + 2 * num_kv_heads) * dims_per_head
     attention_out = 2 * model_dims * num_heads * dims_per_head
     mlp = 2 * model_dims * hidden_dims * (3 if gated_mlp else 2)
     unembedding = 2 * model_dims * vocab_size
     forward_matmuls = num_layers * (qkv + attention_out + mlp) + unembedding
     causal_attention = num_layers * 3 * 2 * seq_len * num_heads * dims_per_head
+    if lora_params is not None:  # frozen: forward + input gradient; adapters: 6 per parameter
+        return 2 * forward_matmuls + 6 * lora_params + causal_attention
     return 3 * forward_matmuls + causal_attention
 
 

@@ -20,8 +20,10 @@ import numpy as np
 from absl import logging
 from flax import traverse_util
 
+from paxlite.data.errors import DatasetError
 from paxlite.data.feed import make_feed
 from paxlite.data.feeding import plan_feeding
+from paxlite.errors import NotFoundError, RunStoppedError, SettingError
 from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
 from paxlite.models.lora import is_lora_path
@@ -44,7 +46,7 @@ from paxlite.train.step import (
 )
 
 
-class TrainingDivergedError(FloatingPointError):
+class TrainingDivergedError(RunStoppedError, FloatingPointError):
     """A non-finite loss or gradient norm; the bad state is never checkpointed."""
 
 
@@ -90,7 +92,7 @@ class Run:
         # Data first: a missing dataset or vocabulary is reported before anything is compiled.
         needs_train_data = context.training or config.eval_task is None
         if needs_train_data and config.data is None:
-            raise ValueError(
+            raise DatasetError(
                 f"{config.experiment} has no training data: pass --fdl.DATA_DIR=<a directory made by "
                 "python -m paxlite.data.prepare> or --fdl.SYNTHETIC_DATA=true"
             )
@@ -181,7 +183,7 @@ class Run:
         ignored = sorted(name for name in flat if ignored_by(rules, name))
         wanted = {name: leaf for name, leaf in flat.items() if name not in ignored}
         if not wanted:
-            raise ValueError(
+            raise SettingError(
                 f"CHECKPOINT_IGNORE_RULES={list(rules)} exclude every parameter, so nothing "
                 f"would be read from CHECKPOINT_RESTORE_PATH={path}"
             )
@@ -224,7 +226,7 @@ class Run:
                 if "choice_correct" in out:  # a two-way choice per example (BoolQ)
                     per_example["choice"].append(out["choice_correct"])
         if sums["target_tokens"] == 0:
-            raise ValueError("the evaluation data has no weighted tokens; nothing to evaluate")
+            raise DatasetError("the evaluation data has no weighted tokens; nothing to evaluate")
         loss = sums["loss_sum"] / sums["target_tokens"]
         metrics = {
             "loss": loss,
@@ -254,7 +256,7 @@ class Run:
             if restored is None and restore_path is not None:
                 restored = 0, self._init_state()
         if restored is None:
-            raise FileNotFoundError(
+            raise NotFoundError(
                 f"--mode=eval needs a checkpoint, and {self.checkpointer.directory} has none; "
                 "train first, point --job_log_dir at a training job's directory, or give "
                 "--fdl.CHECKPOINT_RESTORE_PATH"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 
+from paxlite.errors import NotFoundError, SettingError
+
 
 def read_metrics(job_dir: str) -> tuple[list[dict], list[dict]]:
     """(train lines, eval lines) of `job_dir/metrics.jsonl`; a resumed run's repeated steps keep the last value."""
     path = os.path.join(job_dir, "metrics.jsonl")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist: is {job_dir} a paxlite job directory?")
+        raise NotFoundError(f"{path} does not exist: is {job_dir} a paxlite job directory?")
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
     with open(path) as f:
@@ -32,7 +34,7 @@ def plot_losses(job_dir: str, output: str | None = None) -> str:
 
     train, evals = read_metrics(job_dir)
     if not train and not evals:
-        raise ValueError(f"{job_dir}/metrics.jsonl has no train or eval lines to plot")
+        raise SettingError(f"{job_dir}/metrics.jsonl has no train or eval lines to plot")
     output = output or os.path.join(job_dir, "loss.png")
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     if train:

@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from paxlite.errors import ExistsError, UserError
 from paxlite.models.transformer import TransformerConfig
 
 PyTree = Any
@@ -34,7 +35,7 @@ _ITEM = "state"
 MODEL_CONFIG_FILE = "model_config.json"
 
 
-class PretrainedCheckpointError(FileNotFoundError):
+class PretrainedCheckpointError(UserError, FileNotFoundError):
     """A restore path that holds no readable paxlite checkpoint, or one that does not fit the model."""
 
 
@@ -86,9 +87,9 @@ def save_params(
     root = epath.Path(os.path.abspath(os.fspath(directory)))
     checkpoints = root / "checkpoints"
     if checkpoints.exists() and any(checkpoints.iterdir()):
-        raise FileExistsError(f"{checkpoints} already holds checkpoints; refusing to overwrite them")
+        raise ExistsError(f"{checkpoints} already holds checkpoints; refusing to overwrite them")
     if model_config is not None and (root / MODEL_CONFIG_FILE).exists():
-        raise FileExistsError(f"{root / MODEL_CONFIG_FILE} exists; refusing to overwrite it")
+        raise ExistsError(f"{root / MODEL_CONFIG_FILE} exists; refusing to overwrite it")
     checkpoints.mkdir(parents=True, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
         step_prefix="checkpoint", step_format_fixed_length=8, enable_async_checkpointing=False,

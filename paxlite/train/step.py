@@ -24,6 +24,7 @@ import optax
 from flax import traverse_util
 from jax.sharding import Mesh
 
+from paxlite.errors import SettingError
 from paxlite.parallel import rules as rules_lib
 from paxlite.train.optimizer import global_norm
 
@@ -123,7 +124,7 @@ def microbatch_size(*, global_batch_size: int, grad_accum_steps: int, batch_spli
         return global_batch_size // k
     per_split = global_batch_size // batch_split if global_batch_size % batch_split == 0 else 0
     valid = ", ".join(str(v) for v in range(1, per_split + 1) if per_split % v == 0) or "none"
-    raise ValueError(
+    raise SettingError(
         f"GRAD_ACCUM_STEPS={k} does not fit the global batch of {global_batch_size} rows "
         f"(PERCORE_BATCH_SIZE x devices) split over data x fsdp = {batch_split} ways: each "
         f"microbatch of {global_batch_size}/{k} rows must be a multiple of {batch_split}. Valid "

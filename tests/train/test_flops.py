@@ -94,6 +94,48 @@ def test_non_attention_part_is_six_times_matmul_params(gated: bool) -> None:
     assert total - attention == 6 * n_matmul
 
 
+# TinyLLaMA with USE_LORA=true (rank 8 on q, k, v, o, wi, wi_gate, wo), by hand:
+#   L2 D32 H4 K2 h8 F64 V512 S64, gated.
+#   forward matmuls T: per layer qkv 2*32*(4+4)*8 = 4096, out 2*32*32 = 2048, mlp 2*32*64*3 = 12288
+#     -> 18432; x2 layers = 36864; unembedding 2*32*512 = 32768 -> T = 69632
+#   adapters per layer r*(in+out): q 8*(32+32) = 512, k 8*(32+16) = 384, v 384, o 512,
+#     wi 8*(32+64) = 768, wi_gate 768, wo 8*(64+32) = 768 -> 4096; x2 layers = 8192
+#   causal attention 2 * 3 * 2*64*4*8 = 24576
+TINY_LLAMA_DENSE = 3 * 69632 + 24576  # 233472: every weight trains
+TINY_LLAMA_LORA = 2 * 69632 + 6 * 8192 + 24576  # 212992: frozen base, trained adapters
+
+
+def test_lora_counts_no_weight_gradients_of_frozen_weights() -> None:
+    sizes = dict(num_layers=2, model_dims=32, num_heads=4, num_kv_heads=2, dims_per_head=8,
+                 hidden_dims=64, vocab_size=512, seq_len=64, gated_mlp=True)
+    assert flops_per_token(**sizes) == TINY_LLAMA_DENSE
+    assert flops_per_token(**sizes, lora_params=8192) == TINY_LLAMA_LORA
+    with pytest.raises(ValueError, match="lora_params"):
+        flops_per_token(**sizes, lora_params=0)
+
+
+def test_lora_experiment_reports_the_work_done_to_the_loop_and_to_show() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from paxlite.experiments.build import build_run_config, load_experiment
+
+    name = "paxlite.experiments.tiny.TinyLLaMA"
+    assert load_experiment(name, []).flops_per_token() == TINY_LLAMA_DENSE
+    assert load_experiment(name, ["USE_LORA=true"]).flops_per_token() == TINY_LLAMA_LORA
+    _, config = build_run_config(name, ["USE_LORA=true", "SYNTHETIC_DATA=true", "EVAL_TASK=validation"])
+    assert config.loop.flops_per_token == TINY_LLAMA_LORA  # what MFU in metrics.jsonl uses
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    shown = subprocess.run(
+        [sys.executable, "-m", "paxlite", "show", f"--fdl_config={name}", "--fdl.USE_LORA=true",
+         "--format=json"], capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert json.loads(shown.stdout)["flops_per_token"] == TINY_LLAMA_LORA
+
+
 def test_rejects_non_positive_sizes() -> None:
     with pytest.raises(ValueError, match="vocab_size"):
         flops_per_token(

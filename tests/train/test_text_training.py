@@ -3,6 +3,8 @@
 import json
 import os
 import random
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -61,6 +63,24 @@ def test_resume_consumes_exactly_the_uninterrupted_batches(tmp_path, dataset):
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset):
+    """The saved input position is for another global batch: a user's mistake, said in one line."""
+    job = tmp_path / "job"
+    _train(job, _overrides(dataset, 3))  # 8 devices x PERCORE_BATCH_SIZE=1: global batch 8
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one device: PERCORE_BATCH_SIZE=2 is a global batch of 2
+    overrides = [o for o in _overrides(dataset, 6) if not o.startswith("PERCORE_BATCH_SIZE=")]
+    result = subprocess.run(
+        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinyShakespeare",
+         *(f"--fdl.{o}" for o in overrides), "--fdl.PERCORE_BATCH_SIZE=2", f"--job_log_dir={job}"],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("paxlite: error:")]
+    assert len(errors) == 1 and "global_batch_size=8" in errors[0] and "=2" in errors[0], errors
+    assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000003"]  # nothing written
 
 
 def test_text_run_learns_and_evaluates(tmp_path, dataset):
