@@ -191,6 +191,11 @@ def main(argv) -> int:
 
     from paxlite.data.records import DatasetError
     from paxlite.data.tokenizer import VocabError
+    from paxlite.train.checkpoint import (
+        CheckpointMismatchError,
+        CheckpointReadError,
+        NoRestorableCheckpointError,
+    )
     from paxlite.train.loop import Run, RunContext, TrainingDivergedError
 
     job_dir = os.path.abspath(FLAGS.job_log_dir)
@@ -210,7 +215,12 @@ def main(argv) -> int:
                 run.run_eval()
             else:
                 run.train()
-        except (TrainingDivergedError, FileNotFoundError) as e:
+        except CheckpointMismatchError as e:  # the job's settings do not fit its checkpoints
+            logging.error("%s", e)
+            print(f"paxlite: error: {e}", file=sys.stderr)
+            return 2
+        except (TrainingDivergedError, FileNotFoundError, CheckpointReadError,
+                NoRestorableCheckpointError) as e:
             logging.error("%s", e)
             print(f"paxlite: error: {e}", file=sys.stderr)
             return 1

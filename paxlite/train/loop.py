@@ -65,7 +65,9 @@ class RunContext:
     job_dir: str
     enable_checkpoint_saving: bool = True
     async_checkpointing: bool = True
-    training: bool = True  # False (--mode=eval): the training data is not opened
+    # False (--mode=eval): the training data is not opened, and the job's checkpoints/ is only
+    # read: nothing there is written, renamed or moved (a damaged step stays where it is).
+    training: bool = True
 
 
 class Run:
@@ -122,7 +124,7 @@ class Run:
             os.path.join(context.job_dir, "checkpoints"),
             save_interval_steps=config.loop.checkpoint_every_n_steps,
             max_to_keep=config.loop.checkpoint_max_to_keep,
-            enable_saving=context.enable_checkpoint_saving,
+            enable_saving=context.enable_checkpoint_saving and context.training,
             async_save=context.async_checkpointing,
         )
         self.writer = MetricsWriter(
@@ -152,11 +154,12 @@ class Run:
         optimizer state)."""
         restore_path = self.config.loop.checkpoint_restore_path
         with jax.set_mesh(self.mesh):
-            restored = self.checkpointer.restore_latest(self.steps.abstract_state)
+            # The data record comes from the step the state came from (one walk-back for both).
+            restored = self.checkpointer.restore_latest_with_data(self.steps.abstract_state)
             if restored is not None:
-                step, state = restored
+                step, state, data_record = restored
                 if self.data is not None:
-                    self.data.restore(self.checkpointer.restore_data(step), step=step)
+                    self.data.restore(data_record, step=step)
                 logging.info("Resumed from checkpoint step %d in %s", step, self.context.job_dir)
                 if restore_path is not None:
                     logging.info("CHECKPOINT_RESTORE_PATH=%s is ignored: it only initialises a run "
@@ -251,6 +254,12 @@ class Run:
         restore_path = self.config.loop.checkpoint_restore_path
         with jax.set_mesh(self.mesh):
             restored = self.checkpointer.restore_latest(self.steps.abstract_state)
+            latest = self.checkpointer.all_steps()
+            if restored is not None and latest and restored[0] != latest[-1]:
+                logging.warning(
+                    "--mode=eval evaluates step %d: the newer checkpoints %s are damaged and were "
+                    "left in place (eval never changes %s)", restored[0],
+                    [s for s in latest if s > restored[0]], self.checkpointer.directory)
             if restored is None and restore_path is not None:
                 restored = 0, self._init_state()
         if restored is None:
