@@ -330,7 +330,11 @@ class Checkpointer:
             problem = incomplete(path)
             if problem is not None:
                 raise CheckpointDamagedError(problem)
-            saved = ocp.StandardCheckpointHandler().metadata(path / _ITEM)
+            handler = ocp.StandardCheckpointHandler()
+            try:
+                saved = handler.metadata(path / _ITEM)
+            finally:
+                handler.close()
             problems = mismatches(getattr(saved, "tree", saved), abstract_state)
             if problems:
                 return _Outcome.FATAL, None, CheckpointMismatchError(
