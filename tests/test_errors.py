@@ -11,7 +11,12 @@ from paxlite.interop.errors import ConversionError
 from paxlite.main import UsageError
 from paxlite.parallel.distributed import ConnectionFailedError, DistributedError
 from paxlite.parallel.mesh import MeshError
-from paxlite.train.checkpoint import CheckpointExistsError, NoRestorableCheckpointError
+from paxlite.train.checkpoint import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointReadError,
+    NoRestorableCheckpointError,
+)
 from paxlite.train.loop import TrainingDivergedError
 from paxlite.train.pretrained import PretrainedCheckpointError
 
@@ -22,7 +27,7 @@ from paxlite.train.pretrained import PretrainedCheckpointError
     (ConversionError, ValueError), (errors.SettingError, ValueError),
     (PretrainedCheckpointError, FileNotFoundError), (errors.NotFoundError, FileNotFoundError),
     (CheckpointExistsError, FileExistsError), (errors.ExistsError, FileExistsError),
-    (NoRestorableCheckpointError, RuntimeError),
+    (NoRestorableCheckpointError, RuntimeError), (CheckpointMismatchError, ValueError),
 ])
 def test_user_facing_errors_are_user_errors(cls, builtin):
     assert issubclass(cls, errors.UserError) and issubclass(cls, builtin)
@@ -31,6 +36,7 @@ def test_user_facing_errors_are_user_errors(cls, builtin):
 
 @pytest.mark.parametrize("cls, builtin", [
     (TrainingDivergedError, FloatingPointError), (ConnectionFailedError, RuntimeError),
+    (CheckpointReadError, RuntimeError),
 ])
 def test_stopped_runs_are_not_user_errors(cls, builtin):
     assert issubclass(cls, errors.RunStoppedError) and issubclass(cls, builtin)

@@ -8,16 +8,23 @@ Robustness rules, because a checkpoint directory holds days of compute:
 - Orbax writes to `<name>.orbax-checkpoint-tmp` and renames on success; such leftovers from a
   killed save are not steps and are ignored. A leftover for a step about to be saved is moved
   aside (Orbax would delete it) rather than lost.
-- Restoring walks back from the latest step. A checkpoint that fails to restore (missing or
-  truncated data file, garbled metadata) is reported with a warning; once an older one restores,
-  the failed ones are moved to `<directory>_corrupted/<name>` - never deleted - so a later save of
-  the same step cannot collide with them. If none restores, nothing is moved and the error lists
-  every checkpoint: silently starting from scratch would discard a run.
+- Restoring walks back from the latest step, but only past checkpoints that are *damaged*: no
+  commit marker, missing or garbled metadata, missing or truncated array files, failed integrity
+  checks (`_is_damage`). Those are reported with a warning; once an older one restores, they are
+  moved to `<directory>_corrupted/<name>` - never deleted - so a later save of the same step cannot
+  collide with them. Any other failure (a permission or transient I/O error) stops with
+  `CheckpointReadError` and moves nothing: an older checkpoint would silently discard progress.
+  A checkpoint that is intact but holds another train state (another model shape) stops with
+  `CheckpointMismatchError`, naming the entries. If none restores, nothing is moved and the error
+  lists every checkpoint: silently starting from scratch would discard a run.
+- The data record of a step is restored together with its state, so both come from one step.
 - A save never overwrites: an existing step directory is an error.
 """
 
 from __future__ import annotations
 
+import enum
+import json
 import os
 import types
 from typing import Any, Self
@@ -29,7 +36,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from paxlite.errors import UserError
+from paxlite.errors import RunStoppedError, UserError
 
 PyTree = Any
 
@@ -38,6 +45,10 @@ _STEP_DIGITS = 8
 _ITEM = "state"
 _DATA_ITEM = "data"  # the input iterators' positions, one JSON object per process
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_COMMIT_MARKER = "commit_success.txt"  # written by Orbax when a save is finalised
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+# TensorStore status codes that mean "the bytes are not there or not what was written".
+_DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
 
 
 class CheckpointExistsError(UserError, FileExistsError):
@@ -48,6 +59,97 @@ class NoRestorableCheckpointError(UserError, RuntimeError):
     """Checkpoints exist but none of them can be restored."""
 
 
+class CheckpointDamagedError(RuntimeError):
+    """A checkpoint's files are incomplete or unreadable as written (it may be set aside)."""
+
+
+class CheckpointReadError(RunStoppedError, RuntimeError):
+    """A checkpoint could not be read for a reason other than damage; nothing was moved."""
+
+
+class CheckpointMismatchError(UserError, ValueError):
+    """An intact checkpoint holds another train state than the run expects (a user's setting)."""
+
+
+def _leaf_name(path: tuple) -> str:
+    """'opt_state/1/mu/layers_0/mlp/wi/kernel' for both saved metadata and the abstract state."""
+    keys = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+    return "/".join(str(k) for k in keys)
+
+
+def _shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
+    return {
+        _leaf_name(path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def mismatches(saved: PyTree, expected: PyTree) -> list[str]:
+    """Every entry that differs between a saved tree's metadata and the expected tree, named."""
+    have, want = _shapes(saved), _shapes(expected)
+    problems = [f"  {name}: in the checkpoint {have[name]}, not in this run"
+                for name in sorted(set(have) - set(want))]
+    problems += [f"  {name}: expected by this run {want[name]}, not in the checkpoint"
+                 for name in sorted(set(want) - set(have))]
+    problems += [f"  {name}: checkpoint shape {have[name]}, this run's shape {want[name]}"
+                 for name in sorted(set(have) & set(want)) if have[name] != want[name]]
+    return problems
+
+
+def incomplete(step_dir: epath.Path) -> str | None:
+    """Why `step_dir` is not a finished checkpoint, or None.
+
+    Finished: a commit marker, or (checkpoints of Orbax versions without one) step metadata with
+    a commit time. FileNotFoundError counts as "missing"; any other OSError propagates.
+    """
+    if (step_dir / _COMMIT_MARKER).exists():
+        return None
+    try:
+        metadata = json.loads((step_dir / _STEP_METADATA).read_text())
+    except FileNotFoundError:
+        return f"no {_COMMIT_MARKER} and no {_STEP_METADATA}: the save or copy did not finish"
+    except ValueError as error:
+        return f"{_STEP_METADATA} is not valid JSON ({error})"
+    if not isinstance(metadata, dict) or not metadata.get("commit_timestamp_nsecs"):
+        return f"no {_COMMIT_MARKER} and no commit time in {_STEP_METADATA}: not finished"
+    return None
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while error is not None and error not in chain and len(chain) < 10:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether `error` proves the checkpoint's bytes are missing or wrong (not merely unreadable now).
+
+    Damage: a missing file, garbled JSON metadata, TensorStore's NOT_FOUND / OUT_OF_RANGE (a
+    truncated file) / DATA_LOSS (failed checksum), or our own integrity check. Not damage: any other
+    OSError (permissions, EIO, a stale network mount), other TensorStore codes, and anything unknown.
+    """
+    chain = _causes(error)
+    if any(isinstance(e, OSError) and not isinstance(e, FileNotFoundError) for e in chain):
+        return False
+    for e in chain:
+        if isinstance(e, (CheckpointDamagedError, FileNotFoundError, json.JSONDecodeError)):
+            return True
+        text = str(e).lstrip()
+        if any(text.startswith(f"{code}:") for code in _DAMAGE_CODES):
+            return True
+    return False
+
+
+class _Outcome(enum.IntEnum):
+    """One process's result for one step; the worst over processes decides (all agree)."""
+
+    RESTORED = 0
+    DAMAGED = 1
+    FATAL = 2
+
+
 def _short(error: BaseException) -> str:
     """First line of an error, capped: TensorStore errors embed a page-long spec."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -55,12 +157,12 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + "..."
 
 
-def _all_processes_agree(ok: bool) -> bool:
-    """True only if `ok` holds on every process, so all processes restore the same step."""
+def _worst_over_processes(outcome: _Outcome) -> _Outcome:
+    """The worst outcome over all processes, so every process restores the same step or stops."""
     if jax.process_count() == 1:
-        return ok
-    flags = multihost_utils.process_allgather(np.array(ok, dtype=np.int32))
-    return bool(np.all(flags))
+        return outcome
+    codes = multihost_utils.process_allgather(np.array(int(outcome), dtype=np.int32))
+    return _Outcome(int(np.max(codes)))
 
 
 class Checkpointer:
@@ -170,17 +272,25 @@ class Checkpointer:
         return restored[_DATA_ITEM]
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree] | None:
-        """Restores the newest readable checkpoint, or returns None when there is none.
+        """(step, state) of the newest restorable checkpoint; see `restore_latest_with_data`."""
+        restored = self.restore_latest_with_data(abstract_state)
+        return None if restored is None else (restored[0], restored[1])
+
+    def restore_latest_with_data(self, abstract_state: PyTree) -> tuple[int, PyTree, Any] | None:
+        """Restores the newest intact checkpoint's state and data record, or returns None.
 
         Args:
             abstract_state: Pytree of `jax.ShapeDtypeStruct` with shardings (or arrays); the
                 restored arrays are placed with those shardings.
 
         Returns:
-            (step, state), or None if the directory holds no checkpoint.
+            (step, state, data record or None), both from the same step; None if the directory
+            holds no checkpoint.
 
         Raises:
-            NoRestorableCheckpointError: checkpoints exist but none can be restored.
+            NoRestorableCheckpointError: checkpoints exist but every one is damaged.
+            CheckpointMismatchError: the newest intact checkpoint holds another train state.
+            CheckpointReadError: a checkpoint could not be read for a reason other than damage.
         """
         self.wait_until_finished()
         self._manager.reload()
@@ -189,30 +299,69 @@ class Checkpointer:
             return None
         failures: list[tuple[int, str]] = []
         for step in steps:
-            restored = None
-            try:
-                restored = self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(abstract_state)}),
-                )
-            except Exception as error:  # noqa: BLE001 - TensorStore raises bare Exception.
-                logging.warning(
-                    "Checkpoint %s could not be restored (%s); trying the previous one.",
-                    self.step_path(step),
-                    _short(error),
-                )
-                failures.append((step, _short(error)))
-            if not _all_processes_agree(restored is not None):
-                if restored is not None:
-                    failures.append((step, "failed to restore on another process"))
-                continue
-            self._set_aside_failures([s for s, _ in failures])
-            return step, restored[_ITEM]
+            outcome, restored, error = self._try_restore(step, abstract_state)
+            worst = _worst_over_processes(outcome)
+            if worst is _Outcome.RESTORED:
+                self._set_aside_failures([s for s, _ in failures])
+                state, data = restored
+                return step, state, data
+            if worst is _Outcome.FATAL:
+                if error is None:
+                    raise CheckpointReadError(
+                        f"Checkpoint {self.step_path(step)} could not be read on another process "
+                        "(see its log); nothing was moved.")
+                raise error
+            reason = _short(error) if error is not None else "damaged on another process"
+            logging.warning(
+                "Checkpoint %s is damaged (%s); trying the previous one.",
+                self.step_path(step), reason,
+            )
+            failures.append((step, reason))
         listing = "\n".join(f"  {self.step_path(s)}: {reason}" for s, reason in failures)
         raise NoRestorableCheckpointError(
             f"None of the {len(steps)} checkpoints under {self._directory} can be restored; "
             f"nothing was moved or deleted. Fix or move them to start from scratch:\n{listing}"
         )
+
+    def _try_restore(
+        self, step: int, abstract_state: PyTree
+    ) -> tuple[_Outcome, tuple[PyTree, Any] | None, BaseException | None]:
+        """Restores one step's state and data record on this process, classifying any failure."""
+        path = self.step_path(step)
+        try:
+            problem = incomplete(path)
+            if problem is not None:
+                raise CheckpointDamagedError(problem)
+            handler = ocp.StandardCheckpointHandler()
+            try:
+                saved = handler.metadata(path / _ITEM)
+            finally:
+                handler.close()
+            problems = mismatches(getattr(saved, "tree", saved), abstract_state)
+            if problems:
+                return _Outcome.FATAL, None, CheckpointMismatchError(
+                    f"Checkpoint {path} is intact but does not match this run's train state "
+                    f"({len(problems)} entries):\n" + "\n".join(problems[:20])
+                    + ("\n  ..." if len(problems) > 20 else "")
+                    + "\nNothing was moved. Resume it with the model settings it was saved with "
+                    "(the job's config.json / config.previous-N.json), use a new --job_log_dir, "
+                    "or start a new job from its parameters with "
+                    f"--fdl.CHECKPOINT_RESTORE_PATH={path} (fresh optimizer state).")
+            items = {_ITEM: ocp.args.StandardRestore(abstract_state)}
+            if (path / _DATA_ITEM).exists():
+                items[_DATA_ITEM] = ocp.args.JsonRestore()
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            data = restored[_DATA_ITEM] if _DATA_ITEM in items else None
+            return _Outcome.RESTORED, (restored[_ITEM], data), None
+        except Exception as error:  # noqa: BLE001 - TensorStore raises bare Exception.
+            if is_damage(error):
+                return _Outcome.DAMAGED, None, error
+            read_error = CheckpointReadError(
+                f"Checkpoint {path} could not be read ({_short(error)}). This is not a sign of "
+                "damage, so nothing was moved and no older checkpoint was used; fix the cause "
+                "(permissions, storage) and rerun.")
+            read_error.__cause__ = error
+            return _Outcome.FATAL, None, read_error
 
     def all_steps(self) -> list[int]:
         """Saved (and in-progress) steps, ascending."""
@@ -246,10 +395,11 @@ class Checkpointer:
                 path = self.step_path(step)
                 if path.exists():
                     moved = self._move_aside(path)
-                    logging.warning("Moved the unreadable checkpoint %s to %s.", path, moved)
+                    logging.warning("Moved the damaged checkpoint %s to %s.", path, moved)
         elif not self._enable_saving:
             logging.warning(
-                "Saving is disabled, so the unreadable checkpoints %s stay where they are.",
+                "Read-only (saving disabled or --mode=eval), so the damaged checkpoints %s stay "
+                "where they are.",
                 [str(self.step_path(s)) for s in steps],
             )
         if jax.process_count() > 1:

@@ -67,7 +67,9 @@ class RunContext:
     job_dir: str
     enable_checkpoint_saving: bool = True
     async_checkpointing: bool = True
-    training: bool = True  # False (--mode=eval): the training data is not opened
+    # False (--mode=eval): the training data is not opened, and the job's checkpoints/ is only
+    # read: nothing there is written, renamed or moved (a damaged step stays where it is).
+    training: bool = True
 
 
 class Run:
@@ -124,7 +126,7 @@ class Run:
             os.path.join(context.job_dir, "checkpoints"),
             save_interval_steps=config.loop.checkpoint_every_n_steps,
             max_to_keep=config.loop.checkpoint_max_to_keep,
-            enable_saving=context.enable_checkpoint_saving,
+            enable_saving=context.enable_checkpoint_saving and context.training,
             async_save=context.async_checkpointing,
         )
         self.writer = MetricsWriter(
@@ -154,11 +156,12 @@ class Run:
         optimizer state)."""
         restore_path = self.config.loop.checkpoint_restore_path
         with jax.set_mesh(self.mesh):
-            restored = self.checkpointer.restore_latest(self.steps.abstract_state)
+            # The data record comes from the step the state came from (one walk-back for both).
+            restored = self.checkpointer.restore_latest_with_data(self.steps.abstract_state)
             if restored is not None:
-                step, state = restored
+                step, state, data_record = restored
                 if self.data is not None:
-                    self.data.restore(self.checkpointer.restore_data(step), step=step)
+                    self.data.restore(data_record, step=step)
                 logging.info("Resumed from checkpoint step %d in %s", step, self.context.job_dir)
                 if restore_path is not None:
                     logging.info("CHECKPOINT_RESTORE_PATH=%s is ignored: it only initialises a run "
@@ -189,24 +192,54 @@ class Run:
             )
         return wanted, ignored
 
+    def _unread_checkpoint_params(self, path: str) -> list[str]:
+        """Checkpoint parameters this model lacks, each one matched by an ignore rule (else an error).
+
+        A 24-layer checkpoint must not quietly initialise a 12-layer model: parameters left unread
+        are named, and allowed only where CHECKPOINT_IGNORE_RULES match them (Pax's opt-in).
+        """
+        rules = self.config.loop.checkpoint_ignore_rules
+        model = traverse_util.flatten_dict(self.steps.abstract_state.params, sep="/")
+        _, step_dir, saved = pretrained.saved_param_shapes(path)
+        extra = sorted(set(saved) - set(model))
+        unmatched = [name for name in extra if not ignored_by(rules, name)]
+        if unmatched:
+            shown = "\n".join(f"  {name} {saved[name]}" for name in unmatched[:20])
+            raise pretrained.PretrainedCheckpointError(
+                f"the checkpoint {step_dir} holds {len(unmatched)} parameters this model does not "
+                f"have (another number of layers or another model?):\n{shown}"
+                + ("\n  ..." if len(unmatched) > 20 else "")
+                + "\nUse the model the checkpoint was made for, or leave them unread on purpose "
+                "with a CHECKPOINT_IGNORE_RULES regex matching them "
+                f"(e.g. --fdl.CHECKPOINT_IGNORE_RULES=\"['{re.escape(unmatched[0])}']\")")
+        return extra
+
     def _check_restore_path(self, path: str) -> None:
-        """A missing restore path or rules that exclude everything: said before anything runs."""
+        """A missing or unfinished restore path, rules that exclude everything, checkpoint
+        parameters the model lacks: said before anything runs."""
         pretrained.find_checkpoint(path)
         self._restore_plan(path)
+        self._unread_checkpoint_params(path)
 
     def _read_pretrained(self, path: str) -> dict:
         """Every parameter that no CHECKPOINT_IGNORE_RULES rule matches, read from `path` with its
         sharding (a subset of the params tree)."""
         wanted, ignored = self._restore_plan(path)
+        unread = self._unread_checkpoint_params(path)
         abstract = traverse_util.unflatten_dict(wanted, sep="/")
         step, loaded = pretrained.restore_params(path, abstract)
         logging.info(
             "Initialised %d of %d parameters from CHECKPOINT_RESTORE_PATH=%s (its step %d); this "
             "run starts at step 0 with fresh optimizer state",
             len(wanted), len(wanted) + len(ignored), path, step)
+        rules = list(self.config.loop.checkpoint_ignore_rules)
         if ignored:
-            logging.info("Kept at their fresh initialisation (CHECKPOINT_IGNORE_RULES=%s): %s",
-                         list(self.config.loop.checkpoint_ignore_rules), ", ".join(ignored))
+            logging.warning("CHECKPOINT_IGNORE_RULES=%s: %d of %d model parameters are NOT read from "
+                            "the checkpoint and keep their fresh initialisation: %s", rules,
+                            len(ignored), len(wanted) + len(ignored), ", ".join(ignored))
+        if unread:
+            logging.warning("CHECKPOINT_IGNORE_RULES=%s: %d parameters of the checkpoint are not in "
+                            "this model and were NOT read: %s", rules, len(unread), ", ".join(unread))
         return loaded
 
     # ---------------------------------------------------------------- eval
@@ -253,6 +286,12 @@ class Run:
         restore_path = self.config.loop.checkpoint_restore_path
         with jax.set_mesh(self.mesh):
             restored = self.checkpointer.restore_latest(self.steps.abstract_state)
+            latest = self.checkpointer.all_steps()
+            if restored is not None and latest and restored[0] != latest[-1]:
+                logging.warning(
+                    "--mode=eval evaluates step %d: the newer checkpoints %s are damaged and were "
+                    "left in place (eval never changes %s)", restored[0],
+                    [s for s in latest if s > restored[0]], self.checkpointer.directory)
             if restored is None and restore_path is not None:
                 restored = 0, self._init_state()
         if restored is None:

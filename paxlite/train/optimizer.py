@@ -13,6 +13,12 @@ beta_hat_t = beta(1-beta^(t-1))/(1-beta^t)); optax's `scale_by_adam` stores raw 
 corrects at use. The updates are identical; only the stored `mu`/`nu` differ by a factor
 1/(1-beta^t), which matters when converting optimizer state.
 
+Every stage is always in the chain, whatever its setting: a disabled stage (clipping or the RMS cap
+<= 0, weight decay 0) is the identity, so the optimizer-state tree - and therefore what a checkpoint
+holds - does not depend on values users change between restarts of one job. Disabled stages return
+the updates untouched (no multiply by 1, no `+ 0 * param`), so the updates are bit-identical to a
+chain without them.
+
 Unlike Pax, a zero is taken at its word: `beta1=0.0` gives beta1 = 0 (Pax's `X if X else default`
 turned GLaM's ADAM_BETA1 = 0 into 0.9).
 """
@@ -82,7 +88,7 @@ class _EmptyState(NamedTuple):
 
 
 def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """Pax `Learner.scale_gradients`: scale by min(1, max_norm / ||g||)."""
+    """Pax `Learner.scale_gradients`: scale by min(1, max_norm / ||g||); max_norm <= 0: identity."""
 
     def init(params: PyTree) -> _EmptyState:
         del params
@@ -92,6 +98,8 @@ def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         updates: PyTree, state: _EmptyState, params: PyTree | None = None
     ) -> tuple[PyTree, _EmptyState]:
         del params
+        if max_norm <= 0:
+            return updates, state
         norm = global_norm(updates)
         scale = jnp.minimum(1.0, max_norm / norm)
         return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
@@ -100,7 +108,7 @@ def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def _cap_update_rms(clip_threshold: float) -> optax.GradientTransformation:
-    """Pax ADAM_CLIP_THRESHOLD: u / max(1, rms(u) / clip_threshold), tensor by tensor."""
+    """Pax ADAM_CLIP_THRESHOLD: u / max(1, rms(u) / clip_threshold), tensor by tensor; <= 0: identity."""
 
     def cap(u: jax.Array) -> jax.Array:
         rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))
@@ -114,26 +122,32 @@ def _cap_update_rms(clip_threshold: float) -> optax.GradientTransformation:
         updates: PyTree, state: _EmptyState, params: PyTree | None = None
     ) -> tuple[PyTree, _EmptyState]:
         del params
+        if clip_threshold <= 0:
+            return updates, state
         return jax.tree.map(cap, updates), state
 
     return optax.GradientTransformation(init, update)
 
 
+def _add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
+    """u + weight_decay * param; weight_decay 0 is the identity with the same (empty) state."""
+    return optax.add_decayed_weights(weight_decay) if weight_decay > 0 else optax.identity()
+
+
 def make_optimizer(
     config: OptimizerConfig, schedule: optax.Schedule
 ) -> optax.GradientTransformation:
-    """Builds the Pax Adam chain; `schedule` maps the 0-based optimizer count to the rate."""
-    stages: list[optax.GradientTransformation] = []
-    if config.clip_gradient_norm_to_value > 0:
-        stages.append(_clip_by_global_norm(config.clip_gradient_norm_to_value))
-    stages.append(
+    """Builds the Pax Adam chain; `schedule` maps the 0-based optimizer count to the rate.
+
+    The five stages are always present (disabled ones are identities), so the state tree is the same
+    for every hyperparameter value and a job resumes after any of them is changed.
+    """
+    return optax.chain(
+        _clip_by_global_norm(config.clip_gradient_norm_to_value),
         optax.scale_by_adam(
             b1=config.beta1, b2=config.beta2, eps=config.epsilon, eps_root=config.epsilon_root
-        )
+        ),
+        _cap_update_rms(config.clip_threshold),
+        _add_decayed_weights(config.weight_decay),
+        optax.scale_by_learning_rate(schedule),
     )
-    if config.clip_threshold > 0:
-        stages.append(_cap_update_rms(config.clip_threshold))
-    if config.weight_decay > 0:
-        stages.append(optax.add_decayed_weights(config.weight_decay))
-    stages.append(optax.scale_by_learning_rate(schedule))
-    return optax.chain(*stages)

@@ -8,7 +8,8 @@ training checkpoint, without ever reading optimizer state it does not need. Besi
 
 Paths are accepted in the three spellings users have in hand: the job or output directory (`DIR`, as Pax's
 `CHECKPOINT_RESTORE_PATH=<DIR>`), its `checkpoints/` directory (what Pax's run_llama_boolq.sh passes), or
-one `checkpoint_<STEP>` directory.
+one `checkpoint_<STEP>` directory. A step directory that is not finished (no commit marker: a save or a copy
+still under way) is skipped with a warning, and a damaged one is reported as such, never as a traceback.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 
 from paxlite.errors import ExistsError, UserError
 from paxlite.models.transformer import TransformerConfig
+from paxlite.train.checkpoint import incomplete, is_damage
 
 PyTree = Any
 
@@ -40,12 +43,20 @@ class PretrainedCheckpointError(UserError, FileNotFoundError):
 
 
 def _step_dirs(checkpoints: epath.Path) -> list[tuple[int, epath.Path]]:
-    """Complete step directories (those with a `state` item), ascending; Orbax temp dirs never match."""
+    """Complete step directories (a `state` item and a finished commit), ascending; Orbax temp dirs
+    never match, and each unfinished one (e.g. half-copied) is skipped with one warning."""
     found = []
     for child in checkpoints.iterdir():
         match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / _ITEM).is_dir():
+        if not (match and child.is_dir()):
+            continue
+        problem = None if (child / _ITEM).is_dir() else f"no '{_ITEM}' item"
+        problem = problem or incomplete(child)
+        if problem is None:
             found.append((int(match.group(1)), child))
+        else:
+            logging.warning("Skipping %s: not a complete checkpoint (%s); an earlier step is used "
+                            "if there is one", child, problem)
     return sorted(found)
 
 
@@ -56,9 +67,12 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[int, epath.Path]:
         raise PretrainedCheckpointError(f"checkpoint path {root} does not exist")
     match = _STEP_DIR.match(root.name)
     if match:
-        if not (root / _ITEM).is_dir():
+        problem = None if (root / _ITEM).is_dir() else f"it has no '{_ITEM}' item"
+        problem = problem or incomplete(root)
+        if problem is not None:
             raise PretrainedCheckpointError(
-                f"{root} has no '{_ITEM}' item: not a complete paxlite checkpoint")
+                f"{root} is not a complete paxlite checkpoint ({problem}); wait for the copy to "
+                "finish or point CHECKPOINT_RESTORE_PATH at another checkpoint_<STEP>")
         return int(match.group(1)), root
     for checkpoints in (root / "checkpoints", root):
         if checkpoints.is_dir():
@@ -111,6 +125,32 @@ def _path_str(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
+def saved_param_shapes(path: str | os.PathLike) -> tuple[int, epath.Path, dict[str, tuple[int, ...]]]:
+    """(step, step directory, {'/'-joined parameter name: shape}) of the checkpoint `path` designates."""
+    step, step_dir = find_checkpoint(path)
+    state_dir = step_dir / _ITEM
+    try:
+        metadata = ocp.PyTreeCheckpointer().metadata(state_dir)
+    except Exception as error:  # TensorStore raises bare Exception; re-raised
+        raise _read_failure(step_dir, error) from error
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    if not isinstance(tree, dict) or "params" not in tree:
+        raise PretrainedCheckpointError(f"{state_dir} holds no 'params' (keys: {sorted(tree)})")
+    saved = dict(jax.tree_util.tree_flatten_with_path(tree["params"])[0])
+    return step, step_dir, {_path_str(p): tuple(leaf.shape) for p, leaf in saved.items()}
+
+
+def _read_failure(step_dir: epath.Path, error: BaseException) -> Exception:
+    """A damaged checkpoint becomes one clear error; anything else keeps its own (with traceback)."""
+    if not is_damage(error):
+        return error
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return PretrainedCheckpointError(
+        f"the checkpoint {step_dir} is damaged ({type(error).__name__}: {first}); point "
+        "CHECKPOINT_RESTORE_PATH at another checkpoint_<STEP> directory or copy it again")
+
+
 def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[int, PyTree]:
     """(step, params) read from the checkpoint at `path` into the structure of `abstract_params`.
 
@@ -119,23 +159,16 @@ def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[in
     checkpoint does not have, or parameters an ignore rule excludes) are simply not read. Any leaf it
     asks for must exist with the same shape; an error names every one that does not.
     """
-    step, step_dir = find_checkpoint(path)
+    step, step_dir, saved = saved_param_shapes(path)
     state_dir = step_dir / _ITEM
-    metadata = ocp.PyTreeCheckpointer().metadata(state_dir)
-    tree = getattr(metadata, "item_metadata", metadata)
-    tree = getattr(tree, "tree", tree)
-    if not isinstance(tree, dict) or "params" not in tree:
-        raise PretrainedCheckpointError(f"{state_dir} holds no 'params' (keys: {sorted(tree)})")
-    saved = dict(jax.tree_util.tree_flatten_with_path(tree["params"])[0])
-    saved = {_path_str(p): leaf for p, leaf in saved.items()}
     problems = []
     for p, want in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
         name = _path_str(p)
         have = saved.get(name)
         if have is None:
             problems.append(f"  {name}: missing from the checkpoint")
-        elif tuple(have.shape) != tuple(want.shape):
-            problems.append(f"  {name}: checkpoint shape {tuple(have.shape)}, model shape {tuple(want.shape)}")
+        elif have != tuple(want.shape):
+            problems.append(f"  {name}: checkpoint shape {have}, model shape {tuple(want.shape)}")
     if problems:
         raise PretrainedCheckpointError(
             f"the checkpoint {step_dir} does not fit the model ({len(problems)} parameters):\n"
@@ -146,12 +179,15 @@ def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[in
         if getattr(leaf, "sharding", None) is not None else ocp.RestoreArgs(restore_type=jax.Array, dtype=leaf.dtype),
         abstract_params,
     )
-    restored = ocp.PyTreeCheckpointer().restore(
-        state_dir,
-        args=ocp.args.PyTreeRestore(
-            item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True
-        ),
-    )
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            state_dir,
+            args=ocp.args.PyTreeRestore(
+                item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True
+            ),
+        )
+    except Exception as error:  # TensorStore raises bare Exception; re-raised
+        raise _read_failure(step_dir, error) from error
     return step, restored["params"]
 
 

@@ -6,6 +6,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -13,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 from paxlite.train.checkpoint import (
     Checkpointer,
     CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointReadError,
     NoRestorableCheckpointError,
 )
 
@@ -260,3 +263,100 @@ def test_data_state_is_saved_beside_the_train_state(tmp_path: pathlib.Path) -> N
         assert ckpt.restore_data(2) == record
         assert ckpt.restore_data(1) is None
     _assert_state_equal(restored, _state(2), _abstract())
+
+
+def _fail_restore_of(monkeypatch, step: int, error: BaseException) -> None:
+    """The read of one step raises `error` (as a flaky or locked-down file system would)."""
+    original = ocp.CheckpointManager.restore
+
+    def restore(self, s, *args, **kwargs):
+        if s == step:
+            raise error
+        return original(self, s, *args, **kwargs)
+
+    monkeypatch.setattr("orbax.checkpoint.CheckpointManager.restore", restore)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(5, "Input/output error"), PermissionError(13, "Permission denied"),
+     ValueError('PERMISSION_DENIED: Error opening "zarr" driver: ... local file'),
+     ValueError("UNAVAILABLE: the storage did not answer")],
+    ids=["EIO", "EACCES", "tensorstore_permission", "tensorstore_unavailable"],
+)
+def test_read_error_that_is_not_damage_stops_and_moves_nothing(
+    tmp_path: pathlib.Path, monkeypatch, error: BaseException
+) -> None:
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2, 3])
+    before = _snapshot(directory)
+    _fail_restore_of(monkeypatch, 3, error)
+    with (Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt,
+          pytest.raises(CheckpointReadError, match="checkpoint_00000003.*nothing was moved")):
+        ckpt.restore_latest(_abstract())
+    assert _snapshot(directory) == before
+    assert not (tmp_path / "checkpoints_corrupted").exists()
+
+
+def test_missing_commit_marker_is_damage(tmp_path: pathlib.Path) -> None:
+    """A step directory copied (or saved) only in part: no marker, no commit time."""
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2])
+    (directory / "checkpoint_00000002" / "commit_success.txt").unlink()
+    (directory / "checkpoint_00000002" / "_CHECKPOINT_METADATA").unlink()
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        step, restored = ckpt.restore_latest(_abstract())
+    assert step == 1
+    _assert_state_equal(restored, _state(1), _abstract())
+    assert (tmp_path / "checkpoints_corrupted" / "checkpoint_00000002").is_dir()
+
+
+def test_intact_checkpoint_of_another_shape_names_the_entries(tmp_path: pathlib.Path) -> None:
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2])
+    before = _snapshot(directory)
+    abstract = _abstract()
+    mesh = _mesh()
+    abstract["params"]["w"] = jax.ShapeDtypeStruct((8, 6), jnp.float32,
+                                                   sharding=NamedSharding(mesh, P()))
+    abstract["params"]["extra"] = jax.ShapeDtypeStruct((3,), jnp.float32,
+                                                       sharding=NamedSharding(mesh, P()))
+    del abstract["params"]["b"]
+    with (Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt,
+          pytest.raises(CheckpointMismatchError) as info):
+        ckpt.restore_latest(abstract)
+    message = str(info.value)
+    assert "checkpoint_00000002" in message and "3 entries" in message
+    assert "params/w: checkpoint shape (8, 4), this run's shape (8, 6)" in message
+    assert "params/b: in the checkpoint (4,), not in this run" in message
+    assert "params/extra: expected by this run (3,), not in the checkpoint" in message
+    assert "CHECKPOINT_RESTORE_PATH" in message
+    assert _snapshot(directory) == before  # not walked back, not moved
+
+
+def test_data_record_walks_back_with_the_state(tmp_path: pathlib.Path) -> None:
+    directory = tmp_path / "checkpoints"
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save(step, _state(step), data_state={"next_index": 10 * step})
+    data_files = [p for p in (directory / "checkpoint_00000002" / "data").rglob("*") if p.is_file()]
+    assert data_files
+    for path in data_files:
+        path.write_text('{"next_index": 2')  # garbled: the newest step's data record is damaged
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        step, restored, data = ckpt.restore_latest_with_data(_abstract())
+    assert (step, data) == (1, {"next_index": 10})
+    _assert_state_equal(restored, _state(1), _abstract())
+    assert (tmp_path / "checkpoints_corrupted" / "checkpoint_00000002").is_dir()
+
+
+def test_read_only_never_moves_a_damaged_step(tmp_path: pathlib.Path) -> None:
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2])
+    _delete_manifest(directory / "checkpoint_00000002")
+    before = _snapshot(directory)
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None,
+                      enable_saving=False) as ckpt:
+        assert ckpt.restore_latest(_abstract())[0] == 1
+    assert _snapshot(directory) == before
+    assert not (tmp_path / "checkpoints_corrupted").exists()

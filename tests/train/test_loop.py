@@ -168,3 +168,62 @@ def test_fractional_percore_batch_with_tensor_parallelism(tmp_path):
     _, bad = build_run_config("TinySynthetic", ["PERCORE_BATCH_SIZE=0.3", "ICI_MESH_SHAPE=[2,2,2]"])
     with pytest.raises(Exception, match=r"0.3 x 8 devices = 2.4 is not a positive whole global batch"):
         Run(bad, RunContext(job_dir=str(tmp_path / "bad")))
+
+
+_OFF = ["WEIGHT_DECAY=0.0", "CLIP_GRADIENT_NORM_TO_VALUE=0.0", "ADAM_CLIP_THRESHOLD=-1.0"]
+_ON = ["WEIGHT_DECAY=0.1", "CLIP_GRADIENT_NORM_TO_VALUE=1.0", "ADAM_CLIP_THRESHOLD=1.0"]
+
+
+@pytest.mark.parametrize(("first", "second"), [(_OFF, _ON), (_ON, _OFF)], ids=["off_on", "on_off"])
+def test_resume_after_toggling_optimizer_settings(tmp_path, first, second):
+    """Clipping, the Adam RMS cap and weight decay switched between 0 and > 0 across a restart."""
+    short = ["SUMMARY_INTERVAL_STEPS=1", "CHECKPOINT_EVERY_N_STEPS=2", "EVAL_INTERVAL_STEPS=1000",
+             "EVAL_LOOP_NUM_BATCHES=1"]
+    stopped = _run(tmp_path, short + first + ["MAX_STEPS=2"])
+    resumed = _run(tmp_path, short + second + ["MAX_STEPS=3"])
+    assert int(resumed.step) == 3
+    assert [line["step"] for line in _train_lines(tmp_path)] == [1, 2, 3]  # resumed, not restarted
+    # Step 3 started from step 2's state: the Adam count continued (an init would restart at 1).
+    counts = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(resumed.opt_state)[0]
+              if "count" in jax.tree_util.keystr(path)]
+    assert counts and all(int(c) == 3 for c in counts)
+    assert int(stopped.step) == 2
+
+
+def test_checkpoint_of_another_model_is_a_named_mismatch(tmp_path):
+    from paxlite.train.checkpoint import CheckpointMismatchError
+
+    _run(tmp_path, ["MAX_STEPS=1", "EVAL_INTERVAL_STEPS=1000", "EVAL_LOOP_NUM_BATCHES=1"])
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
+    with pytest.raises(CheckpointMismatchError) as info:
+        _run(tmp_path, ["MAX_STEPS=2", "HIDDEN_DIMS=128"])
+    message = str(info.value)
+    assert "params/layers_0/mlp/wi/kernel: checkpoint shape (64, 256), this run's shape (64, 128)" \
+        in message
+    assert "opt_state/1/mu/layers_0/mlp/wi/kernel" in message and "CHECKPOINT_RESTORE_PATH" in message
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+    assert not os.path.exists(tmp_path / "checkpoints_corrupted")
+
+
+def _tree_bytes(directory):
+    return {os.path.relpath(os.path.join(root, name), directory):
+            open(os.path.join(root, name), "rb").read()
+            for root, _, files in os.walk(directory) for name in files}
+
+
+def test_eval_mode_leaves_a_damaged_checkpoint_in_place(tmp_path, straight_run, caplog):
+    straight_dir, _, _ = straight_run
+    job = tmp_path / "job"
+    shutil.copytree(straight_dir, job, ignore=shutil.ignore_patterns("metrics.jsonl"))
+    latest = job / "checkpoints" / f"checkpoint_{2 * N:08d}"
+    os.remove(latest / "state" / "manifest.ocdbt")
+    before = _tree_bytes(job / "checkpoints")
+    _, config = build_run_config("TinySynthetic", COMMON + [f"MAX_STEPS={2 * N}"])
+    with Run(config, RunContext(job_dir=str(job), training=False)) as run:
+        run.run_eval()
+    assert _tree_bytes(job / "checkpoints") == before  # nothing written, renamed or moved
+    assert not os.path.exists(job / "checkpoints_corrupted")
+    # It evaluated the newest intact step and said which one, and why.
+    assert [line["step"] for line in _eval_lines(job)] == [N]
+    assert any(f"evaluates step {N}" in r.getMessage() and "left in place" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")

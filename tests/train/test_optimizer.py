@@ -85,7 +85,14 @@ def _problem() -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
 def _run_optax(
     params: dict[str, np.ndarray], grads: list[dict[str, np.ndarray]], config: OptimizerConfig
 ) -> list[dict[str, np.ndarray]]:
-    tx = make_optimizer(config, _schedule())
+    return _run_tx(make_optimizer(config, _schedule()), params, grads)
+
+
+def _run_tx(
+    tx: optax.GradientTransformation,
+    params: dict[str, np.ndarray],
+    grads: list[dict[str, np.ndarray]],
+) -> list[dict[str, np.ndarray]]:
     p = jax.tree.map(jnp.asarray, params)
     state = tx.init(p)
 
@@ -183,3 +190,36 @@ def test_global_norm_matches_numpy() -> None:
 def test_invalid_values_are_named(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         OptimizerConfig(**{field: value})
+
+
+_SETTINGS = [
+    dict(weight_decay=0.0, clip_gradient_norm_to_value=0.0, clip_threshold=-1.0),
+    dict(weight_decay=0.1, clip_gradient_norm_to_value=2.0, clip_threshold=0.5),
+    dict(weight_decay=0.0, clip_gradient_norm_to_value=2.0, clip_threshold=-1.0),
+    dict(weight_decay=0.1, clip_gradient_norm_to_value=-1.0, clip_threshold=0.0),
+]
+
+
+def test_state_tree_does_not_depend_on_settings() -> None:
+    """Toggling clipping, the RMS cap or weight decay must not change what a checkpoint holds."""
+    params = jax.tree.map(jnp.asarray, _problem()[0])
+    trees = [
+        jax.tree_util.tree_structure(
+            make_optimizer(OptimizerConfig(**settings), _schedule()).init(params))
+        for settings in _SETTINGS
+    ]
+    assert all(tree == trees[0] for tree in trees), trees
+
+
+def test_disabled_stages_are_bit_identical_to_leaving_them_out() -> None:
+    """Reference: the bare optax chain of only the enabled stages (what the chain was before)."""
+    params, grads = _problem()
+    config = OptimizerConfig(beta1=0.9, beta2=0.95, epsilon=1e-8)
+    bare = optax.chain(optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8, eps_root=0.0),
+                       optax.scale_by_learning_rate(_schedule()))
+    want = _run_tx(bare, params, grads)
+    got = _run_optax(params, grads, config)
+    assert len(got) == len(want) == STEPS
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        for k in params:
+            assert g[k].tobytes() == w[k].tobytes(), f"{k}@{step}"

@@ -148,3 +148,62 @@ def test_ignore_rules_match_both_separators():
     assert ignored_by(["layers_0/attention/.*"], "layers_0/attention/qkv/kernel")
     assert not ignored_by(["attention"], "layers_0/attention/qkv/kernel")  # re.match, as Pax
     assert not ignored_by([], "layers_0/attention/qkv/kernel")
+
+
+def test_checkpoint_parameters_the_model_lacks_are_an_error(tmp_path, job_a):
+    """A 2-layer checkpoint must not quietly initialise a 1-layer model ("initialised N of N")."""
+    job, _ = job_a
+    with pytest.raises(pretrained.PretrainedCheckpointError) as err:
+        Run(_restoring(job, ["NUM_LAYERS=1"]), RunContext(job_dir=str(tmp_path / "b")))
+    message = str(err.value)
+    assert "layers_1/mlp/wi/kernel (64, 256)" in message and "CHECKPOINT_IGNORE_RULES" in message
+    assert "layers_0/" not in message
+    assert not (tmp_path / "b" / "checkpoints").exists() or not any(
+        (tmp_path / "b" / "checkpoints").iterdir())
+
+
+def test_ignore_rules_opt_in_to_a_partial_restore_loudly(tmp_path, job_a, caplog):
+    job, params_a = job_a
+    config = _restoring(job, ["NUM_LAYERS=1", "CHECKPOINT_IGNORE_RULES=['layers_1/.*']", "MAX_STEPS=1"])
+    with caplog.at_level("WARNING"), Run(config, RunContext(job_dir=str(tmp_path / "b"))) as run:
+        restored = _flat(run.restore_or_init().params)
+    assert not any(k.startswith("layers_1/") for k in restored)
+    for key, value in restored.items():
+        np.testing.assert_array_equal(value, params_a[key], err_msg=key)
+    unread = sorted(k for k in params_a if k.startswith("layers_1/"))
+    (line,) = [r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING" and "not in this model" in r.getMessage()]
+    assert f"{len(unread)} parameters" in line and all(k in line for k in unread)
+
+
+def _half_copy(job, target):
+    """A copy of `job`'s checkpoints whose newest step is still being copied (no commit marker)."""
+    shutil.copytree(job / "checkpoints" / f"checkpoint_{A_STEPS:08d}",
+                    target / "checkpoints" / "checkpoint_00000002")
+    newest = target / "checkpoints" / "checkpoint_00000009"
+    shutil.copytree(job / "checkpoints" / f"checkpoint_{A_STEPS:08d}", newest)
+    (newest / "commit_success.txt").unlink()
+    (newest / "_CHECKPOINT_METADATA").unlink()
+    (newest / "state" / "manifest.ocdbt").unlink()
+    return newest
+
+
+def test_restore_path_skips_a_half_copied_newest_step(tmp_path, job_a, caplog):
+    job, params_a = job_a
+    newest = _half_copy(job, tmp_path / "copy")
+    with caplog.at_level("WARNING"):
+        step, step_dir = pretrained.find_checkpoint(tmp_path / "copy")
+    assert (step, step_dir.name) == (2, "checkpoint_00000002")
+    (line,) = [r.getMessage() for r in caplog.records if str(newest) in r.getMessage()]
+    assert "not a complete checkpoint" in line
+    with Run(_restoring(tmp_path / "copy", ["MAX_STEPS=1"]),
+             RunContext(job_dir=str(tmp_path / "b"))) as run:
+        restored = _flat(run.restore_or_init().params)
+    for key, value in params_a.items():
+        np.testing.assert_array_equal(restored[key], value, err_msg=key)
+    # Pointing at the half-copied step itself, or at a directory holding only it: a clear error.
+    with pytest.raises(pretrained.PretrainedCheckpointError, match="not a complete paxlite checkpoint"):
+        pretrained.find_checkpoint(newest)
+    shutil.rmtree(tmp_path / "copy" / "checkpoints" / "checkpoint_00000002")
+    with pytest.raises(pretrained.PretrainedCheckpointError, match="no paxlite checkpoint"):
+        Run(_restoring(tmp_path / "copy"), RunContext(job_dir=str(tmp_path / "c")))
