@@ -8,6 +8,8 @@ exported model, computes the same logits as the trained LoRA model in paxlite.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -19,6 +21,8 @@ import jax
 import numpy as np
 import pytest
 
+from paxlite.data.boolq import boolq_batches, read_boolq
+from paxlite.data.tokenizer import Tokenizer
 from paxlite.experiments.build import build_run_config
 from paxlite.interop import hf
 from paxlite.models.lora import is_lora_path
@@ -51,6 +55,34 @@ def _flat(tree) -> dict[str, np.ndarray]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _boolq_by_hand(params, model_config, *, vocab_path: str, seq_len: int, val_path: str):
+    """(accuracy, yes-predictions) of `params` on `val_path`, apart from the loop's eval step.
+
+    The rows are the product's (`boolq_batches`: the prompt, then the answer as the row's last token);
+    the labels come from the file, the yes/no ids from the tokenizer, and Pax's pairwise rule is
+    written out in NumPy: an example counts when the right answer's logit beats the wrong answer's at
+    the answer position (a tie loses).
+    """
+    examples = read_boolq(val_path)
+    tokenizer = Tokenizer(vocab_path)
+    (yes,), (no,) = tokenizer.encode("yes"), tokenizer.encode("no")
+    model = Transformer(model_config)
+    says_yes = []
+    for batch in boolq_batches(examples, tokenizer, seq_len=seq_len, batch_size=4):
+        logits = np.asarray(model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
+                                        segment_ids=batch["segment_ids"]), dtype=np.float64)  # [B, T, V]
+        for row in range(logits.shape[0]):
+            if len(says_yes) == len(examples):
+                break  # the zero rows that fill the last batch
+            answer_at = np.flatnonzero(batch["segment_ids"][row])[-1]
+            says_yes.append(bool(logits[row, answer_at, yes] > logits[row, answer_at, no]))
+    labels = [example.label for example in examples]
+    assert len(says_yes) == len(labels) == 13
+    # A tie loses either way: the rule is "right beats wrong", so compare with the label's side.
+    won = sum(said == label for said, label in zip(says_yes, labels))
+    return won / len(labels), says_yes
+
+
 @pytest.mark.slow
 def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
     import torch
@@ -58,7 +90,7 @@ def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
 
     vocab = _train_spm(str(tmp_path / "spm"), single_yes_no=True)
     train = _write_jsonl(tmp_path / "train.jsonl", _examples(24, seed=1))
-    val = _write_jsonl(tmp_path / "val.jsonl", _examples(8, seed=2))
+    val = _write_jsonl(tmp_path / "val.jsonl", _examples(13, seed=2))  # the last batch is part padding
     _hf_llama(tmp_path / "hf_in")
 
     # 1. Convert with the CLI, checked against the experiment the fine-tuning run will use.
@@ -81,9 +113,20 @@ def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
     with Run(config, RunContext(job_dir=str(job), async_checkpointing=False)) as run:
         trained = jax.device_get(run.train().params)
     evals = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if "eval/boolq_acc" in line]
-    assert [line["step"] for line in evals] == [3] and 0.0 <= evals[0]["eval/boolq_acc"] <= 1.0
+    assert [line["step"] for line in evals] == [3]
+    # The logged score is the one the trained parameters earn on val.jsonl, recomputed here by hand.
+    by_hand = functools.partial(_boolq_by_hand, vocab_path=vocab, seq_len=config.eval_task.seq_len, val_path=val)
+    acc, _ = by_hand(trained, config.model)
+    assert evals[0]["eval/boolq_acc"] == pytest.approx(acc, abs=1e-6)
 
     start = hf.from_paxlite(converted)
+    # Zero-shot BoolQ of the converted model (--mode=eval, Pax's EVAL_ONLY): its answers are mixed, so
+    # the by-hand score checks which example is which, not only a constant answer against the labels.
+    with Run(config, RunContext(job_dir=str(tmp_path / "zero_shot"), training=False)) as run:
+        zero_shot = run.run_eval()
+    acc, says_yes = by_hand(start.params, dataclasses.replace(config.model, lora_rank=None, lora_alpha=None))
+    assert 0 < sum(says_yes) < len(says_yes), says_yes
+    assert zero_shot["boolq_acc"] == pytest.approx(acc, abs=1e-6)
     flat_trained, flat_start = _flat(trained), _flat(start.params)
     assert {k for k in flat_trained if not is_lora_path(k)} == set(flat_start)
     for name, value in flat_start.items():  # the base model is frozen: bit for bit what was converted

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from paxlite.models.transformer import (
     Activation,
@@ -24,6 +24,7 @@ from paxlite.models.transformer import (
     logical_param_axes,
     num_params,
 )
+from paxlite.parallel.rules import DEFAULT_RULES, batch_sharding
 
 GPT126M = dict(num_layers=12, num_heads=12, model_dims=768, hidden_dims=3072, dims_per_head=64,
                vocab_size=50304, max_seq_len=2048)
@@ -360,29 +361,24 @@ def test_dropout_only_acts_when_not_deterministic() -> None:
 
 # ---------------------------------------------------------------- sharding
 
-RULES = (
-    ("activation_batch", ("data", "fsdp")), ("activation_length", None),
-    ("activation_embed", None), ("activation_mlp", "tensor"), ("activation_heads", "tensor"),
-    ("activation_kv", None), ("activation_vocab", "tensor"),
-    ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("vocab", "tensor"),
-    ("kv", None), ("qkv", None), ("norm", None), ("position", None), ("layers", None),
-)
-
-
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_sharded_grads_equal_single_device_grads(
         reference: Callable[[bool], dict[str, Any]], scan_layers: bool) -> None:
     """(2,2,2) mesh, FSDP x tensor sharded weights, batch over (data, fsdp), under the rules
-    and mesh context the trainer uses: loss and every gradient match one device."""
+    and mesh context the trainer uses: loss and every gradient match one device.
+
+    The rules are the product's table (`paxlite.parallel.rules.DEFAULT_RULES`, what
+    `compile_steps` traces under), not a copy: a change to the table is tested here too."""
     ref = reference(scan_layers)
     cfg = ref["cfg"]
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
                          axis_types=(AxisType.Auto,) * 3)
-    shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, RULES)
+    shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, DEFAULT_RULES)
     params = jax.device_put(ref["params"], shardings)
     assert params["embedding"]["embedding"].sharding.spec == PartitionSpec("tensor", "fsdp")
-    tokens = jax.device_put(ref["tokens"], NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    tokens = jax.device_put(ref["tokens"], batch_sharding(mesh))
+    assert tokens.sharding.spec == PartitionSpec(("data", "fsdp"), None)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
         loss, grads = _loss_and_grads(cfg, params, tokens)
     np.testing.assert_allclose(loss, ref["loss"], rtol=1e-5)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5),
