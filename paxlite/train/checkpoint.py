@@ -15,7 +15,9 @@ Robustness rules, because a checkpoint directory holds days of compute:
   collide with them. Any other failure (a permission or transient I/O error) stops with
   `CheckpointReadError` and moves nothing: an older checkpoint would silently discard progress.
   A checkpoint that is intact but holds another train state (another model shape) stops with
-  `CheckpointMismatchError`, naming the entries. If none restores, nothing is moved and the error
+  `CheckpointMismatchError`, naming the entries; the one exception is optimizer state saved in
+  the earlier layout of the optax chain (disabled stages left out), which is read into the current
+  one (`opt_state_layout.py`). If none restores, nothing is moved and the error
   lists every checkpoint: silently starting from scratch would discard a run.
 - The data record of a step is restored together with its state, so both come from one step.
 - A save never overwrites: an existing step directory is an error.
@@ -37,6 +39,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from paxlite.errors import RunStoppedError, UserError
+from paxlite.train import opt_state_layout as layout
 
 PyTree = Any
 
@@ -94,6 +97,21 @@ def mismatches(saved: PyTree, expected: PyTree) -> list[str]:
     problems += [f"  {name}: checkpoint shape {have[name]}, this run's shape {want[name]}"
                  for name in sorted(set(have) & set(want)) if have[name] != want[name]]
     return problems
+
+
+def _earlier_optimizer_layout(
+    saved: PyTree, abstract_state: PyTree
+) -> layout.EarlierLayout | None:
+    """The earlier optimizer layout `saved` (a checkpoint's metadata) has, if, with its Adam state
+    and schedule count moved to their current positions, it matches `abstract_state` exactly."""
+    current = layout.opt_state_of(abstract_state)
+    if not isinstance(saved, dict) or not isinstance(current, tuple):
+        return None
+    earlier = layout.earlier_layout(saved.get("opt_state"))
+    if earlier is None or len(current) != layout.NUM_STAGES:
+        return None
+    mapped = layout.with_opt_state(saved, earlier.as_current(saved["opt_state"]))
+    return None if mismatches(mapped, abstract_state) else earlier
 
 
 def incomplete(step_dir: epath.Path) -> str | None:
@@ -337,8 +355,10 @@ class Checkpointer:
                 saved = handler.metadata(path / _ITEM)
             finally:
                 handler.close()
-            problems = mismatches(getattr(saved, "tree", saved), abstract_state)
-            if problems:
+            saved_tree = getattr(saved, "tree", saved)
+            problems = mismatches(saved_tree, abstract_state)
+            earlier = _earlier_optimizer_layout(saved_tree, abstract_state) if problems else None
+            if problems and earlier is None:
                 return _Outcome.FATAL, None, CheckpointMismatchError(
                     f"Checkpoint {path} is intact but does not match this run's train state "
                     f"({len(problems)} entries):\n" + "\n".join(problems[:20])
@@ -347,12 +367,23 @@ class Checkpointer:
                     "(the job's config.json / config.previous-N.json), use a new --job_log_dir, "
                     "or start a new job from its parameters with "
                     f"--fdl.CHECKPOINT_RESTORE_PATH={path} (fresh optimizer state).")
-            items = {_ITEM: ocp.args.StandardRestore(abstract_state)}
+            target = abstract_state if earlier is None else layout.with_opt_state(
+                abstract_state, earlier.restore_target(layout.opt_state_of(abstract_state)))
+            items = {_ITEM: ocp.args.StandardRestore(target)}
             if (path / _DATA_ITEM).exists():
                 items[_DATA_ITEM] = ocp.args.JsonRestore()
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             data = restored[_DATA_ITEM] if _DATA_ITEM in items else None
-            return _Outcome.RESTORED, (restored[_ITEM], data), None
+            state = restored[_ITEM]
+            if earlier is not None:
+                current = layout.opt_state_of(abstract_state)
+                state = layout.with_opt_state(
+                    state, earlier.to_current(layout.opt_state_of(state), current))
+                logging.warning(
+                    "Checkpoint %s holds the optimizer state of the earlier layout (%d stages, "
+                    "disabled ones left out); its Adam state and schedule count were mapped "
+                    "into the current %d-stage layout.", path, earlier.length, len(current))
+            return _Outcome.RESTORED, (state, data), None
         except Exception as error:  # noqa: BLE001 - TensorStore raises bare Exception.
             if is_damage(error):
                 return _Outcome.DAMAGED, None, error

@@ -6,6 +6,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
@@ -360,3 +361,86 @@ def test_read_only_never_moves_a_damaged_step(tmp_path: pathlib.Path) -> None:
         assert ckpt.restore_latest(_abstract())[0] == 1
     assert _snapshot(directory) == before
     assert not (tmp_path / "checkpoints_corrupted").exists()
+
+
+def _opt_state(stages: tuple[str, ...], scale: int, params: dict) -> tuple:
+    """An optax chain state: "adam" (count, mu, nu over `params`), "lr" (the schedule's count),
+    "empty" (a stage without state); the values identify `scale` and the stage."""
+    entries = {
+        "adam": lambda: optax.ScaleByAdamState(
+            count=jnp.int32(scale), mu=jax.tree.map(lambda p: p * 2, params),
+            nu=jax.tree.map(lambda p: p * 3, params)),
+        "lr": lambda: optax.ScaleByScheduleState(count=jnp.int32(scale + 1)),
+        "empty": optax.EmptyState,
+    }
+    return tuple(entries[stage]() for stage in stages)
+
+
+_CURRENT = ("empty", "adam", "empty", "empty", "lr")
+
+
+def _abstract_with_opt_state() -> dict:
+    """The run's state in the current layout; all optimizer arrays replicated (resharded)."""
+    abstract = _abstract()
+    replicated = NamedSharding(_mesh(), P())
+    abstract["opt_state"] = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated),
+        _opt_state(_CURRENT, 1, _state(1)["params"]))
+    return abstract
+
+
+@pytest.mark.parametrize("earlier", [("adam", "lr"), ("empty", "adam", "lr"), ("adam", "empty", "lr"),
+                                     ("empty", "adam", "empty", "lr")])
+def test_optimizer_state_of_the_earlier_layout_is_mapped(
+        tmp_path: pathlib.Path, earlier: tuple[str, ...], caplog) -> None:
+    """Checkpoints of the chain that left disabled stages out restore into the five-stage one."""
+    directory = tmp_path / "checkpoints"
+    state = _state(3)
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.save(3, {**state, "opt_state": _opt_state(earlier, 3, state["params"])})
+    before = _snapshot(directory)
+    abstract = _abstract_with_opt_state()
+    with (caplog.at_level(logging.WARNING),
+          Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt):
+        step, restored = ckpt.restore_latest(abstract)
+    assert step == 3
+    assert jax.tree.structure(restored) == jax.tree.structure(abstract)
+    want = {**state, "opt_state": _opt_state(_CURRENT, 3, state["params"])}
+    _assert_state_equal(restored, want, abstract)  # bit-equal, with the run's shardings
+    logged = [r.getMessage() for r in caplog.records if "earlier layout" in r.getMessage()]
+    message = (
+        f"Checkpoint {directory / 'checkpoint_00000003'} holds the optimizer state of the earlier "
+        f"layout ({len(earlier)} stages, disabled ones left out); its Adam state and schedule "
+        "count were mapped into the current 5-stage layout.")
+    assert logged == [message]
+    assert _snapshot(directory) == before
+
+
+@pytest.mark.parametrize("saved", [("adam", "adam", "lr"), ("empty", "empty", "adam", "lr"),
+                                   ("lr", "adam"), ("adam", "lr", "empty")])
+def test_other_optimizer_layouts_stay_a_mismatch(
+        tmp_path: pathlib.Path, saved: tuple[str, ...]) -> None:
+    directory = tmp_path / "checkpoints"
+    state = _state(3)
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.save(3, {**state, "opt_state": _opt_state(saved, 3, state["params"])})
+    before = _snapshot(directory)
+    with (Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt,
+          pytest.raises(CheckpointMismatchError, match="opt_state/")):
+        ckpt.restore_latest(_abstract_with_opt_state())
+    assert _snapshot(directory) == before
+
+
+def test_earlier_layout_of_another_model_stays_a_mismatch(tmp_path: pathlib.Path) -> None:
+    """The earlier layout is mapped only when everything else fits: here the params do not."""
+    directory = tmp_path / "checkpoints"
+    state = _state(3)
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.save(3, {**state, "opt_state": _opt_state(("adam", "lr"), 3, state["params"])})
+    abstract = _abstract_with_opt_state()
+    replicated = NamedSharding(_mesh(), P())
+    abstract["params"]["w"] = jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=replicated)
+    abstract["opt_state"][1].mu["w"] = abstract["opt_state"][1].nu["w"] = abstract["params"]["w"]
+    with (Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt,
+          pytest.raises(CheckpointMismatchError, match=r"params/w: checkpoint shape \(8, 4\)")):
+        ckpt.restore_latest(abstract)

@@ -6,9 +6,12 @@ import shutil
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from paxlite.experiments.build import build_run_config
+from paxlite.train import loop as loop_lib
+from paxlite.train import optimizer as optimizer_lib
 from paxlite.train.loop import Run, RunContext, TrainingDivergedError
 
 N = 4  # steps before the interruption
@@ -188,6 +191,49 @@ def test_resume_after_toggling_optimizer_settings(tmp_path, first, second):
               if "count" in jax.tree_util.keystr(path)]
     assert counts and all(int(c) == 3 for c in counts)
     assert int(stopped.step) == 2
+
+
+def _earlier_make_optimizer(config, schedule):
+    """`make_optimizer` as it was before every stage was always present: disabled ones left out."""
+    stages = []
+    if config.clip_gradient_norm_to_value > 0:
+        stages.append(optimizer_lib._clip_by_global_norm(config.clip_gradient_norm_to_value))
+    stages.append(optax.scale_by_adam(b1=config.beta1, b2=config.beta2, eps=config.epsilon,
+                                      eps_root=config.epsilon_root))
+    if config.clip_threshold > 0:
+        stages.append(optimizer_lib._cap_update_rms(config.clip_threshold))
+    if config.weight_decay > 0:
+        stages.append(optax.add_decayed_weights(config.weight_decay))
+    stages.append(optax.scale_by_learning_rate(schedule))
+    return optax.chain(*stages)
+
+
+# TinySynthetic clips and decays: [clip, adam, decay, lr]; with _OFF the chain is [adam, lr].
+@pytest.mark.parametrize(("settings", "stages", "adam"), [([], 4, 1), (_OFF, 2, 0)],
+                         ids=["clip_decay", "adam_only"])
+def test_resume_from_checkpoint_of_the_earlier_optimizer_layout(
+        tmp_path, monkeypatch, caplog, settings, stages, adam):
+    """A job checkpointed by the earlier chain resumes as the earlier code would have resumed it."""
+    overrides = COMMON + settings
+    with monkeypatch.context() as patch:
+        patch.setattr(loop_lib, "make_optimizer", _earlier_make_optimizer)
+        reference = _run(tmp_path / "reference", overrides + [f"MAX_STEPS={2 * N}"])
+        stopped = _run(tmp_path / "job", overrides + [f"MAX_STEPS={N}"])
+    assert len(stopped.opt_state) == len(reference.opt_state) == stages  # the earlier layout
+    resumed = _run(tmp_path / "job", overrides + [f"MAX_STEPS={2 * N}"])
+    lines, want = _train_lines(tmp_path / "job"), _train_lines(tmp_path / "reference")
+    assert [line["step"] for line in lines] == list(range(1, 2 * N + 1))  # resumed, not restarted
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert [line[key] for line in lines] == [line[key] for line in want], key
+    assert int(resumed.step) == 2 * N and len(resumed.opt_state) == 5
+    _assert_same_state(resumed.params, reference.params)
+    _assert_same_state((resumed.opt_state[1], resumed.opt_state[4].count),
+                       (reference.opt_state[adam], reference.opt_state[-1].count))
+    assert any("earlier layout" in r.getMessage() and f"({stages} stages" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+    assert sorted(os.listdir(tmp_path / "job" / "checkpoints")) == [
+        f"checkpoint_{N:08d}", f"checkpoint_{2 * N:08d}"]
+    assert not os.path.exists(tmp_path / "job" / "checkpoints_corrupted")
 
 
 def test_checkpoint_of_another_model_is_a_named_mismatch(tmp_path):
