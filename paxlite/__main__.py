@@ -99,16 +99,21 @@ def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
 
 def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     from paxlite.experiments.build import load_experiment, load_recorded_experiment
+    from paxlite.paths import check_output_dir, require_local_path
     from paxlite.train import export
 
     try:
-        if args.fdl_config:
+        output = check_output_dir(args.output, setting="--output",
+                                  inputs=[require_local_path(args.input, setting="--input")])
+        record = export.find_job_config(args.input)
+        if record is None and args.fdl_config:
             experiment = load_experiment(args.fdl_config, assignments)
-        else:  # the job's own record of its experiment and overrides
+        else:  # the job's own record of its experiment and overrides (a registered name only)
             name, overrides = export.job_config_record(args.input)
-            experiment = load_recorded_experiment(name, overrides, assignments)
+            experiment = load_recorded_experiment(name, overrides, assignments, source=str(record),
+                                                  fdl_config=args.fdl_config)
         model = fdl.build(experiment.with_lora(experiment.model_config()))
-        print(export.export_merged(args.input, args.output, model_config=model))
+        print(export.export_merged(args.input, output, model_config=model))
     except UserError as e:
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2

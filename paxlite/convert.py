@@ -34,6 +34,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from paxlite.interop.errors import ConversionError
+from paxlite.paths import (
+    check_output_dir,
+    require_local_path,
+)
 
 if TYPE_CHECKING:
     from paxlite.interop.hf import Pretrained
@@ -112,6 +116,7 @@ def model_config_from_job(job_dir: Any) -> TransformerConfig:
     """Rebuilds the model of a training job from its ``config.json`` (experiment + overrides)."""
     import fiddle as fdl
 
+    from paxlite.config.errors import ConfigError
     from paxlite.experiments.build import load_recorded_experiment
 
     path = os.path.join(os.fspath(job_dir), "config.json")
@@ -125,7 +130,10 @@ def model_config_from_job(job_dir: Any) -> TransformerConfig:
     try:
         hparams = record["hparams"]
         experiment = load_recorded_experiment(
-            record["experiment"], {k: hparams[k] for k in record.get("overridden", [])})
+            record["experiment"], {k: hparams[k] for k in record.get("overridden", [])},
+            source=path)
+    except ConfigError:
+        raise  # says itself what to pass instead
     except (KeyError, ValueError) as e:
         raise ConversionError(
             f"cannot rebuild the model from {path} ({type(e).__name__}: {e}); pass "
@@ -180,6 +188,9 @@ def convert(request: ConvertRequest) -> Pretrained:
         raise ConversionError(f"--fdl.X overrides {list(request.assignments)} need --fdl_config")
     if request.vocab_size is not None and request.source is not Source.META:
         raise ConversionError("--vocab_size is only for --from=meta (params.json vocab_size -1)")
+    # Every output precondition before the first byte of a (possibly 140 GB) input is read.
+    require_local_path(request.input, setting="--input")
+    check_output_dir(request.output, setting="--output", inputs=[request.input])
     experiment_config = None
     if request.fdl_config:
         experiment_config = experiment_model_config(request.fdl_config, request.assignments)
@@ -211,10 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
-    from paxlite.config.errors import ConfigError
-    from paxlite.interop.hf_config import UnsupportedCheckpointError
-    from paxlite.interop.layouts import LayoutError
-    from paxlite.interop.meta import UnsafeCheckpointError
+    from paxlite.errors import UserError
 
     request = ConvertRequest(
         source=Source(args.source), target=Target(args.target), input=args.input,
@@ -224,8 +232,7 @@ def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     start = time.perf_counter()
     try:
         pretrained = convert(request)
-    except (ConversionError, ConfigError, UnsupportedCheckpointError, LayoutError,
-            UnsafeCheckpointError, FileNotFoundError, FileExistsError) as e:
+    except UserError as e:  # every conversion mistake (paths, formats, experiments); bugs propagate
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
     print(f"converted {pretrained.family.value} {request.source.value} -> {request.target.value}: "

@@ -151,6 +151,9 @@ def parse_job(argv) -> tuple:
         )
     if not FLAGS.job_log_dir:
         raise UsageError("--job_log_dir is required (checkpoints, summaries and metrics are written there)")
+    from paxlite.paths import require_local_path
+
+    require_local_path(FLAGS.job_log_dir, setting="--job_log_dir")  # a ValueError: exit 2, as above
     assignments = list(FLAGS.fdl_set or [])
     if FLAGS.tfds_data_dir and not any(a.split("=", 1)[0].strip() == "TFDS_DATA_DIR" for a in assignments):
         assignments.append(f"TFDS_DATA_DIR={FLAGS.tfds_data_dir!r}")

@@ -107,6 +107,32 @@ def resolve_experiment(name: str, registry: Mapping[str, type[Experiment]]) -> t
     )
 
 
+def resolve_registered_experiment(
+    name: str, registry: Mapping[str, type[Experiment]], *, source: str
+) -> type[Experiment]:
+    """The registered experiment that `name` (read from `source`, e.g. a job's config.json) means.
+
+    Never imports anything: a job directory is data that anyone may have written, and importing the
+    dotted path it names would run code from wherever that path points (`python -m` puts the
+    current directory on the import path). So only registered names, their aliases, legacy Pax
+    names of them and a registered class's own dotted path are accepted.
+    """
+    name = name.strip()
+    if name in registry:
+        return registry[name]
+    legacy = legacy_pax_name(name)
+    if legacy is not None and legacy in registry:
+        return registry[legacy]
+    for cls in registry.values():
+        if name == f"{cls.__module__}.{cls.__qualname__}":
+            return cls
+    raise ConfigError(
+        f"{source} names the experiment {name!r}, which is not a registered experiment; names read "
+        "from a job directory are never imported (that would run code the directory points to): "
+        f"pass --fdl_config={name} yourself to import it"
+    )
+
+
 def _some_names(registry: Mapping[str, type[Experiment]]) -> str:
     names = sorted(registry)[:3]
     return ", ".join(names) if names else "(none registered)"

@@ -37,11 +37,16 @@ class Feed(Protocol):
     def restore(self, record: Any, *, step: int) -> None:
         """Continue after `step` optimizer steps from a record written by `state()`."""
 
+    # Whether eval_batches has anything to give: False for a prepared dataset written without a
+    # validation split (prepare --validation_fraction 0), which then trains without evaluation.
+    has_eval_data: bool
+
 
 class SyntheticFeed:
     """Synthetic batches are a function of the step: nothing to save."""
 
     metric_prefix = ""
+    has_eval_data = True
 
     def __init__(self, config: SyntheticDataConfig, *, global_batch_size: int):
         self._data = SyntheticData(config, global_batch_size=global_batch_size)
@@ -104,6 +109,10 @@ class TextFeed:
         self._next_index += 1
         return _to_global(next(self._iterator), sharding, self._plan)
 
+    @property
+    def has_eval_data(self) -> bool:
+        return self._data.has_eval_data
+
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         for local in self._data.eval_batches(num_batches):
             yield _to_global(local, sharding, self._plan)
@@ -156,6 +165,7 @@ class LambadaFeed:
     """Evaluation only: every example once, in order; reported as lambada_acc_strict."""
 
     metric_prefix = "lambada_"
+    has_eval_data = True
 
     def __init__(self, config: LambadaEvalConfig, *, plan: FeedPlan):
         from paxlite.data.lambada import read_lambada
@@ -207,6 +217,7 @@ class BoolQFeed:
     """Evaluation only: every example once, in order, with its yes/no token pair; reported as boolq_acc."""
 
     metric_prefix = "boolq_"
+    has_eval_data = True
 
     def __init__(self, config: BoolQEvalConfig, *, plan: FeedPlan):
         from paxlite.data.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
@@ -264,6 +275,7 @@ class BoolQTrainFeed:
     """
 
     metric_prefix = ""
+    has_eval_data = False  # no validation-loss split of its own (eval_batches says what to use)
 
     def __init__(self, config: BoolQTrainConfig, *, plan: FeedPlan):
         from paxlite.data.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids

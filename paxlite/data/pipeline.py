@@ -38,6 +38,7 @@ from paxlite.data.packing import (
     unpacked_row,
 )
 
+DEFAULT_EVAL_SPLIT = "validation"  # what python -m paxlite.data.prepare writes
 _STATE_VERSION = 2  # 2: position = (epoch, cursor, offset) of the document stream
 # Evaluation reads in the calling thread: with the GIL, Grain's reader threads were slower.
 _READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -70,7 +71,7 @@ class TextDataConfig:
     shuffle: bool = True
     seed: int = 0
     train_split: str = "train"
-    eval_split: str | None = "validation"
+    eval_split: str | None = DEFAULT_EVAL_SPLIT
     tfds_name: str | None = None
 
     def __post_init__(self):
@@ -202,10 +203,23 @@ class TextData:
         self._train = self._open_split(config.train_split, min_records=process_count)
         self._eval = (
             None
-            if config.eval_split is None
+            if config.eval_split is None or self._lacks_default_eval_split(config.eval_split)
             else self._open_split(config.eval_split, min_records=1)
         )
         self._encode = self._make_encoder()
+
+    def _lacks_default_eval_split(self, split: str) -> bool:
+        """A prepared dataset written without its validation split (prepare --validation_fraction 0,
+        or a one-document corpus) trains without evaluation; the loop says so in its log. Any other
+        missing split is an error when it is opened."""
+        if self._tfds is not None or split != DEFAULT_EVAL_SPLIT:
+            return False
+        found = self.info.splits.get(split)
+        return found is None or found.documents == 0
+
+    @property
+    def has_eval_data(self) -> bool:
+        return self._eval is not None
 
     def _open_split(self, split: str, *, min_records: int) -> _Split:
         if self._tfds is not None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from paxlite.data.inputs import iter_documents
 from paxlite.data.records import DatasetError, DatasetInfo, Kind, shard_paths, write_dataset
 from paxlite.data.tokenizer import Tokenizer, VocabError
+from paxlite.paths import UnsupportedPathError, require_local_path
 
 
 def prepare(
@@ -32,6 +33,11 @@ def prepare(
     progress: bool = False,
 ) -> DatasetInfo:
     """Reads `inputs` and writes a dataset into the new or empty `output_dir`."""
+    for path in inputs:
+        require_local_path(path, setting="--input")
+    require_local_path(output_dir, setting="--output_dir")
+    if vocab_path is not None:
+        require_local_path(vocab_path, setting="--vocab_path")
     if vocab_path is not None and not os.path.isfile(os.fspath(vocab_path)):
         raise VocabError(f"tokenizer file {os.fspath(vocab_path)!r} (--vocab_path) does not exist")
     tokenizer = Tokenizer(vocab_path) if vocab_path is not None else None
@@ -46,6 +52,21 @@ def prepare(
         seed=seed,
         sources=[os.path.abspath(os.fspath(p)) for p in inputs],
         progress=progress,
+    )
+
+
+VALIDATION_SPLIT = "validation"
+
+
+def no_validation_warning(info: DatasetInfo) -> str:
+    """Why the dataset has no validation split, and what training on it will do."""
+    documents = sum(split.documents for split in info.splits.values())
+    why = ("the corpus has a single document" if documents < 2
+           else "--validation_fraction is 0")
+    return (
+        f"prepare: warning: no validation split written ({why}); training on {info.directory} "
+        "runs without evaluation (it says so in its log) unless --fdl.EVAL_TASK names another "
+        "task; --validation_fraction=0.01 (and at least 2 documents) writes one"
     )
 
 
@@ -119,10 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             document_per_file=args.document_per_file,
             progress=True,
         )
-    except (DatasetError, VocabError, FileNotFoundError) as e:
+    except (DatasetError, VocabError, FileNotFoundError, UnsupportedPathError) as e:
         print(f"prepare: error: {e}", file=sys.stderr)
         return 2
     print(summary(info, seconds=time.perf_counter() - start))
+    if VALIDATION_SPLIT not in info.splits:
+        print(no_validation_warning(info), file=sys.stderr)
     return 0
 
 

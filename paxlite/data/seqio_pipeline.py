@@ -372,6 +372,8 @@ class SeqIOData:
     when the split has at least `process_count` of them, else every `process_count`-th example.
     """
 
+    has_eval_data = True  # Pax's tasks always have their validation split
+
     def __init__(
         self,
         config: SeqIODataConfig,

@@ -13,6 +13,7 @@ import re
 from typing import Any, ClassVar, Literal
 
 import fiddle as fdl
+from absl import logging
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived, Experiment
@@ -23,6 +24,7 @@ from paxlite.models.attention import AttentionKind
 from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
 from paxlite.parallel.mesh import MeshConfig
+from paxlite.paths import UnsupportedPathError, require_local_path
 from paxlite.train import flops as flops_lib
 from paxlite.train.optimizer import OptimizerConfig
 from paxlite.train.run_config import LoopConfig, RunConfig
@@ -84,6 +86,10 @@ class LanguageModelExperiment(Experiment):
     LORA_RANK: int = 8
     LORA_TARGET_LAYERS: Literal["all", "attention", "mlp"] = "all"
     LORA_ALPHA: float | None = None
+    # USE_LORA freezes the base model, so it needs CHECKPOINT_RESTORE_PATH: adapters on a random
+    # frozen base learn nothing useful. True opts in to exactly that (tests, benchmarks), with a
+    # warning in the log.
+    LORA_RANDOM_BASE: bool = False
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
@@ -133,6 +139,62 @@ class LanguageModelExperiment(Experiment):
             except re.error as e:
                 raise ConfigError(
                     f"CHECKPOINT_IGNORE_RULES: {rule!r} is not a regular expression: {e}") from e
+        problems = [*self._path_problems(), *self._ignored_setting_problems()]
+        if problems:
+            raise ConfigError(f"invalid {self.name} hyperparameters: " + "; ".join(problems))
+
+    # Hyperparameters that name files or directories (and the environment variables that stand in
+    # for two of them): all must be local or mounted paths (paxlite/paths.py says why).
+    path_settings: ClassVar[tuple[str, ...]] = (
+        "DATA_DIR", "VOCAB_PATH", "TFDS_DATA_DIR", "LAMBADA_PATH", "BOOLQ_PATH", "BOOLQ_TRAIN_PATH",
+        "CHECKPOINT_RESTORE_PATH",
+    )
+
+    def _path_problems(self) -> list[str]:
+        values = [(name, getattr(self, name)) for name in self.path_settings]
+        values += [(f"the {name} environment variable", os.environ.get(name))
+                   for name in ("VOCAB_PATH", "TFDS_DATA_DIR") if getattr(self, name) is None]
+        problems = []
+        for setting, value in values:
+            if value:
+                try:
+                    require_local_path(value, setting=setting)
+                except UnsupportedPathError as e:
+                    problems.append(str(e))
+        return problems
+
+    def _ignored_setting_problems(self) -> list[str]:
+        """A setting given (--fdl.X, or the overrides a job recorded) where nothing reads it is an
+        error: the run would silently do something other than what was asked. Only explicitly set
+        names count, so an experiment class's own defaults (Fuji's TFDS_DATASET) stay harmless."""
+        given = set(self.overridden)
+        problems = []
+        if not self.USE_LORA:
+            unused = sorted(given & {"LORA_RANK", "LORA_ALPHA", "LORA_TARGET_LAYERS", "LORA_RANDOM_BASE"})
+            if unused:
+                problems.append(
+                    f"{', '.join(unused)} set but USE_LORA is false, so a full fine-tune would run and "
+                    "ignore them: add --fdl.USE_LORA=true, or drop them")
+        elif not self.CHECKPOINT_RESTORE_PATH and not self.LORA_RANDOM_BASE:
+            problems.append(
+                "USE_LORA=true freezes the base model, and CHECKPOINT_RESTORE_PATH is unset, so the "
+                "adapters would train on a randomly initialised base: pass --fdl.CHECKPOINT_RESTORE_PATH="
+                "<a job or converted checkpoint>, or --fdl.LORA_RANDOM_BASE=true to mean it")
+        if "CHECKPOINT_IGNORE_RULES" in given and self.CHECKPOINT_IGNORE_RULES and not self.CHECKPOINT_RESTORE_PATH:
+            problems.append(
+                "CHECKPOINT_IGNORE_RULES set but CHECKPOINT_RESTORE_PATH is unset: nothing is restored")
+        needs = (("LAMBADA_PATH", "EVAL_TASK", "lambada"), ("BOOLQ_PATH", "EVAL_TASK", "boolq"),
+                 ("BOOLQ_TRAIN_PATH", "TRAIN_TASK", "boolq"))
+        for name, switch, value in needs:
+            if name in given and getattr(self, name) is not None and getattr(self, switch) != value:
+                problems.append(
+                    f"{name} is read only with {switch}={value!r}, and {switch}={getattr(self, switch)!r}: "
+                    f"add --fdl.{switch}={value!r}, or drop {name}")
+        if "TFDS_DATASET" in given and self.DATA_DIR is not None:
+            problems.append(
+                f"TFDS_DATASET={self.TFDS_DATASET!r} is read only without DATA_DIR, and DATA_DIR="
+                f"{self.DATA_DIR!r} is set: drop one of them")
+        return problems
 
     # ------------------------------------------------------------------ parts
     def model_config(self) -> fdl.Config[TransformerConfig]:
@@ -163,6 +225,10 @@ class LanguageModelExperiment(Experiment):
     def with_lora(self, model: fdl.Config[TransformerConfig]) -> fdl.Config[TransformerConfig]:
         """The family's base model plus USE_LORA's adapters (families describe the base model)."""
         if self.USE_LORA:
+            if not self.CHECKPOINT_RESTORE_PATH:  # validate() allowed it: LORA_RANDOM_BASE=true
+                logging.warning(
+                    "LORA_RANDOM_BASE=true: the LoRA adapters train on a randomly initialised, frozen "
+                    "base model (no CHECKPOINT_RESTORE_PATH)")
             model.lora_rank = self.LORA_RANK
             model.lora_alpha = self.LORA_ALPHA
             model.lora_targets = LoraTargets(self.LORA_TARGET_LAYERS)

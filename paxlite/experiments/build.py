@@ -15,7 +15,7 @@ from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Experiment
 from paxlite.config.modifiers import ConfigModifier
 from paxlite.config.overrides import parse_overrides
-from paxlite.config.registry import resolve_experiment
+from paxlite.config.registry import resolve_experiment, resolve_registered_experiment
 from paxlite.experiments import EXPERIMENTS
 from paxlite.train.run_config import RunConfig
 
@@ -32,11 +32,25 @@ def load_experiment(
 
 
 def load_recorded_experiment(
-    name: str, overrides: Mapping[str, Any], assignments: Sequence[str] = ()
+    name: str,
+    overrides: Mapping[str, Any],
+    assignments: Sequence[str] = (),
+    *,
+    source: str = "the job's config.json",
+    fdl_config: str | None = None,
 ) -> Experiment:
     """The experiment a job ran, from its config.json's record (name, overridden values), with further
-    --fdl.X assignments on top."""
-    cls = resolve_experiment(name, EXPERIMENTS)
+    --fdl.X assignments on top.
+
+    The recorded `name` resolves against the registry only (never imported: see
+    `resolve_registered_experiment`). `fdl_config`, typed by the user, replaces it and may be
+    anything `--fdl_config` accepts, a dotted path to the user's own module included; the recorded
+    overrides (plain values, no code) still apply.
+    """
+    if fdl_config:
+        cls = resolve_experiment(fdl_config, EXPERIMENTS)
+    else:
+        cls = resolve_registered_experiment(name, EXPERIMENTS, source=source)
     return cls.resolve({**overrides, **parse_overrides(cls, assignments)})
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from paxlite.errors import NotFoundError, SettingError
 from paxlite.interop import layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
@@ -32,6 +33,7 @@ from paxlite.interop.hf_config import (
     to_hf_config,
 )
 from paxlite.models.transformer import VALID_DTYPES, RematPolicy, TransformerConfig
+from paxlite.paths import check_output_dir, staged_output
 
 Params = layouts.Params
 
@@ -74,7 +76,7 @@ class Pretrained:
 
 def _check_dtype(dtype: str) -> str:
     if dtype not in VALID_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not valid; expected one of {VALID_DTYPES}")
+        raise SettingError(f"dtype={dtype!r} is not valid; expected one of {VALID_DTYPES}")
     return dtype
 
 
@@ -121,7 +123,7 @@ def read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
                         raise layouts.LayoutError(f"{directory}: tensor {name} is in two shards")
                     tensors[name] = array
             return tensors
-    raise FileNotFoundError(
+    raise NotFoundError(
         f"{directory} holds no model.safetensors, model.safetensors.index.json, pytorch_model.bin "
         "or pytorch_model.bin.index.json")
 
@@ -131,7 +133,7 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
     directory = os.fspath(path)
     config_path = os.path.join(directory, "config.json")
     if not os.path.exists(config_path):
-        raise FileNotFoundError(
+        raise NotFoundError(
             f"{directory} has no config.json: not a Hugging Face model directory")
     with open(config_path) as f:
         hf_config = json.load(f)
@@ -160,9 +162,7 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "fl
     ``AutoModelForCausalLM.from_pretrained``; refuses an existing non-empty ``out_dir``."""
     from safetensors.numpy import save_file
 
-    directory = os.fspath(out_dir)
-    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
-        raise FileExistsError(f"{directory} exists and is not empty; refusing to overwrite it")
+    directory = check_output_dir(out_dir, setting="output directory")
     family = family_of_config(pretrained.config)
     if family is not pretrained.family:
         raise UnsupportedCheckpointError(
@@ -179,12 +179,13 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "fl
     generation = {"_from_model_config": True, "bos_token_id": pretrained.bos_token_id,
                   "eos_token_id": pretrained.eos_token_id,
                   "transformers_version": hf_config["transformers_version"]}
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    for name, content in (("config.json", hf_config), ("generation_config.json", generation)):
-        with open(os.path.join(directory, name), "w") as f:
-            json.dump(content, f, indent=2, sort_keys=True)
-            f.write("\n")
+    # Written into <directory>.partial and renamed at the end: a killed save blocks no rerun.
+    with staged_output(directory, setting="output directory") as staging:
+        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        for name, content in (("config.json", hf_config), ("generation_config.json", generation)):
+            with open(os.path.join(staging, name), "w") as f:
+                json.dump(content, f, indent=2, sort_keys=True)
+                f.write("\n")
 
 
 # ---------------------------------------------------------------- Meta
@@ -281,6 +282,7 @@ def to_paxlite(pretrained: Pretrained, out_dir: str | os.PathLike) -> str:
     ``model_config.json``; params are stacked when ``config.scan_layers``. Returns the step dir."""
     from paxlite.train.pretrained import save_params
 
+    check_output_dir(out_dir, setting="output directory")  # before casting a whole model
     config = pretrained.config
     layouts.check_params(pretrained.params, config=config)
     params = cast_params(pretrained.params, config.param_dtype)

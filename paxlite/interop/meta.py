@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from paxlite.errors import UserError
+from paxlite.errors import NotFoundError, UserError
 from paxlite.interop.hf_config import UnsupportedCheckpointError
 from paxlite.interop.layouts import LayoutError, LlamaNaming, Params, llama_to_params
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
@@ -203,10 +203,10 @@ def shard_paths(directory: str) -> list[str]:
     found = sorted((int(m.group(1)), name) for name in os.listdir(directory)
                    if (m := _SHARD.match(name)))
     if not found:
-        raise FileNotFoundError(f"no consolidated.NN.pth shards in {directory}")
+        raise NotFoundError(f"no consolidated.NN.pth shards in {directory}")
     numbers = [n for n, _ in found]
     if numbers != list(range(len(found))):
-        raise FileNotFoundError(
+        raise NotFoundError(
             f"Meta shards in {directory} are not numbered 00..{len(found) - 1:02d}: "
             f"found {numbers}")
     return [os.path.join(directory, name) for _, name in found]
@@ -218,7 +218,7 @@ def load_meta(path: str | os.PathLike, *, vocab_size: int | None = None
     directory = os.fspath(path)
     params_path = os.path.join(directory, "params.json")
     if not os.path.exists(params_path):
-        raise FileNotFoundError(f"{directory} has no params.json: not a Meta LLaMA checkpoint")
+        raise NotFoundError(f"{directory} has no params.json: not a Meta LLaMA checkpoint")
     with open(params_path) as f:
         config = meta_config(json.load(f), directory=directory, vocab_size=vocab_size)
     shards = [load_torch_file(p) for p in shard_paths(directory)]

@@ -21,6 +21,7 @@ from etils import epath
 from paxlite.errors import NotFoundError, SettingError
 from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import TransformerConfig, abstract_variables
+from paxlite.paths import check_output_dir
 from paxlite.train import pretrained
 
 
@@ -42,6 +43,7 @@ def export_merged(
             "export_merged needs the LoRA run's model config (USE_LORA=true); this one has no "
             "adapters, so there is nothing to merge"
         )
+    check_output_dir(output_dir, setting="output directory", inputs=[input_path])  # before reading
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
@@ -54,20 +56,31 @@ def export_merged(
     )
 
 
-def job_config_record(input_path: str | os.PathLike) -> tuple[str, dict]:
-    """(--fdl_config name, {overridden hyperparameter: value}) from the config.json of the job that
-    `input_path` (the job dir, its checkpoints/ or one checkpoint_<STEP>) belongs to."""
+def find_job_config(input_path: str | os.PathLike) -> epath.Path | None:
+    """The config.json of the job that `input_path` (the job dir, its checkpoints/ or one
+    checkpoint_<STEP>) belongs to, or None."""
     here = epath.Path(os.path.abspath(os.fspath(input_path)))
     for directory in (here, here.parent, here.parent.parent):
         path = directory / "config.json"
         if path.exists():
-            record = json.loads(path.read_text())
-            name = record["experiment"]
-            for arg in record.get("command_line", []):
-                if arg.startswith("--fdl_config="):
-                    name = arg[len("--fdl_config="):]
-            hparams = record["hparams"]
-            return name, {key: hparams[key] for key in record.get("overridden", [])}
+            return path
+    return None
+
+
+def job_config_record(input_path: str | os.PathLike) -> tuple[str, dict]:
+    """(--fdl_config name, {overridden hyperparameter: value}) from the config.json of the job that
+    `input_path` belongs to. The name is data from that file: resolve it against the registry only
+    (experiments/build.py:load_recorded_experiment), never by importing it."""
+    path = find_job_config(input_path)
+    if path is not None:
+        record = json.loads(path.read_text())
+        name = record["experiment"]
+        for arg in record.get("command_line", []):
+            if arg.startswith("--fdl_config="):
+                name = arg[len("--fdl_config="):]
+        hparams = record["hparams"]
+        return name, {key: hparams[key] for key in record.get("overridden", [])}
+    here = epath.Path(os.path.abspath(os.fspath(input_path)))
     raise NotFoundError(
         f"no config.json in {here} or the two directories above it: give the experiment with "
         "--fdl_config=NAME and the run's --fdl.USE_LORA=true --fdl.LORA_RANK=... overrides"

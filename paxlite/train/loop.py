@@ -103,6 +103,15 @@ class Run:
         self.data = make_feed(config.data, plan=plan) if needs_train_data else None
         self.eval_data = (make_feed(config.eval_task, plan=plan)
                           if config.eval_task is not None else self.data)
+        if self.eval_data is not None and not self.eval_data.has_eval_data:
+            if not context.training:
+                raise DatasetError(
+                    f"--mode=eval: {config.experiment}'s training data has no validation split to "
+                    "evaluate on; prepare it with --validation_fraction > 0, or pick a task with "
+                    "--fdl.EVAL_TASK=lambada|boolq")
+            logging.warning("The training data has no validation split (prepare "
+                            "--validation_fraction 0?): training without evaluation")
+            self.eval_data = None
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
         deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
@@ -340,7 +349,8 @@ class Run:
                 if step % loop.summary_interval_steps == 0 or step == loop.max_steps:
                     step_time = (time.perf_counter() - timer_start) / timer_steps if timer_steps else None
                     self._write_train(step, host, step_time)
-                if step % loop.eval_interval_steps == 0 or step == loop.max_steps:
+                if self.eval_data is not None and (
+                        step % loop.eval_interval_steps == 0 or step == loop.max_steps):
                     self.writer.write_eval(step, self.evaluate(state))
                 if self.checkpointer.should_save(step) or step == loop.max_steps:
                     self._check_state_finite(step, state)

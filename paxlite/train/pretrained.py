@@ -27,8 +27,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from paxlite.errors import ExistsError, UserError
+from paxlite.errors import UserError
 from paxlite.models.transformer import TransformerConfig
+from paxlite.paths import check_output_dir, staged_output
 from paxlite.train.checkpoint import incomplete, is_damage
 
 PyTree = Any
@@ -95,15 +96,20 @@ def save_params(
 ) -> epath.Path:
     """Writes `directory/checkpoints/checkpoint_<step>/state` = {"step", "params"}; returns the step dir.
 
-    Refuses to write into a directory that already holds a checkpoint or a model config: nothing a
-    user saved is overwritten.
+    `directory` must be new or empty: nothing a user saved is overwritten. Everything is written
+    into `<directory>.partial` and renamed into place at the end (paxlite/paths.py), so a save that
+    is killed midway leaves a directory that the next save replaces, not a half-written output. One
+    process writes (conversions and exports are single-process).
     """
-    root = epath.Path(os.path.abspath(os.fspath(directory)))
+    root = epath.Path(check_output_dir(directory, setting="output directory"))
+    with staged_output(root, setting="output directory") as staging:
+        _save_params_into(epath.Path(staging), params, step=step, model_config=model_config)
+    return root / "checkpoints" / f"checkpoint_{step:08d}"
+
+
+def _save_params_into(root: epath.Path, params: PyTree, *, step: int,
+                      model_config: TransformerConfig | None) -> None:
     checkpoints = root / "checkpoints"
-    if checkpoints.exists() and any(checkpoints.iterdir()):
-        raise ExistsError(f"{checkpoints} already holds checkpoints; refusing to overwrite them")
-    if model_config is not None and (root / MODEL_CONFIG_FILE).exists():
-        raise ExistsError(f"{root / MODEL_CONFIG_FILE} exists; refusing to overwrite it")
     checkpoints.mkdir(parents=True, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
         step_prefix="checkpoint", step_format_fixed_length=8, enable_async_checkpointing=False,
@@ -118,7 +124,6 @@ def save_params(
         manager.wait_until_finished()
     if model_config is not None and jax.process_index() == 0:
         (root / MODEL_CONFIG_FILE).write_text(model_config_to_json(model_config))
-    return checkpoints / f"checkpoint_{step:08d}"
 
 
 def _path_str(path: tuple) -> str:

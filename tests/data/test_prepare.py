@@ -122,3 +122,18 @@ def test_prepare_user_errors_exit_2_with_one_line(tmp_path, case):
     assert not (tmp_path / "o").exists()
     assert os.listdir(tmp_path / "used") == ["keep.txt"]
     assert MANIFEST not in os.listdir(tmp_path / "used")
+
+
+@pytest.mark.parametrize("documents, fraction, why", [
+    (3, "0", "--validation_fraction is 0"), (1, "0.01", "the corpus has a single document")])
+def test_prepare_warns_when_it_writes_no_validation_split(tmp_path, capsys, documents, fraction, why):
+    from paxlite.data import prepare
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"document number {i}" for i in range(documents)) + "\n")
+    assert prepare.main(["--input", str(corpus), "--output_dir", str(tmp_path / "out"),
+                         "--validation_fraction", fraction]) == 0
+    err = capsys.readouterr().err
+    assert f"prepare: warning: no validation split written ({why})" in err
+    assert "runs without evaluation" in err
+    assert set(read_info(tmp_path / "out").splits) == {"train"}

@@ -29,7 +29,8 @@ from paxlite.train.step import compile_steps
 
 GLOBAL_BATCH = 8
 NUM_STEPS = 3
-LORA = ["USE_LORA=true", "LORA_RANK=4", "LR_SCHEDULE=constant", "LEARNING_RATE=1e-2"]
+LORA = ["USE_LORA=true", "LORA_RANDOM_BASE=true", "LORA_RANK=4", "LR_SCHEDULE=constant",
+        "LEARNING_RATE=1e-2"]
 
 
 class TinyLLaMAForLoRATest(TinyLLaMA):
@@ -196,10 +197,12 @@ def test_full_sft_then_lora_then_merged_export_from_the_command_line(tmp_path):
     _cli("-m", "paxlite.main", name, "--fdl.MAX_STEPS=2", f"--fdl.CHECKPOINT_RESTORE_PATH={job_a}",
          "--fdl.USE_LORA=true", "--fdl.LORA_RANK=2", "--fdl.LORA_ALPHA=4.0",
          f"--job_log_dir={job_b}")
-    # The merged export reads B's experiment and overrides from its config.json.
-    _cli("-m", "paxlite", "export_merged", f"--input={job_b}", f"--output={out}")
+    # The merged export reads B's overrides from its config.json; B's experiment is a dotted path to
+    # a module, which a job's record alone never imports: the user names it.
+    _cli("-m", "paxlite", "export_merged", name, f"--input={job_b}", f"--output={out}")
 
-    experiment = TinyLLaMAForLoRATest.resolve({"USE_LORA": True, "LORA_RANK": 2, "LORA_ALPHA": 4.0})
+    experiment = TinyLLaMAForLoRATest.resolve({"USE_LORA": True, "LORA_RANK": 2, "LORA_ALPHA": 4.0,
+                                               "CHECKPOINT_RESTORE_PATH": str(job_a)})
     lora_config = fdl.build(experiment.run_config()).model
     base_config = base_model_config(lora_config)
     step_a, params_a = _restore(job_a, base_config)

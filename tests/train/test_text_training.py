@@ -136,3 +136,31 @@ def test_lambada_eval_interleaved_and_eval_only(tmp_path, dataset):
         metrics = run.run_eval()
     assert metrics["lambada_acc_strict"] == evals[-1]["eval/lambada_acc_strict"]
     assert metrics["loss"] == pytest.approx(evals[-1]["eval/loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("corpus_kind", ["validation_fraction_0", "one_document"])
+def test_a_dataset_without_validation_split_trains_without_evaluation(tmp_path, dataset, corpus_kind,
+                                                                      caplog):
+    """prepare --validation_fraction 0 (or a one-document corpus) writes no validation split:
+    training runs, with no eval lines, and --mode=eval says what to do instead."""
+    _, vocab = dataset
+    rng = random.Random(1)
+    count = 1 if corpus_kind == "one_document" else 40
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(400 if count == 1 else 30))
+                                  for _ in range(count)) + "\n")
+    data_dir = tmp_path / "data"
+    info = prepare([str(corpus)], str(data_dir), vocab_path=vocab,
+                   validation_fraction=0.0 if count > 1 else 0.01)
+    assert set(info.splits) == {"train"}
+    overrides = _overrides((str(data_dir), vocab), 3)
+    overrides[overrides.index("EVAL_INTERVAL_STEPS=1000")] = "EVAL_INTERVAL_STEPS=1"
+    _train(tmp_path / "job", overrides)
+    with open(tmp_path / "job" / "metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3]
+    assert not [r for r in lines if any(k.startswith("eval/") for k in r)]
+    assert [m for m in caplog.messages if "no validation split" in m and "without evaluation" in m]
+    _, config = build_run_config("TinyShakespeare", overrides)
+    with pytest.raises(ValueError, match="no validation split.*--fdl.EVAL_TASK=lambada"):
+        Run(config, RunContext(job_dir=str(tmp_path / "job"), training=False))
