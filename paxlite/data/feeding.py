@@ -19,6 +19,8 @@ from collections.abc import Callable
 import jax
 from jax.sharding import Sharding
 
+from paxlite.errors import SettingError
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FeedPlan:
@@ -50,12 +52,12 @@ class FeedPlan:
 def local_batch_size(*, global_batch_size: int, process_index: int, process_count: int) -> int:
     """Rows one of `process_count` feeds supplies; a ValueError naming the numbers when they do not split."""
     if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(
+        raise SettingError(
             f"process_index must be in [0, process_count), got process_index={process_index}, "
             f"process_count={process_count}"
         )
     if global_batch_size < 1 or global_batch_size % process_count:
-        raise ValueError(
+        raise SettingError(
             f"global_batch_size {global_batch_size} must be a positive multiple of the process "
             f"count {process_count}"
         )
@@ -84,18 +86,18 @@ def plan_feeding(
     for process, ranges in blocks.items():
         ordered = sorted(ranges)
         if any(a[1] != b[0] for a, b in itertools.pairwise(ordered)):
-            raise ValueError(
+            raise SettingError(
                 f"process {process} holds non-contiguous batch rows {ordered}: order the mesh so each "
                 "process's devices hold one contiguous block of the batch"
             )
         spans[process] = (ordered[0][0], ordered[-1][1])
     if process_index not in spans:
-        raise ValueError(f"process {process_index} holds no device of the batch sharding")
+        raise SettingError(f"process {process_index} holds no device of the batch sharding")
     distinct = sorted(set(spans.values()))
     sizes = {stop - start for start, stop in distinct}
     covered = sum(stop - start for start, stop in distinct)
     if len(sizes) != 1 or covered != global_batch_size:
-        raise ValueError(
+        raise SettingError(
             f"processes hold batch rows {distinct}: these must be equal, non-overlapping blocks that cover "
             f"all {global_batch_size} rows"
         )

@@ -347,18 +347,18 @@ class SeqIOTrainIterator:
 
     def set_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError(
+            raise DatasetError(
                 f"not a SeqIOTrainIterator state (version {_STATE_VERSION}): {str(state)[:200]}"
             )
         for key, expected in self._meta.items():
             if state.get(key) != expected:
-                raise ValueError(
+                raise DatasetError(
                     f"SeqIO iterator state was saved with {key}={state.get(key)!r} but this "
                     f"pipeline has {key}={expected!r}; resume with the same data settings"
                 )
         consumed = state.get("batches_consumed")
         if not isinstance(consumed, int) or consumed < 0:
-            raise ValueError(f"batches_consumed must be an int >= 0, got {consumed!r}")
+            raise DatasetError(f"batches_consumed must be an int >= 0, got {consumed!r}")
         self._consumed = consumed
         self._numpy = None  # rebuilt, and the consumed batches skipped, on the next batch
 

@@ -27,7 +27,7 @@ def test_registered_names_resolve_without_imports():
 @pytest.fixture
 def planted(tmp_path):
     """A working directory holding evil.py (which would leave a marker file when imported) and a
-    job directory whose config.json names it, with an (empty) checkpoint step directory."""
+    job directory whose config.json names it, with an (empty, committed) checkpoint step directory."""
     marker = tmp_path / "IMPORTED"
     (tmp_path / "evil.py").write_text(
         f"open({str(marker)!r}, 'w').close()\n"
@@ -35,6 +35,7 @@ def planted(tmp_path):
         "class Evil(TinySynthetic):\n    pass\n")
     job = tmp_path / "job"
     (job / "checkpoints" / "checkpoint_00000001" / "state").mkdir(parents=True)
+    (job / "checkpoints" / "checkpoint_00000001" / "commit_success.txt").write_text("")
     (job / "config.json").write_text(json.dumps({
         "experiment": "evil.Evil", "hparams": {}, "overridden": [],
         "command_line": ["paxlite/main.py", "--fdl_config=evil.Evil"]}))
