@@ -83,5 +83,6 @@ def job_config_record(input_path: str | os.PathLike) -> tuple[str, dict]:
     here = epath.Path(os.path.abspath(os.fspath(input_path)))
     raise NotFoundError(
         f"no config.json in {here} or the two directories above it: give the experiment with "
-        "--fdl_config=NAME and the run's --fdl.USE_LORA=true --fdl.LORA_RANK=... overrides"
+        "--fdl_config=NAME and the run's --fdl.USE_LORA=true --fdl.LORA_RANK=... "
+        "--fdl.CHECKPOINT_RESTORE_PATH=... overrides"
     )
