@@ -115,28 +115,33 @@ class Run:
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
         deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
-        with jax.set_mesh(self.mesh):
-            self.steps: CompiledSteps = compile_steps(
-                model=self.model,
-                optimizer=make_optimizer(config.optimizer, self.schedule),
-                schedule=self.schedule,
-                mesh=self.mesh,
-                seq_len=seq_len,
-                seed=config.loop.seed,
-                deterministic=deterministic,
-                grad_accum_steps=config.loop.grad_accum_steps,
-                # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
-                trainable=is_lora_path if config.model.lora_rank is not None else None,
-            )
-        self.peak_flops = flops_lib.peak_flops_per_device(
-            jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops
-        )
         self.checkpointer = Checkpointer(
             os.path.join(context.job_dir, "checkpoints"),
             save_interval_steps=config.loop.checkpoint_every_n_steps,
             max_to_keep=config.loop.checkpoint_max_to_keep,
             enable_saving=context.enable_checkpoint_saving and context.training,
             async_save=context.async_checkpointing,
+        )
+        try:
+            self._check_data_position()
+            with jax.set_mesh(self.mesh):
+                self.steps: CompiledSteps = compile_steps(
+                    model=self.model,
+                    optimizer=make_optimizer(config.optimizer, self.schedule),
+                    schedule=self.schedule,
+                    mesh=self.mesh,
+                    seq_len=seq_len,
+                    seed=config.loop.seed,
+                    deterministic=deterministic,
+                    grad_accum_steps=config.loop.grad_accum_steps,
+                    # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
+                    trainable=is_lora_path if config.model.lora_rank is not None else None,
+                )
+        except BaseException:
+            self.checkpointer.close()
+            raise
+        self.peak_flops = flops_lib.peak_flops_per_device(
+            jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops
         )
         self.writer = MetricsWriter(
             context.job_dir, enabled=jax.process_index() == 0, max_steps=config.loop.max_steps
@@ -151,6 +156,20 @@ class Run:
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
+
+    def _check_data_position(self) -> None:
+        """A resume whose saved input position cannot fit this run's data settings (another batch
+        size or process count) fails here, before anything is compiled. The position the run
+        continues from is restored later with the state, from the step the state comes from."""
+        steps = self.checkpointer.all_steps()
+        if self.data is None or not steps:
+            return
+        try:
+            record = self.checkpointer.restore_data(steps[-1])
+        except Exception:  # noqa: BLE001  damage is judged, reported and walked back by the restore
+            return
+        if record is not None:
+            self.data.restore(record, step=steps[-1])
 
     def __enter__(self) -> Self:
         return self

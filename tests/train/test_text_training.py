@@ -10,9 +10,11 @@ import jax
 import numpy as np
 import pytest
 
+from paxlite.data.errors import DatasetError
 from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.experiments.build import build_run_config
+from paxlite.train import loop as loop_lib
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.loop import Run, RunContext
 
@@ -65,8 +67,9 @@ def test_resume_consumes_exactly_the_uninterrupted_batches(tmp_path, dataset):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset):
-    """The saved input position is for another global batch: a user's mistake, said in one line."""
+def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset, monkeypatch):
+    """The saved input position is for another global batch: a user's mistake, said in one line,
+    found before the train step is compiled."""
     job = tmp_path / "job"
     _train(job, _overrides(dataset, 3))  # 8 devices x PERCORE_BATCH_SIZE=1: global batch 8
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -81,6 +84,14 @@ def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset):
     errors = [line for line in result.stderr.splitlines() if line.startswith("paxlite: error:")]
     assert len(errors) == 1 and "global_batch_size=8" in errors[0] and "=2" in errors[0], errors
     assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000003"]  # nothing written
+
+    def compile_steps(**kwargs):
+        raise AssertionError("the train step was compiled before the data position was checked")
+
+    monkeypatch.setattr(loop_lib, "compile_steps", compile_steps)
+    _, config = build_run_config("TinyShakespeare", overrides + ["PERCORE_BATCH_SIZE=2"])
+    with pytest.raises(DatasetError, match="global_batch_size=8 but this pipeline has global_batch_size=16"):
+        Run(config, RunContext(job_dir=str(job)))
 
 
 def test_text_run_learns_and_evaluates(tmp_path, dataset):
