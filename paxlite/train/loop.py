@@ -146,9 +146,10 @@ class Run:
         self.writer = MetricsWriter(
             context.job_dir, enabled=jax.process_index() == 0, max_steps=config.loop.max_steps
         )
+        self._pretrained_plan: tuple[dict, list[str], list[str]] | None = None
         if config.loop.checkpoint_restore_path is not None and not self.checkpointer.all_steps():
             try:
-                self._check_restore_path(config.loop.checkpoint_restore_path)
+                self._pretrained_plan = self._check_restore_path(config.loop.checkpoint_restore_path)
             except Exception:
                 self.close()
                 raise
@@ -242,18 +243,20 @@ class Run:
                 f"(e.g. --fdl.CHECKPOINT_IGNORE_RULES=\"['{re.escape(unmatched[0])}']\")")
         return extra
 
-    def _check_restore_path(self, path: str) -> None:
+    def _check_restore_path(self, path: str) -> tuple[dict, list[str], list[str]]:
         """A missing or unfinished restore path, rules that exclude everything, checkpoint
-        parameters the model lacks: said before anything runs."""
+        parameters the model lacks: said before any state is built. Returns (parameters to read,
+        model parameters left at their initialisation, checkpoint parameters left unread)."""
         pretrained.find_checkpoint(path)
-        self._restore_plan(path)
-        self._unread_checkpoint_params(path)
+        wanted, ignored = self._restore_plan(path)
+        return wanted, ignored, self._unread_checkpoint_params(path)
 
     def _read_pretrained(self, path: str) -> dict:
         """Every parameter that no CHECKPOINT_IGNORE_RULES rule matches, read from `path` with its
         sharding (a subset of the params tree)."""
-        wanted, ignored = self._restore_plan(path)
-        unread = self._unread_checkpoint_params(path)
+        # Checked when the run was built; again only if this run had checkpoints of its own then.
+        plan = self._pretrained_plan or self._check_restore_path(path)
+        wanted, ignored, unread = plan
         abstract = traverse_util.unflatten_dict(wanted, sep="/")
         step, loaded = pretrained.restore_params(path, abstract)
         logging.info(

@@ -29,7 +29,7 @@ from etils import epath
 
 from paxlite.errors import UserError
 from paxlite.models.transformer import TransformerConfig
-from paxlite.paths import check_output_dir, staged_output
+from paxlite.paths import staged_output
 from paxlite.train.checkpoint import incomplete, is_damage
 
 PyTree = Any
@@ -101,10 +101,9 @@ def save_params(
     is killed midway leaves a directory that the next save replaces, not a half-written output. One
     process writes (conversions and exports are single-process).
     """
-    root = epath.Path(check_output_dir(directory, setting="output directory"))
-    with staged_output(root, setting="output directory") as staging:
+    with staged_output(directory, setting="output directory") as staging:  # checks it first
         _save_params_into(epath.Path(staging), params, step=step, model_config=model_config)
-    return root / "checkpoints" / f"checkpoint_{step:08d}"
+    return epath.Path(os.path.abspath(os.fspath(directory))) / "checkpoints" / f"checkpoint_{step:08d}"
 
 
 def _save_params_into(root: epath.Path, params: PyTree, *, step: int,

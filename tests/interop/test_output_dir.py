@@ -19,7 +19,7 @@ PARAMS = {"embedding": {"embedding": np.arange(32, dtype=np.float32).reshape(4, 
 
 
 class _ReadStarted(Exception):
-    pass
+    """Raised by the rigged readers: the input was touched."""
 
 
 @pytest.fixture

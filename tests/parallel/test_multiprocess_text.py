@@ -6,38 +6,26 @@ batches are a function of the step alone. Here a resume that restored the wrong 
 position for both, would feed different rows and change the losses and the parameters.
 """
 
-import random
-
 import jax
 import numpy as np
 import pytest
 from flax import linen as nn
 
-from paxlite.data.prepare import prepare
-from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import abstract_variables
 from paxlite.train import pretrained
 from paxlite.train.checkpoint import Checkpointer
 from tests.parallel.test_multiprocess import _finish, _start_pair, _train_losses
+from tests.train.test_text_training import make_text_dataset
 
 STEPS = 3  # per phase; the interrupted pair trains STEPS, then resumes to 2 x STEPS
-WORDS = ("the king and queen of a far land rode out at dawn to see the sea while bells rang and "
-         "children sang of rain wind fire stone gold silver bread wine night day love war").split()
 MODEL = ["NUM_LAYERS=1", "MODEL_DIMS=32", "NUM_HEADS=4", "DIMS_PER_HEAD=8", "HIDDEN_DIMS=64",
          "VOCAB_SIZE=320", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1"]
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text")
-    rng = random.Random(0)
-    paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(200)]
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n\n".join(paragraphs) + "\n")
-    vocab = train_tokenizer([str(corpus)], str(root / "spm"), vocab_size=300)
-    prepare([str(corpus)], str(root / "data"), vocab_path=vocab, validation_fraction=0.05, num_shards=2)
-    return str(root / "data"), vocab
+    return make_text_dataset(tmp_path_factory.mktemp("text"), num_paragraphs=200)
 
 
 def _overrides(dataset) -> list[str]:

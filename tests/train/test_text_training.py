@@ -22,17 +22,23 @@ WORDS = ("the king and queen of a far land rode out at dawn to see the sea while
          "children sang of rain wind fire stone gold silver bread wine night day love war").split()
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text")
+def make_text_dataset(root, *, num_paragraphs: int) -> tuple[str, str]:
+    """(data dir, vocab path): a real 300-piece SentencePiece model and a 2-shard prepared dataset of
+    `num_paragraphs` random paragraphs (seeded), under `root`."""
     rng = random.Random(0)
-    paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(400)]
+    paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))
+                  for _ in range(num_paragraphs)]
     corpus = root / "corpus.txt"
     corpus.write_text("\n\n".join(paragraphs) + "\n")
     vocab = train_tokenizer([str(corpus)], str(root / "spm"), vocab_size=300)
     data_dir = root / "data"
     prepare([str(corpus)], str(data_dir), vocab_path=vocab, validation_fraction=0.05, num_shards=2)
     return str(data_dir), vocab
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_text_dataset(tmp_path_factory.mktemp("text"), num_paragraphs=400)
 
 
 def _overrides(dataset, max_steps):
