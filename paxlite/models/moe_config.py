@@ -1,0 +1,137 @@
+"""The typed configuration of a mixture-of-experts feed-forward layer (GLaM, Mixtral).
+
+A ``TransformerConfig`` with ``moe`` set replaces the dense MLP of every ``moe_layer_interval``-th
+layer (starting at layer 0) by ``num_experts`` expert MLPs and a router. The two routings differ in
+what they do with a token an expert has no room for:
+
+- ``GSHARD_TOP2`` (GLaM, Praxis ``top2_gating_on_logits``): tokens are split into groups, each
+  expert takes at most a fixed *capacity* of assignments per group, and the rest are dropped (a
+  fully dropped token passes through the residual). Dispatch and combine are dense einsums, which
+  GSPMD turns into the all-to-all of expert parallelism.
+- ``DROPLESS_TOPK`` (Mixtral): every token reaches its top-k experts; tokens are sorted by expert
+  and the experts run as one grouped matmul (``GroupedMatmul`` picks its kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from paxlite.models.activations import Activation
+
+
+class MoeRouting(str, enum.Enum):
+    """How tokens are assigned to experts."""
+
+    GSHARD_TOP2 = "gshard_top2"  # GLaM: top-2 with a capacity per group; over-capacity tokens drop
+    DROPLESS_TOPK = "dropless_topk"  # Mixtral: softmax -> top-k -> renormalise; nothing drops
+
+
+class GroupedMatmul(str, enum.Enum):
+    """The kernel of the dropless experts' grouped matmul (tokens sorted by expert).
+
+    ``RAGGED_DOT`` is ``jax.lax.ragged_dot`` with XLA's default lowering: portable (CPU, GPU), but
+    on GPUs in JAX 0.10 it expands to a masked dense matmul (experts x the FLOPs).
+    ``PALLAS_TRITON`` is the same call through JAX's Pallas-Triton GPU lowering
+    (``jax_ragged_dot_use_gpu_pallas_triton_lowering``, compute capability >= 8.0; GPU only).
+    """
+
+    RAGGED_DOT = "ragged_dot"
+    PALLAS_TRITON = "pallas_triton"
+
+
+def _enum(value: object, enum_cls: type[enum.Enum], *, field: str) -> enum.Enum:
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls(value)
+    except ValueError:
+        valid = ", ".join(repr(m.value) for m in enum_cls)
+        raise ValueError(f"MoeConfig.{field}={value!r} is not valid; expected one of {valid}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+    """Sizes and switches of the expert layers; defaults follow Pax GLaM.
+
+    Attributes:
+        num_experts: experts per MoE layer (Pax NUM_EXPERTS).
+        experts_per_token: k of top-k (GShard routing is always top-2).
+        routing: see ``MoeRouting``.
+        capacity_factor: GShard only: each expert takes ``int(S * capacity_factor / E)``
+            assignments per group of S tokens (rounded up to a multiple of 4); 2.0 means room for
+            both choices of every token on average (Pax CAPACITY_FACTOR).
+        num_groups: GShard only: how many routing groups the tokens of a batch form (Pax
+            num_groups). None: one group per batch shard of the mesh in use, as Pax derives it;
+            an integer fixes it, so two meshes route identically.
+        moe_layer_interval: layer i is an MoE layer when ``i % moe_layer_interval == 0``
+            (GLaM 2: every other layer from layer 0; Mixtral 1: every layer).
+        expert_hidden_dims: hidden size of each expert; None: the dense ``hidden_dims``.
+        gated_experts: False: ``act(x wi) wo`` (GLaM's experts, ReLU); True:
+            ``act(x wi_gate) * (x wi) wo`` (Mixtral's SwiGLU experts).
+        expert_activation: the experts' non-linearity.
+        load_balancing_weight: weight of each MoE layer's load-balancing loss (Pax
+            ``moe_load_balance_loss_weight``: LOAD_BALANCING_WEIGHT / number of MoE layers);
+            the per-layer terms are summed.
+        router_z_loss_weight: weight of AXLearn's router z-loss ``mean(logsumexp(logits)^2)``
+            per layer (0: off).
+        grouped_matmul: dropless only: the grouped-matmul kernel.
+    """
+
+    num_experts: int
+    experts_per_token: int = 2
+    routing: MoeRouting = MoeRouting.GSHARD_TOP2
+    capacity_factor: float = 2.0
+    num_groups: int | None = None
+    moe_layer_interval: int = 1
+    expert_hidden_dims: int | None = None
+    gated_experts: bool = False
+    expert_activation: Activation = Activation.RELU
+    load_balancing_weight: float = 0.0
+    router_z_loss_weight: float = 0.0
+    grouped_matmul: GroupedMatmul = GroupedMatmul.RAGGED_DOT
+
+    def __post_init__(self) -> None:
+        for field, enum_cls in (("routing", MoeRouting), ("expert_activation", Activation),
+                                ("grouped_matmul", GroupedMatmul)):
+            object.__setattr__(self, field, _enum(getattr(self, field), enum_cls, field=field))
+        for name in ("num_experts", "experts_per_token", "moe_layer_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoeConfig.{name}={value!r} must be a positive integer")
+        for name in ("num_groups", "expert_hidden_dims"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"MoeConfig.{name}={value!r} must be None or a positive integer")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"MoeConfig.experts_per_token={self.experts_per_token} is larger than "
+                f"num_experts={self.num_experts}: a token cannot pick more experts than there are"
+            )
+        if self.routing is MoeRouting.GSHARD_TOP2:
+            if self.experts_per_token != 2:
+                raise ValueError(
+                    f"MoeConfig.experts_per_token={self.experts_per_token}: GShard routing "
+                    "(gshard_top2) is top-2; use routing='dropless_topk' for other k"
+                )
+            if self.num_experts < 2:
+                raise ValueError("GShard top-2 routing needs at least 2 experts")
+            cf = self.capacity_factor
+            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0:
+                raise ValueError(
+                    f"MoeConfig.capacity_factor={cf!r} must be > 0 with GShard routing "
+                    "(GLaM: 2.0, room for both choices of every token)"
+                )
+        for name in ("load_balancing_weight", "router_z_loss_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"MoeConfig.{name}={value!r} must be a number >= 0")
+        if not isinstance(self.gated_experts, bool):
+            raise ValueError(f"MoeConfig.gated_experts={self.gated_experts!r} must be True or False")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer % self.moe_layer_interval == 0
+
+    def num_moe_layers(self, num_layers: int) -> int:
+        return sum(1 for i in range(num_layers) if self.is_moe_layer(i))
