@@ -37,6 +37,9 @@ class LoopConfig:
     # train/pretrained.py reads), except those a CHECKPOINT_IGNORE_RULES regex matches.
     checkpoint_restore_path: str | None = None
     checkpoint_ignore_rules: tuple[str, ...] = ()
+    # Pax's z-loss on the output logits: z_loss_weight x the weighted mean of logsumexp(logits)^2
+    # (Z_LOSS_WEIGHT of the MoE experiments; 0: off). Logged as moe/z_loss.
+    z_loss_weight: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
