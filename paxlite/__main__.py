@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -21,17 +22,17 @@ def describe(experiment, *, num_local_devices: int | None = None) -> dict:
     import jax
 
     from paxlite.models.transformer import num_params
-    from paxlite.parallel.mesh import MESH_AXES, global_batch_size
+    from paxlite.parallel.mesh import BATCH_AXES, MESH_AXES, global_batch_size
 
     model = fdl.build(experiment.model_config())
     mesh = fdl.build(experiment.mesh_config())
     local = jax.local_device_count() if num_local_devices is None else num_local_devices
     sizes = mesh.axis_sizes(local)
-    num_devices = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    num_devices = math.prod(sizes.values())
     batch = global_batch_size(
         percore_batch_size=experiment.PERCORE_BATCH_SIZE,
         num_devices=num_devices,
-        batch_split=sizes["data"] * sizes["fsdp"],
+        batch_split=math.prod(sizes[axis] for axis in BATCH_AXES),
         fixed_global_batch_size=getattr(experiment, "GLOBAL_BATCH_SIZE", None),
     )
     return {

@@ -195,7 +195,7 @@ def test_dry_run_mode_writes_plan_json_and_allocates_nothing(tmp_path):
                   f"--job_log_dir={job}")
     assert result.returncode == 0, result.stderr[-2000:]
     p = json.loads((job / "plan.json").read_text())
-    assert p["num_devices"] == 4 and p["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+    assert p["num_devices"] == 4 and p["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1, "expert": 1}
     assert p["overrides"]["ICI_MESH_SHAPE"] == [2, 2, 1]
     assert "Verdict: fits" in result.stdout
     assert sorted(os.listdir(job)) == ["plan.json"]  # no checkpoints, metrics or summaries
