@@ -134,6 +134,7 @@ class Run:
                     seed=config.loop.seed,
                     deterministic=deterministic,
                     grad_accum_steps=config.loop.grad_accum_steps,
+                    z_loss_weight=config.loop.z_loss_weight,
                     # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
                     trainable=is_lora_path if config.model.lora_rank is not None else None,
                 )
@@ -435,6 +436,8 @@ class Run:
                 "step_time_s": step_time,
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu,
+                # what the model summarised (MoE: moe/aux_loss, moe/dropped_fraction, ...)
+                **{k: v for k, v in host.items() if "/" in k},
             },
         )
 
