@@ -121,6 +121,7 @@ class Attention(nn.Module):
     lora: LoraSpec | None = None
     relative_position_buckets: int | None = None
     relative_position_max_distance: int = 128
+    scale_query: bool = True  # False: no 1/sqrt(H) (Pax GLaM's internal_enable_query_scale=False)
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -192,7 +193,8 @@ class Attention(nn.Module):
                 positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
             q = apply_rotary(q, positions, theta=self.rope_theta)
             k = apply_rotary(k, positions, theta=self.rope_theta)
-        q = q * jnp.asarray(h**-0.5, dtype=self.dtype)
+        if self.scale_query:
+            q = q * jnp.asarray(h**-0.5, dtype=self.dtype)
         bias = self._logit_bias(bias, positions, batch=batch, length=length)  # [B|1, N|1, T, S]
 
         if AttentionKind(self.attention_kind) is AttentionKind.FLASH:

@@ -124,6 +124,11 @@ class Block(nn.Module):
             param_dtype=param_dtype,
             attention_kind=cfg.attention_kind,
             lora=cfg.lora_spec if cfg.lora_targets.attention else None,
+            relative_position_buckets=(
+                cfg.relative_position_buckets
+                if cfg.position_kind is PositionEmbedding.RELATIVE_BIAS else None),
+            relative_position_max_distance=cfg.relative_position_max_distance,
+            scale_query=cfg.scale_query,
             name="attention",
         )(h, mask, positions)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)

@@ -31,7 +31,8 @@ SIZES = dict(vocab_size=VOCAB, num_layers=2, model_dims=32, num_heads=4, dims_pe
 
 GLAM = TransformerConfig(
     **SIZES, norm=NormKind.RMS_NORM, use_bias=False, gated_mlp=True, activation=Activation.GELU,
-    position_embedding=PositionEmbedding.NONE,
+    position_embedding=PositionEmbedding.RELATIVE_BIAS, relative_position_buckets=8,
+    relative_position_max_distance=12, scale_query=False,
     moe=MoeConfig(num_experts=8, routing=MoeRouting.GSHARD_TOP2, capacity_factor=2.0,
                   num_groups=8, moe_layer_interval=2, load_balancing_weight=0.01),
 )
