@@ -63,6 +63,7 @@ class GLaM126M64E(MoeHParams, GPT126M):
             position_embedding=PositionEmbedding.RELATIVE_BIAS,
             relative_position_buckets=32,
             relative_position_max_distance=128,
+            scale_query=False,  # Praxis GLaM: internal_enable_query_scale=False
             moe=self.moe_config(),
         )
 
