@@ -294,23 +294,4 @@ def to_paxlite(pretrained: Pretrained, out_dir: str | os.PathLike) -> str:
     params = cast_params(pretrained.params, config.param_dtype)
     if config.scan_layers:
         params = layouts.stack_layers(params, num_layers=config.num_layers)
-    if config.moe is None:
-        return os.fspath(save_params(out_dir, params, model_config=config))
-    # train.pretrained.model_config_to_json cannot encode the nested MoeConfig (its reader can
-    # decode it): the file is written here, beside the finished checkpoint, in the same format.
-    step_dir = save_params(out_dir, params)
-    path = os.path.join(os.fspath(out_dir), "model_config.json")
-    with open(path + ".tmp", "w") as f:
-        f.write(_model_config_json(config))
-    os.replace(path + ".tmp", path)
-    return os.fspath(step_dir)
-
-
-def _model_config_json(config: TransformerConfig) -> str:
-    """model_config.json as train.pretrained writes it, with ``moe`` as an object of its fields."""
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return value.value if hasattr(value, "value") else value
-
-    return json.dumps(plain(config), indent=2, sort_keys=True) + "\n"
+    return os.fspath(save_params(out_dir, params, model_config=config))
