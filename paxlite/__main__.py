@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 
@@ -17,28 +16,53 @@ import fiddle as fdl
 from paxlite.errors import UserError
 
 
+def parameter_counts(model) -> tuple[int, int]:
+    """(all parameters, those one token passes through) of a built TransformerConfig.
+
+    Counted on the model, abstractly. An MoE config whose model has no expert modules yet (the
+    MoE layer not in this build) is counted in closed form from its config instead
+    (paxlite/models/moe_params.py), so the numbers are those of the model it describes.
+    """
+    import math
+
+    import jax
+    from flax import linen as nn
+
+    from paxlite.models import moe_params
+    from paxlite.models.transformer import abstract_variables
+
+    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(abstract_variables(model)["params"]))
+    total = sum(math.prod(leaf.shape) for _, leaf in leaves)
+    if model.moe is not None and not any("moe" in jax.tree_util.keystr(p) for p, _ in leaves):
+        total = moe_params.closed_form_num_params(model)
+    return total, moe_params.num_active_params(model, total)
+
+
 def describe(experiment, *, num_local_devices: int | None = None) -> dict:
     """What a user wants to know before launching: size, cost per token, batch and mesh, every hyperparameter."""
+    import math
+
     import jax
 
-    from paxlite.models.transformer import num_params
     from paxlite.parallel.mesh import BATCH_AXES, MESH_AXES, global_batch_size
 
     model = fdl.build(experiment.model_config())
     mesh = fdl.build(experiment.mesh_config())
     local = jax.local_device_count() if num_local_devices is None else num_local_devices
     sizes = mesh.axis_sizes(local)
-    num_devices = math.prod(sizes.values())
+    num_devices = math.prod(sizes[axis] for axis in MESH_AXES)
     batch = global_batch_size(
         percore_batch_size=experiment.PERCORE_BATCH_SIZE,
         num_devices=num_devices,
         batch_split=math.prod(sizes[axis] for axis in BATCH_AXES),
         fixed_global_batch_size=getattr(experiment, "GLOBAL_BATCH_SIZE", None),
     )
+    total, active = parameter_counts(model)
     return {
         "experiment": experiment.name,
         "class": f"{type(experiment).__module__}.{type(experiment).__qualname__}",
-        "num_params": num_params(model),
+        "num_params": total,
+        "num_active_params": active,
         "flops_per_token": experiment.flops_per_token(),
         "global_batch_size": batch,
         "tokens_per_step": batch * experiment.MAX_SEQ_LEN,
@@ -49,21 +73,23 @@ def describe(experiment, *, num_local_devices: int | None = None) -> dict:
 
 
 def _list() -> int:
+    """One row per experiment: all parameters, and for MoE models the active ones per token."""
     from paxlite.experiments import EXPERIMENTS
-    from paxlite.models.transformer import num_params
 
     rows = []
     alias_of = {name: alias for alias, name in getattr(EXPERIMENTS, "aliases", {}).items()}
     for name, cls in EXPERIMENTS.items():
         experiment = cls.resolve({})
-        params = num_params(fdl.build(experiment.model_config()))
+        model = fdl.build(experiment.model_config())
+        params, active = parameter_counts(model)
         path = f"{cls.__module__}.{cls.__qualname__}"
         also = f"  (also {alias_of[name]})" if name in alias_of else ""
-        rows.append((name, f"{params:,}", path + also))
-    widths = [max(len(r[i]) for r in rows + [("experiment", "parameters", "class")]) for i in range(3)]
-    print(f"{'experiment':<{widths[0]}}  {'parameters':>{widths[1]}}  class")
-    for name, params, path in rows:
-        print(f"{name:<{widths[0]}}  {params:>{widths[1]}}  {path}")
+        rows.append((name, f"{params:,}", f"{active:,}" if model.moe is not None else "", path + also))
+    header = ("experiment", "parameters", "active", "class")
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(4)]
+    print(f"{header[0]:<{widths[0]}}  {header[1]:>{widths[1]}}  {header[2]:>{widths[2]}}  class")
+    for name, params, active, path in rows:
+        print(f"{name:<{widths[0]}}  {params:>{widths[1]}}  {active:>{widths[2]}}  {path}")
     return 0
 
 

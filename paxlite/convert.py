@@ -1,4 +1,5 @@
-"""``python -m paxlite convert``: any of HF / Meta / paxlite checkpoints to paxlite or HF.
+"""``python -m paxlite convert``: any of HF / Meta / paxlite checkpoints to paxlite or HF
+(LLaMA-style, Mixtral and GPT-2 for HF).
 
     python -m paxlite convert --from=hf --to=paxlite --input=llama-2-7b-hf --output=ckpt \
         --fdl_config=LLaMA7B
@@ -64,6 +65,11 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "hidden_dims", "norm", "norm_epsilon", "activation", "gated_mlp", "use_bias", "tie_embeddings",
     "position_kind",
 )
+# The same for the experts, compared when both models have them (routing decides the function).
+MOE_ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "num_experts", "experts_per_token", "routing", "moe_layer_interval", "gated_experts",
+    "expert_activation",
+)
 
 
 def _plain(value: Any) -> Any:
@@ -79,14 +85,27 @@ def architecture_differences(have: TransformerConfig, *, want: TransformerConfig
         fields.append("rope_theta")
     if want.position_kind is PositionEmbedding.LEARNED:
         fields.append("max_seq_len")  # the learned position table's size
+    pairs = [(name, getattr(have, name), getattr(want, name)) for name in fields]
+    if have.moe is None or want.moe is None:
+        pairs.append(("moe", _plain_moe(have), _plain_moe(want)))
+    else:
+        pairs += [(f"moe.{name}", getattr(have.moe, name), getattr(want.moe, name))
+                  for name in MOE_ARCHITECTURE_FIELDS]
+        pairs.append(("moe.expert_hidden_dims (effective)",
+                      have.moe.expert_hidden_dims or have.hidden_dims,
+                      want.moe.expert_hidden_dims or want.hidden_dims))
     out = []
-    for name in fields:
-        a, b = getattr(have, name), getattr(want, name)
+    for name, a, b in pairs:
         same = (math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) and isinstance(b, float)
                 else a == b)
         if not same:
             out.append(f"{name}: converted {_plain(a)!r}, experiment {_plain(b)!r}")
     return out
+
+
+def _plain_moe(config: TransformerConfig) -> str | None:
+    moe = config.moe
+    return None if moe is None else f"{moe.num_experts} experts, top-{moe.experts_per_token}"
 
 
 def experiment_model_config(name: str, assignments: Sequence[str] = ()) -> TransformerConfig:

@@ -2,13 +2,13 @@
 
 An explicit dict (no import-time registration side effects). Dotted paths (`paxlite.experiments.gpt.GPT126M`),
 legacy Pax names (`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) and aliases (AXLearn's `fuji-7B-v2` for
-`Fuji7BV2`) resolve through `paxlite.config.registry.resolve_experiment`.
+`Fuji7BV2`, Pax's `GLaM126M64EBase` for `GLaM126M64E`) resolve through `paxlite.config.registry.resolve_experiment`.
 """
 
 from __future__ import annotations
 
 from paxlite.config.registry import Registry
-from paxlite.experiments import fuji, gpt, llama, tiny
+from paxlite.experiments import fuji, glam, gpt, llama, mixtral, tiny
 
 EXPERIMENTS = Registry(
     {
@@ -29,7 +29,11 @@ EXPERIMENTS = Registry(
         "TinySyntheticRepeated": tiny.TinySyntheticRepeated,
         "DemoSynthetic": tiny.DemoSynthetic,
         "TinyShakespeare": tiny.TinyShakespeare,
+        **{cls.__name__: cls for cls in glam.GLAM_EXPERIMENTS},
+        "Mixtral8x7B": mixtral.Mixtral8x7B,
+        "TinyGLaM": tiny.TinyGLaM,
+        "TinyMixtral": tiny.TinyMixtral,
         **{cls.__name__: cls for cls in fuji.FUJI_EXPERIMENTS},
     },
-    aliases=fuji.AXLEARN_NAMES,
+    aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES},
 )

@@ -20,6 +20,11 @@ from paxlite.config.experiment import Derived, Experiment
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
+from paxlite.experiments.moe_mixin import (
+    MOE_HPARAM_NAMES,
+    dense_moe_setting_error,
+    expert_axis_size,
+)
 from paxlite.models.attention import AttentionKind
 from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
@@ -90,11 +95,48 @@ class LanguageModelExperiment(Experiment):
     # frozen base learn nothing useful. True opts in to exactly that (tests, benchmarks), with a
     # warning in the log.
     LORA_RANDOM_BASE: bool = False
+    # Pax's switch for expert parallelism. In paxlite the mesh says it (a 4th entry, `expert`, of
+    # ICI_MESH_SHAPE / DCN_MESH_SHAPE); true asks for it and is checked against the mesh: an MoE
+    # experiment with an expert axis > 1 (experiments/moe_mixin.py). A dense model has no experts.
+    USE_EXPERT_PARALLEL: bool = False
+
+    @classmethod
+    def check_names(cls, names) -> None:
+        """An MoE setting (NUM_EXPERTS, ...) on a dense experiment says so, rather than 'unknown'."""
+        names = list(names)
+        specs = cls.hparam_specs()
+        moe_only = [n for n in names if n in MOE_HPARAM_NAMES and n not in specs]
+        if moe_only:
+            raise dense_moe_setting_error(cls.__name__, moe_only)
+        super().check_names(names)
+
+    def is_moe(self) -> bool:
+        """Whether the model has expert layers (the MoE mixin says True)."""
+        return False
+
+    def dense_mesh_problems(self) -> list[str]:
+        """Expert parallelism asked of a dense model (checked before the mesh's own checks)."""
+        if self.is_moe():
+            return []
+        problems = []
+        if expert_axis_size(self.ICI_MESH_SHAPE, self.DCN_MESH_SHAPE) > 1:
+            problems.append(
+                f"ICI_MESH_SHAPE={self.ICI_MESH_SHAPE}, DCN_MESH_SHAPE={self.DCN_MESH_SHAPE}: the "
+                f"4th (expert) entry is > 1, and {self.name} is a dense model with no experts to "
+                "split; give 3 entries [data, fsdp, tensor] (or a 4th entry of 1)")
+        if self.USE_EXPERT_PARALLEL:
+            problems.append(
+                f"USE_EXPERT_PARALLEL=true, and {self.name} is a dense model with no experts: drop "
+                "it, or run an MoE experiment (GLaM, Mixtral)")
+        return problems
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
 
     def validate(self) -> None:
+        problems = self.dense_mesh_problems()
+        if problems:
+            raise ConfigError(f"invalid {self.name} hyperparameters: " + "; ".join(problems))
         super().validate()
         if self.GLOBAL_BATCH_SIZE is not None and self.GLOBAL_BATCH_SIZE < 1:
             raise ConfigError(
@@ -391,11 +433,13 @@ class LanguageModelExperiment(Experiment):
         )
 
     def flops_per_token(self) -> int:
-        """MaxText's count, read off the model this experiment builds (so GQA and gated MLPs follow it).
+        """MaxText's count, read off the model this experiment builds (so GQA, gated MLPs and the
+        top-k experts of MoE layers follow it).
 
         With USE_LORA the work actually done: the base weights are frozen (no weight-gradient
         matmuls) and the adapters train (paxlite/train/flops.py), so MFU is not overstated."""
         model = fdl.build(self.model_config())
+        moe = model.moe
         lora_params = None
         if self.USE_LORA:  # the adapters are what with_lora adds to the base model
             lora_params = num_params(fdl.build(self.with_lora(self.model_config()))) - num_params(model)
@@ -410,6 +454,11 @@ class LanguageModelExperiment(Experiment):
             seq_len=model.max_seq_len,
             gated_mlp=model.gated_mlp,
             lora_params=lora_params,
+            num_moe_layers=0 if moe is None else moe.num_moe_layers(model.num_layers),
+            num_experts=None if moe is None else moe.num_experts,
+            experts_per_token=2 if moe is None else moe.experts_per_token,
+            expert_hidden_dims=None if moe is None else moe.expert_hidden_dims,
+            gated_experts=False if moe is None else moe.gated_experts,
         )
 
     def loop_config(self) -> fdl.Config[LoopConfig]:

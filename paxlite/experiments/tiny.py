@@ -1,10 +1,12 @@
-"""Tiny GPT and LLaMA configurations that train in seconds on a CPU: for tests, the demo and benchmarks."""
+"""Tiny GPT, LLaMA, GLaM and Mixtral configurations that train in seconds on a CPU: for tests, the demo and benchmarks."""
 
 from __future__ import annotations
 
 from paxlite.experiments.base import DataSource
+from paxlite.experiments.glam import GLaM126M64E
 from paxlite.experiments.gpt import GPT126M
 from paxlite.experiments.llama import BaseLLaMA
+from paxlite.experiments.mixtral import BaseMixtral
 
 
 class TinySynthetic(GPT126M):
@@ -109,6 +111,63 @@ class TinyLLaMA(BaseLLaMA):
     ICI_MESH_SHAPE = None
     DCN_MESH_SHAPE = [1, 1, 1]
     MAX_STEPS = 2
+    LEARNING_RATE = 3e-3
+    LR_SCHEDULE = "constant"
+    CHECKPOINT_EVERY_N_STEPS = 50
+    SUMMARY_INTERVAL_STEPS = 10
+    EVAL_INTERVAL_STEPS = 50
+
+
+class TinyGLaM(GLaM126M64E):
+    """GLaM's architecture at test size on synthetic tokens: 4 layers (MoE on layers 0 and 2, 8 ReLU
+    experts, GShard top-2), 4 heads x 8, d_model 32, ffn 64, vocabulary 256, 64 tokens; float32;
+    every local device on the data axis."""
+
+    data_source = DataSource.SYNTHETIC
+    SYNTHETIC_DATA = True
+    NUM_LAYERS = 4
+    NUM_HEADS = 4
+    DIMS_PER_HEAD = 8
+    MODEL_DIMS = 32
+    HIDDEN_DIMS = 64
+    VOCAB_SIZE = 256
+    MAX_SEQ_LEN = 64
+    NUM_EXPERTS = 8
+    PERCORE_BATCH_SIZE = 2
+    ICI_MESH_SHAPE = None
+    DCN_MESH_SHAPE = [1, 1, 1]
+    FPROP_DTYPE = "float32"
+    INIT_STD = 0.02
+    MAX_STEPS = 20
+    LEARNING_RATE = 3e-3
+    LR_SCHEDULE = "constant"
+    CHECKPOINT_EVERY_N_STEPS = 50
+    CHECKPOINT_MAX_TO_KEEP = 3
+    SUMMARY_INTERVAL_STEPS = 10
+    EVAL_INTERVAL_STEPS = 50
+    EVAL_LOOP_NUM_BATCHES = 2
+
+
+class TinyMixtral(BaseMixtral):
+    """Mixtral's architecture at test size on synthetic tokens: 2 layers, every one MoE (8 SwiGLU
+    experts, dropless top-2), 4 query / 2 key-value heads x 8, d_model 32, expert ffn 64,
+    vocabulary 512, 64 tokens; float32."""
+
+    data_source = DataSource.SYNTHETIC
+    SYNTHETIC_DATA = True
+    NUM_LAYERS = 2
+    NUM_HEADS = 4
+    NUM_KV_HEADS = 2
+    DIMS_PER_HEAD = 8
+    MODEL_DIMS = 32
+    HIDDEN_DIMS = 64
+    VOCAB_SIZE = 512
+    MAX_SEQ_LEN = 64
+    FPROP_DTYPE = "float32"
+    PERCORE_BATCH_SIZE = 2
+    ICI_MESH_SHAPE = None
+    DCN_MESH_SHAPE = [1, 1, 1]
+    MAX_STEPS = 20
     LEARNING_RATE = 3e-3
     LR_SCHEDULE = "constant"
     CHECKPOINT_EVERY_N_STEPS = 50

@@ -1,7 +1,7 @@
 """Public API: load / save Hugging Face checkpoints, read Meta and paxlite ones (DESIGN.md 3.4).
 
     from paxlite.interop import hf
-    pretrained = hf.load("path/to/hf_model_dir")   # LLaMA-style or GPT-2
+    pretrained = hf.load("path/to/hf_model_dir")   # LLaMA-style, Mixtral or GPT-2
     logits = pretrained.logits(tokens)             # int32 [B, T] -> float32 [B, T, V]
     hf.save(pretrained, "out_dir")                 # loadable by transformers
 
@@ -43,7 +43,9 @@ class Pretrained:
     """A converted model: its config, its params (unscanned tree of NumPy arrays) and its family.
 
     ``config.param_dtype`` is the dtype of ``params``. ``bos_token_id`` / ``eos_token_id`` are
-    carried from an HF config into the exported one (paxlite does not need them).
+    carried from an HF config into the exported one (paxlite does not need them), as is a Mixtral's
+    ``router_aux_loss_coef``, which acts in HF only with ``output_router_logits`` (then it is also
+    ``config.moe.load_balancing_weight``; see `hf_config.mixtral_aux_loss_weight`).
     """
 
     config: TransformerConfig
@@ -51,6 +53,7 @@ class Pretrained:
     family: Family
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    router_aux_loss_coef: float | None = None
 
     @property
     def num_params(self) -> int:
@@ -139,7 +142,7 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
         hf_config = json.load(f)
     family, config = from_hf_config(hf_config, dtype=_check_dtype(dtype))
     tensors = read_hf_tensors(directory)
-    if family is Family.LLAMA:
+    if family in (Family.LLAMA, Family.MIXTRAL):
         params = layouts.llama_to_params(tensors, config=config)
     else:
         params = layouts.gpt2_to_params(tensors, config=config)
@@ -147,7 +150,9 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
     layouts.check_params(params, config=config)
     return Pretrained(config=config, params=params, family=family,
                       bos_token_id=hf_config.get("bos_token_id"),
-                      eos_token_id=hf_config.get("eos_token_id"))
+                      eos_token_id=hf_config.get("eos_token_id"),
+                      router_aux_loss_coef=(hf_config.get("router_aux_loss_coef")
+                                            if family is Family.MIXTRAL else None))
 
 
 def stored_hf_dtype(path: str | os.PathLike) -> str | None:
@@ -169,13 +174,14 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "fl
             f"Pretrained.family={pretrained.family.value!r} but its config fits {family.value!r}")
     layouts.check_params(pretrained.params, config=pretrained.config)
     params = cast_params(pretrained.params, dtype)
-    if family is Family.LLAMA:
+    if family in (Family.LLAMA, Family.MIXTRAL):
         tensors = layouts.llama_from_params(params, config=pretrained.config)
     else:
         tensors = layouts.gpt2_from_params(params, config=pretrained.config)
     hf_config = to_hf_config(pretrained.config, family=family, dtype=dtype,
                              bos_token_id=pretrained.bos_token_id,
-                             eos_token_id=pretrained.eos_token_id)
+                             eos_token_id=pretrained.eos_token_id,
+                             router_aux_loss_coef=pretrained.router_aux_loss_coef)
     generation = {"_from_model_config": True, "bos_token_id": pretrained.bos_token_id,
                   "eos_token_id": pretrained.eos_token_id,
                   "transformers_version": hf_config["transformers_version"]}

@@ -1,22 +1,25 @@
-"""Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models and GPT-2.
+"""Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models, Mixtral and
+GPT-2.
 
 Readers accept both transformers 4.x spellings (``rope_theta`` at the top level, ``torch_dtype``)
 and 5.x spellings (a ``rope_parameters`` object, ``dtype``). Writers emit the 5.x form, and also the
 top-level ``rope_theta`` so that a transformers 4.x reader does not silently fall back to 10000.
 
 Anything the paxlite model cannot represent exactly (RoPE scaling, biases in a LLaMA, sliding
-windows, mixture-of-experts, ...) is refused with one error naming the field and its value: a
-converter that drops such a setting produces a model that runs and is quietly wrong.
+windows, shared experts, router jitter, ...) is refused with one error naming the field and its
+value: a converter that drops such a setting produces a model that runs and is quietly wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.errors import UserError
+from paxlite.interop.errors import ConversionError
+from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.transformer import (
     LLAMA_ARCHITECTURE,
     Activation,
@@ -27,16 +30,19 @@ from paxlite.models.transformer import (
 
 TRANSFORMERS_VERSION_WRITTEN: str = "5.24.0"
 DEFAULT_ROPE_THETA: float = 10000.0
+MIXTRAL_DEFAULT_ROPE_THETA: float = 1e6  # MixtralConfig's default when config.json has none
+MIXTRAL_DEFAULT_AUX_LOSS_COEF: float = 0.001  # MixtralConfig's router_aux_loss_coef default
 
 
 class Family(str, enum.Enum):
     """The checkpoint layouts paxlite converts; the value is the HF ``model_type``."""
 
     LLAMA = "llama"
+    MIXTRAL = "mixtral"
     GPT2 = "gpt2"
 
 
-class UnsupportedCheckpointError(UserError, ValueError):
+class UnsupportedCheckpointError(ConversionError):
     """A checkpoint or config that paxlite cannot represent exactly; the message names the field."""
 
 
@@ -62,7 +68,7 @@ def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
         raise UnsupportedCheckpointError(f"config.json {field}={value!r} is not supported: {why}")
 
 
-def rope_theta_of(hf: Mapping[str, Any]) -> float:
+def rope_theta_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA) -> float:
     """RoPE base from either spelling; refuses RoPE scaling (paxlite implements plain RoPE only)."""
     scaling = hf.get("rope_scaling")
     _refuse_if(scaling is not None, "rope_scaling", scaling,
@@ -79,7 +85,7 @@ def rope_theta_of(hf: Mapping[str, Any]) -> float:
             return float(params["rope_theta"])
     if hf.get("rope_theta") is not None:
         return float(hf["rope_theta"])
-    return DEFAULT_ROPE_THETA
+    return default
 
 
 def stored_dtype(hf: Mapping[str, Any]) -> str | None:
@@ -88,23 +94,50 @@ def stored_dtype(hf: Mapping[str, Any]) -> str | None:
     return None if value is None else str(value).removeprefix("torch.")
 
 
-def family_of(hf: Mapping[str, Any]) -> Family:
+# Fields that mean experts every token passes through besides the routed ones (Qwen2-MoE, DeepSeek,
+# GLM-4-MoE, ERNIE-4.5-MoE): paxlite's MoE layer has routed experts only.
+_SHARED_EXPERT_FIELDS: tuple[str, ...] = (
+    "shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+    "moe_num_shared_experts",
+)
+# Fields by which a config of an unknown model_type shows itself to be a mixture of experts.
+_MOE_FIELDS: tuple[str, ...] = (
+    "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "moe_k",
+)
+
+
+def _refuse_shared_or_unknown_moe(hf: Mapping[str, Any]) -> None:
     model_type = hf.get("model_type")
-    if model_type == "mixtral":
-        raise UnsupportedCheckpointError(
-            "config.json model_type='mixtral' is not supported: paxlite has no mixture-of-experts "
-            "model yet, so a Mixtral checkpoint has nothing to load into (supported model_type: "
-            "'llama', 'gpt2')")
+    for field in _SHARED_EXPERT_FIELDS:
+        if hf.get(field):  # absent, null and 0 mean no shared expert
+            raise UnsupportedCheckpointError(
+                f"config.json {field}={hf[field]!r} (model_type={model_type!r}) is not supported: "
+                "paxlite's MoE holds routed experts only, no shared experts (supported MoE "
+                "model_type: 'mixtral')")
+    if model_type in {f.value for f in Family}:
+        return
+    for field in _MOE_FIELDS:
+        if hf.get(field) is not None:
+            raise UnsupportedCheckpointError(
+                f"config.json model_type={model_type!r} ({field}={hf[field]!r}) is a "
+                "mixture-of-experts model paxlite does not convert: paxlite's MoE holds routed "
+                "experts only, in the Mixtral layout (supported MoE model_type: 'mixtral')")
+
+
+def family_of(hf: Mapping[str, Any]) -> Family:
+    _refuse_shared_or_unknown_moe(hf)
+    model_type = hf.get("model_type")
     try:
         return Family(model_type)
     except ValueError:
         raise UnsupportedCheckpointError(
             f"config.json model_type={model_type!r} is not supported; supported: 'llama' "
-            "(LLaMA-1/2/3 "
-            "shapes, GQA, any rope_theta, head_dim) and 'gpt2'") from None
+            "(LLaMA-1/2/3 shapes, GQA, any rope_theta, head_dim), 'mixtral' and 'gpt2'") from None
 
 
-def _llama_config(hf: Mapping[str, Any]) -> TransformerConfig:
+def _llama_config(hf: Mapping[str, Any], *, default_rope_theta: float = DEFAULT_ROPE_THETA,
+                  default_norm_epsilon: float = 1e-6) -> TransformerConfig:
     _refuse_if(bool(hf.get("attention_bias", False)), "attention_bias", hf.get("attention_bias"),
                "paxlite's LLaMA has no attention biases")
     _refuse_if(bool(hf.get("mlp_bias", False)), "mlp_bias", hf.get("mlp_bias"),
@@ -132,11 +165,58 @@ def _llama_config(hf: Mapping[str, Any]) -> TransformerConfig:
         dims_per_head=int(head_dim),
         hidden_dims=int(_require(hf, "intermediate_size")),
         max_seq_len=int(hf.get("max_position_embeddings") or 4096),
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_epsilon=float(hf.get("rms_norm_eps", default_norm_epsilon)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **LLAMA_ARCHITECTURE,
-        rope_theta=rope_theta_of(hf),
+        rope_theta=rope_theta_of(hf, default=default_rope_theta),
     )
+
+
+def mixtral_aux_loss_weight(hf: Mapping[str, Any], *, experts_per_token: int,
+                            num_layers: int) -> float:
+    """paxlite's per-layer ``load_balancing_weight`` for HF's ``router_aux_loss_coef``.
+
+    HF adds ``coef * E * sum_e(density_e * proxy_e)`` once, over the tokens of all layers pooled,
+    and only with ``output_router_logits``; paxlite adds ``weight * (E / K) * sum_e(...)`` per MoE
+    layer. ``weight = coef * K / L`` gives the same loss for equally balanced layers.
+    """
+    if not hf.get("output_router_logits", False):
+        return 0.0
+    coef = hf.get("router_aux_loss_coef", MIXTRAL_DEFAULT_AUX_LOSS_COEF)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise UnsupportedCheckpointError(
+            f"config.json router_aux_loss_coef={coef!r} must be a number >= 0")
+    return float(coef) * experts_per_token / num_layers
+
+
+def _mixtral_config(hf: Mapping[str, Any]) -> TransformerConfig:
+    jitter = hf.get("router_jitter_noise") or 0.0
+    _refuse_if(jitter != 0.0, "router_jitter_noise", jitter,
+               "paxlite's router adds no noise (router_jitter_noise must be 0)")
+    positions = hf.get("max_position_embeddings") or 4096
+    window = hf.get("sliding_window")
+    _refuse_if(window is not None and window < positions, "sliding_window", window,
+               f"paxlite has no sliding-window attention; it attends to the whole context, which "
+               f"equals a window only if sliding_window is null or >= max_position_embeddings="
+               f"{positions}")
+    dense = {k: v for k, v in hf.items() if k != "sliding_window"}
+    config = _llama_config(dense, default_rope_theta=MIXTRAL_DEFAULT_ROPE_THETA,
+                           default_norm_epsilon=1e-5)
+    experts = int(_require(hf, "num_local_experts"))
+    k = int(_require(hf, "num_experts_per_tok"))
+    _refuse_if(not 1 <= k <= experts, "num_experts_per_tok", k,
+               f"it must be between 1 and num_local_experts={experts}")
+    moe = MoeConfig(
+        num_experts=experts,
+        experts_per_token=k,
+        routing=MoeRouting.DROPLESS_TOPK,
+        moe_layer_interval=1,
+        gated_experts=True,
+        expert_activation=Activation.SILU,
+        load_balancing_weight=mixtral_aux_loss_weight(hf, experts_per_token=k,
+                                                      num_layers=config.num_layers),
+    )
+    return dataclasses.replace(config, moe=moe)
 
 
 def _gpt2_config(hf: Mapping[str, Any]) -> TransformerConfig:
@@ -183,7 +263,9 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
                    ) -> tuple[Family, TransformerConfig]:
     """(family, TransformerConfig) of an HF ``config.json`` dict; params and math in ``dtype``."""
     family = family_of(hf)
-    config = _llama_config(hf) if family is Family.LLAMA else _gpt2_config(hf)
+    reader = {Family.LLAMA: _llama_config, Family.MIXTRAL: _mixtral_config,
+              Family.GPT2: _gpt2_config}[family]
+    config = reader(hf)
     return family, dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
 
 
@@ -196,6 +278,16 @@ def family_of_config(config: TransformerConfig) -> Family:
         "use_bias": (config.use_bias, False),
         "position_kind": (config.position_kind, PositionEmbedding.ROTARY),
     }
+    moe = config.moe
+    mixtral = {**llama, "moe": ("set" if moe else None, "set")}
+    if moe is not None:
+        mixtral.update({
+            "moe.routing": (moe.routing, MoeRouting.DROPLESS_TOPK),
+            "moe.moe_layer_interval": (moe.moe_layer_interval, 1),
+            "moe.gated_experts": (moe.gated_experts, True),
+            "moe.expert_activation": (moe.expert_activation, Activation.SILU),
+        })
+    llama["moe"] = ("set" if moe else None, None)
     gpt2 = {
         "norm": (config.norm, NormKind.LAYER_NORM),
         "activation": (config.activation, Activation.GELU_TANH),
@@ -205,8 +297,10 @@ def family_of_config(config: TransformerConfig) -> Family:
         "tie_embeddings": (config.tie_embeddings, True),
         "num_heads*dims_per_head": (config.num_heads * config.dims_per_head, config.model_dims),
         "kv_heads": (config.kv_heads, config.num_heads),
+        "moe": ("set" if moe else None, None),
     }
-    for family, wanted in ((Family.LLAMA, llama), (Family.GPT2, gpt2)):
+    candidates = ((Family.LLAMA, llama), (Family.MIXTRAL, mixtral), (Family.GPT2, gpt2))
+    for family, wanted in candidates:
         if all(have == want for have, want in wanted.values()):
             return family
     def _diff(wanted: Mapping[str, tuple[Any, Any]]) -> str:
@@ -214,16 +308,44 @@ def family_of_config(config: TransformerConfig) -> Family:
                          for k, (h, w) in wanted.items() if h != w)
     raise UnsupportedCheckpointError(
         "this paxlite model fits no Hugging Face layout: as LLaMA it differs in "
-        f"{_diff(llama)}; as GPT-2 it differs in {_diff(gpt2)}")
+        f"{_diff(llama)}; as Mixtral in {_diff(mixtral)}; as GPT-2 in {_diff(gpt2)}")
+
+
+def _mixtral_fields(config: TransformerConfig, *, router_aux_loss_coef: float | None
+                    ) -> dict[str, Any]:
+    """What MixtralConfig adds to LLaMA's fields. A load-balancing weight becomes HF's
+    ``output_router_logits`` + ``router_aux_loss_coef`` (inverse of `mixtral_aux_loss_weight`);
+    without one, the coefficient read from HF (or HF's default) is written back, inactive."""
+    moe = config.moe
+    assert moe is not None
+    if moe.load_balancing_weight:
+        coef = moe.load_balancing_weight * config.num_layers / moe.experts_per_token
+        if router_aux_loss_coef is not None and math.isclose(coef, router_aux_loss_coef,
+                                                             rel_tol=1e-9):
+            coef = router_aux_loss_coef  # the value read, not its float round trip
+    else:
+        coef = (MIXTRAL_DEFAULT_AUX_LOSS_COEF if router_aux_loss_coef is None
+                else router_aux_loss_coef)
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": moe.expert_hidden_dims or config.hidden_dims,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.experts_per_token,
+        "output_router_logits": bool(moe.load_balancing_weight),
+        "router_aux_loss_coef": float(coef),
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }
 
 
 def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "float32",
-                 bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None
-                 ) -> dict[str, Any]:
+                 bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
+                 router_aux_loss_coef: float | None = None) -> dict[str, Any]:
     """The ``config.json`` transformers 5.x writes for this model (plus 4.x's ``rope_theta``)."""
     if family_of_config(config) is not family:
         raise UnsupportedCheckpointError(f"the model does not fit the {family.value} layout")
-    if family is Family.LLAMA:
+    if family in (Family.LLAMA, Family.MIXTRAL):
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -246,6 +368,10 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
             "rope_theta": float(config.rope_theta),
             "rope_scaling": None,
         }
+        if family is Family.MIXTRAL:
+            for key in ("attention_bias", "mlp_bias", "pretraining_tp"):  # not MixtralConfig's
+                del out[key]
+            out.update(_mixtral_fields(config, router_aux_loss_coef=router_aux_loss_coef))
     else:
         out = {
             "architectures": ["GPT2LMHeadModel"],

@@ -178,7 +178,11 @@ def _llama_dims(c: TransformerConfig, n: LlamaNaming) -> dict[str, Dim]:
 def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConfig,
                     naming: LlamaNaming = HF_LLAMA) -> Params:
     """HF (or Meta, with its naming) LLaMA tensors -> unscanned paxlite params."""
-    src = TensorSource(tensors, what=naming.what, ignore=naming.ignore)
+    if config.moe is not None and naming is not HF_LLAMA:
+        raise LayoutError(f"{naming.what}: mixture-of-experts layers are read from Hugging Face "
+                          "Mixtral checkpoints only")
+    src = TensorSource(tensors, what=HF_MIXTRAL_WHAT if config.moe else naming.what,
+                       ignore=naming.ignore)
     d = _llama_dims(config, naming)
     n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
     params: Params = {"embedding": {"embedding": src.take(naming.embed, (d["vocab"], d["dims"]))}}
@@ -199,16 +203,19 @@ def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerCon
             attention = {"query": {"kernel": q_k}, "key": {"kernel": k_k},
                          "value": {"kernel": v_k}}
         attention["out"] = {"kernel": o.T.reshape(n, h, dm)}  # [N, H, D]
-        gate = src.take(naming.gate.format(i=i), (d["hidden"], d["dims"]))  # [F, D]
-        up = src.take(naming.up.format(i=i), (d["hidden"], d["dims"]))
-        down = src.take(naming.down.format(i=i), (d["dims"], d["hidden"]))  # [D, F]
         params[f"layers_{i}"] = {
             "pre_attention_norm": {"scale": src.take(naming.attn_norm.format(i=i), (d["dims"],))},
             "attention": attention,
             "pre_mlp_norm": {"scale": src.take(naming.mlp_norm.format(i=i), (d["dims"],))},
-            "mlp": {"wi_gate": {"kernel": gate.T}, "wi": {"kernel": up.T},
-                    "wo": {"kernel": down.T}},
         }
+        if config.moe is not None and config.moe.is_moe_layer(i):
+            params[f"layers_{i}"]["moe"] = _mixtral_moe_to_params(src, i=i, config=config)
+            continue
+        gate = src.take(naming.gate.format(i=i), (d["hidden"], d["dims"]))  # [F, D]
+        up = src.take(naming.up.format(i=i), (d["hidden"], d["dims"]))
+        down = src.take(naming.down.format(i=i), (d["dims"], d["hidden"]))  # [D, F]
+        params[f"layers_{i}"]["mlp"] = {"wi_gate": {"kernel": gate.T}, "wi": {"kernel": up.T},
+                                        "wo": {"kernel": down.T}}
     params["final_norm"] = {"scale": src.take(naming.final_norm, (d["dims"],))}
     if not config.tie_embeddings:
         params["output"] = {"kernel": src.take(naming.output, (d["vocab"], d["dims"])).T}  # [D, V]
@@ -223,7 +230,8 @@ def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerCon
 
 
 def llama_from_params(params: Params, *, config: TransformerConfig) -> dict[str, np.ndarray]:
-    """Unscanned paxlite LLaMA params -> HF tensors (rotate-half q/k rows, [out, in] weights)."""
+    """Unscanned paxlite LLaMA (or Mixtral) params -> HF tensors (rotate-half q/k rows, [out, in]
+    weights; Mixtral experts under their per-expert on-disk names)."""
     nm = HF_LLAMA
     n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
     out = {nm.embed: params["embedding"]["embedding"]}
@@ -241,15 +249,69 @@ def llama_from_params(params: Params, *, config: TransformerConfig) -> dict[str,
         out[nm.k.format(i=i)] = k
         out[nm.v.format(i=i)] = v_k.reshape(dm, kv * h).T
         out[nm.o.format(i=i)] = att["out"]["kernel"].reshape(n * h, dm).T
-        out[nm.gate.format(i=i)] = layer["mlp"]["wi_gate"]["kernel"].T
-        out[nm.up.format(i=i)] = layer["mlp"]["wi"]["kernel"].T
-        out[nm.down.format(i=i)] = layer["mlp"]["wo"]["kernel"].T
+        if config.moe is not None and config.moe.is_moe_layer(i):
+            out.update(_mixtral_moe_from_params(layer["moe"], i=i))
+        else:
+            out[nm.gate.format(i=i)] = layer["mlp"]["wi_gate"]["kernel"].T
+            out[nm.up.format(i=i)] = layer["mlp"]["wi"]["kernel"].T
+            out[nm.down.format(i=i)] = layer["mlp"]["wo"]["kernel"].T
         out[nm.attn_norm.format(i=i)] = layer["pre_attention_norm"]["scale"]
         out[nm.mlp_norm.format(i=i)] = layer["pre_mlp_norm"]["scale"]
     out[nm.final_norm] = params["final_norm"]["scale"]
     if not config.tie_embeddings:
         out[nm.output] = params["output"]["kernel"].T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- Mixtral
+# What transformers (4.x and 5.x) writes to disk and what the Hub's Mixtral checkpoints hold: one
+# torch Linear [out, in] per expert. w1 = gate, w3 = up, w2 = down.
+HF_MIXTRAL_WHAT = "Hugging Face Mixtral checkpoint"
+MIXTRAL_ROUTER = "model.layers.{i}.block_sparse_moe.gate.weight"  # [E, D]
+MIXTRAL_EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
+# transformers 5.x's in-memory names (a raw state_dict saved as it is): the experts fused per layer.
+MIXTRAL_FUSED_ROUTER = "model.layers.{i}.mlp.gate.weight"  # [E, D]
+MIXTRAL_FUSED_GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"  # [E, 2F, D]: gate | up
+MIXTRAL_FUSED_DOWN = "model.layers.{i}.mlp.experts.down_proj"  # [E, D, F]
+
+
+def _mixtral_moe_to_params(src: TensorSource, *, i: int, config: TransformerConfig) -> Params:
+    """One layer's router and experts -> ``moe/{router, wi_gate, wi, wo}`` (kernels [D, E],
+    [E, D, F], [E, D, F], [E, F, D]), from per-expert names or, failing those, 5.x's fused ones."""
+    moe = config.moe
+    assert moe is not None
+    e, dm = moe.num_experts, config.model_dims
+    f = moe.expert_hidden_dims or config.hidden_dims
+    experts = Dim(f"num_local_experts={e}", e)
+    dims = Dim(f"hidden_size={dm}", dm)
+    hidden = Dim(f"intermediate_size={f}", f)
+    if src.has(MIXTRAL_FUSED_ROUTER.format(i=i)) and not src.has(MIXTRAL_ROUTER.format(i=i)):
+        router = src.take(MIXTRAL_FUSED_ROUTER.format(i=i), (experts, dims))
+        gate_up = src.take(MIXTRAL_FUSED_GATE_UP.format(i=i),
+                           (experts, Dim(f"2 * intermediate_size = {2 * f}", 2 * f), dims))
+        down = src.take(MIXTRAL_FUSED_DOWN.format(i=i), (experts, dims, hidden))
+        gate, up = gate_up[:, :f], gate_up[:, f:]  # [E, F, D] each
+    else:
+        router = src.take(MIXTRAL_ROUTER.format(i=i), (experts, dims))
+
+        def per_expert(w: str, shape: tuple[Dim, Dim]) -> np.ndarray:
+            return np.stack([src.take(MIXTRAL_EXPERT.format(i=i, e=j, w=w), shape)
+                             for j in range(e)])
+
+        gate, up = per_expert("w1", (hidden, dims)), per_expert("w3", (hidden, dims))
+        down = per_expert("w2", (dims, hidden))  # [E, D, F]
+    return {"router": {"kernel": router.T}, "wi_gate": {"kernel": gate.swapaxes(1, 2)},
+            "wi": {"kernel": up.swapaxes(1, 2)}, "wo": {"kernel": down.swapaxes(1, 2)}}
+
+
+def _mixtral_moe_from_params(moe: Params, *, i: int) -> dict[str, np.ndarray]:
+    """Inverse of `_mixtral_moe_to_params`, always under the per-expert names."""
+    out = {MIXTRAL_ROUTER.format(i=i): moe["router"]["kernel"].T}
+    for name, w in (("wi_gate", "w1"), ("wi", "w3"), ("wo", "w2")):
+        kernel = np.asarray(moe[name]["kernel"])  # [E, in, out]
+        for j in range(kernel.shape[0]):
+            out[MIXTRAL_EXPERT.format(i=i, e=j, w=w)] = kernel[j].T
+    return out
 
 
 # ---------------------------------------------------------------- GPT-2

@@ -3,7 +3,9 @@
 The softmax(q k^T) v core has two implementations (``AttentionKind``): the explicit einsums below
 (DOT_PRODUCT, Pax's), or ``jax.nn.dot_product_attention`` (FLASH), which runs cuDNN's fused flash
 attention on GPUs (bf16/fp16, head dims a multiple of 8 up to 128) and XLA's fused op elsewhere.
-Both compute the same function; AXLearn's ``-flash`` Fuji variants select FLASH.
+Both compute the same function; AXLearn's ``-flash`` Fuji variants select FLASH. An optional
+additive logit bias (T5/GLaM relative position bias, models/relative_position.py) enters both
+after the 1/sqrt(H) query scaling and before the mask and softmax, where Pax adds it.
 
 Einsum letters: B batch, T query length, S key length, D model (embed) dims, K the 3 of q/k/v
 (fused path) or the key/value heads (grouped path), N query heads, G query heads per kv head
@@ -22,6 +24,7 @@ from jax.typing import DTypeLike
 
 from paxlite.models.linear import Linear
 from paxlite.models.lora import LoraSpec
+from paxlite.models.relative_position import RelativePositionBias
 from paxlite.models.rotary import apply_rotary
 
 HEAD_ACTIVATION_AXES: tuple[str, ...] = (
@@ -99,6 +102,11 @@ class Attention(nn.Module):
             with ``mask`` further restricting it, e.g. to packed segments).
         lora: LoRA adapters on q, k, v (separate ones per q/k/v also when fused) and the output
             projection (Pax LORA_TARGET_LAYERS "attention"); None: none.
+        relative_position_buckets: None for no relative bias; else this layer owns a T5 relative
+            position bias table ``relative_bias/rel_bias`` [N, buckets] (GLaM: 32), added to its
+            logits from the positions passed to ``__call__`` (causal buckets). Each layer has its
+            own table, as in Pax, where ``relative_bias_tpl`` sits on every DotProductAttention.
+        relative_position_max_distance: where the last bucket starts (GLaM: 128).
     """
 
     num_heads: int
@@ -111,6 +119,9 @@ class Attention(nn.Module):
     param_dtype: DTypeLike = jnp.float32
     attention_kind: AttentionKind = AttentionKind.DOT_PRODUCT
     lora: LoraSpec | None = None
+    relative_position_buckets: int | None = None
+    relative_position_max_distance: int = 128
+    scale_query: bool = True  # False: no 1/sqrt(H) (Pax GLaM's internal_enable_query_scale=False)
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -128,10 +139,16 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None
+        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None, *,
+        bias: jax.Array | None = None,
     ) -> jax.Array:
-        """x [B, T, D], mask bool broadcastable to [B, N, T, S], positions int [B, T] (needed for
-        RoPE; default arange) -> [B, T, D] in dtype."""
+        """x [B, T, D], mask bool broadcastable to [B, N, T, S], positions int [B, T] (RoPE and the
+        relative bias read them; default arange) -> [B, T, D] in dtype.
+
+        bias: optional float32 [B|1, N|1, T, S] added to the logits (after the query scaling,
+        before the mask), e.g. a relative position bias shared by several layers; with
+        ``relative_position_buckets`` set too, the two are summed.
+        """
         batch, length, model_dims = x.shape
         n, h = self.num_heads, self.dims_per_head
         kv = n if self.num_kv_heads is None else self.num_kv_heads
@@ -176,24 +193,39 @@ class Attention(nn.Module):
                 positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
             q = apply_rotary(q, positions, theta=self.rope_theta)
             k = apply_rotary(k, positions, theta=self.rope_theta)
-        q = q * jnp.asarray(h**-0.5, dtype=self.dtype)
+        if self.scale_query:
+            q = q * jnp.asarray(h**-0.5, dtype=self.dtype)
+        bias = self._logit_bias(bias, positions, batch=batch, length=length)  # [B|1, N|1, T, S]
 
         if AttentionKind(self.attention_kind) is AttentionKind.FLASH:
             # q is already scaled; k/v keep their K heads (JAX groups query head i with kv head
             # i // G, as below). is_causal lets cuDNN skip the upper triangle; the mask (causal,
             # and same-segment for packed rows) [B|1, 1, T, S] is a subset of it.
+            implementation = _flash_implementation(q)
+            if bias is not None and implementation == "cudnn":
+                # cuDNN folds the mask into a bias of q's dtype; Pax also computes the relative
+                # bias in the activation dtype.
+                bias = bias.astype(q.dtype)
             out = jax.nn.dot_product_attention(
-                q, k, v, mask=mask, scale=1.0, is_causal=True,
-                implementation=_flash_implementation(q),
+                q, k, v, bias=bias, mask=mask, scale=1.0, is_causal=True,
+                implementation=implementation,
             )  # [B, T, N, H]
         elif not grouped:
             logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
+            if bias is not None:
+                logits = logits + bias  # [B, N, T, S]
             logits = jnp.where(mask, logits, LARGE_NEGATIVE)
             probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, N, T, S]
             out = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
         else:
             qg = q.reshape(batch, length, kv, n // kv, h)  # [B, T, K, G, H]; head i = k*G + g
             logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
+            if bias is not None:
+                if bias.shape[1] == 1:
+                    grouped_bias = bias[:, :, None]  # [B|1, 1, 1, T, S]
+                else:
+                    grouped_bias = bias.reshape(bias.shape[0], kv, n // kv, *bias.shape[2:])
+                logits = logits + grouped_bias  # [B, K, G, T, S]
             logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)  # mask [B|1, 1, 1, T, S]
             probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, K, G, T, S]
             out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, n, h)
@@ -212,3 +244,36 @@ class Attention(nn.Module):
             name="out",
         )(out)  # [B, T, D]
         return checkpoint_name(out, OUT_PROJ_NAME)
+
+    def _logit_bias(
+        self, bias: jax.Array | None, positions: jax.Array | None, *, batch: int, length: int
+    ) -> jax.Array | None:
+        """The caller's bias checked, plus this layer's relative position bias when it has one.
+
+        Without positions the relative bias is built from arange [1, T] (one [1, N, T, S] for the
+        whole batch); with positions [B, T] each row uses its own, so packed documents whose
+        positions restart at 0 see the same distances as unpacked ones.
+        """
+        n = self.num_heads
+        if bias is not None:
+            shape = bias.shape
+            if (bias.ndim != 4 or shape[0] not in (1, batch) or shape[1] not in (1, n)
+                    or shape[2:] != (length, length)):
+                raise ValueError(
+                    f"attention bias must have shape [1 or {batch}, 1 or {n}, {length}, "
+                    f"{length}], got {shape}"
+                )
+            bias = bias.astype(jnp.float32)
+        if self.relative_position_buckets is None:
+            return bias
+        if positions is None:
+            positions = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]
+        relative = RelativePositionBias(
+            num_buckets=self.relative_position_buckets,
+            max_distance=self.relative_position_max_distance,
+            num_heads=n,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="relative_bias",
+        )(positions, positions)  # [B|1, N, T, S]
+        return relative if bias is None else bias + relative

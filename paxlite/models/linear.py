@@ -83,3 +83,61 @@ class Linear(nn.Module):
         if self.bias_axes is not None:
             y = y + self.bias.astype(self.dtype)
         return y
+
+
+class ExpertLinear(nn.Module):
+    """The expert twin of :class:`Linear`: one kernel ``[E, in, out]`` holding every expert's matrix.
+
+    Expert matmuls go through here (and :func:`grouped_matmul`) for the reason Linear exists: one
+    place to swap the matmul (FP8 gives each expert matmul its own scaling state here). Two ways
+    to apply it: ``einsum`` for GShard's dispatched tensors (``'EGCD,EDF->EGCF'``), and
+    ``kernel_value`` + :func:`grouped_matmul` for dropless routing, whose grouped matmul runs inside
+    ``shard_map`` on the local experts' slice of the kernel.
+
+    Attributes:
+        kernel_shape: ``(experts, in, out)``.
+        kernel_axes: one logical axis name per kernel dimension, the first naming the experts.
+    """
+
+    kernel_shape: tuple[int, int, int]
+    kernel_axes: tuple[str, str, str]
+    init_std: float = 0.02
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
+
+    def setup(self) -> None:
+        if len(self.kernel_shape) != 3 or len(self.kernel_axes) != 3:
+            raise ValueError(
+                f"ExpertLinear kernel_shape {self.kernel_shape} and kernel_axes {self.kernel_axes} "
+                "must both have three entries (experts, in, out)"
+            )
+        self.kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(
+                nn.initializers.normal(stddev=self.init_std), self.kernel_axes
+            ),
+            self.kernel_shape,
+            self.param_dtype,
+        )
+
+    def einsum(self, equation: str, x: jax.Array) -> jax.Array:
+        """``einsum(equation, x, kernel)`` in dtype; the kernel is the second operand."""
+        return jnp.einsum(equation, x.astype(self.dtype), self.kernel.astype(self.dtype))
+
+    def kernel_value(self) -> jax.Array:
+        """The kernel in the compute dtype, to hand to :func:`grouped_matmul`."""
+        return self.kernel.astype(self.dtype)
+
+
+def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows sorted by expert times their expert's matrix: x [M, K], kernel [G, K, N] -> [M, N].
+
+    Rows ``[sum(group_sizes[:g]), sum(group_sizes[:g+1]))`` use ``kernel[g]``; rows past
+    ``sum(group_sizes)`` come out as zeros (``jax.lax.ragged_dot``'s contract), which the dropless
+    exchange relies on for rows routed to another shard's experts. Which kernel XLA uses on a GPU is
+    set by JAX's ragged-dot lowering flags (models/moe_config.py ``GroupedMatmul``).
+    """
+    return jax.lax.ragged_dot(
+        x.astype(kernel.dtype), kernel, group_sizes.astype(jnp.int32),
+        preferred_element_type=kernel.dtype,
+    )

@@ -29,7 +29,9 @@ from paxlite.models.attention import (
 from paxlite.models.embedding import Embed
 from paxlite.models.linear import Linear
 from paxlite.models.mlp import Mlp
+from paxlite.models.moe import MoeMlp
 from paxlite.models.norms import LayerNorm, RMSNorm
+from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
 from paxlite.models.transformer_config import (
     LLAMA_ARCHITECTURE,
     VALID_DTYPES,
@@ -97,12 +99,15 @@ class Block(nn.Module):
 
     config: TransformerConfig
     deterministic: bool = True
+    moe_layer: bool = False  # the MLP is config.moe's mixture of experts
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None
+        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None,
+        paddings: jax.Array | None = None,
     ) -> tuple[jax.Array, None]:
-        """x [B, T, D], mask [B|1, 1, T, S], positions [B, T] (RoPE only) -> (x [B, T, D], None)."""
+        """x [B, T, D], mask [B|1, 1, T, S], positions [B, T] (RoPE, relative bias), paddings
+        [B, T] (1: padding; MoE routing only) -> (x [B, T, D], None)."""
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)  # [B, T, D]
@@ -119,6 +124,11 @@ class Block(nn.Module):
             param_dtype=param_dtype,
             attention_kind=cfg.attention_kind,
             lora=cfg.lora_spec if cfg.lora_targets.attention else None,
+            relative_position_buckets=(
+                cfg.relative_position_buckets
+                if cfg.position_kind is PositionEmbedding.RELATIVE_BIAS else None),
+            relative_position_max_distance=cfg.relative_position_max_distance,
+            scale_query=cfg.scale_query,
             name="attention",
         )(h, mask, positions)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
@@ -126,7 +136,26 @@ class Block(nn.Module):
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
 
         h = _make_norm(cfg, name="pre_mlp_norm")(x)
-        h = Mlp(
+        if self.moe_layer:
+            h = MoeMlp(
+                config=cfg.moe,
+                hidden_dims=cfg.moe.expert_hidden_dims or cfg.hidden_dims,
+                init_std=cfg.init_std,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                name="moe",
+            )(h, paddings=paddings)
+        else:
+            h = self._dense_mlp(h)
+        h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
+        x = x + h
+        x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
+        return x, None
+
+    def _dense_mlp(self, h: jax.Array) -> jax.Array:
+        cfg = self.config
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        return Mlp(
             hidden_dims=cfg.hidden_dims,
             activation=activation_fn(cfg.activation),
             gated=cfg.gated_mlp,
@@ -137,9 +166,20 @@ class Block(nn.Module):
             lora=cfg.lora_spec if cfg.lora_targets.mlp else None,
             name="mlp",
         )(h)
-        h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
-        x = x + h
-        x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
+
+
+class BlockUnit(nn.Module):
+    """``config.layers_per_scan_unit`` consecutive blocks, the first an MoE block: the scanned body
+    of an MoE model whose experts sit on every k-th layer (GLaM: a dense and an MoE layer)."""
+
+    config: TransformerConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x, mask, positions=None, paddings=None):
+        for j in range(self.config.layers_per_scan_unit):
+            x, _ = Block(config=self.config, deterministic=self.deterministic, moe_layer=j == 0,
+                         name=f"layer_{j}")(x, mask, positions, paddings)
         return x, None
 
 
@@ -207,28 +247,37 @@ class Transformer(nn.Module):
         mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)  # [B|1, 1, T, S]
         # Only RoPE reads positions inside the blocks; GPT blocks get None (an empty pytree).
         block_positions = positions if position_kind is PositionEmbedding.ROTARY else None
-        block_cls: Any = Block
-        if cfg.remat_policy is not RematPolicy.NONE:
-            block_cls = nn.remat(
-                Block, policy=_remat_policy_fn(cfg.remat_policy), prevent_cse=not cfg.scan_layers
-            )
+        # MoE routing keeps padding (segment id 0 in packed rows) out of the experts' capacity.
+        paddings = None
+        if cfg.moe is not None and segment_ids is not None:
+            paddings = (segment_ids == 0).astype(jnp.float32)
+        unit = cfg.layers_per_scan_unit
         if cfg.scan_layers:
+            body: Any = Block if unit == 1 else BlockUnit
+            if cfg.remat_policy is not RematPolicy.NONE:
+                body = nn.remat(body, policy=_remat_policy_fn(cfg.remat_policy), prevent_cse=False)
+            extra = {} if unit > 1 else {"moe_layer": cfg.moe is not None}
             scanned = nn.scan(
-                block_cls,
-                variable_axes={"params": 0},
+                body,
+                # sown MoE losses and summaries are stacked per layer, like the parameters
+                variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers // unit,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = scanned(config=cfg, deterministic=deterministic, name="layers")(
-                x, mask, block_positions
+            x, _ = scanned(config=cfg, deterministic=deterministic, name="layers", **extra)(
+                x, mask, block_positions, paddings
             )
         else:
+            block_cls: Any = Block
+            if cfg.remat_policy is not RematPolicy.NONE:
+                block_cls = nn.remat(Block, policy=_remat_policy_fn(cfg.remat_policy),
+                                     prevent_cse=True)
             for i in range(cfg.num_layers):
-                x, _ = block_cls(config=cfg, deterministic=deterministic, name=f"layers_{i}")(
-                    x, mask, block_positions
-                )
+                moe_layer = cfg.moe is not None and cfg.moe.is_moe_layer(i)
+                x, _ = block_cls(config=cfg, deterministic=deterministic, moe_layer=moe_layer,
+                                 name=f"layers_{i}")(x, mask, block_positions, paddings)
 
         x = _make_norm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:

@@ -156,6 +156,7 @@ class TransformerConfig:
     lora_targets: LoraTargets = LoraTargets.ALL  # which projections (Pax LORA_TARGET_LAYERS)
     relative_position_buckets: int = 32  # RELATIVE_BIAS: T5 buckets (GLaM 32)
     relative_position_max_distance: int = 128  # RELATIVE_BIAS: longest distance bucketed (GLaM 128)
+    scale_query: bool = True  # q x 1/sqrt(dims_per_head); GLaM: False (Pax scales the init instead)
     moe: MoeConfig | None = None  # mixture-of-experts MLPs (models/moe_config.py); None: dense
 
     def __post_init__(self) -> None:
@@ -195,7 +196,7 @@ class TransformerConfig:
                 "position embeddings (they rotate pairs of dimensions)"
             )
         for name in ("use_bias", "tie_embeddings", "learned_position_embedding", "scan_layers",
-                     "gated_mlp"):
+                     "gated_mlp", "scale_query"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"TransformerConfig.{name}={getattr(self, name)!r} must be True or False"

@@ -25,6 +25,17 @@ frozen weights need no weight gradient, only the gradient of their input, so the
 
 (The input gradient below the lowest adapter, which XLA may skip, is still counted.)
 
+Mixture of experts (`num_moe_layers` > 0): an MoE layer replaces its dense MLP term by what one
+token actually runs through, MaxText's count: the router, 2 * D * E, plus the MLP of the
+`experts_per_token` (k) experts it is routed to, each 2 * D * F_e * (3 if gated experts else 2);
+the other E - k experts cost it nothing. Dense layers keep their MLP term:
+
+    MoE layer, forward   2 * D * E + k * 2 * D * F_e * (3 if gated else 2)    (replaces MLP)
+
+GShard's dispatch and combine einsums (tokens -> expert slots and back) and the slots left empty
+or dropped by the capacity limit are not counted, as MaxText does not count them either: the
+count is the model's work per token, not the padded work of the implementation.
+
 The input embedding lookup is a gather (0 FLOPs), and norms, biases and activations are not
 counted. This is MaxText's `calculate_tflops_training_per_device` (with the causal halving of
 maxtext PR #1988) divided by tokens; Levanter counts the full attention map and so reports a
@@ -57,11 +68,18 @@ def flops_per_token(
     seq_len: int,
     gated_mlp: bool = False,
     lora_params: int | None = None,
+    num_moe_layers: int = 0,
+    num_experts: int | None = None,
+    experts_per_token: int = 2,
+    expert_hidden_dims: int | None = None,
+    gated_experts: bool = False,
 ) -> int:
     """Training FLOPs per token (see the module docstring for the formula).
 
     `lora_params`: None when every weight trains; with LoRA, the number of adapter parameters (the
     base weights are then frozen, and their weight gradients, never computed, are not counted).
+    `num_moe_layers` of the `num_layers` are MoE layers of `num_experts` experts (hidden size
+    `expert_hidden_dims`, default `hidden_dims`), of which each token runs `experts_per_token`.
     """
     sizes = {
         "num_layers": num_layers,
@@ -79,11 +97,28 @@ def flops_per_token(
     if lora_params is not None and (
             isinstance(lora_params, bool) or not isinstance(lora_params, int) or lora_params <= 0):
         raise ValueError(f"lora_params must be a positive integer or None, got {lora_params!r}.")
+    if isinstance(num_moe_layers, bool) or not isinstance(num_moe_layers, int) or not (
+            0 <= num_moe_layers <= num_layers):
+        raise ValueError(
+            f"num_moe_layers must be an integer in [0, num_layers={num_layers}], got {num_moe_layers!r}.")
+    moe_mlp = 0
+    if num_moe_layers:
+        expert_f = hidden_dims if expert_hidden_dims is None else expert_hidden_dims
+        for name, value in (("num_experts", num_experts), ("experts_per_token", experts_per_token),
+                            ("expert_hidden_dims", expert_f)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer with MoE layers, got {value!r}.")
+        if experts_per_token > num_experts:
+            raise ValueError(f"experts_per_token={experts_per_token} exceeds num_experts={num_experts}.")
+        router = 2 * model_dims * num_experts
+        expert = 2 * model_dims * expert_f * (3 if gated_experts else 2)
+        moe_mlp = router + experts_per_token * expert
     qkv = 2 * model_dims * (num_heads + 2 * num_kv_heads) * dims_per_head
     attention_out = 2 * model_dims * num_heads * dims_per_head
     mlp = 2 * model_dims * hidden_dims * (3 if gated_mlp else 2)
     unembedding = 2 * model_dims * vocab_size
-    forward_matmuls = num_layers * (qkv + attention_out + mlp) + unembedding
+    forward_matmuls = (num_layers * (qkv + attention_out) + (num_layers - num_moe_layers) * mlp
+                       + num_moe_layers * moe_mlp + unembedding)
     causal_attention = num_layers * 3 * 2 * seq_len * num_heads * dims_per_head
     if lora_params is not None:  # frozen: forward + input gradient; adapters: 6 per parameter
         return 2 * forward_matmuls + 6 * lora_params + causal_attention

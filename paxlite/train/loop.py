@@ -27,6 +27,7 @@ from paxlite.errors import NotFoundError, RunStoppedError, SettingError
 from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
 from paxlite.models.lora import is_lora_path
+from paxlite.models.moe import select_grouped_matmul
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
@@ -115,6 +116,7 @@ class Run:
             self.eval_data = None
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
+        select_grouped_matmul(config.model.moe)
         deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
         self.checkpointer = Checkpointer(
             os.path.join(context.job_dir, "checkpoints"),
@@ -135,6 +137,7 @@ class Run:
                     seed=config.loop.seed,
                     deterministic=deterministic,
                     grad_accum_steps=config.loop.grad_accum_steps,
+                    z_loss_weight=config.loop.z_loss_weight,
                     # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
                     trainable=is_lora_path if config.model.lora_rank is not None else None,
                 )
@@ -436,6 +439,8 @@ class Run:
                 "step_time_s": step_time,
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu,
+                # what the model summarised (MoE: moe/aux_loss, moe/dropped_fraction, ...)
+                **{k: v for k, v in host.items() if "/" in k},
             },
         )
 

@@ -195,12 +195,15 @@ def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[in
     return step, restored["params"]
 
 
+def _plain(value: Any) -> Any:
+    """JSON-ready: enums as their values, nested configs (``moe``) as objects of their fields."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value.value if hasattr(value, "value") else value
+
+
 def model_config_to_json(config: TransformerConfig) -> str:
-    fields = {}
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        fields[field.name] = value.value if hasattr(value, "value") else value
-    return json.dumps(fields, indent=2, sort_keys=True) + "\n"
+    return json.dumps(_plain(config), indent=2, sort_keys=True) + "\n"
 
 
 def model_config_from_json(text: str) -> TransformerConfig:

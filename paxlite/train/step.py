@@ -25,6 +25,7 @@ from flax import traverse_util
 from jax.sharding import Mesh
 
 from paxlite.errors import SettingError
+from paxlite.models import sown
 from paxlite.parallel import rules as rules_lib
 from paxlite.train.optimizer import global_norm
 
@@ -77,12 +78,33 @@ def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic
     )
 
 
+def _apply_collecting(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool):
+    """(logits, sown auxiliary loss, sown summaries by name) of one forward pass for training."""
+    rngs = {} if deterministic else {"dropout": dropout_rng}
+    logits, state = model.apply(
+        {"params": params},
+        batch["inputs"],
+        positions=batch.get("positions"),
+        segment_ids=batch.get("segment_ids"),
+        deterministic=deterministic,
+        rngs=rngs,
+        mutable=list(sown.COLLECTIONS),
+    )
+    return logits, sown.total_aux_loss(state), sown.summary_means(state)
+
+
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-token cross entropy in float32: [B, T, V], [B, T] -> [B, T]."""
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return log_z - target_logit
+
+
+def z_loss_sum(logits: jax.Array, weights: jax.Array) -> jax.Array:
+    """Sum over weighted tokens of logsumexp(logits)^2 (Pax's softmax z-loss before its weight)."""
+    log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [B, T]
+    return jnp.sum(jnp.square(log_z) * weights.astype(jnp.float32))
 
 
 def _loss_and_metrics(logits, batch: Batch):
@@ -101,10 +123,20 @@ def loss_fn(
     model: nn.Module,
     dropout_rng: jax.Array | None = None,
     deterministic: bool = True,
+    z_loss_weight: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean weighted cross entropy over the batch, and token accuracy."""
-    logits = _apply(model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic)
-    return _loss_and_metrics(logits, batch)
+    """The training objective and its parts: mean weighted cross entropy (aux ``loss``), plus
+    ``z_loss_weight`` x the mean z-loss and whatever auxiliary losses the model sows (MoE load
+    balancing); token accuracy and the model's summaries ride along in the aux dict."""
+    logits, aux_loss, summaries = _apply_collecting(
+        model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic)
+    loss, metrics = _loss_and_metrics(logits, batch)
+    objective = loss + aux_loss
+    if z_loss_weight:
+        z_loss = z_loss_sum(logits, batch["weights"]) / jnp.maximum(metrics["num_tokens"], 1.0)
+        summaries = {**summaries, "moe/z_loss": z_loss}
+        objective = objective + z_loss_weight * z_loss
+    return objective, {**metrics, "loss": loss, "summaries": summaries}
 
 
 def _check_accum_steps(value: object, *, name: str) -> int:
@@ -166,48 +198,68 @@ def _accumulated_loss_and_grads(
     deterministic: bool,
     num_microbatches: int,
     combine: Callable[[PyTree], PyTree] = _identity,
-) -> tuple[jax.Array, jax.Array, PyTree]:
-    """Loss, accuracy and gradients of the whole batch, computed one microbatch at a time.
+    z_loss_weight: float = 0.0,
+) -> tuple[jax.Array, jax.Array, PyTree, dict[str, jax.Array]]:
+    """Loss, accuracy, gradients and model summaries of the whole batch, one microbatch at a time.
 
     The loss of the batch is (sum of weighted token losses) / (number of weighted tokens), and
     microbatches may hold different numbers of weighted tokens; so each microbatch contributes the
     gradient of its loss *sum*, and the total is divided once by the whole batch's token count.
-    The result is the gradient of the batch's mean loss, not a mean of microbatch means.
-    `lax.scan` keeps one microbatch's activations alive at a time. Gradients are taken with respect
-    to `params`, which `combine` completes into the model's parameters (frozen ones added).
+    The result is the gradient of the batch's mean loss, not a mean of microbatch means. Terms that
+    are per-batch means already (sown auxiliary losses) enter each microbatch's sum weighted by its
+    token count, so they too average over the batch's tokens; summaries are averaged over
+    microbatches. `lax.scan` keeps one microbatch's activations alive at a time. Gradients are taken
+    with respect to `params`, which `combine` completes into the model's parameters (frozen ones
+    added).
     """
     micro = split_microbatches(batch, num_microbatches)
     num_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
 
-    def sums(p: PyTree, mb: Batch, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = _apply(model, combine(p), mb, dropout_rng=rng, deterministic=deterministic)
+    def sums(p: PyTree, mb: Batch, rng: jax.Array):
+        logits, aux_loss, summaries = _apply_collecting(
+            model, combine(p), mb, dropout_rng=rng, deterministic=deterministic)
         scores = per_example_scores(logits, mb)
-        return jnp.sum(scores["loss_sum"]), jnp.sum(scores["correct_tokens"])
+        loss_sum = jnp.sum(scores["loss_sum"])
+        objective = loss_sum + aux_loss * jnp.sum(scores["target_tokens"])
+        if z_loss_weight:
+            z_sum = z_loss_sum(logits, mb["weights"])
+            objective = objective + z_loss_weight * z_sum
+            summaries = {**summaries, "moe/z_loss": z_sum}  # a sum here; divided below
+        return objective, (loss_sum, jnp.sum(scores["correct_tokens"]), summaries)
 
     grad_fn = jax.value_and_grad(sums, has_aux=True)
+    abstract_summaries = jax.eval_shape(
+        lambda p, mb: sums(p, mb, dropout_rng)[1][2], params,
+        jax.tree.map(lambda x: x[0], micro))
 
-    Carry = tuple[PyTree, jax.Array, jax.Array]  # gradient sums, loss sum, correct-token count
+    Carry = tuple[PyTree, jax.Array, jax.Array, dict[str, jax.Array]]
 
     def body(carry: Carry, xs: tuple[jax.Array, Batch]) -> tuple[Carry, None]:
-        grads_acc, loss_acc, correct_acc = carry
+        grads_acc, loss_acc, correct_acc, summaries_acc = carry
         index, mb = xs
         mb = {  # each microbatch spread over data x fsdp x expert, as the whole batch was
             key: nn.with_logical_constraint(x, ("activation_batch",) + (None,) * (x.ndim - 1))
             for key, x in mb.items()
         }
         # A different dropout mask per microbatch, and a function of (step, microbatch) only.
-        (loss_sum, correct), grads = grad_fn(params, mb, jax.random.fold_in(dropout_rng, index))
+        (_, (loss_sum, correct, summaries)), grads = grad_fn(
+            params, mb, jax.random.fold_in(dropout_rng, index))
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return (grads_acc, loss_acc + loss_sum, correct_acc + correct), None
+        summaries_acc = jax.tree.map(jnp.add, summaries_acc, summaries)
+        return (grads_acc, loss_acc + loss_sum, correct_acc + correct, summaries_acc), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grad_sums, loss_sum, correct), _ = jax.lax.scan(
+    zero = jnp.zeros((), jnp.float32)
+    init = (zeros, zero, zero, {k: zero for k in abstract_summaries})
+    (grad_sums, loss_sum, correct, summary_sums), _ = jax.lax.scan(
         body, init, (jnp.arange(num_microbatches), micro)
     )
     denom = jnp.maximum(num_tokens, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sums, params)
-    return loss_sum / denom, correct / denom, grads
+    summaries = {k: v / num_microbatches for k, v in summary_sums.items()}
+    if "moe/z_loss" in summaries:  # summed over tokens: a mean over the batch's tokens
+        summaries["moe/z_loss"] = summary_sums["moe/z_loss"] / denom
+    return loss_sum / denom, correct / denom, grads, summaries
 
 
 def train_step(
@@ -221,6 +273,7 @@ def train_step(
     deterministic: bool,
     grad_accum_steps: int = 1,
     trainable: Trainable = None,
+    z_loss_weight: float = 0.0,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
 
@@ -228,6 +281,9 @@ def train_step(
     `split_microbatches`); the update and the metrics are still the whole batch's. With `trainable`,
     only those parameters are differentiated and updated (`state.opt_state` covers only them); the
     others are returned as they came, and `grad_norm` is the norm of the trainable gradients.
+    `loss` is the cross entropy (what eval/loss measures); the gradient is that of the whole
+    objective (plus z-loss and the model's auxiliary losses), and the model's summaries are
+    returned as metrics beside it (``moe/aux_loss``, ...).
     """
     dropout_rng = jax.random.fold_in(dropout_key, state.step)
     train_params, combine = state.params, _identity
@@ -236,19 +292,20 @@ def train_step(
         combine = functools.partial(join_params, frozen=frozen)
 
     if grad_accum_steps == 1:
-        (loss, aux), grads = jax.value_and_grad(
+        (_, aux), grads = jax.value_and_grad(
             lambda p: loss_fn(
                 combine(p),
                 batch=batch,
                 model=model,
                 dropout_rng=dropout_rng,
                 deterministic=deterministic,
+                z_loss_weight=z_loss_weight,
             ),
             has_aux=True,
         )(train_params)
-        accuracy = aux["accuracy"]
+        loss, accuracy, summaries = aux["loss"], aux["accuracy"], aux["summaries"]
     else:
-        loss, accuracy, grads = _accumulated_loss_and_grads(
+        loss, accuracy, grads, summaries = _accumulated_loss_and_grads(
             train_params,
             batch,
             model=model,
@@ -256,10 +313,12 @@ def train_step(
             deterministic=deterministic,
             num_microbatches=grad_accum_steps,
             combine=combine,
+            z_loss_weight=z_loss_weight,
         )
     updates, opt_state = optimizer.update(grads, state.opt_state, train_params)
     params = combine(optax.apply_updates(train_params, updates))
     metrics = {
+        **summaries,
         "loss": loss,
         "accuracy": accuracy,
         "grad_norm": global_norm(grads),
@@ -350,6 +409,7 @@ def compile_steps(
     logical_rules: rules_lib.LogicalRules = rules_lib.DEFAULT_RULES,
     grad_accum_steps: int = 1,
     trainable: Trainable = None,
+    z_loss_weight: float = 0.0,
 ) -> CompiledSteps:
     """Build the sharded init/train/eval functions. Call the results inside `jax.set_mesh(mesh)`.
 
@@ -415,6 +475,7 @@ def compile_steps(
                 deterministic=deterministic,
                 grad_accum_steps=grad_accum_steps,
                 trainable=trainable,
+                z_loss_weight=z_loss_weight,
             ),
             logical_rules,
             name="train_step",

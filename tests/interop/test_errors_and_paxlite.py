@@ -30,7 +30,7 @@ def _config(directory):
      "rope_parameters.rope_type='llama3'"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "mixtral"}, "no mixture-of-experts model"),
+    ({"model_type": "mixtral"}, "no 'num_local_experts'"),
     ({"model_type": "bert"}, "model_type='bert' is not supported"),
 ])
 def test_unsupported_hf_configs_name_the_field(llama_gqa, change, message):

@@ -1,0 +1,180 @@
+"""The mixture-of-experts hyperparameters (Pax's names) and their mapping to ``MoeConfig``, once.
+
+GLaM (glam.py) and Mixtral (mixtral.py) list this mixin before their dense base class; the family
+says only its architecture (which layers are MoE, gated or plain experts, their activation) as
+class attributes, and this mixin checks the settings and builds the ``MoeConfig``. A dense
+experiment given one of these names gets an error saying it is dense (base.py), never a silently
+ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import fiddle as fdl
+
+from paxlite.config.errors import ConfigError
+from paxlite.models.activations import Activation
+from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
+
+
+def expert_axis_size(ici: list[int] | None, dcn: list[int]) -> int:
+    """The `expert` mesh axis: the 4th entry of ICI x DCN (1 where a shape has 3 entries)."""
+    ici_expert = ici[3] if ici is not None and len(ici) == 4 else 1
+    dcn_expert = dcn[3] if len(dcn) == 4 else 1
+    return ici_expert * dcn_expert
+
+
+def mesh_with_expert_hint(shape: list[int] | None) -> str:
+    """'[1,8,1,4]'-style hint: the user's 3 entries with an expert entry of 4 appended."""
+    base = [1, 1, 1] if shape is None else list(shape[:3])
+    return "[" + ",".join(str(d) for d in [*base, 4]) + "]"
+
+
+class MoeHParams:
+    """Mixin: the MoE knobs of an experiment (list it before the dense family class).
+
+    Pax's names where Pax has one (NUM_EXPERTS, CAPACITY_FACTOR, NUM_GROUPS,
+    LOAD_BALANCING_WEIGHT, Z_LOSS_WEIGHT, USE_EXPERT_PARALLEL); the others are paxlite's.
+    """
+
+    # Architecture of the family, not tunable from the command line.
+    moe_layer_interval: ClassVar[int] = 1  # layer i is MoE iff i % interval == 0 (GLaM 2)
+    gated_experts: ClassVar[bool] = False  # True: SwiGLU experts (Mixtral); False: act(x wi) wo
+    expert_activation: ClassVar[Activation] = Activation.RELU
+
+    NUM_EXPERTS: int = 8
+    # k of top-k (Pax has no name for it: GShard routing is always top-2).
+    NUM_EXPERTS_PER_TOKEN: int = 2
+    # gshard_top2: GLaM's capacity-limited top-2 (tokens over capacity drop); dropless_topk:
+    # Mixtral's, nothing drops.
+    MOE_ROUTING: Literal["gshard_top2", "dropless_topk"] = "gshard_top2"
+    # gshard_top2 only: each expert takes int(S x CAPACITY_FACTOR / E) assignments per group of S
+    # tokens; 2.0 is room for both choices of every token on average (Pax).
+    CAPACITY_FACTOR: float = 2.0
+    # gshard_top2 only: routing groups per batch; None: one per batch shard of the mesh (Pax
+    # derives prod(ICI[:-1]) x prod(DCN[:-1])).
+    NUM_GROUPS: int | None = None
+    # The load-balancing loss over the whole model: each of the M MoE layers adds
+    # LOAD_BALANCING_WEIGHT / M x its own (Pax: 0.01 / (NUM_LAYERS / 2) for GLaM).
+    LOAD_BALANCING_WEIGHT: float = 0.01
+    # Pax's z-loss on the output logits (logsumexp^2), added in the training loss; 0: off.
+    Z_LOSS_WEIGHT: float = 0.0
+    # AXLearn's router z-loss per MoE layer; 0: off.
+    ROUTER_Z_LOSS_WEIGHT: float = 0.0
+    # dropless_topk only: the grouped-matmul kernel (pallas_triton: GPUs only).
+    MOE_GROUPED_MATMUL: Literal["ragged_dot", "pallas_triton"] = "ragged_dot"
+    # Hidden size of each expert; None: HIDDEN_DIMS.
+    EXPERT_HIDDEN_DIMS: int | None = None
+
+    def is_moe(self) -> bool:
+        return True
+
+    def num_moe_layers(self) -> int:
+        return sum(1 for i in range(self.NUM_LAYERS) if i % self.moe_layer_interval == 0)
+
+    def moe_problems(self) -> list[str]:
+        """Every MoE setting that cannot work, each saying what would (checked before the base
+        checks, so a 4-entry mesh is judged here first)."""
+        problems = []
+        routing = MoeRouting(self.MOE_ROUTING)
+        given = set(self.overridden)
+        expert = expert_axis_size(self.ICI_MESH_SHAPE, self.DCN_MESH_SHAPE)
+        if self.NUM_EXPERTS < 1:
+            problems.append(f"NUM_EXPERTS={self.NUM_EXPERTS} must be a positive number of experts")
+        elif expert >= 1 and self.NUM_EXPERTS % expert:
+            divisors = [d for d in range(1, self.NUM_EXPERTS + 1) if self.NUM_EXPERTS % d == 0]
+            problems.append(
+                f"NUM_EXPERTS={self.NUM_EXPERTS} does not split over the expert mesh axis of size "
+                f"{expert} (4th entry of ICI_MESH_SHAPE x DCN_MESH_SHAPE): each device must hold "
+                f"whole experts; valid expert axis sizes: {divisors}")
+        if self.NUM_EXPERTS_PER_TOKEN < 1:
+            problems.append(f"NUM_EXPERTS_PER_TOKEN={self.NUM_EXPERTS_PER_TOKEN} must be >= 1")
+        elif self.NUM_EXPERTS_PER_TOKEN > self.NUM_EXPERTS >= 1:
+            problems.append(
+                f"NUM_EXPERTS_PER_TOKEN={self.NUM_EXPERTS_PER_TOKEN} is larger than NUM_EXPERTS="
+                f"{self.NUM_EXPERTS}: a token cannot pick more experts than there are (valid: 1.."
+                f"{self.NUM_EXPERTS})")
+        if routing is MoeRouting.GSHARD_TOP2:
+            if self.NUM_EXPERTS_PER_TOKEN != 2 and self.NUM_EXPERTS_PER_TOKEN <= self.NUM_EXPERTS:
+                problems.append(
+                    f"NUM_EXPERTS_PER_TOKEN={self.NUM_EXPERTS_PER_TOKEN}: MOE_ROUTING='gshard_top2' "
+                    "is top-2; use --fdl.MOE_ROUTING=dropless_topk for another k")
+            if not self.CAPACITY_FACTOR > 0:
+                problems.append(
+                    f"CAPACITY_FACTOR={self.CAPACITY_FACTOR} must be > 0 with MOE_ROUTING="
+                    "'gshard_top2' (GLaM: 2.0, room for both choices of every token)")
+            if "MOE_GROUPED_MATMUL" in given:
+                problems.append(
+                    "MOE_GROUPED_MATMUL is read only with MOE_ROUTING='dropless_topk' (GShard "
+                    "routing runs dense einsums): drop it, or add --fdl.MOE_ROUTING=dropless_topk")
+        else:
+            unused = sorted(given & {"CAPACITY_FACTOR", "NUM_GROUPS"})
+            if unused:
+                problems.append(
+                    f"{', '.join(unused)} read only with MOE_ROUTING='gshard_top2' (dropless "
+                    "routing has no capacity and no groups): drop them, or add "
+                    "--fdl.MOE_ROUTING=gshard_top2")
+        if self.NUM_GROUPS is not None and self.NUM_GROUPS < 1:
+            problems.append(f"NUM_GROUPS={self.NUM_GROUPS} must be a positive integer or None "
+                            "(one group per batch shard)")
+        for name in ("LOAD_BALANCING_WEIGHT", "Z_LOSS_WEIGHT", "ROUTER_Z_LOSS_WEIGHT"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0 (0: off)")
+        if self.EXPERT_HIDDEN_DIMS is not None and self.EXPERT_HIDDEN_DIMS < 1:
+            problems.append(f"EXPERT_HIDDEN_DIMS={self.EXPERT_HIDDEN_DIMS} must be positive or "
+                            "None (= HIDDEN_DIMS)")
+        if self.USE_EXPERT_PARALLEL and expert == 1:
+            problems.append(
+                "USE_EXPERT_PARALLEL=true needs an expert mesh axis > 1: give ICI_MESH_SHAPE (or "
+                "DCN_MESH_SHAPE) a 4th entry [data, fsdp, tensor, expert], e.g. "
+                f"--fdl.ICI_MESH_SHAPE={mesh_with_expert_hint(self.ICI_MESH_SHAPE)}")
+        return problems
+
+    def validate(self) -> None:
+        problems = self.moe_problems()
+        if problems:
+            raise ConfigError(f"invalid {self.name} hyperparameters: " + "; ".join(problems))
+        super().validate()
+
+    def moe_fields(self) -> dict[str, Any]:
+        return {
+            "num_experts": self.NUM_EXPERTS,
+            "experts_per_token": self.NUM_EXPERTS_PER_TOKEN,
+            "routing": MoeRouting(self.MOE_ROUTING),
+            "capacity_factor": self.CAPACITY_FACTOR,
+            "num_groups": self.NUM_GROUPS,
+            "moe_layer_interval": self.moe_layer_interval,
+            "expert_hidden_dims": self.EXPERT_HIDDEN_DIMS,
+            "gated_experts": self.gated_experts,
+            "expert_activation": self.expert_activation,
+            "load_balancing_weight": self.LOAD_BALANCING_WEIGHT / self.num_moe_layers(),
+            "router_z_loss_weight": self.ROUTER_Z_LOSS_WEIGHT,
+            "grouped_matmul": GroupedMatmul(self.MOE_GROUPED_MATMUL),
+        }
+
+    def moe_config(self) -> fdl.Config[MoeConfig]:
+        fields = self.moe_fields()
+        try:  # a combination the checks above do not know of: one line, not a traceback
+            MoeConfig(**fields)
+        except ValueError as e:
+            raise ConfigError(f"invalid {self.name} MoE hyperparameters: {e}") from e
+        return fdl.Config(MoeConfig, **fields)
+
+    def loop_config(self):
+        loop = super().loop_config()
+        loop.z_loss_weight = self.Z_LOSS_WEIGHT
+        return loop
+
+
+MOE_HPARAM_NAMES: tuple[str, ...] = tuple(
+    name for name in MoeHParams.__annotations__ if name.isupper())
+
+
+def dense_moe_setting_error(experiment_name: str, names: list[str]) -> ConfigError:
+    """What a dense experiment says when given MoE settings it has nowhere to apply."""
+    return ConfigError(
+        f"{', '.join('--fdl.' + n for n in names)}: mixture-of-experts setting(s), and "
+        f"{experiment_name} is a dense model (no experts), so nothing would read them; run an MoE "
+        "experiment (PileGLaM126M64E, Mixtral8x7B, TinyGLaM, TinyMixtral; `python -m paxlite "
+        "list`)")

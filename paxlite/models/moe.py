@@ -1,0 +1,301 @@
+"""Mixture-of-experts feed-forward layer: GLaM's GShard top-2 and Mixtral's dropless top-k.
+
+Both replace a dense MLP ``[B, T, D] -> [B, T, D]``; ``MoeConfig.routing`` picks one.
+
+GShard (GLaM, Praxis ``TransformerFeedForwardMoe``): the B*T tokens form G groups of S; each expert
+takes at most C assignments per group (``top2_gating``), and dispatch / combine are dense einsums.
+G follows the batch shards, so with the experts sharded over the ``expert`` mesh axis the change
+from group-sharded [G, S, D] to expert-sharded [E, G, C, D] is where GSPMD puts the all-to-all.
+
+Dropless (Mixtral): each token goes to its top-k experts, however many pick the same one. Inside
+``shard_map`` every shard gathers the tokens of its ``expert`` group (all-gather), sorts the
+assignments by local expert, runs the experts as grouped matmuls (rows of other shards' experts come
+out zero) and reduce-scatters the weighted results back (MaxText's ring of experts, which JAX users
+measured faster than ``ragged_all_to_all`` on GPUs, and which also runs on CPU, where
+``ragged_all_to_all`` does not).
+
+Einsum letters: B batch, T length, D model dims, F expert hidden dims, E experts, G groups,
+S tokens per group, C capacity per expert and group, N tokens, K experts per token, M sorted
+assignments.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
+
+from paxlite.errors import SettingError
+from paxlite.models.activations import activation_fn
+from paxlite.models.linear import ExpertLinear, Linear, grouped_matmul
+from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
+from paxlite.models.moe_gating import (
+    Top2Gating,
+    load_balancing_loss_topk,
+    router_z_loss,
+    top2_gating,
+    topk_routing,
+)
+from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
+
+__all__ = ["MoeMlp", "Top2Gating", "top2_gating", "topk_routing"]
+
+# [G, S, D] tokens by group, groups over the batch shards; [E, G, C, D] dispatched, experts over
+# the expert axis and groups over what remains of the batch axes.
+GROUPED_ACTIVATION_AXES: tuple[str, ...] = ("activation_batch", None, "activation_embed")
+DISPATCHED_ACTIVATION_AXES: tuple[str, ...] = (
+    "activation_exp", "activation_group", None, "activation_embed",
+)
+DISPATCHED_HIDDEN_AXES: tuple[str, ...] = ("activation_exp", "activation_group", None, "activation_mlp")
+
+
+def select_grouped_matmul(config: MoeConfig | None) -> None:
+    """Make this process compile dropless experts with ``config.grouped_matmul``'s kernel.
+
+    JAX picks the ragged-dot lowering from its config when a step is compiled, not when the layer
+    is traced, so the choice is made once for the process, before compiling (a job runs one model).
+    """
+    if (config is None or config.routing is not MoeRouting.DROPLESS_TOPK
+            or config.grouped_matmul is GroupedMatmul.RAGGED_DOT):
+        return
+    if jax.default_backend() != "gpu":
+        raise SettingError(
+            f"MOE_GROUPED_MATMUL={config.grouped_matmul.value!r} is JAX's Pallas-Triton GPU kernel, "
+            f"and this job runs on {jax.default_backend()!r}: use 'ragged_dot' here"
+        )
+    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+
+
+def _mesh_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes a logical name maps to under the current rules (() without rules)."""
+    spec = nn.logical_to_mesh_axes((logical,))
+    axes = spec[0] if len(spec) else None
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _mesh_size(axes: tuple[str, ...]) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def batch_shards() -> int:
+    """How many ways the batch is split on the mesh being traced for (1 without one): GShard's
+    default number of groups (Pax: one group per batch shard)."""
+    return _mesh_size(_mesh_axes("activation_batch"))
+
+
+@jax.custom_vjp
+def _permute(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[order] for a permutation ``order`` whose inverse is ``inverse``.
+
+    A plain gather differentiates into a scatter-add; a permutation's transpose is the gather by its
+    inverse, which is what the backward pass does here (MaxText ``use_custom_sort_vjp``).
+    """
+    return x[order]
+
+
+def _permute_fwd(x, order, inverse):
+    return x[order], inverse
+
+
+def _permute_bwd(inverse, g):
+    return g[inverse], None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _dropless_experts(
+    x: jax.Array,  # [N, D] this shard's tokens
+    experts: jax.Array,  # [N, K] int32 chosen experts
+    weights: jax.Array,  # [N, K] float32 routing weights
+    wi: jax.Array,  # [E_local, D, F_local]
+    wi_gate: jax.Array | None,  # [E_local, D, F_local]
+    wo: jax.Array,  # [E_local, F_local, D]
+    *,
+    activation,
+    expert_axis: str | None,
+    tensor_axes: tuple[str, ...],
+) -> jax.Array:
+    """The body run per shard (or once, without a mesh): [N, D] -> [N, D] in x's dtype."""
+    local_experts = wi.shape[0]
+    if expert_axis is not None:  # every shard of the expert group sees every token of the group
+        x = jax.lax.all_gather(x, expert_axis, tiled=True)  # [N', D], N' = N * ep
+        experts = jax.lax.all_gather(experts, expert_axis, tiled=True)  # [N', K]
+        weights = jax.lax.all_gather(weights, expert_axis, tiled=True)
+        first = jax.lax.axis_index(expert_axis) * local_experts
+    else:
+        first = 0
+    num_tokens, k = experts.shape
+    local_id = experts.reshape(-1) - first  # [M = N' K], token-major
+    is_local = (local_id >= 0) & (local_id < local_experts)
+    sort_key = jnp.where(is_local, local_id, local_experts)  # other shards' experts sort last
+    order = jnp.argsort(sort_key, stable=True)  # [M]
+    inverse = jnp.argsort(order)
+    group_sizes = jnp.bincount(sort_key, length=local_experts + 1)[:local_experts]  # [E_local]
+
+    rows = jnp.repeat(x, k, axis=0)  # [M, D]: row m is token m // K
+    rows = _permute(rows, order, inverse)  # sorted by local expert
+    hidden = grouped_matmul(rows, wi, group_sizes)  # [M, F]
+    if wi_gate is not None:
+        hidden = activation(grouped_matmul(rows, wi_gate, group_sizes)) * hidden
+    else:
+        hidden = activation(hidden)
+    out = grouped_matmul(hidden, wo, group_sizes)  # [M, D]; zero rows for other shards' experts
+    if tensor_axes:  # F was split over the tensor axes: partial sums
+        out = jax.lax.psum(out, tensor_axes)
+    out = _permute(out, inverse, order).reshape(num_tokens, k, -1)  # [N', K, D] token-major
+    y = jnp.einsum("NKD,NK->ND", out.astype(jnp.float32), weights)  # combine in float32
+    if expert_axis is not None:
+        y = jax.lax.psum_scatter(y, expert_axis, scatter_dimension=0, tiled=True)  # [N, D]
+    return y.astype(x.dtype)
+
+
+class MoeMlp(nn.Module):
+    """x [B, T, D] -> [B, T, D]: router, then the experts of ``config.routing``.
+
+    Sows into AUX_LOSS_COLLECTION the weighted load-balancing (and router z-) loss, and into
+    SUMMARIES_COLLECTION ``moe``: aux_loss (unweighted; 1.0 for perfectly uniform routing),
+    dropped_fraction, expert_load_min/max (share of assignments of the least and most loaded
+    expert) and router_z_loss (when weighted).
+
+    Attributes:
+        config: the MoE switches.
+        hidden_dims: each expert's hidden size.
+    """
+
+    config: MoeConfig
+    hidden_dims: int
+    init_std: float = 0.02
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
+
+    def _expert(self, shape: tuple[int, int, int], axes: tuple[str, str, str], name: str):
+        return ExpertLinear(kernel_shape=shape, kernel_axes=axes, init_std=self.init_std,
+                            dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, paddings: jax.Array | None = None) -> jax.Array:
+        """x [B, T, D]; paddings [B, T] (1 where the token is padding) or None."""
+        cfg = self.config
+        model_dims = x.shape[-1]
+        e, f = cfg.num_experts, self.hidden_dims
+        # Router in float32 (Praxis and HF Mixtral both route in full precision).
+        router = Linear(equation="NTD,DE->NTE", kernel_shape=(model_dims, e),
+                        kernel_axes=("embed", "router"), init_std=self.init_std,
+                        dtype=jnp.float32, param_dtype=self.param_dtype, name="router")
+        wi = self._expert((e, model_dims, f), ("expert", "embed", "mlp"), "wi")
+        wi_gate = (self._expert((e, model_dims, f), ("expert", "embed", "mlp"), "wi_gate")
+                   if cfg.gated_experts else None)
+        wo = self._expert((e, f, model_dims), ("expert", "mlp", "embed"), "wo")
+        act = activation_fn(cfg.expert_activation)
+        if cfg.routing is MoeRouting.GSHARD_TOP2:
+            y, stats = self._gshard(x, paddings, router, wi, wi_gate, wo, act)
+        else:
+            y, stats = self._dropless(x, paddings, router, wi, wi_gate, wo, act)
+        aux_loss, z_loss, assignments, dropped = stats
+        share = assignments / jnp.maximum(jnp.sum(assignments), 1.0)  # [E]
+        summaries = {
+            "aux_loss": aux_loss,
+            "dropped_fraction": dropped,
+            "expert_load_min": jnp.min(share),
+            "expert_load_max": jnp.max(share),
+        }
+        if cfg.load_balancing_weight:
+            self.sow(AUX_LOSS_COLLECTION, "load_balancing", cfg.load_balancing_weight * aux_loss)
+        if cfg.router_z_loss_weight:
+            summaries["router_z_loss"] = z_loss
+            self.sow(AUX_LOSS_COLLECTION, "router_z_loss", cfg.router_z_loss_weight * z_loss)
+        self.sow(SUMMARIES_COLLECTION, "moe", summaries)
+        return y
+
+    def _gshard(self, x, paddings, router, wi, wi_gate, wo, act):
+        cfg = self.config
+        batch, length, model_dims = x.shape
+        tokens = batch * length
+        groups = cfg.num_groups if cfg.num_groups is not None else batch_shards()
+        if self.is_initializing():  # routing does not shape the parameters; init on any tokens
+            groups = math.gcd(groups, tokens)
+        if tokens % groups:
+            raise ValueError(
+                f"MoE num_groups={groups} does not divide the {tokens} tokens of this batch "
+                f"({batch} rows x {length}); choose NUM_GROUPS dividing it"
+            )
+        xg = x.reshape(groups, tokens // groups, model_dims)  # [G, S, D]
+        xg = nn.with_logical_constraint(xg, GROUPED_ACTIVATION_AXES)
+        logits = router(xg)  # [G, S, E] float32
+        pad = None if paddings is None else paddings.reshape(groups, -1).astype(jnp.float32)
+        gating = top2_gating(logits, capacity_factor=cfg.capacity_factor, paddings=pad)
+        dispatch = gating.dispatch.astype(self.dtype)  # [G, S, E, C]
+        xe = jnp.einsum("GSEC,GSD->EGCD", dispatch, xg.astype(self.dtype))
+        xe = nn.with_logical_constraint(xe, DISPATCHED_ACTIVATION_AXES)  # the all-to-all
+        hidden = wi.einsum("EGCD,EDF->EGCF", xe)
+        if wi_gate is not None:
+            hidden = act(wi_gate.einsum("EGCD,EDF->EGCF", xe)) * hidden
+        else:
+            hidden = act(hidden)
+        hidden = nn.with_logical_constraint(hidden, DISPATCHED_HIDDEN_AXES)
+        ye = wo.einsum("EGCF,EFD->EGCD", hidden)
+        ye = nn.with_logical_constraint(ye, DISPATCHED_ACTIVATION_AXES)
+        y = jnp.einsum("EGCD,GSEC->GSD", ye, gating.combine.astype(self.dtype))  # back to groups
+        y = nn.with_logical_constraint(y, GROUPED_ACTIVATION_AXES)
+        z_loss = router_z_loss(logits.reshape(tokens, -1),
+                               None if pad is None else pad.reshape(-1))
+        stats = (gating.aux_loss, z_loss, gating.expert_assignments, gating.dropped_fraction)
+        return y.reshape(batch, length, model_dims), stats
+
+    def _dropless(self, x, paddings, router, wi, wi_gate, wo, act):
+        cfg = self.config
+        batch, length, model_dims = x.shape
+        logits = router(x)  # [B, T, E] float32
+        flat_logits = logits.reshape(batch * length, -1)
+        weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token)  # [N, K]
+        pad = None if paddings is None else paddings.reshape(-1).astype(jnp.float32)
+        aux = load_balancing_loss_topk(probs, experts, num_experts=cfg.num_experts, paddings=pad)
+        z_loss = router_z_loss(flat_logits, pad)
+        real = jnp.ones((batch * length,), jnp.float32) if pad is None else 1.0 - pad
+        assignments = jnp.einsum(
+            "NKE,N->E", jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32), real)
+
+        expert_axes = _mesh_axes("expert")
+        batch_axes = _mesh_axes("activation_batch")
+        tensor_axes = tuple(a for a in _mesh_axes("mlp") if _mesh_size((a,)) > 1)
+        ep = _mesh_size(expert_axes)
+        if len(expert_axes) > 1:
+            raise ValueError(f"the expert logical axis must map to one mesh axis, got {expert_axes}")
+        run = functools.partial(
+            _dropless_experts, activation=act,
+            expert_axis=expert_axes[0] if ep > 1 else None, tensor_axes=tensor_axes)
+        gate_kernel = None if wi_gate is None else wi_gate.kernel_value()
+        x2 = x.reshape(batch * length, model_dims).astype(self.dtype)
+        weights = weights * real[:, None]  # padding contributes nothing
+        if jax.sharding.get_abstract_mesh().empty:
+            y = run(x2, experts, weights, wi.kernel_value(), gate_kernel, wo.kernel_value())
+        else:
+            rows = PartitionSpec(batch_axes or None)
+            expert_w = PartitionSpec(expert_axes[0] if ep > 1 else None, None,
+                                     tensor_axes or None)
+            expert_wo = PartitionSpec(expert_w[0], tensor_axes or None, None)
+            kernels = [wi.kernel_value(), wo.kernel_value()] + (
+                [] if gate_kernel is None else [gate_kernel])
+
+            def body(x_, experts_, weights_, wi_, wo_, *gate_):
+                return run(x_, experts_, weights_, wi_, gate_[0] if gate_ else None, wo_)
+
+            y = jax.shard_map(
+                body,
+                in_specs=(rows, rows, rows, expert_w, expert_wo) + (expert_w,) * len(kernels[2:]),
+                out_specs=rows,
+                check_vma=False,  # outputs are psum'd over the tensor axes: replicated there
+            )(x2, experts, weights, *kernels)
+        return y.reshape(batch, length, model_dims), (aux, z_loss, assignments,
+                                                      jnp.zeros((), jnp.float32))

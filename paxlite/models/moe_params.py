@@ -1,0 +1,105 @@
+"""Parameter counts of a decoder read off its config alone: total, per expert, and active per token.
+
+``transformer.num_params`` counts a built model abstractly and is the authority. These closed
+forms exist because some questions are about the config, not a model: how many parameters does
+one token pass through (``num_active_params``: the router and its top-k experts of each MoE layer,
+not all E), and how large is a config whose modules are not all written yet. The formulas follow
+the parameter tree of ``docs/moe_experiments.md`` (and the MoE design): MoE layers hold
+``moe/router/kernel [D, E]``, ``moe/wi/kernel [E, D, F]``, ``moe/wi_gate/kernel [E, D, F]``
+(gated experts only) and ``moe/wo/kernel [E, F, D]``, with no biases; the relative position bias
+of ``PositionEmbedding.RELATIVE_BIAS`` is one ``[buckets, heads]`` table per layer, as in Praxis's
+``RelativeBias`` (each attention layer owns one). A test checks the dense part against the built
+model, so the two cannot drift apart unnoticed.
+"""
+
+from __future__ import annotations
+
+from paxlite.models.transformer_config import NormKind, PositionEmbedding, TransformerConfig
+
+
+def _norm_params(config: TransformerConfig) -> int:
+    d = config.model_dims
+    return 2 * d if config.norm is NormKind.LAYER_NORM else d  # LayerNorm: scale + bias
+
+
+def expert_hidden_dims(config: TransformerConfig) -> int:
+    """The hidden size of one expert (``moe.expert_hidden_dims``, else the dense ``hidden_dims``)."""
+    if config.moe is None:
+        raise ValueError("expert_hidden_dims: the config has no MoE layers (moe is None)")
+    return config.moe.expert_hidden_dims or config.hidden_dims
+
+
+def params_per_expert(config: TransformerConfig) -> int:
+    """One expert's weights: wi and wo (and wi_gate when gated), no biases."""
+    matrices = 3 if config.moe.gated_experts else 2
+    return matrices * config.model_dims * expert_hidden_dims(config)
+
+
+def router_params(config: TransformerConfig) -> int:
+    """The router of one MoE layer: a [D, E] kernel, no bias."""
+    return config.model_dims * config.moe.num_experts
+
+
+def expert_params_per_layer(config: TransformerConfig) -> int:
+    """Every parameter of one MoE layer's feed-forward block: the router and all E experts."""
+    return router_params(config) + config.moe.num_experts * params_per_expert(config)
+
+
+def num_moe_layers(config: TransformerConfig) -> int:
+    return 0 if config.moe is None else config.moe.num_moe_layers(config.num_layers)
+
+
+def _dense_mlp_params(config: TransformerConfig) -> int:
+    d, f = config.model_dims, config.hidden_dims
+    matrices = 3 if config.gated_mlp else 2
+    biases = ((2 if config.gated_mlp else 1) * f + d) if config.use_bias else 0
+    return matrices * d * f + biases
+
+
+def _attention_params(config: TransformerConfig) -> int:
+    d, h = config.model_dims, config.dims_per_head
+    q, kv = config.num_heads * h, config.kv_heads * h
+    weights = d * (q + 2 * kv) + q * d
+    biases = (q + 2 * kv + d) if config.use_bias else 0
+    relative = 0
+    if config.position_kind is PositionEmbedding.RELATIVE_BIAS:
+        relative = config.relative_position_buckets * config.num_heads
+    return weights + biases + relative
+
+
+def closed_form_num_params(config: TransformerConfig) -> int:
+    """Every parameter of the model `config` describes, from the config alone (no LoRA).
+
+    Equals ``transformer.num_params`` of the built model; LoRA adapters are not covered (count
+    those abstractly).
+    """
+    if config.lora_rank is not None:
+        raise ValueError("closed_form_num_params does not count LoRA adapters; use "
+                         "paxlite.models.transformer.num_params")
+    d, v = config.model_dims, config.vocab_size
+    total = v * d  # token embedding
+    if not config.tie_embeddings:
+        total += d * v  # output head, no bias
+    if config.position_kind is PositionEmbedding.LEARNED:
+        total += config.max_seq_len * d
+    total += _norm_params(config)  # final norm
+    per_layer = 2 * _norm_params(config) + _attention_params(config)
+    moe_layers = num_moe_layers(config)
+    total += config.num_layers * per_layer
+    total += (config.num_layers - moe_layers) * _dense_mlp_params(config)
+    if moe_layers:
+        total += moe_layers * expert_params_per_layer(config)
+    return total
+
+
+def num_active_params(config: TransformerConfig, num_params: int) -> int:
+    """The parameters one token passes through: `num_params` (the whole model's count) less the
+    experts it is not routed to, (E - k) per MoE layer. Equal to `num_params` for dense models.
+
+    Every token uses the router and exactly k experts of each MoE layer (GShard may drop an
+    assignment over capacity; the count is of what routing chooses, as MaxText's FLOPs are).
+    """
+    if config.moe is None:
+        return num_params
+    unused = config.moe.num_experts - config.moe.experts_per_token
+    return num_params - num_moe_layers(config) * unused * params_per_expert(config)

@@ -1,0 +1,123 @@
+"""MoE models on expert-parallel meshes compute what one device computes.
+
+Loss and every gradient leaf of a tiny GLaM (GShard top-2: dispatch/combine einsums, the G -> E
+resharding GSPMD turns into an all-to-all) and a tiny Mixtral (dropless top-2: the shard_map
+exchange over the expert axis, tensor-split expert matmuls) on 8 CPU devices, against the same
+parameters and batch on one device. XLA:CPU has computed wrong gradients on some meshes before
+(reference/stack.md), so every gradient is compared, not only the loss.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from paxlite.models.activations import Activation
+from paxlite.models.moe import batch_shards
+from paxlite.models.moe_config import MoeConfig, MoeRouting
+from paxlite.models.transformer import LLAMA_ARCHITECTURE, Transformer, TransformerConfig
+from paxlite.models.transformer_config import NormKind, PositionEmbedding
+from paxlite.parallel import rules as rules_lib
+from paxlite.parallel.mesh import MeshConfig, build_mesh
+from paxlite.train.step import compile_steps, loss_fn
+
+SEQ, ROWS, VOCAB = 16, 8, 128
+SIZES = dict(vocab_size=VOCAB, num_layers=2, model_dims=32, num_heads=4, dims_per_head=8,
+             hidden_dims=64, max_seq_len=SEQ, dropout_prob=0.0)
+
+GLAM = TransformerConfig(
+    **SIZES, norm=NormKind.RMS_NORM, use_bias=False, gated_mlp=True, activation=Activation.GELU,
+    position_embedding=PositionEmbedding.RELATIVE_BIAS, relative_position_buckets=8,
+    relative_position_max_distance=12, scale_query=False,
+    moe=MoeConfig(num_experts=8, routing=MoeRouting.GSHARD_TOP2, capacity_factor=2.0,
+                  num_groups=8, moe_layer_interval=2, load_balancing_weight=0.01),
+)
+MIXTRAL = TransformerConfig(
+    **SIZES, **LLAMA_ARCHITECTURE, num_kv_heads=2, tie_embeddings=False,
+    moe=MoeConfig(num_experts=8, experts_per_token=2, routing=MoeRouting.DROPLESS_TOPK,
+                  gated_experts=True, expert_activation=Activation.SILU,
+                  load_balancing_weight=0.02, router_z_loss_weight=0.001),
+)
+MODELS = {"glam": GLAM, "mixtral": MIXTRAL}
+
+# (ICI, DCN): all devices on experts; data x expert; fsdp x tensor x expert; a hybrid layout (one
+# process standing in for two nodes: data across them, tensor x expert within).
+MESHES = [((1, 1, 1, 8), (1, 1, 1)), ((2, 1, 1, 4), (1, 1, 1)), ((1, 2, 2, 2), (1, 1, 1)),
+          ((1, 1, 2, 2), (2, 1, 1))]
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, size=(ROWS, SEQ + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "weights": np.ones((ROWS, SEQ), np.float32)}
+
+
+def _loss_and_grads(config: TransformerConfig, mesh):
+    model = Transformer(config)
+    with jax.set_mesh(mesh):
+        steps = compile_steps(model=model, optimizer=optax.sgd(0.1), schedule=optax.constant_schedule(0.1),
+                              mesh=mesh, seq_len=SEQ, seed=3, deterministic=True)
+        state = steps.init()
+        batch = jax.device_put(_batch(), steps.batch_sharding)
+
+        def value_and_grad(params, batch):
+            with nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
+                return jax.value_and_grad(functools.partial(loss_fn, model=model), has_aux=True)(
+                    params, batch)
+
+        param_shardings = steps.state_shardings.params
+        (objective, aux), grads = jax.jit(
+            value_and_grad, in_shardings=(param_shardings, steps.batch_sharding),
+            out_shardings=((rules_lib.replicated(mesh), None), param_shardings),
+        )(state.params, batch)
+        return (float(objective), float(aux["loss"]), jax.device_get(aux["summaries"]),
+                jax.device_get(state.params), jax.device_get(grads))
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def reference(request):
+    config = MODELS[request.param]
+    one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
+    return config, _loss_and_grads(config, one)
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("ici,dcn", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_moe_mesh_matches_one_device(ici, dcn, reference):
+    config, (objective_ref, loss_ref, summaries_ref, params_ref, grads_ref) = reference
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
+    assert mesh.shape["expert"] == ici[3] * (dcn[3] if len(dcn) == 4 else 1)
+    objective, loss, summaries, params, grads = _loss_and_grads(config, mesh)
+    jax.tree.map(np.testing.assert_array_equal, params, params_ref)
+    assert objective > loss  # the load-balancing (and router z-) losses are in the objective
+    assert abs(objective - objective_ref) / abs(objective_ref) < 1e-5
+    assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
+    assert set(summaries) == set(summaries_ref) >= {"moe/aux_loss", "moe/dropped_fraction"}
+    for key, value in summaries_ref.items():
+        np.testing.assert_allclose(summaries[key], value, rtol=1e-5, err_msg=key)
+    flat_ref = jax.tree_util.tree_leaves_with_path(grads_ref)
+    flat = jax.tree.leaves(grads)
+    assert len(flat) == len(flat_ref) > 10
+    for (path, ref), got in zip(flat_ref, flat):
+        assert np.abs(ref).max() > 0, f"gradient {jax.tree_util.keystr(path)} is zero: nothing tested"
+        assert _rel_err(got, ref) < 1e-5, f"gradient {jax.tree_util.keystr(path)} differs on {ici}x{dcn}"
+
+
+@pytest.mark.parametrize("ici,shards", [((1, 1, 1, 8), 8), ((2, 1, 1, 4), 8), ((1, 2, 2, 2), 4),
+                                        ((1, 1, 8), 1)])
+def test_default_groups_are_the_batch_shards(ici, shards):
+    """NUM_GROUPS=None: one GShard group per batch shard (data x fsdp x expert), as Pax derives it."""
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=ici))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
+        seen = []
+        jax.jit(lambda x: seen.append(batch_shards()) or x)(jnp.zeros(()))
+    assert seen == [shards]
