@@ -132,8 +132,9 @@ def plan(request: PlanRequest) -> dict[str, Any]:
 
 
 def _resolved_mesh_shapes(experiment, num_devices: int) -> tuple[list[int], list[int]]:
-    """[data, fsdp, tensor] ICI and DCN shapes for `num_devices`; ICI=None puts each node's devices
-    (num_devices / DCN) on data, as a real multi-node run does."""
+    """ICI and DCN shapes for `num_devices`, as given ([data, fsdp, tensor] or with a 4th, expert,
+    entry); ICI=None puts each node's devices (num_devices / DCN) on data, as a real multi-node run
+    does."""
     from paxlite.parallel.mesh import MeshError
 
     dcn = list(experiment.DCN_MESH_SHAPE)
@@ -206,7 +207,7 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
     seq_len = model_config.max_seq_len
     loop = fdl.build(experiment.loop_config())
     # Gradient accumulation: activations scale with the microbatch, as in the real run, which
-    # refuses microbatches that do not split over data x fsdp; so does the plan.
+    # refuses microbatches that do not split over data x fsdp x expert; so does the plan.
     microbatch_size(global_batch_size=global_batch, grad_accum_steps=loop.grad_accum_steps,
                     batch_split=rules_lib.batch_split(mesh))
     accum = {"grad_accum_steps": loop.grad_accum_steps}
@@ -282,13 +283,13 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
 
     levers: list[dict[str, Any]] = []
     ici, dcn = base["ici_mesh_shape"], base["dcn_mesh_shape"]
-    data, fsdp = ici[0] * dcn[0], ici[1] * dcn[1]
+    data, fsdp = base["mesh"]["data"], base["mesh"]["fsdp"]
     state = base["memory"]["parameter_bytes"] + base["memory"]["optimizer_state_bytes"]
     state += base["memory"]["gradient_bytes"]
     candidates: list[tuple[str, str, dict[str, Any]]] = []
     if data > 1:
         # Intermediate fsdp sizes: only the sharded state changes (exactly 1/fsdp); the batch split
-        # data x fsdp, and so the activations, stay as they are.
+        # data x fsdp x expert, and so the activations, stay as they are.
         factor = 2
         while data % factor == 0 and factor < data:
             new_fsdp = fsdp * factor
@@ -299,12 +300,12 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
                            "peak_bytes": peak, **_verdict(peak, device_bytes)})
             factor *= 2
         candidates.append((f"fsdp {fsdp} -> {fsdp * data} (all of data moved to fsdp)",
-                           "compiled", {"ICI_MESH_SHAPE": [1, ici[0] * ici[1], ici[2]],
-                                        "DCN_MESH_SHAPE": [1, dcn[0] * dcn[1], dcn[2]]}))
+                           "compiled", {"ICI_MESH_SHAPE": [1, ici[0] * ici[1], *ici[2:]],
+                                        "DCN_MESH_SHAPE": [1, dcn[0] * dcn[1], *dcn[2:]]}))
     else:
         levers.append({"lever": "more fsdp", "applicable": False,
-                       "reason": "the data axis is 1: every device that splits the batch is "
-                                 "already on fsdp"})
+                       "reason": "the data axis is 1: no data-parallel devices are left to "
+                                 "move to fsdp"})
     if not experiment.USE_REPEATED_LAYER:
         # Unrolled layers keep every activation for the backward pass (Pax applies the policy to
         # the repeated stack only), so the remat lever is the scanned stack with SAVE_NOTHING.
@@ -383,6 +384,7 @@ def plan_experiment(experiment, *, num_devices: int,
     import fiddle as fdl
 
     from paxlite.models.transformer import num_params
+    from paxlite.parallel.mesh import BATCH_AXES
 
     started = time.perf_counter()
     base = compile_train_step(experiment, num_devices=num_devices)
@@ -392,7 +394,7 @@ def plan_experiment(experiment, *, num_devices: int,
     compiler = base["compiler_flops_per_device"]
     ideal_step_s = analytic / (num_devices * peak_tflops * 1e12)
     verdict = _verdict(base["memory"]["peak_bytes"], device_bytes)
-    batch_ways = base["mesh"]["data"] * base["mesh"]["fsdp"]
+    batch_ways = math.prod(base["mesh"][axis] for axis in BATCH_AXES)
     result = {
         "experiment": experiment.name,
         "class": f"{type(experiment).__module__}.{type(experiment).__qualname__}",

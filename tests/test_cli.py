@@ -158,7 +158,7 @@ def test_show_json():
     assert info["experiment"] == "Synthetic126M"
     assert info["num_params"] == 125_262_336
     assert info["flops_per_token"] == 854_654_976
-    assert info["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1}
+    assert info["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1, "expert": 1}
     assert info["global_batch_size"] == 4 * 16
     assert info["hparams"]["LR_COS_DECAY_START"] == 501
     assert len(info["hparams"]) > 40

@@ -142,6 +142,21 @@ def test_gradient_accumulation_lever_lowers_the_peak():
     assert together["peak_bytes"] < min(lever["peak_bytes"] for lever in singles)
 
 
+def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(monkeypatch):
+    monkeypatch.setattr(plan_lib, "_MAX_COMPILED_LEVERS", 1)  # only the fsdp move: one more compile
+    plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1,1]", "DCN_MESH_SHAPE=[1,1,1]", num_devices=2,
+                      device_memory_gib=1e-4)
+    assert plan["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert plan["ici_mesh_shape"] == [2, 1, 1, 1] and plan["dcn_mesh_shape"] == [1, 1, 1]
+    assert plan["attention_logits_bytes_per_layer"] == 4 * (2 // 2) * 8 * 32 * 32
+    move = {lever["lever"]: lever for lever in plan["levers"]}["fsdp 1 -> 2 (all of data moved to fsdp)"]
+    # Each shape keeps its own length: the expert entry stays where the user put it.
+    assert move["overrides"] == {"ICI_MESH_SHAPE": [1, 2, 1, 1], "DCN_MESH_SHAPE": [1, 1, 1]}
+    assert move["method"] == "compiled" and move["peak_bytes"] > 0
+    assert ("mesh data 2 x fsdp 1 x tensor 1 x expert 1 (ICI [2, 1, 1, 1] x DCN [1, 1, 1])"
+            in plan_lib.format_text(plan))
+
+
 def test_mesh_mismatch_and_unknown_experiment_raise():
     experiment = load_experiment("TinySynthetic", ("ICI_MESH_SHAPE=[2,2,1]",))
     with pytest.raises(MeshError, match=r"needs 4 devices, but the plan is for --devices=8"):
@@ -195,7 +210,7 @@ def test_dry_run_mode_writes_plan_json_and_allocates_nothing(tmp_path):
                   f"--job_log_dir={job}")
     assert result.returncode == 0, result.stderr[-2000:]
     p = json.loads((job / "plan.json").read_text())
-    assert p["num_devices"] == 4 and p["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+    assert p["num_devices"] == 4 and p["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1, "expert": 1}
     assert p["overrides"]["ICI_MESH_SHAPE"] == [2, 2, 1]
     assert "Verdict: fits" in result.stdout
     assert sorted(os.listdir(job)) == ["plan.json"]  # no checkpoints, metrics or summaries

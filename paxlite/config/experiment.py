@@ -135,7 +135,7 @@ class Experiment:
     # Microbatches per optimizer step. The global batch stays PERCORE_BATCH_SIZE x devices; each step
     # runs forward/backward on global/GRAD_ACCUM_STEPS rows at a time and applies one update.
     GRAD_ACCUM_STEPS: int = 1
-    ICI_MESH_SHAPE: list[int] | None = None  # [data, fsdp, tensor]; None: all local devices on data
+    ICI_MESH_SHAPE: list[int] | None = None  # [data, fsdp, tensor(, expert)]; None: all on data
     DCN_MESH_SHAPE: list[int] = [1, 1, 1]
     FPROP_DTYPE: Literal["float32", "bfloat16"] = "float32"
     LEARNING_RATE: float = 1e-3
@@ -323,8 +323,9 @@ def _base_problems(hp: Experiment) -> Iterable[str]:
         yield f"EVAL_LOOP_NUM_BATCHES must be >= 1 or -1 (all), got {hp.EVAL_LOOP_NUM_BATCHES}"
     for name in ("ICI_MESH_SHAPE", "DCN_MESH_SHAPE"):
         shape = getattr(hp, name)
-        if shape is not None and (len(shape) != 3 or any(d <= 0 for d in shape)):
-            yield f"{name} must be 3 positive sizes [data, fsdp, tensor], got {shape}"
+        if shape is not None and (len(shape) not in (3, 4) or any(d <= 0 for d in shape)):
+            yield (f"{name} must be 3 positive sizes [data, fsdp, tensor] or 4 [data, fsdp, tensor, "
+                   f"expert] (a 4th entry is the expert axis), got {shape}")
     if hp.PERCORE_BATCH_SIZE <= 0:
         yield f"PERCORE_BATCH_SIZE must be > 0, got {hp.PERCORE_BATCH_SIZE}"
     if hp.GRAD_ACCUM_STEPS < 1:

@@ -25,18 +25,19 @@ from typing import Any, Protocol
 
 from paxlite.config.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # AXLearn's axis names that paxlite's meshes do not have (yet); asking for more than one of them is an error.
-_ABSENT_AXES = ("pipeline", "expert", "seq")
+_ABSENT_AXES = ("pipeline", "seq")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Sizes of paxlite's mesh axes (data, fsdp, tensor); at most one may be -1 ("all that is left")."""
+    """Sizes of paxlite's mesh axes (data, fsdp, tensor, expert); at most one may be -1 ("all that is left")."""
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
 
     def __post_init__(self):
         sizes = self.as_list()
@@ -46,7 +47,9 @@ class MeshShape:
             raise ConfigError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
 
     def as_list(self) -> list[int]:
-        return [self.data, self.fsdp, self.tensor]
+        """[data, fsdp, tensor], with a 4th (expert) entry only when expert is not 1: a dense mesh is
+        recorded as it always was."""
+        return [self.data, self.fsdp, self.tensor] + ([self.expert] if self.expert != 1 else [])
 
     def resolve(self, num_devices: int) -> list[int]:
         """The sizes with a -1 replaced so that the product is `num_devices` (an error if it cannot be)."""
@@ -72,17 +75,17 @@ def mesh_shape_from_axes(
 ) -> MeshShape:
     """A mesh shape by axis name, as AXLearn spells it (`model` is AXLearn's name for `tensor`).
 
-    `pipeline`, `expert` and `seq` are accepted so AXLearn-style calls read the same, but must stay 1: paxlite's
-    meshes have no such axes.
+    `pipeline` and `seq` are accepted so AXLearn-style calls read the same, but must stay 1: paxlite's meshes have
+    no such axes. `expert` is the expert-parallel axis (the 4th entry of ICI/DCN_MESH_SHAPE).
     """
     if model is not None:
         if tensor != 1:
             raise ConfigError(f"give tensor={tensor} or model={model}, not both (model is AXLearn's name for tensor)")
         tensor = model
-    absent = {name: size for name, size in zip(_ABSENT_AXES, (pipeline, expert, seq)) if size != 1}
+    absent = {name: size for name, size in zip(_ABSENT_AXES, (pipeline, seq)) if size != 1}
     if absent:
         raise ConfigError(f"paxlite meshes have the axes {list(MESH_AXES)}; {absent} cannot be honoured")
-    return MeshShape(data=data, fsdp=fsdp, tensor=tensor)
+    return MeshShape(data=data, fsdp=fsdp, tensor=tensor, expert=expert)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,7 +68,7 @@ class LanguageModelExperiment(Experiment):
     INPUT_PIPELINE: Literal["grain", "seqio"] = "grain"
     # The global batch in sequences, fixed whatever the device count (AXLearn's train_batch_size).
     # None: PERCORE_BATCH_SIZE x devices (Pax). Set, it wins; each device holds GLOBAL / devices rows
-    # (fractional only with tensor parallelism), and it must divide over data x fsdp.
+    # (fractional only with tensor parallelism), and it must divide over data x fsdp (x expert).
     GLOBAL_BATCH_SIZE: int | None = None
     # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash"
     # (jax.nn.dot_product_attention; cuDNN flash attention on GPUs). Same parameters, same result.

@@ -1,8 +1,9 @@
 """Device meshes from Pax's ICI_MESH_SHAPE x DCN_MESH_SHAPE.
 
 Pax users describe parallelism as two [data, fsdp, tensor] shapes: one within a node (ICI) and one
-across nodes (DCN).
-The device mesh is their element-wise product. Within one process the devices are laid out with
+across nodes (DCN); a 4th entry is the expert axis (Pax's USE_EXPERT_PARALLEL), [data, fsdp, tensor,
+expert]. The device mesh is their element-wise product and always has all four axes (expert 1 when
+a shape has 3 entries), so model code can name "expert" whatever the user gave. Within one process the devices are laid out with
 `mesh_utils.create_device_mesh` (which knows the physical topology on GPUs); across processes with
 `create_hybrid_device_mesh`, so that the slow-interconnect axes span nodes.
 """
@@ -21,10 +22,14 @@ from jax.sharding import AxisType, Mesh
 
 from paxlite.errors import UserError
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
+# A shape may leave out the trailing expert axis (dense models, and every mesh written before it).
+_SHORT_LEN = 3
 # Axes a global batch is split over; never over `tensor` (Pax: inputs split over replica and data,
-# never mdl).
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+# never mdl). Outside the MoE layers the expert axis is one more data axis, as in MaxText and Pax.
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+_AXES_TEXT = (f"{_SHORT_LEN} positive integers [{', '.join(MESH_AXES[:_SHORT_LEN])}] or "
+              f"{len(MESH_AXES)} [{', '.join(MESH_AXES)}] (a 4th entry is the expert axis)")
 
 
 class MeshError(UserError, ValueError):
@@ -33,9 +38,12 @@ class MeshError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """[data, fsdp, tensor] shapes within a node (ici) and across nodes (dcn).
+    """[data, fsdp, tensor] or [data, fsdp, tensor, expert] shapes within a node (ici) and across
+    nodes (dcn).
 
-    ici=None puts every local device on data.
+    ici=None puts every local device on data. The shapes are kept as given (config.txt shows what
+    the user wrote); ici and dcn may differ in length, and `resolved_ici`/`resolved_dcn` give both
+    with all four axes.
     """
 
     ici_mesh_shape: tuple[int, ...] | None = None
@@ -48,26 +56,35 @@ class MeshConfig:
                 continue
             shape = tuple(shape)
             object.__setattr__(self, field, shape)
-            if len(shape) != len(MESH_AXES) or any(
+            if len(shape) not in (_SHORT_LEN, len(MESH_AXES)) or any(
                 not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape
             ):
                 raise MeshError(
-                    f"{field.upper()}={list(shape)}: expected {len(MESH_AXES)} positive integers "
-                    f"for the axes {list(MESH_AXES)}"
+                    f"{field.upper()}={list(shape)}: expected {_AXES_TEXT}"
                 )
 
     def resolved_ici(self, num_local_devices: int) -> tuple[int, ...]:
+        """The ICI shape with all four axes; None: every local device on data."""
         if self.ici_mesh_shape is None:
-            return (num_local_devices, 1, 1)
-        return self.ici_mesh_shape
+            return full_shape((num_local_devices,))
+        return full_shape(self.ici_mesh_shape)
+
+    def resolved_dcn(self) -> tuple[int, ...]:
+        """The DCN shape with all four axes."""
+        return full_shape(self.dcn_mesh_shape)
 
     def shape(self, num_local_devices: int) -> tuple[int, ...]:
-        """The device mesh shape: ICI x DCN element-wise."""
+        """The device mesh shape: ICI x DCN element-wise, one size per MESH_AXES entry."""
         ici = self.resolved_ici(num_local_devices)
-        return tuple(i * d for i, d in zip(ici, self.dcn_mesh_shape, strict=True))
+        return tuple(i * d for i, d in zip(ici, self.resolved_dcn(), strict=True))
 
     def axis_sizes(self, num_local_devices: int) -> dict[str, int]:
         return dict(zip(MESH_AXES, self.shape(num_local_devices), strict=True))
+
+
+def full_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """`shape` padded with 1s to one size per MESH_AXES entry (a 3-entry shape has expert 1)."""
+    return tuple(shape) + (1,) * (len(MESH_AXES) - len(shape))
 
 
 def check_mesh_fits(config: MeshConfig, *, num_devices: int, num_processes: int) -> None:
@@ -84,7 +101,8 @@ def check_mesh_fits(config: MeshConfig, *, num_devices: int, num_processes: int)
             "have the same number of devices"
         )
     local = num_devices // processes
-    ici = config.resolved_ici(local)
+    # Messages show the shapes as the user gave them (ICI=None as the data-parallel default).
+    ici = config.ici_mesh_shape or (local, 1, 1)
     dcn = config.dcn_mesh_shape
     if processes > 1:
         problems = []
@@ -135,14 +153,14 @@ def hybrid_layout(
     several.
     """
     blocks = np.stack([_granule_layout(ici, granule) for granule in granules])
-    blocks = blocks.reshape(*dcn, *ici)  # [dcn_0, dcn_1, dcn_2, ici_0, ici_1, ici_2]
+    blocks = blocks.reshape(*dcn, *ici)  # [dcn_0, ..., dcn_{n-1}, ici_0, ..., ici_{n-1}]
     n = len(ici)
     interleaved = blocks.transpose([a for i in range(n) for a in (i, n + i)])
     return interleaved.reshape([d * i for d, i in zip(dcn, ici, strict=True)])
 
 
 def build_mesh(config: MeshConfig, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over `devices` (default: all devices of the job).
+    """The (data, fsdp, tensor, expert) mesh over `devices` (default: all devices of the job).
 
     Several processes: `create_hybrid_device_mesh` with one granule per process, so the DCN axes
     span processes (nodes) and the ICI axes stay within one. One process with DCN > 1 is laid out by
@@ -153,7 +171,7 @@ def build_mesh(config: MeshConfig, *, devices: Sequence[jax.Device] | None = Non
     num_processes = len({d.process_index for d in devices})
     check_mesh_fits(config, num_devices=len(devices), num_processes=num_processes)
     ici = config.resolved_ici(len(devices) // num_processes)
-    dcn = config.dcn_mesh_shape
+    dcn = config.resolved_dcn()
     if num_processes > 1:
         device_array = mesh_utils.create_hybrid_device_mesh(
             ici, dcn, devices=devices, process_is_granule=True
@@ -180,7 +198,7 @@ def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_spli
                       fixed_global_batch_size: int | None = None) -> int:
     """Pax semantics: PERCORE_BATCH_SIZE x devices, whatever the parallelism.
 
-    It must be a whole number that divides evenly over the data x fsdp axes (with tensor
+    It must be a whole number that divides evenly over the data x fsdp x expert axes (with tensor
     parallelism PERCORE_BATCH_SIZE may be fractional). `fixed_global_batch_size` (GLOBAL_BATCH_SIZE,
     as AXLearn fixes it) replaces the product; each device then holds GLOBAL / devices rows, and
     the same split rule applies.
@@ -190,9 +208,10 @@ def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_spli
         if fixed < 1 or fixed % batch_split:
             per_device = fixed / num_devices
             raise MeshError(
-                f"GLOBAL_BATCH_SIZE={fixed} does not divide over data x fsdp = {batch_split} ways "
+                f"GLOBAL_BATCH_SIZE={fixed} does not divide over data x fsdp x expert = "
+                f"{batch_split} ways "
                 f"({num_devices} devices, {per_device:g} rows per device); choose a multiple of "
-                f"{batch_split} or a mesh whose data x fsdp divides {fixed}"
+                f"{batch_split} or a mesh whose data x fsdp x expert divides {fixed}"
             )
         return fixed
     total = percore_batch_size * num_devices
@@ -206,6 +225,6 @@ def global_batch_size(*, percore_batch_size: float, num_devices: int, batch_spli
         raise MeshError(
             f"global batch {rounded} (PERCORE_BATCH_SIZE={percore_batch_size} x "
             f"{num_devices} devices) "
-            f"does not divide over data x fsdp = {batch_split} ways"
+            f"does not divide over data x fsdp x expert = {batch_split} ways"
         )
     return rounded

@@ -2,10 +2,13 @@
 
 Models name every parameter and large activation dimension; only this table knows the mesh. Parameters are
 sharded FSDP-style over `fsdp` on their embed dimension and tensor-parallel over `tensor` on heads/mlp/vocab;
-activations split their batch over data x fsdp. Optimizer state follows the parameters.
+activations split their batch over data x fsdp x expert. MoE expert weights and expert-major activations
+split over `expert`. Optimizer state follows the parameters.
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -24,6 +27,7 @@ DEFAULT_RULES: LogicalRules = (
     ("activation_heads", "tensor"),
     ("activation_kv", None),
     ("activation_vocab", "tensor"),
+    ("activation_exp", "expert"),  # the expert dimension of dispatched MoE activations
     # parameters
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -34,6 +38,8 @@ DEFAULT_RULES: LogicalRules = (
     ("position", None),
     ("norm", None),
     ("layers", None),
+    ("expert", "expert"),  # MoE expert weights [E, ...]: each expert-axis shard holds E / expert
+    ("router", None),  # the router's [D, E] output dimension stays whole: every token scores all E
 )
 
 
@@ -42,9 +48,18 @@ def logical_to_shardings(logical_specs, mesh: Mesh, rules: LogicalRules = DEFAUL
     return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
 
 
+def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """BATCH_AXES that `mesh` has: build_mesh's meshes have them all; a hand-made mesh without an
+    expert axis splits its batch over the others (size 1 is what a missing axis means)."""
+    return tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+
+
 def batch_sharding(mesh: Mesh, rank: int = 2) -> NamedSharding:
-    """Inputs [batch, length, ...]: batch over data x fsdp, the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (rank - 1))))
+    """Inputs [batch, length, ...]: batch over data x fsdp x expert, the rest replicated.
+
+    Row blocks follow the mesh order of the axes: data outermost, expert innermost.
+    """
+    return NamedSharding(mesh, PartitionSpec(_batch_axes(mesh), *([None] * (rank - 1))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -52,8 +67,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_split(mesh: Mesh) -> int:
-    """How many ways a global batch is divided."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """How many ways a global batch is divided: data x fsdp x expert."""
+    return math.prod(mesh.shape[axis] for axis in _batch_axes(mesh))
 
 
 def check_divisible(abstract_tree, shardings, mesh: Mesh, *, what: str = "parameter") -> None:

@@ -87,7 +87,8 @@ class Run:
             batch_split=rules_lib.batch_split(self.mesh),
             fixed_global_batch_size=config.loop.global_batch_size,
         )
-        # Each optimizer step's microbatches must split over data x fsdp too; say so before compiling.
+        # Each optimizer step's microbatches must split over data x fsdp x expert too; say so before
+        # compiling.
         microbatch_size(global_batch_size=self.global_batch_size, grad_accum_steps=config.loop.grad_accum_steps,
                         batch_split=rules_lib.batch_split(self.mesh))
         seq_len = config.model.max_seq_len

@@ -1,8 +1,8 @@
 """Pure train and eval steps, and their jitted, sharded forms.
 
 `train_step` and `eval_step` are plain functions of (state, batch); `compile_steps` jits them once with explicit
-input/output shardings (parameters and optimizer state by the logical-axis rules, batches over data x fsdp,
-metrics replicated) and donates the train state, so a step updates parameters in place.
+input/output shardings (parameters and optimizer state by the logical-axis rules, batches over data x fsdp x
+expert, metrics replicated) and donates the train state, so a step updates parameters in place.
 
 With a `trainable` predicate over parameter paths (LoRA: only the adapters, Pax's
 `bprop_variable_inclusion`), the step differentiates with respect to the trainable subtree only
@@ -148,8 +148,8 @@ def _check_accum_steps(value: object, *, name: str) -> int:
 def microbatch_size(*, global_batch_size: int, grad_accum_steps: int, batch_split: int) -> int:
     """Rows per microbatch; a ValueError naming the numbers and the valid choices if none fits.
 
-    Each microbatch must itself split evenly over the data x fsdp devices (`batch_split` ways), so
-    `global_batch_size` must be a multiple of `grad_accum_steps * batch_split`.
+    Each microbatch must itself split evenly over the data x fsdp x expert devices (`batch_split`
+    ways), so `global_batch_size` must be a multiple of `grad_accum_steps * batch_split`.
     """
     k = _check_accum_steps(grad_accum_steps, name="GRAD_ACCUM_STEPS")
     if global_batch_size % (k * batch_split) == 0:
@@ -158,9 +158,9 @@ def microbatch_size(*, global_batch_size: int, grad_accum_steps: int, batch_spli
     valid = ", ".join(str(v) for v in range(1, per_split + 1) if per_split % v == 0) or "none"
     raise SettingError(
         f"GRAD_ACCUM_STEPS={k} does not fit the global batch of {global_batch_size} rows "
-        f"(PERCORE_BATCH_SIZE x devices) split over data x fsdp = {batch_split} ways: each "
-        f"microbatch of {global_batch_size}/{k} rows must be a multiple of {batch_split}. Valid "
-        f"GRAD_ACCUM_STEPS here: {valid}; or make the global batch a multiple of "
+        f"(PERCORE_BATCH_SIZE x devices) split over data x fsdp x expert = {batch_split} ways: "
+        f"each microbatch of {global_batch_size}/{k} rows must be a multiple of {batch_split}. "
+        f"Valid GRAD_ACCUM_STEPS here: {valid}; or make the global batch a multiple of "
         f"{k} x {batch_split} = {k * batch_split}"
     )
 
@@ -169,7 +169,7 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
     """Every [B, ...] array -> [K, B/K, ...]; microbatch k holds global rows k, k + K, k + 2K, ...
 
     Why strided rather than contiguous blocks: the feed lays a global batch out over the
-    n = data x fsdp devices in contiguous blocks (device d holds rows [d B/n, (d+1) B/n)).
+    n = data x fsdp x expert devices in contiguous blocks (device d holds rows [d B/n, (d+1) B/n)).
     Reshaping to [B/K, K, ...] leaves that leading dimension block-sharded exactly as before (each
     device's B/n rows are whole groups of K when B/K is a multiple of n), and moving K to the front
     is a local transpose. So every microbatch takes B/(nK) rows from every device: no rows cross
@@ -237,7 +237,7 @@ def _accumulated_loss_and_grads(
     def body(carry: Carry, xs: tuple[jax.Array, Batch]) -> tuple[Carry, None]:
         grads_acc, loss_acc, correct_acc, summaries_acc = carry
         index, mb = xs
-        mb = {  # each microbatch spread over data x fsdp, as the whole batch was
+        mb = {  # each microbatch spread over data x fsdp x expert, as the whole batch was
             key: nn.with_logical_constraint(x, ("activation_batch",) + (None,) * (x.ndim - 1))
             for key, x in mb.items()
         }
@@ -414,8 +414,8 @@ def compile_steps(
     """Build the sharded init/train/eval functions. Call the results inside `jax.set_mesh(mesh)`.
 
     `grad_accum_steps` > 1 makes each train step accumulate gradients over that many microbatches of
-    its global batch (whose size must then divide by grad_accum_steps x data x fsdp; see
-    `microbatch_size`). `trainable` (a predicate over '/'-joined parameter paths) freezes every
+    its global batch (whose size must then divide by grad_accum_steps x data x fsdp x expert;
+    see `microbatch_size`). `trainable` (a predicate over '/'-joined parameter paths) freezes every
     parameter it rejects: no gradient, no optimizer state, passed through each step unchanged.
     """
     _check_accum_steps(grad_accum_steps, name="grad_accum_steps")
@@ -486,7 +486,8 @@ def compile_steps(
     )
     evaluate = jax.jit(
         _with_rules(functools.partial(eval_step, model=model), logical_rules, name="eval_step"),
-        # Batches arrive as global arrays already laid out by the feed (rows over data x fsdp).
+        # Batches arrive as global arrays already laid out by the feed (rows over data x fsdp x
+        # expert).
         in_shardings=(param_shardings, None),
         out_shardings=replicated,
     )

@@ -31,6 +31,19 @@ def test_mesh_shape_from_axes_uses_axlearn_names():
         mesh_shape_from_axes(tensor=2, model=2)
 
 
+def test_mesh_shape_expert_axis_is_the_fourth_entry():
+    # A dense shape (expert 1) keeps its 3 entries, as every recorded config has them.
+    assert mesh_shape_from_axes(fsdp=2, expert=1).as_list() == [1, 2, 1]
+    assert mesh_shape_from_axes(fsdp=2, expert=4).as_list() == [1, 2, 1, 4]
+    assert mesh_shape_from_axes(fsdp=2, expert=-1).resolve(8) == [1, 2, 1, 4]
+    overrides = MeshShapeModifier(HybridMeshShape(ici=mesh_shape_from_axes(expert=8),
+                                                  dcn=mesh_shape_from_axes(data=-1)),
+                                  num_local_devices=8, num_processes=2)({})
+    assert overrides == {"ICI_MESH_SHAPE": [1, 1, 1, 8], "DCN_MESH_SHAPE": [2, 1, 1]}
+    with pytest.raises(ConfigError, match=r"'seq': 2"):
+        mesh_shape_from_axes(seq=2)
+
+
 def test_configure_matches_the_same_command_line():
     """A chain of modifiers gives exactly the experiment the equivalent --fdl flags give."""
     experiment = configure("Synthetic5B", ChainConfigModifier([

@@ -154,8 +154,8 @@ def test_global_batches_max_steps_and_single_host():
 def test_global_batch_that_does_not_split_is_one_clear_error():
     assert global_batch_size(percore_batch_size=1.0, num_devices=8, batch_split=4,
                              fixed_global_batch_size=12) == 12  # tensor 2: 1.5 rows per device
-    with pytest.raises(MeshError, match=r"GLOBAL_BATCH_SIZE=12 does not divide over data x fsdp = "
-                                        r"8 ways \(8 devices, 1.5 rows per device\)"):
+    with pytest.raises(MeshError, match=r"GLOBAL_BATCH_SIZE=12 does not divide over data x fsdp x "
+                                        r"expert = 8 ways \(8 devices, 1.5 rows per device\)"):
         global_batch_size(percore_batch_size=1.0, num_devices=8, batch_split=8,
                           fixed_global_batch_size=12)
     with pytest.raises(ConfigError, match="GLOBAL_BATCH_SIZE must be a positive"):

@@ -364,20 +364,21 @@ def test_dropout_only_acts_when_not_deterministic() -> None:
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_sharded_grads_equal_single_device_grads(
         reference: Callable[[bool], dict[str, Any]], scan_layers: bool) -> None:
-    """(2,2,2) mesh, FSDP x tensor sharded weights, batch over (data, fsdp), under the rules
+    """(2,2,2,1) mesh, FSDP x tensor sharded weights, batch over (data, fsdp, expert), under the rules
     and mesh context the trainer uses: loss and every gradient match one device.
 
     The rules are the product's table (`paxlite.parallel.rules.DEFAULT_RULES`, what
     `compile_steps` traces under), not a copy: a change to the table is tested here too."""
     ref = reference(scan_layers)
     cfg = ref["cfg"]
-    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
-                         axis_types=(AxisType.Auto,) * 3)
+    # The trainer's mesh always has the expert axis (size 1 here): the rules name it for the batch.
+    mesh = jax.make_mesh((2, 2, 2, 1), ("data", "fsdp", "tensor", "expert"),
+                         axis_types=(AxisType.Auto,) * 4)
     shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, DEFAULT_RULES)
     params = jax.device_put(ref["params"], shardings)
     assert params["embedding"]["embedding"].sharding.spec == PartitionSpec("tensor", "fsdp")
     tokens = jax.device_put(ref["tokens"], batch_sharding(mesh))
-    assert tokens.sharding.spec == PartitionSpec(("data", "fsdp"), None)
+    assert tokens.sharding.spec == PartitionSpec(("data", "fsdp", "expert"), None)
     with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
         loss, grads = _loss_and_grads(cfg, params, tokens)
     np.testing.assert_allclose(loss, ref["loss"], rtol=1e-5)

@@ -18,13 +18,13 @@ from paxlite.parallel.mesh import (
 
 def test_mesh_is_ici_times_dcn():
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 2), dcn_mesh_shape=(2, 1, 1)))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
 
 def test_default_puts_every_device_on_data():
     mesh = build_mesh(MeshConfig())
-    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
 
 
 def test_wrong_device_count_names_both_numbers():
@@ -45,7 +45,7 @@ def test_global_batch_pax_semantics():
     assert global_batch_size(percore_batch_size=0.5, num_devices=8, batch_split=4) == 4
     with pytest.raises(MeshError, match="not a positive whole global batch"):
         global_batch_size(percore_batch_size=0.3, num_devices=8, batch_split=1)
-    with pytest.raises(MeshError, match="does not divide over data x fsdp = 8"):
+    with pytest.raises(MeshError, match="does not divide over data x fsdp x expert = 8"):
         global_batch_size(percore_batch_size=0.5, num_devices=8, batch_split=8)
 
 
@@ -88,7 +88,8 @@ def _ids(mesh) -> list:
 )
 def test_one_process_lays_out_dcn_axes_as_a_hybrid_mesh(ici, dcn, expected):
     mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
-    assert _ids(mesh) == expected
+    assert mesh.shape["expert"] == 1  # 3-entry shapes: the trailing expert axis has size 1
+    assert np.asarray(_ids(mesh))[..., 0].tolist() == expected
 
 
 def test_hybrid_layout_matches_jax_hybrid_mesh_rule():

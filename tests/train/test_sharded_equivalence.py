@@ -84,7 +84,9 @@ def one_device_reference():
 
 # (ICI, DCN) as the experiments lay them out, one process standing in for the nodes: FSDP in nodes and data across
 # them (the multi-node default), FSDP across nodes (GPT5B/175B: DCN [1,N,1]), tensor in nodes and data across them.
-HYBRID_MESHES = [((1, 4, 1), (2, 1, 1)), ((1, 2, 1), (1, 4, 1)), ((1, 2, 2), (2, 1, 1)), ((2, 1, 2), (1, 1, 2))]
+HYBRID_MESHES = [((1, 4, 1), (2, 1, 1)), ((1, 2, 1), (1, 4, 1)), ((1, 2, 2), (2, 1, 1)), ((2, 1, 2), (1, 1, 2)),
+                 # the expert axis (4th entry) in nodes: for a dense model one more batch axis
+                 ((1, 2, 1, 2), (2, 1, 1))]
 
 
 @pytest.mark.parametrize(
@@ -95,8 +97,9 @@ HYBRID_MESHES = [((1, 4, 1), (2, 1, 1)), ((1, 2, 1), (1, 4, 1)), ((1, 2, 2), (2,
 def test_mesh_matches_one_device(ici, dcn, one_device_reference):
     run, (params_ref, loss_ref, grads_ref, losses_ref) = one_device_reference
     mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
-    shape = tuple(i * d for i, d in zip(ici, dcn))
-    assert dict(mesh.shape) == dict(zip(("data", "fsdp", "tensor"), shape))
+    padded = [tuple(s) + (1,) * (4 - len(s)) for s in (ici, dcn)]  # a 3-entry shape has expert 1
+    shape = tuple(i * d for i, d in zip(*padded))
+    assert dict(mesh.shape) == dict(zip(("data", "fsdp", "tensor", "expert"), shape))
     params, loss, grads, losses = _loss_grads_and_losses(run, mesh)
     # Initialisation is a function of the seed only, not of the mesh.
     jax.tree.map(np.testing.assert_array_equal, params, params_ref)
