@@ -28,6 +28,9 @@ DEFAULT_RULES: LogicalRules = (
     ("activation_kv", None),
     ("activation_vocab", "tensor"),
     ("activation_exp", "expert"),  # the expert dimension of dispatched MoE activations
+    # GShard groups once dispatched to experts [E, G, C, D]: over the batch axes but expert, which
+    # now splits E (the G -> E resharding is the all-to-all)
+    ("activation_group", ("data", "fsdp")),
     # parameters
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -39,7 +42,8 @@ DEFAULT_RULES: LogicalRules = (
     ("norm", None),
     ("layers", None),
     ("expert", "expert"),  # MoE expert weights [E, ...]: each expert-axis shard holds E / expert
-    ("router", None),  # the router's [D, E] output dimension stays whole: every token scores all E
+    ("router", None),
+    ("relpos_buckets", None),  # T5 relative-position bias table [heads, buckets]: buckets whole  # the router's [D, E] output dimension stays whole: every token scores all E
 )
 
 
