@@ -286,7 +286,7 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
     data, fsdp = base["mesh"]["data"], base["mesh"]["fsdp"]
     state = base["memory"]["parameter_bytes"] + base["memory"]["optimizer_state_bytes"]
     state += base["memory"]["gradient_bytes"]
-    candidates: list[tuple[str, str, dict[str, Any]]] = []
+    candidates: list[tuple[str, str, dict[str, Any]]] = _expert_candidates(experiment, base)
     if data > 1:
         # Intermediate fsdp sizes: only the sharded state changes (exactly 1/fsdp); the batch split
         # data x fsdp x expert, and so the activations, stay as they are.
@@ -340,6 +340,42 @@ def _levers(experiment, base: dict[str, Any], *, num_devices: int,
         levers.append({**lever, "peak_bytes": peak, **_verdict(peak, device_bytes)})
     combined = _combined_lever(experiment, levers, num_devices=num_devices, device_bytes=device_bytes)
     return levers + ([combined] if combined else [])
+
+
+def _expert_candidates(experiment, base: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """MoE levers: shard the experts over an expert axis taken from data (same training: the batch
+    still splits data x fsdp x expert ways), and for GShard more, smaller routing groups."""
+    moe = getattr(experiment, "NUM_EXPERTS", None)
+    if moe is None:
+        return []
+    out = []
+    shapes = {"ICI_MESH_SHAPE": list(base["ici_mesh_shape"]),
+              "DCN_MESH_SHAPE": list(base["dcn_mesh_shape"])}
+    for shape in shapes.values():
+        shape += [1] * (4 - len(shape))
+    unsharded = experiment.NUM_EXPERTS // base["mesh"]["expert"]
+    # Data first (the experts' weights were replicated over it), then fsdp (each device then
+    # gathers only its own experts' weights, not every expert's), within nodes first. At most 8x:
+    # what fsdp gives up stops sharding the dense weights, and the exchange stays within 8 ranks.
+    for axis, name in ((0, "ICI_MESH_SHAPE"), (0, "DCN_MESH_SHAPE"), (1, "ICI_MESH_SHAPE"),
+                       (1, "DCN_MESH_SHAPE")):
+        factor = math.gcd(shapes[name][axis], unsharded, 8)
+        if factor > 1:
+            changed = {key: list(value) for key, value in shapes.items()}
+            changed[name][axis] //= factor
+            changed[name][3] *= factor
+            source = ("data", "fsdp")[axis]
+            out.append(((f"expert {base['mesh']['expert']} -> {base['mesh']['expert'] * factor} "
+                         f"(from {source} in {name.split('_')[0]}; each device holds and gathers "
+                         f"{factor}x fewer experts)"), "compiled", changed))
+            break
+    if getattr(experiment, "MOE_ROUTING", None) == "gshard_top2":
+        groups = experiment.NUM_GROUPS or (_moe_plan(experiment, base) or {}).get("groups")
+        if groups:
+            out.append(((f"NUM_GROUPS {groups} -> {2 * groups} (groups of half the tokens: "
+                        "dispatch/combine halve; routing changes)"), "compiled",
+                        {"NUM_GROUPS": 2 * groups}))
+    return out
 
 
 # Levers that leave the training computation unchanged (same global batch, same math); halving the
@@ -413,6 +449,7 @@ def plan_experiment(experiment, *, num_devices: int,
         # them in float32, and under remat they are rebuilt layer by layer.
         "attention_logits_bytes_per_layer": 4 * base["global_batch_size"] // batch_ways
         * experiment.NUM_HEADS // base["mesh"]["tensor"] * base["seq_len"] ** 2,
+        "moe": _moe_plan(experiment, base),
         "flops_per_step": {
             "analytic": analytic,
             "analytic_per_token": experiment.flops_per_token(),
@@ -431,6 +468,22 @@ def plan_experiment(experiment, *, num_devices: int,
     }
     result["plan_s"] = round(time.perf_counter() - started, 2)
     return result
+
+
+def _moe_plan(experiment, base: dict[str, Any]) -> dict[str, Any] | None:
+    """Experts per device and the routing tensors of one MoE layer per device; None when dense."""
+    import fiddle as fdl
+
+    from paxlite.models.moe_params import num_moe_layers, routing_memory
+
+    model = fdl.build(experiment.model_config())
+    if model.moe is None:
+        return None
+    memory = routing_memory(model, global_tokens=base["global_batch_size"] * base["seq_len"],
+                            mesh=base["mesh"])
+    return {"num_experts": model.moe.num_experts, "experts_per_token": model.moe.experts_per_token,
+            "moe_layers": num_moe_layers(model), "expert_axis": base["mesh"]["expert"],
+            "experts_per_device": model.moe.num_experts // base["mesh"]["expert"], **memory}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,6 +519,7 @@ def format_text(p: dict[str, Any]) -> str:
         f"  peak live           {_gib(m['peak_bytes']):>14}  = {p['peak_formula']}",
         (f"  (of the temporaries: attention logits of one layer, float32 [B, N, T, S], "
          f"{_gib(p['attention_logits_bytes_per_layer'])})"),
+        *_moe_lines(p.get("moe")),
         (f"Verdict: {'fits' if p['fits'] else 'does NOT fit'} in "
          f"{_gib(p['device_memory_bytes'])}: {_gib(abs(p['margin_bytes']))} "
          f"{'to spare' if p['fits'] else 'short'}"),
@@ -492,6 +546,21 @@ def format_text(p: dict[str, Any]) -> str:
                 lines.append(f"  {lever['lever']}: not applicable: {lever['reason']}")
     lines.append(f"Planned in {p['plan_s']:.1f} s (compile {p['compile_s']:.1f} s).")
     return "\n".join(lines)
+
+
+def _moe_lines(moe: dict[str, Any] | None) -> list[str]:
+    if moe is None:
+        return []
+    head = (f"  MoE: {moe['num_experts']} experts (top-{moe['experts_per_token']}, "
+            f"{moe['routing']}) on {moe['moe_layers']} layers, {moe['experts_per_device']} per "
+            f"device (expert axis {moe['expert_axis']})")
+    if "dispatch_combine_bytes_per_device" in moe:
+        return [head, (f"  (of the temporaries: dispatch + combine of one MoE layer "
+                       f"[G, S, E, C] = {moe['groups']} groups x {moe['group_size']} tokens x "
+                       f"{moe['num_experts']} x capacity {moe['capacity']}: "
+                       f"{_gib(moe['dispatch_combine_bytes_per_device'])} per device)")]
+    return [head, (f"  (of the temporaries: {moe['sorted_rows_per_device']:,} sorted expert rows "
+                   f"of one MoE layer, {_gib(moe['sorted_rows_bytes_per_device'])} per device)")]
 
 
 def emit(p: dict[str, Any], output_format: OutputFormat) -> str:

@@ -232,3 +232,23 @@ def test_a_fresh_process_plans_itself_without_a_second_jax_start():
     result = _run("-c", code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "RESULT 0 0"
+
+
+def test_glam64b64e_on_512_devices_has_a_verdict_moe_memory_and_expert_levers():
+    """The issue's case: Pax's GLaM 64B/64E mesh (FSDP 64 x tensor 8) planned for 512 devices."""
+    p = plan_lib.plan(plan_lib.PlanRequest(name="GLaM64B64E", num_devices=512))
+    assert p["mesh"] == {"data": 1, "fsdp": 64, "tensor": 8, "expert": 1}
+    assert isinstance(p["fits"], bool)
+    moe = p["moe"]
+    # by hand: 64 groups (the batch shards: fsdp 64), S = 2048 x 1024 / 64 = 32768 tokens,
+    # C = int(32768 x 2.0 / 64) = 1024 (a multiple of 4), one group per device, bf16 dispatch
+    assert (moe["groups"], moe["group_size"], moe["capacity"]) == (64, 32768, 1024)
+    assert moe["dispatch_combine_bytes_per_device"] == 32768 * 64 * 1024 * (4 + 2)
+    assert moe["experts_per_device"] == 64 and moe["moe_layers"] == 32
+    text = plan_lib.format_text(p)
+    assert "dispatch + combine of one MoE layer" in text and "12.00 GiB per device" in text
+    if not p["fits"]:
+        levers = {lever["lever"].split(" (")[0]: lever for lever in p["levers"]}
+        expert = levers["expert 1 -> 8"]
+        assert expert["overrides"]["DCN_MESH_SHAPE"] == [1, 8, 1, 8]
+        assert "peak_bytes" in expert and "peak_bytes" in levers["NUM_GROUPS 64 -> 128"]

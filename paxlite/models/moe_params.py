@@ -103,3 +103,43 @@ def num_active_params(config: TransformerConfig, num_params: int) -> int:
         return num_params
     unused = config.moe.num_experts - config.moe.experts_per_token
     return num_params - num_moe_layers(config) * unused * params_per_expert(config)
+
+
+def routing_memory(config: TransformerConfig, *, global_tokens: int, mesh: dict[str, int]
+                   ) -> dict[str, object]:
+    """Per-device sizes of one MoE layer's routing tensors on a mesh (for the planner).
+
+    GShard: the dispatch mask and the float32 combine weights are ``[G, S, E, C]`` each, which is
+    ``capacity_factor x tokens x S`` elements over the whole batch; each device holds its groups'
+    share. Dropless: each device gathers its expert group's tokens and sorts ``k`` rows per token
+    (``ep x tokens_per_device x k`` rows of D and of F / tensor); XLA's default ``ragged_dot``
+    lowering expands those rows once per local expert.
+    """
+    from paxlite.models.moe_config import MoeRouting
+    from paxlite.models.moe_gating import expert_capacity
+
+    moe = config.moe
+    if moe is None:
+        raise ValueError("routing_memory: the config has no MoE layers (moe is None)")
+    batch_ways = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
+    dtype_bytes = 2 if config.dtype == "bfloat16" else 4
+    e, ep, tp = moe.num_experts, mesh.get("expert", 1), mesh.get("tensor", 1)
+    if moe.routing is MoeRouting.GSHARD_TOP2:
+        groups = moe.num_groups if moe.num_groups is not None else batch_ways
+        group_size = global_tokens // groups
+        capacity = expert_capacity(group_size=group_size, num_experts=e,
+                                   capacity_factor=moe.capacity_factor)
+        groups_per_device = max(1, groups // batch_ways)
+        elements = groups_per_device * group_size * e * capacity
+        return {"routing": moe.routing.value, "groups": groups, "group_size": group_size,
+                "capacity": capacity, "dispatch_combine_elements_per_device": elements,
+                # combine float32 + dispatch in the compute dtype (one-byte mask before the cast)
+                "dispatch_combine_bytes_per_device": elements * (4 + dtype_bytes),
+                "formula": "groups/device x S x E x C x (4 B combine + dtype B dispatch)"}
+    rows = ep * (global_tokens // batch_ways) * moe.experts_per_token
+    hidden = expert_hidden_dims(config) // tp
+    row_bytes = rows * (config.model_dims + hidden) * dtype_bytes
+    return {"routing": moe.routing.value, "sorted_rows_per_device": rows,
+            "sorted_rows_bytes_per_device": row_bytes,
+            "ragged_dot_dense_expansion_bytes_per_device": row_bytes * (e // ep),
+            "formula": "rows = expert x tokens/device x k; bytes = rows x (D + F/tensor) x dtype B"}
