@@ -28,7 +28,7 @@ implies, beside XLA's own FLOP count of each compiled step (``cost_analysis``).
 With ``--profile`` it also times one GShard MoE layer alone (forward + backward) against the
 dense MLP of hidden k*F, and the dispatch / combine einsums alone, for both group sizes.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/moe_step.py --steps 5 --rounds 3 --profile
+    .venv/bin/python benchmarks/moe_step.py --steps 5 --rounds 3 --profile
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -67,7 +68,12 @@ from paxlite.train.optimizer import OptimizerConfig, make_optimizer
 from paxlite.train.step import compile_steps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_step import _require, bare_round, count  # a sibling script, not a package
+from cpu_step import (  # a sibling script, not a package
+    INITIAL_LOSS_TOLERANCE,
+    _require,
+    bare_round,
+    count,
+)
 
 PyTree = Any
 NUM_EXPERTS = 8
@@ -249,6 +255,9 @@ def compare(pairs: list[Pair], *, sizes: Sizes, steps: int, rounds: int) -> list
             for side in sides:  # the first step's loss: both models start near ln(vocab)
                 side.state[0], _, loss = side.step(side.state[0], None, *batches[0])
                 side.init_loss = float(loss)
+                _require(abs(side.init_loss - math.log(sizes.vocab_size)) < INITIAL_LOSS_TOLERANCE,
+                         f"{pair.name} {side.name}: first loss {side.init_loss:.4f} is not near "
+                         f"ln(vocab) = {math.log(sizes.vocab_size):.4f}")
             for index in range(rounds):
                 for side in sides if index % 2 == 0 else sides[::-1]:
                     side.times.append(bare_round(side.step, side.state, batches))
