@@ -290,6 +290,8 @@ def summarise(pair: Pair, sides: list[Side], *, sizes: Sizes) -> dict[str, Any]:
         "dense_median_ms": round(dense_ms, 1),
         "ratio": round(moe_ms / dense_ms, 3),
         "round_ratios": [round(a / b, 3) for a, b in zip(moe.times, dense.times, strict=True)],
+        "median_round_ratio": round(statistics.median(
+            a / b for a, b in zip(moe.times, dense.times, strict=True)), 3),
         "init_loss": [round(moe.init_loss, 4), round(dense.init_loss, 4)],
         "expected_flop_ratio": round(
             analytic_flops(pair.moe, tokens=tokens, expert_multiplier=expansion)
@@ -410,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         goal = f" (goal <= {GOAL})" if r["routing"] == MoeRouting.GSHARD_TOP2.value else ""
         print(f"{r['pair']:>9} [{r['routing']}]: MoE {r['moe_median_ms']:.1f} ms/step, "
               f"dense(H={r['dense_hidden']}) {r['dense_median_ms']:.1f} ms/step, "
-              f"ratio {r['ratio']:.3f}{goal}; expected FLOP ratio {r['expected_flop_ratio']}, "
+              f"ratio {r['ratio']:.3f}{goal} (median of per-round ratios "
+              f"{r['median_round_ratio']:.3f}); expected FLOP ratio {r['expected_flop_ratio']}, "
               f"XLA FLOP ratio {r.get('xla_flop_ratio')}")
     return report
 
