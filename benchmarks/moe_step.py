@@ -95,6 +95,8 @@ class Sizes:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Pair:
+    """An MoE model and its active-matched dense model (see the module docstring)."""
+
     name: str
     moe: TransformerConfig
     dense: TransformerConfig
@@ -389,7 +391,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.layers % 2 or args.model_dims % 8 or args.hidden_dims % 2:
-        parser.error("--layers and --hidden_dims must be even and --model_dims a multiple of 8")
+        parser.error(f"--layers={args.layers}, --hidden_dims={args.hidden_dims}, --model_dims="
+                     f"{args.model_dims}: layers and hidden_dims must be even (GLaM's MoE every "
+                     "2nd layer, Mixtral's experts half the hidden) and model_dims a multiple of 8")
     sizes = Sizes(num_layers=args.layers, model_dims=args.model_dims,
                   hidden_dims=args.hidden_dims, batch=args.batch, seq_len=args.seq_len,
                   vocab_size=2048)
