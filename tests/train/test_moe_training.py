@@ -53,3 +53,51 @@ def test_moe_metrics_in_jsonl_and_tensorboard(trained):
             assert 0.0 <= line["moe/dropped_fraction"] < 1.0
     tags = {tag for _, tag, _ in _scalars(job / "summaries" / "train")}
     assert MOE_KEYS | {"moe/z_loss"} <= tags, sorted(tags)
+
+
+def test_gradient_accumulation_with_moe_losses():
+    """K=2 microbatches: cross entropy and the z-loss (token means) equal the whole batch's; the
+    MoE summaries are the mean of the two microbatches' own (routing statistics are per batch).
+
+    Dropless routing, whose outputs do not depend on which tokens share a batch; GShard's do (each
+    microbatch forms its own groups, so capacity and drops differ: docs/moe.md)."""
+    import functools
+
+    import jax
+    import numpy as np
+    import optax
+
+    from paxlite.models.moe_config import MoeConfig, MoeRouting
+    from paxlite.models.transformer import Transformer, TransformerConfig
+    from paxlite.parallel.mesh import MeshConfig, build_mesh
+    from paxlite.train.step import compile_steps, loss_fn, split_microbatches
+
+    config = TransformerConfig(
+        vocab_size=64, num_layers=2, model_dims=16, num_heads=2, dims_per_head=8, hidden_dims=32,
+        max_seq_len=8, moe=MoeConfig(num_experts=4, routing=MoeRouting.DROPLESS_TOPK,
+                                     moe_layer_interval=2, load_balancing_weight=0.01))
+    model = Transformer(config)
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, size=(4, 9), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "weights": (rng.random((4, 8)) > 0.2).astype(np.float32)}
+    metrics = {}
+    with jax.set_mesh(mesh):
+        for k in (1, 2):
+            steps = compile_steps(model=model, optimizer=optax.sgd(0.0),
+                                  schedule=optax.constant_schedule(0.0), mesh=mesh, seq_len=8,
+                                  seed=0, deterministic=True, grad_accum_steps=k,
+                                  z_loss_weight=1e-3)
+            state = steps.init()
+            params = jax.device_get(state.params)  # the step donates the state
+            _, metrics[k] = steps.train(state, jax.device_put(batch, steps.batch_sharding))
+        halves = split_microbatches({key: jax.numpy.asarray(v) for key, v in batch.items()}, 2)
+        per_half = [jax.jit(functools.partial(loss_fn, model=model, z_loss_weight=1e-3))(
+            params, jax.tree.map(lambda x, i=i: x[i], halves))[1]["summaries"] for i in range(2)]
+    one, two = metrics[1], metrics[2]
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)
+    np.testing.assert_allclose(two["moe/z_loss"], one["moe/z_loss"], rtol=1e-6)
+    want = (per_half[0]["moe/aux_loss"] + per_half[1]["moe/aux_loss"]) / 2
+    np.testing.assert_allclose(two["moe/aux_loss"], want, rtol=1e-6)
+    assert abs(float(two["moe/aux_loss"]) - float(one["moe/aux_loss"])) > 1e-7  # really per batch
