@@ -16,6 +16,13 @@ from jax.typing import DTypeLike
 from paxlite.models.lora import LoraSpec, create_lora_params, lora_output
 
 
+def _kernel(module: nn.Module) -> jax.Array:
+    """The module's ``kernel``: normal(0, init_std), with its logical axis names."""
+    init = nn.initializers.normal(stddev=module.init_std)
+    return module.param("kernel", nn.with_logical_partitioning(init, module.kernel_axes),
+                        module.kernel_shape, module.param_dtype)
+
+
 class Linear(nn.Module):
     """``y = einsum(equation, x, kernel) + bias`` with params in param_dtype, math in dtype.
 
@@ -52,14 +59,7 @@ class Linear(nn.Module):
                 f"kernel_axes {self.kernel_axes} must name each of the "
                 f"{len(self.kernel_shape)} dimensions of kernel_shape {self.kernel_shape}"
             )
-        self.kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(
-                nn.initializers.normal(stddev=self.init_std), self.kernel_axes
-            ),
-            self.kernel_shape,
-            self.param_dtype,
-        )
+        self.kernel = _kernel(self)
         if self.bias_axes is not None:
             bias_shape = self.kernel_shape[len(self.kernel_shape) - len(self.bias_axes):]
             self.bias = self.param(
@@ -111,14 +111,7 @@ class ExpertLinear(nn.Module):
                 f"ExpertLinear kernel_shape {self.kernel_shape} and kernel_axes {self.kernel_axes} "
                 "must both have three entries (experts, in, out)"
             )
-        self.kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(
-                nn.initializers.normal(stddev=self.init_std), self.kernel_axes
-            ),
-            self.kernel_shape,
-            self.param_dtype,
-        )
+        self.kernel = _kernel(self)
 
     def einsum(self, equation: str, x: jax.Array) -> jax.Array:
         """``einsum(equation, x, kernel)`` in dtype; the kernel is the second operand."""

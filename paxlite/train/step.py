@@ -66,31 +66,29 @@ class TrainState:
     opt_state: PyTree
 
 
-def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool):
+def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool,
+           collect: bool = False):
+    """The model's logits; with ``collect``, (logits, sown auxiliary loss, sown summaries by
+    name) for training (models/sown.py)."""
     rngs = {} if deterministic else {"dropout": dropout_rng}
-    return model.apply(
+    out = model.apply(
         {"params": params},
         batch["inputs"],
         positions=batch.get("positions"),
         segment_ids=batch.get("segment_ids"),
         deterministic=deterministic,
         rngs=rngs,
+        mutable=list(sown.COLLECTIONS) if collect else False,
     )
+    if not collect:
+        return out
+    logits, state = out
+    return logits, sown.total_aux_loss(state), sown.summary_means(state)
 
 
 def _apply_collecting(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool):
-    """(logits, sown auxiliary loss, sown summaries by name) of one forward pass for training."""
-    rngs = {} if deterministic else {"dropout": dropout_rng}
-    logits, state = model.apply(
-        {"params": params},
-        batch["inputs"],
-        positions=batch.get("positions"),
-        segment_ids=batch.get("segment_ids"),
-        deterministic=deterministic,
-        rngs=rngs,
-        mutable=list(sown.COLLECTIONS),
-    )
-    return logits, sown.total_aux_loss(state), sown.summary_means(state)
+    return _apply(model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic,
+                  collect=True)
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
