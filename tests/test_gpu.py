@@ -47,13 +47,13 @@ class Training:
 
 
 def train_tiny(devices: Sequence[jax.Device], *, mesh_shape=(1, 1, 1), num_steps: int = NUM_STEPS,
-               overrides: Sequence[str] = OVERRIDES) -> Training:
-    """TinySynthetic trained on `devices` for `num_steps` steps, matmuls at full float32 precision.
+               overrides: Sequence[str] = OVERRIDES, experiment: str = "TinySynthetic") -> Training:
+    """`experiment` trained on `devices` for `num_steps` steps, matmuls at full float32 precision.
 
     "highest" precision rules out TF32 (the default for float32 matmuls on NVIDIA GPUs since Ampere,
     which keeps 10 mantissa bits and would differ from the CPU by ~1e-3 per matmul).
     """
-    run = fdl.build(load_experiment("TinySynthetic", list(overrides)).run_config())
+    run = fdl.build(load_experiment(experiment, list(overrides)).run_config())
     mesh = build_mesh(MeshConfig(ici_mesh_shape=tuple(mesh_shape)), devices=list(devices))
     schedule = make_schedule(run.schedule)
     data = SyntheticData(run.data, global_batch_size=GLOBAL_BATCH)
@@ -120,6 +120,38 @@ def test_gpu_bfloat16_losses_follow_float32_cpu():
     cpu = train_tiny(jax.devices("cpu")[:1], overrides=overrides)
     np.testing.assert_allclose(gpu.losses, cpu.losses, rtol=3e-2)
     assert gpu.losses[-1] < gpu.losses[0] - 1.0, gpu.losses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experiment", ["TinyGLaM", "TinyMixtral"])
+def test_gpu_moe_losses_follow_cpu(experiment):
+    # Routing is discontinuous (a near-tie between two experts may break the other way on another
+    # backend), so parameters are not compared leaf by leaf; 10 float32 steps' losses agree to 1e-3.
+    overrides = ("LEARNING_RATE=3e-3", "FPROP_DTYPE=float32")
+    gpu = train_tiny(jax.devices("gpu")[:1], num_steps=10, overrides=overrides, experiment=experiment)
+    cpu = train_tiny(jax.devices("cpu")[:1], num_steps=10, overrides=overrides, experiment=experiment)
+    np.testing.assert_allclose(gpu.losses, cpu.losses, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_pallas_triton_grouped_matmul_matches_ragged_dot():
+    # The dropless experts' two kernels compute the same matmuls: the same losses to float32 round-off.
+    # The Pallas-Triton choice is process-wide (JAX reads the flag when compiling), so it comes last.
+    overrides = ("LEARNING_RATE=3e-3", "FPROP_DTYPE=float32")
+    from paxlite.models.moe import select_grouped_matmul
+    from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
+
+    ragged = train_tiny(jax.devices("gpu")[:1], num_steps=5, overrides=overrides, experiment="TinyMixtral")
+    # what the training loop does for MOE_GROUPED_MATMUL=pallas_triton (train_tiny skips the loop)
+    select_grouped_matmul(MoeConfig(num_experts=2, routing=MoeRouting.DROPLESS_TOPK,
+                                    grouped_matmul=GroupedMatmul.PALLAS_TRITON))
+    try:
+        assert jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering
+        triton = train_tiny(jax.devices("gpu")[:1], num_steps=5, overrides=overrides,
+                            experiment="TinyMixtral")
+    finally:
+        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
+    np.testing.assert_allclose(triton.losses, ragged.losses, rtol=1e-4)
 
 
 @pytest.mark.slow
