@@ -51,6 +51,8 @@ GROUPED_ACTIVATION_AXES: tuple[str, ...] = ("activation_batch", None, "activatio
 DISPATCHED_ACTIVATION_AXES: tuple[str, ...] = (
     "activation_exp", "activation_group", None, "activation_embed",
 )
+# [G, E, C, D]: dispatched tokens still where their group is, before and after the exchange.
+GROUP_MAJOR_AXES: tuple[str, ...] = ("activation_batch", None, None, "activation_embed")
 DISPATCHED_HIDDEN_AXES: tuple[str, ...] = ("activation_exp", "activation_group", None, "activation_mlp")
 
 
@@ -236,8 +238,11 @@ class MoeMlp(nn.Module):
         pad = None if paddings is None else paddings.reshape(groups, -1).astype(jnp.float32)
         gating = top2_gating(logits, capacity_factor=cfg.capacity_factor, paddings=pad)
         dispatch = gating.dispatch.astype(self.dtype)  # [G, S, E, C]
-        xe = jnp.einsum("GSEC,GSD->EGCD", dispatch, xg.astype(self.dtype))
-        xe = nn.with_logical_constraint(xe, DISPATCHED_ACTIVATION_AXES)  # the all-to-all
+        # Dispatch where the tokens are (group-sharded), then move experts onto the expert axis: a
+        # pure resharding of [G, E, C, D], which GSPMD lowers to one all-to-all.
+        xe = jnp.einsum("GSEC,GSD->GECD", dispatch, xg.astype(self.dtype))
+        xe = nn.with_logical_constraint(xe, GROUP_MAJOR_AXES)
+        xe = nn.with_logical_constraint(jnp.swapaxes(xe, 0, 1), DISPATCHED_ACTIVATION_AXES)
         hidden = wi.einsum("EGCD,EDF->EGCF", xe)
         if wi_gate is not None:
             hidden = act(wi_gate.einsum("EGCD,EDF->EGCF", xe)) * hidden
@@ -246,7 +251,8 @@ class MoeMlp(nn.Module):
         hidden = nn.with_logical_constraint(hidden, DISPATCHED_HIDDEN_AXES)
         ye = wo.einsum("EGCF,EFD->EGCD", hidden)
         ye = nn.with_logical_constraint(ye, DISPATCHED_ACTIVATION_AXES)
-        y = jnp.einsum("EGCD,GSEC->GSD", ye, gating.combine.astype(self.dtype))  # back to groups
+        ye = nn.with_logical_constraint(jnp.swapaxes(ye, 0, 1), GROUP_MAJOR_AXES)  # all-to-all back
+        y = jnp.einsum("GECD,GSEC->GSD", ye, gating.combine.astype(self.dtype))  # combine locally
         y = nn.with_logical_constraint(y, GROUPED_ACTIVATION_AXES)
         z_loss = router_z_loss(logits.reshape(tokens, -1),
                                None if pad is None else pad.reshape(-1))

@@ -121,3 +121,35 @@ def test_default_groups_are_the_batch_shards(ici, shards):
         seen = []
         jax.jit(lambda x: seen.append(batch_shards()) or x)(jnp.zeros(()))
     assert seen == [shards]
+
+
+@pytest.mark.parametrize("routing,collectives", [
+    # GShard: tokens dispatched where their group is, then one all-to-all each way (G -> E -> G)
+    (MoeRouting.GSHARD_TOP2, {"all-to-all"}),
+    # dropless: the tokens of an expert group gathered, the weighted outputs reduce-scattered back
+    (MoeRouting.DROPLESS_TOPK, {"all-gather", "reduce-scatter"}),
+])
+def test_the_token_exchange_is_the_designed_collective(routing, collectives):
+    """On an all-expert mesh the forward pass of one MoE layer communicates only as designed (an
+    all-gather of the tokens in GShard routing would be correct but cost E x the traffic)."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from paxlite.models.moe import MoeMlp
+
+    layer = MoeMlp(config=MoeConfig(num_experts=8, routing=routing), hidden_dims=64)
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1, 8)))
+    x = jnp.ones((8, 16, 32))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
+        boxed = jax.eval_shape(lambda: layer.init({"params": jax.random.key(0)}, x))
+        shardings = nn.meta.unbox(
+            rules_lib.logical_to_shardings(nn.get_partition_spec(boxed), mesh))["params"]
+        params = jax.jit(lambda: nn.meta.unbox(layer.init({"params": jax.random.key(0)}, x))["params"],
+                         out_shardings=shardings)()
+        rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert")))
+        apply = jax.jit(lambda p, x: layer.apply({"params": p}, x), in_shardings=(shardings, rows))
+        hlo = apply.lower(params, x).compile().as_text()
+    found = set(re.findall(r"\b(all-to-all|all-gather|reduce-scatter|all-reduce|collective-permute)\b",
+                           hlo))
+    assert found == collectives, found
