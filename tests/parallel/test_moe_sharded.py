@@ -153,3 +153,22 @@ def test_the_token_exchange_is_the_designed_collective(routing, collectives):
     found = set(re.findall(r"\b(all-to-all|all-gather|reduce-scatter|all-reduce|collective-permute)\b",
                            hlo))
     assert found == collectives, found
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_scanned_rematerialised_moe_on_a_mesh_matches_one_device(name):
+    """The scanned layer stack (GLaM: a 2-layer unit) with SAVE_NOTHING remat: the sown losses and
+    summaries stacked by nn.scan, and the dropless shard_map inside scan and remat."""
+    import dataclasses
+
+    config = dataclasses.replace(MODELS[name], scan_layers=True, remat_policy="save_nothing")
+    one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
+    objective_ref, loss_ref, summaries_ref, _, grads_ref = _loss_and_grads(config, one)
+    objective, loss, summaries, _, grads = _loss_and_grads(
+        config, build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 1, 4))))
+    assert abs(objective - objective_ref) / abs(objective_ref) < 1e-5
+    assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
+    for key, value in summaries_ref.items():
+        np.testing.assert_allclose(summaries[key], value, rtol=1e-5, err_msg=key)
+    for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)):
+        assert _rel_err(got, ref) < 1e-5, f"gradient {jax.tree_util.keystr(path)} differs"
