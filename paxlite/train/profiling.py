@@ -77,8 +77,7 @@ class StepProfiler:
         logging.info(
             "Profiled steps %d to %d (%.2f s) into %s: view it in TensorBoard's Profile tab "
             "(tensorboard --logdir %s) or with `xprof --port 8791 %s`",
-            step - self._traced_steps + 1, step, elapsed, self.log_dir,
-            os.path.dirname(self.log_dir), self.log_dir)
+            step - self._traced_steps + 1, step, elapsed, self.log_dir, self.log_dir, self.log_dir)
         return writing
 
     def close(self) -> None:
