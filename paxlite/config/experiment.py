@@ -165,6 +165,12 @@ class Experiment:
     SUMMARY_INTERVAL_STEPS: int = 100
     EVAL_INTERVAL_STEPS: int = 100
     EVAL_LOOP_NUM_BATCHES: int = 10  # -1: the whole eval set, as Pax
+    # Pax's profiler settings (docs/training.md, Profiling): trace steps CAPTURE_STEP onwards (from 1,
+    # as metrics.jsonl counts) into DIR/summaries/profile, on process 0; None: no profile. The trace
+    # covers NUM_STEPS steps, extended over further steps until MIN_DURATION_SEC have been captured.
+    PROFILER_CAPTURE_STEP: int | None = None
+    PROFILER_NUM_STEPS: int = 2
+    PROFILER_MIN_DURATION_SEC: float = 1.0
     USE_REPEATED_LAYER: bool = False
     # Pax remat policy of the repeated (scanned) stack; docs/training.md says what each saves.
     CHECKPOINT_POLICY: Literal[
@@ -319,6 +325,13 @@ def _base_problems(hp: Experiment) -> Iterable[str]:
     for name in ("CHECKPOINT_EVERY_N_STEPS", "SUMMARY_INTERVAL_STEPS", "EVAL_INTERVAL_STEPS"):
         if getattr(hp, name) < 1:
             yield f"{name} must be >= 1, got {getattr(hp, name)}"
+    if hp.PROFILER_CAPTURE_STEP is not None and not 1 <= hp.PROFILER_CAPTURE_STEP <= hp.MAX_STEPS:
+        yield (f"PROFILER_CAPTURE_STEP must be a step from 1 to MAX_STEPS={hp.MAX_STEPS} (the first "
+               f"step to trace), or None (no profile), got {hp.PROFILER_CAPTURE_STEP}")
+    if hp.PROFILER_NUM_STEPS < 1:
+        yield f"PROFILER_NUM_STEPS must be >= 1, got {hp.PROFILER_NUM_STEPS}"
+    if hp.PROFILER_MIN_DURATION_SEC < 0:
+        yield f"PROFILER_MIN_DURATION_SEC must be >= 0, got {hp.PROFILER_MIN_DURATION_SEC}"
     if hp.EVAL_LOOP_NUM_BATCHES < 1 and hp.EVAL_LOOP_NUM_BATCHES != -1:
         yield f"EVAL_LOOP_NUM_BATCHES must be >= 1 or -1 (all), got {hp.EVAL_LOOP_NUM_BATCHES}"
     for name in ("ICI_MESH_SHAPE", "DCN_MESH_SHAPE"):

@@ -232,6 +232,10 @@ class LanguageModelExperiment(Experiment):
                 problems.append(
                     f"{name} is read only with {switch}={value!r}, and {switch}={getattr(self, switch)!r}: "
                     f"add --fdl.{switch}={value!r}, or drop {name}")
+        unused = sorted(given & {"PROFILER_NUM_STEPS", "PROFILER_MIN_DURATION_SEC"})
+        if unused and self.PROFILER_CAPTURE_STEP is None:
+            problems.append(f"{', '.join(unused)} set but PROFILER_CAPTURE_STEP is None, so nothing "
+                            "is profiled: add --fdl.PROFILER_CAPTURE_STEP=<first step to trace>")
         if "TFDS_DATASET" in given and self.DATA_DIR is not None:
             problems.append(
                 f"TFDS_DATASET={self.TFDS_DATASET!r} is read only without DATA_DIR, and DATA_DIR="
@@ -478,6 +482,9 @@ class LanguageModelExperiment(Experiment):
             global_batch_size=self.GLOBAL_BATCH_SIZE,
             checkpoint_restore_path=self.CHECKPOINT_RESTORE_PATH,
             checkpoint_ignore_rules=tuple(self.CHECKPOINT_IGNORE_RULES or ()),
+            profiler_capture_step=self.PROFILER_CAPTURE_STEP,
+            profiler_num_steps=self.PROFILER_NUM_STEPS,
+            profiler_min_duration_sec=self.PROFILER_MIN_DURATION_SEC,
         )
 
     # ------------------------------------------------------------------ the run

@@ -7,6 +7,7 @@ value is needed at once (a summary, an evaluation, a checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -36,6 +37,7 @@ from paxlite.train import pretrained
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.metrics import MetricsWriter
 from paxlite.train.optimizer import make_optimizer
+from paxlite.train.profiling import StepProfiler
 from paxlite.train.run_config import RunConfig
 from paxlite.train.schedules import make_schedule
 from paxlite.train.step import (
@@ -355,11 +357,19 @@ class Run:
         )
         pending: tuple[int, dict[str, jax.Array]] | None = None
         timer_start, timer_steps = time.perf_counter(), 0
-        with jax.set_mesh(self.mesh):
+        profiler = StepProfiler(
+            log_dir=os.path.join(self.context.job_dir, "summaries", "profile"),
+            capture_step=loop.profiler_capture_step, num_steps=loop.profiler_num_steps,
+            min_duration_sec=loop.profiler_min_duration_sec, first_step=start + 1,
+            last_step=loop.max_steps)
+        with jax.set_mesh(self.mesh), contextlib.closing(profiler):
             for index in range(start, loop.max_steps):
                 step = index + 1
-                batch = self.data.train_batch(index, self.steps.batch_sharding)
-                state, metrics = self.steps.train(state, batch)
+                with profiler.step(step):
+                    batch = self.data.train_batch(index, self.steps.batch_sharding)
+                    state, metrics = self.steps.train(state, batch)
+                # Writing the trace takes a while: kept out of step_time_s.
+                timer_start += profiler.after_step(step, (state, metrics))
                 if pending is not None:  # read the previous step while this one runs
                     self._check_finite(*pending)
                 pending = (step, metrics)

@@ -40,6 +40,11 @@ class LoopConfig:
     # Pax's z-loss on the output logits: z_loss_weight x the weighted mean of logsumexp(logits)^2
     # (Z_LOSS_WEIGHT of the MoE experiments; 0: off). Logged as moe/z_loss.
     z_loss_weight: float = 0.0
+    # Pax's PROFILER_*: trace from step profiler_capture_step (None: never) for profiler_num_steps
+    # steps, or more until profiler_min_duration_sec have been captured (train/profiling.py).
+    profiler_capture_step: int | None = None
+    profiler_num_steps: int = 2
+    profiler_min_duration_sec: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
