@@ -478,6 +478,7 @@ class LanguageModelExperiment(Experiment):
             global_batch_size=self.GLOBAL_BATCH_SIZE,
             checkpoint_restore_path=self.CHECKPOINT_RESTORE_PATH,
             checkpoint_ignore_rules=tuple(self.CHECKPOINT_IGNORE_RULES or ()),
+            loss_chunk_size=self.LOSS_CHUNK_SIZE,
         )
 
     # ------------------------------------------------------------------ the run

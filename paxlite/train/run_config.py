@@ -40,6 +40,9 @@ class LoopConfig:
     # Pax's z-loss on the output logits: z_loss_weight x the weighted mean of logsumexp(logits)^2
     # (Z_LOSS_WEIGHT of the MoE experiments; 0: off). Logged as moe/z_loss.
     z_loss_weight: float = 0.0
+    # LOSS_CHUNK_SIZE: the loss is computed over blocks of this many sequence positions, so the
+    # float32 [B, T, V] logits never exist at once (train/chunked_loss.py); None: all at once.
+    loss_chunk_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
