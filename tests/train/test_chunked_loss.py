@@ -19,6 +19,7 @@ from flax import linen as nn
 from paxlite.config.errors import ConfigError
 from paxlite.errors import SettingError
 from paxlite.experiments.build import build_run_config, load_experiment
+from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.transformer import (
     LLAMA_ARCHITECTURE,
     Transformer,
@@ -32,7 +33,10 @@ SEQ, ROWS, CHUNK = 8, 8, 3
 GPT = TransformerConfig(vocab_size=64, num_layers=2, model_dims=16, num_heads=2, dims_per_head=8,
                         hidden_dims=32, max_seq_len=SEQ)  # tied embeddings, biases, LayerNorm
 LLAMA = dataclasses.replace(GPT, **LLAMA_ARCHITECTURE, tie_embeddings=False, num_kv_heads=1)
-CONFIGS = {"tied_gpt": GPT, "untied_llama": LLAMA}
+# MoE: the sown load-balancing loss and summaries pass through the chunked step too.
+MOE = dataclasses.replace(GPT, moe=MoeConfig(num_experts=4, routing=MoeRouting.DROPLESS_TOPK,
+                                             moe_layer_interval=2, load_balancing_weight=0.01))
+CONFIGS = {"tied_gpt": GPT, "untied_llama": LLAMA, "moe_gpt": MOE}
 Z_LOSS = 0.1
 
 
@@ -105,7 +109,9 @@ def both_steps(request):
 
 def test_metrics_equal_unchunked(both_steps):
     (_, _, ref), (_, _, got) = both_steps
-    for name in ("loss", "accuracy", "moe/z_loss", "grad_norm"):
+    assert sorted(got) == sorted(ref)
+    assert {"loss", "accuracy", "moe/z_loss", "grad_norm"} <= set(ref)
+    for name in ref:
         assert abs(got[name] - ref[name]) <= 1e-6 * abs(ref[name]), (name, got[name], ref[name])
     assert ref["loss"] > 1.0 and 0.0 < ref["moe/z_loss"] and 0.2 < ref["accuracy"] < 0.8
 
