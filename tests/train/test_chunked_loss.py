@@ -184,3 +184,19 @@ def test_hyperparameter_reaches_the_loop_and_bad_values_are_refused():
         compile_steps(model=Transformer(GPT), optimizer=optax.sgd(1.0),
                       schedule=optax.constant_schedule(1.0), mesh=_mesh(), seq_len=SEQ, seed=0,
                       deterministic=True, loss_chunk_size=0)
+
+
+def test_the_planner_compiles_the_chunked_step():
+    """`python -m paxlite plan ... --fdl.LOSS_CHUNK_SIZE=c` plans the step that would run: with a
+    vocabulary of 16384 the float32 logits (16 MiB per row of 256) leave the peak."""
+    from paxlite import plan as plan_lib
+
+    def peak(*overrides):
+        experiment = load_experiment("TinySynthetic", (
+            "NUM_LAYERS=1", "MAX_SEQ_LEN=256", "VOCAB_SIZE=16384", "PERCORE_BATCH_SIZE=1",
+            "ICI_MESH_SHAPE=[1,1,1]", *overrides))
+        plan = plan_lib.plan_experiment(experiment, num_devices=1, device_memory_gib=1000.0)
+        return plan["memory_per_device"]["peak_bytes"]
+
+    logits_bytes = 256 * 16384 * 4
+    assert peak() - peak("LOSS_CHUNK_SIZE=32") >= logits_bytes // 2
