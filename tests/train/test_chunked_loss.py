@@ -8,6 +8,8 @@ the padded last block is exercised, and rows carry different numbers of weighted
 
 import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,7 @@ from paxlite.models.transformer import (
     abstract_variables,
 )
 from paxlite.parallel.mesh import MeshConfig, build_mesh
+from paxlite.train.loop import Run, RunContext
 from paxlite.train.step import TrainState, compile_steps, eval_step
 
 SEQ, ROWS, CHUNK = 8, 8, 3
@@ -172,6 +175,30 @@ def test_chunking_saves_the_logits_memory():
     full, chunked = temp_bytes(None), temp_bytes(chunk)
     assert full >= logits_bytes  # the reference really holds the logits
     assert full - chunked >= logits_bytes - block_bytes, (full, chunked)
+
+
+def _first_loss(tmp_path, *overrides) -> tuple[float, bool]:
+    """(first logged loss, whether the compiled train step has a loop)."""
+    overrides = ("MAX_STEPS=1", "SUMMARY_INTERVAL_STEPS=1", "EVAL_INTERVAL_STEPS=1000",
+                 "EVAL_LOOP_NUM_BATCHES=1", "CHECKPOINT_EVERY_N_STEPS=1000", *overrides)
+    _, config = build_run_config("TinySynthetic", list(overrides))
+    with Run(config, RunContext(job_dir=str(tmp_path), enable_checkpoint_saving=False)) as run:
+        run.train()
+        with jax.set_mesh(run.mesh):
+            batch = run.data.train_batch(0, run.steps.batch_sharding)
+            text = run.steps.train.lower(run.steps.abstract_state, batch).as_text()
+    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+        loss = next(line["loss"] for line in map(json.loads, f) if "loss" in line)
+    return loss, "while" in text
+
+
+def test_the_run_trains_with_a_chunked_loss(tmp_path):
+    """LOSS_CHUNK_SIZE reaches the compiled steps of a real run (TinySynthetic: T = 64, layers
+    unrolled, no accumulation, so the only loop in its step is the scan over loss blocks)."""
+    ref, ref_loops = _first_loss(tmp_path / "ref")
+    got, got_loops = _first_loss(tmp_path / "chunked", "LOSS_CHUNK_SIZE=24")
+    assert got_loops and not ref_loops
+    assert abs(got - ref) <= 1e-6 * abs(ref), (got, ref)
 
 
 def test_hyperparameter_reaches_the_loop_and_bad_values_are_refused():
