@@ -210,7 +210,8 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
     # refuses microbatches that do not split over data x fsdp x expert; so does the plan.
     microbatch_size(global_batch_size=global_batch, grad_accum_steps=loop.grad_accum_steps,
                     batch_split=rules_lib.batch_split(mesh))
-    accum = {"grad_accum_steps": loop.grad_accum_steps}
+    accum = {"grad_accum_steps": loop.grad_accum_steps,
+             "loss_chunk_size": loop.loss_chunk_size}  # LOSS_CHUNK_SIZE: logits memory
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         steps = compile_steps(

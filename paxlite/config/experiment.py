@@ -135,6 +135,9 @@ class Experiment:
     # Microbatches per optimizer step. The global batch stays PERCORE_BATCH_SIZE x devices; each step
     # runs forward/backward on global/GRAD_ACCUM_STEPS rows at a time and applies one update.
     GRAD_ACCUM_STEPS: int = 1
+    # Sequence positions per block of the chunked loss: the float32 [B, T, V] logits never exist at
+    # once (a memory saving for large vocabularies; same loss and gradients). None: whole sequence.
+    LOSS_CHUNK_SIZE: int | None = None
     ICI_MESH_SHAPE: list[int] | None = None  # [data, fsdp, tensor(, expert)]; None: all on data
     DCN_MESH_SHAPE: list[int] = [1, 1, 1]
     FPROP_DTYPE: Literal["float32", "bfloat16"] = "float32"
@@ -341,6 +344,8 @@ def _base_problems(hp: Experiment) -> Iterable[str]:
                    f"expert] (a 4th entry is the expert axis), got {shape}")
     if hp.PERCORE_BATCH_SIZE <= 0:
         yield f"PERCORE_BATCH_SIZE must be > 0, got {hp.PERCORE_BATCH_SIZE}"
+    if hp.LOSS_CHUNK_SIZE is not None and hp.LOSS_CHUNK_SIZE < 1:
+        yield f"LOSS_CHUNK_SIZE must be None (whole sequence) or >= 1, got {hp.LOSS_CHUNK_SIZE}"
     if hp.GRAD_ACCUM_STEPS < 1:
         yield (f"GRAD_ACCUM_STEPS must be >= 1 (1: no accumulation), got {hp.GRAD_ACCUM_STEPS}; "
                "the global batch must also divide into that many microbatches (checked at start-up)")

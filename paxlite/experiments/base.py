@@ -485,6 +485,7 @@ class LanguageModelExperiment(Experiment):
             profiler_capture_step=self.PROFILER_CAPTURE_STEP,
             profiler_num_steps=self.PROFILER_NUM_STEPS,
             profiler_min_duration_sec=self.PROFILER_MIN_DURATION_SEC,
+            loss_chunk_size=self.LOSS_CHUNK_SIZE,
         )
 
     # ------------------------------------------------------------------ the run

@@ -44,7 +44,7 @@ from paxlite.models.transformer_config import (
 __all__ = [  # the config names stay importable from here, where they were first defined
     "LLAMA_ARCHITECTURE", "VALID_DTYPES", "Activation", "Block", "NormKind", "PositionEmbedding",
     "RematPolicy", "Transformer", "TransformerConfig", "abstract_variables", "logical_param_axes",
-    "num_params",
+    "num_params", "project_hidden",
 ]
 
 EMBED_ACTIVATION_AXES: tuple[str, ...] = (
@@ -196,12 +196,15 @@ class Transformer(nn.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         deterministic: bool = True,
+        return_hidden: bool = False,
     ) -> jax.Array:
         """tokens int32 [B, T] -> float32 logits [B, T, vocab].
 
         positions default to ``arange(T)``; for packed rows pass positions restarting at 0 per
         document together with segment_ids, and attention stays within each document (and RoPE
-        rotates each document as if it ran alone).
+        rotates each document as if it ran alone). With ``return_hidden`` the result is the final
+        norm's output [B, T, D] instead, which `project` (or `project_hidden`) turns into logits
+        a slice of positions at a time, so a chunked loss never holds all [B, T, V] logits.
         """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -218,15 +221,7 @@ class Transformer(nn.Module):
                     f"{name} must have the shape of tokens {tokens.shape}, got {arr.shape}"
                 )
 
-        embed = Embed(
-            num_embeddings=cfg.vocab_size,
-            features=cfg.model_dims,
-            axes=("vocab", "embed"),
-            init_std=cfg.embedding_init_std,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            name="embedding",
-        )
+        embed = _token_embedding(cfg, name="embedding")
         x = embed(tokens)  # [B, T, D]
         position_kind = cfg.position_kind
         if position_kind is not PositionEmbedding.NONE and positions is None:
@@ -280,21 +275,56 @@ class Transformer(nn.Module):
                                  name=f"layers_{i}")(x, mask, block_positions, paddings)
 
         x = _make_norm(cfg, name="final_norm")(x)
+        if return_hidden:
+            return x
         if cfg.tie_embeddings:
             logits = embed.attend(x)  # [B, T, V]
         else:
-            logits = Linear(
-                equation="BTD,DV->BTV",
-                kernel_shape=(cfg.model_dims, cfg.vocab_size),
-                kernel_axes=("embed", "vocab"),
-                bias_axes=None,
-                init_std=cfg.embedding_init_std,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                name="output",
-            )(x)
+            logits = _output_layer(cfg, name="output")(x)
         logits = logits.astype(jnp.float32)
         return nn.with_logical_constraint(logits, LOGITS_ACTIVATION_AXES)
+
+    def project(self, hidden: jax.Array) -> jax.Array:
+        """hidden [B, t, D] from ``return_hidden=True`` -> float32 logits [B, t, V], exactly as
+        ``__call__`` computes them; use as ``model.apply(variables, hidden, method="project")``."""
+        return project_hidden(self.config, self.variables["params"], hidden)
+
+
+def _token_embedding(config: TransformerConfig, **module_kwargs: Any) -> Embed:
+    return Embed(
+        num_embeddings=config.vocab_size,
+        features=config.model_dims,
+        axes=("vocab", "embed"),
+        init_std=config.embedding_init_std,
+        dtype=jnp.dtype(config.dtype),
+        param_dtype=jnp.dtype(config.param_dtype),
+        **module_kwargs,
+    )
+
+
+def _output_layer(config: TransformerConfig, **module_kwargs: Any) -> Linear:
+    """The untied output projection (``tie_embeddings=False``); ``module_kwargs``: name, parent."""
+    return Linear(
+        equation="BTD,DV->BTV",
+        kernel_shape=(config.model_dims, config.vocab_size),
+        kernel_axes=("embed", "vocab"),
+        bias_axes=None,
+        init_std=config.embedding_init_std,
+        dtype=jnp.dtype(config.dtype),
+        param_dtype=jnp.dtype(config.param_dtype),
+        **module_kwargs,
+    )
+
+
+def project_hidden(config: TransformerConfig, params: Any, hidden: jax.Array) -> jax.Array:
+    """The model's output projection as a pure function of its parameters: hidden [B, t, D] (after
+    the final norm) -> float32 logits [B, t, V], through the same modules as ``Transformer``."""
+    if config.tie_embeddings:
+        logits = _token_embedding(config, parent=None).apply(
+            {"params": params["embedding"]}, hidden, method=Embed.attend)
+    else:
+        logits = _output_layer(config, parent=None).apply({"params": params["output"]}, hidden)
+    return nn.with_logical_constraint(logits.astype(jnp.float32), LOGITS_ACTIVATION_AXES)
 
 
 def abstract_variables(config: TransformerConfig) -> Any:

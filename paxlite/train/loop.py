@@ -140,6 +140,7 @@ class Run:
                     deterministic=deterministic,
                     grad_accum_steps=config.loop.grad_accum_steps,
                     z_loss_weight=config.loop.z_loss_weight,
+                    loss_chunk_size=config.loop.loss_chunk_size,
                     # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
                     trainable=is_lora_path if config.model.lora_rank is not None else None,
                 )

@@ -45,6 +45,9 @@ class LoopConfig:
     profiler_capture_step: int | None = None
     profiler_num_steps: int = 2
     profiler_min_duration_sec: float = 1.0
+    # LOSS_CHUNK_SIZE: the loss is computed over blocks of this many sequence positions, so the
+    # float32 [B, T, V] logits never exist at once (train/chunked_loss.py); None: all at once.
+    loss_chunk_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

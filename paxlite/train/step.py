@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from paxlite.errors import SettingError
 from paxlite.models import sown
 from paxlite.parallel import rules as rules_lib
+from paxlite.train.chunked_loss import check_chunk_size, chunked_row_sums
 from paxlite.train.optimizer import global_norm
 
 PyTree = Any
@@ -67,9 +68,10 @@ class TrainState:
 
 
 def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool,
-           collect: bool = False):
-    """The model's logits; with ``collect``, (logits, sown auxiliary loss, sown summaries by
-    name) for training (models/sown.py)."""
+           collect: bool = False, return_hidden: bool = False):
+    """The model's logits (with ``return_hidden``: its final hidden states, for a chunked loss);
+    with ``collect``, (that, sown auxiliary loss, sown summaries by name) for training
+    (models/sown.py)."""
     rngs = {} if deterministic else {"dropout": dropout_rng}
     out = model.apply(
         {"params": params},
@@ -79,6 +81,7 @@ def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic
         deterministic=deterministic,
         rngs=rngs,
         mutable=list(sown.COLLECTIONS) if collect else False,
+        **({"return_hidden": True} if return_hidden else {}),
     )
     if not collect:
         return out
@@ -86,9 +89,35 @@ def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic
     return logits, sown.total_aux_loss(state), sown.summary_means(state)
 
 
-def _apply_collecting(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool):
-    return _apply(model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic,
-                  collect=True)
+def _project(model: nn.Module) -> Callable[[PyTree, jax.Array], jax.Array]:
+    return lambda params, hidden: model.apply({"params": params}, hidden, method="project")
+
+
+def _train_row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
+    """`per_example_scores` plus each row's z-loss sum: what one loss block contributes."""
+    log_z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [B, c]
+    z_rows = jnp.sum(jnp.square(log_z) * pos["weights"].astype(jnp.float32), axis=-1)
+    return {**per_example_scores(logits, pos), "z_loss_sum": z_rows}
+
+
+def _forward_scores(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool,
+                    loss_chunk_size: int | None):
+    """(per-row scores as `per_example_scores`, z-loss sum, sown auxiliary loss, summaries).
+
+    With `loss_chunk_size` the model stops at its final hidden states and the scores are summed
+    over blocks of that many positions (train/chunked_loss.py): the [B, T, V] logits never exist.
+    """
+    chunked = loss_chunk_size is not None
+    head, aux_loss, summaries = _apply(
+        model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic, collect=True,
+        return_hidden=chunked)
+    if not chunked:
+        return (per_example_scores(head, batch), z_loss_sum(head, batch["weights"]), aux_loss,
+                summaries)
+    scores = chunked_row_sums(
+        params, head, {"targets": batch["targets"], "weights": batch["weights"]},
+        project=_project(model), score_fn=_train_row_scores, chunk_size=loss_chunk_size)
+    return scores, jnp.sum(scores.pop("z_loss_sum")), aux_loss, summaries
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -105,9 +134,8 @@ def z_loss_sum(logits: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(log_z) * weights.astype(jnp.float32))
 
 
-def _loss_and_metrics(logits, batch: Batch):
+def _loss_and_metrics(scores: dict[str, jax.Array]):
     """Batch means of the per-example sums that evaluation reports too."""
-    scores = per_example_scores(logits, batch)
     num_tokens = jnp.sum(scores["target_tokens"])
     denom = jnp.maximum(num_tokens, 1.0)
     loss = jnp.sum(scores["loss_sum"]) / denom
@@ -122,16 +150,19 @@ def loss_fn(
     dropout_rng: jax.Array | None = None,
     deterministic: bool = True,
     z_loss_weight: float = 0.0,
+    loss_chunk_size: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training objective and its parts: mean weighted cross entropy (aux ``loss``), plus
     ``z_loss_weight`` x the mean z-loss and whatever auxiliary losses the model sows (MoE load
-    balancing); token accuracy and the model's summaries ride along in the aux dict."""
-    logits, aux_loss, summaries = _apply_collecting(
-        model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic)
-    loss, metrics = _loss_and_metrics(logits, batch)
+    balancing); token accuracy and the model's summaries ride along in the aux dict. A
+    `loss_chunk_size` computes the same from blocks of that many positions (`_forward_scores`)."""
+    scores, z_sum, aux_loss, summaries = _forward_scores(
+        model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic,
+        loss_chunk_size=loss_chunk_size)
+    loss, metrics = _loss_and_metrics(scores)
     objective = loss + aux_loss
     if z_loss_weight:
-        z_loss = z_loss_sum(logits, batch["weights"]) / jnp.maximum(metrics["num_tokens"], 1.0)
+        z_loss = z_sum / jnp.maximum(metrics["num_tokens"], 1.0)
         summaries = {**summaries, "moe/z_loss": z_loss}
         objective = objective + z_loss_weight * z_loss
     return objective, {**metrics, "loss": loss, "summaries": summaries}
@@ -197,6 +228,7 @@ def _accumulated_loss_and_grads(
     num_microbatches: int,
     combine: Callable[[PyTree], PyTree] = _identity,
     z_loss_weight: float = 0.0,
+    loss_chunk_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array, PyTree, dict[str, jax.Array]]:
     """Loss, accuracy, gradients and model summaries of the whole batch, one microbatch at a time.
 
@@ -214,13 +246,12 @@ def _accumulated_loss_and_grads(
     num_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
 
     def sums(p: PyTree, mb: Batch, rng: jax.Array):
-        logits, aux_loss, summaries = _apply_collecting(
-            model, combine(p), mb, dropout_rng=rng, deterministic=deterministic)
-        scores = per_example_scores(logits, mb)
+        scores, z_sum, aux_loss, summaries = _forward_scores(
+            model, combine(p), mb, dropout_rng=rng, deterministic=deterministic,
+            loss_chunk_size=loss_chunk_size)
         loss_sum = jnp.sum(scores["loss_sum"])
         objective = loss_sum + aux_loss * jnp.sum(scores["target_tokens"])
         if z_loss_weight:
-            z_sum = z_loss_sum(logits, mb["weights"])
             objective = objective + z_loss_weight * z_sum
             summaries = {**summaries, "moe/z_loss": z_sum}  # a sum here; divided below
         return objective, (loss_sum, jnp.sum(scores["correct_tokens"]), summaries)
@@ -272,6 +303,7 @@ def train_step(
     grad_accum_steps: int = 1,
     trainable: Trainable = None,
     z_loss_weight: float = 0.0,
+    loss_chunk_size: int | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
 
@@ -298,6 +330,7 @@ def train_step(
                 dropout_rng=dropout_rng,
                 deterministic=deterministic,
                 z_loss_weight=z_loss_weight,
+                loss_chunk_size=loss_chunk_size,
             ),
             has_aux=True,
         )(train_params)
@@ -312,6 +345,7 @@ def train_step(
             num_microbatches=grad_accum_steps,
             combine=combine,
             z_loss_weight=z_loss_weight,
+            loss_chunk_size=loss_chunk_size,
         )
     updates, opt_state = optimizer.update(grads, state.opt_state, train_params)
     params = combine(optax.apply_updates(train_params, updates))
@@ -361,11 +395,22 @@ def choice_correct(logits: jax.Array, batch: Batch) -> jax.Array:
     return jnp.sum(won * weights, axis=-1)
 
 
-def eval_step(params: PyTree, batch: Batch, *, model: nn.Module) -> dict[str, jax.Array]:
-    logits = _apply(model, params, batch, dropout_rng=None, deterministic=True)
-    scores = per_example_scores(logits, batch)
-    if "yn_tokens" in batch:  # a two-way choice per row (BoolQ): Pax's boolq_acc numerator
-        scores["choice_correct"] = choice_correct(logits, batch)
+def eval_step(params: PyTree, batch: Batch, *, model: nn.Module,
+              loss_chunk_size: int | None = None) -> dict[str, jax.Array]:
+    def row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
+        scores = per_example_scores(logits, pos)
+        if "yn_tokens" in batch:  # a two-way choice per row (BoolQ): Pax's boolq_acc numerator
+            scores["choice_correct"] = choice_correct(logits, {**pos, "yn_tokens": batch["yn_tokens"]})
+        return scores
+
+    head = _apply(model, params, batch, dropout_rng=None, deterministic=True,
+                  return_hidden=loss_chunk_size is not None)
+    if loss_chunk_size is None:
+        scores = row_scores(head, batch)
+    else:
+        scores = chunked_row_sums(
+            params, head, {"targets": batch["targets"], "weights": batch["weights"]},
+            project=_project(model), score_fn=row_scores, chunk_size=loss_chunk_size)
     if "example_weights" in batch:  # which rows are real examples (0: padding that fills a batch)
         scores["example_weights"] = batch["example_weights"].astype(jnp.float32)
     return scores
@@ -408,6 +453,7 @@ def compile_steps(
     grad_accum_steps: int = 1,
     trainable: Trainable = None,
     z_loss_weight: float = 0.0,
+    loss_chunk_size: int | None = None,
 ) -> CompiledSteps:
     """Build the sharded init/train/eval functions. Call the results inside `jax.set_mesh(mesh)`.
 
@@ -415,8 +461,11 @@ def compile_steps(
     its global batch (whose size must then divide by grad_accum_steps x data x fsdp x expert;
     see `microbatch_size`). `trainable` (a predicate over '/'-joined parameter paths) freezes every
     parameter it rejects: no gradient, no optimizer state, passed through each step unchanged.
+    `loss_chunk_size` (positions per block; None: all) computes the loss of train and eval steps
+    without materialising the [B, T, V] logits (train/chunked_loss.py).
     """
     _check_accum_steps(grad_accum_steps, name="grad_accum_steps")
+    check_chunk_size(loss_chunk_size)
     params_key = jax.random.key(seed)
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
     dummy_tokens = jnp.zeros((1, seq_len), jnp.int32)
@@ -474,6 +523,7 @@ def compile_steps(
                 grad_accum_steps=grad_accum_steps,
                 trainable=trainable,
                 z_loss_weight=z_loss_weight,
+                loss_chunk_size=loss_chunk_size,
             ),
             logical_rules,
             name="train_step",
@@ -483,7 +533,8 @@ def compile_steps(
         donate_argnums=(0,),
     )
     evaluate = jax.jit(
-        _with_rules(functools.partial(eval_step, model=model), logical_rules, name="eval_step"),
+        _with_rules(functools.partial(eval_step, model=model, loss_chunk_size=loss_chunk_size),
+                    logical_rules, name="eval_step"),
         # Batches arrive as global arrays already laid out by the feed (rows over data x fsdp x
         # expert).
         in_shardings=(param_shardings, None),
