@@ -17,24 +17,12 @@ from paxlite.errors import UserError
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(all parameters, those one token passes through) of a built TransformerConfig.
-
-    Counted on the model, abstractly. An MoE config whose model has no expert modules yet (the
-    MoE layer not in this build) is counted in closed form from its config instead
-    (paxlite/models/moe_params.py), so the numbers are those of the model it describes.
-    """
-    import math
-
-    import jax
-    from flax import linen as nn
-
+    """(all parameters, those one token passes through) of a built TransformerConfig, the first
+    counted on the model abstractly (transformer.num_params)."""
     from paxlite.models import moe_params
-    from paxlite.models.transformer import abstract_variables
+    from paxlite.models.transformer import num_params
 
-    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(abstract_variables(model)["params"]))
-    total = sum(math.prod(leaf.shape) for _, leaf in leaves)
-    if model.moe is not None and not any("moe" in jax.tree_util.keystr(p) for p, _ in leaves):
-        total = moe_params.closed_form_num_params(model)
+    total = num_params(model)
     return total, moe_params.num_active_params(model, total)
 
 
