@@ -1,5 +1,8 @@
-# `make test` and `make demo` work on a fresh machine with only Python 3.11 and the package index.
-PYTHON ?= python3
+# `make test` and `make demo` work on a fresh machine with only Python 3.12 and the package index.
+# (JAX 0.11 and newer need Python >= 3.12; `make PYTHON=/path/to/python3.12` picks another interpreter.)
+# The first Python 3.12 found: python3.12 on PATH (if it runs: a pyenv shim may refuse), then pyenv's.
+PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do \
+	$$p -c '' 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -11,11 +14,16 @@ TEST_WORKERS ?= 2
 .PHONY: install test demo bench lint clean
 
 $(BIN)/python:
+	@test -n "$(PYTHON)" || { echo "no Python 3.12 found (python3.12, ~/.pyenv/versions/3.12*): install one, or make PYTHON=/path/to/python3.12"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
+	@$(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12) and f"$(VENV) has Python {sys.version.split()[0]}; paxlite needs >= 3.12: run make clean, then make install")'
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,seqio,hf]'
+	# torch's CUDA build (the only one PyPI has for Python 3.12) pulls in triton, whose import
+	# segfaults once TensorFlow is loaded (both bundle LLVM); torch runs without it on CPU.
+	$(BIN)/pip uninstall --yes --quiet triton
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -298,7 +298,7 @@ def check_same_model(
 
     state = run.restore_or_init()
     pax_loss = run.evaluate(state)["loss"]
-    eval_batch = run.data.eval_batch(0, run.steps.batch_sharding)
+    eval_batch = next(iter(run.data.eval_batches(1, run.steps.batch_sharding)))
     eval_inputs, eval_targets = (np.asarray(eval_batch[k]) for k in ("inputs", "targets"))
     converted = bare_params_from_paxlite(jax.device_get(state.params), model.num_layers)
     shapes = jax.tree.map(lambda a, b: a.shape == b.shape, converted, bare_params)

@@ -133,27 +133,6 @@ def test_gpu_moe_losses_follow_cpu(experiment):
     np.testing.assert_allclose(gpu.losses, cpu.losses, rtol=1e-3)
 
 
-@pytest.mark.gpu
-def test_gpu_pallas_triton_grouped_matmul_matches_ragged_dot():
-    # The dropless experts' two kernels compute the same matmuls: the same losses to float32 round-off.
-    # The Pallas-Triton choice is process-wide (JAX reads the flag when compiling), so it comes last.
-    overrides = ("LEARNING_RATE=3e-3", "FPROP_DTYPE=float32")
-    from paxlite.models.moe import select_grouped_matmul
-    from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
-
-    ragged = train_tiny(jax.devices("gpu")[:1], num_steps=5, overrides=overrides, experiment="TinyMixtral")
-    # what the training loop does for MOE_GROUPED_MATMUL=pallas_triton (train_tiny skips the loop)
-    select_grouped_matmul(MoeConfig(num_experts=2, routing=MoeRouting.DROPLESS_TOPK,
-                                    grouped_matmul=GroupedMatmul.PALLAS_TRITON))
-    try:
-        assert jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering
-        triton = train_tiny(jax.devices("gpu")[:1], num_steps=5, overrides=overrides,
-                            experiment="TinyMixtral")
-    finally:
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
-    np.testing.assert_allclose(triton.losses, ragged.losses, rtol=1e-4)
-
-
 @pytest.mark.slow
 def test_the_gpu_check_runs_on_cpu_devices():
     """The same functions and tolerances, a sharded CPU run against one CPU device: the check runs

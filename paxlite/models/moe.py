@@ -30,10 +30,9 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
-from paxlite.errors import SettingError
 from paxlite.models.activations import activation_fn
 from paxlite.models.linear import ExpertLinear, Linear, grouped_matmul
-from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
+from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.moe_gating import (
     Top2Gating,
     load_balancing_loss_topk,
@@ -54,23 +53,6 @@ DISPATCHED_ACTIVATION_AXES: tuple[str, ...] = (
 # [G, E, C, D]: dispatched tokens still where their group is, before and after the exchange.
 GROUP_MAJOR_AXES: tuple[str, ...] = ("activation_batch", None, None, "activation_embed")
 DISPATCHED_HIDDEN_AXES: tuple[str, ...] = ("activation_exp", "activation_group", None, "activation_mlp")
-
-
-def select_grouped_matmul(config: MoeConfig | None) -> None:
-    """Make this process compile dropless experts with ``config.grouped_matmul``'s kernel.
-
-    JAX picks the ragged-dot lowering from its config when a step is compiled, not when the layer
-    is traced, so the choice is made once for the process, before compiling (a job runs one model).
-    """
-    if (config is None or config.routing is not MoeRouting.DROPLESS_TOPK
-            or config.grouped_matmul is GroupedMatmul.RAGGED_DOT):
-        return
-    if jax.default_backend() != "gpu":
-        raise SettingError(
-            f"MOE_GROUPED_MATMUL={config.grouped_matmul.value!r} is JAX's Pallas-Triton GPU kernel, "
-            f"and this job runs on {jax.default_backend()!r}: use 'ragged_dot' here"
-        )
-    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
 
 
 def _mesh_axes(logical: str) -> tuple[str, ...]:

@@ -30,14 +30,12 @@ class MoeRouting(str, enum.Enum):
 class GroupedMatmul(str, enum.Enum):
     """The kernel of the dropless experts' grouped matmul (tokens sorted by expert).
 
-    ``RAGGED_DOT`` is ``jax.lax.ragged_dot`` with XLA's default lowering: portable (CPU, GPU), but
-    on GPUs in JAX 0.10 it expands to a masked dense matmul (experts x the FLOPs).
-    ``PALLAS_TRITON`` is the same call through JAX's Pallas-Triton GPU lowering
-    (``jax_ragged_dot_use_gpu_pallas_triton_lowering``, compute capability >= 8.0; GPU only).
+    ``RAGGED_DOT`` is ``jax.lax.ragged_dot``: on GPUs it lowers to XLA's ragged-dot instruction, on
+    CPU to a masked dense matmul (experts x the FLOPs). JAX 0.11 removed the Pallas-Triton lowering
+    that an earlier ``PALLAS_TRITON`` value selected; the enum stays the place a new kernel goes.
     """
 
     RAGGED_DOT = "ragged_dot"
-    PALLAS_TRITON = "pallas_triton"
 
 
 def _enum(value: object, enum_cls: type[enum.Enum], *, field: str) -> enum.Enum:

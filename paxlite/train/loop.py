@@ -28,7 +28,6 @@ from paxlite.errors import NotFoundError, RunStoppedError, SettingError
 from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
 from paxlite.models.lora import is_lora_path
-from paxlite.models.moe import select_grouped_matmul
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
@@ -118,7 +117,6 @@ class Run:
             self.eval_data = None
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
-        select_grouped_matmul(config.model.moe)
         deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
         self.checkpointer = Checkpointer(
             os.path.join(context.job_dir, "checkpoints"),

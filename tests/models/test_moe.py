@@ -176,16 +176,3 @@ def test_scanned_model_equals_unscanned(routing, interval):
     # the summed load-balancing loss is weight x the per-layer aux losses
     np.testing.assert_allclose(sown.total_aux_loss(state),
                                0.01 * len(moe_layers) * summaries["moe/aux_loss"], rtol=1e-5)
-
-
-def test_pallas_triton_kernel_is_refused_off_gpu():
-    from paxlite.errors import SettingError
-    from paxlite.models.moe import select_grouped_matmul
-    from paxlite.models.moe_config import GroupedMatmul
-
-    cfg = MoeConfig(num_experts=4, routing=MoeRouting.DROPLESS_TOPK,
-                    grouped_matmul=GroupedMatmul.PALLAS_TRITON)
-    with pytest.raises(SettingError, match="MOE_GROUPED_MATMUL='pallas_triton'.*'cpu'"):
-        select_grouped_matmul(cfg)
-    select_grouped_matmul(MoeConfig(num_experts=4, routing=MoeRouting.DROPLESS_TOPK))  # default: fine
-    assert not jax.config.jax_ragged_dot_use_gpu_pallas_triton_lowering
