@@ -1,6 +1,6 @@
 """`python -m paxlite list`, `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
 `plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
-paxlite/plan.py), `convert --from=hf|meta|paxlite --to=paxlite|hf --input=P --output=P`
+paxlite/plan.py), `convert --from=hf|meta|paxlite|te --to=paxlite|hf|te --input=P --output=P`
 (paxlite/convert.py) and `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
 adapters folded in; see paxlite/train/export.py)."""
 
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from paxlite.convert import add_arguments as add_convert_arguments
 
     add_convert_arguments(commands.add_parser(
-        "convert", help="checkpoints: HF/Meta/paxlite -> paxlite/HF (accepts --fdl.NAME=VALUE)"))
+        "convert", help="checkpoints: HF/Meta/paxlite -> paxlite/HF; paxlite <-> TE (accepts --fdl.NAME=VALUE)"))
     export = commands.add_parser(
         "export_merged", help="a LoRA run's parameters with the adapters folded in (base model)")
     export.add_argument("--input", required=True,

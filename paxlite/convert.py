@@ -5,6 +5,9 @@
         --fdl_config=LLaMA7B
     python -m paxlite convert --from=meta --to=paxlite --input=llama-2-7b --output=ckpt
     python -m paxlite convert --from=paxlite --to=hf --input=JOB_OR_CKPT_DIR --output=hf_dir
+    python -m paxlite convert --from=paxlite --to=te --input=JOB_OR_CKPT_DIR --output=te_ckpt \
+        [--weight-only] [--num-gqa-groups=K --te-qkv-layout=kv_packed --pax-split-qkv ...]
+    python -m paxlite convert --from=te --to=paxlite --input=te_ckpt --output=ckpt
 
 With ``--fdl_config`` (and optional ``--fdl.X=V`` overrides) the converted model must have the
 experiment's architecture; every differing field is reported with both values. The paxlite
@@ -51,11 +54,21 @@ class Source(str, enum.Enum):
     HF = "hf"
     META = "meta"
     PAXLITE = "paxlite"
+    TE = "te"  # a paxlite checkpoint of a Transformer Engine model (ENABLE_TE=1; interop/te.py)
 
 
 class Target(str, enum.Enum):
     PAXLITE = "paxlite"
     HF = "hf"
+    TE = "te"
+
+
+# Pax converter options (interop/te.py): (flag, dest) of those that only TE conversions read.
+TE_OPTION_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--num-gqa-groups", "num_gqa_groups"), ("--te-qkv-layout", "te_qkv_layout"),
+    ("--weight-only", "weight_only"), ("--skip-bias", "skip_bias"),
+    ("--use-gated-activations", "use_gated_activations"), ("--pax-split-qkv", "pax_split_qkv"),
+)
 
 
 # Fields that decide the weights and the function a model computes (not dtypes, remat, dropout,
@@ -171,6 +184,7 @@ class ConvertRequest:
     assignments: tuple[str, ...] = ()
     dtype: str = "float32"
     vocab_size: int | None = None  # Meta checkpoints whose params.json says vocab_size -1
+    te_options: dict[str, Any] | None = None  # given TE options (dest -> value); None: none given
 
 
 def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
@@ -199,10 +213,16 @@ def _read(request: ConvertRequest, experiment_config: TransformerConfig | None) 
     return read_paxlite(request.input, config=experiment_config, dtype=request.dtype)
 
 
-def convert(request: ConvertRequest) -> Pretrained:
+def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     """Reads the input, checks it against --fdl_config if given, writes the output."""
     from paxlite.interop import hf
 
+    if request.source is Source.TE or request.target is Target.TE:
+        return convert_te(request)
+    if request.te_options:
+        flags = [flag for flag, dest in TE_OPTION_FLAGS if dest in request.te_options]
+        raise ConversionError(f"{', '.join(flags)} only apply to --to=te or --from=te "
+                              f"(here --from={request.source.value} --to={request.target.value})")
     if request.assignments and not request.fdl_config:
         raise ConversionError(f"--fdl.X overrides {list(request.assignments)} need --fdl_config")
     if request.vocab_size is not None and request.source is not Source.META:
@@ -225,6 +245,77 @@ def convert(request: ConvertRequest) -> Pretrained:
     return pretrained
 
 
+def _te_model_config(step_dir: Any, path: str, *, source: Source) -> TransformerConfig:
+    """model_config.json beside the checkpoint (exact), else the job's config.json; a job's
+    config.json records hyperparameters, not ENABLE_TE, so with --from=te its model is TE's."""
+    import dataclasses as dc
+
+    from paxlite.interop import hf
+    from paxlite.models.transformer_config import LayerImplementation
+
+    config = hf.find_model_config(os.path.abspath(path), step_dir=step_dir)
+    if config is not None:
+        return config
+    config = model_config_from_job(step_dir.parent.parent)
+    if source is Source.TE:
+        config = dc.replace(config, layer_implementation=LayerImplementation.TRANSFORMER_ENGINE)
+    return config
+
+
+def convert_te(request: ConvertRequest) -> ConvertSummary:
+    """paxlite <-> Transformer Engine: the whole train state (optimizer moments included unless
+    --weight-only), same step, other items of the step directory copied (Pax's converter copies
+    every other folder). Works on parameter trees: no TE, no GPU needed."""
+    import dataclasses as dc
+
+    import jax
+
+    from paxlite.interop import te
+    from paxlite.interop.hf import cast_params
+    from paxlite.train.pretrained import find_checkpoint, read_state, save_state
+
+    pair = (request.source, request.target)
+    if pair not in ((Source.PAXLITE, Target.TE), (Source.TE, Target.PAXLITE)):
+        raise ConversionError(
+            f"--from={request.source.value} --to={request.target.value}: Transformer Engine "
+            "checkpoints convert to and from paxlite only (--from=paxlite --to=te, --from=te "
+            "--to=paxlite); convert other formats to paxlite first")
+    if request.fdl_config or request.assignments:
+        raise ConversionError("--fdl_config/--fdl.X are not read by TE conversions: the model comes "
+                              "from model_config.json beside the checkpoint or the job's config.json")
+    given = dict(request.te_options or {})
+    layout = given.pop("te_qkv_layout", None)
+    options = te.TeOptions(te_qkv_layout=None if layout is None else te.QkvLayout(layout), **given)
+    require_local_path(request.input, setting="--input")
+    check_output_dir(request.output, setting="--output", inputs=[request.input])
+    _, step_dir = find_checkpoint(request.input)
+    config = _te_model_config(step_dir, request.input, source=request.source)
+    to_te = request.target is Target.TE
+    try:
+        out_config = te.te_config(config) if to_te else te.paxlite_config(config)
+    except ValueError as error:
+        if isinstance(error, ConversionError):
+            raise
+        raise ConversionError(f"cannot convert to Transformer Engine: {error}") from None
+    te.resolve_options(config, options)  # before reading the (possibly large) state
+    step, step_dir, state = read_state(request.input)
+    converted = te.convert_state(state, config=config, to_te=to_te, options=options)
+    converted["params"] = cast_params(converted["params"], request.dtype)
+    out_config = dc.replace(out_config, dtype=request.dtype, param_dtype=request.dtype)
+    save_state(request.output, converted, step=step, model_config=out_config,
+               copy_items_from=step_dir)
+    num = sum(int(leaf.size) for leaf in jax.tree.leaves(converted["params"]))
+    return ConvertSummary(family=out_config.layer_implementation.value, num_params=num)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertSummary:
+    """What `convert_te` reports (the HF paths return a Pretrained with the same two fields)."""
+
+    family: str
+    num_params: int
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="source", required=True, choices=[s.value for s in Source])
     parser.add_argument("--to", dest="target", required=True, choices=[t.value for t in Target])
@@ -238,6 +329,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab_size", type=int, default=None,
                         help="Meta only: vocabulary size when params.json says -1 and there is no "
                         "tokenizer.model beside the checkpoint")
+    te_group = parser.add_argument_group(
+        "Transformer Engine (--to=te / --from=te; Pax converter options, checked against the model)")
+    te_group.add_argument("--num-gqa-groups", dest="num_gqa_groups", type=int, default=None,
+                          help="key/value heads (must be the model's)")
+    te_group.add_argument("--te-qkv-layout", dest="te_qkv_layout", default=None,
+                          choices=("qkv_packed", "kv_packed"),
+                          help="qkv_packed without GQA, kv_packed with GQA (default: the model's)")
+    for flag, dest, text in (
+        ("--weight-only", "weight_only", "drop the optimizer state (keep step and params)"),
+        ("--skip-bias", "skip_bias", "the model has no biases (an error if it has)"),
+        ("--use-gated-activations", "use_gated_activations", "the MLP is gated (SwiGLU)"),
+        ("--pax-split-qkv", "pax_split_qkv", "paxlite's q, k, v are separate kernels (GQA)"),
+    ):
+        te_group.add_argument(flag, dest=dest, action="store_true", default=None, help=text)
 
 
 def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
@@ -247,6 +352,8 @@ def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
         source=Source(args.source), target=Target(args.target), input=args.input,
         output=args.output, fdl_config=args.fdl_config, assignments=tuple(assignments),
         dtype=args.dtype, vocab_size=args.vocab_size,
+        te_options={dest: getattr(args, dest) for _, dest in TE_OPTION_FLAGS
+                    if getattr(args, dest, None) is not None} or None,
     )
     start = time.perf_counter()
     try:
@@ -254,7 +361,8 @@ def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     except UserError as e:  # every conversion mistake (paths, formats, experiments); bugs propagate
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
-    print(f"converted {pretrained.family.value} {request.source.value} -> {request.target.value}: "
+    family = getattr(pretrained.family, "value", pretrained.family)
+    print(f"converted {family} {request.source.value} -> {request.target.value}: "
           f"{pretrained.num_params:,} parameters, {request.dtype}, "
           f"{time.perf_counter() - start:.1f} s -> {request.output}")
     return 0

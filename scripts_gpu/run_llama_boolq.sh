@@ -23,7 +23,7 @@
 # - CHECKPOINT_RESTORE_PATH is passed as given (paxlite takes a DIR holding checkpoints/, the checkpoints
 #   directory itself, or one checkpoint_N); Pax appended /checkpoints. Unset, no flag is passed.
 # - EVAL_ONLY=1 without CHECKPOINT_RESTORE_PATH is an error here (Pax crashed on the unset variable).
-# - ENABLE_TE is accepted and ignored with a warning: paxlite has no Transformer Engine path.
+# - ENABLE_TE=1 runs Transformer Engine layers (docs/transformer_engine.md); paxlite reads the variable.
 set -euo pipefail
 # shellcheck source=scripts_gpu/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -54,9 +54,8 @@ CONFIG=${CONFIG:-LLaMA7B}
 LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/llama}
 CHECKPOINT_RESTORE_PATH=${CHECKPOINT_RESTORE_PATH:-}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
-if [[ "$(flag ENABLE_TE "$ENABLE_TE")" == true ]]; then
-    echo "WARNING: ENABLE_TE=$ENABLE_TE ignored: paxlite has no Transformer Engine path (XLA only)." >&2
-fi
+flag ENABLE_TE "$ENABLE_TE" > /dev/null  # 0/1/true/false, checked before anything starts
+export ENABLE_TE  # read by paxlite's config layer (config/transformer_engine.py)
 
 # Kept from Pax for the NCCL/TE behaviour its results were measured with.
 export ENABLE_FP8=0 NCCL_IB_SL=0 NCCL_PROTO=LL128

@@ -17,6 +17,7 @@ from absl import logging
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived, Experiment
+from paxlite.config.transformer_engine import transformer_engine_fields
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
@@ -266,6 +267,8 @@ class LanguageModelExperiment(Experiment):
             "remat_policy": self.remat_policy(),
             "dtype": self.FPROP_DTYPE,
             "param_dtype": "float32",
+            # Pax's ENABLE_TE / ENABLE_FP8 environment variables (config/transformer_engine.py)
+            **transformer_engine_fields(native_fp8=bool(getattr(self, "USE_FP8", False))),
         }
 
     def with_lora(self, model: fdl.Config[TransformerConfig]) -> fdl.Config[TransformerConfig]:

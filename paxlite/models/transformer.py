@@ -32,6 +32,11 @@ from paxlite.models.mlp import Mlp
 from paxlite.models.moe import MoeMlp
 from paxlite.models.norms import LayerNorm, RMSNorm
 from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
+from paxlite.models.te_layer import (
+    TransformerEngineBlock,
+    fp8_state_collections,
+    uses_transformer_engine,
+)
 from paxlite.models.transformer_config import (
     LLAMA_ARCHITECTURE,
     VALID_DTYPES,
@@ -247,15 +252,18 @@ class Transformer(nn.Module):
         if cfg.moe is not None and segment_ids is not None:
             paddings = (segment_ids == 0).astype(jnp.float32)
         unit = cfg.layers_per_scan_unit
+        # ENABLE_TE: every layer is TE's TransformerLayer (models/te_layer.py), dense only
+        layer_cls: Any = TransformerEngineBlock if uses_transformer_engine(cfg) else Block
         if cfg.scan_layers:
-            body: Any = Block if unit == 1 else BlockUnit
+            body: Any = layer_cls if unit == 1 else BlockUnit
             if cfg.remat_policy is not RematPolicy.NONE:
                 body = nn.remat(body, policy=_remat_policy_fn(cfg.remat_policy), prevent_cse=False)
             extra = {} if unit > 1 else {"moe_layer": cfg.moe is not None}
             scanned = nn.scan(
                 body,
                 # sown MoE losses and summaries are stacked per layer, like the parameters
-                variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0},
+                variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0,
+                               **{name: 0 for name in fp8_state_collections(cfg)}},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers // unit,
@@ -265,9 +273,9 @@ class Transformer(nn.Module):
                 x, mask, block_positions, paddings
             )
         else:
-            block_cls: Any = Block
+            block_cls: Any = layer_cls
             if cfg.remat_policy is not RematPolicy.NONE:
-                block_cls = nn.remat(Block, policy=_remat_policy_fn(cfg.remat_policy),
+                block_cls = nn.remat(layer_cls, policy=_remat_policy_fn(cfg.remat_policy),
                                      prevent_cse=True)
             for i in range(cfg.num_layers):
                 moe_layer = cfg.moe is not None and cfg.moe.is_moe_layer(i)

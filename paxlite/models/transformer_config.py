@@ -39,6 +39,68 @@ class PositionEmbedding(str, enum.Enum):
     NONE = "none"
 
 
+class LayerImplementation(str, enum.Enum):
+    """Whose modules compute each decoder layer; the embeddings, final norm and output stay paxlite's.
+
+    TRANSFORMER_ENGINE builds every layer from NVIDIA Transformer Engine's Flax ``TransformerLayer``
+    (models/te_layer.py; GPU only, Pax ``ENABLE_TE=1``). Its parameters have TE's names and layout;
+    ``python -m paxlite convert --from=paxlite --to=te`` maps between the two (interop/te.py).
+    """
+
+    PAXLITE = "paxlite"
+    TRANSFORMER_ENGINE = "transformer_engine"
+
+
+# TE's DelayedScaling fields that its JAX side supports (margin, format, history, algorithm).
+TE_FP8_FORMATS: tuple[str, ...] = ("HYBRID", "E4M3")
+TE_AMAX_COMPUTE_ALGOS: tuple[str, ...] = ("max", "most_recent")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerEngineConfig:
+    """How Transformer Engine layers run: the FP8 recipe and the mesh axes TE shards over.
+
+    Plain values only, so a model config stays JSON and needs no TE to be read; models/te_layer.py
+    turns them into ``te.autocast(enabled=fp8, recipe=DelayedScaling(...), mesh_resource=...)``.
+    Defaults are Pax's recipe (paxml PR-46 te_helper: margin 0, HYBRID, history 1024, 'max').
+
+    ``fp8_collection`` names the Flax collection holding TE's FP8 scaling state (TE's
+    ``NVTE_FP8_COLLECTION_NAME``, 'fp8_metas'): the train step keeps it in the train state and
+    overwrites it with its "gradient", as for native FP8. TE's TransformerLayer does not take a
+    collection name, so the layer checks that this one is TE's.
+    """
+
+    fp8: bool = False
+    fp8_margin: int = 0
+    fp8_format: str = "HYBRID"
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+    fp8_collection: str = "fp8_metas"
+    dp_resource: str | None = "data"  # mesh axis names (parallel/mesh.py) given to TE's MeshResource
+    fsdp_resource: str | None = "fsdp"
+    tp_resource: str | None = "tensor"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"TransformerEngineConfig.fp8={self.fp8!r} must be True or False")
+        if self.fp8_format not in TE_FP8_FORMATS:
+            raise ValueError(f"TransformerEngineConfig.fp8_format={self.fp8_format!r} is not valid; "
+                             f"expected one of {TE_FP8_FORMATS}")
+        if self.fp8_amax_compute_algo not in TE_AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"TransformerEngineConfig.fp8_amax_compute_algo={self.fp8_amax_compute_algo!r} is "
+                f"not valid; expected one of {TE_AMAX_COMPUTE_ALGOS}")
+        for name in ("fp8_margin", "fp8_amax_history_len"):
+            value = getattr(self, name)
+            low = 1 if name == "fp8_amax_history_len" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"TransformerEngineConfig.{name}={value!r} must be an integer "
+                                 f">= {low}")
+        if not isinstance(self.fp8_collection, str) or not self.fp8_collection:
+            raise ValueError(f"TransformerEngineConfig.fp8_collection={self.fp8_collection!r} must "
+                             "be a non-empty string")
+
+
 class RematPolicy(str, enum.Enum):
     """What a transformer block keeps for the backward pass (Pax ``CHECKPOINT_POLICY``).
 
@@ -158,12 +220,18 @@ class TransformerConfig:
     relative_position_max_distance: int = 128  # RELATIVE_BIAS: longest distance bucketed (GLaM 128)
     scale_query: bool = True  # q x 1/sqrt(dims_per_head); GLaM: False (Pax scales the init instead)
     moe: MoeConfig | None = None  # mixture-of-experts MLPs (models/moe_config.py); None: dense
+    # Whose modules compute the layers (Pax ENABLE_TE); te: TE's settings, None -> defaults under TE
+    layer_implementation: LayerImplementation = LayerImplementation.PAXLITE
+    te: TransformerEngineConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, Mapping):  # read back from JSON
             object.__setattr__(self, "moe", MoeConfig(**self.moe))
         if self.moe is not None and not isinstance(self.moe, MoeConfig):
             raise ValueError(f"TransformerConfig.moe={self.moe!r} must be None or a MoeConfig")
+        if isinstance(self.te, Mapping):  # read back from JSON
+            object.__setattr__(self, "te", TransformerEngineConfig(**self.te))
+        _coerce_enum(self, "layer_implementation", LayerImplementation)
         _coerce_enum(self, "norm", NormKind)
         _coerce_enum(self, "lora_targets", LoraTargets)
         if self.lora_rank is not None:
@@ -235,6 +303,19 @@ class TransformerConfig:
                     "lora_targets='attention' with an MoE model"
                 )
 
+        if self.layer_implementation is LayerImplementation.TRANSFORMER_ENGINE:
+            _check_transformer_engine(self)
+        elif self.te is not None:
+            raise ValueError(
+                "TransformerConfig.te (Transformer Engine settings) is set but "
+                "layer_implementation='paxlite': set layer_implementation='transformer_engine' "
+                "(ENABLE_TE=1) or leave te=None")
+
+    @property
+    def te_settings(self) -> TransformerEngineConfig:
+        """``te``, or TE's defaults (Pax's recipe, FP8 off) when it is None."""
+        return self.te if self.te is not None else TransformerEngineConfig()
+
     @property
     def layers_per_scan_unit(self) -> int:
         """Layers in one scanned body: 1 for dense models, moe_layer_interval for MoE ones."""
@@ -264,3 +345,46 @@ class TransformerConfig:
     @property
     def embedding_init_std(self) -> float:
         return self.init_std if self.softmax_init_std is None else self.softmax_init_std
+
+
+def _check_transformer_engine(config: TransformerConfig) -> None:
+    """What TE's TransformerLayer cannot express is refused here, not silently changed."""
+    if config.te is not None and not isinstance(config.te, TransformerEngineConfig):
+        raise ValueError(f"TransformerConfig.te={config.te!r} must be None or a "
+                         "TransformerEngineConfig")
+    problems = []
+    if config.num_heads * config.dims_per_head != config.model_dims:
+        problems.append(
+            f"num_heads x dims_per_head = {config.num_heads} x {config.dims_per_head} must equal "
+            f"model_dims={config.model_dims} (TE derives the head size from them)")
+    if config.moe is not None:
+        problems.append("mixture-of-experts layers (moe) are not TE TransformerLayers")
+    if config.lora_rank is not None:
+        problems.append("LoRA adapters (lora_rank) are paxlite's, not TE's")
+    if config.position_kind is PositionEmbedding.RELATIVE_BIAS:
+        problems.append("the T5 relative position bias is paxlite's per-layer table")
+    if not config.scale_query:
+        problems.append("scale_query=False (TE scales the logits by 1/sqrt(head size))")
+    if config.gated_mlp and config.activation.value not in _TE_GATED_ACTIVATIONS:
+        problems.append(f"gated activation {config.activation.value!r} has no TE name")
+    if not config.gated_mlp and config.activation.value not in _TE_ACTIVATIONS:
+        problems.append(f"activation {config.activation.value!r} has no TE name")
+    if problems:
+        raise ValueError("layer_implementation='transformer_engine' cannot build this model: "
+                         + "; ".join(problems))
+
+
+# paxlite activation value -> TE's activation name. TE's 'gelu' is jax.nn.gelu's default, the tanh
+# approximation (GELU_TANH); exact GELU has no TE name. A gated MLP is TE's (name, 'linear') pair.
+TE_ACTIVATION_NAMES: Mapping[str, str] = types.MappingProxyType({
+    "gelu_tanh": "gelu", "relu": "relu", "silu": "silu",
+})
+_TE_ACTIVATIONS = TE_ACTIVATION_NAMES
+_TE_GATED_ACTIVATIONS = TE_ACTIVATION_NAMES
+
+
+def te_mlp_activations(config: TransformerConfig) -> tuple[str, ...]:
+    """TE's ``mlp_activations`` for this config: ('gelu',) for GPT, ('silu', 'linear') for SwiGLU
+    (TE applies the first to wi_kernel[:, 0] and multiplies by the linear wi_kernel[:, 1])."""
+    name = TE_ACTIVATION_NAMES[config.activation.value]
+    return (name, "linear") if config.gated_mlp else (name,)

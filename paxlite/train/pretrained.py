@@ -106,8 +106,47 @@ def save_params(
     return epath.Path(os.path.abspath(os.fspath(directory))) / "checkpoints" / f"checkpoint_{step:08d}"
 
 
+def save_state(
+    directory: str | os.PathLike,
+    state: PyTree,
+    *,
+    step: int,
+    model_config: TransformerConfig | None = None,
+    copy_items_from: epath.Path | None = None,
+) -> epath.Path:
+    """`save_params` for a whole saved train state ({"step", "params", "opt_state"?}: what a converter
+    that keeps optimizer state writes); the other items of the step directory `copy_items_from`
+    (e.g. the input pipeline's state) are copied beside it. Returns the step dir."""
+    import shutil
+
+    with staged_output(directory, setting="output directory") as staging:
+        root = epath.Path(staging)
+        _save_state_into(root, state, step=step, model_config=model_config)
+        step_dir = root / "checkpoints" / f"checkpoint_{step:08d}"
+        if copy_items_from is not None:
+            for item in copy_items_from.iterdir():
+                if item.is_dir() and item.name != _ITEM and not (step_dir / item.name).exists():
+                    shutil.copytree(os.fspath(item), os.fspath(step_dir / item.name))
+    return epath.Path(os.path.abspath(os.fspath(directory))) / "checkpoints" / f"checkpoint_{step:08d}"
+
+
+def read_state(path: str | os.PathLike) -> tuple[int, epath.Path, PyTree]:
+    """(step, step directory, the whole saved "state" item as NumPy arrays in its saved structure)."""
+    step, step_dir = find_checkpoint(path)
+    try:
+        state = ocp.PyTreeCheckpointer().restore(step_dir / _ITEM)
+    except Exception as error:  # TensorStore raises bare Exception; re-raised
+        raise _read_failure(step_dir, error) from error
+    return step, step_dir, jax.tree.map(np.asarray, state)
+
+
 def _save_params_into(root: epath.Path, params: PyTree, *, step: int,
                       model_config: TransformerConfig | None) -> None:
+    _save_state_into(root, {"params": params}, step=step, model_config=model_config)
+
+
+def _save_state_into(root: epath.Path, state: PyTree, *, step: int,
+                     model_config: TransformerConfig | None) -> None:
     checkpoints = root / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
@@ -116,8 +155,8 @@ def _save_params_into(root: epath.Path, params: PyTree, *, step: int,
     )
     # Orbax writes jax arrays about twice as fast as NumPy ones (measured: 4.4 s vs 8.2 s for 0.67 GB);
     # on the CPU, device_put of a large aligned NumPy array can share its memory rather than copy it.
-    params = jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, params)
-    state = {"step": jnp.asarray(step, jnp.int32), "params": params}
+    state = jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, dict(state))
+    state["step"] = jnp.asarray(step, jnp.int32)
     with ocp.CheckpointManager(checkpoints, options=options, item_names=(_ITEM,)) as manager:
         manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True)
         manager.wait_until_finished()
