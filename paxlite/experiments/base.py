@@ -26,8 +26,13 @@ from paxlite.experiments.moe_mixin import (
     expert_axis_size,
 )
 from paxlite.models.attention import AttentionKind
+from paxlite.models.attention_kernels import (
+    AttentionImplementation,
+    cudnn_problems,
+    pallas_problems,
+)
 from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
-from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
+from paxlite.models.transformer import PositionEmbedding, RematPolicy, TransformerConfig, num_params
 from paxlite.parallel.mesh import MeshConfig
 from paxlite.paths import UnsupportedPathError, require_local_path
 from paxlite.train import flops as flops_lib
@@ -70,9 +75,21 @@ class LanguageModelExperiment(Experiment):
     # None: PERCORE_BATCH_SIZE x devices (Pax). Set, it wins; each device holds GLOBAL / devices rows
     # (fractional only with tensor parallelism), and it must divide over data x fsdp (x expert).
     GLOBAL_BATCH_SIZE: int | None = None
-    # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash"
-    # (jax.nn.dot_product_attention; cuDNN flash attention on GPUs). Same parameters, same result.
-    ATTENTION_KIND: Literal["dot_product", "flash"] = "dot_product"
+    # Attention (docs/attention.md). Pax's switch: true runs cuDNN flash attention, and refuses to
+    # start (naming why) where it cannot run: CPU, float32, dims per head not a multiple of 8 or
+    # above 256 (128 before Hopper). Packed rows reach it as a dense mask.
+    USE_CUDNN_FLASH_ATTENTION: bool = False
+    # The kernel of fused attention: "auto" (cuDNN where it fits, else XLA), "xla", "cudnn", or
+    # "pallas_triton" (JAX's Pallas-Triton flash attention, which reads packed rows' segment ids in
+    # the kernel instead of a dense mask; GPU only, no relative position bias).
+    ATTENTION_IMPLEMENTATION: Literal["auto", "xla", "cudnn", "pallas_triton"] = Derived(
+        lambda hp: "cudnn" if hp.USE_CUDNN_FLASH_ATTENTION else "auto",
+        doc="'cudnn' if USE_CUDNN_FLASH_ATTENTION else 'auto'")
+    # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash" (a fused
+    # kernel, ATTENTION_IMPLEMENTATION's). Same parameters, same result.
+    ATTENTION_KIND: Literal["dot_product", "flash"] = Derived(
+        lambda hp: "flash" if hp.ATTENTION_IMPLEMENTATION in ("cudnn", "pallas_triton") else "dot_product",
+        doc="'flash' if ATTENTION_IMPLEMENTATION is 'cudnn' or 'pallas_triton' else 'dot_product'")
     # Initialise from pretrained weights (Pax CheckpointRestoreMixin): a job directory, its
     # checkpoints/ or one checkpoint_<STEP> directory (e.g. from python -m paxlite convert). Used
     # only when the job has no checkpoint of its own; the run starts at step 0 with fresh optimizer
@@ -143,14 +160,7 @@ class LanguageModelExperiment(Experiment):
                 f"GLOBAL_BATCH_SIZE must be a positive number of sequences or None "
                 f"(PERCORE_BATCH_SIZE x devices), got {self.GLOBAL_BATCH_SIZE}"
             )
-        if self.ATTENTION_KIND != AttentionKind.DOT_PRODUCT.value:
-            # A family whose model_config ignores the switch would silently run dot-product.
-            built = AttentionKind(self.model_config().attention_kind)
-            if built.value != self.ATTENTION_KIND:
-                raise ConfigError(
-                    f"ATTENTION_KIND={self.ATTENTION_KIND!r}: {self.name}'s model does not use it "
-                    f"(it builds {built.value!r}); LLaMA and Fuji experiments support 'flash'"
-                )
+        self._check_attention()
         whole_eval_set = self.EVAL_LOOP_NUM_BATCHES == -1
         if self.uses_synthetic_data() and self.EVAL_TASK == "validation" and whole_eval_set:
             raise ConfigError(
@@ -184,6 +194,50 @@ class LanguageModelExperiment(Experiment):
         problems = [*self._path_problems(), *self._ignored_setting_problems()]
         if problems:
             raise ConfigError(f"invalid {self.name} hyperparameters: " + "; ".join(problems))
+
+    def _check_attention(self) -> None:
+        """The attention settings agree with each other, the model uses them, and a kernel asked
+        for by name fits the model's dtype and head dims (the backend is checked when the step is
+        traced, where it is known): one error naming every reason, before anything is built."""
+        implementation = AttentionImplementation(self.ATTENTION_IMPLEMENTATION)
+        problems = []
+        if self.USE_CUDNN_FLASH_ATTENTION and implementation is not AttentionImplementation.CUDNN:
+            problems.append(
+                f"USE_CUDNN_FLASH_ATTENTION=true asks for cuDNN and ATTENTION_IMPLEMENTATION="
+                f"{implementation.value!r} for another kernel: drop one of them")
+        fused = implementation in (AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON)
+        if fused and self.ATTENTION_KIND == AttentionKind.DOT_PRODUCT.value:
+            problems.append(
+                f"ATTENTION_IMPLEMENTATION={implementation.value!r} is a fused kernel and "
+                "ATTENTION_KIND='dot_product' runs einsums: set ATTENTION_KIND='flash' (or leave it unset)")
+        if problems:
+            raise ConfigError(f"invalid {self.name} attention settings: " + "; ".join(problems))
+        model = fdl.build(self.model_config())
+        built = (AttentionKind(model.attention_kind).value,
+                 AttentionImplementation(model.attention_implementation).value)
+        if built != (self.ATTENTION_KIND, implementation.value):
+            # A family whose model_config drops the switch would silently run something else.
+            raise ConfigError(
+                f"ATTENTION_KIND={self.ATTENTION_KIND!r}, ATTENTION_IMPLEMENTATION="
+                f"{implementation.value!r}: {self.name}'s model does not use them (it builds {built})")
+        relative_bias = model.position_kind is PositionEmbedding.RELATIVE_BIAS
+        if implementation is AttentionImplementation.CUDNN:
+            problems = cudnn_problems(dtype=self.FPROP_DTYPE, head_dim=self.DIMS_PER_HEAD,
+                                      seq_len=self.MAX_SEQ_LEN,
+                                      dense_bias=self.PACKED_INPUT or relative_bias)
+            setting = ("USE_CUDNN_FLASH_ATTENTION=true" if self.USE_CUDNN_FLASH_ATTENTION
+                       else "ATTENTION_IMPLEMENTATION='cudnn'")
+            if problems:
+                raise ConfigError(
+                    f"{setting} cannot run {self.name}: " + "; ".join(problems) + " (FPROP_DTYPE="
+                    f"{self.FPROP_DTYPE!r}, DIMS_PER_HEAD={self.DIMS_PER_HEAD}, MAX_SEQ_LEN="
+                    f"{self.MAX_SEQ_LEN}); or use ATTENTION_IMPLEMENTATION='auto' (cuDNN where it "
+                    "fits, else XLA)")
+        if implementation is AttentionImplementation.PALLAS_TRITON:
+            problems = pallas_problems(has_bias=relative_bias)
+            if problems:
+                raise ConfigError(f"ATTENTION_IMPLEMENTATION='pallas_triton' cannot run {self.name}: "
+                                  + "; ".join(problems))
 
     # Hyperparameters that name files or directories (and the environment variables that stand in
     # for two of them): all must be local or mounted paths (paxlite/paths.py says why).
@@ -264,6 +318,8 @@ class LanguageModelExperiment(Experiment):
             "input_dropout_prob": self.INPUT_DROPOUT_PROB,
             "scan_layers": self.USE_REPEATED_LAYER,
             "remat_policy": self.remat_policy(),
+            "attention_kind": AttentionKind(self.ATTENTION_KIND),
+            "attention_implementation": AttentionImplementation(self.ATTENTION_IMPLEMENTATION),
             "dtype": self.FPROP_DTYPE,
             "param_dtype": "float32",
         }

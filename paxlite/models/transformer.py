@@ -103,11 +103,12 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None,
-        paddings: jax.Array | None = None,
+        self, x: jax.Array, mask: jax.Array | None, positions: jax.Array | None = None,
+        paddings: jax.Array | None = None, segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, None]:
-        """x [B, T, D], mask [B|1, 1, T, S], positions [B, T] (RoPE, relative bias), paddings
-        [B, T] (1: padding; MoE routing only) -> (x [B, T, D], None)."""
+        """x [B, T, D], mask [B|1, 1, T, S] (None: causal only), positions [B, T] (RoPE, relative
+        bias), paddings [B, T] (1: padding; MoE routing only), segment_ids [B, T] (packed rows,
+        with the mask they make; the Pallas kernel reads them) -> (x [B, T, D], None)."""
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)  # [B, T, D]
@@ -123,6 +124,7 @@ class Block(nn.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             attention_kind=cfg.attention_kind,
+            attention_implementation=cfg.attention_implementation,
             lora=cfg.lora_spec if cfg.lora_targets.attention else None,
             relative_position_buckets=(
                 cfg.relative_position_buckets
@@ -130,7 +132,7 @@ class Block(nn.Module):
             relative_position_max_distance=cfg.relative_position_max_distance,
             scale_query=cfg.scale_query,
             name="attention",
-        )(h, mask, positions)
+        )(h, mask, positions, segment_ids=segment_ids)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
         x = x + h
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
@@ -176,10 +178,10 @@ class BlockUnit(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x, mask, positions=None, paddings=None):
+    def __call__(self, x, mask, positions=None, paddings=None, segment_ids=None):
         for j in range(self.config.layers_per_scan_unit):
             x, _ = Block(config=self.config, deterministic=self.deterministic, moe_layer=j == 0,
-                         name=f"layer_{j}")(x, mask, positions, paddings)
+                         name=f"layer_{j}")(x, mask, positions, paddings, segment_ids)
         return x, None
 
 
@@ -239,7 +241,11 @@ class Transformer(nn.Module):
         x = nn.Dropout(rate=cfg.input_dropout_prob)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
 
-        mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)  # [B|1, 1, T, S]
+        # Packed rows: the same-segment causal mask [B, 1, T, S], built once for all layers. Unpacked
+        # rows pass None (causal only), so a fused kernel needs no dense mask at all.
+        mask = None
+        if segment_ids is not None:
+            mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
         # Only RoPE reads positions inside the blocks; GPT blocks get None (an empty pytree).
         block_positions = positions if position_kind is PositionEmbedding.ROTARY else None
         # MoE routing keeps padding (segment id 0 in packed rows) out of the experts' capacity.
@@ -257,12 +263,12 @@ class Transformer(nn.Module):
                 # sown MoE losses and summaries are stacked per layer, like the parameters
                 variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers // unit,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, _ = scanned(config=cfg, deterministic=deterministic, name="layers", **extra)(
-                x, mask, block_positions, paddings
+                x, mask, block_positions, paddings, segment_ids
             )
         else:
             block_cls: Any = Block
@@ -272,7 +278,8 @@ class Transformer(nn.Module):
             for i in range(cfg.num_layers):
                 moe_layer = cfg.moe is not None and cfg.moe.is_moe_layer(i)
                 x, _ = block_cls(config=cfg, deterministic=deterministic, moe_layer=moe_layer,
-                                 name=f"layers_{i}")(x, mask, block_positions, paddings)
+                                 name=f"layers_{i}")(x, mask, block_positions, paddings,
+                                                       segment_ids)
 
         x = _make_norm(cfg, name="final_norm")(x)
         if return_hidden:
