@@ -43,11 +43,11 @@ def test_fuji_flash_keeps_auto_and_takes_pax_switch():
 
 @pytest.mark.parametrize("assignments, message", [
     (["USE_CUDNN_FLASH_ATTENTION=True", "FPROP_DTYPE=float32"],
-     "USE_CUDNN_FLASH_ATTENTION=true cannot run GPT126M: cuDNN flash attention takes bfloat16 or "
-     "float16 activations, and the compute dtype is float32"),
+     ("USE_CUDNN_FLASH_ATTENTION=true cannot run Pile126M: cuDNN flash attention takes bfloat16 or "
+     "float16 activations, and the compute dtype is float32")),
     (["USE_CUDNN_FLASH_ATTENTION=True", "DIMS_PER_HEAD=300"], "at most 256 .*got 300"),
     (["ATTENTION_IMPLEMENTATION=cudnn", "DIMS_PER_HEAD=100"],
-     "ATTENTION_IMPLEMENTATION='cudnn' cannot run GPT126M: .*multiple of 8"),
+     "ATTENTION_IMPLEMENTATION='cudnn' cannot run Pile126M: .*multiple of 8"),
     (["USE_CUDNN_FLASH_ATTENTION=True", "MAX_SEQ_LEN=2047"], "even sequence length, got 2047"),
     (["USE_CUDNN_FLASH_ATTENTION=True", "ATTENTION_IMPLEMENTATION=xla"],
      "USE_CUDNN_FLASH_ATTENTION=true asks for cuDNN and ATTENTION_IMPLEMENTATION='xla'"),
