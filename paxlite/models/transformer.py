@@ -7,6 +7,7 @@ activations carry logical sharding constraints at block boundaries (no-ops witho
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from paxlite.models.attention import (
     Attention,
     make_attention_mask,
 )
+from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.embedding import Embed
 from paxlite.models.linear import Linear
 from paxlite.models.mlp import Mlp
@@ -335,7 +337,13 @@ def project_hidden(config: TransformerConfig, params: Any, hidden: jax.Array) ->
 
 
 def abstract_variables(config: TransformerConfig) -> Any:
-    """Boxed (LogicallyPartitioned) ShapeDtypeStruct variables; allocates no device memory."""
+    """Boxed (LogicallyPartitioned) ShapeDtypeStruct variables; allocates no device memory.
+
+    Traced with XLA attention: the parameters do not depend on the kernel, and a cuDNN or Pallas
+    model's shapes must be countable on a CPU machine too (``show``, ``plan``).
+    """
+    if config.attention_implementation is not AttentionImplementation.AUTO:
+        config = dataclasses.replace(config, attention_implementation=AttentionImplementation.XLA)
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return jax.eval_shape(
         lambda key, toks: Transformer(config).init({"params": key}, toks),

@@ -81,3 +81,14 @@ def test_a_family_that_drops_the_settings_is_refused():
     registry = {"_DropsAttention": _DropsAttention}
     with pytest.raises(ConfigError, match="_DropsAttention's model does not use them"):
         load_experiment("_DropsAttention", ["USE_CUDNN_FLASH_ATTENTION=True"], registry=registry)
+
+
+def test_show_counts_a_cudnn_experiment_on_a_cpu_machine():
+    """The parameter count traces the model with XLA attention: `show` of a GPU run works here."""
+    from paxlite.__main__ import describe
+
+    plain = describe(load_experiment("Pile126M", []))
+    shown = describe(load_experiment("Pile126M", ["USE_CUDNN_FLASH_ATTENTION=True"]))
+    assert shown["num_params"] == plain["num_params"] > 0
+    assert shown["hparams"]["ATTENTION_IMPLEMENTATION"] == "cudnn"
+    assert shown["hparams"]["ATTENTION_KIND"] == "flash"
