@@ -212,7 +212,7 @@ class LanguageModelExperiment(Experiment):
                 "ATTENTION_KIND='dot_product' runs einsums: set ATTENTION_KIND='flash' (or leave it unset)")
         if problems:
             raise ConfigError(f"invalid {self.name} attention settings: " + "; ".join(problems))
-        model = fdl.build(self.model_config())
+        model = self.model_config()  # not built: a family's own checks (NUM_KV_HEADS) come later
         built = (AttentionKind(model.attention_kind).value,
                  AttentionImplementation(model.attention_implementation).value)
         if built != (self.ATTENTION_KIND, implementation.value):
@@ -220,7 +220,7 @@ class LanguageModelExperiment(Experiment):
             raise ConfigError(
                 f"ATTENTION_KIND={self.ATTENTION_KIND!r}, ATTENTION_IMPLEMENTATION="
                 f"{implementation.value!r}: {self.name}'s model does not use them (it builds {built})")
-        relative_bias = model.position_kind is PositionEmbedding.RELATIVE_BIAS
+        relative_bias = model.position_embedding == PositionEmbedding.RELATIVE_BIAS
         if implementation is AttentionImplementation.CUDNN:
             problems = cudnn_problems(dtype=self.FPROP_DTYPE, head_dim=self.DIMS_PER_HEAD,
                                       seq_len=self.MAX_SEQ_LEN,
