@@ -92,3 +92,25 @@ def test_show_counts_a_cudnn_experiment_on_a_cpu_machine():
     assert shown["num_params"] == plain["num_params"] > 0
     assert shown["hparams"]["ATTENTION_IMPLEMENTATION"] == "cudnn"
     assert shown["hparams"]["ATTENTION_KIND"] == "flash"
+
+
+def test_cudnn_on_a_cpu_job_stops_with_one_line_and_exit_2(tmp_path):
+    """The backend is known when the step is traced: the job stops there, before compiling."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "paxlite.main", "--fdl_config=fuji-test-v3",
+         "--fdl.USE_CUDNN_FLASH_ATTENTION=True", "--fdl.DIMS_PER_HEAD=8",
+         "--fdl.SYNTHETIC_DATA=true", "--fdl.MAX_STEPS=2", f"--job_log_dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("paxlite: error:")]
+    assert errors == [
+        "paxlite: error: attention implementation 'cudnn' (USE_CUDNN_FLASH_ATTENTION) cannot run: "
+        "cuDNN flash attention runs on NVIDIA GPUs, and this job's JAX backend is 'cpu'; use 'auto' "
+        "(cuDNN where it fits, else XLA) or 'xla'"]
+    assert "Traceback" not in result.stderr
