@@ -20,19 +20,16 @@ from paxlite.config.experiment import Derived, Experiment
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
+from paxlite.experiments.attention_settings import check_attention_settings
 from paxlite.experiments.moe_mixin import (
     MOE_HPARAM_NAMES,
     dense_moe_setting_error,
     expert_axis_size,
 )
 from paxlite.models.attention import AttentionKind
-from paxlite.models.attention_kernels import (
-    AttentionImplementation,
-    cudnn_problems,
-    pallas_problems,
-)
+from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
-from paxlite.models.transformer import PositionEmbedding, RematPolicy, TransformerConfig, num_params
+from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
 from paxlite.parallel.mesh import MeshConfig
 from paxlite.paths import UnsupportedPathError, require_local_path
 from paxlite.train import flops as flops_lib
@@ -160,7 +157,7 @@ class LanguageModelExperiment(Experiment):
                 f"GLOBAL_BATCH_SIZE must be a positive number of sequences or None "
                 f"(PERCORE_BATCH_SIZE x devices), got {self.GLOBAL_BATCH_SIZE}"
             )
-        self._check_attention()
+        check_attention_settings(self)
         whole_eval_set = self.EVAL_LOOP_NUM_BATCHES == -1
         if self.uses_synthetic_data() and self.EVAL_TASK == "validation" and whole_eval_set:
             raise ConfigError(
@@ -194,50 +191,6 @@ class LanguageModelExperiment(Experiment):
         problems = [*self._path_problems(), *self._ignored_setting_problems()]
         if problems:
             raise ConfigError(f"invalid {self.name} hyperparameters: " + "; ".join(problems))
-
-    def _check_attention(self) -> None:
-        """The attention settings agree with each other, the model uses them, and a kernel asked
-        for by name fits the model's dtype and head dims (the backend is checked when the step is
-        traced, where it is known): one error naming every reason, before anything is built."""
-        implementation = AttentionImplementation(self.ATTENTION_IMPLEMENTATION)
-        problems = []
-        if self.USE_CUDNN_FLASH_ATTENTION and implementation is not AttentionImplementation.CUDNN:
-            problems.append(
-                f"USE_CUDNN_FLASH_ATTENTION=true asks for cuDNN and ATTENTION_IMPLEMENTATION="
-                f"{implementation.value!r} for another kernel: drop one of them")
-        fused = implementation in (AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON)
-        if fused and self.ATTENTION_KIND == AttentionKind.DOT_PRODUCT.value:
-            problems.append(
-                f"ATTENTION_IMPLEMENTATION={implementation.value!r} is a fused kernel and "
-                "ATTENTION_KIND='dot_product' runs einsums: set ATTENTION_KIND='flash' (or leave it unset)")
-        if problems:
-            raise ConfigError(f"invalid {self.name} attention settings: " + "; ".join(problems))
-        model = self.model_config()  # not built: a family's own checks (NUM_KV_HEADS) come later
-        built = (AttentionKind(model.attention_kind).value,
-                 AttentionImplementation(model.attention_implementation).value)
-        if built != (self.ATTENTION_KIND, implementation.value):
-            # A family whose model_config drops the switch would silently run something else.
-            raise ConfigError(
-                f"ATTENTION_KIND={self.ATTENTION_KIND!r}, ATTENTION_IMPLEMENTATION="
-                f"{implementation.value!r}: {self.name}'s model does not use them (it builds {built})")
-        relative_bias = model.position_embedding == PositionEmbedding.RELATIVE_BIAS
-        if implementation is AttentionImplementation.CUDNN:
-            problems = cudnn_problems(dtype=self.FPROP_DTYPE, head_dim=self.DIMS_PER_HEAD,
-                                      seq_len=self.MAX_SEQ_LEN,
-                                      dense_bias=self.PACKED_INPUT or relative_bias)
-            setting = ("USE_CUDNN_FLASH_ATTENTION=true" if self.USE_CUDNN_FLASH_ATTENTION
-                       else "ATTENTION_IMPLEMENTATION='cudnn'")
-            if problems:
-                raise ConfigError(
-                    f"{setting} cannot run {self.name}: " + "; ".join(problems) + " (FPROP_DTYPE="
-                    f"{self.FPROP_DTYPE!r}, DIMS_PER_HEAD={self.DIMS_PER_HEAD}, MAX_SEQ_LEN="
-                    f"{self.MAX_SEQ_LEN}); or use ATTENTION_IMPLEMENTATION='auto' (cuDNN where it "
-                    "fits, else XLA)")
-        if implementation is AttentionImplementation.PALLAS_TRITON:
-            problems = pallas_problems(has_bias=relative_bias)
-            if problems:
-                raise ConfigError(f"ATTENTION_IMPLEMENTATION='pallas_triton' cannot run {self.name}: "
-                                  + "; ".join(problems))
 
     # Hyperparameters that name files or directories (and the environment variables that stand in
     # for two of them): all must be local or mounted paths (paxlite/paths.py says why).

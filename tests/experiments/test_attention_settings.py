@@ -110,7 +110,7 @@ def test_cudnn_on_a_cpu_job_stops_with_one_line_and_exit_2(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("paxlite: error:")]
     assert errors == [
-        "paxlite: error: attention implementation 'cudnn' (USE_CUDNN_FLASH_ATTENTION) cannot run: "
+        ("paxlite: error: attention implementation 'cudnn' (USE_CUDNN_FLASH_ATTENTION) cannot run: "
         "cuDNN flash attention runs on NVIDIA GPUs, and this job's JAX backend is 'cpu'; use 'auto' "
-        "(cuDNN where it fits, else XLA) or 'xla'"]
+        "(cuDNN where it fits, else XLA) or 'xla'")]
     assert "Traceback" not in result.stderr
