@@ -252,3 +252,11 @@ def test_glam64b64e_on_512_devices_has_a_verdict_moe_memory_and_expert_levers():
         expert = levers["expert 1 -> 8"]
         assert expert["overrides"]["DCN_MESH_SHAPE"] == [1, 8, 1, 8]
         assert "peak_bytes" in expert and "peak_bytes" in levers["NUM_GROUPS 64 -> 128"]
+
+
+def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so():
+    """The CPU compiler has no Triton or cuDNN kernels: the plan compiles XLA's attention instead."""
+    plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "ATTENTION_IMPLEMENTATION=pallas_triton", num_devices=2)
+    assert plan["attention_note"].startswith("attention planned with 'xla': the CPU compiler cannot "
+                                             "compile 'pallas_triton'")
+    assert _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", num_devices=2)["attention_note"] is None

@@ -21,12 +21,14 @@ from paxlite.config.transformer_engine import transformer_engine_fields
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
+from paxlite.experiments.attention_settings import check_attention_settings
 from paxlite.experiments.moe_mixin import (
     MOE_HPARAM_NAMES,
     dense_moe_setting_error,
     expert_axis_size,
 )
 from paxlite.models.attention import AttentionKind
+from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
 from paxlite.parallel.mesh import MeshConfig
@@ -71,9 +73,21 @@ class LanguageModelExperiment(Experiment):
     # None: PERCORE_BATCH_SIZE x devices (Pax). Set, it wins; each device holds GLOBAL / devices rows
     # (fractional only with tensor parallelism), and it must divide over data x fsdp (x expert).
     GLOBAL_BATCH_SIZE: int | None = None
-    # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash"
-    # (jax.nn.dot_product_attention; cuDNN flash attention on GPUs). Same parameters, same result.
-    ATTENTION_KIND: Literal["dot_product", "flash"] = "dot_product"
+    # Attention (docs/attention.md). Pax's switch: true runs cuDNN flash attention, and refuses to
+    # start (naming why) where it cannot run: CPU, float32, dims per head not a multiple of 8 or
+    # above 256 (128 before Hopper). Packed rows reach it as a dense mask.
+    USE_CUDNN_FLASH_ATTENTION: bool = False
+    # The kernel of fused attention: "auto" (cuDNN where it fits, else XLA), "xla", "cudnn", or
+    # "pallas_triton" (JAX's Pallas-Triton flash attention, which reads packed rows' segment ids in
+    # the kernel instead of a dense mask; GPU only, no relative position bias).
+    ATTENTION_IMPLEMENTATION: Literal["auto", "xla", "cudnn", "pallas_triton"] = Derived(
+        lambda hp: "cudnn" if hp.USE_CUDNN_FLASH_ATTENTION else "auto",
+        doc="'cudnn' if USE_CUDNN_FLASH_ATTENTION else 'auto'")
+    # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash" (a fused
+    # kernel, ATTENTION_IMPLEMENTATION's). Same parameters, same result.
+    ATTENTION_KIND: Literal["dot_product", "flash"] = Derived(
+        lambda hp: "flash" if hp.ATTENTION_IMPLEMENTATION in ("cudnn", "pallas_triton") else "dot_product",
+        doc="'flash' if ATTENTION_IMPLEMENTATION is 'cudnn' or 'pallas_triton' else 'dot_product'")
     # Initialise from pretrained weights (Pax CheckpointRestoreMixin): a job directory, its
     # checkpoints/ or one checkpoint_<STEP> directory (e.g. from python -m paxlite convert). Used
     # only when the job has no checkpoint of its own; the run starts at step 0 with fresh optimizer
@@ -144,14 +158,7 @@ class LanguageModelExperiment(Experiment):
                 f"GLOBAL_BATCH_SIZE must be a positive number of sequences or None "
                 f"(PERCORE_BATCH_SIZE x devices), got {self.GLOBAL_BATCH_SIZE}"
             )
-        if self.ATTENTION_KIND != AttentionKind.DOT_PRODUCT.value:
-            # A family whose model_config ignores the switch would silently run dot-product.
-            built = AttentionKind(self.model_config().attention_kind)
-            if built.value != self.ATTENTION_KIND:
-                raise ConfigError(
-                    f"ATTENTION_KIND={self.ATTENTION_KIND!r}: {self.name}'s model does not use it "
-                    f"(it builds {built.value!r}); LLaMA and Fuji experiments support 'flash'"
-                )
+        check_attention_settings(self)
         whole_eval_set = self.EVAL_LOOP_NUM_BATCHES == -1
         if self.uses_synthetic_data() and self.EVAL_TASK == "validation" and whole_eval_set:
             raise ConfigError(
@@ -265,6 +272,8 @@ class LanguageModelExperiment(Experiment):
             "input_dropout_prob": self.INPUT_DROPOUT_PROB,
             "scan_layers": self.USE_REPEATED_LAYER,
             "remat_policy": self.remat_policy(),
+            "attention_kind": AttentionKind(self.ATTENTION_KIND),
+            "attention_implementation": AttentionImplementation(self.ATTENTION_IMPLEMENTATION),
             "dtype": self.FPROP_DTYPE,
             "param_dtype": "float32",
             # Pax's ENABLE_TE / ENABLE_FP8 environment variables (config/transformer_engine.py)

@@ -71,7 +71,6 @@ class BaseLLaMA(LanguageModelExperiment):
             **LLAMA_ARCHITECTURE,
             num_kv_heads=self.NUM_KV_HEADS,
             tie_embeddings=False,
-            attention_kind=self.ATTENTION_KIND,
         )
 
 

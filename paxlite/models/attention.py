@@ -1,11 +1,12 @@
 """Causal self-attention: Pax GPT's fused QKV, or separate q/k/v with grouped-query attention.
 
-The softmax(q k^T) v core has two implementations (``AttentionKind``): the explicit einsums below
-(DOT_PRODUCT, Pax's), or ``jax.nn.dot_product_attention`` (FLASH), which runs cuDNN's fused flash
-attention on GPUs (bf16/fp16, head dims a multiple of 8 up to 128) and XLA's fused op elsewhere.
-Both compute the same function; AXLearn's ``-flash`` Fuji variants select FLASH. An optional
-additive logit bias (T5/GLaM relative position bias, models/relative_position.py) enters both
-after the 1/sqrt(H) query scaling and before the mask and softmax, where Pax adds it.
+The softmax(q k^T) v core has two formulations (``AttentionKind``): the explicit einsums below
+(DOT_PRODUCT, Pax's), or a fused attention kernel (FLASH). Which kernel FLASH runs is an
+``AttentionImplementation`` (models/attention_kernels.py): cuDNN flash attention on GPUs where it
+fits (AUTO), XLA's, cuDNN's or Pallas-Triton's by name; docs/attention.md says when each applies.
+All compute the same function; AXLearn's ``-flash`` Fuji variants select FLASH. An optional
+additive logit bias (T5/GLaM relative position bias, models/relative_position.py) enters after the
+1/sqrt(H) query scaling and before the mask and softmax, where Pax adds it.
 
 Einsum letters: B batch, T query length, S key length, D model (embed) dims, K the 3 of q/k/v
 (fused path) or the key/value heads (grouped path), N query heads, G query heads per kv head
@@ -22,6 +23,11 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
+from paxlite.models.attention_kernels import (
+    AttentionImplementation,
+    flash_attention,
+    resolve_implementation,
+)
 from paxlite.models.linear import Linear
 from paxlite.models.lora import LoraSpec
 from paxlite.models.relative_position import RelativePositionBias
@@ -50,20 +56,19 @@ class AttentionKind(str, enum.Enum):
     """How softmax(q k^T) v is computed; the parameters and the result are the same."""
 
     DOT_PRODUCT = "dot_product"  # explicit einsums, float32 softmax (Pax DotProductAttention)
-    FLASH = "flash"  # jax.nn.dot_product_attention: cuDNN flash attention on GPU, XLA elsewhere
+    FLASH = "flash"  # a fused kernel, chosen by AttentionImplementation (cuDNN on GPU by default)
 
 
-def _flash_implementation(q: jax.Array) -> str | None:
-    """'cudnn' where cuDNN's flash kernel takes these shapes, else None (JAX's XLA path).
-
-    jax.nn.dot_product_attention(implementation=None) always uses XLA (JAX 0.10), so the GPU
-    kernel has to be asked for by name; it needs bf16/fp16 and head dims a multiple of 8 <= 128.
-    """
-    head_dims = q.shape[-1]
-    if (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-            and head_dims % 8 == 0 and head_dims <= 128):
-        return "cudnn"
-    return None
+def check_attention_choice(kind: AttentionKind | str,
+                           implementation: AttentionImplementation | str) -> None:
+    """A named kernel (cuDNN, Pallas-Triton) is a FLASH implementation; with DOT_PRODUCT it would
+    be silently ignored, so that combination is refused."""
+    kind, implementation = AttentionKind(kind), AttentionImplementation(implementation)
+    fused = (AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON)
+    if kind is AttentionKind.DOT_PRODUCT and implementation in fused:
+        raise ValueError(
+            f"attention implementation {implementation.value!r} is a fused kernel and attention "
+            f"kind 'dot_product' runs einsums: use attention kind 'flash' with it")
 
 
 def make_attention_mask(*, seq_len: int, segment_ids: jax.Array | None) -> jax.Array:
@@ -84,6 +89,42 @@ def make_attention_mask(*, seq_len: int, segment_ids: jax.Array | None) -> jax.A
     return (mask[None, :, :] & same_segment)[:, None, :, :]
 
 
+def einsum_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
+    bias: jax.Array | None = None, segment_ids: jax.Array | None = None,
+    dtype: DTypeLike = jnp.float32,
+) -> jax.Array:
+    """Pax's DotProductAttention core (AttentionKind.DOT_PRODUCT): prescaled q [B, T, N, H], k, v
+    [B, S, K, H] -> [B, T, N, H]; logits and softmax in float32, probabilities cast to dtype.
+
+    mask: bool [B|1, 1, T, S]; None: causal, restricted to segment_ids [B, T] when given.
+    bias: float32 [B|1, N|1, T, S] added to the logits before the mask. With K < N, query head
+    i = k * G + g reads kv head k (no copies of k/v are made).
+    """
+    batch, length, n, h = q.shape
+    kv = k.shape[2]
+    if mask is None:
+        mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
+    if kv == n:
+        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
+        if bias is not None:
+            logits = logits + bias  # [B, N, T, S]
+        logits = jnp.where(mask, logits, LARGE_NEGATIVE)
+        probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, N, T, S]
+        return jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+    qg = q.reshape(batch, length, kv, n // kv, h)  # [B, T, K, G, H]; head i = k*G + g
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
+    if bias is not None:
+        if bias.shape[1] == 1:
+            grouped_bias = bias[:, :, None]  # [B|1, 1, 1, T, S]
+        else:
+            grouped_bias = bias.reshape(bias.shape[0], kv, n // kv, *bias.shape[2:])
+        logits = logits + grouped_bias  # [B, K, G, T, S]
+    logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)  # mask [B|1, 1, 1, T, S]
+    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, K, G, T, S]
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, n, h)
+
+
 class Attention(nn.Module):
     """Multi-head attention: projections -> (RoPE) -> scaled dot product (softmax in f32) -> out.
 
@@ -98,8 +139,10 @@ class Attention(nn.Module):
         num_kv_heads: key/value heads; None means num_heads. Must divide num_heads.
         rope_theta: None for no rotary embedding (GPT); else RoPE base (LLaMA-2: 10000) applied to
             q and k at the positions passed to ``__call__``.
-        attention_kind: DOT_PRODUCT (einsums) or FLASH (``jax.nn.dot_product_attention``, causal,
-            with ``mask`` further restricting it, e.g. to packed segments).
+        attention_kind: DOT_PRODUCT (einsums) or FLASH (a fused kernel, causal, with ``mask`` or
+            ``segment_ids`` further restricting it to packed segments).
+        attention_implementation: FLASH's kernel (AUTO: cuDNN where it fits, else XLA; XLA,
+            CUDNN, PALLAS_TRITON by name, a SettingError naming why where it cannot run).
         lora: LoRA adapters on q, k, v (separate ones per q/k/v also when fused) and the output
             projection (Pax LORA_TARGET_LAYERS "attention"); None: none.
         relative_position_buckets: None for no relative bias; else this layer owns a T5 relative
@@ -118,6 +161,7 @@ class Attention(nn.Module):
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
     attention_kind: AttentionKind = AttentionKind.DOT_PRODUCT
+    attention_implementation: AttentionImplementation = AttentionImplementation.AUTO
     lora: LoraSpec | None = None
     relative_position_buckets: int | None = None
     relative_position_max_distance: int = 128
@@ -139,11 +183,15 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None, *,
-        bias: jax.Array | None = None,
+        self, x: jax.Array, mask: jax.Array | None, positions: jax.Array | None = None, *,
+        bias: jax.Array | None = None, segment_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """x [B, T, D], mask bool broadcastable to [B, N, T, S], positions int [B, T] (RoPE and the
+        """x [B, T, D], mask bool broadcastable to [B, N, T, S] (a subset of causal; None: causal
+        only, which lets a fused kernel skip building one), positions int [B, T] (RoPE and the
         relative bias read them; default arange) -> [B, T, D] in dtype.
+
+        segment_ids: int [B, T] of packed rows, given with the mask they make
+        (``make_attention_mask``); the Pallas-Triton kernel masks by them instead of the mask.
 
         bias: optional float32 [B|1, N|1, T, S] added to the logits (after the query scaling,
         before the mask), e.g. a relative position bias shared by several layers; with
@@ -158,6 +206,7 @@ class Attention(nn.Module):
                 f"num_heads={n}"
             )
         grouped = kv != n
+        check_attention_choice(self.attention_kind, self.attention_implementation)
 
         if not grouped:
             qkv = self._linear(
@@ -198,37 +247,20 @@ class Attention(nn.Module):
         bias = self._logit_bias(bias, positions, batch=batch, length=length)  # [B|1, N|1, T, S]
 
         if AttentionKind(self.attention_kind) is AttentionKind.FLASH:
-            # q is already scaled; k/v keep their K heads (JAX groups query head i with kv head
-            # i // G, as below). is_causal lets cuDNN skip the upper triangle; the mask (causal,
-            # and same-segment for packed rows) [B|1, 1, T, S] is a subset of it.
-            implementation = _flash_implementation(q)
-            if bias is not None and implementation == "cudnn":
-                # cuDNN folds the mask into a bias of q's dtype; Pax also computes the relative
-                # bias in the activation dtype.
-                bias = bias.astype(q.dtype)
-            out = jax.nn.dot_product_attention(
-                q, k, v, bias=bias, mask=mask, scale=1.0, is_causal=True,
-                implementation=implementation,
+            # q is already scaled; k/v keep their K heads (query head i uses kv head i // G, as
+            # below). The kernels are causal; the mask (same-segment for packed rows), when there
+            # is one, is a subset of causal, and the Pallas kernel reads segment_ids instead.
+            implementation = resolve_implementation(
+                self.attention_implementation, dtype=q.dtype, head_dim=h, seq_len=length,
+                dense_bias=mask is not None or bias is not None, has_bias=bias is not None,
+            )
+            out = flash_attention(
+                q, k, v, implementation=implementation, mask=mask, bias=bias,
+                segment_ids=segment_ids,
             )  # [B, T, N, H]
-        elif not grouped:
-            logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
-            if bias is not None:
-                logits = logits + bias  # [B, N, T, S]
-            logits = jnp.where(mask, logits, LARGE_NEGATIVE)
-            probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, N, T, S]
-            out = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
         else:
-            qg = q.reshape(batch, length, kv, n // kv, h)  # [B, T, K, G, H]; head i = k*G + g
-            logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
-            if bias is not None:
-                if bias.shape[1] == 1:
-                    grouped_bias = bias[:, :, None]  # [B|1, 1, 1, T, S]
-                else:
-                    grouped_bias = bias.reshape(bias.shape[0], kv, n // kv, *bias.shape[2:])
-                logits = logits + grouped_bias  # [B, K, G, T, S]
-            logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)  # mask [B|1, 1, 1, T, S]
-            probs = jax.nn.softmax(logits, axis=-1).astype(self.dtype)  # [B, K, G, T, S]
-            out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, n, h)
+            out = einsum_attention(q, k, v, mask=mask, bias=bias, segment_ids=segment_ids,
+                                   dtype=self.dtype)
         out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)  # [B, T, N, H]
         out = checkpoint_name(out, CONTEXT_NAME)
 

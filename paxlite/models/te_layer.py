@@ -214,16 +214,17 @@ class TransformerEngineBlock(nn.Module):
     moe_layer: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None,
-                 paddings: jax.Array | None = None) -> tuple[jax.Array, None]:
-        """x [B, T, D], mask [1, 1, T, T] (causal; packed masks are refused) -> (x [B, T, D], None).
+    def __call__(self, x: jax.Array, mask: jax.Array | None, positions: jax.Array | None = None,
+                 paddings: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, None]:
+        """x [B, T, D], mask None or [1, 1, T, T] (causal; packed rows are refused) -> (x, None).
 
         RoPE angles come from arange(T) inside TE, which equals the positions of unpacked rows.
         """
         del positions, paddings  # unpacked rows only: positions are arange(T), no MoE
         if self.moe_layer:
             raise ValueError("Transformer Engine layers have no mixture-of-experts MLP")
-        if mask.shape[0] != 1:
+        if segment_ids is not None or (mask is not None and mask.shape[0] != 1):
             raise ValueError(
                 "Transformer Engine layers take no packed rows (segment_ids): TE's causal mask "
                 "ignores segments; set PACKED_INPUT=False")

@@ -7,6 +7,7 @@ activations carry logical sharding constraints at block boundaries (no-ops witho
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from paxlite.models.attention import (
     Attention,
     make_attention_mask,
 )
+from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.embedding import Embed
 from paxlite.models.linear import Linear
 from paxlite.models.mlp import Mlp
@@ -108,11 +110,12 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, mask: jax.Array, positions: jax.Array | None = None,
-        paddings: jax.Array | None = None,
+        self, x: jax.Array, mask: jax.Array | None, positions: jax.Array | None = None,
+        paddings: jax.Array | None = None, segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, None]:
-        """x [B, T, D], mask [B|1, 1, T, S], positions [B, T] (RoPE, relative bias), paddings
-        [B, T] (1: padding; MoE routing only) -> (x [B, T, D], None)."""
+        """x [B, T, D], mask [B|1, 1, T, S] (None: causal only), positions [B, T] (RoPE, relative
+        bias), paddings [B, T] (1: padding; MoE routing only), segment_ids [B, T] (packed rows,
+        with the mask they make; the Pallas kernel reads them) -> (x [B, T, D], None)."""
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)  # [B, T, D]
@@ -128,6 +131,7 @@ class Block(nn.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             attention_kind=cfg.attention_kind,
+            attention_implementation=cfg.attention_implementation,
             lora=cfg.lora_spec if cfg.lora_targets.attention else None,
             relative_position_buckets=(
                 cfg.relative_position_buckets
@@ -135,7 +139,7 @@ class Block(nn.Module):
             relative_position_max_distance=cfg.relative_position_max_distance,
             scale_query=cfg.scale_query,
             name="attention",
-        )(h, mask, positions)
+        )(h, mask, positions, segment_ids=segment_ids)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
         x = x + h
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
@@ -181,10 +185,10 @@ class BlockUnit(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x, mask, positions=None, paddings=None):
+    def __call__(self, x, mask, positions=None, paddings=None, segment_ids=None):
         for j in range(self.config.layers_per_scan_unit):
             x, _ = Block(config=self.config, deterministic=self.deterministic, moe_layer=j == 0,
-                         name=f"layer_{j}")(x, mask, positions, paddings)
+                         name=f"layer_{j}")(x, mask, positions, paddings, segment_ids)
         return x, None
 
 
@@ -244,7 +248,11 @@ class Transformer(nn.Module):
         x = nn.Dropout(rate=cfg.input_dropout_prob)(x, deterministic=deterministic)
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
 
-        mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)  # [B|1, 1, T, S]
+        # Packed rows: the same-segment causal mask [B, 1, T, S], built once for all layers. Unpacked
+        # rows pass None (causal only), so a fused kernel needs no dense mask at all.
+        mask = None
+        if segment_ids is not None:
+            mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
         # Only RoPE reads positions inside the blocks; GPT blocks get None (an empty pytree).
         block_positions = positions if position_kind is PositionEmbedding.ROTARY else None
         # MoE routing keeps padding (segment id 0 in packed rows) out of the experts' capacity.
@@ -265,12 +273,12 @@ class Transformer(nn.Module):
                 variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0,
                                **{name: 0 for name in fp8_state_collections(cfg)}},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers // unit,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, _ = scanned(config=cfg, deterministic=deterministic, name="layers", **extra)(
-                x, mask, block_positions, paddings
+                x, mask, block_positions, paddings, segment_ids
             )
         else:
             block_cls: Any = layer_cls
@@ -280,7 +288,8 @@ class Transformer(nn.Module):
             for i in range(cfg.num_layers):
                 moe_layer = cfg.moe is not None and cfg.moe.is_moe_layer(i)
                 x, _ = block_cls(config=cfg, deterministic=deterministic, moe_layer=moe_layer,
-                                 name=f"layers_{i}")(x, mask, block_positions, paddings)
+                                 name=f"layers_{i}")(x, mask, block_positions, paddings,
+                                                       segment_ids)
 
         x = _make_norm(cfg, name="final_norm")(x)
         if return_hidden:
@@ -336,7 +345,13 @@ def project_hidden(config: TransformerConfig, params: Any, hidden: jax.Array) ->
 
 
 def abstract_variables(config: TransformerConfig) -> Any:
-    """Boxed (LogicallyPartitioned) ShapeDtypeStruct variables; allocates no device memory."""
+    """Boxed (LogicallyPartitioned) ShapeDtypeStruct variables; allocates no device memory.
+
+    Traced with XLA attention: the parameters do not depend on the kernel, and a cuDNN or Pallas
+    model's shapes must be countable on a CPU machine too (``show``, ``plan``).
+    """
+    if config.attention_implementation is not AttentionImplementation.AUTO:
+        config = dataclasses.replace(config, attention_implementation=AttentionImplementation.XLA)
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return jax.eval_shape(
         lambda key, toks: Transformer(config).init({"params": key}, toks),

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from paxlite.models.activations import Activation
-from paxlite.models.attention import AttentionKind
+from paxlite.models.attention import AttentionKind, check_attention_choice
+from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.lora import LoraSpec, LoraTargets, check_alpha, check_rank
 from paxlite.models.moe_config import MoeConfig
 from paxlite.models.rotary import DEFAULT_THETA
@@ -204,7 +205,9 @@ class TransformerConfig:
     rope_theta: float = DEFAULT_THETA  # RoPE base, used when the position kind is ROTARY
     num_kv_heads: int | None = None  # grouped-query attention; None: num_heads (plain MHA)
     gated_mlp: bool = False  # act(x W_gate) * (x W_up) -> W_down; with SILU this is SwiGLU
-    attention_kind: AttentionKind = AttentionKind.DOT_PRODUCT  # FLASH: jax.nn.dot_product_attention
+    attention_kind: AttentionKind = AttentionKind.DOT_PRODUCT  # FLASH: a fused attention kernel
+    # FLASH's kernel: AUTO (cuDNN where it fits, else XLA), XLA, CUDNN, PALLAS_TRITON (docs/attention.md)
+    attention_implementation: AttentionImplementation = AttentionImplementation.AUTO
     init_std: float = 0.02  # normal(0, init_std) for every matmul weight and the position table
     softmax_init_std: float | None = None  # token embedding / softmax table; None -> init_std
     dropout_prob: float = 0.0  # residual dropout after attention and after the MLP
@@ -240,6 +243,8 @@ class TransformerConfig:
         _coerce_enum(self, "activation", Activation)
         _coerce_enum(self, "remat_policy", RematPolicy)
         _coerce_enum(self, "attention_kind", AttentionKind)
+        _coerce_enum(self, "attention_implementation", AttentionImplementation)
+        check_attention_choice(self.attention_kind, self.attention_implementation)
         if self.position_embedding is not None:
             _coerce_enum(self, "position_embedding", PositionEmbedding)
         for name in ("vocab_size", "num_layers", "model_dims", "num_heads", "dims_per_head",

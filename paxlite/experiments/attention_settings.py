@@ -1,0 +1,63 @@
+"""The attention hyperparameters checked together (called from LanguageModelExperiment.validate).
+
+USE_CUDNN_FLASH_ATTENTION, ATTENTION_IMPLEMENTATION and ATTENTION_KIND must agree, the family's
+model must use them, and a kernel asked for by name must fit the model's dtype, head dims,
+sequence length and logit bias. What depends on the devices (the backend, the GPU generation) is
+checked when the step is traced (models/attention_kernels.py). docs/attention.md.
+"""
+
+from __future__ import annotations
+
+from paxlite.config.errors import ConfigError
+from paxlite.models.attention import AttentionKind
+from paxlite.models.attention_kernels import (
+    AttentionImplementation,
+    cudnn_problems,
+    pallas_problems,
+)
+from paxlite.models.transformer_config import PositionEmbedding
+
+
+def check_attention_settings(experiment) -> None:
+    """A LanguageModelExperiment's attention settings agree with each other, the model uses them, and a kernel asked
+    for by name fits the model's dtype and head dims (the backend is checked when the step is
+    traced, where it is known): one error naming every reason, before anything is built."""
+    implementation = AttentionImplementation(experiment.ATTENTION_IMPLEMENTATION)
+    problems = []
+    if experiment.USE_CUDNN_FLASH_ATTENTION and implementation is not AttentionImplementation.CUDNN:
+        problems.append(
+            f"USE_CUDNN_FLASH_ATTENTION=true asks for cuDNN and ATTENTION_IMPLEMENTATION="
+            f"{implementation.value!r} for another kernel: drop one of them")
+    fused = implementation in (AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON)
+    if fused and experiment.ATTENTION_KIND == AttentionKind.DOT_PRODUCT.value:
+        problems.append(
+            f"ATTENTION_IMPLEMENTATION={implementation.value!r} is a fused kernel and "
+            "ATTENTION_KIND='dot_product' runs einsums: set ATTENTION_KIND='flash' (or leave it unset)")
+    if problems:
+        raise ConfigError(f"invalid {experiment.name} attention settings: " + "; ".join(problems))
+    model = experiment.model_config()  # not built: a family's own checks (NUM_KV_HEADS) come later
+    built = (AttentionKind(model.attention_kind).value,
+             AttentionImplementation(model.attention_implementation).value)
+    if built != (experiment.ATTENTION_KIND, implementation.value):
+        # A family whose model_config drops the switch would silently run something else.
+        raise ConfigError(
+            f"ATTENTION_KIND={experiment.ATTENTION_KIND!r}, ATTENTION_IMPLEMENTATION="
+            f"{implementation.value!r}: {experiment.name}'s model does not use them (it builds {built})")
+    relative_bias = model.position_embedding == PositionEmbedding.RELATIVE_BIAS
+    if implementation is AttentionImplementation.CUDNN:
+        problems = cudnn_problems(dtype=experiment.FPROP_DTYPE, head_dim=experiment.DIMS_PER_HEAD,
+                                  seq_len=experiment.MAX_SEQ_LEN,
+                                  dense_bias=experiment.PACKED_INPUT or relative_bias)
+        setting = ("USE_CUDNN_FLASH_ATTENTION=true" if experiment.USE_CUDNN_FLASH_ATTENTION
+                   else "ATTENTION_IMPLEMENTATION='cudnn'")
+        if problems:
+            raise ConfigError(
+                f"{setting} cannot run {experiment.name}: " + "; ".join(problems) + " (FPROP_DTYPE="
+                f"{experiment.FPROP_DTYPE!r}, DIMS_PER_HEAD={experiment.DIMS_PER_HEAD}, MAX_SEQ_LEN="
+                f"{experiment.MAX_SEQ_LEN}); or use ATTENTION_IMPLEMENTATION='auto' (cuDNN where it "
+                "fits, else XLA)")
+    if implementation is AttentionImplementation.PALLAS_TRITON:
+        problems = pallas_problems(has_bias=relative_bias)
+        if problems:
+            raise ConfigError(f"ATTENTION_IMPLEMENTATION='pallas_triton' cannot run {experiment.name}: "
+                              + "; ".join(problems))

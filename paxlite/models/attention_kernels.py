@@ -1,0 +1,261 @@
+"""Which kernel computes softmax(q k^T) v for ``AttentionKind.FLASH``, and the kernels' limits.
+
+``AttentionImplementation`` names the kernel: JAX's XLA attention, cuDNN's fused flash attention
+(both through the public ``jax.nn.dot_product_attention``), or JAX's Pallas-Triton flash attention
+(``jax.experimental.pallas.ops.gpu.attention.mha``), or AUTO (cuDNN where it can run, else XLA).
+
+Why three: the public cuDNN API takes packed rows (segment ids) only as a dense [B, 1, T, S] mask,
+which it turns into an additive bias that has to be read from memory in both passes; the
+Pallas-Triton kernel reads the [B, T] segment ids themselves and masks inside the kernel, so it is
+the fused path for packed training. Which of the two packed paths is faster on a given GPU is
+measured by ``benchmarks/attention_kernels.py``; AUTO keeps cuDNN (with its dense mask) until a
+measurement says otherwise (docs/attention.md).
+
+A kernel asked for by name where it cannot run is a ``SettingError`` naming why (backend, dtype,
+head dims, bias), raised while the step is traced, before anything is compiled; the experiment
+layer checks the parts it can know earlier (experiments/base.py). AUTO never fails: it falls back
+to XLA.
+
+Shapes: q [B, T, N, H] (already scaled by the caller), k and v [B, S, K, H] with K dividing N,
+query head i using kv head i // (N / K) (JAX's grouping, as HF ``repeat_kv``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec
+
+from paxlite.errors import SettingError
+
+# cuDNN's flash kernels (JAX check_is_flash_attention): these dtypes, head dims a multiple of 8,
+# at most 256 on Hopper and later (compute capability >= 9.0), at most 128 before.
+CUDNN_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
+CUDNN_HEAD_DIM_MULTIPLE: int = 8
+CUDNN_MAX_HEAD_DIM_HOPPER: int = 256
+CUDNN_MAX_HEAD_DIM_PRE_HOPPER: int = 128
+# Pallas-Triton tiles: forward blocks of up to 128 query/key rows, backward blocks of up to 32
+# (JAX's BlockSizes.get_default()); sequences are padded up to a whole number of blocks.
+PALLAS_FORWARD_BLOCK: int = 128
+PALLAS_BACKWARD_BLOCK: int = 32
+
+_HEAD_AXES: tuple[str, ...] = (
+    "activation_batch", "activation_length", "activation_heads", "activation_kv",
+)
+_SEGMENT_AXES: tuple[str, ...] = ("activation_batch", "activation_length")
+
+
+class AttentionImplementation(str, enum.Enum):
+    """The kernel behind ``AttentionKind.FLASH``; all compute the same function."""
+
+    AUTO = "auto"  # cuDNN where it can run (GPU, bf16/fp16, head dims), else XLA
+    XLA = "xla"  # jax.nn.dot_product_attention(implementation='xla'): any backend, any dtype
+    CUDNN = "cudnn"  # cuDNN fused flash attention; packed rows through a dense mask
+    PALLAS_TRITON = "pallas_triton"  # JAX's Pallas-Triton flash attention, segment ids in-kernel
+
+
+def cudnn_max_head_dim(compute_capability: str | None) -> int:
+    """256 on Hopper and later (compute capability 9.0+), 128 before; 256 when unknown."""
+    if not compute_capability:
+        return CUDNN_MAX_HEAD_DIM_HOPPER
+    major = int(str(compute_capability).split(".")[0])
+    return CUDNN_MAX_HEAD_DIM_HOPPER if major >= 9 else CUDNN_MAX_HEAD_DIM_PRE_HOPPER
+
+
+def cudnn_problems(
+    *, dtype: Any, head_dim: int, seq_len: int | None = None, dense_bias: bool = False,
+    backend: str | None = None, compute_capability: str | None = None,
+) -> list[str]:
+    """Why cuDNN flash attention cannot run here ([] when it can).
+
+    backend / compute_capability None: not known yet (experiment validation), not checked.
+    dense_bias: a mask (packed rows) or a logit bias reaches cuDNN as a dense bias, and its
+    backward pass then needs an even sequence length.
+    """
+    problems = []
+    if backend is not None and backend != "gpu":
+        problems.append(
+            f"cuDNN flash attention runs on NVIDIA GPUs, and this job's JAX backend is {backend!r}")
+    name = jnp.dtype(dtype).name
+    if name not in CUDNN_DTYPES:
+        problems.append(
+            f"cuDNN flash attention takes {' or '.join(CUDNN_DTYPES)} activations, and the compute "
+            f"dtype is {name}")
+    limit = cudnn_max_head_dim(compute_capability)
+    if head_dim % CUDNN_HEAD_DIM_MULTIPLE or head_dim > limit:
+        where = f"compute capability {compute_capability}" if compute_capability else "Hopper"
+        problems.append(
+            f"cuDNN flash attention needs dims per head a multiple of {CUDNN_HEAD_DIM_MULTIPLE} "
+            f"and at most {limit} (on {where}; 128 before Hopper), got {head_dim}")
+    if dense_bias and seq_len is not None and seq_len % 2:
+        problems.append(
+            f"with a mask (packed rows) or a logit bias cuDNN's backward pass needs an even "
+            f"sequence length, got {seq_len}")
+    return problems
+
+
+def pallas_problems(*, has_bias: bool, backend: str | None = None) -> list[str]:
+    """Why the Pallas-Triton kernel cannot run here ([] when it can); backend None: not checked."""
+    problems = []
+    if backend is not None and backend != "gpu":
+        problems.append(
+            f"the Pallas-Triton attention kernel runs on NVIDIA GPUs, and this job's JAX backend "
+            f"is {backend!r} (on CPU it runs only interpreted, for tests: "
+            "paxlite.models.attention_kernels.pallas_attention(interpret=True))")
+    if has_bias:
+        problems.append(
+            "the Pallas-Triton attention kernel takes no logit bias (relative position bias): use "
+            "'cudnn' or 'xla'")
+    return problems
+
+
+def _device_facts() -> tuple[str, str | None]:
+    backend = jax.default_backend()
+    capability = None
+    if backend == "gpu":
+        capability = getattr(jax.devices()[0], "compute_capability", None)
+    return backend, capability
+
+
+def resolve_implementation(
+    requested: AttentionImplementation | str, *, dtype: Any, head_dim: int, seq_len: int,
+    dense_bias: bool, has_bias: bool, backend: str | None = None,
+    compute_capability: str | None = None,
+) -> AttentionImplementation:
+    """The kernel that runs: AUTO resolved, a named kernel checked (SettingError with every reason).
+
+    backend None: this process's default backend and its first device's compute capability.
+    """
+    requested = AttentionImplementation(requested)
+    if backend is None:
+        backend, compute_capability = _device_facts()
+    cudnn = cudnn_problems(dtype=dtype, head_dim=head_dim, seq_len=seq_len, dense_bias=dense_bias,
+                           backend=backend, compute_capability=compute_capability)
+    if requested is AttentionImplementation.AUTO:
+        return AttentionImplementation.CUDNN if not cudnn else AttentionImplementation.XLA
+    if requested is AttentionImplementation.CUDNN and cudnn:
+        raise SettingError(
+            "attention implementation 'cudnn' (USE_CUDNN_FLASH_ATTENTION) cannot run: "
+            + "; ".join(cudnn) + "; use 'auto' (cuDNN where it fits, else XLA) or 'xla'")
+    if requested is AttentionImplementation.PALLAS_TRITON:
+        pallas = pallas_problems(has_bias=has_bias, backend=backend)
+        if pallas:
+            raise SettingError(
+                "attention implementation 'pallas_triton' cannot run: " + "; ".join(pallas))
+    return requested
+
+
+def flash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: AttentionImplementation,
+    mask: jax.Array | None = None, bias: jax.Array | None = None,
+    segment_ids: jax.Array | None = None, interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of prescaled q [B, T, N, H] over k, v [B, S, K, H] -> [B, T, N, H].
+
+    implementation: a resolved kernel (not AUTO). mask: bool [B|1, 1, T, S], a subset of causal
+    (None: causal only); the XLA and cuDNN kernels read it, the Pallas kernel reads segment_ids
+    [B, T] instead (mask must then be the one they make). bias: float [B|1, N|1, T, S].
+    """
+    implementation = AttentionImplementation(implementation)
+    if implementation is AttentionImplementation.AUTO:
+        raise ValueError("flash_attention needs a resolved implementation; see resolve_implementation")
+    if implementation is AttentionImplementation.PALLAS_TRITON:
+        if bias is not None:
+            raise SettingError(pallas_problems(has_bias=True)[0])
+        if mask is not None and segment_ids is None:
+            raise ValueError(
+                "the Pallas-Triton kernel masks by segment ids: pass segment_ids [B, T] for a mask")
+        return pallas_attention(q, k, v, segment_ids=segment_ids, interpret=interpret)
+    if bias is not None and implementation is AttentionImplementation.CUDNN:
+        # cuDNN folds the mask into a bias of q's dtype; Pax computes the relative bias in the
+        # activation dtype too.
+        bias = bias.astype(q.dtype)
+    return jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=mask, scale=1.0, is_causal=True,
+        implementation=implementation.value,
+    )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pallas_block_sizes(seq_len: int) -> tuple[Any, int]:
+    """(BlockSizes, padded length) for a sequence of seq_len: blocks of up to 128 rows forward and
+    32 backward (powers of two, as Triton tiles must be), the length rounded up to whole blocks."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+
+    forward = min(PALLAS_FORWARD_BLOCK, _next_power_of_two(seq_len))
+    backward = min(PALLAS_BACKWARD_BLOCK, forward)
+    sizes = pallas_mha.BlockSizes(
+        block_q=forward, block_k=forward, block_q_dkv=backward, block_kv_dkv=backward,
+        block_q_dq=backward, block_kv_dq=backward,
+    )
+    multiple = math.lcm(forward, backward)
+    return sizes, -(-seq_len // multiple) * multiple
+
+
+def _mesh_spec(logical: tuple[str, ...], mesh: Any) -> PartitionSpec:
+    """The PartitionSpec the current logical rules give, keeping only axes this mesh has."""
+    entries = []
+    for entry in nn.logical_to_mesh_axes(logical):
+        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        kept = tuple(a for a in axes if a in mesh.axis_names)
+        entries.append(kept if kept else None)
+    return PartitionSpec(*entries)
+
+
+def pallas_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal Pallas-Triton flash attention with packed rows: q [B, T, N, H] prescaled, k, v
+    [B, T, K, H], segment_ids int [B, T] or None -> [B, T, N, H].
+
+    Grouped kv heads are repeated to N (head i reads kv head i // G), so every query head is one
+    kernel program; the sequence is zero-padded to whole blocks (padding comes after every real
+    token, so causality keeps it out of real rows) and cut off again. Under a mesh the kernel runs
+    per shard (``shard_map``): batch and heads split as the logical rules split the attention
+    activations, since a Triton custom call cannot be partitioned by XLA. interpret=True runs it
+    through the Pallas interpreter (CPU tests).
+    """
+    from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+
+    _, length, n, _ = q.shape
+    kv = k.shape[2]
+    if k.shape[1] != length or v.shape[1] != length:
+        raise ValueError(f"self-attention only: q has {length} positions, k/v {k.shape[1]}")
+    if kv != n:
+        k = jnp.repeat(k, n // kv, axis=2)  # [B, T, N, H], head i = kv head i // G
+        v = jnp.repeat(v, n // kv, axis=2)
+    k = nn.with_logical_constraint(k, _HEAD_AXES)
+    v = nn.with_logical_constraint(v, _HEAD_AXES)
+    block_sizes, padded = pallas_block_sizes(length)
+    if padded != length:
+        pad = ((0, 0), (0, padded - length), (0, 0), (0, 0))
+        q, k, v = (jnp.pad(a, pad) for a in (q, k, v))
+        if segment_ids is not None:
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, padded - length)), constant_values=-1)
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+
+    def kernel(q, k, v, segment_ids=None):
+        return pallas_mha.mha(q, k, v, segment_ids, sm_scale=1.0, causal=True,
+                              block_sizes=block_sizes, interpret=interpret)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        head_spec = _mesh_spec(_HEAD_AXES, mesh)
+        specs = [head_spec] * 3
+        if segment_ids is not None:
+            specs.append(_mesh_spec(_SEGMENT_AXES, mesh))
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=tuple(specs), out_specs=head_spec,
+                               check_vma=False)
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+    out = kernel(*args)
+    return out[:, :length]
