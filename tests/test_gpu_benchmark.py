@@ -64,7 +64,7 @@ def test_numbers_follow_from_each_runs_metrics(bench):
     log_dir, stdout = bench
     _, rows = _table(stdout)
     matmul = json.loads((log_dir / "matmul.json").read_text())
-    numeric = 0
+    numeric = set()
     for row in rows[2:]:
         model, precision, attention = row[:3]
         name = re.sub(r"[^A-Za-z0-9]+", "_", f"{_config(model)}_{precision}_{attention}").lower()
@@ -74,7 +74,7 @@ def test_numbers_follow_from_each_runs_metrics(bench):
             assert any(p in row[3] for p in PENDING), row
             assert row[3][len("failed: "):] in log
             continue
-        numeric += 1
+        numeric.add((model, precision, attention))
         lines = [json.loads(line) for line in (log_dir / name / "metrics.jsonl").read_text().splitlines()]
         steady = [line for line in lines if "loss" in line and line["tokens_per_s"]][1:]
         config = json.loads((log_dir / name / "config.json").read_text())
@@ -89,7 +89,7 @@ def test_numbers_follow_from_each_runs_metrics(bench):
         assert _number(row[7]) == pytest.approx(100 * wait, abs=0.06)
         assert 0 <= wait <= 1
     # everything that needs no pending parameter ran: bf16 dot-product everywhere, flash on LLaMA
-    assert numeric >= 4
+    assert numeric >= {(m, "bf16", "dot_product") for m in MODELS} | {("LLaMA-1B (fuji-1B-v3)", "bf16", "flash")}
 
 
 def _config(label):
