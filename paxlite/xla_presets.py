@@ -4,8 +4,9 @@ Pax shipped one env file per model family (common.env for GLaM, GPT-5B/175B and 
 llama-7b*.env; grok-proxy.env for large MoE). Several of their flags were renamed or dropped since, and
 XLA aborts the whole process on a flag it does not know ("Unknown flag in XLA_FLAGS"), so a preset here is
 not a fixed string: each entry lists its spellings, newest first, and `resolve` asks the installed jaxlib
-which one it parses (a subprocess that starts JAX on the CPU with the candidate flags; the CPU and CUDA
-builds share XLA's one flag table, so GPU-only flags are checked too). An entry no spelling of which is
+which one it parses (a subprocess that starts JAX on the CPU with the candidate flags: XLA's flag table
+is one for every backend, so the CPU client parses GPU-only flags too, as checked with jaxlib 0.10.2; the
+CUDA plugin of the same release carries the same table). An entry no spelling of which is
 known is dropped and reported, never passed on to abort a training job.
 
 What changed from Pax's files (docs/performance.md, "XLA flag presets"):

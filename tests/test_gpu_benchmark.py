@@ -95,3 +95,24 @@ def test_numbers_follow_from_each_runs_metrics(bench):
 def _config(label):
     return {"Synthetic126M": "Synthetic126M", "LLaMA-1B (fuji-1B-v3)": "fuji-1B-v3-flash",
             "GLaM126M64E": "SyntheticGLaM126M64E"}[label]
+
+
+def test_past_the_deadline_nothing_starts_and_every_row_still_prints(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, BENCH, "--cpu", "--tiny", f"--log_dir={tmp_path}", f"--deadline_s={time.time()}",
+         "--only=Synthetic126M"], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    _, rows = _table(result.stdout)
+    assert [r[4] for r in rows[:2]] == ["skipped: time budget"] * 2
+    assert [(r[0], r[1], r[2], r[3]) for r in rows[2:]] == [
+        ("Synthetic126M", p, a, "skipped: time budget") for p in ("bf16", "fp8") for a in ("flash", "dot_product")]
+    assert not any(tmp_path.glob("synthetic126m_*"))  # no run was started
+
+
+def test_unknown_model_is_one_line_exit_2(tmp_path):
+    result = subprocess.run([sys.executable, BENCH, f"--log_dir={tmp_path}", "--only=GPT9000"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "bench: error: --only='GPT9000' names no model; valid: Synthetic126M, fuji-1B-v3-flash, SyntheticGLaM126M64E"]
