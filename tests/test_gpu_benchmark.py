@@ -51,7 +51,7 @@ def test_table_is_last_and_has_every_row(bench):
     _, stdout = bench
     header, rows = _table(stdout)
     assert header == ["model", "precision", "attention", "tokens/s", "TFLOP/s/dev", "MFU spec", "MFU measured",
-                      "input wait"]
+                      "input wait", "note"]
     assert [r[0].split(" ")[:2] for r in rows[:2]] == [["matmul", "bf16"], ["matmul", "fp8"]]
     for row in rows[:2]:
         assert _number(row[4]) > 0 and row[6] == "100.0%"
@@ -68,12 +68,14 @@ def test_numbers_follow_from_each_runs_metrics(bench):
     for row in rows[2:]:
         model, precision, attention = row[:3]
         name = re.sub(r"[^A-Za-z0-9]+", "_", f"{_config(model)}_{precision}_{attention}").lower()
-        if row[3].startswith("failed: "):
+        if row[8].startswith("failed: "):
             # only a parameter still being added may fail, and the row quotes the run's log
             log = (log_dir / f"{name}.log").read_text()
-            assert any(p in row[3] for p in PENDING), row
-            assert row[3][len("failed: "):] in log
+            assert any(p in row[8] for p in PENDING), row
+            assert row[8][len("failed: "):] in log
+            assert row[3:8] == ["-"] * 5
             continue
+        assert row[8] == "steps 2-3"  # the windows after the first (compiling) step
         numeric.add((model, precision, attention))
         lines = [json.loads(line) for line in (log_dir / name / "metrics.jsonl").read_text().splitlines()]
         steady = [line for line in lines if "loss" in line and line["tokens_per_s"]][1:]
@@ -104,8 +106,8 @@ def test_past_the_deadline_nothing_starts_and_every_row_still_prints(tmp_path):
          "--only=Synthetic126M"], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     _, rows = _table(result.stdout)
-    assert [r[4] for r in rows[:2]] == ["skipped: time budget"] * 2
-    assert [(r[0], r[1], r[2], r[3]) for r in rows[2:]] == [
+    assert [r[8] for r in rows[:2]] == ["skipped: time budget"] * 2
+    assert [(r[0], r[1], r[2], r[8]) for r in rows[2:]] == [
         ("Synthetic126M", p, a, "skipped: time budget") for p in ("bf16", "fp8") for a in ("flash", "dot_product")]
     assert not any(tmp_path.glob("synthetic126m_*"))  # no run was started
 

@@ -261,7 +261,8 @@ def read_run(job_dir: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ table
-COLUMNS = ("model", "precision", "attention", "tokens/s", "TFLOP/s/dev", "MFU spec", "MFU measured", "input wait")
+COLUMNS = ("model", "precision", "attention", "tokens/s", "TFLOP/s/dev", "MFU spec", "MFU measured", "input wait",
+           "note")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -277,18 +278,18 @@ def table_rows(results: list[dict], matmul: dict, peaks: dict[str, float | None]
     rows = []
     for precision in PRECISIONS:
         if "error" in matmul:
-            rows.append([f"matmul {precision}", precision, "-", "-", matmul["error"], "-", "-", "-"])
+            rows.append([f"matmul {precision}", precision, "-", "-", "-", "-", "-", "-", matmul["error"]])
             continue
         sizes = matmul[precision]
         best = max(sizes, key=lambda n: sizes[n])
         peak = peaks[precision]
-        note = f" ({matmul.get('fp8_gemm', '')})" if precision == "fp8" else ""
-        rows.append([f"matmul {precision} {best}^3{note}", precision, "-", "-", _tflops(sizes[best]),
-                     _fmt(sizes[best] * 1e12 / peak if peak else None, ".1%"), "100.0%", "-"])
+        note = matmul.get("fp8_gemm", "") if precision == "fp8" else ""
+        rows.append([f"matmul {precision} {best}^3", precision, "-", "-", _tflops(sizes[best]),
+                     _fmt(sizes[best] * 1e12 / peak if peak else None, ".1%"), "100.0%", "-", note])
     for result in results:
         head = [result["model"], result["precision"], result["attention"]]
         if "status" in result:
-            rows.append([*head, result["status"], "", "", "", ""])
+            rows.append([*head, "-", "-", "-", "-", "-", result["status"]])
             continue
         tflops = result["tokens_per_s"] * result["flops_per_token"] / result["num_devices"] / 1e12
         peak = peaks[result["precision"]]
@@ -296,7 +297,7 @@ def table_rows(results: list[dict], matmul: dict, peaks: dict[str, float | None]
         rows.append([*head, _fmt(result["tokens_per_s"], ",.0f"), _tflops(tflops),
                      _fmt(tflops * 1e12 / peak if peak else None, ".1%"),
                      _fmt(tflops / ceiling if ceiling else None, ".1%"),
-                     _fmt(result["input_wait_fraction"], ".1%")])
+                     _fmt(result["input_wait_fraction"], ".1%"), f"steps {result['steps'][0]}-{result['steps'][-1]}"])
     return rows
 
 

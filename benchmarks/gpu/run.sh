@@ -25,7 +25,8 @@ shift $(( $# > 0 ? 1 : 0 ))
 mkdir -p "$LOG_DIR"
 LOG_DIR=$(cd "$LOG_DIR" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
-if compgen -G ".whl/*.whl" > /dev/null; then
+# the wheels only where the packages are missing (the GPU image); a machine that has them keeps its own
+if ! python3 -c "import fiddle, grain, tensorboardX" 2> /dev/null && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing .whl/ failed"; exit 1; }
   export PYTHONPATH="/tmp/site:$PWD"
