@@ -243,7 +243,8 @@ def read_run(job_dir: str) -> dict:
     """Medians of the train lines after the first logged window, flops_per_token and the device."""
     with open(os.path.join(job_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
-    train = [line for line in lines if "loss" in line and line.get("tokens_per_s")]
+    logged = [line for line in lines if "loss" in line]
+    train = [line for line in logged if line.get("tokens_per_s")]
     steady = train[1:] if len(train) > 1 else train
     if not steady:
         raise ValueError(f"{job_dir}/metrics.jsonl has no timed train lines")
@@ -255,7 +256,10 @@ def read_run(job_dir: str) -> dict:
         return statistics.median(values) if values else None
 
     return {"tokens_per_s": median("tokens_per_s"), "input_wait_fraction": median("input_wait_fraction"),
-            "step_time_s": median("step_time_s"), "steps": [line["step"] for line in steady],
+            "step_time_s": median("step_time_s"),
+            # the steps the medians cover: each logged line times the steps since the line before it
+            "steps": [max((line["step"] for line in logged if line["step"] < steady[0]["step"]), default=0) + 1,
+                      steady[-1]["step"]],
             "flops_per_token": config["flops_per_token"], "num_devices": config["devices"]["count"],
             "device_kind": config["devices"]["kind"]}
 
