@@ -39,7 +39,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check paxlite tests benchmarks
 	$(BIN)/lint-imports
-	$(BIN)/shellcheck -x scripts_gpu/*.sh slurm/*.sub
+	$(BIN)/shellcheck -x scripts_gpu/*.sh slurm/*.sub benchmarks/gpu/*.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_step.py

@@ -1,12 +1,20 @@
 # shellcheck shell=bash
-# Shared by the run_*.sh scripts (sourced, not run): Pax's default XLA flags and the data flag.
+# Shared by the run_*.sh scripts (sourced, not run): the XLA flag presets and the data flag.
 
-# XLA_FLAGS = BASE_XLA_FLAGS (Pax's defaults unless set) + the user's XLA_FLAGS. $1 is the all-reduce
-# combine threshold in bytes: Pax's scripts use 33554432 for GPT-126M and 51200 elsewhere.
+# Exports XLA_FLAGS and the preset's other variables (JAX_OPTIMIZATION_LEVEL, XLA_PYTHON_CLIENT_MEM_FRACTION)
+# for one per-model preset, as Pax's xla_flags/*.env files did (python -m paxlite.xla_presets --list shows them;
+# docs/performance.md, "XLA flag presets"). $1 is --model=PRESET or --experiment=CONFIG (the family's preset);
+# XLA_PRESET=NAME in the environment picks another. The user's XLA_FLAGS win flag by flag, a variable the
+# user set is kept, and BASE_XLA_FLAGS (Pax's name) replaces the preset's flags. Each flag is spelt as the
+# installed jaxlib accepts it (XLA aborts on an unknown flag), so this starts a short probe of JAX on the CPU.
 paxlite_set_xla_flags() {
-    local all_reduce_bytes=$1
-    BASE_XLA_FLAGS=${BASE_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false --xla_gpu_enable_highest_priority_async_stream=true --xla_gpu_all_reduce_combine_threshold_bytes=$all_reduce_bytes --xla_gpu_enable_command_buffer=}
-    export XLA_FLAGS="${BASE_XLA_FLAGS} ${XLA_FLAGS:-}"
+    local which=$1 exports
+    if [ -n "${XLA_PRESET:-}" ]; then which="--model=$XLA_PRESET"; fi
+    exports=$(python -m paxlite.xla_presets "$which" --format=shell) || {
+        echo "Run failed: no XLA flags for $which" >&2
+        exit 2
+    }
+    eval "$exports"
 }
 
 # The flag that feeds DATA_DIR ($1) to paxlite.main: a dataset made by `python -m paxlite.data.prepare`

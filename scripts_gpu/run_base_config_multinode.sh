@@ -27,7 +27,7 @@ read -r -d '' -a ADDITIONAL_FLAGS <<< "$ADDITIONAL_ARGS" || true  # -d '': statu
 TFDS_FLAGS=()
 if [ "$TFDS_DATA_DIR" != "None" ]; then TFDS_FLAGS=("--tfds_data_dir=$TFDS_DATA_DIR"); fi
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
-paxlite_set_xla_flags 51200
+paxlite_set_xla_flags --experiment="$CONFIG"
 mkdir -p "$LOG_DIR"
 
 python -u -m paxlite.main \

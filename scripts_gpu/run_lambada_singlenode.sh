@@ -19,7 +19,7 @@ shift $(( $# < 6 ? $# : 6 ))
 export VOCAB_PATH
 if [ -f "$LAMBADA_DIR/lambada_test.jsonl" ]; then LAMBADA_FLAG="--fdl.LAMBADA_PATH=$LAMBADA_DIR/lambada_test.jsonl"
 else LAMBADA_FLAG="--tfds_data_dir=$LAMBADA_DIR"; fi
-paxlite_set_xla_flags 33554432
+paxlite_set_xla_flags --model=gpt126m
 
 python -m paxlite.main \
     --fdl_config=paxlite.experiments.gpt.Lambada126M \

@@ -60,7 +60,7 @@ export ENABLE_TE  # read by paxlite's config layer (config/transformer_engine.py
 # Kept from Pax for the NCCL/TE behaviour its results were measured with.
 export ENABLE_FP8=0 NCCL_IB_SL=0 NCCL_PROTO=LL128
 export NVTE_FWD_LAYERNORM_SM_MARGIN=4 NVTE_BWD_LAYERNORM_SM_MARGIN=4 NVTE_FUSED_ATTN=${NVTE_FUSED_ATTN:-0}
-paxlite_set_xla_flags 51200
+if [[ "$USE_LORA" == true ]]; then paxlite_set_xla_flags --model=llama-lora; else paxlite_set_xla_flags --model=llama; fi
 
 LORA_FLAGS=()
 if [[ "$USE_LORA" == true ]]; then

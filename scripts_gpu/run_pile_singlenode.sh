@@ -18,7 +18,7 @@ shift $(( $# < 6 ? $# : 6 ))
 
 export VOCAB_PATH
 DATA_FLAG=$(paxlite_data_flag "$DATA_DIR")
-paxlite_set_xla_flags 33554432
+paxlite_set_xla_flags --model=gpt126m
 mkdir -p "$LOG_DIR"
 
 python -m paxlite.main \

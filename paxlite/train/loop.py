@@ -356,6 +356,7 @@ class Run:
         )
         pending: tuple[int, dict[str, jax.Array]] | None = None
         timer_start, timer_steps = time.perf_counter(), 0
+        input_wait = 0.0  # seconds this thread spent in train_batch since timer_start
         profiler = StepProfiler(
             log_dir=os.path.join(self.context.job_dir, "summaries", "profile"),
             capture_step=loop.profiler_capture_step, num_steps=loop.profiler_num_steps,
@@ -365,7 +366,9 @@ class Run:
             for index in range(start, loop.max_steps):
                 step = index + 1
                 with profiler.step(step):
+                    fetch_start = time.perf_counter()
                     batch = self.data.train_batch(index, self.steps.batch_sharding)
+                    input_wait += time.perf_counter() - fetch_start
                     state, metrics = self.steps.train(state, batch)
                 # Writing the trace takes a while: kept out of step_time_s.
                 timer_start += profiler.after_step(step, (state, metrics))
@@ -374,7 +377,7 @@ class Run:
                 pending = (step, metrics)
                 if step == start + 1:  # the compiling step is not timed
                     jax.block_until_ready(metrics)
-                    timer_start, timer_steps = time.perf_counter(), 0
+                    timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
                 else:
                     timer_steps += 1
                 if not self._boundary(step):
@@ -382,8 +385,10 @@ class Run:
                 host = self._check_finite(step, metrics)
                 pending = None
                 if step % loop.summary_interval_steps == 0 or step == loop.max_steps:
-                    step_time = (time.perf_counter() - timer_start) / timer_steps if timer_steps else None
-                    self._write_train(step, host, step_time)
+                    elapsed = time.perf_counter() - timer_start
+                    step_time = elapsed / timer_steps if timer_steps else None
+                    wait_fraction = input_wait / elapsed if timer_steps and elapsed > 0 else None
+                    self._write_train(step, host, step_time, wait_fraction)
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
                     self.writer.write_eval(step, self.evaluate(state))
@@ -391,7 +396,7 @@ class Run:
                     self._check_state_finite(step, state)
                     self.checkpointer.save(step, state, force=step == loop.max_steps,
                                            data_state=self.data.state())
-                timer_start, timer_steps = time.perf_counter(), 0
+                timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
             if pending is not None:
                 self._check_finite(*pending)
         self.checkpointer.wait_until_finished()
@@ -428,7 +433,8 @@ class Run:
                 f"non-finite parameters after step {step}; stopping without saving this state"
             )
 
-    def _write_train(self, step: int, host: dict[str, float], step_time: float | None) -> None:
+    def _write_train(self, step: int, host: dict[str, float], step_time: float | None,
+                     input_wait_fraction: float | None = None) -> None:
         tokens_per_s = self.tokens_per_step / step_time if step_time else None
         mfu = None
         if tokens_per_s is not None:
@@ -448,6 +454,8 @@ class Run:
                 "step_time_s": step_time,
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu,
+                # share of the timed window this thread was blocked obtaining batches (input-bound if large)
+                "input_wait_fraction": input_wait_fraction,
                 # what the model summarised (MoE: moe/aux_loss, moe/dropped_fraction, ...)
                 **{k: v for k, v in host.items() if "/" in k},
             },

@@ -1,0 +1,120 @@
+"""benchmarks/gpu/bench.py --cpu --tiny: every part of the one-call GPU benchmark runs, and its table (printed
+last) has every row, with numbers that follow from the runs' own metrics.jsonl and config.json."""
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "gpu", "bench.py")
+MODELS = ("Synthetic126M", "LLaMA-1B (fuji-1B-v3)", "GLaM126M64E")
+PEAKS = (2.0, 4.0)  # --peak_tflops: a known spec peak, so the "MFU spec" column is a number on the CPU
+# Parameters another part of paxlite may not have yet: rows that use them may say "failed: <error>".
+PENDING = ("USE_FP8", "USE_CUDNN_FLASH_ATTENTION")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "BASE_XLA_FLAGS", "XLA_PRESET")}
+    result = subprocess.run(
+        [sys.executable, BENCH, "--cpu", "--tiny", f"--log_dir={log_dir}", f"--deadline_s={time.time() + 3000}",
+         f"--peak_tflops={PEAKS[0]},{PEAKS[1]}"],
+        env=env, capture_output=True, text=True, timeout=3000, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return log_dir, result.stdout
+
+
+def _table(stdout):
+    lines = stdout.rstrip().splitlines()
+    table = []
+    for line in reversed(lines):  # the table is the last thing printed
+        if not line.startswith("|"):
+            break
+        table.insert(0, [cell.strip() for cell in line.strip("|").split("|")])
+    header, rule, *rows = table
+    assert set("".join(rule)) == {"-"}
+    return header, rows
+
+
+def _number(cell):
+    return float(cell.rstrip("%").replace(",", ""))
+
+
+def test_table_is_last_and_has_every_row(bench):
+    _, stdout = bench
+    header, rows = _table(stdout)
+    assert header == ["model", "precision", "attention", "tokens/s", "TFLOP/s/dev", "MFU spec", "MFU measured",
+                      "input wait", "note"]
+    assert [r[0].split(" ")[:2] for r in rows[:2]] == [["matmul", "bf16"], ["matmul", "fp8"]]
+    for row in rows[:2]:
+        assert _number(row[4]) > 0 and row[6] == "100.0%"
+        assert _number(row[5]) == pytest.approx(100 * _number(row[4]) / PEAKS[row[1] == "fp8"], abs=0.06)
+    combos = [(r[0], r[1], r[2]) for r in rows[2:]]
+    assert combos == [(m, p, a) for m in MODELS for p in ("bf16", "fp8") for a in ("flash", "dot_product")]
+
+
+def test_numbers_follow_from_each_runs_metrics(bench):
+    log_dir, stdout = bench
+    _, rows = _table(stdout)
+    matmul = json.loads((log_dir / "matmul.json").read_text())
+    numeric = set()
+    for row in rows[2:]:
+        model, precision, attention = row[:3]
+        name = re.sub(r"[^A-Za-z0-9]+", "_", f"{_config(model)}_{precision}_{attention}").lower()
+        if row[8].startswith("failed: "):
+            # only a parameter still being added may fail, and the row quotes the run's log
+            log = (log_dir / f"{name}.log").read_text()
+            assert any(p in row[8] for p in PENDING), row
+            assert row[8][len("failed: "):] in log
+            assert row[3:8] == ["-"] * 5
+            continue
+        assert row[8] == "steps 3-3"  # step 1 compiles, the window of step 2 is the first: dropped
+        numeric.add((model, precision, attention))
+        lines = [json.loads(line) for line in (log_dir / name / "metrics.jsonl").read_text().splitlines()]
+        steady = [line for line in lines if "loss" in line and line["tokens_per_s"]][1:]
+        config = json.loads((log_dir / name / "config.json").read_text())
+        tokens = statistics.median(line["tokens_per_s"] for line in steady)
+        tflops = tokens * config["flops_per_token"] / config["devices"]["count"] / 1e12
+        assert _number(row[3]) == pytest.approx(tokens, abs=0.6)
+        assert _number(row[4]) == pytest.approx(tflops, rel=0.01)
+        assert _number(row[5]) == pytest.approx(100 * tflops / PEAKS[precision == "fp8"], abs=0.06)
+        ceiling = max(matmul[precision].values())
+        assert _number(row[6]) == pytest.approx(100 * tflops / ceiling, abs=0.06)
+        wait = statistics.median(line["input_wait_fraction"] for line in steady)
+        assert _number(row[7]) == pytest.approx(100 * wait, abs=0.06)
+        assert 0 <= wait <= 1
+    # everything that needs no pending parameter ran: bf16 dot-product everywhere, flash on LLaMA
+    assert numeric >= {(m, "bf16", "dot_product") for m in MODELS} | {("LLaMA-1B (fuji-1B-v3)", "bf16", "flash")}
+
+
+def _config(label):
+    return {"Synthetic126M": "Synthetic126M", "LLaMA-1B (fuji-1B-v3)": "fuji-1B-v3-flash",
+            "GLaM126M64E": "SyntheticGLaM126M64E"}[label]
+
+
+def test_past_the_deadline_nothing_starts_and_every_row_still_prints(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, BENCH, "--cpu", "--tiny", f"--log_dir={tmp_path}", f"--deadline_s={time.time()}",
+         "--only=Synthetic126M"], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    _, rows = _table(result.stdout)
+    assert [r[8] for r in rows[:2]] == ["skipped: time budget"] * 2
+    assert [(r[0], r[1], r[2], r[8]) for r in rows[2:]] == [
+        ("Synthetic126M", p, a, "skipped: time budget") for p in ("bf16", "fp8") for a in ("flash", "dot_product")]
+    assert not any(tmp_path.glob("synthetic126m_*"))  # no run was started
+
+
+def test_unknown_model_is_one_line_exit_2(tmp_path):
+    result = subprocess.run([sys.executable, BENCH, f"--log_dir={tmp_path}", "--only=GPT9000"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "bench: error: --only='GPT9000' names no model; valid: Synthetic126M, fuji-1B-v3-flash, SyntheticGLaM126M64E"]
