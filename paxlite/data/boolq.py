@@ -152,35 +152,55 @@ def _empty_batch(*, batch_size: int, seq_len: int, yes_no: tuple[int, int]) -> d
     return batch
 
 
-def boolq_batches(
-    examples: Iterable[BoolQExample],
-    tokenizer: PieceEncoder,
-    *,
-    seq_len: int,
-    batch_size: int,
-) -> Iterator[dict[str, np.ndarray]]:
-    """Unpacked [batch_size, seq_len] batches (keys BATCH_KEYS), one example per row, each once.
-
-    A row is the prompt's tokens then the answer token (`targets`), the same shifted right by one
-    with 0 first (`inputs`, SeqIO's LM convention), weight 1 on the answer only. Prompts longer than
-    `seq_len - 1` tokens keep their end (see the module docstring).
-    """
+def _check_sizes(*, seq_len: int, batch_size: int) -> None:
     if seq_len < 2 or batch_size < 1:
         raise ValueError(
             f"BoolQ rows need seq_len >= 2 (prompt and answer) and batch_size >= 1, got "
             f"seq_len={seq_len}, batch_size={batch_size}"
         )
+
+
+def tokenize_boolq(
+    examples: Iterable[BoolQExample],
+    tokenizer: PieceEncoder,
+    *,
+    seq_len: int,
+) -> list[np.ndarray]:
+    """Each example's row tokens (int32 [L], L <= seq_len): the prompt's, then the answer token.
+
+    Prompts longer than `seq_len - 1` tokens keep their end (see the module docstring). A pure
+    function of the text and the row length: feeds tokenise once and rebuild batches from these.
+    """
+    _check_sizes(seq_len=seq_len, batch_size=1)
     yes_no = yes_no_token_ids(tokenizer)
-    batch = _empty_batch(batch_size=batch_size, seq_len=seq_len, yes_no=yes_no)
-    row = 0
-    num_examples = 0
+    tokenized = []
     for example in examples:
         inputs, _ = boolq_prompt(passage=example.passage, question=example.question,
                                  label=int(example.label))
         target = yes_no[0] if example.label else yes_no[1]
         input_ids = list(tokenizer.encode(inputs))
         input_ids = input_ids[max(0, len(input_ids) - (seq_len - 1)):]
-        tokens = np.asarray(input_ids + [target], dtype=np.int32)  # [L]
+        tokenized.append(np.asarray(input_ids + [target], dtype=np.int32))
+    return tokenized
+
+
+def boolq_token_batches(
+    tokenized: Iterable[np.ndarray],
+    *,
+    yes_no: tuple[int, int],
+    seq_len: int,
+    batch_size: int,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Unpacked [batch_size, seq_len] batches (keys BATCH_KEYS) of `tokenize_boolq`'s rows.
+
+    A row is the tokens (`targets`), the same shifted right by one with 0 first (`inputs`, SeqIO's
+    LM convention), weight 1 on the answer (the last token) only.
+    """
+    _check_sizes(seq_len=seq_len, batch_size=batch_size)
+    batch = _empty_batch(batch_size=batch_size, seq_len=seq_len, yes_no=yes_no)
+    row = 0
+    num_examples = 0
+    for tokens in tokenized:
         length = tokens.shape[0]
         batch["targets"][row, :length] = tokens
         batch["inputs"][row, 1:length] = tokens[:-1]
@@ -198,3 +218,18 @@ def boolq_batches(
         raise ValueError("no BoolQ examples to batch")
     if row > 0:
         yield batch
+
+
+def boolq_batches(
+    examples: Iterable[BoolQExample],
+    tokenizer: PieceEncoder,
+    *,
+    seq_len: int,
+    batch_size: int,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Unpacked [batch_size, seq_len] batches (keys BATCH_KEYS), one example per row, each once
+    (`tokenize_boolq`, then `boolq_token_batches`)."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size)
+    yes_no = yes_no_token_ids(tokenizer)
+    yield from boolq_token_batches(tokenize_boolq(examples, tokenizer, seq_len=seq_len),
+                                   yes_no=yes_no, seq_len=seq_len, batch_size=batch_size)

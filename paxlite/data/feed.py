@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from paxlite.data.errors import DatasetError
 from paxlite.data.feeding import FeedPlan
+from paxlite.data.prefetch import DEFAULT_DEPTH, Prefetcher
 from paxlite.data.synthetic import SyntheticData, SyntheticDataConfig
 from paxlite.parallel.multihost import allgather_json
 
@@ -31,8 +32,14 @@ class Feed(Protocol):
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         """A fresh pass over the evaluation data (the same batches every time)."""
 
-    def state(self) -> Any:
-        """JSON record of the position (gathered from every process), or None when stateless."""
+    def position(self) -> Any:
+        """This process's position after the batches built so far: cheap, local (no communication),
+        JSON-able; None when stateless. The prefetching producer records it with every batch, so a
+        checkpoint saves where the *consumed* batches end, not where the producer has got to."""
+
+    def state(self, position: Any = None) -> Any:
+        """JSON record of `position` (default: the current one), gathered from every process; None
+        when stateless. Called on the training thread (it is a collective across processes)."""
 
     def restore(self, record: Any, *, step: int) -> None:
         """Continue after `step` optimizer steps from a record written by `state()`."""
@@ -58,8 +65,11 @@ class SyntheticFeed:
         for index in range(num_batches):
             yield self._data.eval_batch(index, sharding)
 
-    def state(self) -> None:
+    def position(self) -> None:
         return None
+
+    def state(self, position: Any = None) -> None:
+        del position
 
     def restore(self, record: Any, *, step: int) -> None:
         del record, step
@@ -117,10 +127,14 @@ class TextFeed:
         for local in self._data.eval_batches(num_batches):
             yield _to_global(local, sharding, self._plan)
 
-    def state(self) -> dict:
+    def position(self) -> dict:
+        return {"batches_consumed": self._next_index, "iterator": self._iterator.get_state()}
+
+    def state(self, position: dict | None = None) -> dict:
+        position = self.position() if position is None else position
         return {
-            "batches_consumed": self._next_index,
-            "processes": allgather_json(self._iterator.get_state()),
+            "batches_consumed": position["batches_consumed"],
+            "processes": allgather_json(position["iterator"]),
         }
 
     def restore(self, record: Any, *, step: int) -> None:
@@ -180,15 +194,26 @@ class LambadaFeed:
             self._examples = read_lambada_examples(config.tfds_data_dir)
         self._tokenizer = Tokenizer(config.vocab_path)
         self._plan = plan
+        self._tokens: list[tuple[list[int], list[int]]] | None = None
+
+    def _tokenized(self) -> list[tuple[list[int], list[int]]]:
+        """The set's token ids, computed at the first evaluation and kept: every later
+        evaluation only lays them out in batches."""
+        if self._tokens is None:
+            from paxlite.data.lambada import tokenize_lambada
+
+            self._tokens = tokenize_lambada(self._examples, self._tokenizer,
+                                            seq_len=self._config.seq_len,
+                                            targets_len=self._config.targets_len)
+        return self._tokens
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         """num_batches -1 (Pax's eval_loop_num_batches=-1): the whole set."""
-        from paxlite.data.lambada import lambada_batches
+        from paxlite.data.lambada import lambada_token_batches
 
         plan = self._plan
-        batches = lambada_batches(self._examples, self._tokenizer, seq_len=self._config.seq_len,
-                                  batch_size=plan.global_batch_size,
-                                  targets_len=self._config.targets_len)
+        batches = lambada_token_batches(self._tokenized(), seq_len=self._config.seq_len,
+                                        batch_size=plan.global_batch_size)
         for index, batch in enumerate(batches):
             if index == num_batches:
                 break
@@ -229,16 +254,23 @@ class BoolQFeed:
         else:
             self._examples = read_boolq_tfds(config.tfds_data_dir, split=config.split)
         self._tokenizer = Tokenizer(config.vocab_path)
-        yes_no_token_ids(self._tokenizer)  # a tokenizer that splits yes/no is refused up front
+        # A tokenizer that splits yes/no is refused up front.
+        self._yes_no = yes_no_token_ids(self._tokenizer)
         self._plan = plan
+        self._tokens: list[np.ndarray] | None = None
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
-        """num_batches -1 (Pax's eval_loop_num_batches=-1): the whole set."""
-        from paxlite.data.boolq import boolq_batches
+        """num_batches -1 (Pax's eval_loop_num_batches=-1): the whole set. The examples are
+        tokenised at the first evaluation and kept."""
+        from paxlite.data.boolq import boolq_token_batches, tokenize_boolq
 
         plan = self._plan
-        batches = boolq_batches(self._examples, self._tokenizer, seq_len=self._config.seq_len,
-                                batch_size=plan.global_batch_size)
+        if self._tokens is None:
+            self._tokens = tokenize_boolq(self._examples, self._tokenizer,
+                                          seq_len=self._config.seq_len)
+        batches = boolq_token_batches(self._tokens, yes_no=self._yes_no,
+                                      seq_len=self._config.seq_len,
+                                      batch_size=plan.global_batch_size)
         for index, batch in enumerate(batches):
             if index == num_batches:
                 break
@@ -289,8 +321,11 @@ class BoolQTrainFeed:
         if not self._examples:
             raise DatasetError(f"BoolQ training data {config.path or config.tfds_data_dir} has no examples")
         self._tokenizer = Tokenizer(config.vocab_path)
-        yes_no_token_ids(self._tokenizer)
+        self._yes_no = yes_no_token_ids(self._tokenizer)
         self._plan = plan
+        # Example index -> its row tokens: each example is tokenised the first time a step uses
+        # it (one epoch's worth at most), never again.
+        self._tokens: dict[int, np.ndarray] = {}
 
     def example_indices(self, index: int) -> np.ndarray:
         """Indices into the examples of the global rows of step `index + 1`, in row order."""
@@ -304,11 +339,16 @@ class BoolQTrainFeed:
         return out
 
     def train_batch(self, index: int, sharding: Sharding) -> Batch:
-        from paxlite.data.boolq import boolq_batches
+        from paxlite.data.boolq import boolq_token_batches, tokenize_boolq
 
-        rows = self.example_indices(index)[self._plan.rows]
-        (local,) = boolq_batches([self._examples[i] for i in rows], self._tokenizer,
-                                 seq_len=self._config.seq_len, batch_size=len(rows))
+        rows = [int(i) for i in self.example_indices(index)[self._plan.rows]]
+        new = sorted({i for i in rows if i not in self._tokens})
+        if new:
+            tokens = tokenize_boolq([self._examples[i] for i in new], self._tokenizer,
+                                    seq_len=self._config.seq_len)
+            self._tokens.update(zip(new, tokens, strict=True))
+        (local,) = boolq_token_batches([self._tokens[i] for i in rows], yes_no=self._yes_no,
+                                       seq_len=self._config.seq_len, batch_size=len(rows))
         train_keys = ("inputs", "targets", "weights", "positions", "segment_ids")
         return _to_global({key: local[key] for key in train_keys}, sharding, self._plan)
 
@@ -318,11 +358,34 @@ class BoolQTrainFeed:
             "(boolq_acc on the validation split)"
         )
 
-    def state(self) -> None:
+    def position(self) -> None:
         return None
+
+    def state(self, position: Any = None) -> None:
+        del position
 
     def restore(self, record: Any, *, step: int) -> None:
         del record, step
+
+
+def prefetch_train_batches(feed: Feed, *, start: int, stop: int, sharding: Sharding,
+                           depth: int = DEFAULT_DEPTH) -> Prefetcher[tuple[Batch, Any]]:
+    """(batch, position after it) for optimizer steps start + 1 .. stop, built `depth` ahead in a
+    producer thread: the batch is on its devices (transfer finished) before the step takes it."""
+
+    def produce() -> Iterator[tuple[Batch, Any]]:
+        for index in range(start, stop):
+            batch = feed.train_batch(index, sharding)
+            jax.block_until_ready(batch)
+            yield batch, feed.position()
+
+    return Prefetcher(produce(), depth=depth, name="train-batches")
+
+
+def prefetch_eval_batches(feed: Feed, *, num_batches: int, sharding: Sharding,
+                          depth: int = DEFAULT_DEPTH) -> Prefetcher[Batch]:
+    """`feed.eval_batches` built `depth` ahead in a producer thread."""
+    return Prefetcher(feed.eval_batches(num_batches, sharding), depth=depth, name="eval-batches")
 
 
 def make_feed(config, *, plan: FeedPlan) -> Feed:

@@ -117,31 +117,33 @@ def _fill_row(
     batch["example_weights"][row] = 1.0
 
 
-def lambada_batches(
-    examples: Iterable[tuple[str, str]],
-    tokenizer: TextEncoder,
-    *,
-    seq_len: int,
-    batch_size: int,
-    targets_len: int = 64,
-) -> Iterator[dict[str, np.ndarray]]:
-    """Unpacked [batch_size, seq_len] batches, one example per row, every example exactly once.
-
-    The target is cut to `min(targets_len, seq_len)` tokens first and the context is then cut
-    *from the left* to fill the rest of the row, so the words right before the target, which
-    decide it, are kept.
-    """
+def _check_sizes(*, seq_len: int, batch_size: int, targets_len: int) -> None:
     if seq_len < 1 or batch_size < 1:
         raise ValueError(
             f"seq_len and batch_size must be >= 1, got seq_len={seq_len}, batch_size={batch_size}"
         )
     if targets_len < 1:
         raise ValueError(f"targets_len must be >= 1, got {targets_len}")
+
+
+def tokenize_lambada(
+    examples: Iterable[tuple[str, str]],
+    tokenizer: TextEncoder,
+    *,
+    seq_len: int,
+    targets_len: int = 64,
+) -> list[tuple[list[int], list[int]]]:
+    """(context ids, target ids) per example, already cut to fit a `seq_len` row.
+
+    The target is cut to `min(targets_len, seq_len)` tokens first and the context is then cut
+    *from the left* to fill the rest of the row, so the words right before the target, which
+    decide it, are kept. The result depends on nothing but the text and the row length, so an
+    evaluation feed tokenises its set once and rebuilds batches from these ids.
+    """
+    _check_sizes(seq_len=seq_len, batch_size=1, targets_len=targets_len)
     # A row shorter than targets_len (tiny test models) holds as much of the target as fits.
     target_cap = min(targets_len, seq_len)
-    batch = _empty_batch(batch_size=batch_size, seq_len=seq_len)
-    row = 0
-    num_examples = 0
+    tokenized = []
     for index, (inputs, target) in enumerate(examples):
         target_ids = list(tokenizer.encode(target))[:target_cap]
         if not target_ids:
@@ -149,6 +151,22 @@ def lambada_batches(
         room = seq_len - len(target_ids)
         input_ids = list(tokenizer.encode(inputs))
         input_ids = input_ids[max(0, len(input_ids) - room) :] if room > 0 else []
+        tokenized.append((input_ids, target_ids))
+    return tokenized
+
+
+def lambada_token_batches(
+    tokenized: Iterable[tuple[list[int], list[int]]],
+    *,
+    seq_len: int,
+    batch_size: int,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Unpacked [batch_size, seq_len] batches of `tokenize_lambada`'s examples, each exactly once."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, targets_len=1)
+    batch = _empty_batch(batch_size=batch_size, seq_len=seq_len)
+    row = 0
+    num_examples = 0
+    for input_ids, target_ids in tokenized:
         _fill_row(batch, row, input_ids=input_ids, target_ids=target_ids)
         num_examples += 1
         row += 1
@@ -160,3 +178,18 @@ def lambada_batches(
         raise ValueError("no Lambada examples to batch")
     if row > 0:
         yield batch
+
+
+def lambada_batches(
+    examples: Iterable[tuple[str, str]],
+    tokenizer: TextEncoder,
+    *,
+    seq_len: int,
+    batch_size: int,
+    targets_len: int = 64,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Unpacked [batch_size, seq_len] batches, one example per row, every example exactly once
+    (`tokenize_lambada`, then `lambada_token_batches`)."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, targets_len=targets_len)
+    tokenized = tokenize_lambada(examples, tokenizer, seq_len=seq_len, targets_len=targets_len)
+    yield from lambada_token_batches(tokenized, seq_len=seq_len, batch_size=batch_size)

@@ -33,6 +33,36 @@ class SyntheticDataConfig:
             )
 
 
+def _cycle_tables(perm: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The permutation's cycles laid end to end, and for every token v: where its cycle starts in
+    that array, the cycle's length and v's place in it. Then perm^t(v) is one gather,
+    cycles[start[v] + (pos[v] + t) % length[v]], so a batch needs no loop over its positions.
+    Built once per dataset, in O(vocab)."""
+    n = perm.shape[0]
+    cycles = np.empty(n, dtype=np.int64)
+    start = np.empty(n, dtype=np.int64)
+    length = np.empty(n, dtype=np.int64)
+    pos = np.empty(n, dtype=np.int64)
+    seen = np.zeros(n, dtype=bool)
+    filled = 0
+    for first in range(n):
+        if seen[first]:
+            continue
+        members = []
+        v = first
+        while not seen[v]:
+            seen[v] = True
+            members.append(v)
+            v = int(perm[v])
+        k = len(members)
+        cycles[filled:filled + k] = members
+        start[members] = filled
+        length[members] = k
+        pos[members] = np.arange(k)
+        filled += k
+    return cycles, start, length, pos
+
+
 class SyntheticData:
     """Global batches {inputs, targets, weights} of shape [global_batch, seq_len] for any step."""
 
@@ -40,6 +70,7 @@ class SyntheticData:
         self.config = config
         self.global_batch_size = global_batch_size
         self._perm = np.random.default_rng([config.seed, 7]).permutation(config.vocab_size)
+        self._cycles, self._cycle_start, self._cycle_len, self._cycle_pos = _cycle_tables(self._perm)
 
     def _starts(self, stream: int, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.config.seed, stream, index])
@@ -48,10 +79,10 @@ class SyntheticData:
     def rows(self, stream: int, index: int, rows: slice) -> dict[str, np.ndarray]:
         """Host arrays for rows `rows` of batch `index` in `stream`."""
         starts = self._starts(stream, index)[rows]
-        seq = np.empty((starts.shape[0], self.config.seq_len + 1), dtype=np.int32)
-        seq[:, 0] = starts
-        for t in range(1, self.config.seq_len + 1):
-            seq[:, t] = self._perm[seq[:, t - 1]]
+        # Token t of a row is perm applied t times to its start: a step of t along the start's cycle.
+        steps = np.arange(self.config.seq_len + 1, dtype=np.int64)  # [T + 1]
+        offset = (self._cycle_pos[starts][:, None] + steps) % self._cycle_len[starts][:, None]
+        seq = self._cycles[self._cycle_start[starts][:, None] + offset].astype(np.int32)  # [R, T + 1]
         return {
             "inputs": seq[:, :-1],
             "targets": seq[:, 1:],

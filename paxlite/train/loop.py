@@ -1,8 +1,10 @@
 """The train and eval loops: restore or initialise, step, summarise, evaluate, checkpoint.
 
-The loop owns everything impure (time, files, host transfers); the steps stay pure. Host synchronisation is kept
-off the critical path: the finiteness of step s's loss is read after step s+1 has been dispatched, except where a
-value is needed at once (a summary, an evaluation, a checkpoint).
+The loop owns everything impure (time, files, host transfers); the steps stay pure. Host work is kept off the
+critical path: batches are built and put on the devices by a producer thread ahead of the step
+(data/prefetch.py), and each step's metrics stay on the device until a summary, evaluation or checkpoint boundary,
+where they are read in one transfer with a finiteness flag per step (train/device_metrics.py); between
+boundaries the host waits for nothing but a bound on how far it runs ahead.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from absl import logging
 from flax import traverse_util
 
 from paxlite.data.errors import DatasetError
-from paxlite.data.feed import make_feed
+from paxlite.data.feed import make_feed, prefetch_eval_batches, prefetch_train_batches
 from paxlite.data.feeding import plan_feeding
 from paxlite.errors import NotFoundError, RunStoppedError, SettingError
 from paxlite.eval.boolq import boolq_acc
@@ -31,8 +33,8 @@ from paxlite.models.lora import is_lora_path
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
+from paxlite.train import device_metrics, pretrained
 from paxlite.train import flops as flops_lib
-from paxlite.train import pretrained
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.metrics import MetricsWriter
 from paxlite.train.optimizer import make_optimizer
@@ -46,6 +48,10 @@ from paxlite.train.step import (
     join_params,
     microbatch_size,
 )
+
+# Steps the host may dispatch beyond the newest one known to be computed: enough to keep the device
+# busy, few enough that the batches waiting on it stay few.
+_STEPS_AHEAD = 2
 
 
 class TrainingDivergedError(RunStoppedError, FloatingPointError):
@@ -280,20 +286,24 @@ class Run:
 
     # ---------------------------------------------------------------- eval
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        sums = {"loss_sum": 0.0, "correct_tokens": 0.0, "target_tokens": 0.0}
-        per_example: dict[str, list[np.ndarray]] = {"correct": [], "targets": [], "weights": [], "choice": []}
-        with jax.set_mesh(self.mesh):
-            for batch in self.eval_data.eval_batches(self.config.loop.eval_num_batches,
-                                                     self.steps.batch_sharding):
-                out = jax.device_get(self.steps.eval(state.params, batch))
-                for key in sums:
-                    sums[key] += float(np.sum(out[key]))
+        """Eval metrics over EVAL_LOOP_NUM_BATCHES batches (built ahead by a producer thread); the
+        sums are accumulated on the device and read once, with the per-example scores."""
+        totals = device_metrics.eval_totals_init()
+        per_example: dict[str, list[jax.Array]] = {"correct": [], "targets": [], "weights": [], "choice": []}
+        with jax.set_mesh(self.mesh), contextlib.closing(prefetch_eval_batches(
+                self.eval_data, num_batches=self.config.loop.eval_num_batches,
+                sharding=self.steps.batch_sharding)) as batches:
+            for batch in batches:
+                out = self.steps.eval(state.params, batch)
+                totals = device_metrics.eval_totals_add(totals, out)
                 if "example_weights" in out:
                     per_example["correct"].append(out["correct_tokens"])
                     per_example["targets"].append(out["target_tokens"])
                     per_example["weights"].append(out["example_weights"])
                 if "choice_correct" in out:  # a two-way choice per example (BoolQ)
                     per_example["choice"].append(out["choice_correct"])
+            host_totals, per_example = jax.device_get((totals, per_example))
+        sums = device_metrics.eval_totals_value(host_totals)
         if sums["target_tokens"] == 0:
             raise DatasetError("the evaluation data has no weighted tokens; nothing to evaluate")
         loss = sums["loss_sum"] / sums["target_tokens"]
@@ -354,7 +364,8 @@ class Run:
             self.config.experiment, start, loop.max_steps, self.global_batch_size,
             self.config.model.max_seq_len, dict(self.mesh.shape),
         )
-        pending: tuple[int, dict[str, jax.Array]] | None = None
+        kept = device_metrics.StepMetrics()  # this window's metrics, still on the device
+        position = self.data.position()  # where the consumed batches end (saved with the state)
         timer_start, timer_steps = time.perf_counter(), 0
         input_wait = 0.0  # seconds this thread spent in train_batch since timer_start
         profiler = StepProfiler(
@@ -362,28 +373,28 @@ class Run:
             capture_step=loop.profiler_capture_step, num_steps=loop.profiler_num_steps,
             min_duration_sec=loop.profiler_min_duration_sec, first_step=start + 1,
             last_step=loop.max_steps)
-        with jax.set_mesh(self.mesh), contextlib.closing(profiler):
+        batches = prefetch_train_batches(self.data, start=start, stop=loop.max_steps,
+                                         sharding=self.steps.batch_sharding)
+        with jax.set_mesh(self.mesh), contextlib.closing(profiler), contextlib.closing(batches):
             for index in range(start, loop.max_steps):
                 step = index + 1
                 with profiler.step(step):
-                    fetch_start = time.perf_counter()
-                    batch = self.data.train_batch(index, self.steps.batch_sharding)
+                    fetch_start = time.perf_counter()  # waiting for the producer's next batch
+                    batch, position = next(batches)
                     input_wait += time.perf_counter() - fetch_start
                     state, metrics = self.steps.train(state, batch)
                 # Writing the trace takes a while: kept out of step_time_s.
                 timer_start += profiler.after_step(step, (state, metrics))
-                if pending is not None:  # read the previous step while this one runs
-                    self._check_finite(*pending)
-                pending = (step, metrics)
+                kept.add(step, metrics)
                 if step == start + 1:  # the compiling step is not timed
                     jax.block_until_ready(metrics)
                     timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
                 else:
                     timer_steps += 1
                 if not self._boundary(step):
+                    kept.wait_for(_STEPS_AHEAD)
                     continue
-                host = self._check_finite(step, metrics)
-                pending = None
+                host = self._read_checked(kept)
                 if step % loop.summary_interval_steps == 0 or step == loop.max_steps:
                     elapsed = time.perf_counter() - timer_start
                     step_time = elapsed / timer_steps if timer_steps else None
@@ -395,10 +406,10 @@ class Run:
                 if self.checkpointer.should_save(step) or step == loop.max_steps:
                     self._check_state_finite(step, state)
                     self.checkpointer.save(step, state, force=step == loop.max_steps,
-                                           data_state=self.data.state())
+                                           data_state=self.data.state(position))
                 timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
-            if pending is not None:
-                self._check_finite(*pending)
+            if len(kept):
+                self._read_checked(kept)
         self.checkpointer.wait_until_finished()
         return state
 
@@ -411,21 +422,22 @@ class Run:
             or self.checkpointer.should_save(step)
         )
 
-    @staticmethod
-    def _host(metrics: dict[str, jax.Array]) -> dict[str, float]:
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-    def _check_finite(self, step: int, metrics: dict[str, jax.Array]) -> dict[str, float]:
-        host = self._host(metrics)
-        bad = [k for k in ("loss", "grad_norm") if not math.isfinite(host[k])]
-        if bad:
+    def _read_checked(self, kept: device_metrics.StepMetrics) -> dict[str, float]:
+        """The kept steps' metrics in one transfer; TrainingDivergedError naming the first step
+        whose loss or gradient norm is not finite (its flag computed on the device). Returns the
+        newest step's metrics."""
+        steps, values, finite = kept.read()
+        if not finite.all():
+            first = int(np.argmin(finite))
+            host = {key: float(v[first]) for key, v in values.items()}
+            bad = [k for k in device_metrics.FINITE_KEYS if not math.isfinite(host[k])]
             saved = self.checkpointer.all_steps()
             raise TrainingDivergedError(
-                f"{' and '.join(f'{k}={host[k]}' for k in bad)} at step {step}; stopping without saving "
-                f"this state (latest checkpoint: "
+                f"{' and '.join(f'{k}={host[k]}' for k in bad)} at step {steps[first]}; stopping "
+                f"without saving this state (latest checkpoint: "
                 f"{f'step {saved[-1]}' if saved else 'none'} in {self.checkpointer.directory})"
             )
-        return host
+        return {key: float(v[-1]) for key, v in values.items()}
 
     def _check_state_finite(self, step: int, state: TrainState) -> None:
         if not bool(jax.device_get(self.steps.all_finite(state.params))):

@@ -73,6 +73,20 @@ def test_resume_consumes_exactly_the_uninterrupted_batches(tmp_path, dataset):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_mid_run_checkpoint_saves_the_consumed_position_not_the_producers(tmp_path, dataset):
+    """At step 3 of a 6-step run the producer has built batches 4 and 5 already; the checkpoint
+    must record where batch 3 ended, as a run that stops at 3 does."""
+    _train(tmp_path / "long", _overrides(dataset, 6))
+    _train(tmp_path / "short", _overrides(dataset, 3))
+    records = []
+    for job in ("long", "short"):
+        with Checkpointer(tmp_path / job / "checkpoints", save_interval_steps=3, max_to_keep=None) as ckpt:
+            records.append(ckpt.restore_data(3))
+    assert records[0] == records[1] and records[0]["batches_consumed"] == 3
+    with Checkpointer(tmp_path / "long" / "checkpoints", save_interval_steps=3, max_to_keep=None) as ckpt:
+        assert ckpt.restore_data(6) != records[0]
+
+
 def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset, monkeypatch):
     """The saved input position is for another global batch: a user's mistake, said in one line,
     found before the train step is compiled."""
