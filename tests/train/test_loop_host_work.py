@@ -20,7 +20,7 @@ GOLDEN = os.path.join(ROOT, "tests", "testdata", "loop_metrics_golden.jsonl")
 GOLDEN_OVERRIDES = ["MAX_STEPS=7", "SUMMARY_INTERVAL_STEPS=3", "EVAL_INTERVAL_STEPS=4",
                     "CHECKPOINT_EVERY_N_STEPS=5", "EVAL_LOOP_NUM_BATCHES=2", "LR_COS_WARMUP=2",
                     "LR_COS_DECAY_END=8"]
-TIMING = {"step_time_s", "tokens_per_s"}
+TIMING = {"step_time_s", "tokens_per_s", "input_wait_fraction"}  # measured, not recorded
 
 
 def _lines(job):
@@ -30,8 +30,9 @@ def _lines(job):
 
 def test_metrics_jsonl_equals_the_line_by_line_reading_loops_golden(tmp_path):
     """Recorded with the loop that read every step's metrics as it went: same lines, same keys,
-    same steps; train values bit-equal; eval values to float32 rounding (that loop summed each
-    batch in float32 on the host, this one sums exactly on the device)."""
+    same steps; values to float32 rounding: the golden was recorded on jax 0.10.2, whose XLA rounds
+    a few float32 ops differently from today's, and that loop summed each eval batch in float32 on
+    the host, this one sums exactly on the device. A value from another step differs by far more."""
     _, config = build_run_config("TinySynthetic", GOLDEN_OVERRIDES)
     with Run(config, RunContext(job_dir=str(tmp_path))) as run:
         run.train()
@@ -42,11 +43,11 @@ def test_metrics_jsonl_equals_the_line_by_line_reading_loops_golden(tmp_path):
     for new, old in zip(got, golden):
         for key, value in old.items():
             if key in TIMING:
-                assert new[key] > 0
-            elif key.startswith("eval/"):
-                assert new[key] == pytest.approx(value, rel=1e-6), key
+                assert new[key] >= 0 if key == "input_wait_fraction" else new[key] > 0, key
+            elif value is None:
+                assert new[key] is None, key
             else:
-                assert new[key] == value, key
+                assert new[key] == pytest.approx(value, rel=2e-6), key
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_00000005", "checkpoint_00000007"]
 
 
