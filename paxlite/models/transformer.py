@@ -27,7 +27,7 @@ from paxlite.models.attention import (
     make_attention_mask,
 )
 from paxlite.models.embedding import Embed
-from paxlite.models.linear import Linear
+from paxlite.models.linear import FP8_COLLECTION, Linear
 from paxlite.models.mlp import Mlp
 from paxlite.models.moe import MoeMlp
 from paxlite.models.norms import LayerNorm, RMSNorm
@@ -129,6 +129,7 @@ class Block(nn.Module):
                 if cfg.position_kind is PositionEmbedding.RELATIVE_BIAS else None),
             relative_position_max_distance=cfg.relative_position_max_distance,
             scale_query=cfg.scale_query,
+            fp8=cfg.fp8,
             name="attention",
         )(h, mask, positions)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
@@ -143,6 +144,7 @@ class Block(nn.Module):
                 init_std=cfg.init_std,
                 dtype=dtype,
                 param_dtype=param_dtype,
+                fp8=cfg.fp8,
                 name="moe",
             )(h, paddings=paddings)
         else:
@@ -164,6 +166,7 @@ class Block(nn.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             lora=cfg.lora_spec if cfg.lora_targets.mlp else None,
+            fp8=cfg.fp8,
             name="mlp",
         )(h)
 
@@ -254,8 +257,10 @@ class Transformer(nn.Module):
             extra = {} if unit > 1 else {"moe_layer": cfg.moe is not None}
             scanned = nn.scan(
                 body,
-                # sown MoE losses and summaries are stacked per layer, like the parameters
-                variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0},
+                # sown MoE losses and summaries are stacked per layer, like the parameters; so
+                # is the FP8 state: each layer has its own scales and histories (no sharing)
+                variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0,
+                               FP8_COLLECTION: 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers // unit,
