@@ -133,15 +133,17 @@ def test_fp8_state_ignores_weight_decay_clipping_and_grad_norm():
 
 
 def test_sharded_fp8_step_equals_one_device_and_checkpoint_restores_it(tmp_path):
-    _, (one, _), m1, _ = _reference()
+    # float32 around the FP8 dots: in bfloat16 the sharded reductions round differently (the
+    # amax of an output gradient moved by 3 bfloat16 ulps), which would hide a real difference
+    f32 = [o for o in FP8 if not o.startswith("FPROP_DTYPE")] + ["FPROP_DTYPE=float32"]
+    _, (one,), m1, _ = _train(f32, num_steps=1)
     _, (sharded,), m8, (saved, restored) = _train(
-        FP8, num_steps=1, mesh_shape=(1, 4, 2), checkpoint_dir=str(tmp_path / "ckpt"))
+        f32, num_steps=1, mesh_shape=(1, 4, 2), checkpoint_dir=str(tmp_path / "ckpt"))
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
     for name, value in _flat(one.fp8).items():
-        np.testing.assert_allclose(_flat(sharded.fp8)[name], value, rtol=1e-2, err_msg=name)
+        np.testing.assert_allclose(_flat(sharded.fp8)[name], value, rtol=1e-4, err_msg=name)
     for name, value in _flat(one.params).items():
-        np.testing.assert_allclose(np.asarray(_flat(sharded.params)[name], np.float32),
-                                   np.asarray(value, np.float32), rtol=1e-2, atol=1e-4,
+        np.testing.assert_allclose(_flat(sharded.params)[name], value, rtol=1e-3, atol=1e-5,
                                    err_msg=name)
     want, got = _flat(saved.fp8), _flat(restored.fp8)
     assert want and want.keys() == got.keys()
@@ -191,3 +193,38 @@ def test_fp8_with_dropless_routing_is_refused():
 def test_fp8_amax_history_without_fp8_is_refused():
     with pytest.raises(ConfigError, match="FP8_AMAX_HISTORY_LENGTH set but USE_FP8 is false"):
         load_experiment("TinySynthetic", ["FP8_AMAX_HISTORY_LENGTH=16"])
+
+
+def test_a_job_trains_evaluates_and_resumes_with_fp8_scanned_layers(tmp_path, monkeypatch):
+    """The whole loop: scanned + remat'd layers, eval with the FP8 state, resume restores it, and
+    MFU asks for the FP8 peak."""
+    from paxlite.experiments.build import build_run_config
+    from paxlite.train import flops as flops_lib
+    from paxlite.train.loop import Run, RunContext
+
+    asked = []
+    real_peak = flops_lib.peak_flops_per_device
+
+    def peak(kind, **kwargs):
+        asked.append(kwargs.get("fp8"))
+        return real_peak(kind, **kwargs)
+
+    monkeypatch.setattr(flops_lib, "peak_flops_per_device", peak)
+    common = [*FP8, "USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_NOTHING",
+              "EVAL_INTERVAL_STEPS=2", "EVAL_LOOP_NUM_BATCHES=1", "CHECKPOINT_EVERY_N_STEPS=2",
+              "SUMMARY_INTERVAL_STEPS=1"]
+    states = []
+    for max_steps in (2, 3):
+        _, config = build_run_config("TinySynthetic", [*common, f"MAX_STEPS={max_steps}"])
+        with Run(config, RunContext(job_dir=str(tmp_path), enable_checkpoint_saving=True)) as run:
+            if max_steps == 3:  # the resumed state is the saved one, FP8 state included
+                restored = jax.device_get(run.restore_or_init())
+                for name, value in _flat(states[0].fp8).items():
+                    np.testing.assert_array_equal(_flat(restored.fp8)[name], value, err_msg=name)
+            states.append(jax.device_get(run.train()))
+    assert asked and all(fp8 is True for fp8 in asked)
+    history = _flat(states[-1].fp8)["layers/attention/qkv/fp8_einsum/input_amax_history"]
+    assert history.shape == (2, 16)  # one history per layer
+    assert np.all(np.count_nonzero(history, axis=1) == 3)  # three steps recorded, resume included
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert any("eval/loss" in line for line in f)
