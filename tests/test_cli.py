@@ -167,3 +167,14 @@ def test_show_json():
 def test_show_rejects_unknown_override():
     result = _run("-m", "paxlite", "show", "--fdl_config=GPT5B", "--fdl.LEARNING_RAT=1")
     assert result.returncode == 2 and "LEARNING_RATE" in result.stderr
+
+
+def test_use_fp8_is_pax_s_switch_and_dropless_fp8_exits_2():
+    result = _run("-m", "paxlite", "show", "--fdl_config=Pile126M", "--fdl.USE_FP8=True",
+                  "--format=json")
+    assert result.returncode == 0, result.stderr
+    hparams = json.loads(result.stdout)["hparams"]
+    assert hparams["USE_FP8"] is True and hparams["FP8_AMAX_HISTORY_LENGTH"] == 1024
+    result = _run("-m", "paxlite", "show", "--fdl_config=Mixtral8x7B", "--fdl.USE_FP8=true")
+    assert result.returncode == 2
+    assert "USE_FP8=true with MOE_ROUTING='dropless_topk'" in result.stderr

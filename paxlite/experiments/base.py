@@ -29,6 +29,7 @@ from paxlite.experiments.moe_mixin import (
 )
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import AttentionImplementation
+from paxlite.models.linear import Fp8Config
 from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
 from paxlite.parallel.mesh import MeshConfig
@@ -114,6 +115,12 @@ class LanguageModelExperiment(Experiment):
     # ICI_MESH_SHAPE / DCN_MESH_SHAPE); true asks for it and is checked against the mesh: an MoE
     # experiment with an expert axis > 1 (experiments/moe_mixin.py). A dense model has no experts.
     USE_EXPERT_PARALLEL: bool = False
+    # Pax's native FP8 (docs/fp8.md): the QKV, attention-output, MLP and GShard expert matmuls run in
+    # FP8 through Flax's Fp8Einsum (e4m3 forward, e5m2 gradients, delayed per-tensor scaling), each
+    # with its own scales and amax histories of FP8_AMAX_HISTORY_LENGTH steps (Pax 1024; Fuji -fp8:
+    # 128). The embedding, softmax and router stay in FPROP_DTYPE.
+    USE_FP8: bool = False
+    FP8_AMAX_HISTORY_LENGTH: int = 1024
 
     @classmethod
     def check_names(cls, names) -> None:
@@ -177,6 +184,10 @@ class LanguageModelExperiment(Experiment):
                 f"TFDS_DATASET={self.TFDS_DATASET!r}: paxlite trains language models on {sorted(LM_TEXT_FEATURES)} "
                 "(e.g. 'the_pile:1.0.0', 'c4/en:3.0.1')"
             )
+        if self.FP8_AMAX_HISTORY_LENGTH < 1:
+            raise ConfigError(
+                f"FP8_AMAX_HISTORY_LENGTH={self.FP8_AMAX_HISTORY_LENGTH} must be a positive number "
+                "of steps (Pax's default is 1024)")
         if self.LORA_RANK <= 0:
             raise ConfigError(
                 f"LORA_RANK={self.LORA_RANK} must be a positive integer (Pax's default is 8)")
@@ -240,6 +251,9 @@ class LanguageModelExperiment(Experiment):
                 problems.append(
                     f"{name} is read only with {switch}={value!r}, and {switch}={getattr(self, switch)!r}: "
                     f"add --fdl.{switch}={value!r}, or drop {name}")
+        if "FP8_AMAX_HISTORY_LENGTH" in given and not self.USE_FP8:
+            problems.append("FP8_AMAX_HISTORY_LENGTH set but USE_FP8 is false, so no matmul runs "
+                            "in FP8: add --fdl.USE_FP8=true, or drop it")
         unused = sorted(given & {"PROFILER_NUM_STEPS", "PROFILER_MIN_DURATION_SEC"})
         if unused and self.PROFILER_CAPTURE_STEP is None:
             problems.append(f"{', '.join(unused)} set but PROFILER_CAPTURE_STEP is None, so nothing "
@@ -278,6 +292,8 @@ class LanguageModelExperiment(Experiment):
             "param_dtype": "float32",
             # Pax's ENABLE_TE / ENABLE_FP8 environment variables (config/transformer_engine.py)
             **transformer_engine_fields(native_fp8=bool(getattr(self, "USE_FP8", False))),
+            "fp8": (fdl.Config(Fp8Config, amax_history_length=self.FP8_AMAX_HISTORY_LENGTH)
+                    if self.USE_FP8 else None),
         }
 
     def with_lora(self, model: fdl.Config[TransformerConfig]) -> fdl.Config[TransformerConfig]:

@@ -28,9 +28,14 @@ What is AXLearn's and how it maps:
   for every matrix whose fan-in is d_model (all but the MLP down projection, whose fan-in is the ffn
   size) and for the embedding (1/fan_out = 1/d_model).
 - Not reproduced: AXLearn's rotate-half RoPE layout (paxlite rotates interleaved pairs; the same
-  function up to a fixed permutation of q/k, which training from scratch does not see), its
-  per-hardware mesh rules (pass ICI/DCN_MESH_SHAPE), and the `-fp8` variants. Text is packed with
-  segment masks (PACKED_INPUT), which is stricter than AXLearn's window packing.
+  function up to a fixed permutation of q/k, which training from scratch does not see) and its
+  per-hardware mesh rules (pass ICI/DCN_MESH_SHAPE). Text is packed with segment masks
+  (PACKED_INPUT), which is stricter than AXLearn's window packing.
+- `-fp8` (every size but test; `-flash-fp8`, `-fp8-single-host`, `-flash-fp8-single-host` too):
+  AXLearn appends `FP8ConfigModifier(fp8_amax_history_length=128)` to its FP8-capable GPU mesh
+  rules; intended for all of them, but a bug leaves the p5.48xlarge/p4de rule without FP8. paxlite
+  has no mesh rules, so `-fp8` is what AXLearn intends on every GPU: USE_FP8=True with
+  FP8_AMAX_HISTORY_LENGTH=128 (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -177,26 +182,32 @@ class BaseFuji(BaseLLaMA):
         return config
 
 
+FP8_AMAX_HISTORY_LENGTH = 128  # AXLearn's FP8ConfigModifier(fp8_amax_history_length=128)
+
+
 def axlearn_name(size: str, version: int, *, flash: bool = False,
-                 single_host: bool = False) -> str:
-    """AXLearn's config name, e.g. 'fuji-3B-v3-flash-single-host'."""
-    return (f"fuji-{size}-v{version}" + ("-flash" if flash else "")
+                 single_host: bool = False, fp8: bool = False) -> str:
+    """AXLearn's config name, e.g. 'fuji-3B-v3-flash-fp8-single-host'."""
+    return (f"fuji-{size}-v{version}" + ("-flash" if flash else "") + ("-fp8" if fp8 else "")
             + ("-single-host" if single_host else ""))
 
 
-def class_name(size: str, version: int, *, flash: bool = False, single_host: bool = False) -> str:
-    """The paxlite class name, e.g. 'Fuji3BV3FlashSingleHost', 'FujiTestV1'."""
+def class_name(size: str, version: int, *, flash: bool = False, single_host: bool = False,
+               fp8: bool = False) -> str:
+    """The paxlite class name, e.g. 'Fuji3BV3FlashFp8SingleHost', 'FujiTestV1'."""
     return (f"Fuji{'Test' if size == 'test' else size}V{version}" + ("Flash" if flash else "")
-            + ("SingleHost" if single_host else ""))
+            + ("Fp8" if fp8 else "") + ("SingleHost" if single_host else ""))
 
 
 def _fuji(size: str, version: int, *, flash: bool = False,
-          single_host: bool = False) -> type[BaseFuji]:
+          single_host: bool = False, fp8: bool = False) -> type[BaseFuji]:
     """The experiment class of one AXLearn Fuji config (only pairs AXLearn has)."""
     if (version, size) not in TOTAL_TOKENS:
         raise ValueError(f"AXLearn has no fuji-{size}-v{version}; pairs: {sorted(TOTAL_TOKENS)}")
     if single_host and size not in SINGLE_HOST_SIZES:
         raise ValueError(f"-single-host exists for {SINGLE_HOST_SIZES} only, not {size}")
+    if fp8 and size == "test":
+        raise ValueError("AXLearn has no -fp8 variant of the test model")
     v, s = VERSIONS[version], SIZES[size]
     kv = s.kv_heads[version]
     hparams: dict[str, Any] = dict(
@@ -214,6 +225,8 @@ def _fuji(size: str, version: int, *, flash: bool = False,
                        ICI_MESH_SHAPE=None)
     if flash:
         hparams["ATTENTION_KIND"] = "flash"
+    if fp8:
+        hparams.update(USE_FP8=True, FP8_AMAX_HISTORY_LENGTH=FP8_AMAX_HISTORY_LENGTH)
     if single_host:
         divisor = v.single_host_divisor
         hparams["GLOBAL_BATCH_SIZE"] = Derived(
@@ -221,18 +234,21 @@ def _fuji(size: str, version: int, *, flash: bool = False,
             lambda hp, divisor=divisor: hp.TOKENS_PER_BATCH // hp.MAX_SEQ_LEN // divisor,
             doc=f"TOKENS_PER_BATCH // MAX_SEQ_LEN // {divisor}",
         )
-    name = class_name(size, version, flash=flash, single_host=single_host)
+    name = class_name(size, version, flash=flash, single_host=single_host, fp8=fp8)
+    axlearn = axlearn_name(size, version, flash=flash, single_host=single_host, fp8=fp8)
     batch = hparams["TOKENS_PER_BATCH"] // hparams["MAX_SEQ_LEN"] // (
         v.single_host_divisor if single_host else 1)
     heads = f"{s.num_heads} heads x {s.dims_per_head}, " + (
         f"{kv} kv heads" if kv is not None and kv != s.num_heads else "MHA")
     doc = (
-        f"AXLearn {axlearn_name(size, version, flash=flash, single_host=single_host)}: "
+        f"AXLearn {axlearn}: "
         f"{s.num_layers} layers, d_model {s.model_dims}, {heads}, ffn {s.hidden_dims}, "
         f"{'tied' if s.tie_embeddings else 'separate'} head, vocab {hparams['VOCAB_SIZE']:,}, "
         f"RoPE theta {v.rope_theta:g}; global batch {batch} x {hparams['MAX_SEQ_LEN']}; "
         f"peak LR {s.learning_rate:g}, weight decay {s.weight_decay:g}."
         + (" Attention through jax.nn.dot_product_attention (cuDNN flash on GPU)." if flash else "")
+        + (f" Native FP8 matmuls (USE_FP8, amax history {FP8_AMAX_HISTORY_LENGTH}) as AXLearn "
+           "intends for every GPU mesh rule." if fp8 else "")
     )
     if single_host:
         doc += (
@@ -243,58 +259,27 @@ def _fuji(size: str, version: int, *, flash: bool = False,
             "tokens, what its docstring timings refer to). MAX_STEPS is unchanged, as in AXLearn."
         )
     namespace = dict(hparams, __doc__=doc, __module__=__name__, __qualname__=name,
-                     axlearn_name=axlearn_name(size, version, flash=flash,
-                                               single_host=single_host))
+                     axlearn_name=axlearn)
     return type(name, (BaseFuji,), namespace)
 
 
-FujiTestV1 = _fuji("test", 1)
-FujiTestV1Flash = _fuji("test", 1, flash=True)
-FujiTestV2 = _fuji("test", 2)
-FujiTestV2Flash = _fuji("test", 2, flash=True)
-FujiTestV3 = _fuji("test", 3)
-FujiTestV3Flash = _fuji("test", 3, flash=True)
+def _variants() -> tuple[type[BaseFuji], ...]:
+    """Every AXLearn Fuji config: each (size, version), plain and -flash; -fp8 of both for every
+    size but test; -single-host of all of those for SINGLE_HOST_SIZES."""
+    classes = []
+    for version, size in TOTAL_TOKENS:
+        for fp8 in (False, True) if size != "test" else (False,):
+            for flash in (False, True):
+                classes.append(_fuji(size, version, flash=flash, fp8=fp8))
+        if size in SINGLE_HOST_SIZES:
+            for fp8 in (False, True):
+                for flash in (False, True):
+                    classes.append(_fuji(size, version, flash=flash, fp8=fp8, single_host=True))
+    return tuple(classes)
 
-Fuji7BV1 = _fuji("7B", 1)
-Fuji7BV1Flash = _fuji("7B", 1, flash=True)
-Fuji7BV1SingleHost = _fuji("7B", 1, single_host=True)
-Fuji7BV1FlashSingleHost = _fuji("7B", 1, flash=True, single_host=True)
-Fuji70BV1 = _fuji("70B", 1)
-Fuji70BV1Flash = _fuji("70B", 1, flash=True)
 
-Fuji7BV2 = _fuji("7B", 2)
-Fuji7BV2Flash = _fuji("7B", 2, flash=True)
-Fuji7BV2SingleHost = _fuji("7B", 2, single_host=True)
-Fuji7BV2FlashSingleHost = _fuji("7B", 2, flash=True, single_host=True)
-Fuji70BV2 = _fuji("70B", 2)
-Fuji70BV2Flash = _fuji("70B", 2, flash=True)
-
-Fuji1BV3 = _fuji("1B", 3)
-Fuji1BV3Flash = _fuji("1B", 3, flash=True)
-Fuji1BV3SingleHost = _fuji("1B", 3, single_host=True)
-Fuji1BV3FlashSingleHost = _fuji("1B", 3, flash=True, single_host=True)
-Fuji3BV3 = _fuji("3B", 3)
-Fuji3BV3Flash = _fuji("3B", 3, flash=True)
-Fuji3BV3SingleHost = _fuji("3B", 3, single_host=True)
-Fuji3BV3FlashSingleHost = _fuji("3B", 3, flash=True, single_host=True)
-Fuji7BV3 = _fuji("7B", 3)
-Fuji7BV3Flash = _fuji("7B", 3, flash=True)
-Fuji7BV3SingleHost = _fuji("7B", 3, single_host=True)
-Fuji7BV3FlashSingleHost = _fuji("7B", 3, flash=True, single_host=True)
-Fuji70BV3 = _fuji("70B", 3)
-Fuji70BV3Flash = _fuji("70B", 3, flash=True)
-
-FUJI_EXPERIMENTS: tuple[type[BaseFuji], ...] = (
-    FujiTestV1, FujiTestV1Flash, FujiTestV2, FujiTestV2Flash, FujiTestV3, FujiTestV3Flash,
-    Fuji7BV1, Fuji7BV1Flash, Fuji7BV1SingleHost, Fuji7BV1FlashSingleHost,
-    Fuji70BV1, Fuji70BV1Flash,
-    Fuji7BV2, Fuji7BV2Flash, Fuji7BV2SingleHost, Fuji7BV2FlashSingleHost,
-    Fuji70BV2, Fuji70BV2Flash,
-    Fuji1BV3, Fuji1BV3Flash, Fuji1BV3SingleHost, Fuji1BV3FlashSingleHost,
-    Fuji3BV3, Fuji3BV3Flash, Fuji3BV3SingleHost, Fuji3BV3FlashSingleHost,
-    Fuji7BV3, Fuji7BV3Flash, Fuji7BV3SingleHost, Fuji7BV3FlashSingleHost,
-    Fuji70BV3, Fuji70BV3Flash,
-)
+FUJI_EXPERIMENTS: tuple[type[BaseFuji], ...] = _variants()
+globals().update({cls.__name__: cls for cls in FUJI_EXPERIMENTS})  # Fuji7BV2, Fuji7BV2Fp8, ...
 # AXLearn name -> paxlite class name, for the registry's aliases.
 AXLEARN_NAMES: Mapping[str, str] = MappingProxyType(
     {cls.axlearn_name: cls.__name__ for cls in FUJI_EXPERIMENTS}

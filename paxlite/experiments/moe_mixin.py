@@ -109,6 +109,12 @@ class MoeHParams:
                     "MOE_GROUPED_MATMUL is read only with MOE_ROUTING='dropless_topk' (GShard "
                     "routing runs dense einsums): drop it, or add --fdl.MOE_ROUTING=dropless_topk")
         else:
+            if self.USE_FP8:
+                problems.append(
+                    "USE_FP8=true with MOE_ROUTING='dropless_topk': the dropless grouped matmul has "
+                    "no FP8 form, and its experts would silently stay in "
+                    f"{self.FPROP_DTYPE}; use --fdl.MOE_ROUTING=gshard_top2 for FP8 experts, or "
+                    "--fdl.USE_FP8=false")
             unused = sorted(given & {"CAPACITY_FACTOR", "NUM_GROUPS"})
             if unused:
                 problems.append(

@@ -69,7 +69,9 @@ class Pretrained:
 
         from paxlite.models.transformer import Transformer
 
-        config = dataclasses.replace(self.config, scan_layers=False, remat_policy=RematPolicy.NONE)
+        # fp8=None: converted weights carry no FP8 scaling state (training state), so score in dtype.
+        config = dataclasses.replace(self.config, scan_layers=False, remat_policy=RematPolicy.NONE,
+                                     fp8=None)
         tokens = jnp.asarray(tokens, jnp.int32)
         # Eager on purpose: compiling the whole model costs seconds per call and per config, while
         # eager dispatch compiles each primitive once per shape and reuses it.

@@ -28,7 +28,7 @@ from paxlite.models.attention_kernels import (
     flash_attention,
     resolve_implementation,
 )
-from paxlite.models.linear import Linear
+from paxlite.models.linear import Fp8Config, Linear
 from paxlite.models.lora import LoraSpec
 from paxlite.models.relative_position import RelativePositionBias
 from paxlite.models.rotary import apply_rotary
@@ -166,6 +166,7 @@ class Attention(nn.Module):
     relative_position_buckets: int | None = None
     relative_position_max_distance: int = 128
     scale_query: bool = True  # False: no 1/sqrt(H) (Pax GLaM's internal_enable_query_scale=False)
+    fp8: Fp8Config | None = None  # q/k/v and output projections in FP8 (models/linear.py)
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -178,6 +179,7 @@ class Attention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             lora=None if self.lora is None else self.lora.with_groups(lora_groups),
+            fp8=self.fp8,
             name=name,
         )
 
@@ -273,6 +275,7 @@ class Attention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             lora=self.lora,
+            fp8=self.fp8,
             name="out",
         )(out)  # [B, T, D]
         return checkpoint_name(out, OUT_PROJ_NAME)

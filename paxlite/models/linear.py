@@ -4,16 +4,63 @@ Every weight matmul in paxlite (QKV, attention output, MLP) goes through :class:
 different matmul implementation (FP8, LoRA) has a single place to swap in. The kernel keeps its
 natural multi-dimensional shape (e.g. QKV is ``[embed, 3, heads, kv]``) so logical axis names can
 shard heads and head dimensions independently.
+
+FP8 (``fp8=Fp8Config()``, Pax ``USE_FP8``) hands the einsum to Flax's ``nn.Fp8Einsum``: inputs and
+kernel are quantised to e4m3 and the output gradient to e5m2 with delayed per-tensor scaling. Each
+matmul owns a child module ``fp8_einsum`` with its own scales and amax histories in the
+``FP8_COLLECTION`` (Flax's ``_overwrite_with_gradient``); the train step overwrites them with
+their "gradient" (docs/fp8.md). The bias add and LoRA's low-rank path stay in the compute dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen import fp8_ops
 from jax.typing import DTypeLike
 
 from paxlite.models.lora import LoraSpec, create_lora_params, lora_output
+
+# The collection of every FP8 scale and amax history (Flax's name, shared with Pax and MaxText).
+FP8_COLLECTION: str = fp8_ops.OVERWRITE_WITH_GRADIENT
+DEFAULT_AMAX_HISTORY_LENGTH = 1024  # Pax's and Flax's default
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Config:
+    """Native FP8 matmuls with delayed scaling (Flax ``fp8_ops``).
+
+    Attributes:
+        amax_history_length: how many past steps' max|x| each scale is computed from (Pax and
+            Flax: 1024; AXLearn's Fuji ``-fp8`` configs: 128).
+    """
+
+    amax_history_length: int = DEFAULT_AMAX_HISTORY_LENGTH
+
+    def __post_init__(self) -> None:
+        n = self.amax_history_length
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Fp8Config.amax_history_length={n!r} must be a positive integer "
+                             f"(Pax's default is {DEFAULT_AMAX_HISTORY_LENGTH})")
+
+
+def _fp8_einsum(module: nn.Module) -> nn.Module | None:
+    """The matmul's own ``nn.Fp8Einsum`` (its scales and histories under ``<module>/fp8_einsum``)."""
+    if module.fp8 is None:
+        return None
+    return nn.Fp8Einsum(amax_history_length=module.fp8.amax_history_length)
+
+
+def _einsum(module: nn.Module, equation: str, x: jax.Array) -> jax.Array:
+    """``einsum(equation, x, kernel)`` in the compute dtype, in FP8 when the module has it."""
+    x, kernel = x.astype(module.dtype), module.kernel.astype(module.dtype)
+    if module.fp8 is None:
+        return jnp.einsum(equation, x, kernel)
+    # Fp8Einsum computes in the kernel's dtype (here the compute dtype, as Pax requires).
+    return module.fp8_einsum(equation, x, kernel)
 
 
 def _kernel(module: nn.Module) -> jax.Array:
@@ -46,6 +93,7 @@ class Linear(nn.Module):
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
     lora: LoraSpec | None = None
+    fp8: Fp8Config | None = None
 
     def setup(self) -> None:
         operands = self.equation.split("->")[0].split(",")
@@ -60,6 +108,7 @@ class Linear(nn.Module):
                 f"{len(self.kernel_shape)} dimensions of kernel_shape {self.kernel_shape}"
             )
         self.kernel = _kernel(self)
+        self.fp8_einsum = _fp8_einsum(self)
         if self.bias_axes is not None:
             bias_shape = self.kernel_shape[len(self.kernel_shape) - len(self.bias_axes):]
             self.bias = self.param(
@@ -76,7 +125,7 @@ class Linear(nn.Module):
             )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel.astype(self.dtype))
+        y = _einsum(self, self.equation, x)
         if self.lora is not None:
             y = y + lora_output(x, self.lora_a, self.lora_b, equation=self.equation,
                                 spec=self.lora, dtype=self.dtype)
@@ -97,6 +146,9 @@ class ExpertLinear(nn.Module):
     Attributes:
         kernel_shape: ``(experts, in, out)``.
         kernel_axes: one logical axis name per kernel dimension, the first naming the experts.
+        fp8: None, or an Fp8Config: ``einsum`` runs in FP8 with this matmul's own scaling state
+            (one state per ExpertLinear, never shared between wi, wi_gate and wo). The grouped
+            matmul of dropless routing has no FP8 form, so ``kernel_value`` refuses it.
     """
 
     kernel_shape: tuple[int, int, int]
@@ -104,6 +156,7 @@ class ExpertLinear(nn.Module):
     init_std: float = 0.02
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
+    fp8: Fp8Config | None = None
 
     def setup(self) -> None:
         if len(self.kernel_shape) != 3 or len(self.kernel_axes) != 3:
@@ -112,13 +165,21 @@ class ExpertLinear(nn.Module):
                 "must both have three entries (experts, in, out)"
             )
         self.kernel = _kernel(self)
+        self.fp8_einsum = _fp8_einsum(self)
 
     def einsum(self, equation: str, x: jax.Array) -> jax.Array:
-        """``einsum(equation, x, kernel)`` in dtype; the kernel is the second operand."""
-        return jnp.einsum(equation, x.astype(self.dtype), self.kernel.astype(self.dtype))
+        """``einsum(equation, x, kernel)`` in dtype (FP8 with ``fp8``); the kernel is the second
+        operand."""
+        return _einsum(self, equation, x)
 
     def kernel_value(self) -> jax.Array:
         """The kernel in the compute dtype, to hand to :func:`grouped_matmul`."""
+        if self.fp8 is not None:
+            # Flax has no FP8 grouped (ragged) matmul: never fall back to BF16 silently.
+            raise ValueError(
+                "FP8 (USE_FP8) does not cover the dropless grouped matmul (jax.lax.ragged_dot "
+                "has no FP8 form in Flax); use MOE_ROUTING='gshard_top2' with FP8, or "
+                "USE_FP8=false")
         return self.kernel.astype(self.dtype)
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.typing import DTypeLike
 
-from paxlite.models.linear import Linear
+from paxlite.models.linear import Fp8Config, Linear
 from paxlite.models.lora import LoraSpec
 
 MLP_ACTIVATION_AXES: tuple[str, ...] = ("activation_batch", "activation_length", "activation_mlp")
@@ -37,6 +37,7 @@ class Mlp(nn.Module):
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
     lora: LoraSpec | None = None
+    fp8: Fp8Config | None = None  # every matmul in FP8 (models/linear.py)
 
     def _linear(self, *, equation: str, shape: tuple[int, int], axes: tuple[str, str],
                 bias_axes: tuple[str, ...], name: str) -> Linear:
@@ -49,6 +50,7 @@ class Mlp(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             lora=self.lora,
+            fp8=self.fp8,
             name=name,
         )
 

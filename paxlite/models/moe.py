@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from paxlite.models.activations import activation_fn
-from paxlite.models.linear import ExpertLinear, Linear, grouped_matmul
+from paxlite.models.linear import ExpertLinear, Fp8Config, Linear, grouped_matmul
 from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.moe_gating import (
     Top2Gating,
@@ -162,10 +162,13 @@ class MoeMlp(nn.Module):
     init_std: float = 0.02
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
+    # expert matmuls (GShard einsums) in FP8, each with its own state; the router stays float32
+    fp8: Fp8Config | None = None
 
     def _expert(self, shape: tuple[int, int, int], axes: tuple[str, str, str], name: str):
         return ExpertLinear(kernel_shape=shape, kernel_axes=axes, init_std=self.init_std,
-                            dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+                            dtype=self.dtype, param_dtype=self.param_dtype, fp8=self.fp8,
+                            name=name)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, paddings: jax.Array | None = None) -> jax.Array:

@@ -29,7 +29,7 @@ from paxlite.models.attention import (
 )
 from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.embedding import Embed
-from paxlite.models.linear import Linear
+from paxlite.models.linear import FP8_COLLECTION, Linear
 from paxlite.models.mlp import Mlp
 from paxlite.models.moe import MoeMlp
 from paxlite.models.norms import LayerNorm, RMSNorm
@@ -138,6 +138,7 @@ class Block(nn.Module):
                 if cfg.position_kind is PositionEmbedding.RELATIVE_BIAS else None),
             relative_position_max_distance=cfg.relative_position_max_distance,
             scale_query=cfg.scale_query,
+            fp8=cfg.fp8,
             name="attention",
         )(h, mask, positions, segment_ids=segment_ids)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
@@ -152,6 +153,7 @@ class Block(nn.Module):
                 init_std=cfg.init_std,
                 dtype=dtype,
                 param_dtype=param_dtype,
+                fp8=cfg.fp8,
                 name="moe",
             )(h, paddings=paddings)
         else:
@@ -173,6 +175,7 @@ class Block(nn.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             lora=cfg.lora_spec if cfg.lora_targets.mlp else None,
+            fp8=cfg.fp8,
             name="mlp",
         )(h)
 
@@ -269,8 +272,10 @@ class Transformer(nn.Module):
             extra = {} if unit > 1 else {"moe_layer": cfg.moe is not None}
             scanned = nn.scan(
                 body,
-                # sown MoE losses and summaries are stacked per layer, like the parameters
+                # sown MoE losses and summaries are stacked per layer, like the parameters; so
+                # is the FP8 state: each layer has its own scales and histories (no sharing)
                 variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0,
+                               FP8_COLLECTION: 0,
                                **{name: 0 for name in fp8_state_collections(cfg)}},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),

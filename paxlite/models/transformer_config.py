@@ -16,8 +16,9 @@ from typing import Any
 from paxlite.models.activations import Activation
 from paxlite.models.attention import AttentionKind, check_attention_choice
 from paxlite.models.attention_kernels import AttentionImplementation
+from paxlite.models.linear import Fp8Config
 from paxlite.models.lora import LoraSpec, LoraTargets, check_alpha, check_rank
-from paxlite.models.moe_config import MoeConfig
+from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.rotary import DEFAULT_THETA
 
 VALID_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
@@ -226,6 +227,9 @@ class TransformerConfig:
     # Whose modules compute the layers (Pax ENABLE_TE); te: TE's settings, None -> defaults under TE
     layer_implementation: LayerImplementation = LayerImplementation.PAXLITE
     te: TransformerEngineConfig | None = None
+    # Native FP8 (Pax USE_FP8) for the QKV, attention-output, MLP and GShard expert matmuls, each
+    # with its own delayed-scaling state (models/linear.py, docs/fp8.md); None: dtype matmuls.
+    fp8: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, Mapping):  # read back from JSON
@@ -235,6 +239,15 @@ class TransformerConfig:
         if isinstance(self.te, Mapping):  # read back from JSON
             object.__setattr__(self, "te", TransformerEngineConfig(**self.te))
         _coerce_enum(self, "layer_implementation", LayerImplementation)
+        if isinstance(self.fp8, Mapping):  # read back from JSON
+            object.__setattr__(self, "fp8", Fp8Config(**self.fp8))
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise ValueError(f"TransformerConfig.fp8={self.fp8!r} must be None or an Fp8Config")
+        if (self.fp8 is not None and self.moe is not None
+                and MoeRouting(self.moe.routing) is MoeRouting.DROPLESS_TOPK):
+            raise ValueError(
+                "TransformerConfig.fp8 with moe.routing='dropless_topk': the dropless grouped "
+                "matmul has no FP8 form; use routing='gshard_top2' with FP8, or fp8=None")
         _coerce_enum(self, "norm", NormKind)
         _coerce_enum(self, "lora_targets", LoraTargets)
         if self.lora_rank is not None:

@@ -25,6 +25,7 @@ Robustness rules, because a checkpoint directory holds days of compute:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -112,6 +113,23 @@ def _earlier_optimizer_layout(
         return None
     mapped = layout.with_opt_state(saved, earlier.as_current(saved["opt_state"]))
     return None if mismatches(mapped, abstract_state) else earlier
+
+
+def _without_absent_empty_fields(saved: PyTree, target: PyTree) -> tuple[PyTree, Any]:
+    """(restore target, rebuild) for a state whose empty fields an older checkpoint lacks.
+
+    A train state field that holds nothing in this run (the FP8 state of a model without FP8) and
+    is absent from the checkpoint (saved before the field existed) is left out of the restore, and
+    `rebuild` puts the restored entries back into the state type. Otherwise (target, None).
+    """
+    if not dataclasses.is_dataclass(target) or not isinstance(saved, dict):
+        return target, None
+    fields = [f.name for f in dataclasses.fields(target)]
+    absent = [n for n in fields if n not in saved and not jax.tree.leaves(getattr(target, n))]
+    if not absent:
+        return target, None
+    kept = {n: getattr(target, n) for n in fields if n not in absent}
+    return kept, lambda restored: dataclasses.replace(target, **restored)
 
 
 def incomplete(step_dir: epath.Path) -> str | None:
@@ -369,12 +387,15 @@ class Checkpointer:
                     f"--fdl.CHECKPOINT_RESTORE_PATH={path} (fresh optimizer state).")
             target = abstract_state if earlier is None else layout.with_opt_state(
                 abstract_state, earlier.restore_target(layout.opt_state_of(abstract_state)))
+            target, rebuild = _without_absent_empty_fields(saved_tree, target)
             items = {_ITEM: ocp.args.StandardRestore(target)}
             if (path / _DATA_ITEM).exists():
                 items[_DATA_ITEM] = ocp.args.JsonRestore()
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             data = restored[_DATA_ITEM] if _DATA_ITEM in items else None
             state = restored[_ITEM]
+            if rebuild is not None:
+                state = rebuild(dict(state))
             if earlier is not None:
                 current = layout.opt_state_of(abstract_state)
                 state = layout.with_opt_state(

@@ -26,8 +26,9 @@ from paxlite.train import pretrained
 
 
 def base_model_config(config: TransformerConfig) -> TransformerConfig:
-    """`config` without its LoRA adapters: the model a merged export fits."""
-    return dataclasses.replace(config, lora_rank=None, lora_alpha=None)
+    """`config` without its LoRA adapters: the model a merged export fits. Without FP8 too: an
+    export holds weights only, not the FP8 scaling state of training (docs/fp8.md)."""
+    return dataclasses.replace(config, lora_rank=None, lora_alpha=None, fp8=None)
 
 
 def export_merged(

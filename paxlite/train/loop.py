@@ -152,7 +152,8 @@ class Run:
             self.checkpointer.close()
             raise
         self.peak_flops = flops_lib.peak_flops_per_device(
-            jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops
+            jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops,
+            fp8=config.model.fp8 is not None,  # MFU of an FP8 run against the FP8 peak
         )
         self.writer = MetricsWriter(
             context.job_dir, enabled=jax.process_index() == 0, max_steps=config.loop.max_steps
@@ -217,7 +218,12 @@ class Run:
         path = self.config.loop.checkpoint_restore_path
         loaded = None if path is None else self._read_pretrained(path)
         state = self.steps.init()
-        return state if loaded is None else state.replace(params=join_params(loaded, state.params))
+        if loaded is None:
+            return state
+        if jax.tree.leaves(state.fp8):  # a restore path holds parameters only (pretrained.py)
+            logging.info("FP8 scaling state (%d arrays) starts fresh: CHECKPOINT_RESTORE_PATH "
+                         "provides parameters only", len(jax.tree.leaves(state.fp8)))
+        return state.replace(params=join_params(loaded, state.params))
 
     def _restore_plan(self, path: str) -> tuple[dict, list[str]]:
         """({name: abstract leaf} to read, [names left at their initialisation])."""
@@ -294,7 +300,7 @@ class Run:
                 self.eval_data, num_batches=self.config.loop.eval_num_batches,
                 sharding=self.steps.batch_sharding)) as batches:
             for batch in batches:
-                out = self.steps.eval(state.params, batch)
+                out = self.steps.eval(state.params, batch, state.fp8)
                 totals = device_metrics.eval_totals_add(totals, out)
                 if "example_weights" in out:
                     per_example["correct"].append(out["correct_tokens"])

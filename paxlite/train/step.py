@@ -7,6 +7,11 @@ expert, metrics replicated) and donates the train state, so a step updates param
 With a `trainable` predicate over parameter paths (LoRA: only the adapters, Pax's
 `bprop_variable_inclusion`), the step differentiates with respect to the trainable subtree only
 and the optimizer state holds only its leaves; the other parameters pass through unchanged.
+
+FP8 models (TransformerConfig.fp8) carry their scales and amax histories in `TrainState.fp8` (the
+model's `_overwrite_with_gradient` collection): differentiated beside the parameters, because
+Flax's FP8 ops return each new scale / history as its "gradient", and overwritten with it; never
+seen by the optimizer, weight decay, clipping or the reported grad norm (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from jax.sharding import Mesh
 
 from paxlite.errors import SettingError
 from paxlite.models import sown
+from paxlite.models.linear import FP8_COLLECTION
 from paxlite.parallel import rules as rules_lib
 from paxlite.train.chunked_loss import check_chunk_size, chunked_row_sums
 from paxlite.train.optimizer import global_norm
@@ -60,21 +66,35 @@ def join_params(trainable: PyTree, frozen: PyTree) -> PyTree:
 
 @flax.struct.dataclass
 class TrainState:
-    """`step` counts optimizer steps already applied (0 before the first)."""
+    """`step` counts optimizer steps already applied (0 before the first); `fp8` is the FP8
+    scaling state (empty without FP8): replicated, checkpointed with the parameters, not trained."""
 
     step: jax.Array
     params: PyTree
     opt_state: PyTree
+    fp8: PyTree = flax.struct.field(default_factory=dict)
+
+
+def _variables(params: PyTree, fp8: PyTree | None) -> dict[str, PyTree]:
+    """The model's variables: parameters, plus the FP8 state when there is any."""
+    return {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
+
+
+def _max_merge(acc: PyTree, new: PyTree) -> PyTree:
+    """FP8 state "gradients" of several microbatches combine by max, never by sum: every
+    microbatch starts from the same state, so the scales agree and the histories differ only in
+    slot 0 (this step's max|x|), whose max over microbatches is the whole batch's."""
+    return jax.tree.map(jnp.maximum, acc, new)
 
 
 def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool,
-           collect: bool = False, return_hidden: bool = False):
+           collect: bool = False, return_hidden: bool = False, fp8: PyTree | None = None):
     """The model's logits (with ``return_hidden``: its final hidden states, for a chunked loss);
     with ``collect``, (that, sown auxiliary loss, sown summaries by name) for training
     (models/sown.py)."""
     rngs = {} if deterministic else {"dropout": dropout_rng}
     out = model.apply(
-        {"params": params},
+        _variables(params, fp8),
         batch["inputs"],
         positions=batch.get("positions"),
         segment_ids=batch.get("segment_ids"),
@@ -101,7 +121,7 @@ def _train_row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
 
 
 def _forward_scores(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool,
-                    loss_chunk_size: int | None):
+                    loss_chunk_size: int | None, fp8: PyTree | None = None):
     """(per-row scores as `per_example_scores`, z-loss sum, sown auxiliary loss, summaries).
 
     With `loss_chunk_size` the model stops at its final hidden states and the scores are summed
@@ -110,7 +130,7 @@ def _forward_scores(model: nn.Module, params, batch: Batch, *, dropout_rng, dete
     chunked = loss_chunk_size is not None
     head, aux_loss, summaries = _apply(
         model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic, collect=True,
-        return_hidden=chunked)
+        return_hidden=chunked, fp8=fp8)
     if not chunked:
         return (per_example_scores(head, batch), z_loss_sum(head, batch["weights"]), aux_loss,
                 summaries)
@@ -151,14 +171,16 @@ def loss_fn(
     deterministic: bool = True,
     z_loss_weight: float = 0.0,
     loss_chunk_size: int | None = None,
+    fp8: PyTree | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training objective and its parts: mean weighted cross entropy (aux ``loss``), plus
     ``z_loss_weight`` x the mean z-loss and whatever auxiliary losses the model sows (MoE load
     balancing); token accuracy and the model's summaries ride along in the aux dict. A
-    `loss_chunk_size` computes the same from blocks of that many positions (`_forward_scores`)."""
+    `loss_chunk_size` computes the same from blocks of that many positions (`_forward_scores`).
+    `fp8`: the model's FP8 state (its gradient is the updated state)."""
     scores, z_sum, aux_loss, summaries = _forward_scores(
         model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic,
-        loss_chunk_size=loss_chunk_size)
+        loss_chunk_size=loss_chunk_size, fp8=fp8)
     loss, metrics = _loss_and_metrics(scores)
     objective = loss + aux_loss
     if z_loss_weight:
@@ -229,7 +251,8 @@ def _accumulated_loss_and_grads(
     combine: Callable[[PyTree], PyTree] = _identity,
     z_loss_weight: float = 0.0,
     loss_chunk_size: int | None = None,
-) -> tuple[jax.Array, jax.Array, PyTree, dict[str, jax.Array]]:
+    fp8: PyTree | None = None,
+) -> tuple[jax.Array, jax.Array, PyTree, dict[str, jax.Array], PyTree]:
     """Loss, accuracy, gradients and model summaries of the whole batch, one microbatch at a time.
 
     The loss of the batch is (sum of weighted token losses) / (number of weighted tokens), and
@@ -241,54 +264,64 @@ def _accumulated_loss_and_grads(
     microbatches. `lax.scan` keeps one microbatch's activations alive at a time. Gradients are taken
     with respect to `params`, which `combine` completes into the model's parameters (frozen ones
     added).
+
+    With FP8 state (`fp8`), each microbatch's objective is divided by the batch's token count
+    before differentiating (the same gradient in exact arithmetic), so the output gradients each
+    FP8 matmul quantises, and their amax histories, are those of the one-batch step; the new FP8
+    state is the max over microbatches (`_max_merge`) and is returned last.
     """
     micro = split_microbatches(batch, num_microbatches)
     num_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
+    denom = jnp.maximum(num_tokens, 1.0)
+    fp8 = fp8 or {}
+    prescale = 1.0 / denom if fp8 else 1.0
 
-    def sums(p: PyTree, mb: Batch, rng: jax.Array):
+    def sums(p: PyTree, f: PyTree, mb: Batch, rng: jax.Array):
         scores, z_sum, aux_loss, summaries = _forward_scores(
             model, combine(p), mb, dropout_rng=rng, deterministic=deterministic,
-            loss_chunk_size=loss_chunk_size)
+            loss_chunk_size=loss_chunk_size, fp8=f)
         loss_sum = jnp.sum(scores["loss_sum"])
         objective = loss_sum + aux_loss * jnp.sum(scores["target_tokens"])
         if z_loss_weight:
             objective = objective + z_loss_weight * z_sum
             summaries = {**summaries, "moe/z_loss": z_sum}  # a sum here; divided below
-        return objective, (loss_sum, jnp.sum(scores["correct_tokens"]), summaries)
+        return objective * prescale, (loss_sum, jnp.sum(scores["correct_tokens"]), summaries)
 
-    grad_fn = jax.value_and_grad(sums, has_aux=True)
+    grad_fn = jax.value_and_grad(sums, argnums=(0, 1), has_aux=True)
     abstract_summaries = jax.eval_shape(
-        lambda p, mb: sums(p, mb, dropout_rng)[1][2], params,
+        lambda p, mb: sums(p, fp8, mb, dropout_rng)[1][2], params,
         jax.tree.map(lambda x: x[0], micro))
 
-    Carry = tuple[PyTree, jax.Array, jax.Array, dict[str, jax.Array]]
+    Carry = tuple[PyTree, jax.Array, jax.Array, dict[str, jax.Array], PyTree]
 
     def body(carry: Carry, xs: tuple[jax.Array, Batch]) -> tuple[Carry, None]:
-        grads_acc, loss_acc, correct_acc, summaries_acc = carry
+        grads_acc, loss_acc, correct_acc, summaries_acc, fp8_acc = carry
         index, mb = xs
         mb = {  # each microbatch spread over data x fsdp x expert, as the whole batch was
             key: nn.with_logical_constraint(x, ("activation_batch",) + (None,) * (x.ndim - 1))
             for key, x in mb.items()
         }
         # A different dropout mask per microbatch, and a function of (step, microbatch) only.
-        (_, (loss_sum, correct, summaries)), grads = grad_fn(
-            params, mb, jax.random.fold_in(dropout_rng, index))
+        (_, (loss_sum, correct, summaries)), (grads, new_fp8) = grad_fn(
+            params, fp8, mb, jax.random.fold_in(dropout_rng, index))
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
         summaries_acc = jax.tree.map(jnp.add, summaries_acc, summaries)
-        return (grads_acc, loss_acc + loss_sum, correct_acc + correct, summaries_acc), None
+        fp8_acc = _max_merge(fp8_acc, new_fp8)
+        return (grads_acc, loss_acc + loss_sum, correct_acc + correct, summaries_acc, fp8_acc), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zero = jnp.zeros((), jnp.float32)
-    init = (zeros, zero, zero, {k: zero for k in abstract_summaries})
-    (grad_sums, loss_sum, correct, summary_sums), _ = jax.lax.scan(
+    lowest = jax.tree.map(lambda f: jnp.full(f.shape, -jnp.inf, f.dtype), fp8)
+    init = (zeros, zero, zero, {k: zero for k in abstract_summaries}, lowest)
+    (grad_sums, loss_sum, correct, summary_sums, new_fp8), _ = jax.lax.scan(
         body, init, (jnp.arange(num_microbatches), micro)
     )
-    denom = jnp.maximum(num_tokens, 1.0)
-    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sums, params)
+    grad_denom = 1.0 if fp8 else denom  # already divided before differentiating
+    grads = jax.tree.map(lambda g, p: (g / grad_denom).astype(p.dtype), grad_sums, params)
     summaries = {k: v / num_microbatches for k, v in summary_sums.items()}
     if "moe/z_loss" in summaries:  # summed over tokens: a mean over the batch's tokens
         summaries["moe/z_loss"] = summary_sums["moe/z_loss"] / denom
-    return loss_sum / denom, correct / denom, grads, summaries
+    return loss_sum / denom, correct / denom, grads, summaries, new_fp8
 
 
 def train_step(
@@ -313,7 +346,8 @@ def train_step(
     others are returned as they came, and `grad_norm` is the norm of the trainable gradients.
     `loss` is the cross entropy (what eval/loss measures); the gradient is that of the whole
     objective (plus z-loss and the model's auxiliary losses), and the model's summaries are
-    returned as metrics beside it (``moe/aux_loss``, ...).
+    returned as metrics beside it (``moe/aux_loss``, ...). The FP8 state is overwritten with its
+    "gradient" (the updated scales and histories) and enters neither the optimizer nor the norm.
     """
     dropout_rng = jax.random.fold_in(dropout_key, state.step)
     train_params, combine = state.params, _identity
@@ -322,8 +356,8 @@ def train_step(
         combine = functools.partial(join_params, frozen=frozen)
 
     if grad_accum_steps == 1:
-        (_, aux), grads = jax.value_and_grad(
-            lambda p: loss_fn(
+        (_, aux), (grads, new_fp8) = jax.value_and_grad(
+            lambda p, f: loss_fn(
                 combine(p),
                 batch=batch,
                 model=model,
@@ -331,12 +365,14 @@ def train_step(
                 deterministic=deterministic,
                 z_loss_weight=z_loss_weight,
                 loss_chunk_size=loss_chunk_size,
+                fp8=f,
             ),
+            argnums=(0, 1),
             has_aux=True,
-        )(train_params)
+        )(train_params, state.fp8)
         loss, accuracy, summaries = aux["loss"], aux["accuracy"], aux["summaries"]
     else:
-        loss, accuracy, grads, summaries = _accumulated_loss_and_grads(
+        loss, accuracy, grads, summaries, new_fp8 = _accumulated_loss_and_grads(
             train_params,
             batch,
             model=model,
@@ -346,6 +382,7 @@ def train_step(
             combine=combine,
             z_loss_weight=z_loss_weight,
             loss_chunk_size=loss_chunk_size,
+            fp8=state.fp8,
         )
     updates, opt_state = optimizer.update(grads, state.opt_state, train_params)
     params = combine(optax.apply_updates(train_params, updates))
@@ -356,7 +393,7 @@ def train_step(
         "grad_norm": global_norm(grads),
         "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
     }
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8=new_fp8), metrics
 
 
 def per_example_scores(logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
@@ -396,7 +433,7 @@ def choice_correct(logits: jax.Array, batch: Batch) -> jax.Array:
 
 
 def eval_step(params: PyTree, batch: Batch, *, model: nn.Module,
-              loss_chunk_size: int | None = None) -> dict[str, jax.Array]:
+              loss_chunk_size: int | None = None, fp8: PyTree | None = None) -> dict[str, jax.Array]:
     def row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
         scores = per_example_scores(logits, pos)
         if "yn_tokens" in batch:  # a two-way choice per row (BoolQ): Pax's boolq_acc numerator
@@ -404,7 +441,7 @@ def eval_step(params: PyTree, batch: Batch, *, model: nn.Module,
         return scores
 
     head = _apply(model, params, batch, dropout_rng=None, deterministic=True,
-                  return_hidden=loss_chunk_size is not None)
+                  return_hidden=loss_chunk_size is not None, fp8=fp8)
     if loss_chunk_size is None:
         scores = row_scores(head, batch)
     else:
@@ -422,7 +459,8 @@ class CompiledSteps:
 
     init: Callable[[], TrainState]
     train: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
-    eval: Callable[[PyTree, Batch], dict[str, jax.Array]]
+    # eval(params, batch, fp8=state.fp8): an FP8 model needs its scaling state to run forward.
+    eval: Callable[..., dict[str, jax.Array]]
     all_finite: Callable[[PyTree], jax.Array]  # True when every parameter is finite (checked before saving)
     state_shardings: TrainState
     abstract_state: TrainState  # ShapeDtypeStructs carrying the shardings (checkpoint restore target)
@@ -470,17 +508,20 @@ def compile_steps(
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
     dummy_tokens = jnp.zeros((1, seq_len), jnp.int32)
 
-    def boxed_params():
-        return model.init({"params": params_key}, dummy_tokens)["params"]
+    def boxed_variables():
+        variables = model.init({"params": params_key}, dummy_tokens)
+        return variables["params"], dict(variables.get(FP8_COLLECTION, {}))
 
     with nn.logical_axis_rules(logical_rules):
-        abstract_boxed = jax.eval_shape(boxed_params)
+        abstract_boxed, abstract_fp8 = jax.eval_shape(boxed_variables)
     param_shardings = rules_lib.logical_to_shardings(
         nn.get_partition_spec(abstract_boxed), mesh, logical_rules
     )
     abstract_params = nn.meta.unbox(abstract_boxed)
     rules_lib.check_divisible(abstract_params, param_shardings, mesh)
     replicated = rules_lib.replicated(mesh)
+    # FP8 scales and histories are tiny and read whole by every matmul: replicated, no logical axes.
+    fp8_shardings = jax.tree.map(lambda _: replicated, abstract_fp8)
 
     def trained(params: PyTree) -> PyTree:
         return params if trainable is None else split_trainable(params, trainable)[0]
@@ -494,12 +535,15 @@ def compile_steps(
         trained(param_shardings),
         transform_non_params=lambda _: replicated,
     )
-    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                                 fp8=fp8_shardings)
 
     def init_state() -> TrainState:
-        params = nn.meta.unbox(boxed_params())
+        boxed, fp8 = boxed_variables()
+        params = nn.meta.unbox(boxed)
         return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(trained(params))
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(trained(params)),
+            fp8=fp8,
         )
 
     init = jax.jit(
@@ -532,14 +576,23 @@ def compile_steps(
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
     )
-    evaluate = jax.jit(
-        _with_rules(functools.partial(eval_step, model=model, loss_chunk_size=loss_chunk_size),
+    evaluate_jit = jax.jit(
+        _with_rules(lambda params, batch, fp8: eval_step(
+            params, batch, model=model, loss_chunk_size=loss_chunk_size, fp8=fp8),
                     logical_rules, name="eval_step"),
         # Batches arrive as global arrays already laid out by the feed (rows over data x fsdp x
         # expert).
-        in_shardings=(param_shardings, None),
+        in_shardings=(param_shardings, None, fp8_shardings),
         out_shardings=replicated,
     )
+
+    def evaluate(params: PyTree, batch: Batch, fp8: PyTree | None = None) -> dict[str, jax.Array]:
+        if fp8 is None:
+            if jax.tree.leaves(abstract_fp8):
+                raise ValueError("this model runs FP8 matmuls: pass its scaling state, "
+                                 "eval(params, batch, fp8=state.fp8)")
+            fp8 = {}
+        return evaluate_jit(params, batch, fp8)
     all_finite = jax.jit(
         lambda params: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)])),
         in_shardings=(param_shardings,),

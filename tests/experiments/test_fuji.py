@@ -49,19 +49,20 @@ DERIVED_BILLIONS = {("1B", 3): "1.242", ("3B", 3): "3.221", ("7B", 1): "6.610",
 
 
 def _variants():
+    """(size, version, flash, single_host, fp8): -fp8 for every size but test (axlearn.md 4)."""
     for (size, version) in TABLE:
-        yield size, version, False, False
-        yield size, version, True, False
-        if size in ("1B", "3B", "7B"):
-            yield size, version, False, True
-            yield size, version, True, True
+        for fp8 in (False, True) if size != "test" else (False,):
+            for single_host in (False, True) if size in ("1B", "3B", "7B") else (False,):
+                for flash in (False, True):
+                    yield size, version, flash, single_host, fp8
 
 
 VARIANTS = list(_variants())
 
 
-def _name(size, version, flash, single_host):
-    return f"fuji-{size}-v{version}" + "-flash" * flash + "-single-host" * single_host
+def _name(size, version, flash, single_host, fp8=False):
+    return (f"fuji-{size}-v{version}" + "-flash" * flash + "-fp8" * fp8
+            + "-single-host" * single_host)
 
 
 def _count(size, version):
@@ -74,15 +75,16 @@ def _count(size, version):
 def test_registered_pairs_and_variants_are_exactly_axlearns():
     fuji_names = {alias for alias in EXPERIMENTS.aliases if alias.startswith("fuji-")}
     assert fuji_names == {_name(*v) for v in VARIANTS}
-    assert len(fuji.FUJI_EXPERIMENTS) == len(VARIANTS) == 32
+    # 32 BF16 configs; -fp8 doubles the 26 that are not the test model's
+    assert len(fuji.FUJI_EXPERIMENTS) == len(VARIANTS) == 32 + 26
     assert set(fuji.TOTAL_TOKENS) == {(v, s) for s, v in TABLE}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: _name(*v))
 def test_every_name_resolves_to_one_class(variant):
-    size, version, flash, single_host = variant
+    size, version, flash, single_host, fp8 = variant
     class_name = (f"Fuji{'Test' if size == 'test' else size}V{version}"
-                  + "Flash" * flash + "SingleHost" * single_host)
+                  + "Flash" * flash + "Fp8" * fp8 + "SingleHost" * single_host)
     cls = getattr(fuji, class_name)
     assert cls.__name__ == class_name and cls.axlearn_name == _name(*variant)
     for spelling in (_name(*variant), class_name, f"paxlite.experiments.fuji.{class_name}"):
@@ -135,8 +137,8 @@ def test_global_batches_max_steps_and_single_host():
             ("7B", 3): (2048, 983_040), ("70B", 3): (2048, 983_040), ("test", 1): (64, 3000),
             ("test", 2): (64, 3000), ("test", 3): (64, 3000)}
     single_host = {1: 64, 2: 32, 3: 16}  # AXLearn's intent: / 32 for v1, v2 and / 128 for v3
-    for size, version, flash, single in VARIANTS:
-        e = load_experiment(_name(size, version, flash, single))
+    for size, version, flash, single, fp8 in VARIANTS:
+        e = load_experiment(_name(size, version, flash, single, fp8))
         batch, steps = want[size, version]
         assert e.MAX_STEPS == steps and e.LR_COS_DECAY_END == steps
         assert e.GLOBAL_BATCH_SIZE == (single_host[version] if single else batch)
@@ -289,3 +291,17 @@ def test_fuji_test_v3_trains_three_steps_through_main(tmp_path):
     assert all(math.isfinite(line["loss"]) for line in train)
     # warm-up from 0 over 2000 steps: the rate logged at step s is 6e-4 * (s - 1) / 2000
     assert [line["learning_rate"] for line in train] == pytest.approx([0.0, 3e-7, 6e-7], abs=1e-12)
+
+
+def test_fp8_variants_are_axlearns_intent_on_every_gpu():
+    """-fp8: USE_FP8 with AXLearn's amax history of 128 (on every GPU, as AXLearn intends)."""
+    for size, version, flash, single, fp8 in VARIANTS:
+        e = load_experiment(_name(size, version, flash, single, fp8))
+        assert e.USE_FP8 is fp8
+        model = fdl.build(e.model_config())
+        if fp8:
+            assert e.FP8_AMAX_HISTORY_LENGTH == 128
+            assert model.fp8.amax_history_length == 128
+        else:
+            assert model.fp8 is None
+    assert "fuji-test-v1-fp8" not in EXPERIMENTS and "fuji-7B-v2-flash-fp8" in EXPERIMENTS
