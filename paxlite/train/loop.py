@@ -30,6 +30,7 @@ from paxlite.errors import NotFoundError, RunStoppedError, SettingError
 from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
 from paxlite.models.lora import is_lora_path
+from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
@@ -147,6 +148,8 @@ class Run:
                     loss_chunk_size=config.loop.loss_chunk_size,
                     # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
                     trainable=is_lora_path if config.model.lora_rank is not None else None,
+                    # TE layers (ENABLE_TE) name their parameters TE's way: the table gains them
+                    logical_rules=te_logical_axis_rules(config.model, rules_lib.DEFAULT_RULES),
                 )
         except BaseException:
             self.checkpointer.close()

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from paxlite.errors import SettingError
 from paxlite.models import sown
 from paxlite.models.linear import FP8_COLLECTION
+from paxlite.models.te_layer import fp8_state_collections
 from paxlite.parallel import rules as rules_lib
 from paxlite.train.chunked_loss import check_chunk_size, chunked_row_sums
 from paxlite.train.optimizer import global_norm
@@ -75,9 +76,17 @@ class TrainState:
     fp8: PyTree = flax.struct.field(default_factory=dict)
 
 
-def _variables(params: PyTree, fp8: PyTree | None) -> dict[str, PyTree]:
+def fp8_collection(model: nn.Module) -> str:
+    """The collection ``TrainState.fp8`` holds: Transformer Engine's FP8 collection when TE runs
+    FP8 (ENABLE_TE + ENABLE_FP8, models/te_layer.py), else native FP8's (models/linear.py). Both
+    follow the same rule (state overwritten by its gradient); a model has one or the other."""
+    te = fp8_state_collections(model.config)
+    return te[0] if te else FP8_COLLECTION
+
+
+def _variables(model: nn.Module, params: PyTree, fp8: PyTree | None) -> dict[str, PyTree]:
     """The model's variables: parameters, plus the FP8 state when there is any."""
-    return {"params": params, **({FP8_COLLECTION: fp8} if fp8 else {})}
+    return {"params": params, **({fp8_collection(model): fp8} if fp8 else {})}
 
 
 def _max_merge(acc: PyTree, new: PyTree) -> PyTree:
@@ -94,7 +103,7 @@ def _apply(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic
     (models/sown.py)."""
     rngs = {} if deterministic else {"dropout": dropout_rng}
     out = model.apply(
-        _variables(params, fp8),
+        _variables(model, params, fp8),
         batch["inputs"],
         positions=batch.get("positions"),
         segment_ids=batch.get("segment_ids"),
@@ -510,7 +519,7 @@ def compile_steps(
 
     def boxed_variables():
         variables = model.init({"params": params_key}, dummy_tokens)
-        return variables["params"], dict(variables.get(FP8_COLLECTION, {}))
+        return variables["params"], dict(variables.get(fp8_collection(model), {}))
 
     with nn.logical_axis_rules(logical_rules):
         abstract_boxed, abstract_fp8 = jax.eval_shape(boxed_variables)
