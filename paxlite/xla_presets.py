@@ -5,7 +5,7 @@ llama-7b*.env; grok-proxy.env for large MoE). Several of their flags were rename
 XLA aborts the whole process on a flag it does not know ("Unknown flag in XLA_FLAGS"), so a preset here is
 not a fixed string: each entry lists its spellings, newest first, and `resolve` asks the installed jaxlib
 which one it parses (a subprocess that starts JAX on the CPU with the candidate flags: XLA's flag table
-is one for every backend, so the CPU client parses GPU-only flags too, as checked with jaxlib 0.10.2; the
+is one for every backend, so the CPU client parses GPU-only flags too, as checked with jaxlib 0.10.2 and 0.12.0.1; the
 CUDA plugin of the same release carries the same table). An entry no spelling of which is
 known is dropped and reported, never passed on to abort a training job.
 
