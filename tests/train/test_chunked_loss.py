@@ -130,8 +130,10 @@ def test_every_gradient_leaf_equals_unchunked(both_steps):
     for (path, r), g in zip(flat_ref, flat_got):
         name = jax.tree_util.keystr(path)
         # Relative to the leaf; a leaf whose exact gradient is zero (GPT's key bias) is judged
-        # against the whole gradient instead.
-        assert np.linalg.norm(g - r) <= 1e-6 * max(np.linalg.norm(r), 1e-3 * total), name
+        # against the whole gradient instead. 1e-5: the updates are read back as differences of
+        # float32 parameters, and a norm scale near 1.0 resolves its ~0.03 update only to ~6e-8 per
+        # element (~2e-6 of it; jax 0.12 measured 1.35e-6); a wrong chunk is off by far more.
+        assert np.linalg.norm(g - r) <= 1e-5 * max(np.linalg.norm(r), 1e-3 * total), name
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
