@@ -8,28 +8,17 @@ touches a device.
 
 from __future__ import annotations
 
-import enum
-import json
 import logging as logging_std
 import os
-import platform
 import sys
-from importlib import metadata
 
 from absl import app, flags, logging
 from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, ...
-from fiddle import printing
 
-import paxlite
 from paxlite.errors import RunStoppedError, UserError
+from paxlite.job import Mode, run_job
 
 FLAGS = flags.FLAGS
-
-
-class Mode(str, enum.Enum):
-    TRAIN = "train"
-    EVAL = "eval"
-    DRY_RUN = "dry_run"
 
 
 flags.DEFINE_string("job_log_dir", None, "Directory for checkpoints, summaries, metrics and configs.")
@@ -50,9 +39,6 @@ flags.DEFINE_integer("host_idx", None,
                      "This process's index, 0..num_hosts-1; 0 runs the coordinator "
                      "(--multiprocess_gpu).")
 
-_VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
-
-
 class _LibraryInfoFilter(logging_std.Filter):
     """Orbax logs dozens of INFO lines per checkpoint; keep its warnings, drop its chatter from the job log."""
 
@@ -70,67 +56,6 @@ def quiet_library_logs() -> None:
 
 class UsageError(UserError, ValueError):
     """A bad command line (not a bad hyperparameter)."""
-
-
-def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"paxlite": paxlite.__version__, "python": platform.python_version()}
-    for name in _VERSIONED:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-def _write_keeping_history(path: str, text: str, *, same_run: bool) -> None:
-    """A config from an earlier run with other hyperparameters is kept beside the new one, never overwritten."""
-    if os.path.exists(path) and not same_run:
-        stem, ext = os.path.splitext(path)
-        n = 1
-        while os.path.exists(f"{stem}.previous-{n}{ext}"):
-            n += 1
-        os.replace(path, f"{stem}.previous-{n}{ext}")
-        logging.warning("Hyperparameters differ from the previous run in this directory; kept %s as %s",
-                        path, f"{stem}.previous-{n}{ext}")
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def write_job_configs(job_dir: str, *, experiment, tree, run, argv) -> None:
-    """config.json (hyperparameters, command line, versions, devices) and config.txt (the Fiddle tree)."""
-    import jax
-
-    devices = jax.devices()
-    record = {
-        "experiment": experiment.name,
-        "hparams": experiment.hparams(),
-        "overridden": sorted(experiment.overridden),
-        "command_line": list(argv),
-        "versions": package_versions(),
-        "devices": {
-            "count": len(devices),
-            "process_count": jax.process_count(),
-            "platform": devices[0].platform,
-            "kind": devices[0].device_kind,
-        },
-        "mesh": dict(run.mesh.shape),
-        "global_batch_size": run.global_batch_size,
-        "flops_per_token": run.config.loop.flops_per_token,
-    }
-    json_path = os.path.join(job_dir, "config.json")
-    same_run = False
-    if os.path.exists(json_path):
-        try:
-            with open(json_path) as f:
-                previous = json.load(f)
-            same_run = (previous.get("experiment"), previous.get("hparams")) == (
-                record["experiment"], record["hparams"])
-        except (OSError, ValueError):
-            same_run = False
-    _write_keeping_history(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n",
-                           same_run=same_run)
-    _write_keeping_history(os.path.join(job_dir, "config.txt"),
-                           printing.as_str_flattened(tree) + "\n", same_run=same_run)
 
 
 def parse_job(argv) -> tuple:
@@ -203,29 +128,15 @@ def _run_job(argv) -> int:
         from paxlite.plan import dry_run
 
         return dry_run(experiment, job_log_dir=os.path.abspath(FLAGS.job_log_dir), argv=sys.argv)
+    from paxlite.job import preemption_exit_code
     from paxlite.parallel import distributed
 
+    preemption_exit_code()  # PAXLITE_PREEMPTION_EXIT_CODE checked before joining other processes
     # Pax's --multiprocess_gpu flags, else SLURM / Kubernetes from the environment
     distributed.setup(multiprocess_gpu=FLAGS.multiprocess_gpu, server_addr=FLAGS.server_addr,
                       num_hosts=FLAGS.num_hosts, host_idx=FLAGS.host_idx)
-
-    import jax
-
-    from paxlite.train.loop import Run, RunContext
-
-    job_dir = os.path.abspath(FLAGS.job_log_dir)
-    os.makedirs(job_dir, exist_ok=True)
-    run = Run(run_config, RunContext(job_dir=job_dir,
-                                     enable_checkpoint_saving=FLAGS.enable_checkpoint_saving,
-                                     training=Mode(FLAGS.mode) is Mode.TRAIN))
-    with run:
-        if jax.process_index() == 0:
-            write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=sys.argv)
-        if Mode(FLAGS.mode) is Mode.EVAL:
-            run.run_eval()
-        else:
-            run.train()
-    return 0
+    return run_job(experiment, tree, run_config, job_dir=FLAGS.job_log_dir, mode=Mode(FLAGS.mode),
+                   enable_checkpoint_saving=FLAGS.enable_checkpoint_saving, argv=sys.argv)
 
 
 def run_main() -> None:

@@ -174,6 +174,15 @@ class Experiment:
     PROFILER_CAPTURE_STEP: int | None = None
     PROFILER_NUM_STEPS: int = 2
     PROFILER_MIN_DURATION_SEC: float = 1.0
+    # A step that takes this long logs every thread's stack (train/watchdog.py; AXLearn's
+    # --trainer_watchdog_timeout_seconds); one that takes CRASH_ON_HANG_TIMEOUT_SECONDS ends the
+    # process with exit status 124 so that the scheduler restarts it. None: never.
+    WATCHDOG_TIMEOUT_SECONDS: float | None = 3600.0
+    CRASH_ON_HANG_TIMEOUT_SECONDS: float | None = 7200.0
+    # JAX's persistent compilation cache (a restarted job does not compile again): in
+    # COMPILATION_CACHE_DIR, else $JAX_COMPILATION_CACHE_DIR, else DIR/compilation_cache.
+    COMPILATION_CACHE: bool = True
+    COMPILATION_CACHE_DIR: str | None = None
     USE_REPEATED_LAYER: bool = False
     # Pax remat policy of the repeated (scanned) stack; docs/training.md says what each saves.
     CHECKPOINT_POLICY: Literal[
@@ -335,6 +344,16 @@ def _base_problems(hp: Experiment) -> Iterable[str]:
         yield f"PROFILER_NUM_STEPS must be >= 1, got {hp.PROFILER_NUM_STEPS}"
     if hp.PROFILER_MIN_DURATION_SEC < 0:
         yield f"PROFILER_MIN_DURATION_SEC must be >= 0, got {hp.PROFILER_MIN_DURATION_SEC}"
+    for name in ("WATCHDOG_TIMEOUT_SECONDS", "CRASH_ON_HANG_TIMEOUT_SECONDS"):
+        if getattr(hp, name) is not None and getattr(hp, name) <= 0:
+            yield f"{name} must be > 0 seconds or None (never), got {getattr(hp, name)}"
+    if (hp.WATCHDOG_TIMEOUT_SECONDS is not None and hp.CRASH_ON_HANG_TIMEOUT_SECONDS is not None
+            and hp.CRASH_ON_HANG_TIMEOUT_SECONDS < hp.WATCHDOG_TIMEOUT_SECONDS):
+        yield (f"CRASH_ON_HANG_TIMEOUT_SECONDS={hp.CRASH_ON_HANG_TIMEOUT_SECONDS} must be >= "
+               f"WATCHDOG_TIMEOUT_SECONDS={hp.WATCHDOG_TIMEOUT_SECONDS} (stacks are logged first)")
+    if hp.COMPILATION_CACHE_DIR is not None and not hp.COMPILATION_CACHE:
+        yield (f"COMPILATION_CACHE_DIR={hp.COMPILATION_CACHE_DIR!r} is set but COMPILATION_CACHE=False "
+               "turns the cache off; drop one of them")
     if hp.EVAL_LOOP_NUM_BATCHES < 1 and hp.EVAL_LOOP_NUM_BATCHES != -1:
         yield f"EVAL_LOOP_NUM_BATCHES must be >= 1 or -1 (all), got {hp.EVAL_LOOP_NUM_BATCHES}"
     for name in ("ICI_MESH_SHAPE", "DCN_MESH_SHAPE"):

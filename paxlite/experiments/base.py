@@ -514,6 +514,10 @@ class LanguageModelExperiment(Experiment):
             profiler_num_steps=self.PROFILER_NUM_STEPS,
             profiler_min_duration_sec=self.PROFILER_MIN_DURATION_SEC,
             loss_chunk_size=self.LOSS_CHUNK_SIZE,
+            watchdog_timeout_seconds=self.WATCHDOG_TIMEOUT_SECONDS,
+            crash_on_hang_timeout_seconds=self.CRASH_ON_HANG_TIMEOUT_SECONDS,
+            compilation_cache=self.COMPILATION_CACHE,
+            compilation_cache_dir=self.COMPILATION_CACHE_DIR,
         )
 
     # ------------------------------------------------------------------ the run

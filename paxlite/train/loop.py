@@ -162,6 +162,8 @@ class Run:
             context.job_dir, enabled=jax.process_index() == 0, max_steps=config.loop.max_steps
         )
         self._pretrained_plan: tuple[dict, list[str], list[str]] | None = None
+        # The step a SIGTERM/SIGINT stopped training at, after its checkpoint (None: not stopped).
+        self.preempted_at: int | None = None
         if config.loop.checkpoint_restore_path is not None and not self.checkpointer.all_steps():
             try:
                 self._pretrained_plan = self._check_restore_path(config.loop.checkpoint_restore_path)

@@ -48,6 +48,12 @@ class LoopConfig:
     # LOSS_CHUNK_SIZE: the loss is computed over blocks of this many sequence positions, so the
     # float32 [B, T, V] logits never exist at once (train/chunked_loss.py); None: all at once.
     loss_chunk_size: int | None = None
+    # WATCHDOG_TIMEOUT_SECONDS / CRASH_ON_HANG_TIMEOUT_SECONDS (train/watchdog.py); None: never.
+    watchdog_timeout_seconds: float | None = 3600.0
+    crash_on_hang_timeout_seconds: float | None = 7200.0
+    # COMPILATION_CACHE / COMPILATION_CACHE_DIR (job.py); None dir: DIR/compilation_cache.
+    compilation_cache: bool = True
+    compilation_cache_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,173 @@
+"""Running one parsed job: what `paxlite.main` and `paxlite.launch_trainer_main` share after their flags.
+
+Each entry point parses its own command line into an experiment (validated before any device is touched), joins
+the multi-process runtime, and hands over here: the compilation cache is switched on, the job directory gets its
+config files, and the run trains or evaluates. Kept free of absl flag definitions so that importing it defines no
+flags an entry point did not ask for (a flag defined but unused would be a setting silently ignored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import platform
+from collections.abc import Iterator, Mapping, Sequence
+from importlib import metadata
+
+from absl import logging
+
+import paxlite
+from paxlite.errors import SettingError
+
+_VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
+# Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint committed (train/preemption.py);
+# schedulers that count a 0 as "finished" (Kubernetes Indexed Jobs) set another, e.g. 143.
+PREEMPTION_EXIT_CODE_ENV = "PAXLITE_PREEMPTION_EXIT_CODE"
+
+
+class Mode(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+    DRY_RUN = "dry_run"
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"paxlite": paxlite.__version__, "python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def preemption_exit_code(env: Mapping[str, str] | None = None) -> int:
+    """The status a preempted run exits with: PAXLITE_PREEMPTION_EXIT_CODE, else 0."""
+    env = os.environ if env is None else env
+    raw = env.get(PREEMPTION_EXIT_CODE_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        code = int(raw)
+    except ValueError:
+        code = -1
+    if not 0 <= code <= 255:
+        raise SettingError(f"{PREEMPTION_EXIT_CODE_ENV}={raw!r} must be an exit status 0..255 "
+                           "(e.g. 143, what a process killed by SIGTERM reports)")
+    return code
+
+
+def _write_keeping_history(path: str, text: str, *, same_run: bool) -> None:
+    """A config from an earlier run with other hyperparameters is kept beside the new one, never overwritten."""
+    if os.path.exists(path) and not same_run:
+        stem, ext = os.path.splitext(path)
+        n = 1
+        while os.path.exists(f"{stem}.previous-{n}{ext}"):
+            n += 1
+        os.replace(path, f"{stem}.previous-{n}{ext}")
+        logging.warning("Hyperparameters differ from the previous run in this directory; kept %s as %s",
+                        path, f"{stem}.previous-{n}{ext}")
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def write_job_configs(job_dir: str, *, experiment, tree, run, argv) -> None:
+    """config.json (hyperparameters, command line, versions, devices) and config.txt (the Fiddle tree)."""
+    import jax
+    from fiddle import printing
+
+    devices = jax.devices()
+    record = {
+        "experiment": experiment.name,
+        "hparams": experiment.hparams(),
+        "overridden": sorted(experiment.overridden),
+        "command_line": list(argv),
+        "versions": package_versions(),
+        "devices": {
+            "count": len(devices),
+            "process_count": jax.process_count(),
+            "platform": devices[0].platform,
+            "kind": devices[0].device_kind,
+        },
+        "mesh": dict(run.mesh.shape),
+        "global_batch_size": run.global_batch_size,
+        "flops_per_token": run.config.loop.flops_per_token,
+    }
+    json_path = os.path.join(job_dir, "config.json")
+    same_run = False
+    if os.path.exists(json_path):
+        try:
+            with open(json_path) as f:
+                previous = json.load(f)
+            same_run = (previous.get("experiment"), previous.get("hparams")) == (
+                record["experiment"], record["hparams"])
+        except (OSError, ValueError):
+            same_run = False
+    _write_keeping_history(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n",
+                           same_run=same_run)
+    _write_keeping_history(os.path.join(job_dir, "config.txt"),
+                           printing.as_str_flattened(tree) + "\n", same_run=same_run)
+
+
+@contextlib.contextmanager
+def compilation_cache(run_config, *, job_dir: str) -> Iterator[str | None]:
+    """JAX's persistent compilation cache for the run, so that a restarted job does not compile again.
+
+    The directory is COMPILATION_CACHE_DIR, else JAX's own JAX_COMPILATION_CACHE_DIR, else
+    DIR/compilation_cache (shared by every restart of the job). Every compile is cached, however
+    quick: a restart waits on the sum of many small ones too. The process's previous cache settings
+    come back afterwards (a process may run several jobs: tests, notebooks). Yields the directory
+    (None: off).
+    """
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+    loop = run_config.loop
+    if not loop.compilation_cache:
+        yield None
+        return
+    directory = (loop.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                 or os.path.join(job_dir, "compilation_cache"))
+    from paxlite.paths import require_local_path
+
+    require_local_path(directory, setting="COMPILATION_CACHE_DIR")
+    os.makedirs(directory, exist_ok=True)
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    previous = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (directory, 0.0, 0)):
+        jax.config.update(name, value)
+    jax_cache.reset_cache()  # the cache binds its directory once; make it read the new one
+    logging.info("Compilation cache: %s", directory)
+    try:
+        yield directory
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
+        jax_cache.reset_cache()
+
+
+def run_job(experiment, tree, run_config, *, job_dir: str, mode: Mode, enable_checkpoint_saving: bool,
+            argv: Sequence[str]) -> int:
+    """Train or evaluate a parsed job (after the multi-process runtime is joined); the exit status."""
+    import jax
+
+    from paxlite.train.loop import Run, RunContext
+
+    exit_code_if_preempted = preemption_exit_code()  # a bad value is reported before any work
+    job_dir = os.path.abspath(job_dir)
+    os.makedirs(job_dir, exist_ok=True)
+    with compilation_cache(run_config, job_dir=job_dir), Run(run_config, RunContext(
+            job_dir=job_dir, enable_checkpoint_saving=enable_checkpoint_saving,
+            training=mode is Mode.TRAIN)) as run:
+        if jax.process_index() == 0:
+            write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=argv)
+        if mode is Mode.EVAL:
+            run.run_eval()
+            return 0
+        run.train()
+        if run.preempted_at is not None:
+            return exit_code_if_preempted
+    return 0
