@@ -39,6 +39,7 @@ from paxlite.train import flops as flops_lib
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.metrics import MetricsWriter
 from paxlite.train.optimizer import make_optimizer
+from paxlite.train.preemption import Preemption
 from paxlite.train.profiling import StepProfiler
 from paxlite.train.run_config import RunConfig
 from paxlite.train.schedules import make_schedule
@@ -49,6 +50,7 @@ from paxlite.train.step import (
     join_params,
     microbatch_size,
 )
+from paxlite.train.watchdog import Watchdog
 
 # Steps the host may dispatch beyond the newest one known to be computed: enough to keep the device
 # busy, few enough that the batches waiting on it stay few.
@@ -364,6 +366,20 @@ class Run:
 
     # ---------------------------------------------------------------- train
     def train(self) -> TrainState:
+        """Train to MAX_STEPS, or until SIGTERM/SIGINT (then `preempted_at` is the step checkpointed)."""
+        loop = self.config.loop
+        # From here a stop signal waits for a step and its checkpoint, and a hang is reported.
+        with Preemption(lag=_STEPS_AHEAD) as preemption, Watchdog(
+                timeout_s=loop.watchdog_timeout_seconds,
+                crash_timeout_s=loop.crash_on_hang_timeout_seconds) as watchdog:
+            state = self._train(preemption, watchdog)
+        if self.preempted_at is not None:
+            logging.warning("%s: stopped after step %d with its checkpoint committed in %s; run the same "
+                            "command again to resume", preemption.signal_name, self.preempted_at,
+                            self.checkpointer.directory)
+        return state
+
+    def _train(self, preemption: Preemption, watchdog: Watchdog) -> TrainState:
         loop = self.config.loop
         state = self.restore_or_init()
         start = int(jax.device_get(state.step))
@@ -402,8 +418,10 @@ class Run:
                     timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
                 else:
                     timer_steps += 1
-                if not self._boundary(step):
+                stop = preemption.should_stop(step)  # the same answer on every process
+                if not stop and not self._boundary(step):
                     kept.wait_for(_STEPS_AHEAD)
+                    watchdog.beat()
                     continue
                 host = self._read_checked(kept)
                 if step % loop.summary_interval_steps == 0 or step == loop.max_steps:
@@ -414,10 +432,14 @@ class Run:
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
                     self.writer.write_eval(step, self.evaluate(state))
-                if self.checkpointer.should_save(step) or step == loop.max_steps:
+                last = step == loop.max_steps or stop
+                if self.checkpointer.should_save(step) or last:
                     self._check_state_finite(step, state)
-                    self.checkpointer.save(step, state, force=step == loop.max_steps,
-                                           data_state=self.data.state(position))
+                    self.checkpointer.save(step, state, force=last, data_state=self.data.state(position))
+                watchdog.beat()
+                if stop:
+                    self.preempted_at = step
+                    break
                 timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
             if len(kept):
                 self._read_checked(kept)

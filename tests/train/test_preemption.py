@@ -1,0 +1,213 @@
+"""Preemption (SIGTERM/SIGINT -> finish the step, checkpoint, exit), the hang watchdog, the compilation cache.
+
+Real processes, real signals: a training process is started, signalled while it trains, and restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from paxlite.errors import SettingError
+from paxlite.job import preemption_exit_code
+
+# Steps are milliseconds long, so a run reaches any step long before it would finish.
+TRAIN = [
+    "--fdl_config=TinySynthetic",
+    "--fdl.NUM_LAYERS=1",
+    "--fdl.MAX_STEPS=100000",
+    "--fdl.SUMMARY_INTERVAL_STEPS=1",
+    "--fdl.EVAL_INTERVAL_STEPS=100000",
+    "--fdl.CHECKPOINT_EVERY_N_STEPS=100000",
+]
+_CLUSTER_VARS = ("SLURM_", "PAXLITE_", "OMPI_", "PMI_")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_CLUSTER_VARS) and k != "JOB_COMPLETION_INDEX"}
+    env.update(JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def _start(job: Path, log: Path, flags=(), **env: str) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, *flags],
+                                env=_env(**env), stdout=out, stderr=subprocess.STDOUT)
+
+
+def _losses(job: Path) -> dict[int, tuple[float, float]]:
+    lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: (line["loss"], line["grad_norm"]) for line in lines if "loss" in line}
+
+
+def _wait_for_step(proc: subprocess.Popen, job: Path, log: Path, step: int, *, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (job / "metrics.jsonl").exists() and max(_losses(job), default=0) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with {proc.returncode} before step {step}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no step {step} within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen, *signals: int, timeout: float = 120) -> int:
+    for number in signals:
+        proc.send_signal(number)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _stopped_at(log: Path) -> int:
+    line = [line for line in log.read_text().splitlines() if "stopped after step" in line][-1]
+    return int(line.split("stopped after step ", 1)[1].split()[0])
+
+
+def test_a_signal_checkpoints_the_step_and_the_restart_continues_bit_exactly(tmp_path):
+    job, ref = tmp_path / "job", tmp_path / "ref"
+    logs = [tmp_path / f"run{i}.log" for i in range(3)]
+    # SIGTERM, with the exit status a Kubernetes Job would be told to treat as "retry"
+    first = _start(job, logs[0], PAXLITE_PREEMPTION_EXIT_CODE="143")
+    _wait_for_step(first, job, logs[0], 3)
+    assert _stop(first, signal.SIGTERM) == 143, logs[0].read_text()[-3000:]
+    stop1 = _stopped_at(logs[0])
+    assert os.listdir(job / "checkpoints") == [f"checkpoint_{stop1:08d}"]
+    assert max(_losses(job)) == stop1  # the stop step was trained and logged, nothing after it
+
+    second = _start(job, logs[1])  # Ctrl-C this time; the default exit status is 0
+    _wait_for_step(second, job, logs[1], stop1 + 5)
+    assert _stop(second, signal.SIGINT) == 0, logs[1].read_text()[-3000:]
+    assert f"Resumed from checkpoint step {stop1}" in logs[1].read_text()
+    stop2 = _stopped_at(logs[1])
+    assert sorted(os.listdir(job / "checkpoints")) == [f"checkpoint_{stop1:08d}", f"checkpoint_{stop2:08d}"]
+
+    reference = _start(ref, logs[2])  # never interrupted before stop2
+    _wait_for_step(reference, ref, logs[2], stop2)
+    _stop(reference, signal.SIGTERM)
+    got, want = _losses(job), _losses(ref)
+    assert sorted(got) == list(range(1, stop2 + 1))
+    assert {s: got[s] for s in got} == {s: want[s] for s in got}  # loss and grad norm, bit for bit
+
+
+def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_intact(tmp_path):
+    job, log = tmp_path / "job", tmp_path / "run.log"
+    proc = _start(job, log, ["--fdl.CHECKPOINT_EVERY_N_STEPS=4"])
+    _wait_for_step(proc, job, log, 9)
+    # Two different signals are both delivered (two of the same may merge into one).
+    # The kernel hands pending signals over in its own order: whichever comes second ends the process.
+    code = _stop(proc, signal.SIGTERM, signal.SIGINT)
+    second = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}.get(code)
+    assert second is not None, (code, log.read_text()[-3000:])
+    assert f"second stop signal ({second}): exiting at once" in log.read_text()
+    assert "stopped after step" not in log.read_text()
+    # The save of step 8 may still have been in flight: then it is left under Orbax's temporary
+    # name, and the restart ignores it.
+    committed = sorted(int(name.split("_")[1]) for name in os.listdir(job / "checkpoints")
+                       if name.startswith("checkpoint_") and "tmp" not in name)
+    assert committed and committed[-1] >= 4
+    rerun_log = tmp_path / "rerun.log"
+    rerun = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN,
+                            f"--fdl.MAX_STEPS={committed[-1] + 2}"], check=False, env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    rerun_log.write_text(rerun.stdout + rerun.stderr)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"Resumed from checkpoint step {committed[-1]}" in rerun.stderr
+
+
+@pytest.mark.parametrize("raw", ["abc", "256", "-1"])
+def test_bad_preemption_exit_code(raw):
+    with pytest.raises(SettingError, match=f"PAXLITE_PREEMPTION_EXIT_CODE='{raw}' must be an exit status 0..255"):
+        preemption_exit_code({"PAXLITE_PREEMPTION_EXIT_CODE": raw})
+    assert preemption_exit_code({}) == 0 and preemption_exit_code({"PAXLITE_PREEMPTION_EXIT_CODE": "143"}) == 143
+
+
+def test_bad_preemption_exit_code_is_one_line_before_any_work(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'job'}", *TRAIN],
+                         check=False, env=_env(PAXLITE_PREEMPTION_EXIT_CODE="sigterm"), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "paxlite: error: PAXLITE_PREEMPTION_EXIT_CODE='sigterm' must be an exit status 0..255 (e.g. 143, "
+        "what a process killed by SIGTERM reports)")
+    assert not (tmp_path / "job").exists()
+
+
+# A training process whose main thread hangs in the middle of step 5 (as in a collective whose peer died).
+_HANG = textwrap.dedent("""
+    import sys, time
+    from paxlite.train import device_metrics
+
+    _add = device_metrics.StepMetrics.add
+
+    def injected_hang():
+        while True:
+            time.sleep(1)
+
+    def add(self, step, metrics):
+        if step == 5:
+            injected_hang()
+        return _add(self, step, metrics)
+
+    device_metrics.StepMetrics.add = add
+    from paxlite.main import run_main
+    run_main()
+""")
+
+
+def test_the_watchdog_logs_every_stack_then_exits_so_the_job_can_restart(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(_HANG)
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(script), f"--job_log_dir={tmp_path / 'job'}", *TRAIN,
+         "--fdl.WATCHDOG_TIMEOUT_SECONDS=1", "--fdl.CRASH_ON_HANG_TIMEOUT_SECONDS=4"],
+        check=False, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 124, out.stderr[-3000:]
+    warning, _, crash = out.stderr.partition("CRASH_ON_HANG_TIMEOUT_SECONDS=4")
+    assert "No training step completed in" in warning and "WATCHDOG_TIMEOUT_SECONDS=1" in warning
+    assert 'Thread "MainThread"' in warning and "injected_hang" in warning  # where it hangs, named
+    assert "exiting with status 124" in crash and "injected_hang" in crash
+    assert time.monotonic() - start < 200
+
+
+def test_watchdog_timeouts_are_checked():
+    from paxlite.config.errors import ConfigError
+    from paxlite.experiments.build import load_experiment
+
+    with pytest.raises(ConfigError, match=r"CRASH_ON_HANG_TIMEOUT_SECONDS=10.0 must be >= WATCHDOG_TIMEOUT_SECONDS=20"):
+        load_experiment("TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=20", "CRASH_ON_HANG_TIMEOUT_SECONDS=10.0"])
+    with pytest.raises(ConfigError, match=r"WATCHDOG_TIMEOUT_SECONDS must be > 0 seconds or None \(never\), got 0"):
+        load_experiment("TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=0"])
+    load_experiment("TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=None", "CRASH_ON_HANG_TIMEOUT_SECONDS=None"])
+
+
+def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path):
+    cache = tmp_path / "cache"
+    runs = []
+    for name in ("a", "b"):
+        out = subprocess.run(
+            [sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / name}", *TRAIN,
+             "--fdl.MAX_STEPS=3", f"--fdl.COMPILATION_CACHE_DIR='{cache}'"],
+            check=False, env=_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(sorted(os.listdir(cache)))
+    assert any(name.startswith("jit_train_step") for name in runs[0]), runs[0]
+    assert runs[1] == runs[0]  # every executable of the second run came from the cache
+    assert not (tmp_path / "a" / "compilation_cache").exists()
+    off = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'c'}", *TRAIN,
+                          "--fdl.MAX_STEPS=1", "--fdl.COMPILATION_CACHE=False"],
+                         check=False, env=_env(), capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0 and not (tmp_path / "c" / "compilation_cache").exists()
