@@ -154,20 +154,25 @@ def run_job(experiment, tree, run_config, *, job_dir: str, mode: Mode, enable_ch
     """Train or evaluate a parsed job (after the multi-process runtime is joined); the exit status."""
     import jax
 
-    from paxlite.train.loop import Run, RunContext
+    from paxlite.train.loop import Run, RunContext, stop_signals
 
     exit_code_if_preempted = preemption_exit_code()  # a bad value is reported before any work
     job_dir = os.path.abspath(job_dir)
     os.makedirs(job_dir, exist_ok=True)
-    with compilation_cache(run_config, job_dir=job_dir), Run(run_config, RunContext(
-            job_dir=job_dir, enable_checkpoint_saving=enable_checkpoint_saving,
-            training=mode is Mode.TRAIN)) as run:
+    training = mode is Mode.TRAIN
+    with contextlib.ExitStack() as stack:
+        # Stop signals are caught from before the run is built: one that comes while the step compiles
+        # or the checkpoint is read stops the run after its first step, with a checkpoint.
+        preemption = stack.enter_context(stop_signals()) if training else None
+        stack.enter_context(compilation_cache(run_config, job_dir=job_dir))
+        run = stack.enter_context(Run(run_config, RunContext(
+            job_dir=job_dir, enable_checkpoint_saving=enable_checkpoint_saving, training=training)))
         if jax.process_index() == 0:
             write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=argv)
-        if mode is Mode.EVAL:
+        if not training:
             run.run_eval()
             return 0
-        run.train()
+        run.train(preemption=preemption)
         if run.preempted_at is not None:
             return exit_code_if_preempted
     return 0

@@ -57,6 +57,11 @@ from paxlite.train.watchdog import Watchdog
 _STEPS_AHEAD = 2
 
 
+def stop_signals() -> Preemption:
+    """SIGTERM/SIGINT handlers for a training loop (a context manager; train/preemption.py)."""
+    return Preemption(lag=_STEPS_AHEAD)
+
+
 class TrainingDivergedError(RunStoppedError, FloatingPointError):
     """A non-finite loss or gradient norm; the bad state is never checkpointed."""
 
@@ -365,13 +370,18 @@ class Run:
         return metrics
 
     # ---------------------------------------------------------------- train
-    def train(self) -> TrainState:
-        """Train to MAX_STEPS, or until SIGTERM/SIGINT (then `preempted_at` is the step checkpointed)."""
+    def train(self, *, preemption: Preemption | None = None) -> TrainState:
+        """Train to MAX_STEPS, or until SIGTERM/SIGINT (then `preempted_at` is the step checkpointed).
+
+        `preemption`: handlers the caller installed earlier (job.py does, before the run is built and
+        compiled, from `stop_signals()`); else they are installed here."""
         loop = self.config.loop
         # From here a stop signal waits for a step and its checkpoint, and a hang is reported.
-        with Preemption(lag=_STEPS_AHEAD) as preemption, Watchdog(
-                timeout_s=loop.watchdog_timeout_seconds,
-                crash_timeout_s=loop.crash_on_hang_timeout_seconds) as watchdog:
+        with contextlib.ExitStack() as stack:
+            if preemption is None:
+                preemption = stack.enter_context(stop_signals())
+            watchdog = stack.enter_context(Watchdog(timeout_s=loop.watchdog_timeout_seconds,
+                                                    crash_timeout_s=loop.crash_on_hang_timeout_seconds))
             state = self._train(preemption, watchdog)
         if self.preempted_at is not None:
             logging.warning("%s: stopped after step %d with its checkpoint committed in %s; run the same "

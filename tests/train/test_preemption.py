@@ -127,6 +127,18 @@ def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_inta
     assert f"Resumed from checkpoint step {committed[-1]}" in rerun.stderr
 
 
+def test_a_signal_while_the_run_is_built_stops_after_the_first_step(tmp_path):
+    job, log = tmp_path / "job", tmp_path / "run.log"
+    proc = _start(job, log)
+    deadline = time.monotonic() + 120
+    while "Compilation cache:" not in (log.read_text() if log.exists() else ""):  # handlers are in place
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.02)
+    assert _stop(proc, signal.SIGTERM) == 0, log.read_text()[-3000:]
+    assert "Training TinySynthetic from step 0" in log.read_text().split("SIGTERM received", 1)[1]
+    assert _stopped_at(log) == 1 and os.listdir(job / "checkpoints") == ["checkpoint_00000001"]
+
+
 @pytest.mark.parametrize("raw", ["abc", "256", "-1"])
 def test_bad_preemption_exit_code(raw):
     with pytest.raises(SettingError, match=f"PAXLITE_PREEMPTION_EXIT_CODE='{raw}' must be an exit status 0..255"):
