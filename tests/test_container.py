@@ -221,3 +221,11 @@ def test_script_writes_then_verifies_in_an_image_like_environment(tmp_path):
     old = _fake_site(tmp_path / "old", {**stack, "jax": "0.11.2"})
     refused = run("write", str(ROOT / "constraints.txt"), str(tmp_path / "x.txt"), site=old)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "jax 0.11.2" in refused.stderr
+
+
+def test_docs_name_the_dockerfiles_base_and_environment(dockerfile):
+    docs = (ROOT / "docs" / "container.md").read_text()
+    base = dockerfile[0][1].split("=", 1)[1]
+    assert f"`{base}`" in docs
+    for name, value in _env(dockerfile).items():
+        assert f"| `{name}` | `{value}` |" in docs, name

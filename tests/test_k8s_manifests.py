@@ -202,3 +202,14 @@ def _decide(rules, *, exit_code, conditions=()):
 def test_pod_failure_policy(name, job, exit_code, conditions, action):
     rules = job["spec"]["podFailurePolicy"]["rules"]
     assert _decide(rules, exit_code=exit_code, conditions=conditions) == action
+
+
+def test_docs_show_the_manifests_policy_and_grace_period():
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    block = re.search(r"```yaml\n(podFailurePolicy:.*?)```", docs, re.DOTALL).group(1)
+    shown = yaml.safe_load(block)["podFailurePolicy"]
+    for name, job in JOBS:
+        assert job["spec"]["podFailurePolicy"] == shown, name
+        grace = job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert f"terminationGracePeriodSeconds: {grace}" in docs, name
+        assert f"backoffLimit: {job['spec']['backoffLimit']}" in docs, name
