@@ -35,11 +35,14 @@ demo: $(STAMP)
 	$(BIN)/python -m paxlite.demo --work_dir=build/demo --job_log_dir=$(DEMO_DIR)
 
 # The rules of the house: style (ruff), one-way imports (import-linter contracts in pyproject.toml),
-# and the shell scripts users launch (shellcheck; -x follows the scripts' `source common.sh`).
+# the shell scripts users launch (shellcheck; -x follows the scripts' `source common.sh`), the container
+# (hadolint: static, no Docker daemon) and the Kubernetes manifests (yamllint --strict with .yamllint's rules).
 lint: $(STAMP)
 	$(BIN)/ruff check paxlite tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/shellcheck -x scripts_gpu/*.sh slurm/*.sub benchmarks/gpu/*.sh
+	$(BIN)/hadolint docker/Dockerfile
+	$(BIN)/yamllint --strict .yamllint k8s/
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_step.py
