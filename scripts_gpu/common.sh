@@ -22,3 +22,42 @@ paxlite_set_xla_flags() {
 paxlite_data_flag() {
     if [ -f "$1/paxlite_dataset.json" ]; then echo "--fdl.DATA_DIR=$1"; else echo "--tfds_data_dir=$1"; fi
 }
+
+# Runs "$@" (python -m paxlite.main ...) with its output also written to the log file $1 (appended with
+# $2 = append, else overwritten: $2 = new), and returns its exit status. A SIGTERM or SIGINT this script
+# receives is passed on to paxlite, which finishes its step, checkpoints and exits (docs/training.md,
+# "Preemption"); the script waits for that instead of dying first (under Slurm, a step whose script has
+# exited is killed). tee ignores those signals, so paxlite's last lines still reach the log. A copy paxlite
+# receives directly as well (Slurm and a terminal signal every process) counts once.
+# Sets PAXLITE_STOP_SIGNAL to the signal's name when one came.
+paxlite_run() {
+    local log=$1 mode=$2 pid status
+    shift 2
+    local tee_args=()
+    if [ "$mode" = append ]; then tee_args=(-a); fi
+    PAXLITE_STOP_SIGNAL=
+    "$@" > >(trap '' TERM INT; exec tee "${tee_args[@]}" "$log") 2>&1 &
+    pid=$!
+    trap 'PAXLITE_STOP_SIGNAL=SIGTERM; kill -TERM "$pid" 2>/dev/null' TERM
+    trap 'PAXLITE_STOP_SIGNAL=SIGINT; kill -INT "$pid" 2>/dev/null' INT
+    while true; do
+        status=0
+        wait "$pid" || status=$?
+        # a trapped signal ends `wait` early (status > 128) while paxlite is still stopping: wait again
+        if ! kill -0 "$pid" 2>/dev/null; then break; fi
+    done
+    trap - TERM INT
+    wait  # tee's last lines
+    return "$status"
+}
+
+# The line a run_*.sh script ends with, from paxlite's status ($1).
+paxlite_report() {
+    if [ "$1" -ne 0 ]; then
+        echo "Run failed"
+    elif [ -n "${PAXLITE_STOP_SIGNAL:-}" ]; then
+        echo "Run stopped by $PAXLITE_STOP_SIGNAL after a checkpoint; the same command resumes it"
+    else
+        echo "Run succeeded!"
+    fi
+}

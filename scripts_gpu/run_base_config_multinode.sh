@@ -30,7 +30,8 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 paxlite_set_xla_flags --experiment="$CONFIG"
 mkdir -p "$LOG_DIR"
 
-python -u -m paxlite.main \
+status=0
+paxlite_run "$LOG_DIR/output_${SLURM_PROCID}.log" new python -u -m paxlite.main \
     --job_log_dir="$LOG_DIR" \
     --fdl_config="$CONFIG" \
     --fdl.FPROP_DTYPE="\"$PREC\"" \
@@ -39,8 +40,6 @@ python -u -m paxlite.main \
     --num_hosts="$SLURM_NTASKS" \
     --host_idx="$SLURM_PROCID" \
     ${TFDS_FLAGS[@]+"${TFDS_FLAGS[@]}"} \
-    --alsologtostderr ${ADDITIONAL_FLAGS[@]+"${ADDITIONAL_FLAGS[@]}"} "$@" \
-    2>&1 | tee "$LOG_DIR/output_${SLURM_PROCID}.log"
-status=${PIPESTATUS[0]}
-if [ "$status" -ne 0 ]; then echo "Run failed"; else echo "Run succeeded!"; fi
+    --alsologtostderr ${ADDITIONAL_FLAGS[@]+"${ADDITIONAL_FLAGS[@]}"} "$@" || status=$?
+paxlite_report "$status"
 exit "$status"

@@ -21,7 +21,8 @@ if [ -f "$LAMBADA_DIR/lambada_test.jsonl" ]; then LAMBADA_FLAG="--fdl.LAMBADA_PA
 else LAMBADA_FLAG="--tfds_data_dir=$LAMBADA_DIR"; fi
 paxlite_set_xla_flags --model=gpt126m
 
-python -m paxlite.main \
+status=0
+paxlite_run "$LOG_DIR/lambada_output.log" new python -m paxlite.main \
     --fdl_config=paxlite.experiments.gpt.Lambada126M \
     --fdl.FPROP_DTYPE="\"$PREC\"" \
     --fdl.ICI_MESH_SHAPE="[$NUM_GPUS,1,1]" \
@@ -30,8 +31,6 @@ python -m paxlite.main \
     "$LAMBADA_FLAG" \
     --mode=eval \
     --job_log_dir="$LOG_DIR" \
-    --alsologtostderr "$@" \
-    2>&1 | tee "$LOG_DIR/lambada_output.log"
-status=${PIPESTATUS[0]}
-if [ "$status" -ne 0 ]; then echo "Run failed"; else echo "Run succeeded!"; fi
+    --alsologtostderr "$@" || status=$?
+paxlite_report "$status"
 exit "$status"

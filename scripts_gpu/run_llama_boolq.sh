@@ -133,9 +133,15 @@ if [[ "$EVAL_ONLY" == false ]]; then
     mkdir -p "$JOB_DIR"
     # Like Pax's LLaMA configs (BoolQDataset), fine-tune on BoolQ's train split; TRAIN_TASK=text trains on
     # the experiment's text data instead (DATA_DIR / TFDS_DATASET).
-    python -u -m paxlite.main --job_log_dir="$JOB_DIR" "${COMMON_FLAGS[@]}" \
+    status=0
+    paxlite_run "$LOG_PATH" new python -u -m paxlite.main --job_log_dir="$JOB_DIR" "${COMMON_FLAGS[@]}" \
         "--fdl.TRAIN_TASK=\"${TRAIN_TASK:-boolq}\"" \
-        ${RESTORE_FLAGS[@]+"${RESTORE_FLAGS[@]}"} "$@" 2>&1 | tee "$LOG_PATH"
+        ${RESTORE_FLAGS[@]+"${RESTORE_FLAGS[@]}"} "$@" || status=$?
+    if [[ "$status" -ne 0 || -n "$PAXLITE_STOP_SIGNAL" ]]; then
+        # stopped by a signal (checkpointed: the same command resumes) or failed: no evaluation now
+        paxlite_report "$status"
+        exit "$status"
+    fi
     EVAL_DIR=$JOB_DIR
 else
     # --mode=eval scores the latest checkpoint of a job directory: find the one that holds the given path.
@@ -164,5 +170,5 @@ else
     fi
 fi
 
-python -u -m paxlite.main --job_log_dir="$EVAL_DIR" "${COMMON_FLAGS[@]}" --mode=eval "$@" \
-    2>&1 | tee -a "$LOG_PATH"
+paxlite_run "$LOG_PATH" append python -u -m paxlite.main --job_log_dir="$EVAL_DIR" "${COMMON_FLAGS[@]}" \
+    --mode=eval "$@"

@@ -21,7 +21,8 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
 paxlite_set_xla_flags --model=gpt126m
 mkdir -p "$LOG_DIR"
 
-python -m paxlite.main \
+status=0
+paxlite_run "$LOG_DIR/pile_output_${SLURM_PROCID}.log" new python -m paxlite.main \
     --fdl_config=paxlite.experiments.gpt.Pile126M \
     --fdl.FPROP_DTYPE="\"$PREC\"" \
     --fdl.ICI_MESH_SHAPE="[$NUM_GPUS,1,1]" \
@@ -33,8 +34,6 @@ python -m paxlite.main \
     --server_addr="${SLURM_LAUNCH_NODE_IPADDR}:12345" \
     --num_hosts="$SLURM_NTASKS" \
     --host_idx="$SLURM_PROCID" \
-    --alsologtostderr "$@" \
-    2>&1 | tee "$LOG_DIR/pile_output_${SLURM_PROCID}.log"
-status=${PIPESTATUS[0]}
-if [ "$status" -ne 0 ]; then echo "Run failed"; else echo "Run succeeded!"; fi
+    --alsologtostderr "$@" || status=$?
+paxlite_report "$status"
 exit "$status"

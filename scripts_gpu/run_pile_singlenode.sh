@@ -21,7 +21,8 @@ DATA_FLAG=$(paxlite_data_flag "$DATA_DIR")
 paxlite_set_xla_flags --model=gpt126m
 mkdir -p "$LOG_DIR"
 
-python -m paxlite.main \
+status=0
+paxlite_run "$LOG_DIR/pile_output.log" new python -m paxlite.main \
     --fdl_config=paxlite.experiments.gpt.Pile126M \
     --fdl.FPROP_DTYPE="\"$PREC\"" \
     --fdl.ICI_MESH_SHAPE="[$NUM_GPUS,1,1]" \
@@ -29,8 +30,6 @@ python -m paxlite.main \
     --fdl.PERCORE_BATCH_SIZE="$PERCORE_BATCH_SIZE" \
     "$DATA_FLAG" \
     --job_log_dir="$LOG_DIR" \
-    --alsologtostderr "$@" \
-    2>&1 | tee "$LOG_DIR/pile_output.log"
-status=${PIPESTATUS[0]}
-if [ "$status" -ne 0 ]; then echo "Run failed"; else echo "Run succeeded!"; fi
+    --alsologtostderr "$@" || status=$?
+paxlite_report "$status"
 exit "$status"

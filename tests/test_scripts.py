@@ -221,3 +221,41 @@ def test_slurm_files_launch_an_existing_script_with_its_settings(tmp_path, sub, 
     for name, value in exported.items():
         assert recorded.get(name) == value.replace("{ROOT}", ROOT), name
         assert name in text or name == "ENABLE_TE", f"{script} does not read {name}"
+
+
+@pytest.mark.parametrize("to", ["process_group", "script_only"])
+def test_a_stop_signal_reaches_paxlite_and_the_script_waits_for_its_checkpoint(tmp_path, assets, to):
+    """Slurm and a terminal signal every process of the job (the script, python, tee); a container whose first
+    process is the script signals the script alone. Either way paxlite checkpoints, once, and the log keeps
+    its last lines."""
+    import signal
+    import time
+
+    root, vocab = assets
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen(
+        ["bash", os.path.join(ROOT, "scripts_gpu", "run_pile_singlenode.sh"), str(root / "data"), vocab, "float32",
+         "1", "2", str(log_dir), *TINY, "--fdl.MAX_STEPS=1000000", "--fdl.SUMMARY_INTERVAL_STEPS=1",
+         "--fdl.EVAL_INTERVAL_STEPS=1000000", "--fdl.CHECKPOINT_EVERY_N_STEPS=1000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = log_dir / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        if to == "process_group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert "Run stopped by SIGTERM after a checkpoint; the same command resumes it" in out
+    log = (log_dir / "pile_output.log").read_text()
+    assert "stopped after step" in log and "second stop signal" not in log  # one request, one checkpoint
+    stop = int(log.split("stopped after step ", 1)[1].split()[0])
+    assert os.listdir(log_dir / "checkpoints") == [f"checkpoint_{stop:08d}"]

@@ -3,7 +3,8 @@
 Schedulers preempt by signalling (Slurm, Kubernetes, a user's Ctrl-C) and killing a grace period later. The
 first signal asks the loop to stop after the step in flight; the loop then writes a checkpoint of that step,
 waits for it to commit and returns, so the next run resumes exactly there. A second signal means "now": the
-process exits at once with 128 + the signal's number, as a process killed by it would report. That cannot
+process exits at once with 128 + the signal's number, as a process killed by it would report (a second
+copy of the first signal within DUPLICATE_WINDOW_S is not a second request). That cannot
 damage the last committed checkpoint: a save in flight is written under Orbax's temporary name and renamed only
 when complete (train/checkpoint.py), so an interrupted one is never mistaken for a step.
 
@@ -21,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Self
 
 import jax
@@ -30,6 +32,10 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Signals this soon after the first are the same request arriving twice: Slurm and a terminal signal every
+# process of the job, and the run_*.sh scripts forward what they receive to paxlite, so one preemption
+# can reach the process twice within milliseconds. A person's second Ctrl-C comes later than this.
+DUPLICATE_WINDOW_S = 1.0
 
 
 class Preemption:
@@ -38,6 +44,7 @@ class Preemption:
     def __init__(self, *, lag: int):
         self._lag = lag
         self.signal_number: int | None = None  # the first stop signal received
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
         self._votes: collections.deque[tuple[int, jax.Array]] = collections.deque()
         self._multiprocess = jax.process_count() > 1
@@ -68,12 +75,14 @@ class Preemption:
 
     def _on_signal(self, number: int, frame) -> None:
         name = signal.Signals(number).name
+        if self.signal_number is not None and time.monotonic() - self._first_at < DUPLICATE_WINDOW_S:
+            return  # the same request, delivered twice (to the process group and forwarded by a script)
         if self.signal_number is not None:
             sys.stderr.write(f"paxlite: second stop signal ({name}): exiting at once; the last committed "
                              "checkpoint is kept as it is\n")
             sys.stderr.flush()
             os._exit(128 + number)
-        self.signal_number = number
+        self.signal_number, self._first_at = number, time.monotonic()
         logging.warning("%s received: stopping after the current step, with a checkpoint (a second signal "
                         "exits at once)", name)
 
