@@ -153,6 +153,52 @@ class MeshShapeModifier:
         return jax.process_count()
 
 
+def split_over_processes(sizes: Sequence[int], num_processes: int) -> tuple[list[int], list[int]]:
+    """(ICI, DCN) of a whole-job mesh, split as AXLearn does for a plain mesh shape on several
+    processes: DCN takes the processes from the first axis larger than 1, ICI keeps the rest.
+
+    E.g. [2, 8, 1] on 2 processes (two 8-GPU nodes, data 2 x fsdp 8) -> ICI [1, 8, 1], DCN [2, 1, 1].
+    """
+    sizes = list(sizes)
+    ici, dcn = list(sizes), [1] * len(sizes)
+    if num_processes == 1:
+        return ici, dcn
+    first = next((i for i, size in enumerate(sizes) if size > 1), None)
+    if first is None or sizes[first] % num_processes:
+        named = dict(zip(MESH_AXES, sizes))
+        raise ConfigError(
+            f"mesh {named} cannot be split over {num_processes} processes: its first axis larger "
+            f"than 1 ({MESH_AXES[first] if first is not None else 'none'}) must be a multiple of the "
+            "process count (AXLearn's rule for a plain mesh shape); give a HybridMeshShape instead")
+    ici[first] //= num_processes
+    dcn[first] = num_processes
+    return ici, dcn
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalMeshShapeModifier:
+    """A mesh over every device of the job, as AXLearn's `mesh_shape` is (MeshShapeModifier's plain
+    shape is one process's ICI mesh instead).
+
+    A -1 takes what is left of all `num_devices`; the result is then split into ICI x DCN by
+    `split_over_processes`. The counts default to `jax.device_count()` and `jax.process_count()`,
+    so apply it after the multi-process runtime is joined, or pass them.
+    """
+
+    mesh_shape: MeshShape
+    num_devices: int | None = None
+    num_processes: int | None = None
+
+    def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        if self.num_devices is None or self.num_processes is None:
+            import jax
+
+        num_devices = jax.device_count() if self.num_devices is None else self.num_devices
+        num_processes = jax.process_count() if self.num_processes is None else self.num_processes
+        ici, dcn = split_over_processes(self.mesh_shape.resolve(num_devices), num_processes)
+        return {**overrides, "ICI_MESH_SHAPE": ici, "DCN_MESH_SHAPE": dcn}
+
+
 @dataclasses.dataclass(frozen=True)
 class RematPolicyModifier:
     """Scans the layer stack (USE_REPEATED_LAYER) and rematerialises it with one of Pax's CHECKPOINT_POLICY names."""
