@@ -79,12 +79,14 @@ class LaunchFlags:
 
     @classmethod
     def of(cls, fdl: Sequence[str] = (), **given: Any) -> LaunchFlags:
-        """Flags as if `given` were on the command line, the rest at their defaults."""
+        """Flags as if `given` were on the command line (a None: not given), the rest at their
+        defaults."""
         unknown = sorted(set(given) - set(FLAG_NAMES))
         if unknown:
             raise TypeError(f"not launcher flags: {unknown}")
         values = {**DEFAULTS, **{name: None for name in REFUSED}, **given}
-        return cls(values=values, present=frozenset(given), fdl=tuple(fdl))
+        present = frozenset(name for name, value in given.items() if value is not None)
+        return cls(values=values, present=present, fdl=tuple(fdl))
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]

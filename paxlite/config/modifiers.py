@@ -154,24 +154,26 @@ class MeshShapeModifier:
 
 
 def split_over_processes(sizes: Sequence[int], num_processes: int) -> tuple[list[int], list[int]]:
-    """(ICI, DCN) of a whole-job mesh, split as AXLearn does for a plain mesh shape on several
-    processes: DCN takes the processes from the first axis larger than 1, ICI keeps the rest.
+    """(ICI, DCN) of a whole-job mesh: the processes go on DCN from the first axes, as AXLearn
+    splits a plain mesh shape over granules (its first axis larger than 1 takes them).
 
     E.g. [2, 8, 1] on 2 processes (two 8-GPU nodes, data 2 x fsdp 8) -> ICI [1, 8, 1], DCN [2, 1, 1].
+    Where that axis is not a multiple of the process count, AXLearn's hybrid mesh fails (its PR #80
+    falls back to a plain mesh); here each axis in turn takes the largest common factor of its size
+    and the processes still to place ([8, 64, 1] on 64 processes -> DCN [8, 8, 1], ICI [1, 8, 1]:
+    fsdp 8 within each node), and only a mesh that cannot hold the processes at all is an error.
     """
-    sizes = list(sizes)
     ici, dcn = list(sizes), [1] * len(sizes)
-    if num_processes == 1:
-        return ici, dcn
-    first = next((i for i, size in enumerate(sizes) if size > 1), None)
-    if first is None or sizes[first] % num_processes:
+    left = num_processes
+    for i, size in enumerate(sizes):
+        dcn[i] = math.gcd(size, left)
+        ici[i] = size // dcn[i]
+        left //= dcn[i]
+    if left != 1:
         named = dict(zip(MESH_AXES, sizes))
         raise ConfigError(
-            f"mesh {named} cannot be split over {num_processes} processes: its first axis larger "
-            f"than 1 ({MESH_AXES[first] if first is not None else 'none'}) must be a multiple of the "
-            "process count (AXLearn's rule for a plain mesh shape); give a HybridMeshShape instead")
-    ici[first] //= num_processes
-    dcn[first] = num_processes
+            f"mesh {named} cannot be split over {num_processes} processes (each process must hold "
+            "the same block of every axis); give a HybridMeshShape instead")
     return ici, dcn
 
 
