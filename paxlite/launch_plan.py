@@ -274,8 +274,8 @@ def _data_overrides(flags: LaunchFlags, cls: type[fuji.BaseFuji], fdl_values: Ma
     if cls.fuji_version == "3-tiktoken":
         raise LaunchError(
             f"{cls.axlearn_name} reads text with Llama 3's tiktoken tokenizer, which paxlite cannot "
-            "run (SentencePiece models only): train on a dataset made by python -m paxlite.data."
-            "prepare, or on --data_dir=FAKE")
+            "run (SentencePiece models only): use --data_dir=FAKE (synthetic tokens), or a "
+            "tokenized dataset directory (paxlite_dataset.json)")
     if not (fdl_values.get("VOCAB_PATH") or env.get("VOCAB_PATH")):
         vocab = "bpe_128k_c4.model" if cls.fuji_version == "3" else "bpe_32k_c4.model"
         raise LaunchError(
