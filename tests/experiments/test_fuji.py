@@ -325,3 +325,15 @@ def test_fp8_variants_are_axlearns_intent_on_every_gpu():
         else:
             assert model.fp8 is None
     assert "fuji-test-v1-fp8" not in EXPERIMENTS and "fuji-7B-v2-flash-fp8" in EXPERIMENTS
+
+
+def test_named_trainer_configs_is_axlearns_registry_lookup():
+    from paxlite.config.modifiers import GradientAccumulationModifier
+
+    configs = fuji.named_trainer_configs()
+    assert set(configs) == {_name(*v) for v in VARIANTS}
+    assert type(configs["fuji-8B-v3-tiktoken"]()) is fuji.Fuji8BV3Tiktoken
+    e = configs["fuji-test-v1"](GradientAccumulationModifier(2), MAX_STEPS=10)
+    assert (e.GRAD_ACCUM_STEPS, e.MAX_STEPS, e.overridden) == (2, 10, {"GRAD_ACCUM_STEPS", "MAX_STEPS"})
+    with pytest.raises(ConfigError, match="did you mean 'MAX_STEPS'"):
+        configs["fuji-test-v1"](MAX_STEP=10)
