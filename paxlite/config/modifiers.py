@@ -153,6 +153,54 @@ class MeshShapeModifier:
         return jax.process_count()
 
 
+def split_over_processes(sizes: Sequence[int], num_processes: int) -> tuple[list[int], list[int]]:
+    """(ICI, DCN) of a whole-job mesh: the processes go on DCN from the first axes, as AXLearn
+    splits a plain mesh shape over granules (its first axis larger than 1 takes them).
+
+    E.g. [2, 8, 1] on 2 processes (two 8-GPU nodes, data 2 x fsdp 8) -> ICI [1, 8, 1], DCN [2, 1, 1].
+    Where that axis is not a multiple of the process count, AXLearn's hybrid mesh fails (its PR #80
+    falls back to a plain mesh); here each axis in turn takes the largest common factor of its size
+    and the processes still to place ([8, 64, 1] on 64 processes -> DCN [8, 8, 1], ICI [1, 8, 1]:
+    fsdp 8 within each node), and only a mesh that cannot hold the processes at all is an error.
+    """
+    ici, dcn = list(sizes), [1] * len(sizes)
+    left = num_processes
+    for i, size in enumerate(sizes):
+        dcn[i] = math.gcd(size, left)
+        ici[i] = size // dcn[i]
+        left //= dcn[i]
+    if left != 1:
+        named = dict(zip(MESH_AXES, sizes))
+        raise ConfigError(
+            f"mesh {named} cannot be split over {num_processes} processes (each process must hold "
+            "the same block of every axis); give a HybridMeshShape instead")
+    return ici, dcn
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalMeshShapeModifier:
+    """A mesh over every device of the job, as AXLearn's `mesh_shape` is (MeshShapeModifier's plain
+    shape is one process's ICI mesh instead).
+
+    A -1 takes what is left of all `num_devices`; the result is then split into ICI x DCN by
+    `split_over_processes`. The counts default to `jax.device_count()` and `jax.process_count()`,
+    so apply it after the multi-process runtime is joined, or pass them.
+    """
+
+    mesh_shape: MeshShape
+    num_devices: int | None = None
+    num_processes: int | None = None
+
+    def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        if self.num_devices is None or self.num_processes is None:
+            import jax
+
+        num_devices = jax.device_count() if self.num_devices is None else self.num_devices
+        num_processes = jax.process_count() if self.num_processes is None else self.num_processes
+        ici, dcn = split_over_processes(self.mesh_shape.resolve(num_devices), num_processes)
+        return {**overrides, "ICI_MESH_SHAPE": ici, "DCN_MESH_SHAPE": dcn}
+
+
 @dataclasses.dataclass(frozen=True)
 class RematPolicyModifier:
     """Scans the layer stack (USE_REPEATED_LAYER) and rematerialises it with one of Pax's CHECKPOINT_POLICY names."""

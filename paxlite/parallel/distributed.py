@@ -110,6 +110,16 @@ def _checked(
     return Launch(source=source, num_processes=num, process_id=index, coordinator_address=address)
 
 
+def explicit_launch(
+    *, coordinator_address: str, num_processes: int, process_id: int, names: tuple[str, str, str]
+) -> Launch:
+    """A launch given by its three values (the AXLearn-style launcher's --distributed_coordinator,
+    --num_processes, --process_id), checked as Pax's flags are; `names` spell them in messages."""
+    return _checked(source=LaunchSource.FLAGS, address=coordinator_address,
+                    num=_int(num_processes, name=names[1], minimum=1),
+                    index=_int(process_id, name=names[2], minimum=0), names=names)
+
+
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003'."""
     match = re.match(r"\s*([^,\[\s]+)(?:\[([^\]]+)\])?", nodelist)

@@ -97,3 +97,13 @@ def test_the_example_in_docs_parallelism_runs():
     assert (experiment.ICI_MESH_SHAPE, experiment.GRAD_ACCUM_STEPS) == ([1, 8, 1], 4)
     assert experiment.CHECKPOINT_POLICY == "SAVE_DOT_WITH_NO_BATCH_DIM" and experiment.MAX_STEPS == 1000
     assert namespace["run_config"].data.tfds_name == "the_pile:1.0.0"
+
+
+def test_global_mesh_shape_is_the_whole_job_split_over_processes():
+    from paxlite.config.modifiers import GlobalMeshShapeModifier
+
+    # AXLearn's data=-1, fsdp=8 on four 8-device processes: fsdp within each, data across them
+    modifier = GlobalMeshShapeModifier(mesh_shape_from_axes(data=-1, fsdp=8), num_devices=32, num_processes=4)
+    assert modifier({}) == {"ICI_MESH_SHAPE": [1, 8, 1], "DCN_MESH_SHAPE": [4, 1, 1]}
+    one = GlobalMeshShapeModifier(mesh_shape_from_axes(fsdp=-1), num_devices=8, num_processes=1)
+    assert one({"MAX_STEPS": 3}) == {"MAX_STEPS": 3, "ICI_MESH_SHAPE": [1, 8, 1], "DCN_MESH_SHAPE": [1, 1, 1]}

@@ -30,29 +30,38 @@ T = 1024**4
 # fuji-test-v1_init.txt). (size, version): (layers, d, heads, head_dim, kv heads, ffn, vocab, tied,
 # seq, theta, total tokens)
 TABLE = {
-    ("test", 1): (4, 8, 4, 2, 2, 32, 32, True, 64, 1e4, 1 * T),
-    ("test", 2): (4, 8, 4, 2, 2, 32, 32, True, 64, 1e4, 2 * T),
-    ("test", 3): (4, 8, 4, 2, 2, 32, 32, True, 64, 5e5, 15 * T),
-    ("7B", 1): (32, 4096, 32, 128, 32, 11008, 32768, True, 2048, 1e4, 1 * T),
-    ("70B", 1): (80, 8192, 64, 128, 64, 28672, 32768, False, 2048, 1e4, int(1.4 * T)),
-    ("7B", 2): (32, 4096, 32, 128, 32, 11008, 32768, True, 4096, 1e4, 2 * T),
-    ("70B", 2): (80, 8192, 64, 128, 8, 28672, 32768, False, 4096, 1e4, 2 * T),
-    ("1B", 3): (16, 2048, 32, 64, 8, 8192, 131072, True, 8192, 5e5, 15 * T),
-    ("3B", 3): (28, 3072, 24, 128, 8, 8192, 131072, True, 8192, 5e5, 15 * T),
-    ("7B", 3): (32, 4096, 32, 128, 8, 11008, 131072, True, 8192, 5e5, 15 * T),
-    ("70B", 3): (80, 8192, 64, 128, 8, 28672, 131072, False, 8192, 5e5, 15 * T),
+    ("test", "1"): (4, 8, 4, 2, 2, 32, 32, True, 64, 1e4, 1 * T),
+    ("test", "2"): (4, 8, 4, 2, 2, 32, 32, True, 64, 1e4, 2 * T),
+    ("test", "3"): (4, 8, 4, 2, 2, 32, 32, True, 64, 5e5, 15 * T),
+    ("test", "3-tiktoken"): (4, 8, 4, 2, 2, 32, 32, True, 64, 5e5, 15 * T),
+    ("7B", "1"): (32, 4096, 32, 128, 32, 11008, 32768, True, 2048, 1e4, 1 * T),
+    ("70B", "1"): (80, 8192, 64, 128, 64, 28672, 32768, False, 2048, 1e4, int(1.4 * T)),
+    ("7B", "2"): (32, 4096, 32, 128, 32, 11008, 32768, True, 4096, 1e4, 2 * T),
+    ("70B", "2"): (80, 8192, 64, 128, 8, 28672, 32768, False, 4096, 1e4, 2 * T),
+    ("1B", "3"): (16, 2048, 32, 64, 8, 8192, 131072, True, 8192, 5e5, 15 * T),
+    ("3B", "3"): (28, 3072, 24, 128, 8, 8192, 131072, True, 8192, 5e5, 15 * T),
+    ("7B", "3"): (32, 4096, 32, 128, 8, 11008, 131072, True, 8192, 5e5, 15 * T),
+    ("70B", "3"): (80, 8192, 64, 128, 8, 28672, 131072, False, 8192, 5e5, 15 * T),
+    ("405B", "3"): (126, 16384, 128, 128, 8, 53248, 131072, False, 8192, 5e5, 15 * T),
+    ("1B", "3-tiktoken"): (16, 2048, 32, 64, 8, 8192, 128256, True, 8192, 5e5, 15 * T),
+    ("3B", "3-tiktoken"): (28, 3072, 24, 128, 8, 8192, 128256, True, 8192, 5e5, 15 * T),
+    ("8B", "3-tiktoken"): (32, 4096, 32, 128, 8, 14336, 128256, False, 8192, 5e5, 15 * T),
+    ("70B", "3-tiktoken"): (80, 8192, 64, 128, 8, 28672, 128256, False, 8192, 5e5, 15 * T),
+    ("405B", "3-tiktoken"): (126, 16384, 128, 128, 8, 53248, 128256, False, 8192, 5e5, 15 * T),
 }
+SINGLE_HOST_SIZES = ("1B", "3B", "7B", "8B")
 # axlearn.md's derived column, in billions as printed there (3 or 4 significant digits).
-DERIVED_BILLIONS = {("1B", 3): "1.242", ("3B", 3): "3.221", ("7B", 1): "6.610",
-                    ("7B", 2): "6.610", ("7B", 3): "6.208", ("70B", 1): "78.38",
-                    ("70B", 2): "68.99", ("70B", 3): "70.60"}
+DERIVED_BILLIONS = {("1B", "3"): "1.242", ("3B", "3"): "3.221", ("7B", "1"): "6.610",
+                    ("7B", "2"): "6.610", ("7B", "3"): "6.208", ("70B", "1"): "78.38",
+                    ("70B", "2"): "68.99", ("70B", "3"): "70.60", ("8B", "3-tiktoken"): "8.030",
+                    ("405B", "3"): "405.95"}
 
 
 def _variants():
     """(size, version, flash, single_host, fp8): -fp8 for every size but test (axlearn.md 4)."""
     for (size, version) in TABLE:
         for fp8 in (False, True) if size != "test" else (False,):
-            for single_host in (False, True) if size in ("1B", "3B", "7B") else (False,):
+            for single_host in (False, True) if size in SINGLE_HOST_SIZES else (False,):
                 for flash in (False, True):
                     yield size, version, flash, single_host, fp8
 
@@ -75,15 +84,19 @@ def _count(size, version):
 def test_registered_pairs_and_variants_are_exactly_axlearns():
     fuji_names = {alias for alias in EXPERIMENTS.aliases if alias.startswith("fuji-")}
     assert fuji_names == {_name(*v) for v in VARIANTS}
-    # 32 BF16 configs; -fp8 doubles the 26 that are not the test model's
-    assert len(fuji.FUJI_EXPERIMENTS) == len(VARIANTS) == 32 + 26
+    # 52 BF16 configs; -fp8 doubles the 44 that are not the test model's
+    assert len(fuji.FUJI_EXPERIMENTS) == len(VARIANTS) == 52 + 44
     assert set(fuji.TOTAL_TOKENS) == {(v, s) for s, v in TABLE}
+    assert fuji.SINGLE_HOST_SIZES == SINGLE_HOST_SIZES
+    tiktoken = fuji.VERSIONS["3-tiktoken"]  # Llama 3's tokenizer (axlearn.md section 1)
+    assert (tiktoken.vocab_size, tiktoken.pad_id, tiktoken.eos_id) == (128_256, 128_004, 128_001)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: _name(*v))
 def test_every_name_resolves_to_one_class(variant):
     size, version, flash, single_host, fp8 = variant
-    class_name = (f"Fuji{'Test' if size == 'test' else size}V{version}"
+    spelled = version.replace("-tiktoken", "Tiktoken")
+    class_name = (f"Fuji{'Test' if size == 'test' else size}V{spelled}"
                   + "Flash" * flash + "Fp8" * fp8 + "SingleHost" * single_host)
     cls = getattr(fuji, class_name)
     assert cls.__name__ == class_name and cls.axlearn_name == _name(*variant)
@@ -102,8 +115,11 @@ def test_parameter_counts_by_abstract_init(pair):
         printed = DERIVED_BILLIONS[pair]
         digits = len(printed.split(".")[1])
         assert f"{_count(size, version) / 1e9:.{digits}f}" == printed
-    if pair == ("test", 1):
+    if pair == ("test", "1"):
         assert _count(size, version) == 4168
+    exact = {("8B", "3-tiktoken"): 8_030_261_248, ("405B", "3"): 405_945_663_488}  # by hand
+    if pair in exact:
+        assert _count(size, version) == exact[pair]
 
 
 def test_architecture_and_learner_values():
@@ -119,7 +135,8 @@ def test_architecture_and_learner_values():
                 model.kv_heads) == ("rms_norm", 1e-5, "silu", True, False, PositionEmbedding.ROTARY,
                                     theta, tied, kv)
         assert (model.scan_layers, model.dtype, model.param_dtype) == (True, "bfloat16", "float32")
-        peak, wd = {"test": (6e-4, 0.01), "70B": (1.5e-4, 0.1)}.get(size, (3e-4, 0.1))
+        peak, wd = {"test": (6e-4, 0.01), "70B": (1.5e-4, 0.1),
+                    "405B": (1.5e-4, 0.1)}.get(size, (3e-4, 0.1))
         assert (e.LEARNING_RATE, e.DECOUPLED_WEIGHT_DECAY) == (peak, wd)
         assert e.WEIGHT_DECAY == pytest.approx(wd / peak)
         assert (e.ADAM_BETA1, e.ADAM_BETA2, e.ADAM_EPSILON, e.CLIP_GRADIENT_NORM_TO_VALUE,
@@ -132,11 +149,13 @@ def test_architecture_and_learner_values():
 
 def test_global_batches_max_steps_and_single_host():
     # (size, version): (global batch, steps); AXLearn goldens for the steps
-    want = {("7B", 1): (2048, 262_144), ("70B", 1): (2048, 367_001), ("7B", 2): (1024, 524_288),
-            ("70B", 2): (1024, 524_288), ("1B", 3): (2048, 983_040), ("3B", 3): (2048, 983_040),
-            ("7B", 3): (2048, 983_040), ("70B", 3): (2048, 983_040), ("test", 1): (64, 3000),
-            ("test", 2): (64, 3000), ("test", 3): (64, 3000)}
-    single_host = {1: 64, 2: 32, 3: 16}  # AXLearn's intent: / 32 for v1, v2 and / 128 for v3
+    want = {("7B", "1"): (2048, 262_144), ("70B", "1"): (2048, 367_001),
+            ("7B", "2"): (1024, 524_288), ("70B", "2"): (1024, 524_288),
+            **{(size, "3"): (2048, 983_040) for size in ("1B", "3B", "7B", "70B", "405B")},
+            **{(size, "3-tiktoken"): (2048, 983_040) for size in ("1B", "3B", "8B", "70B", "405B")},
+            **{("test", version): (64, 3000) for version in ("1", "2", "3", "3-tiktoken")}}
+    # AXLearn's intent: / 32 for v1, v2 and / 128 for v3, v3-tiktoken
+    single_host = {"1": 64, "2": 32, "3": 16, "3-tiktoken": 16}
     for size, version, flash, single, fp8 in VARIANTS:
         e = load_experiment(_name(size, version, flash, single, fp8))
         batch, steps = want[size, version]
@@ -259,15 +278,16 @@ def test_flash_reaches_every_family_model():
 
 @pytest.mark.parametrize("name, message", [
     ("fuji-7b-v2", "did you mean 'fuji-7B-v2'"),
-    ("fuji-8B-v3", "valid fuji-* names: fuji-test-v1, "),
+    ("fuji-13B-v3", "valid fuji-* names: fuji-test-v1, "),
     ("Fuji7bV2", "did you mean 'Fuji7BV2'"),
 ])
 def test_typos_get_suggestions(name, message):
     with pytest.raises(ConfigError, match=message.replace("*", r"\*")) as err:
         load_experiment(name)
-    if name == "fuji-8B-v3":
+    if name == "fuji-13B-v3":
         listed = str(err.value).split(";")[1]
-        assert "fuji-70B-v3-flash" in listed and "fuji-8B" not in listed
+        assert "fuji-70B-v3-flash" in listed and "fuji-8B-v3-tiktoken" in listed
+        assert "fuji-13B" not in listed
 
 
 def test_fuji_test_v3_trains_three_steps_through_main(tmp_path):
@@ -305,3 +325,15 @@ def test_fp8_variants_are_axlearns_intent_on_every_gpu():
         else:
             assert model.fp8 is None
     assert "fuji-test-v1-fp8" not in EXPERIMENTS and "fuji-7B-v2-flash-fp8" in EXPERIMENTS
+
+
+def test_named_trainer_configs_is_axlearns_registry_lookup():
+    from paxlite.config.modifiers import GradientAccumulationModifier
+
+    configs = fuji.named_trainer_configs()
+    assert set(configs) == {_name(*v) for v in VARIANTS}
+    assert type(configs["fuji-8B-v3-tiktoken"]()) is fuji.Fuji8BV3Tiktoken
+    e = configs["fuji-test-v1"](GradientAccumulationModifier(2), MAX_STEPS=10)
+    assert (e.GRAD_ACCUM_STEPS, e.MAX_STEPS, e.overridden) == (2, 10, {"GRAD_ACCUM_STEPS", "MAX_STEPS"})
+    with pytest.raises(ConfigError, match="did you mean 'MAX_STEPS'"):
+        configs["fuji-test-v1"](MAX_STEP=10)

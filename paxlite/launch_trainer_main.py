@@ -1,0 +1,182 @@
+"""AXLearn-style entry point: `python -m paxlite.launch_trainer_main --module=text.gpt.c4_trainer
+--config=fuji-7B-v2 --trainer_dir=DIR --data_dir=DIR|FAKE --jax_backend=gpu|cpu [...]`.
+
+AXLearn's `launch_trainer_main` flags, mapped onto paxlite's Fuji experiments, so a job moves by
+changing the container and at most the module path (docs/migrating_from_axlearn.md has the table):
+
+- `--module` (alias `--config_module`): `text.gpt.c4_trainer`, the module of the Fuji configs.
+- `--config`: an AXLearn Fuji name (`fuji-7B-v2-flash`; a miss gets "did you mean").
+- `--trainer_dir`: the job directory; checkpoints in DIR/checkpoints and summaries in
+  DIR/summaries, as AXLearn lays them out; process 0 also writes DIR/trainer_config and
+  DIR/launch_trainer_flags, as AXLearn's `run_trainer` does.
+- `--data_dir`: None -> $DATA_DIR -> ~/tensorflow_datasets; `FAKE` is SYNTHETIC_DATA=true. A
+  directory holding the experiment's TFDS dataset (c4/en/3.0.1) becomes TFDS_DATA_DIR, one made by
+  `python -m paxlite.data.prepare` becomes DATA_DIR; anything else is an error.
+- `--jax_backend` (required): cpu, gpu or tpu, checked against every device JAX finds; cpu makes
+  JAX use the CPU. AXLearn's `proxy` (Pathways) is refused.
+- `--mesh_selector`: AXLearn's Fuji mesh rules (experiments/fuji_mesh.py).
+- `--distributed_coordinator`, `--num_processes`, `--process_id` (or DISTRIBUTED_COORDINATOR,
+  NUM_PROCESSES, PROCESS_ID); `--initialization_timeout`.
+- `--trainer_prng_seed` (SEED), `--trace_at_steps` / `--n_steps_for_each_trace`
+  (PROFILER_CAPTURE_STEP / PROFILER_NUM_STEPS), `--trainer_watchdog_timeout_seconds`,
+  `--trainer_crash_on_hang_timeout_seconds`, `--trainer_log_every_n_steps`
+  (SUMMARY_INTERVAL_STEPS), `--jax_profiler_port`.
+- `--fdl.NAME=VALUE`: any hyperparameter, with paxlite.main's syntax and checks.
+
+AXLearn flags with no paxlite meaning are defined so that using one is one clear error rather than
+absl's "unknown flag" or a value silently ignored. Every user mistake is one line and exit status
+2, found before JAX touches a device (a --jax_backend that does not match the devices is found
+when they are first listed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags, logging
+
+from paxlite.errors import RunStoppedError, UserError
+from paxlite.launch_plan import (
+    BACKENDS,
+    CONFIG_MODULES,
+    DEFAULTS,
+    FLAG_NAMES,
+    REFUSED,
+    LaunchError,
+    LaunchFlags,
+    LaunchPlan,
+    parse_launch,
+    split_fdl_args,
+)
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("module", DEFAULTS["module"], f"AXLearn's config module: {', '.join(CONFIG_MODULES)}.")
+flags.DEFINE_alias("config_module", "module")
+flags.DEFINE_string("config", DEFAULTS["config"], "AXLearn config name, e.g. fuji-7B-v2-flash.")
+flags.DEFINE_string("trainer_dir", DEFAULTS["trainer_dir"],
+                    "Job directory: checkpoints/, summaries/, metrics, configs.")
+flags.DEFINE_string("data_dir", DEFAULTS["data_dir"],
+                    "TFDS directory or paxlite dataset; FAKE: synthetic data. Default $DATA_DIR, "
+                    "else ~/tensorflow_datasets.")
+flags.DEFINE_string("jax_backend", DEFAULTS["jax_backend"],
+                    f"Required: {', '.join(BACKENDS)} (checked against the devices).")
+flags.DEFINE_string("mesh_selector", DEFAULTS["mesh_selector"],
+                    "Picks a Fuji mesh rule, e.g. gpu-p5.48xlarge-256, tpu-v5p-512.")
+flags.DEFINE_string("distributed_coordinator", DEFAULTS["distributed_coordinator"],
+                    "HOST:PORT of process 0 (default $DISTRIBUTED_COORDINATOR).")
+flags.DEFINE_integer("num_processes", DEFAULTS["num_processes"],
+                     "Processes in the job (default $NUM_PROCESSES).")
+flags.DEFINE_integer("process_id", DEFAULTS["process_id"], "This process's index (default $PROCESS_ID).")
+flags.DEFINE_integer("initialization_timeout", DEFAULTS["initialization_timeout"],
+                     "Seconds to wait for every process to join (default PAXLITE_INIT_TIMEOUT_S, 300).")
+flags.DEFINE_integer("trainer_prng_seed", DEFAULTS["trainer_prng_seed"], "Seed of the run (SEED).")
+flags.DEFINE_list("trace_at_steps", DEFAULTS["trace_at_steps"],
+                  "Step at which to start a profiler trace (one step).")
+flags.DEFINE_integer("n_steps_for_each_trace", DEFAULTS["n_steps_for_each_trace"],
+                     "Steps in the trace (PROFILER_NUM_STEPS).")
+flags.DEFINE_float("trainer_watchdog_timeout_seconds", DEFAULTS["trainer_watchdog_timeout_seconds"],
+                   "No step for this long: log every thread's stack (WATCHDOG_TIMEOUT_SECONDS).")
+flags.DEFINE_float("trainer_crash_on_hang_timeout_seconds",
+                   DEFAULTS["trainer_crash_on_hang_timeout_seconds"],
+                   "No step for this long: exit non-zero (CRASH_ON_HANG_TIMEOUT_SECONDS).")
+flags.DEFINE_integer("trainer_log_every_n_steps", DEFAULTS["trainer_log_every_n_steps"],
+                     "Summary interval (SUMMARY_INTERVAL_STEPS).")
+flags.DEFINE_integer("jax_profiler_port", DEFAULTS["jax_profiler_port"],
+                     "Start JAX's profiler server on this port.")
+for _name, _why in REFUSED.items():
+    flags.DEFINE_string(_name, None, f"AXLearn's flag; refused here: {_why}.")
+
+
+def _absl_flags(fdl) -> LaunchFlags:
+    return LaunchFlags(values={name: FLAGS[name].value for name in FLAG_NAMES},
+                       present=frozenset(name for name in FLAG_NAMES if FLAGS[name].present),
+                       fdl=tuple(fdl))
+
+
+def _write_trainer_files(plan: LaunchPlan, experiment, tree) -> None:
+    """DIR/trainer_config (readable) and DIR/launch_trainer_flags (JSON), as AXLearn's run_trainer."""
+    from fiddle import printing
+
+    os.makedirs(plan.trainer_dir, exist_ok=True)
+    lines = [f"# {plan.config_name}: {type(experiment).__module__}.{type(experiment).__qualname__}",
+             (f"# mesh: {plan.describe_mesh()} -> ICI_MESH_SHAPE={experiment.ICI_MESH_SHAPE}, "
+              f"DCN_MESH_SHAPE={experiment.DCN_MESH_SHAPE}"),
+             *(f"{name} = {value!r}" for name, value in experiment.hparams().items()),
+             "", printing.as_str_flattened(tree)]
+    with open(os.path.join(plan.trainer_dir, "trainer_config"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(plan.trainer_dir, "launch_trainer_flags"), "w") as f:
+        json.dump(plan.flags_record(), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def run(plan: LaunchPlan, *, argv: Sequence[str]) -> int:
+    """Join the job, check the devices, resolve the mesh and train (paxlite.job.run_job)."""
+    import fiddle as fdl
+    import jax
+
+    from paxlite.experiments.build import run_tree
+    from paxlite.job import Mode, preemption_exit_code, run_job
+    from paxlite.parallel import distributed
+
+    preemption_exit_code()  # a bad PAXLITE_PREEMPTION_EXIT_CODE is reported before joining
+    if plan.backend == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    distributed.initialize(plan.launch, timeouts=plan.timeouts)
+    plan.check_devices(jax.devices())
+    if plan.flags["jax_profiler_port"] is not None:
+        jax.profiler.start_server(plan.flags["jax_profiler_port"])
+    experiment = plan.experiment(num_devices=jax.device_count(), num_processes=jax.process_count())
+    if plan.mesh is not None and plan.mesh.rule is None and plan.mesh.selector:
+        logging.warning("%s", plan.no_rule_warning())
+    elif plan.mesh is not None and plan.mesh.rule is not None and plan.mesh.rule.not_reproduced:
+        logging.warning("Mesh rule %r: AXLearn's rule also sets %s; paxlite does not",
+                        plan.mesh.rule.pattern, plan.mesh.rule.not_reproduced)
+    logging.info("%s: %s -> ICI_MESH_SHAPE=%s, DCN_MESH_SHAPE=%s", plan.config_name,
+                 plan.describe_mesh(), experiment.ICI_MESH_SHAPE, experiment.DCN_MESH_SHAPE)
+    tree = run_tree(experiment)
+    run_config = fdl.build(tree)
+    if jax.process_index() == 0:
+        _write_trainer_files(plan, experiment, tree)
+    return run_job(experiment, tree, run_config, job_dir=plan.trainer_dir, mode=Mode.TRAIN,
+                   enable_checkpoint_saving=True, argv=argv)
+
+
+def main(argv: Sequence[str], *, fdl: Sequence[str] = ()) -> int:
+    """0; 2 with one line for a user's mistake; 1 with one line for a run that stopped."""
+    try:
+        if len(argv) > 1:
+            raise LaunchError(f"unexpected positional arguments {list(argv[1:])}; flags look like "
+                              "--name=value")
+        plan = parse_launch(_absl_flags(fdl), os.environ)
+        return run(plan, argv=sys.argv)
+    except UserError as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2
+    except RunStoppedError as e:
+        logging.error("%s", e)
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 1
+
+
+def run_main() -> None:
+    fdl_assignments: list[str] = []
+
+    def parser(argv: list[str]) -> list[str]:
+        try:
+            rest, found = split_fdl_args(argv)
+        except LaunchError as e:
+            print(f"paxlite: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        fdl_assignments.extend(found)
+        return FLAGS(rest)
+
+    app.run(lambda argv: sys.exit(main(argv, fdl=fdl_assignments)), flags_parser=parser)
+
+
+if __name__ == "__main__":
+    run_main()
