@@ -225,3 +225,18 @@ def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path):
                           "--fdl.MAX_STEPS=1", "--fdl.COMPILATION_CACHE=False"],
                          check=False, env=_env(), capture_output=True, text=True, timeout=300)
     assert off.returncode == 0 and not (tmp_path / "c" / "compilation_cache").exists()
+
+
+def test_the_axlearn_style_launcher_stops_the_same_way(tmp_path):
+    trainer_dir, log = tmp_path / "trainer", tmp_path / "launcher.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "paxlite.launch_trainer_main", "--module=text.gpt.c4_trainer",
+             "--config=fuji-test-v1", f"--trainer_dir={trainer_dir}", "--data_dir=FAKE", "--jax_backend=cpu",
+             "--trainer_log_every_n_steps=1", "--fdl.MAX_STEPS=1000000", "--fdl.EVAL_INTERVAL_STEPS=1000000",
+             "--fdl.CHECKPOINT_EVERY_N_STEPS=1000000"],
+            env=_env(PAXLITE_PREEMPTION_EXIT_CODE="143"), stdout=out, stderr=subprocess.STDOUT)
+    _wait_for_step(proc, trainer_dir, log, 2)
+    assert _stop(proc, signal.SIGTERM) == 143, log.read_text()[-3000:]
+    stop = _stopped_at(log)
+    assert os.listdir(trainer_dir / "checkpoints") == [f"checkpoint_{stop:08d}"]
