@@ -13,9 +13,7 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 import time
-from collections.abc import Sequence
 from typing import Self
 
 import jax
@@ -26,7 +24,7 @@ from flax import traverse_util
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import make_feed, prefetch_eval_batches, prefetch_train_batches
 from paxlite.data.feeding import plan_feeding
-from paxlite.errors import NotFoundError, RunStoppedError, SettingError
+from paxlite.errors import NotFoundError, RunStoppedError
 from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
 from paxlite.models.lora import is_lora_path
@@ -64,16 +62,6 @@ def stop_signals() -> Preemption:
 
 class TrainingDivergedError(RunStoppedError, FloatingPointError):
     """A non-finite loss or gradient norm; the bad state is never checkpointed."""
-
-
-def ignored_by(rules: Sequence[str], path: str) -> bool:
-    """Whether a '/'-joined parameter path matches one of CHECKPOINT_IGNORE_RULES.
-
-    As Pax: `re.match` (anchored at the start, not the end), and a rule may be written with Pax's
-    '.' separator or paxlite's '/': each rule is tried on both spellings of the path.
-    """
-    dotted = path.replace("/", ".")
-    return any(re.match(rule, path) or re.match(rule, dotted) for rule in rules)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,48 +225,14 @@ class Run:
                          "provides parameters only", len(jax.tree.leaves(state.fp8)))
         return state.replace(params=join_params(loaded, state.params))
 
-    def _restore_plan(self, path: str) -> tuple[dict, list[str]]:
-        """({name: abstract leaf} to read, [names left at their initialisation])."""
-        rules = self.config.loop.checkpoint_ignore_rules
-        flat = traverse_util.flatten_dict(self.steps.abstract_state.params, sep="/")
-        ignored = sorted(name for name in flat if ignored_by(rules, name))
-        wanted = {name: leaf for name, leaf in flat.items() if name not in ignored}
-        if not wanted:
-            raise SettingError(
-                f"CHECKPOINT_IGNORE_RULES={list(rules)} exclude every parameter, so nothing "
-                f"would be read from CHECKPOINT_RESTORE_PATH={path}"
-            )
-        return wanted, ignored
-
-    def _unread_checkpoint_params(self, path: str) -> list[str]:
-        """Checkpoint parameters this model lacks, each one matched by an ignore rule (else an error).
-
-        A 24-layer checkpoint must not quietly initialise a 12-layer model: parameters left unread
-        are named, and allowed only where CHECKPOINT_IGNORE_RULES match them (Pax's opt-in).
-        """
-        rules = self.config.loop.checkpoint_ignore_rules
-        model = traverse_util.flatten_dict(self.steps.abstract_state.params, sep="/")
-        _, step_dir, saved = pretrained.saved_param_shapes(path)
-        extra = sorted(set(saved) - set(model))
-        unmatched = [name for name in extra if not ignored_by(rules, name)]
-        if unmatched:
-            shown = "\n".join(f"  {name} {saved[name]}" for name in unmatched[:20])
-            raise pretrained.PretrainedCheckpointError(
-                f"the checkpoint {step_dir} holds {len(unmatched)} parameters this model does not "
-                f"have (another number of layers or another model?):\n{shown}"
-                + ("\n  ..." if len(unmatched) > 20 else "")
-                + "\nUse the model the checkpoint was made for, or leave them unread on purpose "
-                "with a CHECKPOINT_IGNORE_RULES regex matching them "
-                f"(e.g. --fdl.CHECKPOINT_IGNORE_RULES=\"['{re.escape(unmatched[0])}']\")")
-        return extra
-
     def _check_restore_path(self, path: str) -> tuple[dict, list[str], list[str]]:
         """A missing or unfinished restore path, rules that exclude everything, checkpoint
         parameters the model lacks: said before any state is built. Returns (parameters to read,
         model parameters left at their initialisation, checkpoint parameters left unread)."""
         pretrained.find_checkpoint(path)
-        wanted, ignored = self._restore_plan(path)
-        return wanted, ignored, self._unread_checkpoint_params(path)
+        rules, params = self.config.loop.checkpoint_ignore_rules, self.steps.abstract_state.params
+        wanted, ignored = pretrained.restore_plan(params, rules=rules, path=path)
+        return wanted, ignored, pretrained.unread_checkpoint_params(params, rules=rules, path=path)
 
     def _read_pretrained(self, path: str) -> dict:
         """Every parameter that no CHECKPOINT_IGNORE_RULES rule matches, read from `path` with its

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,8 +27,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+from flax import traverse_util
 
-from paxlite.errors import UserError
+from paxlite.errors import SettingError, UserError
 from paxlite.models.transformer import TransformerConfig
 from paxlite.paths import staged_output
 from paxlite.train.checkpoint import incomplete, is_damage
@@ -258,3 +260,48 @@ def load_model_config(directory: str | os.PathLike) -> TransformerConfig | None:
     """The TransformerConfig recorded beside a converted checkpoint, or None if there is none."""
     path = epath.Path(os.fspath(directory)) / MODEL_CONFIG_FILE
     return model_config_from_json(path.read_text()) if path.exists() else None
+
+
+def ignored_by(rules: Sequence[str], path: str) -> bool:
+    """Whether a '/'-joined parameter path matches one of CHECKPOINT_IGNORE_RULES.
+
+    As Pax: `re.match` (anchored at the start, not the end), and a rule may be written with Pax's
+    '.' separator or paxlite's '/': each rule is tried on both spellings of the path.
+    """
+    dotted = path.replace("/", ".")
+    return any(re.match(rule, path) or re.match(rule, dotted) for rule in rules)
+
+
+def restore_plan(abstract_params, *, rules: Sequence[str], path: str) -> tuple[dict, list[str]]:
+    """({name: abstract leaf} to read from `path`, [names left at their initialisation])."""
+    flat = traverse_util.flatten_dict(abstract_params, sep="/")
+    ignored = sorted(name for name in flat if ignored_by(rules, name))
+    wanted = {name: leaf for name, leaf in flat.items() if name not in ignored}
+    if not wanted:
+        raise SettingError(
+            f"CHECKPOINT_IGNORE_RULES={list(rules)} exclude every parameter, so nothing "
+            f"would be read from CHECKPOINT_RESTORE_PATH={path}"
+        )
+    return wanted, ignored
+
+
+def unread_checkpoint_params(abstract_params, *, rules: Sequence[str], path: str) -> list[str]:
+    """Checkpoint parameters this model lacks, each one matched by an ignore rule (else an error).
+
+    A 24-layer checkpoint must not quietly initialise a 12-layer model: parameters left unread
+    are named, and allowed only where CHECKPOINT_IGNORE_RULES match them (Pax's opt-in).
+    """
+    model = traverse_util.flatten_dict(abstract_params, sep="/")
+    _, step_dir, saved = saved_param_shapes(path)
+    extra = sorted(set(saved) - set(model))
+    unmatched = [name for name in extra if not ignored_by(rules, name)]
+    if unmatched:
+        shown = "\n".join(f"  {name} {saved[name]}" for name in unmatched[:20])
+        raise PretrainedCheckpointError(
+            f"the checkpoint {step_dir} holds {len(unmatched)} parameters this model does not "
+            f"have (another number of layers or another model?):\n{shown}"
+            + ("\n  ..." if len(unmatched) > 20 else "")
+            + "\nUse the model the checkpoint was made for, or leave them unread on purpose "
+            "with a CHECKPOINT_IGNORE_RULES regex matching them "
+            f"(e.g. --fdl.CHECKPOINT_IGNORE_RULES=\"['{re.escape(unmatched[0])}']\")")
+    return extra
