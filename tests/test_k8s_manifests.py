@@ -69,12 +69,16 @@ def _experiment(container):
         assignments = [f"{k[4:]}={v}" for k, v in flags.items() if k.startswith("fdl.")]
         assignments.append(f"TFDS_DATA_DIR={flags['tfds_data_dir']!r}")
         name = flags["fdl_config"]
-    else:  # the AXLearn-style launcher: --config names the experiment, --data_dir is TFDS's (FAKE: synthetic)
+    else:  # the AXLearn-style launcher, through its own flag parsing (the data directory is the cluster's)
         assert set(flags) <= AXLEARN_FLAGS, set(flags) - AXLEARN_FLAGS
         assert flags["module"] == "text.gpt.c4_trainer" and flags["jax_backend"] == "gpu"
-        data = flags["data_dir"]
-        assignments = ["SYNTHETIC_DATA=true"] if data == "FAKE" else [f"TFDS_DATA_DIR={data!r}"]
-        name = flags["config"]
+        from paxlite.launch_plan import LaunchFlags, parse_launch
+
+        plan = parse_launch(LaunchFlags.of(**{**flags, "data_dir": "FAKE"}), {})
+        experiment = plan.experiment(num_devices=container["resources"]["limits"]["nvidia.com/gpu"],
+                                     num_processes=1)
+        fdl.build(run_tree(experiment))
+        return experiment
     experiment = load_experiment(name, assignments)
     fdl.build(run_tree(experiment))
     return experiment
