@@ -147,7 +147,8 @@ def _fragments_in_order(documented: str, actual: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block, command, errors", _transcripts(),
-                         ids=[f"{b.where}:{c[18:60]}" for b, c, _ in _transcripts()])
+                         ids=[f"{b.where}:{c.replace('python -m paxlite.main ', '')[:60]}"
+                              for b, c, _ in _transcripts()])
 def test_documented_errors_are_what_the_code_prints(block: Block, command: str, errors: list[str],
                                                      tmp_path: pathlib.Path):
     done = _run(command, cwd=tmp_path)
