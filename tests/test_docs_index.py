@@ -69,3 +69,5 @@ def test_catalogue_names_every_experiment_and_alias_with_pax_s_numbers():
     assert cells[2:7] == ["125,262,336", "", "`[8, 1, 1]` x `[8, 1, 1]` (64)", "2,048", "256"], cells
     glam = next(line for line in text.splitlines() if line.startswith("| `GLaM126M64E` |"))
     assert "`GLaM126M64EBase`" in glam and "| 166,354,176 |" in glam  # the active parameters, for MoE
+    tiny = next(line for line in text.splitlines() if line.startswith("| `TinySynthetic` |"))
+    assert "| `None` (data: all devices) x `[1, 1, 1]` | 64 | 2 x devices |" in tiny  # ICI_MESH_SHAPE=None
