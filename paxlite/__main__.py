@@ -1,4 +1,4 @@
-"""`python -m paxlite list`, `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
+"""`python -m paxlite list [--format=markdown]` (the markdown is docs/experiments.md), `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
 `plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
 paxlite/plan.py), `convert --from=hf|meta|paxlite|te --to=paxlite|hf|te --input=P --output=P`
 (paxlite/convert.py) and `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
@@ -60,25 +60,118 @@ def describe(experiment, *, num_local_devices: int | None = None) -> dict:
     }
 
 
-def _list() -> int:
-    """One row per experiment: all parameters, and for MoE models the active ones per token."""
+def _catalogue() -> list[dict]:
+    """One entry per registered experiment, in registry order: what `list` prints in either format.
+
+    Parameter counts come from tracing each model's initialisation abstractly (no compile); experiments that
+    share a model (the Fuji -flash/-fp8/-single-host variants) are counted once.
+    """
     from paxlite.experiments import EXPERIMENTS
 
-    rows = []
-    alias_of = {name: alias for alias, name in getattr(EXPERIMENTS, "aliases", {}).items()}
+    aliases: dict[str, list[str]] = {}
+    for alias, name in getattr(EXPERIMENTS, "aliases", {}).items():
+        aliases.setdefault(name, []).append(alias)
+    names_of_class: dict[type, list[str]] = {}
+    for name, cls in EXPERIMENTS.items():
+        names_of_class.setdefault(cls, []).append(name)
+    counts: dict = {}
+    entries = []
     for name, cls in EXPERIMENTS.items():
         experiment = cls.resolve({})
         model = fdl.build(experiment.model_config())
-        params, active = parameter_counts(model)
-        path = f"{cls.__module__}.{cls.__qualname__}"
-        also = f"  (also {alias_of[name]})" if name in alias_of else ""
-        rows.append((name, f"{params:,}", f"{active:,}" if model.moe is not None else "", path + also))
+        try:
+            if model not in counts:
+                counts[model] = parameter_counts(model)
+            params, active = counts[model]
+        except TypeError:  # a model config that cannot be hashed is simply counted again
+            params, active = parameter_counts(model)
+        entries.append({
+            "name": name, "class": f"{cls.__module__}.{cls.__qualname__}", "experiment": experiment,
+            "also": [n for n in names_of_class[cls] if n != name] + aliases.get(name, []),
+            "num_params": params, "num_active_params": active if model.moe is not None else None,
+        })
+    return entries
+
+
+def _list(output_format: str = "text") -> int:
+    """One row per experiment: all parameters, and for MoE models the active ones per token."""
+    entries = _catalogue()
+    if output_format == "markdown":
+        print(_markdown_catalogue(entries), end="")
+        return 0
+    rows = []
+    for e in entries:
+        also = f"  (also {', '.join(e['also'])})" if e["also"] else ""
+        active = e["num_active_params"]
+        rows.append((e["name"], f"{e['num_params']:,}", "" if active is None else f"{active:,}", e["class"] + also))
     header = ("experiment", "parameters", "active", "class")
     widths = [max(len(r[i]) for r in [*rows, header]) for i in range(4)]
     print(f"{header[0]:<{widths[0]}}  {header[1]:>{widths[1]}}  {header[2]:>{widths[2]}}  class")
     for name, params, active, path in rows:
         print(f"{name:<{widths[0]}}  {params:>{widths[1]}}  {active:>{widths[2]}}  {path}")
     return 0
+
+
+CATALOGUE_COMMAND = "python -m paxlite list --format=markdown > docs/experiments.md"
+_FAMILIES = {  # module -> section title, in the order the sections appear
+    "gpt": "GPT (Pax's GPT-3 family)", "llama": "LLaMA (Pax's LLaMA-2 experiments)",
+    "glam": "GLaM (Pax's mixture-of-experts GPTs)", "mixtral": "Mixtral",
+    "fuji": "Fuji (AXLearn's models)", "tiny": "CPU-sized experiments (tests, demos, smoke runs)",
+}
+
+
+def _mesh_and_batch(experiment) -> tuple[str, str]:
+    """The default mesh as given (ICI x DCN and the devices it needs) and the global batch it implies."""
+    import math
+
+    from paxlite.parallel.mesh import full_shape
+
+    ici, dcn = experiment.ICI_MESH_SHAPE, experiment.DCN_MESH_SHAPE
+    fixed = getattr(experiment, "GLOBAL_BATCH_SIZE", None)
+    percore = experiment.PERCORE_BATCH_SIZE
+    if ici is None:  # data parallel over whatever devices the job has
+        mesh = f"`None` (data: all devices) x `{list(dcn)}`"
+        batch = f"{fixed:,}" if fixed is not None else f"{percore:g} x devices"
+        return mesh, batch
+    devices = math.prod(full_shape(ici)) * math.prod(full_shape(dcn))
+    mesh = f"`{list(ici)}` x `{list(dcn)}` ({devices:,})"
+    batch = fixed if fixed is not None else round(percore * devices)
+    return mesh, f"{batch:,}"
+
+
+def _markdown_catalogue(entries: list[dict]) -> str:
+    """docs/experiments.md: generated, so that the catalogue is the registry (tests/test_docs_index.py)."""
+    lines = [
+        "# Experiment catalogue",
+        "",
+        f"<!-- Generated from the registry by `{CATALOGUE_COMMAND}`; do not edit by hand. -->",
+        "",
+        "Every experiment `--fdl_config` accepts, with its defaults. Each one is also reachable by its class path",
+        "(the `class` column) and, as in Pax, by a legacy path ending in its name",
+        "(`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`). *Parameters* are exact (counted from the model",
+        "itself); *active* is what one token passes through in a mixture-of-experts model (router and top-k",
+        "experts). *Mesh* is the default `ICI_MESH_SHAPE` x `DCN_MESH_SHAPE` (`[data, fsdp, tensor]`, a 4th",
+        "entry for experts) and the devices it needs; *global batch* is `GLOBAL_BATCH_SIZE`, or",
+        "`PERCORE_BATCH_SIZE` x those devices. Override any of them with `--fdl.NAME=VALUE`",
+        "([configuration.md](configuration.md)); `python -m paxlite show --fdl_config=NAME` prints the resolved",
+        "values after overrides.",
+    ]
+    by_family: dict[str, list[dict]] = {}
+    for e in entries:
+        by_family.setdefault(e["class"].split(".")[-2], []).append(e)
+    for family in [*_FAMILIES, *sorted(set(by_family) - set(_FAMILIES))]:
+        if family not in by_family:
+            continue
+        lines += ["", f"## {_FAMILIES.get(family, family)}", "",
+                  "| experiment | also | parameters | active | mesh (devices) | sequence | global batch | class |",
+                  "|---|---|--:|--:|---|--:|--:|---|"]
+        for e in by_family[family]:
+            mesh, batch = _mesh_and_batch(e["experiment"])
+            also = ", ".join(f"`{a}`" for a in e["also"])
+            active = "" if e["num_active_params"] is None else f"{e['num_active_params']:,}"
+            lines.append(f"| `{e['name']}` | {also} | {e['num_params']:,} | {active} | {mesh} | "
+                         f"{e['experiment'].MAX_SEQ_LEN:,} | {batch} | `{e['class']}` |")
+    return "\n".join(lines) + "\n"
 
 
 def _show(args: argparse.Namespace, assignments: Sequence[str]) -> int:
@@ -139,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m paxlite")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="every registered experiment with its parameter count")
+    listing = commands.add_parser("list", help="every registered experiment with its parameter count")
+    listing.add_argument("--format", choices=("text", "markdown"), default="text",
+                         help=f"markdown: the catalogue docs/experiments.md ({CATALOGUE_COMMAND})")
     show = commands.add_parser("show", help="one experiment, resolved (accepts --fdl.NAME=VALUE)")
     show.add_argument("--fdl_config", required=True, help="registered name, dotted path or Pax name")
     show.add_argument("--format", choices=("text", "json"), default="text")
@@ -194,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "list":
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")
-        return _list()
+        return _list(args.format)
     try:
         return _show(args, assignments)
     except UserError as e:
