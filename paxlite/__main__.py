@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -297,5 +298,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def run() -> int:
+    """main(), with output piped into a reader that stops early (`| head`) ending quietly."""
+    try:
+        code = main()
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader has what it wanted; Python's own flush at exit would fail again and print a
+        # traceback, so stdout goes to /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -221,7 +221,7 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
         return convert_te(request)
     if request.te_options:
         flags = [flag for flag, dest in TE_OPTION_FLAGS if dest in request.te_options]
-        raise ConversionError(f"{', '.join(flags)} only apply to --to=te or --from=te "
+        raise ConversionError(f"{', '.join(flags)} only {'applies' if len(flags) == 1 else 'apply'} to --to=te or --from=te "
                               f"(here --from={request.source.value} --to={request.target.value})")
     if request.assignments and not request.fdl_config:
         raise ConversionError(f"--fdl.X overrides {list(request.assignments)} need --fdl_config")

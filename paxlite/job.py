@@ -19,7 +19,7 @@ from importlib import metadata
 from absl import logging
 
 import paxlite
-from paxlite.errors import SettingError
+from paxlite.errors import NotFoundError, SettingError
 
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
 # Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint committed (train/preemption.py);
@@ -132,8 +132,7 @@ def compilation_cache(run_config, *, job_dir: str) -> Iterator[str | None]:
                  or os.path.join(job_dir, "compilation_cache"))
     from paxlite.paths import require_local_path
 
-    require_local_path(directory, setting="COMPILATION_CACHE_DIR")
-    os.makedirs(directory, exist_ok=True)
+    require_local_path(directory, setting="COMPILATION_CACHE_DIR")  # JAX makes it at the first compile
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     previous = {name: getattr(jax.config, name) for name in names}
@@ -149,6 +148,15 @@ def compilation_cache(run_config, *, job_dir: str) -> Iterator[str | None]:
         jax_cache.reset_cache()
 
 
+def _require_checkpoints(job_dir: str) -> None:
+    directory = os.path.join(job_dir, "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    if not any(name.startswith("checkpoint_") and name[len("checkpoint_"):].isdigit() for name in names):
+        raise NotFoundError(
+            f"--mode=eval needs a checkpoint, and {directory} has none; train first, point "
+            "--job_log_dir at a training job's directory, or give --fdl.CHECKPOINT_RESTORE_PATH")
+
+
 def run_job(experiment, tree, run_config, *, job_dir: str, mode: Mode, enable_checkpoint_saving: bool,
             argv: Sequence[str]) -> int:
     """Train or evaluate a parsed job (after the multi-process runtime is joined); the exit status."""
@@ -158,8 +166,10 @@ def run_job(experiment, tree, run_config, *, job_dir: str, mode: Mode, enable_ch
 
     exit_code_if_preempted = preemption_exit_code()  # a bad value is reported before any work
     job_dir = os.path.abspath(job_dir)
-    os.makedirs(job_dir, exist_ok=True)
     training = mode is Mode.TRAIN
+    if not training and run_config.loop.checkpoint_restore_path is None:
+        _require_checkpoints(job_dir)  # before the run is built and anything written
+    os.makedirs(job_dir, exist_ok=True)
     with contextlib.ExitStack() as stack:
         # Stop signals are caught from before the run is built: one that comes while the step compiles
         # or the checkpoint is read stops the run after its first step, with a checkpoint.

@@ -173,7 +173,11 @@ def run_main() -> None:
             print(f"paxlite: error: {e}", file=sys.stderr)
             sys.exit(2)
         fdl_assignments.extend(found)
-        return FLAGS(rest)
+        try:
+            return FLAGS(rest)
+        except flags.Error as e:  # one line and exit 2, not absl's FATAL and exit 1
+            print(f"paxlite: error: {' '.join(str(e).split())}", file=sys.stderr)
+            sys.exit(2)
 
     app.run(lambda argv: sys.exit(main(argv, fdl=fdl_assignments)), flags_parser=parser)
 

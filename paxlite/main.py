@@ -13,7 +13,7 @@ import os
 import sys
 
 from absl import app, flags, logging
-from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, ...
+from fiddle import absl_flags  # noqa: F401  defines --fdl_config, --fdl_set, ... (parsed in _parse_flags)
 
 from paxlite.errors import RunStoppedError, UserError
 from paxlite.job import Mode, run_job
@@ -139,8 +139,33 @@ def _run_job(argv) -> int:
                    enable_checkpoint_saving=FLAGS.enable_checkpoint_saving, argv=sys.argv)
 
 
+def _rewrite_fdl_args(argv: list[str]) -> list[str]:
+    """`--fdl.NAME=VALUE` -> `--fdl_set=NAME=VALUE` and `--fdl_tag.` -> `--fdl_tags_set=`, the
+    rewrite Fiddle's flags_parser makes before absl parses."""
+    rewritten = []
+    for arg in argv:
+        for prefix, flag in (("--fdl.", "fdl_set"), ("--fdl_tag.", "fdl_tags_set")):
+            if arg.startswith(prefix):
+                if "=" not in arg:
+                    raise UsageError(f"{arg}: a setting looks like {prefix}NAME=VALUE")
+                arg = f"--{flag}={arg[len(prefix):]}"
+                break
+        rewritten.append(arg)
+    return rewritten
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """As Fiddle's flags_parser, but an unknown or malformed flag is one line and exit 2 (absl's
+    own report is a two-line FATAL and exit 1)."""
+    try:
+        return FLAGS(_rewrite_fdl_args(argv))
+    except (flags.Error, UsageError) as e:
+        print(f"paxlite: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+
+
 def run_main() -> None:
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=fdl_flags.flags_parser)
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -85,10 +85,26 @@ def test_train_then_eval_writes_the_job_directory(tmp_path):
     assert (job / "config.previous-1.json").exists()
 
 
-def test_eval_without_checkpoint_is_an_error(tmp_path):
-    result = _main("--fdl_config=TinySynthetic", "--mode=eval", f"--job_log_dir={tmp_path}")
+def test_eval_without_checkpoint_is_an_error_before_anything_is_written(tmp_path):
+    result = _main("--fdl_config=TinySynthetic", "--mode=eval", f"--job_log_dir={tmp_path / 'job'}")
     assert result.returncode == 2 and "needs a checkpoint" in result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "job").exists()  # no config.json, metrics.jsonl or compile cache left behind
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--exp=Pile126M", "paxlite: error: Unknown command line flag 'exp'"),
+    ("--fdl.MAX_STEPS", "paxlite: error: --fdl.MAX_STEPS: a setting looks like --fdl.NAME=VALUE"),
+])
+def test_an_unknown_or_malformed_flag_is_one_line_and_exit_2(tmp_path, flag, message):
+    result = _main("--fdl_config=TinySynthetic", flag, f"--job_log_dir={tmp_path / 'job'}")
+    assert result.returncode == 2 and result.stderr.strip() == message
+
+
+def test_listing_into_a_reader_that_stops_early_is_quiet():
+    out = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m paxlite list | head -n 1"],
+                         capture_output=True, text=True, env=ENV, timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.startswith("experiment") and out.stderr == "", out.stderr
 
 
 @pytest.mark.parametrize("mode", ["train", "dry_run"])

@@ -260,7 +260,7 @@ def test_cli_round_trip_keeps_optimizer_state(tmp_path, capsys):
 @pytest.mark.parametrize(("args", "message"), [
     (["--from=paxlite", "--to=te", "--te-qkv-layout=qkv_packed"], "use --te-qkv-layout=kv_packed"),
     (["--from=hf", "--to=te"], "convert to and from paxlite only"),
-    (["--from=paxlite", "--to=hf", "--weight-only"], "--weight-only only apply to --to=te"),
+    (["--from=paxlite", "--to=hf", "--weight-only"], "--weight-only only applies to --to=te"),
     (["--from=te", "--to=paxlite"], "is not a Transformer Engine model"),
 ])
 def test_cli_errors_exit_2(tmp_path, capsys, args, message):
