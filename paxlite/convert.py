@@ -8,6 +8,8 @@
     python -m paxlite convert --from=paxlite --to=te --input=JOB_OR_CKPT_DIR --output=te_ckpt \
         [--weight-only] [--num-gqa-groups=K --te-qkv-layout=kv_packed --pax-split-qkv ...]
     python -m paxlite convert --from=te --to=paxlite --input=te_ckpt --output=ckpt
+    python -m paxlite convert --from=pax --fdl_config=LLaMA7B --input=PAX_DIR --output=ckpt
+    python -m paxlite convert --from=paxlite --to=pax --input=JOB_OR_CKPT_DIR --output=PAX_DIR
 
 With ``--fdl_config`` (and optional ``--fdl.X=V`` overrides) the converted model must have the
 experiment's architecture; every differing field is reported with both values. The paxlite
@@ -54,12 +56,14 @@ class Source(str, enum.Enum):
     HF = "hf"
     META = "meta"
     PAXLITE = "paxlite"
+    PAX = "pax"  # Pax's own TensorStore layout (interop/pax.py); needs --fdl_config
     TE = "te"  # a paxlite checkpoint of a Transformer Engine model (ENABLE_TE=1; interop/te.py)
 
 
 class Target(str, enum.Enum):
     PAXLITE = "paxlite"
     HF = "hf"
+    PAX = "pax"
     TE = "te"
 
 
@@ -206,6 +210,12 @@ def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
 def _read(request: ConvertRequest, experiment_config: TransformerConfig | None) -> Pretrained:
     from paxlite.interop import hf
 
+    if request.source is Source.PAX:
+        from paxlite.interop import pax
+
+        assert experiment_config is not None and request.fdl_config is not None
+        return pax.load(request.input, config=experiment_config, experiment=request.fdl_config,
+                        dtype=request.dtype)
     if request.source is Source.HF:
         return hf.load(request.input, dtype=request.dtype)
     if request.source is Source.META:
@@ -227,6 +237,12 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
         raise ConversionError(f"--fdl.X overrides {list(request.assignments)} need --fdl_config")
     if request.vocab_size is not None and request.source is not Source.META:
         raise ConversionError("--vocab_size is only for --from=meta (params.json vocab_size -1)")
+    if request.source is Source.PAX and not request.fdl_config:
+        raise ConversionError("--from=pax needs --fdl_config=NAME: a Pax checkpoint does not record "
+                              "its model, the experiment that trained it does (e.g. "
+                              "--fdl_config=LLaMA7B, or GPT126M with its --fdl.X overrides)")
+    if request.source is Source.PAX and request.target is Target.PAX:
+        raise ConversionError("--from=pax --to=pax: the input already is in Pax's layout")
     # Every output precondition before the first byte of a (possibly 140 GB) input is read.
     require_local_path(request.input, setting="--input")
     check_output_dir(request.output, setting="--output", inputs=[request.input])
@@ -240,9 +256,29 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
             pretrained = adopted
     if request.target is Target.HF:
         hf.save(pretrained, request.output, dtype=request.dtype)
+    elif request.target is Target.PAX:
+        from paxlite.interop import pax
+
+        repeated = _scan_layers(request, experiment_config)
+        pax.save(pretrained, request.output, repeated=repeated, dtype=request.dtype)
     else:
         hf.to_paxlite(pretrained, request.output)
     return pretrained
+
+
+def _scan_layers(request: ConvertRequest, experiment_config: TransformerConfig | None) -> bool:
+    """Whether the model's layers are repeated (Pax's ``repeat.sub``): the experiment's, else the
+    paxlite checkpoint's own model config; other sources name no experiment (unrepeated)."""
+    from paxlite.interop import hf
+    from paxlite.train.pretrained import find_checkpoint
+
+    if experiment_config is not None:
+        return experiment_config.scan_layers
+    if request.source is not Source.PAXLITE:
+        return False
+    _, step_dir = find_checkpoint(request.input)
+    config = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
+    return (config or model_config_from_job(step_dir.parent.parent)).scan_layers
 
 
 def _te_model_config(step_dir: Any, path: str, *, source: Source) -> TransformerConfig:
@@ -319,8 +355,8 @@ class ConvertSummary:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="source", required=True, choices=[s.value for s in Source])
     parser.add_argument("--to", dest="target", required=True, choices=[t.value for t in Target])
-    parser.add_argument("--input", required=True, help="HF model dir, Meta checkpoint dir, or "
-                        "paxlite job/checkpoint dir")
+    parser.add_argument("--input", required=True, help="HF model dir, Meta checkpoint dir, "
+                        "paxlite job/checkpoint dir, or Pax job/checkpoints/checkpoint_<STEP> dir")
     parser.add_argument("--output", required=True, help="a new (or empty) directory")
     parser.add_argument("--fdl_config", default=None,
                         help="experiment whose model the converted one must be (accepts --fdl.X=V)")

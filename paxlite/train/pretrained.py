@@ -32,6 +32,7 @@ from flax import traverse_util
 from paxlite.errors import SettingError, UserError
 from paxlite.models.transformer import TransformerConfig
 from paxlite.paths import staged_output
+from paxlite.train import pax_layout
 from paxlite.train.checkpoint import incomplete, is_damage
 
 PyTree = Any
@@ -54,13 +55,19 @@ def _step_dirs(checkpoints: epath.Path) -> list[tuple[int, epath.Path]]:
         if not (match and child.is_dir()):
             continue
         problem = None if (child / _ITEM).is_dir() else f"no '{_ITEM}' item"
-        problem = problem or incomplete(child)
+        problem = problem or _unfinished(child)
         if problem is None:
             found.append((int(match.group(1)), child))
         else:
             logging.warning("Skipping %s: not a complete checkpoint (%s); an earlier step is used "
                             "if there is one", child, problem)
     return sorted(found)
+
+
+def _unfinished(step_dir: epath.Path) -> str | None:
+    """`incomplete`, except for Pax's layout: Pax (Orbax on a local disk) finalises a step by
+    renaming its temporary directory to checkpoint_<STEP>, so the name itself is the commit."""
+    return None if pax_layout.is_pax_step(step_dir) else incomplete(step_dir)
 
 
 def find_checkpoint(path: str | os.PathLike) -> tuple[int, epath.Path]:
@@ -71,7 +78,7 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[int, epath.Path]:
     match = _STEP_DIR.match(root.name)
     if match:
         problem = None if (root / _ITEM).is_dir() else f"it has no '{_ITEM}' item"
-        problem = problem or incomplete(root)
+        problem = problem or _unfinished(root)
         if problem is not None:
             raise PretrainedCheckpointError(
                 f"{root} is not a complete paxlite checkpoint ({problem}); wait for the copy to "
@@ -170,9 +177,16 @@ def _path_str(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def saved_param_shapes(path: str | os.PathLike) -> tuple[int, epath.Path, dict[str, tuple[int, ...]]]:
-    """(step, step directory, {'/'-joined parameter name: shape}) of the checkpoint `path` designates."""
+def saved_param_shapes(path: str | os.PathLike, *, like: PyTree | None = None
+                       ) -> tuple[int, epath.Path, dict[str, tuple[int, ...]]]:
+    """(step, step directory, {'/'-joined parameter name: shape}) of the checkpoint `path` designates.
+
+    A Pax checkpoint (pax_layout.py) has Pax's names; with ``like`` (the model's params tree) each
+    model parameter Pax holds is listed under paxlite's name (with the model's shape: `restore_params`
+    checks the Pax shapes), and the Pax tensors the model does not use under their Pax names."""
     step, step_dir = find_checkpoint(path)
+    if pax_layout.is_pax_step(step_dir):
+        return step, step_dir, _pax_names(step_dir, like)
     state_dir = step_dir / _ITEM
     try:
         metadata = ocp.PyTreeCheckpointer().metadata(state_dir)
@@ -204,7 +218,10 @@ def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[in
     checkpoint does not have, or parameters an ignore rule excludes) are simply not read. Any leaf it
     asks for must exist with the same shape; an error names every one that does not.
     """
-    step, step_dir, saved = saved_param_shapes(path)
+    step, step_dir = find_checkpoint(path)
+    if pax_layout.is_pax_step(step_dir):
+        return step, _restore_pax(step_dir, abstract_params)
+    step, step_dir, saved = saved_param_shapes(step_dir)
     state_dir = step_dir / _ITEM
     problems = []
     for p, want in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
@@ -234,6 +251,47 @@ def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[in
     except Exception as error:  # TensorStore raises bare Exception; re-raised
         raise _read_failure(step_dir, error) from error
     return step, restored["params"]
+
+
+def _leaf_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
+    return {_path_str(p): tuple(leaf.shape)
+            for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _pax_names(step_dir: epath.Path, like: PyTree | None) -> dict[str, tuple[int, ...]]:
+    arrays = pax_layout.pax_arrays(step_dir)
+    if like is None:
+        return {name: a.shape for name, a in arrays.items()}
+    leaves = _leaf_shapes(like)
+    layout = pax_layout.read_layout(leaves, arrays)
+    plans, _ = pax_layout.plan_leaves(leaves, layout)
+    out = {leaf: leaves[leaf] for leaf, plan in plans.items()
+           if all(n in arrays for layer in plan.pieces for n, _ in layer)}
+    used = pax_layout.used_names(plans)
+    out.update({name: a.shape for name, a in arrays.items() if name not in used})
+    return out
+
+
+def _restore_pax(step_dir: epath.Path, abstract_params: PyTree) -> PyTree:
+    """`restore_params` of a Pax checkpoint: every leaf asked for, mapped from Pax's names (checked
+    first, one line naming the Pax tensor), read one array at a time and put on its sharding."""
+    arrays = pax_layout.pax_arrays(step_dir)
+    leaves = _leaf_shapes(abstract_params)
+    layout = pax_layout.read_layout(leaves, arrays)
+    plans, unknown = pax_layout.plan_leaves(leaves, layout)
+    problems = [f"paxlite's {name} has no Pax name" for name in unknown]
+    problems += pax_layout.check(arrays, plans, layout)
+    if problems:
+        raise PretrainedCheckpointError(pax_layout.one_line(step_dir, problems, what="the model"))
+
+    def read(path: tuple, leaf: Any) -> jax.Array:
+        array = pax_layout.read_leaf(plans[_path_str(path)], arrays).astype(leaf.dtype)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            return jnp.asarray(array)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    return jax.tree_util.tree_map_with_path(read, abstract_params)
 
 
 def _plain(value: Any) -> Any:
@@ -292,7 +350,7 @@ def unread_checkpoint_params(abstract_params, *, rules: Sequence[str], path: str
     are named, and allowed only where CHECKPOINT_IGNORE_RULES match them (Pax's opt-in).
     """
     model = traverse_util.flatten_dict(abstract_params, sep="/")
-    _, step_dir, saved = saved_param_shapes(path)
+    _, step_dir, saved = saved_param_shapes(path, like=abstract_params)
     extra = sorted(set(saved) - set(model))
     unmatched = [name for name in extra if not ignored_by(rules, name)]
     if unmatched:
