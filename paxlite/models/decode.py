@@ -95,11 +95,15 @@ def _step_mask(pad: jax.Array, *, start: jax.Array, length: int, max_len: int) -
 
 
 def _forward(model: Transformer, params: PyTree, cache: PyTree, tokens: jax.Array,
-             positions: jax.Array, mask: jax.Array) -> tuple[jax.Array, PyTree]:
-    """Last position's logits [B, V] and the updated cache."""
+             positions: jax.Array, mask: jax.Array, vocab_limit: int | None,
+             ) -> tuple[jax.Array, PyTree]:
+    """Last position's logits [B, V] (ids from vocab_limit on excluded) and the updated cache."""
     logits, updated = model.apply({"params": params, "cache": cache}, tokens, positions=positions,
                                   decode_mask=mask, mutable=["cache"])
-    return logits[:, -1], updated["cache"]
+    logits = logits[:, -1]
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    return logits, updated["cache"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,18 +114,20 @@ class _Steps:
     step: Any
 
 
-def _make_steps(model: Transformer, sampling: SamplingConfig, max_len: int) -> _Steps:
+def _make_steps(model: Transformer, sampling: SamplingConfig, max_len: int,
+                vocab_limit: int | None) -> _Steps:
     def prefill(params, cache, tokens, pad, key):
         length = tokens.shape[1]
         positions = jnp.maximum(jnp.arange(length)[None, :] - pad[:, None], 0)
         mask = _step_mask(pad, start=jnp.int32(0), length=length, max_len=max_len)
-        logits, cache = _forward(model, params, cache, tokens, positions, mask)
+        logits, cache = _forward(model, params, cache, tokens, positions, mask, vocab_limit)
         return sample_logits(logits, key, sampling), cache
 
     def step(params, cache, token, pad, index, key):
         positions = (index - pad)[:, None]  # [B, 1]: each row's own position
         mask = _step_mask(pad, start=index, length=1, max_len=max_len)
-        logits, cache = _forward(model, params, cache, token[:, None], positions, mask)
+        logits, cache = _forward(model, params, cache, token[:, None], positions, mask,
+                                 vocab_limit)
         return sample_logits(logits, key, sampling), cache
 
     return _Steps(prefill=jax.jit(prefill), step=jax.jit(step, donate_argnums=(1,)))
@@ -136,9 +142,14 @@ def generate(
     sampling: SamplingConfig = SamplingConfig(),
     seed: int = 0,
     eos_id: int | None = None,
+    vocab_limit: int | None = None,
 ) -> list[list[int]]:
     """The generated ids of each prompt (the prompt not included): up to `max_new_tokens`, ending
-    with `eos_id` where the model emits it. The same seed gives the same tokens."""
+    with `eos_id` where the model emits it. The same seed gives the same tokens.
+
+    vocab_limit: only ids below it are generated (a tokenizer smaller than the model's padded
+    vocabulary cannot decode the others); None: all.
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -154,7 +165,7 @@ def generate(
             f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} is "
             f"{max_len}, over the model's max_seq_len={config.max_seq_len}")
     model = Transformer(decoding_config(config))
-    steps = _make_steps(model, sampling, max_len)
+    steps = _make_steps(model, sampling, max_len, vocab_limit)
     batch = len(prompts)
     pad_np = np.array([longest - len(p) for p in prompts], np.int32)
     tokens = np.zeros((batch, longest), np.int32)
