@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
                        sampling=sampling, seed=args.seed, eos_id=eos,
                        vocab_limit=None if tokenizer is None else tokenizer.vocab_size)
     for prompt, ids in zip(prompt_ids, outputs, strict=True):
-        text = None if tokenizer is None else tokenizer.decode(ids)
+        text = None if tokenizer is None else _continuation(tokenizer, prompt, ids)
         if args.format == OutputFormat.JSON:
             record = {"prompt_ids": prompt, "ids": ids}
             if tokenizer is not None:
@@ -199,8 +199,15 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
         elif tokenizer is None:
             print(" ".join(map(str, ids)), flush=True)
         else:
-            print(tokenizer.decode(prompt) + text, flush=True)
+            print(tokenizer.decode(prompt + ids), flush=True)
     return 0
+
+
+def _continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """The text the generated ids add to the prompt's: decoding them alone would drop the space
+    SentencePiece writes at the start of a word piece (``▁king`` -> ``king``)."""
+    head, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + ids)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
 
 
 def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:

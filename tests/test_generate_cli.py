@@ -88,7 +88,8 @@ def test_text_prompts_with_a_tokenizer_and_seeded_sampling(job, vocab, capsys):
     tokenizer = Tokenizer(vocab)
     for record, text in zip(runs[0], ["the king", "a fool speaks"], strict=True):
         assert record["prompt_ids"] == tokenizer.encode(text)
-        assert record["text"] == tokenizer.decode(record["ids"])
+        whole = tokenizer.decode(record["prompt_ids"] + record["ids"])
+        assert record["prompt"] + record["text"] == whole and record["prompt"] == text
         assert 1 <= len(record["ids"]) <= 4 and all(0 <= i < 60 for i in record["ids"])
 
 
