@@ -14,6 +14,7 @@ exactly the positions of the prompt run alone) and the padded slots are masked o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,6 +115,13 @@ class _Steps:
     step: Any
 
 
+@functools.lru_cache(maxsize=8)
+def _cached_steps(config: TransformerConfig, sampling: SamplingConfig, max_len: int,
+                  vocab_limit: int | None) -> _Steps:
+    """Repeated calls with the same settings reuse the compiled steps."""
+    return _make_steps(Transformer(config), sampling, max_len, vocab_limit)
+
+
 def _make_steps(model: Transformer, sampling: SamplingConfig, max_len: int,
                 vocab_limit: int | None) -> _Steps:
     def prefill(params, cache, tokens, pad, key):
@@ -165,7 +173,10 @@ def generate(
             f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} is "
             f"{max_len}, over the model's max_seq_len={config.max_seq_len}")
     model = Transformer(decoding_config(config))
-    steps = _make_steps(model, sampling, max_len, vocab_limit)
+    try:
+        steps = _cached_steps(model.config, sampling, max_len, vocab_limit)
+    except TypeError:  # a config holding something unhashable: compiled for this call only
+        steps = _make_steps(model, sampling, max_len, vocab_limit)
     batch = len(prompts)
     pad_np = np.array([longest - len(p) for p in prompts], np.int32)
     tokens = np.zeros((batch, longest), np.int32)
