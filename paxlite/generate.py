@@ -14,6 +14,7 @@ sample. Every user mistake is one line and exit 2, found before any parameter is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -57,6 +58,7 @@ class _Model:
     checkpoint: str
     vocab_path: str | None
     source: str  # where the config came from, for messages
+    mesh_config: Any = None  # the experiment's MeshConfig; None (a converted model alone): one device
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -122,7 +124,7 @@ def _resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> _Mod
     if experiment is not None:
         config = fdl.build(experiment.with_lora(experiment.model_config()))
         return _Model(config=config, checkpoint=path, vocab_path=experiment.vocab_path(),
-                      source=source)
+                      source=source, mesh_config=fdl.build(experiment.mesh_config()))
     if assignments:
         raise SettingError(f"--fdl.{assignments[0]} needs an experiment (--fdl_config=NAME); "
                            f"{path} records its model in model_config.json")
@@ -136,21 +138,41 @@ def _resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> _Mod
         "--fdl_config=NAME (and the --fdl.X overrides it was trained with)")
 
 
-def _restore(model: _Model):
+def _restore(model: _Model, mesh):
+    """Parameters sharded over the experiment's mesh by the training rules, each process reading
+    only its shards; without a mesh, whole onto one device."""
     import jax
     from flax import linen as nn
 
     from paxlite.models.decode import decoding_config
-    from paxlite.models.transformer import abstract_variables
+    from paxlite.models.transformer import abstract_variables, logical_param_axes
+    from paxlite.parallel.rules import DEFAULT_RULES
     from paxlite.train.pretrained import restore_params
 
-    # One device: the parameters are read whole onto it (a placement Orbax need not guess).
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    config = decoding_config(model.config)
+    abstract = nn.meta.unbox(abstract_variables(config))["params"]
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract)
+    else:
+        shardings = nn.logical_to_mesh_sharding(logical_param_axes(config), mesh, DEFAULT_RULES)
     abstract = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
-        nn.meta.unbox(abstract_variables(decoding_config(model.config)))["params"])
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        abstract, shardings)
     _, params = restore_params(model.checkpoint, abstract)
     return params
+
+
+def _mesh(model: _Model):
+    """The experiment's mesh (as training builds it), the batch size its batch axes divide."""
+    import math
+
+    from paxlite.parallel.mesh import BATCH_AXES, build_mesh
+
+    if model.mesh_config is None:
+        return None, 1
+    mesh = build_mesh(model.mesh_config)
+    return mesh, math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
 
 
 def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
@@ -184,10 +206,21 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
         raise SettingError(f"--prompt_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
     eos = tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id >= 0 else None
 
-    params = _restore(model)
-    outputs = generate(model.config, params, prompt_ids, max_new_tokens=args.max_new_tokens,
-                       sampling=sampling, seed=args.seed, eos_id=eos,
-                       vocab_limit=None if tokenizer is None else tokenizer.vocab_size)
+    mesh, batch_multiple = _mesh(model)  # a mesh that does not fit is an error before reading
+    params = _restore(model, mesh)
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:  # the cache and activations shard by the training rules
+            import jax
+            from flax import linen as nn
+
+            from paxlite.parallel.rules import DEFAULT_RULES
+
+            stack.enter_context(jax.set_mesh(mesh))
+            stack.enter_context(nn.logical_axis_rules(DEFAULT_RULES))
+        outputs = generate(model.config, params, prompt_ids, max_new_tokens=args.max_new_tokens,
+                           sampling=sampling, seed=args.seed, eos_id=eos,
+                           vocab_limit=None if tokenizer is None else tokenizer.vocab_size,
+                           batch_multiple=batch_multiple)
     for prompt, ids in zip(prompt_ids, outputs, strict=True):
         text = None if tokenizer is None else _continuation(tokenizer, prompt, ids)
         if args.format == OutputFormat.JSON:

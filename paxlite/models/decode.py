@@ -151,12 +151,15 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
     vocab_limit: int | None = None,
+    batch_multiple: int = 1,
 ) -> list[list[int]]:
     """The generated ids of each prompt (the prompt not included): up to `max_new_tokens`, ending
     with `eos_id` where the model emits it. The same seed gives the same tokens.
 
     vocab_limit: only ids below it are generated (a tokenizer smaller than the model's padded
     vocabulary cannot decode the others); None: all.
+    batch_multiple: the rows are made a multiple of it (copies of the last prompt, whose outputs
+    are dropped), so that a mesh's batch axes divide the batch.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -177,6 +180,8 @@ def generate(
         steps = _cached_steps(model.config, sampling, max_len, vocab_limit)
     except TypeError:  # a config holding something unhashable: compiled for this call only
         steps = _make_steps(model, sampling, max_len, vocab_limit)
+    given = len(prompts)
+    prompts = [*prompts, *[prompts[-1]] * (-given % batch_multiple)]
     batch = len(prompts)
     pad_np = np.array([longest - len(p) for p in prompts], np.int32)
     tokens = np.zeros((batch, longest), np.int32)
@@ -197,4 +202,4 @@ def generate(
             break
         token, cache = steps.step(params, cache, token, pad, jnp.int32(longest + i),
                                   jax.random.fold_in(key, i + 1))
-    return out
+    return out[:given]

@@ -140,11 +140,11 @@ def test_sharded_generation_equals_one_device() -> None:
 
     cfg = llama(num_heads=4, num_kv_heads=2)
     params = _params(cfg)
-    prompts = [*PROMPTS, [8, 8, 1, 0]]  # 4 rows: the batch axes (data x fsdp) split them
+    prompts = PROMPTS  # 3 rows, made 4 (batch_multiple) for the batch axes (data x fsdp)
     want = generate(cfg, params, prompts, max_new_tokens=NEW)
     mesh = jax.make_mesh((2, 2, 2, 1), ("data", "fsdp", "tensor", "expert"),
                          axis_types=(AxisType.Auto,) * 4)
     shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, DEFAULT_RULES)
     sharded = jax.device_put(params, shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
-        assert generate(cfg, sharded, prompts, max_new_tokens=NEW) == want
+        assert generate(cfg, sharded, prompts, max_new_tokens=NEW, batch_multiple=4) == want
