@@ -106,6 +106,8 @@ def test_text_prompts_with_a_tokenizer_and_seeded_sampling(job, vocab, capsys):
     (["--job_log_dir={job}", "--prompt_ids=1,2", "--max_new_tokens=63"], "max_seq_len=64"),
     (["--job_log_dir={job}", "--prompt_ids=256"], "outside the vocabulary [0, 256)"),
     (["--checkpoint=/absent/dir", "--prompt_ids=1"], "does not exist"),
+    (["--job_log_dir={job}", "--prompt_file=/absent/prompts.txt"], "does not exist"),
+    (["--job_log_dir={job}", "--prompt_ids=1", "--max_new_tokens=0"], "must be at least 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(job, capsys, flags, message):
     assert main(["generate", *[f.format(job=job) for f in flags]]) == 2
