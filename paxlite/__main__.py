@@ -1,8 +1,9 @@
 """`python -m paxlite list [--format=markdown]` (the markdown is docs/experiments.md), `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
 `plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
 paxlite/plan.py), `convert --from=hf|meta|paxlite|te --to=paxlite|hf|te --input=P --output=P`
-(paxlite/convert.py) and `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
-adapters folded in; see paxlite/train/export.py)."""
+(paxlite/convert.py), `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
+adapters folded in; see paxlite/train/export.py) and `generate --job_log_dir=DIR|--checkpoint=PATH
+--prompt=...|--prompt_ids=1,2,3` (samples from a model; paxlite/generate.py)."""
 
 from __future__ import annotations
 
@@ -262,6 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("--output", required=True, help="new directory for the merged checkpoint")
     export.add_argument("--fdl_config", default=None,
                         help="the run's experiment (default: read from the job's config.json)")
+    from paxlite.generate import add_arguments as add_generate_arguments
+
+    add_generate_arguments(commands.add_parser(
+        "generate", help="text or token ids from a trained or converted model (KV cache; greedy or sampled)"))
     args, extra = parser.parse_known_args(argv)
     assignments = []
     for item in extra:
@@ -287,6 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_cli(args, assignments)
     if args.command == "export_merged":
         return _export_merged(args, assignments)
+    if args.command == "generate":
+        from paxlite.generate import run_cli as run_generate
+
+        return run_generate(args, assignments)
     if args.command == "list":
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")

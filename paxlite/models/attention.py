@@ -167,6 +167,9 @@ class Attention(nn.Module):
     relative_position_max_distance: int = 128
     scale_query: bool = True  # False: no 1/sqrt(H) (Pax GLaM's internal_enable_query_scale=False)
     fp8: Fp8Config | None = None  # q/k/v and output projections in FP8 (models/linear.py)
+    # Incremental decoding (models/decode.py): keys and values go to the "cache" collection and
+    # attention reads all cached ones under the caller's mask [B, 1, T, S_max].
+    decode: bool = False
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -246,9 +249,14 @@ class Attention(nn.Module):
             k = apply_rotary(k, positions, theta=self.rope_theta)
         if self.scale_query:
             q = q * jnp.asarray(h**-0.5, dtype=self.dtype)
-        bias = self._logit_bias(bias, positions, batch=batch, length=length)  # [B|1, N|1, T, S]
+        key_positions = positions
+        if self.decode:
+            k, v, key_positions = self._extend_cache(k, v, positions, kv_axes=kv_axes)
+        bias = self._logit_bias(bias, positions, key_positions, batch=batch, length=length)
 
-        if AttentionKind(self.attention_kind) is AttentionKind.FLASH:
+        if self.decode:  # the mask is the caller's over the whole cache; kernels assume S == T
+            out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype)
+        elif AttentionKind(self.attention_kind) is AttentionKind.FLASH:
             # q is already scaled; k/v keep their K heads (query head i uses kv head i // G, as
             # below). The kernels are causal; the mask (same-segment for packed rows), when there
             # is one, is a subset of causal, and the Pallas kernel reads segment_ids instead.
@@ -280,8 +288,40 @@ class Attention(nn.Module):
         )(out)  # [B, T, D]
         return checkpoint_name(out, OUT_PROJ_NAME)
 
+    def _extend_cache(self, k: jax.Array, v: jax.Array, positions: jax.Array | None, *,
+                      kv_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Writes k, v [B, T, K, H] (after RoPE) and their positions at the cache index; returns
+        the whole cache (k, v [B, S_max, K, H], positions [B, S_max]) and advances the index.
+
+        The cache keeps the k/v activation layout and logical axes of training, so one rules table
+        shards both. It is created by an init pass with the full length (decode.init_cache); that
+        pass only allocates it and attends over its own keys.
+        """
+        batch, length = k.shape[:2]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        initialized = self.has_variable("cache", "cached_key")
+        cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+        cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        cached_pos = self.variable("cache", "cached_positions", jnp.zeros, positions.shape, jnp.int32)
+        index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        if not initialized:
+            return k, v, positions
+        i = index.value
+        cached_k.value = nn.with_logical_constraint(
+            jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype),
+                                         (0, i, 0, 0)), kv_axes)
+        cached_v.value = nn.with_logical_constraint(
+            jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype),
+                                         (0, i, 0, 0)), kv_axes)
+        cached_pos.value = jax.lax.dynamic_update_slice(
+            cached_pos.value, positions.astype(jnp.int32), (0, i))
+        index.value = i + length
+        return cached_k.value, cached_v.value, cached_pos.value
+
     def _logit_bias(
-        self, bias: jax.Array | None, positions: jax.Array | None, *, batch: int, length: int
+        self, bias: jax.Array | None, positions: jax.Array | None,
+        key_positions: jax.Array | None = None, *, batch: int, length: int,
     ) -> jax.Array | None:
         """The caller's bias checked, plus this layer's relative position bias when it has one.
 
@@ -303,6 +343,8 @@ class Attention(nn.Module):
             return bias
         if positions is None:
             positions = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]
+        if key_positions is None:
+            key_positions = positions
         relative = RelativePositionBias(
             num_buckets=self.relative_position_buckets,
             max_distance=self.relative_position_max_distance,
@@ -310,5 +352,5 @@ class Attention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="relative_bias",
-        )(positions, positions)  # [B|1, N, T, S]
+        )(positions, key_positions)  # [B|1, N, T, S]
         return relative if bias is None else bias + relative

@@ -107,6 +107,7 @@ class Block(nn.Module):
     config: TransformerConfig
     deterministic: bool = True
     moe_layer: bool = False  # the MLP is config.moe's mixture of experts
+    decode: bool = False  # attention keeps a KV cache (models/decode.py)
 
     @nn.compact
     def __call__(
@@ -139,6 +140,7 @@ class Block(nn.Module):
             relative_position_max_distance=cfg.relative_position_max_distance,
             scale_query=cfg.scale_query,
             fp8=cfg.fp8,
+            decode=self.decode,
             name="attention",
         )(h, mask, positions, segment_ids=segment_ids)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
@@ -186,12 +188,14 @@ class BlockUnit(nn.Module):
 
     config: TransformerConfig
     deterministic: bool = True
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x, mask, positions=None, paddings=None, segment_ids=None):
         for j in range(self.config.layers_per_scan_unit):
             x, _ = Block(config=self.config, deterministic=self.deterministic, moe_layer=j == 0,
-                         name=f"layer_{j}")(x, mask, positions, paddings, segment_ids)
+                         decode=self.decode, name=f"layer_{j}")(x, mask, positions, paddings,
+                                                                segment_ids)
         return x, None
 
 
@@ -209,6 +213,7 @@ class Transformer(nn.Module):
         segment_ids: jax.Array | None = None,
         deterministic: bool = True,
         return_hidden: bool = False,
+        decode_mask: jax.Array | None = None,
     ) -> jax.Array:
         """tokens int32 [B, T] -> float32 logits [B, T, vocab].
 
@@ -217,6 +222,10 @@ class Transformer(nn.Module):
         rotates each document as if it ran alone). With ``return_hidden`` the result is the final
         norm's output [B, T, D] instead, which `project` (or `project_hidden`) turns into logits
         a slice of positions at a time, so a chunked loss never holds all [B, T, V] logits.
+
+        ``decode_mask`` bool [B, 1, T, S_max] switches to incremental decoding (models/decode.py):
+        each attention layer appends this call's keys and values to its "cache" collection
+        (mutable) and attends over the whole cache under that mask; positions are then required.
         """
         cfg = self.config
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -232,6 +241,12 @@ class Transformer(nn.Module):
                 raise ValueError(
                     f"{name} must have the shape of tokens {tokens.shape}, got {arr.shape}"
                 )
+
+        decode = decode_mask is not None
+        if decode and (positions is None or segment_ids is not None):
+            raise ValueError("decoding with a KV cache needs positions and takes no segment_ids")
+        if decode and uses_transformer_engine(cfg):
+            raise ValueError("decoding with a KV cache is not available for ENABLE_TE layers")
 
         embed = _token_embedding(cfg, name="embedding")
         x = embed(tokens)  # [B, T, D]
@@ -256,8 +271,11 @@ class Transformer(nn.Module):
         mask = None
         if segment_ids is not None:
             mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
-        # Only RoPE reads positions inside the blocks; GPT blocks get None (an empty pytree).
+        # Only RoPE reads positions inside the blocks; GPT blocks get None (an empty pytree). A
+        # KV cache also records them (a relative bias compares them with the cached keys').
         block_positions = positions if position_kind is PositionEmbedding.ROTARY else None
+        if decode:
+            mask, block_positions = decode_mask, positions
         # MoE routing keeps padding (segment id 0 in packed rows) out of the experts' capacity.
         paddings = None
         if cfg.moe is not None and segment_ids is not None:
@@ -265,17 +283,20 @@ class Transformer(nn.Module):
         unit = cfg.layers_per_scan_unit
         # ENABLE_TE: every layer is TE's TransformerLayer (models/te_layer.py), dense only
         layer_cls: Any = TransformerEngineBlock if uses_transformer_engine(cfg) else Block
+        remat = cfg.remat_policy is not RematPolicy.NONE and not decode  # nothing to save
         if cfg.scan_layers:
             body: Any = layer_cls if unit == 1 else BlockUnit
-            if cfg.remat_policy is not RematPolicy.NONE:
+            if remat:
                 body = nn.remat(body, policy=_remat_policy_fn(cfg.remat_policy), prevent_cse=False)
             extra = {} if unit > 1 else {"moe_layer": cfg.moe is not None}
+            if decode:
+                extra["decode"] = True
             scanned = nn.scan(
                 body,
                 # sown MoE losses and summaries are stacked per layer, like the parameters; so
                 # is the FP8 state: each layer has its own scales and histories (no sharing)
                 variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0,
-                               FP8_COLLECTION: 0,
+                               FP8_COLLECTION: 0, "cache": 0,
                                **{name: 0 for name in fp8_state_collections(cfg)}},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
@@ -287,13 +308,13 @@ class Transformer(nn.Module):
             )
         else:
             block_cls: Any = layer_cls
-            if cfg.remat_policy is not RematPolicy.NONE:
+            if remat:
                 block_cls = nn.remat(layer_cls, policy=_remat_policy_fn(cfg.remat_policy),
                                      prevent_cse=True)
             for i in range(cfg.num_layers):
                 moe_layer = cfg.moe is not None and cfg.moe.is_moe_layer(i)
                 x, _ = block_cls(config=cfg, deterministic=deterministic, moe_layer=moe_layer,
-                                 name=f"layers_{i}")(x, mask, block_positions, paddings,
+                                 **({"decode": True} if decode else {}), name=f"layers_{i}")(x, mask, block_positions, paddings,
                                                        segment_ids)
 
         x = _make_norm(cfg, name="final_norm")(x)

@@ -1,0 +1,251 @@
+"""`python -m paxlite generate`: text (or token ids) from a trained job or any paxlite checkpoint.
+
+    python -m paxlite generate --job_log_dir=DIR | --checkpoint=PATH [--fdl_config=NAME --fdl.X=V]
+        --prompt=TEXT ... | --prompt_file=F | --prompt_ids=1,2,3 ...
+        [--max_new_tokens=N --temperature=T --top_k=K --top_p=P --seed=S --format=text|json]
+
+The model comes from the job's config.json (its experiment and overrides), or from the
+model_config.json that `convert` writes beside a checkpoint, or from --fdl_config; the parameters
+from the latest complete checkpoint, read as CHECKPOINT_RESTORE_PATH reads them. The tokenizer is
+the experiment's VOCAB_PATH (or the VOCAB_PATH environment variable, as Pax), and its EOS ends a
+sample. Every user mistake is one line and exit 2, found before any parameter is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from paxlite.errors import NotFoundError, SettingError, UserError
+
+
+class OutputFormat:
+    TEXT = "text"
+    JSON = "json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("model (one of)")
+    source.add_argument("--job_log_dir", default=None, help="a training job's directory")
+    source.add_argument("--checkpoint", default=None,
+                        help="anything CHECKPOINT_RESTORE_PATH reads: a converted model's directory, "
+                             "a job's checkpoints/ or one checkpoint_<STEP> directory")
+    parser.add_argument("--fdl_config", default=None,
+                        help="the experiment, when no config.json or model_config.json says it")
+    parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    parser.add_argument("--prompt_file", default=None, help="one text prompt per non-empty line")
+    parser.add_argument("--prompt_ids", action="append", default=[],
+                        help="a prompt as comma-separated token ids (repeatable; no tokenizer needed)")
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=0, help="0: no top-k restriction")
+    parser.add_argument("--top_p", type=float, default=1.0, help="in (0, 1]; 1: no nucleus restriction")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", choices=(OutputFormat.TEXT, OutputFormat.JSON),
+                        default=OutputFormat.TEXT,
+                        help="json: one object per prompt (prompt_ids, ids, text)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Model:
+    config: Any  # TransformerConfig
+    checkpoint: str
+    vocab_path: str | None
+    source: str  # where the config came from, for messages
+    mesh_config: Any = None  # the experiment's MeshConfig; None (a converted model alone): one device
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SettingError(f"--prompt_ids={text!r} is not a comma-separated list of integers "
+                           "(e.g. --prompt_ids=1,2,3)") from None
+    if not ids:
+        raise SettingError(f"--prompt_ids={text!r} holds no token ids")
+    return ids
+
+
+def _check_arguments(args: argparse.Namespace):
+    """The sampling settings and the raw prompts; nothing is read from disk but the prompt file."""
+    from paxlite.models.decode import SamplingConfig
+
+    if (args.job_log_dir is None) == (args.checkpoint is None):
+        raise SettingError("give exactly one of --job_log_dir=DIR and --checkpoint=PATH"
+                           + ("" if args.job_log_dir is None else ", not both"))
+    if args.max_new_tokens < 1:
+        raise SettingError(f"--max_new_tokens={args.max_new_tokens} must be at least 1")
+    try:
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as e:
+        raise SettingError(f"--{e}") from None
+    texts = list(args.prompt)
+    if args.prompt_file is not None:
+        if not os.path.isfile(args.prompt_file):
+            raise NotFoundError(f"--prompt_file={args.prompt_file} does not exist")
+        with open(args.prompt_file, encoding="utf-8") as f:
+            texts += [line.rstrip("\n") for line in f if line.strip()]
+    ids = [_parse_ids(x) for x in args.prompt_ids]
+    if texts and ids:
+        raise SettingError("give text prompts (--prompt, --prompt_file) or --prompt_ids, not both")
+    if not texts and not ids:
+        raise SettingError("no prompt: give --prompt=TEXT, --prompt_file=F or --prompt_ids=1,2,3")
+    if any(not t for t in texts):
+        raise SettingError("--prompt='' is empty; a prompt needs at least one token")
+    return sampling, texts, ids
+
+
+def _resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> _Model:
+    """The model config, checkpoint and tokenizer path; reads only small JSON files."""
+    import fiddle as fdl
+
+    from paxlite.experiments.build import load_experiment, load_recorded_experiment
+    from paxlite.train import export
+    from paxlite.train.pretrained import find_checkpoint, load_model_config
+
+    path = args.job_log_dir or args.checkpoint
+    _, step_dir = find_checkpoint(path)
+    record = export.find_job_config(path)
+    experiment = None
+    if record is not None:
+        name, overrides = export.job_config_record(path)
+        experiment = load_recorded_experiment(name, overrides, assignments, source=str(record),
+                                              fdl_config=args.fdl_config)
+        source = str(record)
+    elif args.fdl_config:
+        experiment = load_experiment(args.fdl_config, assignments)
+        source = f"--fdl_config={args.fdl_config}"
+    if experiment is not None:
+        config = fdl.build(experiment.with_lora(experiment.model_config()))
+        return _Model(config=config, checkpoint=path, vocab_path=experiment.vocab_path(),
+                      source=source, mesh_config=fdl.build(experiment.mesh_config()))
+    if assignments:
+        raise SettingError(f"--fdl.{assignments[0]} needs an experiment (--fdl_config=NAME); "
+                           f"{path} records its model in model_config.json")
+    for directory in (path, step_dir.parent, step_dir.parent.parent):
+        config = load_model_config(directory)
+        if config is not None:
+            return _Model(config=config, checkpoint=path, vocab_path=os.environ.get("VOCAB_PATH") or None,
+                          source=os.path.join(os.fspath(directory), "model_config.json"))
+    raise NotFoundError(
+        f"no config.json or model_config.json beside {path}: give its experiment with "
+        "--fdl_config=NAME (and the --fdl.X overrides it was trained with)")
+
+
+def _restore(model: _Model, mesh):
+    """Parameters sharded over the experiment's mesh by the training rules, each process reading
+    only its shards; without a mesh, whole onto one device."""
+    import jax
+    from flax import linen as nn
+
+    from paxlite.models.decode import decoding_config
+    from paxlite.models.transformer import abstract_variables, logical_param_axes
+    from paxlite.parallel.rules import DEFAULT_RULES
+    from paxlite.train.pretrained import restore_params
+
+    config = decoding_config(model.config)
+    abstract = nn.meta.unbox(abstract_variables(config))["params"]
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract)
+    else:
+        shardings = nn.logical_to_mesh_sharding(logical_param_axes(config), mesh, DEFAULT_RULES)
+    abstract = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        abstract, shardings)
+    _, params = restore_params(model.checkpoint, abstract)
+    return params
+
+
+def _mesh(model: _Model):
+    """The experiment's mesh (as training builds it), the batch size its batch axes divide."""
+    import math
+
+    from paxlite.parallel.mesh import BATCH_AXES, build_mesh
+
+    if model.mesh_config is None:
+        return None, 1
+    mesh = build_mesh(model.mesh_config)
+    return mesh, math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
+    from paxlite.models.decode import generate
+
+    sampling, texts, prompt_ids = _check_arguments(args)
+    model = _resolve_model(args, assignments)
+    tokenizer = None
+    if model.vocab_path is not None:
+        from paxlite.data.tokenizer import Tokenizer, check_vocab_fits
+
+        tokenizer = Tokenizer(model.vocab_path)
+        check_vocab_fits(tokenizer, vocab_size=model.config.vocab_size)
+    elif texts:
+        raise SettingError(
+            f"text prompts need a tokenizer and {model.source} names none: pass --fdl.VOCAB_PATH="
+            "/path/to/spm.model, set VOCAB_PATH, or give --prompt_ids=1,2,3")
+    if texts:
+        prompt_ids = [tokenizer.encode(t) for t in texts]
+        if any(not ids for ids in prompt_ids):
+            raise SettingError("a prompt encodes to no tokens; give a non-empty prompt")
+    longest = max(len(p) for p in prompt_ids)
+    limit = model.config.max_seq_len
+    if longest + args.max_new_tokens > limit:
+        raise SettingError(
+            f"--max_new_tokens={args.max_new_tokens} plus the longest prompt ({longest} tokens) "
+            f"exceeds the model's max_seq_len={limit}")
+    vocab = model.config.vocab_size
+    bad = sorted({t for p in prompt_ids for t in p if not 0 <= t < vocab})
+    if bad:
+        raise SettingError(f"--prompt_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
+    eos = tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id >= 0 else None
+
+    mesh, batch_multiple = _mesh(model)  # a mesh that does not fit is an error before reading
+    params = _restore(model, mesh)
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:  # the cache and activations shard by the training rules
+            import jax
+            from flax import linen as nn
+
+            from paxlite.parallel.rules import DEFAULT_RULES
+
+            stack.enter_context(jax.set_mesh(mesh))
+            stack.enter_context(nn.logical_axis_rules(DEFAULT_RULES))
+        outputs = generate(model.config, params, prompt_ids, max_new_tokens=args.max_new_tokens,
+                           sampling=sampling, seed=args.seed, eos_id=eos,
+                           vocab_limit=None if tokenizer is None else tokenizer.vocab_size,
+                           batch_multiple=batch_multiple)
+    for prompt, ids in zip(prompt_ids, outputs, strict=True):
+        text = None if tokenizer is None else _continuation(tokenizer, prompt, ids)
+        if args.format == OutputFormat.JSON:
+            record = {"prompt_ids": prompt, "ids": ids}
+            if tokenizer is not None:
+                record["prompt"] = tokenizer.decode(prompt)
+                record["text"] = text
+            print(json.dumps(record), flush=True)
+        elif tokenizer is None:
+            print(" ".join(map(str, ids)), flush=True)
+        else:
+            print(tokenizer.decode(prompt + ids), flush=True)
+    return 0
+
+
+def _continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """The text the generated ids add to the prompt's: decoding them alone would drop the space
+    SentencePiece writes at the start of a word piece (``▁king`` -> ``king``)."""
+    head, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + ids)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
+
+
+def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
+    try:
+        return run(args, assignments)
+    except UserError as e:
+        print(f"paxlite: error: {e}", file=sys.stderr)
+        return 2

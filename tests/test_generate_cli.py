@@ -1,0 +1,115 @@
+"""`python -m paxlite generate` end to end on a job trained for 2 steps, and its bad-input errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paxlite.__main__ import main
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+ENV.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
+PROMPTS = ([5, 9, 200, 17], [42])
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    job = tmp_path_factory.mktemp("gen") / "job"
+    trained = subprocess.run(
+        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=2",
+         f"--job_log_dir={job}"], capture_output=True, text=True, env=ENV, timeout=300, check=False)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return job
+
+
+@pytest.fixture(scope="module")
+def vocab(tmp_path_factory):
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("spm")
+    words = ["the", "king", "queen", "speaks", "of", "night", "and", "day", "to", "a", "fool"]
+    rng = np.random.default_rng(0)
+    (root / "corpus.txt").write_text(
+        "\n".join(" ".join(rng.choice(words, size=8)) for _ in range(200)) + "\n")
+    spm.SentencePieceTrainer.train(
+        input=str(root / "corpus.txt"), model_prefix=str(root / "spm"), model_type="bpe",
+        vocab_size=60, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+        character_coverage=1.0, num_threads=1, minloglevel=2)
+    return str(root / "spm.model")
+
+
+def _greedy_reference(job, prompt, new):
+    """Full forward pass (no cache) on the saved params, argmax at every step."""
+    import fiddle as fdl
+
+    from paxlite.experiments.build import load_experiment
+    from paxlite.models.transformer import Transformer
+    from paxlite.train.pretrained import read_state
+
+    model = Transformer(fdl.build(load_experiment("TinySynthetic", ["MAX_STEPS=2"]).model_config()))
+    params = read_state(job)[2]["params"]
+    seq = list(prompt)
+    for _ in range(new):
+        logits = model.apply({"params": params}, jnp.asarray([seq], jnp.int32))
+        seq.append(int(np.argmax(np.asarray(logits[0, -1]))))
+    return seq[len(prompt):]
+
+
+def test_generate_json_from_a_job_dir_is_the_greedy_continuation(job):
+    result = subprocess.run(
+        [sys.executable, "-m", "paxlite", "generate", f"--job_log_dir={job}",
+         *[f"--prompt_ids={','.join(map(str, p))}" for p in PROMPTS],
+         f"--max_new_tokens={NEW}", "--temperature=0", "--format=json"],
+        capture_output=True, text=True, env=ENV, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt_ids"] for r in records] == [list(p) for p in PROMPTS]
+    assert all("text" not in r for r in records)  # TinySynthetic has no tokenizer
+    for record, prompt in zip(records, PROMPTS, strict=True):
+        assert record["ids"] == _greedy_reference(job, prompt, NEW)
+
+
+def test_text_prompts_with_a_tokenizer_and_seeded_sampling(job, vocab, capsys):
+    from paxlite.data.tokenizer import Tokenizer
+
+    flags = ["generate", f"--job_log_dir={job}", f"--fdl.VOCAB_PATH={vocab}", "--prompt=the king",
+             "--prompt=a fool speaks", "--max_new_tokens=4", "--temperature=1.0", "--top_k=20",
+             "--top_p=0.9", "--format=json"]
+    runs = []
+    for seed in (7, 7):
+        assert main([*flags, f"--seed={seed}"]) == 0
+        runs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert runs[0] == runs[1]
+    tokenizer = Tokenizer(vocab)
+    for record, text in zip(runs[0], ["the king", "a fool speaks"], strict=True):
+        assert record["prompt_ids"] == tokenizer.encode(text)
+        whole = tokenizer.decode(record["prompt_ids"] + record["ids"])
+        assert record["prompt"] + record["text"] == whole and record["prompt"] == text
+        assert 1 <= len(record["ids"]) <= 4 and all(0 <= i < 60 for i in record["ids"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt_ids=1"], "give exactly one of --job_log_dir=DIR and --checkpoint=PATH"),
+    (["--job_log_dir={job}", "--checkpoint={job}", "--prompt_ids=1"], "not both"),
+    (["--job_log_dir={job}", "--prompt=hello"], "text prompts need a tokenizer"),
+    (["--job_log_dir={job}", "--prompt_ids=1", "--top_p=0"], "top_p must be in (0, 1]"),
+    (["--job_log_dir={job}", "--prompt_ids=1", "--top_p=1.5"], "top_p must be in (0, 1]"),
+    (["--job_log_dir={job}", "--prompt_ids=1", "--temperature=-1"], "temperature must be >= 0"),
+    (["--job_log_dir={job}", "--prompt_ids=1,x"], "not a comma-separated list of integers"),
+    (["--job_log_dir={job}", "--prompt_ids=1", "--prompt=hi"], "not both"),
+    (["--job_log_dir={job}"], "no prompt"),
+    (["--job_log_dir={job}", "--prompt_ids=1,2", "--max_new_tokens=63"], "max_seq_len=64"),
+    (["--job_log_dir={job}", "--prompt_ids=256"], "outside the vocabulary [0, 256)"),
+    (["--checkpoint=/absent/dir", "--prompt_ids=1"], "does not exist"),
+    (["--job_log_dir={job}", "--prompt_file=/absent/prompts.txt"], "does not exist"),
+    (["--job_log_dir={job}", "--prompt_ids=1", "--max_new_tokens=0"], "must be at least 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(job, capsys, flags, message):
+    assert main(["generate", *[f.format(job=job) for f in flags]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
