@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from paxlite.interop import hf_write
 from paxlite.interop.errors import ConversionError
 from paxlite.paths import (
     check_output_dir,
@@ -189,6 +190,8 @@ class ConvertRequest:
     dtype: str = "float32"
     vocab_size: int | None = None  # Meta checkpoints whose params.json says vocab_size -1
     te_options: dict[str, Any] | None = None  # given TE options (dest -> value); None: none given
+    max_shard_size: str | None = None  # --to=hf only; None: transformers' default
+    vocab_path: str | None = None  # --to=hf only: SentencePiece model to ship; None: the input's
 
 
 def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
@@ -223,6 +226,43 @@ def _read(request: ConvertRequest, experiment_config: TransformerConfig | None) 
     return read_paxlite(request.input, config=experiment_config, dtype=request.dtype)
 
 
+def find_tokenizer(request: ConvertRequest) -> str | None:
+    """The SentencePiece model an HF export ships: --vocab_path, else the input's own
+    ``tokenizer.model`` (HF directory; Meta directory or its parent), else a paxlite training job's
+    VOCAB_PATH; None when there is none."""
+    from paxlite.errors import NotFoundError
+
+    if request.vocab_path is not None:
+        if not os.path.isfile(request.vocab_path):
+            raise NotFoundError(f"--vocab_path={request.vocab_path} does not exist (expected a "
+                                "SentencePiece .model file)")
+        return request.vocab_path
+    directory = os.path.abspath(request.input)
+    candidates = []
+    if request.source in (Source.HF, Source.META):
+        candidates.append(os.path.join(directory, hf_write.TOKENIZER_FILE))
+    if request.source is Source.META:
+        candidates.append(os.path.join(os.path.dirname(directory), hf_write.TOKENIZER_FILE))
+    if request.source is Source.PAXLITE:
+        candidates += _job_vocab_paths(directory)
+    return next((c for c in candidates if os.path.isfile(c)), None)
+
+
+def _job_vocab_paths(directory: str) -> list[str]:
+    """VOCAB_PATH recorded in the config.json of the training job holding ``directory``."""
+    for parent in (directory, os.path.dirname(directory), os.path.dirname(os.path.dirname(directory)),
+                   os.path.dirname(os.path.dirname(os.path.dirname(directory)))):
+        path = os.path.join(parent, "config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    vocab = json.load(f).get("hparams", {}).get("VOCAB_PATH")
+            except (OSError, ValueError, AttributeError):
+                return []
+            return [vocab] if isinstance(vocab, str) else []
+    return []
+
+
 def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     """Reads the input, checks it against --fdl_config if given, writes the output."""
     from paxlite.interop import hf
@@ -243,8 +283,16 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
                               "--fdl_config=LLaMA7B, or GPT126M with its --fdl.X overrides)")
     if request.source is Source.PAX and request.target is Target.PAX:
         raise ConversionError("--from=pax --to=pax: the input already is in Pax's layout")
+    hf_only = [f for f, v in (("--max_shard_size", request.max_shard_size),
+                              ("--vocab_path", request.vocab_path)) if v is not None]
+    if hf_only and request.target is not Target.HF:
+        raise ConversionError(f"{', '.join(hf_only)} only {'applies' if len(hf_only) == 1 else 'apply'} "
+                              f"to --to=hf (here --to={request.target.value})")
+    if request.max_shard_size is not None:
+        hf_write.parse_size(request.max_shard_size)
     # Every output precondition before the first byte of a (possibly 140 GB) input is read.
     require_local_path(request.input, setting="--input")
+    vocab_path = find_tokenizer(request) if request.target is Target.HF else None
     check_output_dir(request.output, setting="--output", inputs=[request.input])
     experiment_config = None
     if request.fdl_config:
@@ -255,7 +303,9 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
         if request.target is Target.PAXLITE:
             pretrained = adopted
     if request.target is Target.HF:
-        hf.save(pretrained, request.output, dtype=request.dtype)
+        hf.save(pretrained, request.output, dtype=request.dtype,
+                max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
+                vocab_path=vocab_path)
     elif request.target is Target.PAX:
         from paxlite.interop import pax
 
@@ -362,6 +412,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experiment whose model the converted one must be (accepts --fdl.X=V)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the written weights")
+    parser.add_argument("--max_shard_size", default=None,
+                        help="--to=hf: largest safetensors shard, e.g. 5GB, 500MB, 2GiB or bytes "
+                        f"(default {hf_write.DEFAULT_MAX_SHARD_SIZE}, as transformers' save_pretrained)")
+    parser.add_argument("--vocab_path", default=None,
+                        help="--to=hf: SentencePiece model to ship as the tokenizer (default: the "
+                        "input's tokenizer.model, or a training job's VOCAB_PATH)")
     parser.add_argument("--vocab_size", type=int, default=None,
                         help="Meta only: vocabulary size when params.json says -1 and there is no "
                         "tokenizer.model beside the checkpoint")
@@ -387,7 +443,8 @@ def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     request = ConvertRequest(
         source=Source(args.source), target=Target(args.target), input=args.input,
         output=args.output, fdl_config=args.fdl_config, assignments=tuple(assignments),
-        dtype=args.dtype, vocab_size=args.vocab_size,
+        dtype=args.dtype, vocab_size=args.vocab_size, max_shard_size=args.max_shard_size,
+        vocab_path=args.vocab_path,
         te_options={dest: getattr(args, dest) for _, dest in TE_OPTION_FLAGS
                     if getattr(args, dest, None) is not None} or None,
     )

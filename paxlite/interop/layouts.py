@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -232,9 +232,16 @@ def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerCon
 def llama_from_params(params: Params, *, config: TransformerConfig) -> dict[str, np.ndarray]:
     """Unscanned paxlite LLaMA (or Mixtral) params -> HF tensors (rotate-half q/k rows, [out, in]
     weights; Mixtral experts under their per-expert on-disk names)."""
+    return {k: np.ascontiguousarray(v) for k, v in iter_llama_tensors(params, config=config)}
+
+
+def iter_llama_tensors(params: Params, *, config: TransformerConfig
+                       ) -> Iterator[tuple[str, np.ndarray]]:
+    """`llama_from_params` one tensor at a time (views where a transpose suffices), so a writer
+    can cast and write each before the next is made."""
     nm = HF_LLAMA
     n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
-    out = {nm.embed: params["embedding"]["embedding"]}
+    yield nm.embed, params["embedding"]["embedding"]
     for i in range(config.num_layers):
         layer = params[f"layers_{i}"]
         att = layer["attention"]
@@ -243,24 +250,23 @@ def llama_from_params(params: Params, *, config: TransformerConfig) -> dict[str,
             q_k, k_k, v_k = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         else:
             q_k, k_k, v_k = (att[name]["kernel"] for name in ("query", "key", "value"))
-        q = interleaved_to_rotate_half(q_k.reshape(dm, n * h).T, heads=n, head_dim=h)
-        k = interleaved_to_rotate_half(k_k.reshape(dm, kv * h).T, heads=kv, head_dim=h)
-        out[nm.q.format(i=i)] = q
-        out[nm.k.format(i=i)] = k
-        out[nm.v.format(i=i)] = v_k.reshape(dm, kv * h).T
-        out[nm.o.format(i=i)] = att["out"]["kernel"].reshape(n * h, dm).T
+        yield nm.q.format(i=i), interleaved_to_rotate_half(
+            np.asarray(q_k).reshape(dm, n * h).T, heads=n, head_dim=h)
+        yield nm.k.format(i=i), interleaved_to_rotate_half(
+            np.asarray(k_k).reshape(dm, kv * h).T, heads=kv, head_dim=h)
+        yield nm.v.format(i=i), np.asarray(v_k).reshape(dm, kv * h).T
+        yield nm.o.format(i=i), np.asarray(att["out"]["kernel"]).reshape(n * h, dm).T
         if config.moe is not None and config.moe.is_moe_layer(i):
-            out.update(_mixtral_moe_from_params(layer["moe"], i=i))
+            yield from _mixtral_moe_from_params(layer["moe"], i=i).items()
         else:
-            out[nm.gate.format(i=i)] = layer["mlp"]["wi_gate"]["kernel"].T
-            out[nm.up.format(i=i)] = layer["mlp"]["wi"]["kernel"].T
-            out[nm.down.format(i=i)] = layer["mlp"]["wo"]["kernel"].T
-        out[nm.attn_norm.format(i=i)] = layer["pre_attention_norm"]["scale"]
-        out[nm.mlp_norm.format(i=i)] = layer["pre_mlp_norm"]["scale"]
-    out[nm.final_norm] = params["final_norm"]["scale"]
+            yield nm.gate.format(i=i), np.asarray(layer["mlp"]["wi_gate"]["kernel"]).T
+            yield nm.up.format(i=i), np.asarray(layer["mlp"]["wi"]["kernel"]).T
+            yield nm.down.format(i=i), np.asarray(layer["mlp"]["wo"]["kernel"]).T
+        yield nm.attn_norm.format(i=i), layer["pre_attention_norm"]["scale"]
+        yield nm.mlp_norm.format(i=i), layer["pre_mlp_norm"]["scale"]
+    yield nm.final_norm, params["final_norm"]["scale"]
     if not config.tie_embeddings:
-        out[nm.output] = params["output"]["kernel"].T
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+        yield nm.output, np.asarray(params["output"]["kernel"]).T
 
 
 # ---------------------------------------------------------------- Mixtral
@@ -382,19 +388,25 @@ def gpt2_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConf
 
 def gpt2_from_params(params: Params, *, config: TransformerConfig) -> dict[str, np.ndarray]:
     """Unscanned paxlite GPT params -> HF GPT-2 tensors (with the ``transformer.`` prefix)."""
+    return {k: np.ascontiguousarray(v) for k, v in iter_gpt2_tensors(params, config=config)}
+
+
+def iter_gpt2_tensors(params: Params, *, config: TransformerConfig
+                      ) -> Iterator[tuple[str, np.ndarray]]:
+    """`gpt2_from_params` one layer at a time."""
     n, h, dm = config.num_heads, config.dims_per_head, config.model_dims
     t = _GPT2_PREFIX
-    out = {f"{t}wte.weight": params["embedding"]["embedding"],
-           f"{t}wpe.weight": params["position_embedding"]["embedding"]}
+    yield f"{t}wte.weight", params["embedding"]["embedding"]
+    yield f"{t}wpe.weight", params["position_embedding"]["embedding"]
     for i in range(config.num_layers):
         layer, p = params[f"layers_{i}"], f"{t}h.{i}"
         att, mlp = layer["attention"], layer["mlp"]
-        out.update({
+        yield from {
             f"{p}.ln_1.weight": layer["pre_attention_norm"]["scale"],
             f"{p}.ln_1.bias": layer["pre_attention_norm"]["bias"],
-            f"{p}.attn.c_attn.weight": att["qkv"]["kernel"].reshape(dm, 3 * n * h),
-            f"{p}.attn.c_attn.bias": att["qkv"]["bias"].reshape(3 * n * h),
-            f"{p}.attn.c_proj.weight": att["out"]["kernel"].reshape(n * h, dm),
+            f"{p}.attn.c_attn.weight": np.asarray(att["qkv"]["kernel"]).reshape(dm, 3 * n * h),
+            f"{p}.attn.c_attn.bias": np.asarray(att["qkv"]["bias"]).reshape(3 * n * h),
+            f"{p}.attn.c_proj.weight": np.asarray(att["out"]["kernel"]).reshape(n * h, dm),
             f"{p}.attn.c_proj.bias": att["out"]["bias"],
             f"{p}.ln_2.weight": layer["pre_mlp_norm"]["scale"],
             f"{p}.ln_2.bias": layer["pre_mlp_norm"]["bias"],
@@ -402,10 +414,9 @@ def gpt2_from_params(params: Params, *, config: TransformerConfig) -> dict[str, 
             f"{p}.mlp.c_fc.bias": mlp["wi"]["bias"],
             f"{p}.mlp.c_proj.weight": mlp["wo"]["kernel"],
             f"{p}.mlp.c_proj.bias": mlp["wo"]["bias"],
-        })
-    out[f"{t}ln_f.weight"] = params["final_norm"]["scale"]
-    out[f"{t}ln_f.bias"] = params["final_norm"]["bias"]
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+        }.items()
+    yield f"{t}ln_f.weight", params["final_norm"]["scale"]
+    yield f"{t}ln_f.bias", params["final_norm"]["bias"]
 
 
 # ---------------------------------------------------------------- tree helpers
