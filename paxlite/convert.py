@@ -138,15 +138,22 @@ def experiment_model_config(name: str, assignments: Sequence[str] = ()) -> Trans
 def adopt_config(pretrained: Pretrained, *, config: TransformerConfig, experiment: str
                  ) -> Pretrained:
     """``pretrained`` with the experiment's model config; an error names every differing field."""
-    diffs = architecture_differences(pretrained.config, want=config)
+    return dataclasses.replace(pretrained, config=adopted_config(
+        pretrained.config, config=config, experiment=experiment))
+
+
+def adopted_config(converted: TransformerConfig, *, config: TransformerConfig, experiment: str
+                   ) -> TransformerConfig:
+    """The experiment's model config with the converted dtype; an error names every differing
+    field."""
+    diffs = architecture_differences(converted, want=config)
     if diffs:
         raise ConversionError(
             f"the converted model is not {experiment}'s model ({len(diffs)} differing fields):\n  "
             + "\n  ".join(diffs)
             + "\n(pick the matching experiment, or override its hyperparameters with "
             "--fdl.NAME=VALUE)")
-    config = dataclasses.replace(config, param_dtype=pretrained.config.param_dtype)
-    return dataclasses.replace(pretrained, config=config)
+    return dataclasses.replace(config, param_dtype=converted.param_dtype)
 
 
 def model_config_from_job(job_dir: Any) -> TransformerConfig:
@@ -297,6 +304,9 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     experiment_config = None
     if request.fdl_config:
         experiment_config = experiment_model_config(request.fdl_config, request.assignments)
+    if request.source is Source.HF and request.target is Target.PAXLITE and _has_safetensors(
+            request.input):
+        return _stream_hf_to_paxlite(request, experiment_config)
     pretrained = _read(request, experiment_config)
     if experiment_config is not None:
         adopted = adopt_config(pretrained, config=experiment_config, experiment=request.fdl_config)
@@ -314,6 +324,25 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     else:
         hf.to_paxlite(pretrained, request.output)
     return pretrained
+
+
+def _has_safetensors(directory: str) -> bool:
+    return any(os.path.exists(os.path.join(directory, name))
+               for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def _stream_hf_to_paxlite(request: ConvertRequest, experiment_config: TransformerConfig | None
+                          ) -> ConvertSummary:
+    """HF safetensors -> paxlite one layer at a time (never the whole model in memory)."""
+    from paxlite.interop import stream
+
+    source = stream.open_hf(request.input, dtype=request.dtype)
+    config = source.config
+    if experiment_config is not None:
+        assert request.fdl_config is not None
+        config = adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+    num_params = stream.write_paxlite(source, request.output, config=config)
+    return ConvertSummary(family=source.family.value, num_params=num_params)
 
 
 def _scan_layers(request: ConvertRequest, experiment_config: TransformerConfig | None) -> bool:

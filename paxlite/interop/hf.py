@@ -104,20 +104,17 @@ def _with_dtype(config: TransformerConfig, dtype: str) -> TransformerConfig:
 
 
 # ---------------------------------------------------------------- reading HF
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="np") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  safe_open is not iterable
-
-
-def read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
-    """Every tensor of an HF model directory: model.safetensors, sharded safetensors with their
-    index, or (read safely) pytorch_model.bin and its shards."""
+def read_hf_tensors(directory: str) -> Mapping[str, np.ndarray]:
+    """Every tensor of an HF model directory: model.safetensors or sharded safetensors with their
+    index (read lazily, each tensor on ``[]``, after checking every shard is there and complete),
+    or (read whole, safely) pytorch_model.bin and its shards."""
     from paxlite.interop.meta import load_torch_file
+    from paxlite.interop.stream import LazySafetensors
 
+    if any(os.path.exists(os.path.join(directory, name))
+           for name in ("model.safetensors", "model.safetensors.index.json")):
+        return LazySafetensors(directory)
     for single, index, reader in (
-        ("model.safetensors", "model.safetensors.index.json", _read_safetensors),
         ("pytorch_model.bin", "pytorch_model.bin.index.json", load_torch_file),
     ):
         if os.path.exists(os.path.join(directory, single)):
