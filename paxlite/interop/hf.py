@@ -86,9 +86,7 @@ def _check_dtype(dtype: str) -> str:
 
 
 def _numpy_dtype(dtype: str) -> Any:
-    import ml_dtypes
-
-    return np.float32 if _check_dtype(dtype) == "float32" else ml_dtypes.bfloat16
+    return hf_write.numpy_dtype(_check_dtype(dtype))
 
 
 def cast_params(params: Params, dtype: str) -> Params:

@@ -96,6 +96,13 @@ class ShardWriter:
         return names
 
 
+def numpy_dtype(dtype: str) -> Any:
+    """The NumPy dtype of 'float32' / 'bfloat16' (ml_dtypes' bfloat16)."""
+    import ml_dtypes
+
+    return np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+
+
 def write_json(path: str, content: Any) -> None:
     with open(path, "w") as f:
         json.dump(content, f, indent=2, sort_keys=True)

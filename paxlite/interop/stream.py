@@ -164,13 +164,13 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
     #parameters. Bad tensors are found by `dry_run` before ``out_dir`` is made."""
     import jax
 
-    from paxlite.interop.hf import _numpy_dtype
+    from paxlite.interop.hf_write import numpy_dtype
     from paxlite.interop.stream_write import CheckpointWriter
     from paxlite.paths import staged_output
     from paxlite.train.pretrained import MODEL_CONFIG_FILE, model_config_to_json
 
     num_params = dry_run(source, config=config)
-    target = _numpy_dtype(config.param_dtype)
+    target = numpy_dtype(config.param_dtype)
     with staged_output(os.fspath(out_dir), setting="output directory") as staging:
         writer = CheckpointWriter(staging)
         for top, subtree in source.subtrees(config=config):
