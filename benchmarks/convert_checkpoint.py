@@ -79,6 +79,15 @@ def write_random_hf(path: str, *, layers: int, seed: int = 0,
     return sum(t.numel() for t in tensors.values())
 
 
+def write_in_child(path: str, *, layers: int, tiny: bool = False) -> int:
+    """`write_random_hf` in a child process: a forked child's ru_maxrss starts at its parent's
+    RSS, so this process must stay small (torch and the random tensors live in the child)."""
+    args = [sys.executable, os.path.abspath(__file__), f"--write_hf={path}", f"--layers={layers}"]
+    out = subprocess.run(args + (["--tiny"] if tiny else []), check=True, capture_output=True,
+                         text=True).stdout
+    return int(out.split()[-1])
+
+
 def run_convert(args: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS GiB) of one `python -m paxlite convert` run; os.wait4 gives that child's own rusage."""
     start = time.perf_counter()
@@ -119,15 +128,20 @@ def main() -> None:
     parser.add_argument("--work_dir", default=os.path.join(REPO, "build", "bench_convert"))
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--max_shard_size", default="1GB", help="of the paxlite -> HF export")
+    parser.add_argument("--write_hf", default=None, help=argparse.SUPPRESS)  # child: write, exit
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.write_hf:
+        print(write_random_hf(args.write_hf, layers=args.layers, sizes=TINY if args.tiny else FULL))
+        return
     shutil.rmtree(args.work_dir, ignore_errors=True)
     hf_in, pax, hf_out = (os.path.join(args.work_dir, n) for n in ("hf_in", "paxlite", "hf_out"))
-    num_params = write_random_hf(hf_in, layers=args.layers)
+    num_params = write_in_child(hf_in, layers=args.layers)
     size = os.path.getsize(os.path.join(hf_in, "model.safetensors"))
     print(f"random LLaMA-style checkpoint: {num_params:,} parameters, {size / 2**30:.2f} GiB bf16 safetensors")
     # The same two commands on a tiny model: the process's own footprint (Python, JAX, Orbax).
     tiny_in, tiny_pax, tiny_out = (os.path.join(args.work_dir, n) for n in ("tiny_in", "tiny_pax", "tiny_out"))
-    write_random_hf(tiny_in, layers=1, sizes=TINY)
+    write_in_child(tiny_in, layers=1, tiny=True)
     _, b1 = run_convert(["--from=hf", "--to=paxlite", f"--input={tiny_in}", f"--output={tiny_pax}"])
     _, b2 = run_convert(["--from=paxlite", "--to=hf", f"--input={tiny_pax}", f"--output={tiny_out}",
                          "--dtype=bfloat16"])

@@ -174,6 +174,7 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
     with staged_output(os.fspath(out_dir), setting="output directory") as staging:
         writer = CheckpointWriter(staging)
         for top, subtree in source.subtrees(config=config):
+            before = writer.issued()
             leaves = jax.tree_util.tree_flatten_with_path(subtree)[0]
             for key_path, leaf in leaves:
                 keys = tuple(str(k.key) for k in key_path)
@@ -183,7 +184,9 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
                                        array, num_layers=config.num_layers)
                 else:
                     writer.write(("params", top, *keys), array)
-            del subtree, leaves
+            del subtree, leaves, leaf
+            # This layer's writes run while the next is read and cast: two layers in memory at most.
+            writer.wait(upto=before)
         writer.close()
         with open(os.path.join(staging, MODEL_CONFIG_FILE), "w") as f:
             f.write(model_config_to_json(config))

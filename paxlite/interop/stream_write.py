@@ -43,6 +43,8 @@ class CheckpointWriter:
         os.makedirs(self._item)
         self._leaves: dict[tuple[str, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._open: dict[tuple[str, ...], Any] = {}
+        self._writing: list[Any] = []  # futures of the writes not yet waited for
+        self._issued = 0  # writes waited for
         self._started = time.time_ns()
 
     def _create(self, path: tuple[str, ...], shape: tuple[int, ...], dtype: np.dtype,
@@ -67,7 +69,7 @@ class CheckpointWriter:
         array = np.asarray(array)
         store = self._create(tuple(path), tuple(array.shape), array.dtype,
                              tuple(max(1, d) for d in array.shape))
-        store.write(array).result()
+        self._writing.append(store.write(array))
 
     def write_layer(self, path: Sequence[str], index: int, array: np.ndarray, *,
                     num_layers: int) -> None:
@@ -78,11 +80,25 @@ class CheckpointWriter:
             shape = (num_layers, *array.shape)
             self._open[key] = self._create(key, shape, array.dtype,
                                            (1, *(max(1, d) for d in array.shape)))
-        self._open[key][index].write(array).result()
+        self._writing.append(self._open[key][index].write(array))
+
+    def issued(self) -> int:
+        """How many writes were issued so far (a mark for `wait`)."""
+        return self._issued + len(self._writing)
+
+    def wait(self, *, upto: int | None = None) -> None:
+        """Waits for the writes issued before mark ``upto`` (default: all). TensorStore compresses
+        and writes them in parallel; the caller bounds memory by waiting a layer behind."""
+        count = len(self._writing) if upto is None else max(0, upto - self._issued)
+        done, self._writing = self._writing[:count], self._writing[count:]
+        self._issued += len(done)
+        for future in done:
+            future.result()
 
     def close(self, *, sharding: str = "cpu:0") -> str:
         """Writes the step leaf and the metadata Orbax reads; returns the step directory."""
         self.write(("step",), np.asarray(self._step, np.int32))
+        self.wait()
         self._open.clear()
         tree, shardings, arrays = {}, {}, []
         for path, (shape, chunks) in sorted(self._leaves.items()):
