@@ -25,6 +25,9 @@ from paxlite.models.transformer import TransformerConfig
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# safetensors dtypes a float32 / bfloat16 paxlite model holds (F16 and F64 convert; integers and
+# FP8 are quantized weights, which need their scales: not a plain cast).
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 class LazySafetensors(Mapping):
@@ -54,6 +57,7 @@ class LazySafetensors(Mapping):
                     f"{', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''} "
                     f"({len(files) - len(absent)} of {len(files)} present); finish the download")
         self._handles: dict[str, Any] = {}
+        self._layout: dict[str, tuple[int, dict[str, Any]]] = {}  # file -> (data start, header)
         self._where: dict[str, str] = {}
         for name in files:
             path = os.path.join(directory, name)
@@ -63,7 +67,15 @@ class LazySafetensors(Mapping):
                 raise ConversionError(f"{path} is not a complete safetensors file ({e}); it is "
                                       "probably truncated: download it again") from None
             self._handles[name] = handle
+            self._layout[name] = _read_header(path)
             for tensor in handle.keys():  # noqa: SIM118  safe_open is not iterable
+                stored = handle.get_slice(tensor).get_dtype()
+                if stored not in FLOAT_DTYPES:
+                    raise ConversionError(
+                        f"{path}: tensor {tensor} is stored as {stored}; paxlite converts float "
+                        f"weights only ({', '.join(FLOAT_DTYPES)}): a quantized checkpoint (int8, "
+                        "FP8, GPTQ/AWQ) needs its scales applied first: convert the unquantized "
+                        "model")
                 if tensor in self._where:
                     raise layouts.LayoutError(f"{directory}: tensor {tensor} is in two shards "
                                               f"({self._where[tensor]} and {name})")
@@ -77,7 +89,19 @@ class LazySafetensors(Mapping):
                     f"{t} in {weight_map[t]} (found in: {self._where.get(t, 'no shard')})")
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._handles[self._where[name]].get_tensor(name)
+        # A plain read at the header's offsets, not safe_open's get_tensor: that one reads through
+        # a memory map, whose touched pages stay resident (and count in this process's RSS) for as
+        # long as the file is open, i.e. the whole input by the end of a conversion.
+        file = self._where[name]
+        entry = self._layout[file][1][name]
+        begin, end = entry["data_offsets"]
+        buffer = np.empty(end - begin, np.uint8)
+        with open(os.path.join(self._directory, file), "rb") as f:
+            f.seek(self._layout[file][0] + begin)
+            if f.readinto(buffer) != end - begin:
+                raise ConversionError(f"{self._directory}/{file}: tensor {name} is cut short "
+                                      "(the file is truncated)")
+        return buffer.view(_numpy_dtype(entry["dtype"])).reshape(entry["shape"])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -91,6 +115,21 @@ class LazySafetensors(Mapping):
     def stand_ins(self) -> Mapping[str, np.ndarray]:
         """The same names as zero-stride float32 arrays of the right shapes (no memory, no reads)."""
         return _StandIns(self)
+
+
+def _numpy_dtype(code: str) -> np.dtype:
+    """The NumPy dtype of a safetensors dtype code of FLOAT_DTYPES (little-endian on disk)."""
+    import ml_dtypes
+
+    return {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"),
+            "BF16": np.dtype(ml_dtypes.bfloat16)}[code]
+
+
+def _read_header(path: str) -> tuple[int, dict[str, Any]]:
+    """(offset of the data, the JSON header) of a safetensors file (already checked by safe_open)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return 8 + size, json.loads(f.read(size))
 
 
 class _StandIns(Mapping):

@@ -124,6 +124,23 @@ def test_bad_shards_refused_before_writing(sharded_llama, tmp_path, how, match):
         assert not os.path.exists(tmp_path / "out.partial")
 
 
+def test_quantized_tensor_refused_before_writing(sharded_llama, tmp_path):
+    from safetensors.numpy import save_file
+
+    directory = tmp_path / "in"
+    shutil.copytree(sharded_llama[0], directory)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    tensors = dict(hf.read_hf_tensors(directory))
+    kept = {n: tensors[n] for n, f in index["weight_map"].items() if f == shard}
+    kept["model.norm.weight"] = np.ones(kept["model.norm.weight"].shape, np.int8)
+    save_file(kept, str(directory / shard))
+    with pytest.raises(UserError, match=r"tensor model.norm.weight is stored as I8; paxlite "
+                                        r"converts float weights only \(F32, BF16, F16, F64\)"):
+        _to_paxlite(directory, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.parametrize(("change", "match"), [
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
