@@ -3,8 +3,8 @@ time, and the paxlite checkpoint written one layer at a time (`stream_write.Chec
 
 A conversion first walks the whole layout on zero-memory stand-ins of the tensors (right shapes,
 zero strides), so a missing, left-over or misshapen tensor is reported before the output directory
-is made; then it reads, casts and writes each layer and drops it. Peak host memory is about one
-layer plus the largest single tensor (docs/performance.md, "Checkpoint conversion").
+is made; then it reads, casts and writes each layer and drops it. Peak host memory is about three
+layers plus the largest single tensor (docs/performance.md, "Checkpoint conversion").
 """
 
 from __future__ import annotations
@@ -212,8 +212,9 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
     target = numpy_dtype(config.param_dtype)
     with staged_output(os.fspath(out_dir), setting="output directory") as staging:
         writer = CheckpointWriter(staging)
+        marks = [0, 0]  # write counts before the last two subtrees
         for top, subtree in source.subtrees(config=config):
-            before = writer.issued()
+            marks = [marks[1], writer.issued()]
             leaves = jax.tree_util.tree_flatten_with_path(subtree)[0]
             for key_path, leaf in leaves:
                 keys = tuple(str(k.key) for k in key_path)
@@ -224,8 +225,8 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
                 else:
                     writer.write(("params", top, *keys), array)
             del subtree, leaves, leaf
-            # This layer's writes run while the next is read and cast: two layers in memory at most.
-            writer.wait(upto=before)
+            # A layer's writes run while the next two are read and cast: three layers in memory.
+            writer.wait(upto=marks[0])
         writer.close()
         with open(os.path.join(staging, MODEL_CONFIG_FILE), "w") as f:
             f.write(model_config_to_json(config))

@@ -65,10 +65,11 @@ class CheckpointWriter:
         return ts.open(spec).result()
 
     def write(self, path: Sequence[str], array: np.ndarray) -> None:
-        """One whole leaf (``params/...``); chunked as Orbax chunks a one-device array (one chunk)."""
+        """One whole leaf (``params/...``), in chunks of at most CHUNK_BYTES along its first axis
+        (TensorStore compresses chunks in parallel; one 250 MB chunk would take one core alone)."""
         array = np.asarray(array)
         store = self._create(tuple(path), tuple(array.shape), array.dtype,
-                             tuple(max(1, d) for d in array.shape))
+                             _chunks(array.shape, array.dtype.itemsize))
         self._writing.append(store.write(array))
 
     def write_layer(self, path: Sequence[str], index: int, array: np.ndarray, *,
@@ -79,7 +80,7 @@ class CheckpointWriter:
         if key not in self._open:
             shape = (num_layers, *array.shape)
             self._open[key] = self._create(key, shape, array.dtype,
-                                           (1, *(max(1, d) for d in array.shape)))
+                                           (1, *_chunks(array.shape, array.dtype.itemsize)))
         self._writing.append(self._open[key][index].write(array))
 
     def issued(self) -> int:
@@ -126,6 +127,18 @@ class CheckpointWriter:
             with open(os.path.join(directory, "commit_success.txt"), "w") as f:
                 f.write(f"Checkpoint commit was successful to {directory}")
         return self.step_dir
+
+
+CHUNK_BYTES = 64 * 2**20
+
+
+def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The whole array, or rows of it, so that a chunk holds at most CHUNK_BYTES."""
+    full = tuple(max(1, d) for d in shape)
+    if not shape:
+        return full
+    row = itemsize * int(np.prod(full[1:], dtype=np.int64))
+    return (max(1, min(full[0], CHUNK_BYTES // max(1, row))), *full[1:])
 
 
 def _dump(path: str, content: Any) -> None:
