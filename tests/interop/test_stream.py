@@ -4,6 +4,7 @@ is the one Orbax writes (bit for bit, restored sharded), and bad input fails bef
 import dataclasses
 import json
 import os
+import pathlib
 import shutil
 
 import jax
@@ -165,3 +166,28 @@ def test_wrong_shape_refused_before_the_output_is_made(sharded_llama, tmp_path):
     with pytest.raises(UserError, match=r"gate_proj.weight has 172 rows but intermediate_size=100"):
         _to_paxlite(directory, tmp_path / "out")
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.partial")
+
+
+def test_writer_chunks_rows_and_layers(tmp_path, monkeypatch):
+    """Leaves split into several chunks (rows, and one layer per chunk) read back exactly."""
+    import ml_dtypes
+
+    from paxlite.interop import stream_write
+
+    monkeypatch.setattr(stream_write, "CHUNK_BYTES", 3 * 7 * 4)  # 3 rows of a [10, 7] float32
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(10, 7)).astype(np.float32)
+    layers = rng.normal(size=(3, 5, 7)).astype(ml_dtypes.bfloat16)
+    (tmp_path / "ck").mkdir()
+    writer = stream_write.CheckpointWriter(str(tmp_path / "ck"))
+    writer.write(("params", "table"), table)
+    for i in range(3):
+        writer.write_layer(("params", "layers", "w"), i, layers[i], num_layers=3)
+    step_dir = writer.close()
+    zarray = json.loads((pathlib.Path(step_dir) / "state" / "params.table" / ".zarray").read_text())
+    assert zarray["chunks"] == [3, 7]
+    abstract = {"table": jax.ShapeDtypeStruct((10, 7), np.float32),
+                "layers": {"w": jax.ShapeDtypeStruct((3, 5, 7), np.float32)}}
+    _, restored = restore_params(tmp_path / "ck", abstract)
+    np.testing.assert_array_equal(np.asarray(restored["table"]), table)
+    np.testing.assert_array_equal(np.asarray(restored["layers"]["w"]), layers.astype(np.float32))
