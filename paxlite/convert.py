@@ -315,7 +315,8 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     if request.target is Target.HF:
         hf.save(pretrained, request.output, dtype=request.dtype,
                 max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
-                vocab_path=vocab_path)
+                vocab_path=vocab_path,
+                vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
     elif request.target is Target.PAX:
         from paxlite.interop import pax
 

@@ -166,7 +166,7 @@ def stored_hf_dtype(path: str | os.PathLike) -> str | None:
 # ---------------------------------------------------------------- writing HF
 def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "float32",
          max_shard_size: int | str = hf_write.DEFAULT_MAX_SHARD_SIZE,
-         vocab_path: str | None = None) -> list[str]:
+         vocab_path: str | None = None, vocab_setting: str = "--vocab_path") -> list[str]:
     """config.json, generation_config.json and the weights for transformers'
     ``AutoModelForCausalLM.from_pretrained``: ``model.safetensors``, or shards of at most
     ``max_shard_size`` with ``model.safetensors.index.json`` (save_pretrained's layout); with
@@ -180,7 +180,8 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "fl
             f"Pretrained.family={pretrained.family.value!r} but its config fits {family.value!r}")
     layouts.check_params(pretrained.params, config=pretrained.config)
     if vocab_path is not None:
-        hf_write.check_tokenizer(vocab_path, vocab_size=pretrained.config.vocab_size)
+        hf_write.check_tokenizer(vocab_path, vocab_size=pretrained.config.vocab_size,
+                                 setting=vocab_setting)
     target = _numpy_dtype(dtype)
     if family in (Family.LLAMA, Family.MIXTRAL):
         tensors = layouts.iter_llama_tensors(pretrained.params, config=pretrained.config)

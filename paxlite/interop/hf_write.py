@@ -120,10 +120,25 @@ def check_tokenizer(path: str, *, vocab_size: int, setting: str = "--vocab_path"
         processor = spm.SentencePieceProcessor(model_file=path)
     except (RuntimeError, OSError) as e:
         raise SettingError(f"{setting}={path} is not a SentencePiece model ({e})") from None
+    kind = sentencepiece_kind(path)
+    if kind != "BPE":
+        raise SettingError(f"{setting}={path} is a {kind} SentencePiece model; transformers' "
+                           "LlamaTokenizer (what --to=hf ships) reproduces BPE models only, as "
+                           "LLaMA's and paxlite's train_tokenizer default are")
     if processor.get_piece_size() > vocab_size:
         raise SettingError(f"{setting}={path} has {processor.get_piece_size()} pieces but the model's "
                            f"vocab_size is {vocab_size}: not this model's tokenizer")
     return path
+
+
+def sentencepiece_kind(path: str) -> str:
+    """'BPE', 'UNIGRAM', 'WORD' or 'CHAR': the model type in the SentencePiece model's proto."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(path, "rb") as f:
+        proto.ParseFromString(f.read())
+    return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
 
 
 def tokenizer_config(path: str) -> dict[str, Any]:

@@ -148,3 +148,17 @@ def test_tokenizer_larger_than_model_vocab_refused(llama_gqa, tmp_path):
     with pytest.raises(UserError, match="has 400 pieces but the model's vocab_size is 256"):
         _convert(llama_gqa[0], tmp_path / "never", vocab_path=str(tmp_path / "big.model"))
     assert not os.path.exists(tmp_path / "never")
+
+
+def test_unigram_tokenizer_refused(llama_gqa, tmp_path):
+    """LlamaTokenizer rebuilds a SentencePiece model as BPE: a unigram model would encode
+    differently, so it is refused rather than shipped."""
+    import sentencepiece as spm
+
+    (tmp_path / "c.txt").write_text("\n".join(f"a fox {i} and a dog" for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "u"),
+                                   vocab_size=40, model_type="unigram", minloglevel=2)
+    with pytest.raises(UserError, match=r"is a UNIGRAM SentencePiece model; transformers' "
+                                        "LlamaTokenizer .* BPE models only"):
+        _convert(llama_gqa[0], tmp_path / "never", vocab_path=str(tmp_path / "u.model"))
+    assert not os.path.exists(tmp_path / "never")
