@@ -12,6 +12,9 @@ are for a conversion that is also checked. Peak memory is reported beside the si
 parameters, the least a converter that holds the whole model must use.
 
     .venv/bin/python benchmarks/convert_checkpoint.py [--work_dir build/bench_convert] [--layers 16]
+
+Each command is also run on a tiny model (D 64, one layer): the figure reported is the peak less
+that baseline (Python, JAX and Orbax themselves), against the model's float32 bytes.
 """
 
 from __future__ import annotations
@@ -29,12 +32,18 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def write_random_hf(path: str, *, layers: int, seed: int = 0) -> int:
-    """A random LLaMA-style HF checkpoint (D 2048, F 8192, 32 heads, 8 kv heads, V 32000); returns #params."""
+FULL = (2048, 8192, 32, 8, 64, 32000)  # D, F, heads, kv heads, head dim, vocab
+TINY = (64, 256, 4, 2, 16, 256)  # the baseline: what a converter process costs with no model
+
+
+def write_random_hf(path: str, *, layers: int, seed: int = 0,
+                    sizes: tuple[int, ...] = FULL) -> int:
+    """A random LLaMA-style HF checkpoint (default D 2048, F 8192, 32 heads, 8 kv heads, V 32000);
+    returns #params."""
     import torch
     from safetensors.torch import save_file
 
-    d, f, heads, kv, head_dim, vocab = 2048, 8192, 32, 8, 64, 32000
+    d, f, heads, kv, head_dim, vocab = sizes
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d,
         "intermediate_size": f, "num_hidden_layers": layers, "num_attention_heads": heads,
@@ -68,6 +77,15 @@ def write_random_hf(path: str, *, layers: int, seed: int = 0) -> int:
         json.dump(config, fh, indent=2)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return sum(t.numel() for t in tensors.values())
+
+
+def write_in_child(path: str, *, layers: int, tiny: bool = False) -> int:
+    """`write_random_hf` in a child process: a forked child's ru_maxrss starts at its parent's
+    RSS, so this process must stay small (torch and the random tensors live in the child)."""
+    args = [sys.executable, os.path.abspath(__file__), f"--write_hf={path}", f"--layers={layers}"]
+    out = subprocess.run(args + (["--tiny"] if tiny else []), check=True, capture_output=True,
+                         text=True).stdout
+    return int(out.split()[-1])
 
 
 def run_convert(args: list[str]) -> tuple[float, float]:
@@ -109,20 +127,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work_dir", default=os.path.join(REPO, "build", "bench_convert"))
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--max_shard_size", default="1GB", help="of the paxlite -> HF export")
+    parser.add_argument("--write_hf", default=None, help=argparse.SUPPRESS)  # child: write, exit
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.write_hf:
+        print(write_random_hf(args.write_hf, layers=args.layers, sizes=TINY if args.tiny else FULL))
+        return
     shutil.rmtree(args.work_dir, ignore_errors=True)
     hf_in, pax, hf_out = (os.path.join(args.work_dir, n) for n in ("hf_in", "paxlite", "hf_out"))
-    num_params = write_random_hf(hf_in, layers=args.layers)
+    num_params = write_in_child(hf_in, layers=args.layers)
     size = os.path.getsize(os.path.join(hf_in, "model.safetensors"))
     print(f"random LLaMA-style checkpoint: {num_params:,} parameters, {size / 2**30:.2f} GiB bf16 safetensors")
+    # The same two commands on a tiny model: the process's own footprint (Python, JAX, Orbax).
+    tiny_in, tiny_pax, tiny_out = (os.path.join(args.work_dir, n) for n in ("tiny_in", "tiny_pax", "tiny_out"))
+    write_in_child(tiny_in, layers=1, tiny=True)
+    _, b1 = run_convert(["--from=hf", "--to=paxlite", f"--input={tiny_in}", f"--output={tiny_pax}"])
+    _, b2 = run_convert(["--from=paxlite", "--to=hf", f"--input={tiny_pax}", f"--output={tiny_out}",
+                         "--dtype=bfloat16"])
     t1, m1 = run_convert(["--from=hf", "--to=paxlite", f"--input={hf_in}", f"--output={pax}"])
     t2, m2 = run_convert(["--from=paxlite", "--to=hf", f"--input={pax}", f"--output={hf_out}",
-                          "--dtype=bfloat16"])
+                          "--dtype=bfloat16", f"--max_shard_size={args.max_shard_size}"])
     count = compare(hf_in, hf_out)
     f32 = num_params * 4 / 2**30
     print(f"round trip exact: {count} tensors bit-identical")
-    print(f"hf -> paxlite: {t1:.1f} s, peak RSS {m1:.2f} GiB ({m1 / f32:.2f}x the {f32:.2f} GiB of f32 params)")
-    print(f"paxlite -> hf: {t2:.1f} s, peak RSS {m2:.2f} GiB ({m2 / f32:.2f}x)")
+    for what, t, m, b in (("hf -> paxlite", t1, m1, b1), ("paxlite -> hf", t2, m2, b2)):
+        print(f"{what}: {t:.1f} s, peak RSS {m:.2f} GiB, tiny model {b:.2f} GiB: "
+              f"(peak - tiny) / f32 params = {(m - b) / f32:.2f}x the {f32:.2f} GiB")
 
 
 if __name__ == "__main__":

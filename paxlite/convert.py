@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from paxlite.interop import hf_write
 from paxlite.interop.errors import ConversionError
 from paxlite.paths import (
     check_output_dir,
@@ -137,15 +138,22 @@ def experiment_model_config(name: str, assignments: Sequence[str] = ()) -> Trans
 def adopt_config(pretrained: Pretrained, *, config: TransformerConfig, experiment: str
                  ) -> Pretrained:
     """``pretrained`` with the experiment's model config; an error names every differing field."""
-    diffs = architecture_differences(pretrained.config, want=config)
+    return dataclasses.replace(pretrained, config=adopted_config(
+        pretrained.config, config=config, experiment=experiment))
+
+
+def adopted_config(converted: TransformerConfig, *, config: TransformerConfig, experiment: str
+                   ) -> TransformerConfig:
+    """The experiment's model config with the converted dtype; an error names every differing
+    field."""
+    diffs = architecture_differences(converted, want=config)
     if diffs:
         raise ConversionError(
             f"the converted model is not {experiment}'s model ({len(diffs)} differing fields):\n  "
             + "\n  ".join(diffs)
             + "\n(pick the matching experiment, or override its hyperparameters with "
             "--fdl.NAME=VALUE)")
-    config = dataclasses.replace(config, param_dtype=pretrained.config.param_dtype)
-    return dataclasses.replace(pretrained, config=config)
+    return dataclasses.replace(config, param_dtype=converted.param_dtype)
 
 
 def model_config_from_job(job_dir: Any) -> TransformerConfig:
@@ -189,6 +197,8 @@ class ConvertRequest:
     dtype: str = "float32"
     vocab_size: int | None = None  # Meta checkpoints whose params.json says vocab_size -1
     te_options: dict[str, Any] | None = None  # given TE options (dest -> value); None: none given
+    max_shard_size: str | None = None  # --to=hf only; None: transformers' default
+    vocab_path: str | None = None  # --to=hf only: SentencePiece model to ship; None: the input's
 
 
 def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
@@ -223,6 +233,43 @@ def _read(request: ConvertRequest, experiment_config: TransformerConfig | None) 
     return read_paxlite(request.input, config=experiment_config, dtype=request.dtype)
 
 
+def find_tokenizer(request: ConvertRequest) -> str | None:
+    """The SentencePiece model an HF export ships: --vocab_path, else the input's own
+    ``tokenizer.model`` (HF directory; Meta directory or its parent), else a paxlite training job's
+    VOCAB_PATH; None when there is none."""
+    from paxlite.errors import NotFoundError
+
+    if request.vocab_path is not None:
+        if not os.path.isfile(request.vocab_path):
+            raise NotFoundError(f"--vocab_path={request.vocab_path} does not exist (expected a "
+                                "SentencePiece .model file)")
+        return request.vocab_path
+    directory = os.path.abspath(request.input)
+    candidates = []
+    if request.source in (Source.HF, Source.META):
+        candidates.append(os.path.join(directory, hf_write.TOKENIZER_FILE))
+    if request.source is Source.META:
+        candidates.append(os.path.join(os.path.dirname(directory), hf_write.TOKENIZER_FILE))
+    if request.source is Source.PAXLITE:
+        candidates += _job_vocab_paths(directory)
+    return next((c for c in candidates if os.path.isfile(c)), None)
+
+
+def _job_vocab_paths(directory: str) -> list[str]:
+    """VOCAB_PATH recorded in the config.json of the training job holding ``directory``."""
+    for parent in (directory, os.path.dirname(directory), os.path.dirname(os.path.dirname(directory)),
+                   os.path.dirname(os.path.dirname(os.path.dirname(directory)))):
+        path = os.path.join(parent, "config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    vocab = json.load(f).get("hparams", {}).get("VOCAB_PATH")
+            except (OSError, ValueError, AttributeError):
+                return []
+            return [vocab] if isinstance(vocab, str) else []
+    return []
+
+
 def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     """Reads the input, checks it against --fdl_config if given, writes the output."""
     from paxlite.interop import hf
@@ -243,19 +290,33 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
                               "--fdl_config=LLaMA7B, or GPT126M with its --fdl.X overrides)")
     if request.source is Source.PAX and request.target is Target.PAX:
         raise ConversionError("--from=pax --to=pax: the input already is in Pax's layout")
+    hf_only = [f for f, v in (("--max_shard_size", request.max_shard_size),
+                              ("--vocab_path", request.vocab_path)) if v is not None]
+    if hf_only and request.target is not Target.HF:
+        raise ConversionError(f"{', '.join(hf_only)} only {'applies' if len(hf_only) == 1 else 'apply'} "
+                              f"to --to=hf (here --to={request.target.value})")
+    if request.max_shard_size is not None:
+        hf_write.parse_size(request.max_shard_size)
     # Every output precondition before the first byte of a (possibly 140 GB) input is read.
     require_local_path(request.input, setting="--input")
+    vocab_path = find_tokenizer(request) if request.target is Target.HF else None
     check_output_dir(request.output, setting="--output", inputs=[request.input])
     experiment_config = None
     if request.fdl_config:
         experiment_config = experiment_model_config(request.fdl_config, request.assignments)
+    if request.source is Source.HF and request.target is Target.PAXLITE and _has_safetensors(
+            request.input):
+        return _stream_hf_to_paxlite(request, experiment_config)
     pretrained = _read(request, experiment_config)
     if experiment_config is not None:
         adopted = adopt_config(pretrained, config=experiment_config, experiment=request.fdl_config)
         if request.target is Target.PAXLITE:
             pretrained = adopted
     if request.target is Target.HF:
-        hf.save(pretrained, request.output, dtype=request.dtype)
+        hf.save(pretrained, request.output, dtype=request.dtype,
+                max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
+                vocab_path=vocab_path,
+                vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
     elif request.target is Target.PAX:
         from paxlite.interop import pax
 
@@ -264,6 +325,25 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     else:
         hf.to_paxlite(pretrained, request.output)
     return pretrained
+
+
+def _has_safetensors(directory: str) -> bool:
+    return any(os.path.exists(os.path.join(directory, name))
+               for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def _stream_hf_to_paxlite(request: ConvertRequest, experiment_config: TransformerConfig | None
+                          ) -> ConvertSummary:
+    """HF safetensors -> paxlite one layer at a time (never the whole model in memory)."""
+    from paxlite.interop import stream
+
+    source = stream.open_hf(request.input, dtype=request.dtype)
+    config = source.config
+    if experiment_config is not None:
+        assert request.fdl_config is not None
+        config = adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+    num_params = stream.write_paxlite(source, request.output, config=config)
+    return ConvertSummary(family=source.family.value, num_params=num_params)
 
 
 def _scan_layers(request: ConvertRequest, experiment_config: TransformerConfig | None) -> bool:
@@ -362,6 +442,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experiment whose model the converted one must be (accepts --fdl.X=V)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the written weights")
+    parser.add_argument("--max_shard_size", default=None,
+                        help="--to=hf: largest safetensors shard, e.g. 5GB, 500MB, 2GiB or bytes "
+                        f"(default {hf_write.DEFAULT_MAX_SHARD_SIZE}, as transformers' save_pretrained)")
+    parser.add_argument("--vocab_path", default=None,
+                        help="--to=hf: SentencePiece model to ship as the tokenizer (default: the "
+                        "input's tokenizer.model, or a training job's VOCAB_PATH)")
     parser.add_argument("--vocab_size", type=int, default=None,
                         help="Meta only: vocabulary size when params.json says -1 and there is no "
                         "tokenizer.model beside the checkpoint")
@@ -387,7 +473,8 @@ def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     request = ConvertRequest(
         source=Source(args.source), target=Target(args.target), input=args.input,
         output=args.output, fdl_config=args.fdl_config, assignments=tuple(assignments),
-        dtype=args.dtype, vocab_size=args.vocab_size,
+        dtype=args.dtype, vocab_size=args.vocab_size, max_shard_size=args.max_shard_size,
+        vocab_path=args.vocab_path,
         te_options={dest: getattr(args, dest) for _, dest in TE_OPTION_FLAGS
                     if getattr(args, dest, None) is not None} or None,
     )

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from paxlite.errors import NotFoundError, SettingError
-from paxlite.interop import layouts
+from paxlite.interop import hf_write, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
     Family,
@@ -85,12 +85,15 @@ def _check_dtype(dtype: str) -> str:
     return dtype
 
 
+def _numpy_dtype(dtype: str) -> Any:
+    return hf_write.numpy_dtype(_check_dtype(dtype))
+
+
 def cast_params(params: Params, dtype: str) -> Params:
     """Every leaf as a NumPy array of ``dtype`` ('float32' or 'bfloat16')."""
     import jax
-    import ml_dtypes
 
-    target = np.float32 if _check_dtype(dtype) == "float32" else ml_dtypes.bfloat16
+    target = _numpy_dtype(dtype)
     return jax.tree.map(lambda x: np.asarray(x).astype(target, copy=False), params)
 
 
@@ -99,20 +102,17 @@ def _with_dtype(config: TransformerConfig, dtype: str) -> TransformerConfig:
 
 
 # ---------------------------------------------------------------- reading HF
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="np") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  safe_open is not iterable
-
-
-def read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
-    """Every tensor of an HF model directory: model.safetensors, sharded safetensors with their
-    index, or (read safely) pytorch_model.bin and its shards."""
+def read_hf_tensors(directory: str) -> Mapping[str, np.ndarray]:
+    """Every tensor of an HF model directory: model.safetensors or sharded safetensors with their
+    index (read lazily, each tensor on ``[]``, after checking every shard is there and complete),
+    or (read whole, safely) pytorch_model.bin and its shards."""
     from paxlite.interop.meta import load_torch_file
+    from paxlite.interop.stream import LazySafetensors
 
+    if any(os.path.exists(os.path.join(directory, name))
+           for name in ("model.safetensors", "model.safetensors.index.json")):
+        return LazySafetensors(directory)
     for single, index, reader in (
-        ("model.safetensors", "model.safetensors.index.json", _read_safetensors),
         ("pytorch_model.bin", "pytorch_model.bin.index.json", load_torch_file),
     ):
         if os.path.exists(os.path.join(directory, single)):
@@ -164,22 +164,29 @@ def stored_hf_dtype(path: str | os.PathLike) -> str | None:
 
 
 # ---------------------------------------------------------------- writing HF
-def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "float32") -> None:
-    """config.json, generation_config.json and model.safetensors for transformers'
-    ``AutoModelForCausalLM.from_pretrained``; refuses an existing non-empty ``out_dir``."""
-    from safetensors.numpy import save_file
-
+def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "float32",
+         max_shard_size: int | str = hf_write.DEFAULT_MAX_SHARD_SIZE,
+         vocab_path: str | None = None, vocab_setting: str = "--vocab_path") -> list[str]:
+    """config.json, generation_config.json and the weights for transformers'
+    ``AutoModelForCausalLM.from_pretrained``: ``model.safetensors``, or shards of at most
+    ``max_shard_size`` with ``model.safetensors.index.json`` (save_pretrained's layout); with
+    ``vocab_path`` (a SentencePiece model) also the tokenizer files. Each tensor is cast and handed
+    to the shard writer as it is made. Refuses an existing non-empty ``out_dir``; returns the files."""
+    max_bytes = hf_write.parse_size(max_shard_size)
     directory = check_output_dir(out_dir, setting="output directory")
     family = family_of_config(pretrained.config)
     if family is not pretrained.family:
         raise UnsupportedCheckpointError(
             f"Pretrained.family={pretrained.family.value!r} but its config fits {family.value!r}")
     layouts.check_params(pretrained.params, config=pretrained.config)
-    params = cast_params(pretrained.params, dtype)
+    if vocab_path is not None:
+        hf_write.check_tokenizer(vocab_path, vocab_size=pretrained.config.vocab_size,
+                                 setting=vocab_setting)
+    target = _numpy_dtype(dtype)
     if family in (Family.LLAMA, Family.MIXTRAL):
-        tensors = layouts.llama_from_params(params, config=pretrained.config)
+        tensors = layouts.iter_llama_tensors(pretrained.params, config=pretrained.config)
     else:
-        tensors = layouts.gpt2_from_params(params, config=pretrained.config)
+        tensors = layouts.iter_gpt2_tensors(pretrained.params, config=pretrained.config)
     hf_config = to_hf_config(pretrained.config, family=family, dtype=dtype,
                              bos_token_id=pretrained.bos_token_id,
                              eos_token_id=pretrained.eos_token_id,
@@ -189,11 +196,16 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "fl
                   "transformers_version": hf_config["transformers_version"]}
     # Written into <directory>.partial and renamed at the end: a killed save blocks no rerun.
     with staged_output(directory, setting="output directory") as staging:
-        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        writer = hf_write.ShardWriter(staging, max_bytes=max_bytes)
+        for name, array in tensors:
+            writer.add(name, np.asarray(array).astype(target, copy=False))
+        files = writer.close()
         for name, content in (("config.json", hf_config), ("generation_config.json", generation)):
-            with open(os.path.join(staging, name), "w") as f:
-                json.dump(content, f, indent=2, sort_keys=True)
-                f.write("\n")
+            hf_write.write_json(os.path.join(staging, name), content)
+            files.append(name)
+        if vocab_path is not None:
+            files += hf_write.write_tokenizer(staging, path=vocab_path)
+    return sorted(files)
 
 
 # ---------------------------------------------------------------- Meta

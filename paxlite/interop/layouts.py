@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,9 @@ class TensorSource:
 
     def __init__(self, tensors: Mapping[str, np.ndarray], *, what: str,
                  ignore: Callable[[str], bool] = lambda name: False) -> None:
-        self._tensors = {k: v for k, v in tensors.items() if not ignore(k)}
+        # Names only: ``tensors`` may read lazily (streaming conversion), so values are fetched on take.
+        self._tensors = tensors
+        self._names = {k for k in tensors if not ignore(k)}
         self._used: set[str] = set()
         self._missing: list[str] = []
         self._what = what
@@ -63,7 +65,7 @@ class TensorSource:
         expected = tuple(d.size for d in dims)
         if name in self._used:
             raise LayoutError(f"{self._what}: tensor {name} was read twice (a converter bug)")
-        if name not in self._tensors:
+        if name not in self._names:
             self._missing.append(name)
             return np.zeros(expected, np.float32)
         self._used.add(name)
@@ -82,11 +84,11 @@ class TensorSource:
         return array
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._names
 
     def finish(self) -> None:
         """Raises if any tensor was missing or was never consumed."""
-        leftover = sorted(set(self._tensors) - self._used)
+        leftover = sorted(self._names - self._used)
         problems = []
         if self._missing:
             problems.append(f"missing tensors: {_some(self._missing)}")
@@ -178,6 +180,14 @@ def _llama_dims(c: TransformerConfig, n: LlamaNaming) -> dict[str, Dim]:
 def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConfig,
                     naming: LlamaNaming = HF_LLAMA) -> Params:
     """HF (or Meta, with its naming) LLaMA tensors -> unscanned paxlite params."""
+    return dict(iter_llama_params(tensors, config=config, naming=naming))
+
+
+def iter_llama_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConfig,
+                      naming: LlamaNaming = HF_LLAMA) -> Iterator[tuple[str, Params]]:
+    """`llama_to_params` one top-level subtree (embedding, one layer, ...) at a time, so that a
+    streaming writer holds one layer; ``tensors`` may be a lazy mapping (read on ``[]``). The
+    missing / left-over check runs after the last subtree (`TensorSource.finish`)."""
     if config.moe is not None and naming is not HF_LLAMA:
         raise LayoutError(f"{naming.what}: mixture-of-experts layers are read from Hugging Face "
                           "Mixtral checkpoints only")
@@ -185,7 +195,8 @@ def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerCon
                        ignore=naming.ignore)
     d = _llama_dims(config, naming)
     n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
-    params: Params = {"embedding": {"embedding": src.take(naming.embed, (d["vocab"], d["dims"]))}}
+    embedding = src.take(naming.embed, (d["vocab"], d["dims"]))
+    yield "embedding", {"embedding": embedding}
     for i in range(config.num_layers):
         q = src.take(naming.q.format(i=i), (d["q"], d["dims"]))  # [N*H, D]
         k = src.take(naming.k.format(i=i), (d["kv"], d["dims"]))  # [K*H, D]
@@ -203,38 +214,46 @@ def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerCon
             attention = {"query": {"kernel": q_k}, "key": {"kernel": k_k},
                          "value": {"kernel": v_k}}
         attention["out"] = {"kernel": o.T.reshape(n, h, dm)}  # [N, H, D]
-        params[f"layers_{i}"] = {
+        layer: Params = {
             "pre_attention_norm": {"scale": src.take(naming.attn_norm.format(i=i), (d["dims"],))},
             "attention": attention,
             "pre_mlp_norm": {"scale": src.take(naming.mlp_norm.format(i=i), (d["dims"],))},
         }
         if config.moe is not None and config.moe.is_moe_layer(i):
-            params[f"layers_{i}"]["moe"] = _mixtral_moe_to_params(src, i=i, config=config)
+            layer["moe"] = _mixtral_moe_to_params(src, i=i, config=config)
+            yield f"layers_{i}", layer
             continue
         gate = src.take(naming.gate.format(i=i), (d["hidden"], d["dims"]))  # [F, D]
         up = src.take(naming.up.format(i=i), (d["hidden"], d["dims"]))
         down = src.take(naming.down.format(i=i), (d["dims"], d["hidden"]))  # [D, F]
-        params[f"layers_{i}"]["mlp"] = {"wi_gate": {"kernel": gate.T}, "wi": {"kernel": up.T},
-                                        "wo": {"kernel": down.T}}
-    params["final_norm"] = {"scale": src.take(naming.final_norm, (d["dims"],))}
+        layer["mlp"] = {"wi_gate": {"kernel": gate.T}, "wi": {"kernel": up.T},
+                        "wo": {"kernel": down.T}}
+        yield f"layers_{i}", layer
+    yield "final_norm", {"scale": src.take(naming.final_norm, (d["dims"],))}
     if not config.tie_embeddings:
-        params["output"] = {"kernel": src.take(naming.output, (d["vocab"], d["dims"])).T}  # [D, V]
+        yield "output", {"kernel": src.take(naming.output, (d["vocab"], d["dims"])).T}  # [D, V]
     elif src.has(naming.output):
         # Some tied checkpoints also store the head; it must be the embedding itself.
         head = src.take(naming.output, (d["vocab"], d["dims"]))
-        if not np.array_equal(head, params["embedding"]["embedding"]):
+        if not np.array_equal(head, embedding):
             raise LayoutError(f"{naming.what}: tie_word_embeddings is true but {naming.output} "
                               f"differs from {naming.embed}")
     src.finish()
-    return params
 
 
 def llama_from_params(params: Params, *, config: TransformerConfig) -> dict[str, np.ndarray]:
     """Unscanned paxlite LLaMA (or Mixtral) params -> HF tensors (rotate-half q/k rows, [out, in]
     weights; Mixtral experts under their per-expert on-disk names)."""
+    return {k: np.ascontiguousarray(v) for k, v in iter_llama_tensors(params, config=config)}
+
+
+def iter_llama_tensors(params: Params, *, config: TransformerConfig
+                       ) -> Iterator[tuple[str, np.ndarray]]:
+    """`llama_from_params` one tensor at a time (views where a transpose suffices), so a writer
+    can cast and write each before the next is made."""
     nm = HF_LLAMA
     n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
-    out = {nm.embed: params["embedding"]["embedding"]}
+    yield nm.embed, params["embedding"]["embedding"]
     for i in range(config.num_layers):
         layer = params[f"layers_{i}"]
         att = layer["attention"]
@@ -243,24 +262,23 @@ def llama_from_params(params: Params, *, config: TransformerConfig) -> dict[str,
             q_k, k_k, v_k = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         else:
             q_k, k_k, v_k = (att[name]["kernel"] for name in ("query", "key", "value"))
-        q = interleaved_to_rotate_half(q_k.reshape(dm, n * h).T, heads=n, head_dim=h)
-        k = interleaved_to_rotate_half(k_k.reshape(dm, kv * h).T, heads=kv, head_dim=h)
-        out[nm.q.format(i=i)] = q
-        out[nm.k.format(i=i)] = k
-        out[nm.v.format(i=i)] = v_k.reshape(dm, kv * h).T
-        out[nm.o.format(i=i)] = att["out"]["kernel"].reshape(n * h, dm).T
+        yield nm.q.format(i=i), interleaved_to_rotate_half(
+            np.asarray(q_k).reshape(dm, n * h).T, heads=n, head_dim=h)
+        yield nm.k.format(i=i), interleaved_to_rotate_half(
+            np.asarray(k_k).reshape(dm, kv * h).T, heads=kv, head_dim=h)
+        yield nm.v.format(i=i), np.asarray(v_k).reshape(dm, kv * h).T
+        yield nm.o.format(i=i), np.asarray(att["out"]["kernel"]).reshape(n * h, dm).T
         if config.moe is not None and config.moe.is_moe_layer(i):
-            out.update(_mixtral_moe_from_params(layer["moe"], i=i))
+            yield from _mixtral_moe_from_params(layer["moe"], i=i).items()
         else:
-            out[nm.gate.format(i=i)] = layer["mlp"]["wi_gate"]["kernel"].T
-            out[nm.up.format(i=i)] = layer["mlp"]["wi"]["kernel"].T
-            out[nm.down.format(i=i)] = layer["mlp"]["wo"]["kernel"].T
-        out[nm.attn_norm.format(i=i)] = layer["pre_attention_norm"]["scale"]
-        out[nm.mlp_norm.format(i=i)] = layer["pre_mlp_norm"]["scale"]
-    out[nm.final_norm] = params["final_norm"]["scale"]
+            yield nm.gate.format(i=i), np.asarray(layer["mlp"]["wi_gate"]["kernel"]).T
+            yield nm.up.format(i=i), np.asarray(layer["mlp"]["wi"]["kernel"]).T
+            yield nm.down.format(i=i), np.asarray(layer["mlp"]["wo"]["kernel"]).T
+        yield nm.attn_norm.format(i=i), layer["pre_attention_norm"]["scale"]
+        yield nm.mlp_norm.format(i=i), layer["pre_mlp_norm"]["scale"]
+    yield nm.final_norm, params["final_norm"]["scale"]
     if not config.tie_embeddings:
-        out[nm.output] = params["output"]["kernel"].T
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+        yield nm.output, np.asarray(params["output"]["kernel"]).T
 
 
 # ---------------------------------------------------------------- Mixtral
@@ -319,20 +337,42 @@ _GPT2_BUFFERS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 _GPT2_PREFIX = "transformer."
 
 
-def _strip_gpt2_prefix(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+class _Renamed(Mapping):
+    """``source`` under other names (new -> old), values read only on ``[]``."""
+
+    def __init__(self, source: Mapping[str, np.ndarray], names: Mapping[str, str]) -> None:
+        self._source, self._names = source, names
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._source[self._names[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _strip_gpt2_prefix(tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
     """Accepts names with and without ``transformer.``; ``lm_head.weight`` keeps its name."""
-    out: dict[str, np.ndarray] = {}
-    for name, array in tensors.items():
+    names: dict[str, str] = {}
+    for name in tensors:
         short = name.removeprefix(_GPT2_PREFIX)
-        if short in out:
+        if short in names:
             raise LayoutError(f"GPT-2 checkpoint holds {short} both with and without the "
                               f"'{_GPT2_PREFIX}' prefix")
-        out[short] = array
-    return out
+        names[short] = name
+    return _Renamed(tensors, names)
 
 
 def gpt2_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConfig) -> Params:
     """HF GPT-2 tensors (Conv1D [in, out], used as they are) -> unscanned paxlite params."""
+    return dict(iter_gpt2_params(tensors, config=config))
+
+
+def iter_gpt2_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConfig
+                     ) -> Iterator[tuple[str, Params]]:
+    """`gpt2_to_params` one top-level subtree at a time (see `iter_llama_params`)."""
     src = TensorSource(_strip_gpt2_prefix(tensors), what="Hugging Face GPT-2 checkpoint",
                        ignore=lambda name: bool(_GPT2_BUFFERS.match(name)))
     n, h, dm, f = config.num_heads, config.dims_per_head, config.model_dims, config.hidden_dims
@@ -346,16 +386,15 @@ def gpt2_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConf
         return {"scale": src.take(f"{name}.weight", (dims,)),
                 "bias": src.take(f"{name}.bias", (dims,))}
 
-    params: Params = {
-        "embedding": {"embedding": src.take("wte.weight", (vocab, dims))},
-        "position_embedding": {"embedding": src.take("wpe.weight", (pos, dims))},
-    }
+    embedding = src.take("wte.weight", (vocab, dims))
+    yield "embedding", {"embedding": embedding}
+    yield "position_embedding", {"embedding": src.take("wpe.weight", (pos, dims))}
     for i in range(config.num_layers):
         p = f"h.{i}"
         c_attn = src.take(f"{p}.attn.c_attn.weight", (dims, qkv3))  # [D, 3*N*H]
         c_attn_b = src.take(f"{p}.attn.c_attn.bias", (qkv3,))
         c_proj = src.take(f"{p}.attn.c_proj.weight", (dims, dims))  # [N*H, D]
-        params[f"layers_{i}"] = {
+        yield f"layers_{i}", {
             "pre_attention_norm": norm(f"{p}.ln_1"),
             "attention": {
                 "qkv": {"kernel": c_attn.reshape(dm, 3, n, h), "bias": c_attn_b.reshape(3, n, h)},
@@ -370,31 +409,36 @@ def gpt2_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConf
                        "bias": src.take(f"{p}.mlp.c_proj.bias", (dims,))},
             },
         }
-    params["final_norm"] = norm("ln_f")
+    yield "final_norm", norm("ln_f")
     if src.has("lm_head.weight"):
         head = src.take("lm_head.weight", (vocab, dims))
-        if not np.array_equal(head, params["embedding"]["embedding"]):
+        if not np.array_equal(head, embedding):
             raise LayoutError("Hugging Face GPT-2 checkpoint: lm_head.weight differs from "
                               "wte.weight, but GPT-2's output layer is tied to the token embedding")
     src.finish()
-    return params
 
 
 def gpt2_from_params(params: Params, *, config: TransformerConfig) -> dict[str, np.ndarray]:
     """Unscanned paxlite GPT params -> HF GPT-2 tensors (with the ``transformer.`` prefix)."""
+    return {k: np.ascontiguousarray(v) for k, v in iter_gpt2_tensors(params, config=config)}
+
+
+def iter_gpt2_tensors(params: Params, *, config: TransformerConfig
+                      ) -> Iterator[tuple[str, np.ndarray]]:
+    """`gpt2_from_params` one layer at a time."""
     n, h, dm = config.num_heads, config.dims_per_head, config.model_dims
     t = _GPT2_PREFIX
-    out = {f"{t}wte.weight": params["embedding"]["embedding"],
-           f"{t}wpe.weight": params["position_embedding"]["embedding"]}
+    yield f"{t}wte.weight", params["embedding"]["embedding"]
+    yield f"{t}wpe.weight", params["position_embedding"]["embedding"]
     for i in range(config.num_layers):
         layer, p = params[f"layers_{i}"], f"{t}h.{i}"
         att, mlp = layer["attention"], layer["mlp"]
-        out.update({
+        yield from {
             f"{p}.ln_1.weight": layer["pre_attention_norm"]["scale"],
             f"{p}.ln_1.bias": layer["pre_attention_norm"]["bias"],
-            f"{p}.attn.c_attn.weight": att["qkv"]["kernel"].reshape(dm, 3 * n * h),
-            f"{p}.attn.c_attn.bias": att["qkv"]["bias"].reshape(3 * n * h),
-            f"{p}.attn.c_proj.weight": att["out"]["kernel"].reshape(n * h, dm),
+            f"{p}.attn.c_attn.weight": np.asarray(att["qkv"]["kernel"]).reshape(dm, 3 * n * h),
+            f"{p}.attn.c_attn.bias": np.asarray(att["qkv"]["bias"]).reshape(3 * n * h),
+            f"{p}.attn.c_proj.weight": np.asarray(att["out"]["kernel"]).reshape(n * h, dm),
             f"{p}.attn.c_proj.bias": att["out"]["bias"],
             f"{p}.ln_2.weight": layer["pre_mlp_norm"]["scale"],
             f"{p}.ln_2.bias": layer["pre_mlp_norm"]["bias"],
@@ -402,10 +446,9 @@ def gpt2_from_params(params: Params, *, config: TransformerConfig) -> dict[str, 
             f"{p}.mlp.c_fc.bias": mlp["wi"]["bias"],
             f"{p}.mlp.c_proj.weight": mlp["wo"]["kernel"],
             f"{p}.mlp.c_proj.bias": mlp["wo"]["bias"],
-        })
-    out[f"{t}ln_f.weight"] = params["final_norm"]["scale"]
-    out[f"{t}ln_f.bias"] = params["final_norm"]["bias"]
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+        }.items()
+    yield f"{t}ln_f.weight", params["final_norm"]["scale"]
+    yield f"{t}ln_f.bias", params["final_norm"]["bias"]
 
 
 # ---------------------------------------------------------------- tree helpers

@@ -58,7 +58,7 @@ def test_shape_mismatch_and_missing_or_extra_tensors(llama_gqa, tmp_path):
                              r"2 \* 16 = 32"):
         hf.load(directory)
     _, config = from_hf_config(_config(llama_gqa[0]))
-    tensors = hf.read_hf_tensors(llama_gqa[0])
+    tensors = dict(hf.read_hf_tensors(llama_gqa[0]))  # a lazy mapping: read it to edit it
     tensors.pop("model.layers.1.mlp.up_proj.weight")
     tensors["model.layers.0.mlp.extra.weight"] = np.zeros(3, np.float32)
     with pytest.raises(layouts.LayoutError) as err:
