@@ -83,20 +83,21 @@ def test_names_and_values_are_checked_as_on_the_command_line():
         configure("Synthetic126m")
 
 
-def test_the_example_in_docs_parallelism_runs():
+def test_the_example_in_docs_configuration_gives_what_it_says():
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "parallelism.md")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "configuration.md")
     with open(path) as f:
         text = f.read()
-    start = text.index("# my_configs.py")
+    start = text.index("cat > my_configs.py <<'EOF'\n") + len("cat > my_configs.py <<'EOF'\n")
     namespace: dict = {}
-    example = compile(text[start : text.index("```", start)], "docs/parallelism.md", "exec")
+    example = compile(text[start : text.index("\nEOF\n", start)], "docs/configuration.md", "exec")
     exec(example, namespace)  # noqa: S102  running the documented example is what this test checks
     experiment = namespace["experiment"]
-    assert (experiment.ICI_MESH_SHAPE, experiment.GRAD_ACCUM_STEPS) == ([1, 8, 1], 4)
+    assert (experiment.ICI_MESH_SHAPE, experiment.DCN_MESH_SHAPE, experiment.GRAD_ACCUM_STEPS) == (
+        [1, 8, 1], [16, 1, 1], 4)
     assert experiment.CHECKPOINT_POLICY == "SAVE_DOT_WITH_NO_BATCH_DIM" and experiment.MAX_STEPS == 1000
-    assert namespace["run_config"].data.tfds_name == "the_pile:1.0.0"
+    assert type(namespace["run_config"].data).__name__ == "SyntheticDataConfig"
 
 
 def test_global_mesh_shape_is_the_whole_job_split_over_processes():

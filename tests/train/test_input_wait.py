@@ -40,8 +40,10 @@ def test_input_wait_fraction_measures_waiting_for_a_slow_feed(tmp_path):
     slow = _train_lines(tmp_path / "slow", slow=True)
     assert [line["step"] for line in slow] == [5, 10]
     steady = slow[-1]  # steps 6-10: the producer's head start is spent, each step waits for it
-    # the tiny step is far shorter than SLEEP_S, so the step takes about SLEEP_S, nearly all waiting
-    assert 0.8 * SLEEP_S < steady["step_time_s"] < 2.5 * SLEEP_S, steady
+    # the tiny step is far shorter than SLEEP_S, so the step takes about SLEEP_S, nearly all waiting; the
+    # producer may start the window up to 2 batches ahead (slow steps before it, on a loaded host), so 5 steps
+    # can take as little as 3 x SLEEP_S
+    assert 0.55 * SLEEP_S < steady["step_time_s"] < 2.5 * SLEEP_S, steady
     assert 0.6 < steady["input_wait_fraction"] <= 1.0, steady
     fast = _train_lines(tmp_path / "fast", slow=False)[-1]
     assert 0.0 <= fast["input_wait_fraction"] < steady["input_wait_fraction"] - 0.3, (fast, steady)

@@ -124,7 +124,11 @@ def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_inta
     assert _stop(proc, signal.SIGINT) == 128 + signal.SIGINT, log.read_text()[-3000:]
     assert "second stop signal (SIGINT): exiting at once" in log.read_text()
     assert "stopped after step" not in log.read_text()
-    assert os.listdir(job / "checkpoints") == ["checkpoint_00000004"]
+    # The run may have got as far as saving step 5 for the first signal (its build is quick with the
+    # compilation cache warm): that save, cut short, is left under Orbax's temporary name.
+    left = sorted(os.listdir(job / "checkpoints"))
+    assert left in (["checkpoint_00000004"],
+                    ["checkpoint_00000004", "checkpoint_00000005.orbax-checkpoint-tmp"]), left
     rerun = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN,
                             "--fdl.MAX_STEPS=6"], check=False, env=_env(), capture_output=True, text=True,
                            timeout=300)
