@@ -15,11 +15,12 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from paxlite.errors import NotFoundError, SettingError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # transformers 5.x's save_pretrained default (4.x used "5GB"); one shard is model.safetensors.
 DEFAULT_MAX_SHARD_SIZE: str = "50GB"
@@ -61,6 +62,8 @@ class ShardWriter:
         self.total_bytes = 0
 
     def add(self, name: str, array: np.ndarray) -> None:
+        import numpy as np  # not at import: `python -m paxlite` builds convert's parser without NumPy
+
         array = np.ascontiguousarray(array)
         if self._pending and self._pending_bytes + array.nbytes > self._max:
             self._flush()
@@ -99,6 +102,7 @@ class ShardWriter:
 def numpy_dtype(dtype: str) -> Any:
     """The NumPy dtype of 'float32' / 'bfloat16' (ml_dtypes' bfloat16)."""
     import ml_dtypes
+    import numpy as np
 
     return np.float32 if dtype == "float32" else ml_dtypes.bfloat16
 
