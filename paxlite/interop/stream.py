@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -201,6 +201,18 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
     """The paxlite checkpoint of ``source`` (as `hf.to_paxlite` writes it: stacked layers when
     ``config.scan_layers``, ``model_config.json``), one layer in memory at a time; returns
     #parameters. Bad tensors are found by `dry_run` before ``out_dir`` is made."""
+    num_params = dry_run(source, config=config)
+    write_subtrees(source.subtrees(config=config), out_dir, config=config)
+    return num_params
+
+
+def write_subtrees(subtrees: Iterable[tuple[str, Any]], out_dir: str | os.PathLike, *,
+                   config: TransformerConfig, step: int = 0) -> str:
+    """Writes the unscanned top-level subtrees (``embedding``, ``layers_<i>``, ...) of any source
+    as a paxlite checkpoint (stacked layers when ``config.scan_layers``) with its
+    ``model_config.json``, holding about three subtrees at a time; returns the step directory.
+    The caller checks names and shapes first (e.g. on stand-ins): a failure here leaves only the
+    staging directory, which the next run replaces."""
     import jax
 
     from paxlite.interop.hf_write import numpy_dtype
@@ -208,12 +220,11 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
     from paxlite.paths import staged_output
     from paxlite.train.pretrained import MODEL_CONFIG_FILE, model_config_to_json
 
-    num_params = dry_run(source, config=config)
     target = numpy_dtype(config.param_dtype)
     with staged_output(os.fspath(out_dir), setting="output directory") as staging:
-        writer = CheckpointWriter(staging)
+        writer = CheckpointWriter(staging, step=step)
         marks = [0, 0]  # write counts before the last two subtrees
-        for top, subtree in source.subtrees(config=config):
+        for top, subtree in subtrees:
             marks = [marks[1], writer.issued()]
             leaves = jax.tree_util.tree_flatten_with_path(subtree)[0]
             for key_path, leaf in leaves:
@@ -230,4 +241,5 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
         writer.close()
         with open(os.path.join(staging, MODEL_CONFIG_FILE), "w") as f:
             f.write(model_config_to_json(config))
-    return num_params
+    step_dir = os.path.relpath(writer.step_dir, staging)
+    return os.path.join(os.path.abspath(os.fspath(out_dir)), step_dir)
