@@ -307,6 +307,8 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     if request.source is Source.HF and request.target is Target.PAXLITE and _has_safetensors(
             request.input):
         return _stream_hf_to_paxlite(request, experiment_config)
+    if request.source is Source.PAXLITE and request.target is Target.HF:
+        return _stream_paxlite_to_hf(request, experiment_config, vocab_path=vocab_path)
     pretrained = _read(request, experiment_config)
     if experiment_config is not None:
         adopted = adopt_config(pretrained, config=experiment_config, experiment=request.fdl_config)
@@ -344,6 +346,29 @@ def _stream_hf_to_paxlite(request: ConvertRequest, experiment_config: Transforme
         config = adopted_config(config, config=experiment_config, experiment=request.fdl_config)
     num_params = stream.write_paxlite(source, request.output, config=config)
     return ConvertSummary(family=source.family.value, num_params=num_params)
+
+
+def _stream_paxlite_to_hf(request: ConvertRequest, experiment_config: TransformerConfig | None,
+                          *, vocab_path: str | None) -> ConvertSummary:
+    """paxlite -> HF safetensors one layer at a time (`hf.stream_paxlite_to_hf`); the model config
+    as `read_paxlite` finds it, checked against --fdl_config's."""
+    from paxlite.interop import hf
+    from paxlite.interop.hf_config import family_of_config
+    from paxlite.train.pretrained import find_checkpoint
+
+    _, step_dir = find_checkpoint(request.input)
+    config = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
+    if config is None:
+        config = experiment_config or model_config_from_job(step_dir.parent.parent)
+    if experiment_config is not None:
+        assert request.fdl_config is not None
+        adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+    config, num_params = hf.stream_paxlite_to_hf(
+        request.input, request.output, config=config, dtype=request.dtype,
+        max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
+        vocab_path=vocab_path,
+        vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
+    return ConvertSummary(family=family_of_config(config).value, num_params=num_params)
 
 
 def _scan_layers(request: ConvertRequest, experiment_config: TransformerConfig | None) -> bool:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -170,36 +172,65 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "fl
     """config.json, generation_config.json and the weights for transformers'
     ``AutoModelForCausalLM.from_pretrained``: ``model.safetensors``, or shards of at most
     ``max_shard_size`` with ``model.safetensors.index.json`` (save_pretrained's layout); with
-    ``vocab_path`` (a SentencePiece model) also the tokenizer files. Each tensor is cast and handed
-    to the shard writer as it is made. Refuses an existing non-empty ``out_dir``; returns the files."""
-    max_bytes = hf_write.parse_size(max_shard_size)
-    directory = check_output_dir(out_dir, setting="output directory")
+    ``vocab_path`` (a SentencePiece model) also the tokenizer files. Refuses an existing non-empty
+    ``out_dir``; returns the files."""
+    import jax
+
     family = family_of_config(pretrained.config)
     if family is not pretrained.family:
         raise UnsupportedCheckpointError(
             f"Pretrained.family={pretrained.family.value!r} but its config fits {family.value!r}")
-    layouts.check_params(pretrained.params, config=pretrained.config)
-    if vocab_path is not None:
-        hf_write.check_tokenizer(vocab_path, vocab_size=pretrained.config.vocab_size,
-                                 setting=vocab_setting)
-    target = _numpy_dtype(dtype)
+    return write_hf(pretrained.params, out_dir, config=pretrained.config,
+                    stand_ins=jax.tree.map(stand_in, pretrained.params), dtype=dtype,
+                    max_shard_size=max_shard_size, vocab_path=vocab_path,
+                    vocab_setting=vocab_setting, bos_token_id=pretrained.bos_token_id,
+                    eos_token_id=pretrained.eos_token_id,
+                    router_aux_loss_coef=pretrained.router_aux_loss_coef)
+
+
+def stand_in(array: Any) -> np.ndarray:
+    """A zero-stride float32 array of ``array``'s shape: no memory, any view of it is free."""
+    shape = np.shape(array)
+    return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape, (0,) * len(shape))
+
+
+def _hf_tensors(params: Mapping[str, Any], *, config: TransformerConfig, family: Family):
     if family in (Family.LLAMA, Family.MIXTRAL):
-        tensors = layouts.iter_llama_tensors(pretrained.params, config=pretrained.config)
-    else:
-        tensors = layouts.iter_gpt2_tensors(pretrained.params, config=pretrained.config)
-    hf_config = to_hf_config(pretrained.config, family=family, dtype=dtype,
-                             bos_token_id=pretrained.bos_token_id,
-                             eos_token_id=pretrained.eos_token_id,
-                             router_aux_loss_coef=pretrained.router_aux_loss_coef)
-    generation = {"_from_model_config": True, "bos_token_id": pretrained.bos_token_id,
-                  "eos_token_id": pretrained.eos_token_id,
+        return layouts.iter_llama_tensors(params, config=config)
+    return layouts.iter_gpt2_tensors(params, config=config)
+
+
+def write_hf(params: Mapping[str, Any], out_dir: str | os.PathLike, *, config: TransformerConfig,
+             stand_ins: Mapping[str, Any], dtype: str = "float32",
+             max_shard_size: int | str = hf_write.DEFAULT_MAX_SHARD_SIZE,
+             vocab_path: str | None = None, vocab_setting: str = "--vocab_path",
+             bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
+             router_aux_loss_coef: float | None = None) -> list[str]:
+    """`save` for an unscanned params mapping that may read on access (one top-level subtree per
+    ``[]``, e.g. `stream_read.LayerParams`): the tensors' names and shapes are laid out from
+    ``stand_ins`` (the same tree as zero-stride arrays), checked against ``config``, then each HF
+    tensor is made and written in turn, so no more than a layer is held."""
+    max_bytes = hf_write.parse_size(max_shard_size)
+    directory = check_output_dir(out_dir, setting="output directory")
+    family = family_of_config(config)
+    layouts.check_params(dict(stand_ins), config=config)
+    if vocab_path is not None:
+        hf_write.check_tokenizer(vocab_path, vocab_size=config.vocab_size, setting=vocab_setting)
+    target = _numpy_dtype(dtype)
+    plan = [(name, tuple(np.shape(array)))
+            for name, array in _hf_tensors(stand_ins, config=config, family=family)]
+    hf_config = to_hf_config(config, family=family, dtype=dtype, bos_token_id=bos_token_id,
+                             eos_token_id=eos_token_id, router_aux_loss_coef=router_aux_loss_coef)
+    generation = {"_from_model_config": True, "bos_token_id": bos_token_id,
+                  "eos_token_id": eos_token_id,
                   "transformers_version": hf_config["transformers_version"]}
     # Written into <directory>.partial and renamed at the end: a killed save blocks no rerun.
     with staged_output(directory, setting="output directory") as staging:
-        writer = hf_write.ShardWriter(staging, max_bytes=max_bytes)
-        for name, array in tensors:
-            writer.add(name, np.asarray(array).astype(target, copy=False))
-        files = writer.close()
+        with hf_write.ShardWriter(staging, tensors=plan, dtype=target,
+                                  max_bytes=max_bytes) as writer:
+            for name, array in _hf_tensors(params, config=config, family=family):
+                writer.add(name, array)
+            files = writer.close()
         for name, content in (("config.json", hf_config), ("generation_config.json", generation)):
             hf_write.write_json(os.path.join(staging, name), content)
             files.append(name)
@@ -249,6 +280,55 @@ def find_model_config(path: str, *, step_dir: Any) -> TransformerConfig | None:
     return None
 
 
+def _paxlite_config(path: str, *, step_dir: Any, config: TransformerConfig | None
+                    ) -> TransformerConfig:
+    """``config``, else model_config.json's; refuses a checkpoint holding LoRA adapters."""
+    if config is None:
+        config = find_model_config(path, step_dir=step_dir)
+    if config is None:
+        raise ConversionError(
+            f"no model config for the checkpoint: expected model_config.json beside {path} "
+            "(written by python -m paxlite convert), or pass config=TransformerConfig(...); a "
+            "training job's config.json is read by paxlite.convert.read_paxlite and python -m "
+            "paxlite convert")
+    lora = _lora_leaves(step_dir)
+    if lora:
+        raise UnsupportedCheckpointError(
+            f"{step_dir} holds LoRA parameters ({', '.join(lora[:4])}"
+            f"{', ...' if len(lora) > 4 else ''}); fold the adapters into the base weights first: "
+            f"python -m paxlite export_merged --input={step_dir} --output=MERGED_DIR, then convert "
+            "MERGED_DIR")
+    return config
+
+
+def stream_paxlite_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike, *,
+                         config: TransformerConfig | None = None, dtype: str = "float32",
+                         **options: Any) -> tuple[TransformerConfig, int]:
+    """`save` of the paxlite checkpoint at ``path`` read one layer at a time (`from_paxlite` then
+    `save`, without holding the model); ``options`` as `write_hf`'s. Returns (the unscanned config,
+    #parameters)."""
+    from paxlite.interop.stream_read import CheckpointReader, LayerParams
+    from paxlite.train.pretrained import find_checkpoint
+
+    path = os.path.abspath(os.fspath(path))
+    _, step_dir = find_checkpoint(path)
+    config = _paxlite_config(path, step_dir=step_dir, config=config)
+    config = dataclasses.replace(_with_dtype(config, _check_dtype(dtype)), scan_layers=False,
+                                 remat_policy=RematPolicy.NONE)
+    directory = check_output_dir(out_dir, setting="output directory")
+    # Per-layer copies of leaves chunked across layers (stream_read.py), beside the output.
+    scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.rechunk-",
+                               dir=os.path.dirname(directory))
+    try:
+        reader = CheckpointReader(step_dir, scratch_dir=scratch)
+        stand_ins = LayerParams(reader, stand_ins=True).shapes()
+        write_hf(LayerParams(reader), directory, config=config, stand_ins=stand_ins, dtype=dtype,
+                 **options)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return config, layouts.count(stand_ins)
+
+
 def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
                  dtype: str = "float32") -> Pretrained:
     """A paxlite checkpoint (converted model or training job) as a Pretrained.
@@ -265,21 +345,7 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
 
     path = os.path.abspath(os.fspath(path))
     _, step_dir = find_checkpoint(path)
-    if config is None:
-        config = find_model_config(path, step_dir=step_dir)
-    if config is None:
-        raise ConversionError(
-            f"no model config for the checkpoint: expected model_config.json beside {path} "
-            "(written by python -m paxlite convert), or pass config=TransformerConfig(...); a "
-            "training job's config.json is read by paxlite.convert.read_paxlite and python -m "
-            "paxlite convert")
-    lora = _lora_leaves(step_dir)
-    if lora:
-        raise UnsupportedCheckpointError(
-            f"{step_dir} holds LoRA parameters ({', '.join(lora[:4])}"
-            f"{', ...' if len(lora) > 4 else ''}); fold the adapters into the base weights first: "
-            f"python -m paxlite export_merged --input={step_dir} --output=MERGED_DIR, then convert "
-            "MERGED_DIR")
+    config = _paxlite_config(path, step_dir=step_dir, config=config)
     family = family_of_config(config)
     # Read onto one local device: a converter holds the whole model on the host anyway.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -1,16 +1,17 @@
 """Writing Hugging Face directories the way ``save_pretrained`` does: safetensors shards of at most
 ``max_shard_size`` bytes with their ``model.safetensors.index.json``, and the tokenizer files.
 
-Tensors are handed over one at a time and a shard is written as soon as the next tensor would not
-fit, so a writer holds at most one shard of host arrays (not the whole model). Shards are first
-written under provisional names and renamed once their count is known (``model-0000N-of-0000M``);
-the whole directory is staged by `paxlite.paths.staged_output`, so a killed export leaves nothing a
-reader could mistake for a model.
+The shards are laid out from the tensors' names and shapes first, then each tensor is written to
+its place as it is made, so an export holds no more than the tensor in hand (a converter reading a
+checkpoint layer by layer holds one layer), whatever ``max_shard_size`` is. The whole directory is
+staged by `paxlite.paths.staged_output`, so a killed export leaves nothing a reader could mistake
+for a model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -50,53 +51,105 @@ def parse_size(value: int | str, *, setting: str = "--max_shard_size") -> int:
 
 
 class ShardWriter:
-    """Collects tensors into shards of at most ``max_bytes`` (a bigger tensor gets its own shard,
-    as in transformers) and writes each full shard at once."""
+    """Writes safetensors shards tensor by tensor, each straight to its place in its file.
 
-    def __init__(self, directory: str, *, max_bytes: int) -> None:
-        self._directory = directory
-        self._max = max_bytes
-        self._pending: dict[str, np.ndarray] = {}
-        self._pending_bytes = 0
-        self._files: list[tuple[str, list[str]]] = []  # provisional file name, tensor names
+    The layout is planned from every tensor's name and shape before the first byte is written
+    (transformers' grouping: tensors in order, a new shard when the next would pass ``max_bytes``,
+    a bigger tensor alone), so each file's header is written first and each tensor is written at
+    its offset as soon as it is made: the writer holds no tensor, whatever the shard size.
+    """
+
+    def __init__(self, directory: str, *, tensors: list[tuple[str, tuple[int, ...]]],
+                 dtype: Any, max_bytes: int) -> None:
+        import numpy as np
+
+        self._dtype = np.dtype(dtype)
+        code = _SAFETENSORS_DTYPES[self._dtype.name]
+        groups: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
+        group_bytes = 0
+        for name, shape in tensors:
+            size = self._dtype.itemsize * math.prod(shape)
+            if groups[-1] and group_bytes + size > max_bytes:
+                groups.append([])
+                group_bytes = 0
+            groups[-1].append((name, tuple(shape), size))
+            group_bytes += size
+        count = len(groups)
+        self.files = ([SINGLE_FILE] if count == 1 else
+                      [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
         self.total_bytes = 0
+        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (file, offset, bytes)
+        self._directory = directory
+        self._fds: list[int] = []
+        for number, (file, group) in enumerate(zip(self.files, groups)):
+            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for name, shape, size in group:
+                if name in header or name in self._where:
+                    raise ValueError(f"tensor {name} written twice (a converter bug)")
+                header[name] = {"dtype": code, "shape": list(shape),
+                                "data_offsets": [offset, offset + size]}
+                offset += size
+            encoded = json.dumps(header, separators=(",", ":")).encode()
+            encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
+            start = 8 + len(encoded)
+            for name, _, size in group:
+                begin = header[name]["data_offsets"][0]
+                self._where[name] = (number, start + begin, size)
+            fd = os.open(os.path.join(directory, file), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            self._fds.append(fd)
+            os.pwrite(fd, len(encoded).to_bytes(8, "little") + encoded, 0)
+            os.ftruncate(fd, start + offset)
+            self.total_bytes += offset
+        self._weight_map = {name: self.files[where[0]] for name, where in self._where.items()}
+        self._written: set[str] = set()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self._fds:  # left open only when the export failed midway
+            os.close(fd)
+        self._fds = []
 
     def add(self, name: str, array: np.ndarray) -> None:
+        """Casts ``array`` to the writer's dtype and writes it at its planned place."""
         import numpy as np  # not at import: `python -m paxlite` builds convert's parser without NumPy
 
-        array = np.ascontiguousarray(array)
-        if self._pending and self._pending_bytes + array.nbytes > self._max:
-            self._flush()
-        self._pending[name] = array
-        self._pending_bytes += array.nbytes
-        self.total_bytes += array.nbytes
-
-    def _flush(self) -> None:
-        from safetensors.numpy import save_file
-
-        path = f"shard-{len(self._files):05d}.partial"
-        save_file(self._pending, os.path.join(self._directory, path), metadata={"format": "pt"})
-        self._files.append((path, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
+        if name not in self._where:
+            raise ValueError(f"tensor {name} was not planned (a converter bug)")
+        if name in self._written:
+            raise ValueError(f"tensor {name} written twice (a converter bug)")
+        number, offset, size = self._where[name]
+        data = np.ascontiguousarray(np.asarray(array).astype(self._dtype, copy=False))
+        if data.nbytes != size:
+            raise ValueError(f"tensor {name} has {data.nbytes} bytes, {size} planned (a "
+                             "converter bug)")
+        view = memoryview(data.reshape(-1).view(np.uint8))
+        while view:
+            done = os.pwrite(self._fds[number], view, offset)
+            view, offset = view[done:], offset + done
+        self._written.add(name)
 
     def close(self) -> list[str]:
-        """Writes the last shard, names the shards and (for several) the index; returns the files."""
-        if self._pending or not self._files:
-            self._flush()
-        count = len(self._files)
-        names = ([SINGLE_FILE] if count == 1 else
-                 [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
-        weight_map: dict[str, str] = {}
-        for (provisional, tensors), final in zip(self._files, names):
-            os.replace(os.path.join(self._directory, provisional),
-                       os.path.join(self._directory, final))
-            weight_map.update(dict.fromkeys(tensors, final))
-        if count > 1:
+        """Checks every planned tensor was written, closes the files and writes the index (for
+        several shards); returns the files."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        missing = sorted(set(self._where) - self._written)
+        if missing:
+            raise ValueError(f"tensors planned but not written: {missing[:5]} (a converter bug)")
+        names = list(self.files)
+        if len(self.files) > 1:
             index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": dict(sorted(weight_map.items()))}
+                     "weight_map": dict(sorted(self._weight_map.items()))}
             write_json(os.path.join(self._directory, INDEX_FILE), index)
             names.append(INDEX_FILE)
         return names
+
+
+_SAFETENSORS_DTYPES: Mapping[str, str] = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def numpy_dtype(dtype: str) -> Any:

@@ -98,14 +98,14 @@ def test_a_partial_directory_paxlite_did_not_write_is_never_removed(tmp_path):
 
 
 def test_a_failed_hf_save_leaves_nothing_behind(tmp_path, monkeypatch, llama_gqa):
-    import safetensors.numpy
+    from paxlite.interop import hf_write
 
     directory, _ = llama_gqa
     model = hf.load(directory)
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
-    monkeypatch.setattr(safetensors.numpy, "save_file", broken)
+    monkeypatch.setattr(hf_write.os, "pwrite", broken)  # the shard writes fail
     with pytest.raises(OSError, match="disk full"):
         hf.save(model, tmp_path / "hf_out")
     assert os.listdir(tmp_path) == []
