@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from paxlite.errors import NotFoundError, SettingError
 
@@ -104,7 +104,7 @@ class ShardWriter:
         self._weight_map = {name: self.files[where[0]] for name, where in self._where.items()}
         self._written: set[str] = set()
 
-    def __enter__(self) -> ShardWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
