@@ -307,8 +307,8 @@ def stream_paxlite_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike, *,
     """`save` of the paxlite checkpoint at ``path`` read one layer at a time (`from_paxlite` then
     `save`, without holding the model); ``options`` as `write_hf`'s. Returns (the unscanned config,
     #parameters)."""
-    from paxlite.interop.stream_read import CheckpointReader, LayerParams
     from paxlite.train.pretrained import find_checkpoint
+    from paxlite.train.stream_read import CheckpointReader, LayerParams
 
     path = os.path.abspath(os.fspath(path))
     _, step_dir = find_checkpoint(path)

@@ -1,5 +1,5 @@
 """Hugging Face -> paxlite without holding the model: safetensors read lazily, one tensor at a
-time, and the paxlite checkpoint written one layer at a time (`stream_write.CheckpointWriter`).
+time, and the paxlite checkpoint written one layer at a time (`paxlite.train.stream_write`).
 
 A conversion first walks the whole layout on zero-memory stand-ins of the tensors (right shapes,
 zero strides), so a missing, left-over or misshapen tensor is reported before the output directory
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from paxlite.interop import layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import Family, from_hf_config
 from paxlite.models.transformer import TransformerConfig
+from paxlite.train.stream_write import write_subtrees
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -204,42 +205,3 @@ def write_paxlite(source: HfSource, out_dir: str | os.PathLike, *,
     num_params = dry_run(source, config=config)
     write_subtrees(source.subtrees(config=config), out_dir, config=config)
     return num_params
-
-
-def write_subtrees(subtrees: Iterable[tuple[str, Any]], out_dir: str | os.PathLike, *,
-                   config: TransformerConfig, step: int = 0) -> str:
-    """Writes the unscanned top-level subtrees (``embedding``, ``layers_<i>``, ...) of any source
-    as a paxlite checkpoint (stacked layers when ``config.scan_layers``) with its
-    ``model_config.json``, holding about three subtrees at a time; returns the step directory.
-    The caller checks names and shapes first (e.g. on stand-ins): a failure here leaves only the
-    staging directory, which the next run replaces."""
-    import jax
-
-    from paxlite.interop.hf_write import numpy_dtype
-    from paxlite.interop.stream_write import CheckpointWriter
-    from paxlite.paths import staged_output
-    from paxlite.train.pretrained import MODEL_CONFIG_FILE, model_config_to_json
-
-    target = numpy_dtype(config.param_dtype)
-    with staged_output(os.fspath(out_dir), setting="output directory") as staging:
-        writer = CheckpointWriter(staging, step=step)
-        marks = [0, 0]  # write counts before the last two subtrees
-        for top, subtree in subtrees:
-            marks = [marks[1], writer.issued()]
-            leaves = jax.tree_util.tree_flatten_with_path(subtree)[0]
-            for key_path, leaf in leaves:
-                keys = tuple(str(k.key) for k in key_path)
-                array = np.asarray(leaf).astype(target, copy=False)
-                if config.scan_layers and top.startswith("layers_"):
-                    writer.write_layer(("params", "layers", *keys), int(top.removeprefix("layers_")),
-                                       array, num_layers=config.num_layers)
-                else:
-                    writer.write(("params", top, *keys), array)
-            del subtree, leaves, leaf
-            # A layer's writes run while the next two are read and cast: three layers in memory.
-            writer.wait(upto=marks[0])
-        writer.close()
-        with open(os.path.join(staging, MODEL_CONFIG_FILE), "w") as f:
-            f.write(model_config_to_json(config))
-    step_dir = os.path.relpath(writer.step_dir, staging)
-    return os.path.join(os.path.abspath(os.fspath(out_dir)), step_dir)

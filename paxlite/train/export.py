@@ -13,16 +13,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 
 import flax.linen as nn
 import jax
+import numpy as np
 from etils import epath
+from flax import traverse_util
 
 from paxlite.errors import NotFoundError, SettingError
 from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import TransformerConfig, abstract_variables
 from paxlite.paths import check_output_dir
 from paxlite.train import pretrained
+from paxlite.train.stream_read import CheckpointReader
+from paxlite.train.stream_write import write_subtrees
 
 
 def base_model_config(config: TransformerConfig) -> TransformerConfig:
@@ -36,25 +42,52 @@ def export_merged(
 ) -> epath.Path:
     """Writes the merged parameters of the LoRA checkpoint at `input_path`; returns the step dir.
 
-    `model_config` is the LoRA run's model config (it must have ``lora_rank``). The parameters are
-    read onto the default device, so the whole model must fit there; the step number is kept.
+    `model_config` is the LoRA run's model config (it must have ``lora_rank``). The checkpoint is
+    read, merged and written one layer at a time (stream_read.py, stream_write.py), so the model
+    never has to fit in host or device memory; the step number is kept.
     """
     if model_config.lora_rank is None:
         raise SettingError(
             "export_merged needs the LoRA run's model config (USE_LORA=true); this one has no "
             "adapters, so there is nothing to merge"
         )
-    check_output_dir(output_dir, setting="output directory", inputs=[input_path])  # before reading
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
-        nn.meta.unbox(abstract_variables(model_config)["params"]),
-    )
-    step, params = pretrained.restore_params(input_path, abstract)
-    merged = merge_lora(params, config=model_config)
-    return pretrained.save_params(
-        output_dir, merged, step=step, model_config=base_model_config(model_config)
-    )
+    directory = check_output_dir(output_dir, setting="output directory", inputs=[input_path])
+    step, step_dir = pretrained.find_checkpoint(input_path)
+    layer_config = dataclasses.replace(model_config, scan_layers=False)
+    # Per-layer copies of leaves chunked across layers (stream_read.py), beside the output.
+    scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.rechunk-",
+                               dir=os.path.dirname(directory))
+    try:
+        reader = CheckpointReader(step_dir, scratch_dir=scratch)
+        _check_fits(reader, config=layer_config, step_dir=step_dir)
+
+        def merged_layers():
+            for top in reader.tops():
+                merged = merge_lora(reader.subtree(top), config=layer_config)
+                yield top, jax.tree.map(np.asarray, merged)
+
+        written = write_subtrees(merged_layers(), directory,
+                                 config=base_model_config(model_config), step=step)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return epath.Path(written)
+
+
+def _check_fits(reader: CheckpointReader, *, config: TransformerConfig, step_dir: epath.Path
+                ) -> None:
+    """The checkpoint's params are exactly the (unscanned) LoRA model's; one error lists every
+    missing, extra or wrongly shaped parameter before anything is written."""
+    want = traverse_util.flatten_dict(nn.meta.unbox(abstract_variables(config)["params"]), sep="/")
+    have = traverse_util.flatten_dict(
+        {top: reader.subtree(top, stand_ins=True) for top in reader.tops()}, sep="/")
+    problems = [f"  {name}: missing from the checkpoint" for name in sorted(set(want) - set(have))]
+    problems += [f"  {name}: not a parameter of the LoRA model" for name in sorted(set(have) - set(want))]
+    problems += [f"  {name}: checkpoint shape {have[name].shape}, model shape {want[name].shape}"
+                 for name in sorted(set(want) & set(have)) if have[name].shape != want[name].shape]
+    if problems:
+        raise pretrained.PretrainedCheckpointError(
+            f"the checkpoint {step_dir} does not fit the LoRA model ({len(problems)} parameters):\n"
+            + "\n".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else ""))
 
 
 def find_job_config(input_path: str | os.PathLike) -> epath.Path | None:

@@ -172,7 +172,7 @@ def test_writer_chunks_rows_and_layers(tmp_path, monkeypatch):
     """Leaves split into several chunks (rows, and one layer per chunk) read back exactly."""
     import ml_dtypes
 
-    from paxlite.interop import stream_write
+    from paxlite.train import stream_write
 
     monkeypatch.setattr(stream_write, "CHUNK_BYTES", 3 * 7 * 4)  # 3 rows of a [10, 7] float32
     rng = np.random.default_rng(0)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from paxlite.convert import ConvertRequest, Source, Target, convert
-from paxlite.interop import hf, stream
-from paxlite.interop.errors import ConversionError
-from paxlite.interop.stream_read import CheckpointReader
-from paxlite.train.pretrained import find_checkpoint, save_params
+from paxlite.interop import hf
+from paxlite.train.pretrained import PretrainedCheckpointError, find_checkpoint, save_params
+from paxlite.train.stream_read import CheckpointReader
+from paxlite.train.stream_write import write_subtrees
 from tests.interop.conftest import TOKENS, hf_logits
 
 
@@ -82,7 +82,7 @@ def _write_checkpoint(layout, pretrained, root):
         save_params(root, _sharded_stacked(pretrained, mesh), model_config=scanned)
     else:
         layer_config = scanned if layout == "streamed_scanned" else config
-        stream.write_subtrees(iter(pretrained.params.items()), root, config=layer_config)
+        write_subtrees(iter(pretrained.params.items()), root, config=layer_config)
     return root
 
 
@@ -160,6 +160,7 @@ def test_damaged_checkpoint_is_one_error_and_no_output(llama, tmp_path):
     checkpoint = _write_checkpoint("streamed_unscanned", pretrained, tmp_path / "ckpt")
     _, step_dir = find_checkpoint(checkpoint)
     shutil.rmtree(step_dir / "state" / "params.layers_1.attention.out.kernel")
-    with pytest.raises(ConversionError, match="layers_1/attention/out/kernel cannot be read"):
+    with pytest.raises(PretrainedCheckpointError,
+                       match="layers_1/attention/out/kernel cannot be read"):
         _export(checkpoint, tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from paxlite.interop.errors import ConversionError
+from paxlite.train.pretrained import PretrainedCheckpointError
 
 ITEM = "state"
 _LAYER = re.compile(r"^layers_(\d+)$")
@@ -43,8 +43,9 @@ class CheckpointReader:
             with open(path) as f:
                 metadata = json.load(f)
         except (OSError, ValueError) as error:
-            raise ConversionError(f"{path} cannot be read ({type(error).__name__}: {error}): not "
-                                  "a paxlite (Orbax) checkpoint, or a damaged one") from None
+            raise PretrainedCheckpointError(
+                f"{path} cannot be read ({type(error).__name__}: {error}): not a paxlite (Orbax) "
+                "checkpoint, or a damaged one") from None
         self._ocdbt = bool(metadata.get("use_ocdbt", False))
         self._zarr3 = bool(metadata.get("use_zarr3", False))
         # {path under params: Orbax's '.'-joined array name, e.g. params.layers.mlp.wi.kernel}
@@ -55,7 +56,7 @@ class CheckpointReader:
                 self.leaves[keys[1:]] = ".".join(keys)
         self._shapes: dict[LayerPath, tuple[int, ...]] = {}
         if not self.leaves:
-            raise ConversionError(f"{self._state} holds no params")
+            raise PretrainedCheckpointError(f"{self._state} holds no params")
         self._scratch_dir = scratch_dir
         self._copies: dict[LayerPath, str] = {}
 
@@ -77,9 +78,10 @@ class CheckpointReader:
         try:
             return ts.open(self._spec(self.leaves[path]), open=True, read=True).result()
         except ValueError as error:  # TensorStore reports a missing or damaged array so
-            raise ConversionError(f"{self._state}: params/{'/'.join(path)} cannot be read "
-                                  f"({str(error).splitlines()[0][:300]}): the checkpoint is "
-                                  "damaged or incomplete") from None
+            raise PretrainedCheckpointError(
+                f"{self._state}: params/{'/'.join(path)} cannot be read "
+                f"({str(error).splitlines()[0][:300]}): the checkpoint is damaged or incomplete"
+            ) from None
 
     def shape(self, path: LayerPath) -> tuple[int, ...]:
         """The global shape of ``params/<path>`` (the metadata's write shape is one shard's)."""
@@ -99,8 +101,8 @@ class CheckpointReader:
         import tensorstore as ts
 
         if self._scratch_dir is None:
-            raise ConversionError(f"params/{'/'.join(path)} is chunked across layers; reading "
-                                  "it layer by layer needs a scratch directory (a converter bug)")
+            raise ValueError(f"params/{'/'.join(path)} is chunked across layers; reading it layer "
+                             "by layer needs a scratch directory (a converter bug)")
         target = os.path.join(self._scratch_dir, ".".join(path))
         whole = store.read().result()  # the one leaf in memory
         spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": target},

@@ -17,10 +17,13 @@ import base64
 import json
 import os
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from paxlite.models.transformer import TransformerConfig
 
 ITEM = "state"
 
@@ -144,3 +147,41 @@ def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 def _dump(path: str, content: Any) -> None:
     with open(path, "w") as f:
         json.dump(content, f)
+
+
+def write_subtrees(subtrees: Iterable[tuple[str, Any]], out_dir: str | os.PathLike, *,
+                   config: TransformerConfig, step: int = 0) -> str:
+    """Writes the unscanned top-level subtrees (``embedding``, ``layers_<i>``, ...) of any source
+    as a paxlite checkpoint (stacked layers when ``config.scan_layers``) with its
+    ``model_config.json``, holding about three subtrees at a time; returns the step directory.
+    The caller checks names and shapes first (e.g. on stand-ins): a failure here leaves only the
+    staging directory, which the next run replaces."""
+    import jax
+    import ml_dtypes
+
+    from paxlite.paths import staged_output
+    from paxlite.train.pretrained import MODEL_CONFIG_FILE, model_config_to_json
+
+    target = np.dtype(ml_dtypes.bfloat16 if config.param_dtype == "bfloat16" else np.float32)
+    with staged_output(os.fspath(out_dir), setting="output directory") as staging:
+        writer = CheckpointWriter(staging, step=step)
+        marks = [0, 0]  # write counts before the last two subtrees
+        for top, subtree in subtrees:
+            marks = [marks[1], writer.issued()]
+            leaves = jax.tree_util.tree_flatten_with_path(subtree)[0]
+            for key_path, leaf in leaves:
+                keys = tuple(str(k.key) for k in key_path)
+                array = np.asarray(leaf).astype(target, copy=False)
+                if config.scan_layers and top.startswith("layers_"):
+                    writer.write_layer(("params", "layers", *keys), int(top.removeprefix("layers_")),
+                                       array, num_layers=config.num_layers)
+                else:
+                    writer.write(("params", top, *keys), array)
+            del subtree, leaves, leaf
+            # A layer's writes run while the next two are read and cast: three layers in memory.
+            writer.wait(upto=marks[0])
+        writer.close()
+        with open(os.path.join(staging, MODEL_CONFIG_FILE), "w") as f:
+            f.write(model_config_to_json(config))
+    step_dir = os.path.relpath(writer.step_dir, staging)
+    return os.path.join(os.path.abspath(os.fspath(out_dir)), step_dir)
