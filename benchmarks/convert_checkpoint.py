@@ -1,20 +1,21 @@
-"""Conversion time and peak host memory for a ~1B-parameter LLaMA-style checkpoint, both ways.
+"""Conversion time and peak host memory for a ~1B-parameter LLaMA-style checkpoint.
 
 A random Hugging Face checkpoint (LLaMA layout, GQA, untied head, bfloat16 safetensors as published
-models are stored) is written once, then converted with the command users run, each direction in its
-own process so that its peak resident memory (ru_maxrss of the child) is its own:
+models are stored) is written once, then converted with the commands users run, each in its own
+process so that its peak resident memory (ru_maxrss of the child) is its own:
 
     python -m paxlite convert --from=hf --to=paxlite ...     (HF bf16 -> paxlite float32 params)
     python -m paxlite convert --from=paxlite --to=hf ...     (paxlite -> HF, bf16 again)
+    the same from the checkpoint saved as training saves it  (Orbax, scanned, a chunk per leaf)
+    export_merged of a LoRA run's checkpoint                 (Orbax, scanned, rank-8 adapters)
 
-The round trip must give back every tensor bit for bit (bf16 -> f32 -> bf16 is exact), so the numbers
-are for a conversion that is also checked. Peak memory is reported beside the size of the float32
-parameters, the least a converter that holds the whole model must use.
+Both paxlite -> HF exports must give back every input tensor bit for bit (bf16 -> f32 -> bf16 is
+exact), and one layer of the merged export is checked against a float64 merge, so the numbers are
+for conversions that are also checked. Each command is also run on a tiny model (D 64, one layer):
+the figure reported is the peak less that baseline (Python, JAX and Orbax themselves), against the
+model's float32 bytes.
 
     .venv/bin/python benchmarks/convert_checkpoint.py [--work_dir build/bench_convert] [--layers 16]
-
-Each command is also run on a tiny model (D 64, one layer): the figure reported is the peak less
-that baseline (Python, JAX and Orbax themselves), against the model's float32 bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -88,19 +90,6 @@ def write_in_child(path: str, *, layers: int, tiny: bool = False) -> int:
     return int(out.split()[-1])
 
 
-def run_convert(args: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS GiB) of one `python -m paxlite convert` run; os.wait4 gives that child's own rusage."""
-    start = time.perf_counter()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "paxlite", "convert", *args], cwd=REPO, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    seconds = time.perf_counter() - start
-    if proc.returncode:
-        raise SystemExit(f"convert {args} failed with status {proc.returncode}")
-    return seconds, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
-
-
 def compare(a_dir: str, b_dir: str) -> int:
     """Number of tensors compared; raises if any differs in name, dtype or bits."""
     from safetensors import safe_open
@@ -123,35 +112,135 @@ def compare(a_dir: str, b_dir: str) -> int:
     return len(a)
 
 
+def write_orbax_copies(pax: str, orbax: str, lora: str) -> None:
+    """Child: the converted checkpoint ``pax`` saved again the way training saves (Orbax, scanned
+    layers, one chunk per leaf spanning every layer), and as a LoRA run's checkpoint (rank 8,
+    nonzero adapters on every projection) for export_merged. This child holds the model; the
+    measured commands run in their own processes."""
+    import dataclasses as dc
+
+    import jax
+    from flax import linen as nn
+
+    from paxlite.interop import hf
+    from paxlite.interop.layouts import stack_layers
+    from paxlite.models.transformer import abstract_variables
+    from paxlite.train.pretrained import save_params
+
+    pretrained = hf.from_paxlite(pax)
+    config = dc.replace(pretrained.config, scan_layers=True)
+    stacked = stack_layers(pretrained.params, num_layers=config.num_layers)
+    del pretrained
+    save_params(orbax, stacked, model_config=config)  # what hf.to_paxlite writes, scanned
+    lora_config = dc.replace(config, lora_rank=8, lora_alpha=16.0)
+    rng = np.random.default_rng(0)
+    shapes = nn.meta.unbox(abstract_variables(lora_config)["params"])
+
+    def leaf(path, shape_dtype):
+        name = "/".join(str(k.key) for k in path)
+        if name.endswith(("lora_a", "lora_b")):
+            return (rng.standard_normal(shape_dtype.shape, np.float32) * 0.01).astype(np.float32)
+        node = stacked
+        for k in path:
+            node = node[k.key]
+        return node
+
+    save_params(lora, jax.tree_util.tree_map_with_path(leaf, shapes), step=1,
+                model_config=lora_config)
+
+
+def run_child(argv: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS GiB) of one child process; os.wait4 gives that child's own rusage."""
+    start = time.perf_counter()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{argv} failed with status {os.waitstatus_to_exitcode(status)}")
+    return seconds, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def export_merged_argv(source: str, output: str) -> list[str]:
+    """What `python -m paxlite export_merged` runs, without an experiment to name: the LoRA config
+    is the model_config.json beside the checkpoint."""
+    code = ("import sys; from paxlite.train.export import export_merged; "
+            "from paxlite.train.pretrained import load_model_config; "
+            "export_merged(sys.argv[1], sys.argv[2], model_config=load_model_config(sys.argv[1]))")
+    return ["-c", code, source, output]
+
+
+def check_merged(lora: str, merged: str, *, layer: int) -> None:
+    """One layer's MLP output kernel of the export is base + (alpha / r) * A @ B (float64 reference)."""
+    from paxlite.train.pretrained import find_checkpoint
+    from paxlite.train.stream_read import CheckpointReader
+
+    def row(path: str, leaf: tuple[str, ...]) -> np.ndarray:
+        _, step_dir = find_checkpoint(path)
+        with tempfile.TemporaryDirectory() as scratch:
+            return CheckpointReader(step_dir, scratch_dir=scratch).read(leaf, layer).astype(np.float64)
+
+    kernel = row(lora, ("layers", "mlp", "wo", "kernel"))
+    a, b = row(lora, ("layers", "mlp", "wo", "lora_a")), row(lora, ("layers", "mlp", "wo", "lora_b"))
+    want = kernel + 16.0 / 8 * a @ b
+    have = row(merged, ("layers", "mlp", "wo", "kernel"))
+    if not np.allclose(have, want, rtol=1e-5, atol=1e-6) or np.allclose(have, kernel):
+        raise AssertionError(f"export_merged: layer {layer}'s wo kernel is not base + scale * A @ B")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work_dir", default=os.path.join(REPO, "build", "bench_convert"))
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--max_shard_size", default="1GB", help="of the paxlite -> HF export")
     parser.add_argument("--write_hf", default=None, help=argparse.SUPPRESS)  # child: write, exit
+    parser.add_argument("--write_orbax", nargs=3, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write_hf:
         print(write_random_hf(args.write_hf, layers=args.layers, sizes=TINY if args.tiny else FULL))
         return
+    if args.write_orbax:
+        write_orbax_copies(*args.write_orbax)
+        return
     shutil.rmtree(args.work_dir, ignore_errors=True)
-    hf_in, pax, hf_out = (os.path.join(args.work_dir, n) for n in ("hf_in", "paxlite", "hf_out"))
-    num_params = write_in_child(hf_in, layers=args.layers)
-    size = os.path.getsize(os.path.join(hf_in, "model.safetensors"))
-    print(f"random LLaMA-style checkpoint: {num_params:,} parameters, {size / 2**30:.2f} GiB bf16 safetensors")
-    # The same two commands on a tiny model: the process's own footprint (Python, JAX, Orbax).
-    tiny_in, tiny_pax, tiny_out = (os.path.join(args.work_dir, n) for n in ("tiny_in", "tiny_pax", "tiny_out"))
-    write_in_child(tiny_in, layers=1, tiny=True)
-    _, b1 = run_convert(["--from=hf", "--to=paxlite", f"--input={tiny_in}", f"--output={tiny_pax}"])
-    _, b2 = run_convert(["--from=paxlite", "--to=hf", f"--input={tiny_pax}", f"--output={tiny_out}",
-                         "--dtype=bfloat16"])
-    t1, m1 = run_convert(["--from=hf", "--to=paxlite", f"--input={hf_in}", f"--output={pax}"])
-    t2, m2 = run_convert(["--from=paxlite", "--to=hf", f"--input={pax}", f"--output={hf_out}",
-                          "--dtype=bfloat16", f"--max_shard_size={args.max_shard_size}"])
-    count = compare(hf_in, hf_out)
+    os.makedirs(args.work_dir)
+    me = os.path.abspath(__file__)
+    results = {}
+    for size in ("tiny", "full"):  # tiny: the process's own footprint (Python, JAX, Orbax)
+        d = {n: os.path.join(args.work_dir, f"{size}_{n}") for n in (
+            "hf_in", "paxlite", "hf_out", "orbax", "hf_from_orbax", "lora", "merged")}
+        layers = 1 if size == "tiny" else args.layers
+        num_params = write_in_child(d["hf_in"], layers=layers, tiny=size == "tiny")
+        if size == "full":
+            gib = os.path.getsize(os.path.join(d["hf_in"], "model.safetensors")) / 2**30
+            print(f"random LLaMA-style checkpoint: {num_params:,} parameters, {gib:.2f} GiB bf16 "
+                  "safetensors")
+        convert = ["-m", "paxlite", "convert"]
+        to_hf = ["--to=hf", "--dtype=bfloat16", f"--max_shard_size={args.max_shard_size}"]
+        results[size] = {
+            "hf -> paxlite": run_child(convert + ["--from=hf", "--to=paxlite",
+                                                  f"--input={d['hf_in']}", f"--output={d['paxlite']}"]),
+            "paxlite -> hf": run_child(convert + ["--from=paxlite", *to_hf,
+                                                  f"--input={d['paxlite']}", f"--output={d['hf_out']}"]),
+        }
+        subprocess.run([sys.executable, me, "--write_orbax", d["paxlite"], d["orbax"], d["lora"]],
+                       check=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        results[size]["paxlite (Orbax, scanned) -> hf"] = run_child(
+            convert + ["--from=paxlite", *to_hf, f"--input={d['orbax']}",
+                       f"--output={d['hf_from_orbax']}"])
+        results[size]["export_merged (Orbax, scanned, LoRA r8)"] = run_child(
+            export_merged_argv(d["lora"], d["merged"]))
+    full = {n: os.path.join(args.work_dir, f"full_{n}") for n in ("hf_in", "hf_out", "hf_from_orbax",
+                                                                    "lora", "merged")}
+    count = compare(full["hf_in"], full["hf_out"])
+    compare(full["hf_in"], full["hf_from_orbax"])
+    check_merged(full["lora"], full["merged"], layer=args.layers - 1)
+    print(f"round trips exact: {count} tensors bit-identical (both paxlite -> hf); export_merged "
+          "checked against a float64 merge of one layer")
     f32 = num_params * 4 / 2**30
-    print(f"round trip exact: {count} tensors bit-identical")
-    for what, t, m, b in (("hf -> paxlite", t1, m1, b1), ("paxlite -> hf", t2, m2, b2)):
+    for what, (t, m) in results["full"].items():
+        _, b = results["tiny"][what]
         print(f"{what}: {t:.1f} s, peak RSS {m:.2f} GiB, tiny model {b:.2f} GiB: "
               f"(peak - tiny) / f32 params = {(m - b) / f32:.2f}x the {f32:.2f} GiB")
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from absl import app, flags, logging
 
-from paxlite.errors import RunStoppedError, UserError
+from paxlite.job import exit_usage, report_errors
 from paxlite.launch_plan import (
     BACKENDS,
     CONFIG_MODULES,
@@ -116,10 +116,9 @@ def _write_trainer_files(plan: LaunchPlan, experiment, tree) -> None:
 
 def run(plan: LaunchPlan, *, argv: Sequence[str]) -> int:
     """Join the job, check the devices, resolve the mesh and train (paxlite.job.run_job)."""
-    import fiddle as fdl
     import jax
 
-    from paxlite.experiments.build import run_tree
+    from paxlite.experiments.build import build_tree, run_tree
     from paxlite.job import Mode, preemption_exit_code, run_job
     from paxlite.parallel import distributed
 
@@ -139,7 +138,7 @@ def run(plan: LaunchPlan, *, argv: Sequence[str]) -> int:
     logging.info("%s: %s -> ICI_MESH_SHAPE=%s, DCN_MESH_SHAPE=%s", plan.config_name,
                  plan.describe_mesh(), experiment.ICI_MESH_SHAPE, experiment.DCN_MESH_SHAPE)
     tree = run_tree(experiment)
-    run_config = fdl.build(tree)
+    run_config = build_tree(tree)
     if jax.process_index() == 0:
         _write_trainer_files(plan, experiment, tree)
     return run_job(experiment, tree, run_config, job_dir=plan.trainer_dir, mode=Mode.TRAIN,
@@ -148,19 +147,14 @@ def run(plan: LaunchPlan, *, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str], *, fdl: Sequence[str] = ()) -> int:
     """0; 2 with one line for a user's mistake; 1 with one line for a run that stopped."""
-    try:
+    def launch() -> int:
         if len(argv) > 1:
             raise LaunchError(f"unexpected positional arguments {list(argv[1:])}; flags look like "
                               "--name=value")
         plan = parse_launch(_absl_flags(fdl), os.environ)
         return run(plan, argv=sys.argv)
-    except UserError as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
-    except RunStoppedError as e:
-        logging.error("%s", e)
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 1
+
+    return report_errors(launch)
 
 
 def run_main() -> None:
@@ -169,15 +163,10 @@ def run_main() -> None:
     def parser(argv: list[str]) -> list[str]:
         try:
             rest, found = split_fdl_args(argv)
-        except LaunchError as e:
-            print(f"paxlite: error: {e}", file=sys.stderr)
-            sys.exit(2)
-        fdl_assignments.extend(found)
-        try:
+            fdl_assignments.extend(found)
             return FLAGS(rest)
-        except flags.Error as e:  # one line and exit 2, not absl's FATAL and exit 1
-            print(f"paxlite: error: {' '.join(str(e).split())}", file=sys.stderr)
-            sys.exit(2)
+        except (LaunchError, flags.Error) as e:  # one line and exit 2, not absl's FATAL and exit 1
+            exit_usage(e)
 
     app.run(lambda argv: sys.exit(main(argv, fdl=fdl_assignments)), flags_parser=parser)
 

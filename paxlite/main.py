@@ -15,8 +15,8 @@ import sys
 from absl import app, flags, logging
 from fiddle import absl_flags  # noqa: F401  defines --fdl_config, --fdl_set, ... (parsed in _parse_flags)
 
-from paxlite.errors import RunStoppedError, UserError
-from paxlite.job import Mode, run_job
+from paxlite.errors import UserError
+from paxlite.job import Mode, exit_usage, report_errors, run_job
 
 FLAGS = flags.FLAGS
 
@@ -60,10 +60,8 @@ class UsageError(UserError, ValueError):
 
 def parse_job(argv) -> tuple:
     """Validate everything that can be validated without devices; returns (experiment, tree, run_config)."""
-    import fiddle as fdl
 
-    from paxlite.config.errors import ConfigError
-    from paxlite.experiments.build import load_experiment, run_tree
+    from paxlite.experiments.build import build_tree, load_experiment, run_tree
 
     if len(argv) > 1:
         raise UsageError(f"unexpected positional arguments {argv[1:]}; flags look like --name=value")
@@ -96,14 +94,7 @@ def parse_job(argv) -> tuple:
             f"{where} with --mode=train trains nothing; pass --fdl.MAX_STEPS=N (N >= 1) to train, or "
             "--mode=eval to evaluate the job's latest checkpoint (or CHECKPOINT_RESTORE_PATH)")
     tree = run_tree(experiment)
-    try:
-        run_config = fdl.build(tree)
-    except ValueError as e:
-        # Fiddle builds plain config dataclasses here (no JAX runs); a ValueError is one of their
-        # __post_init__ value checks, i.e. a hyperparameter the experiment's own checks let through.
-        if isinstance(e, UserError):
-            raise
-        raise ConfigError(str(e).split("\n\nFiddle context:", 1)[0]) from e
+    run_config = build_tree(tree)
     return experiment, tree, run_config
 
 
@@ -111,15 +102,7 @@ def main(argv) -> int:
     """0, or 2 with one line for a user's mistake (any UserError), or 1 with one line for a run that
     stopped (RunStoppedError); any other exception is a bug and keeps its traceback."""
     quiet_library_logs()
-    try:
-        return _run_job(argv)
-    except UserError as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
-    except RunStoppedError as e:
-        logging.error("%s", e)
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 1
+    return report_errors(lambda: _run_job(argv))
 
 
 def _run_job(argv) -> int:
@@ -160,8 +143,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return FLAGS(_rewrite_fdl_args(argv))
     except (flags.Error, UsageError) as e:
-        print(f"paxlite: error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
+        exit_usage(e)
 
 
 def run_main() -> None:

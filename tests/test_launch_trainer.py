@@ -291,3 +291,24 @@ def test_two_processes_from_axlearns_environment_variables(tmp_path):
     flags = json.loads((trainer_dir / "launch_trainer_flags").read_text())
     assert (flags["num_processes_resolved"], flags["process_id_resolved"]) == (2, 0)
     assert sorted(os.listdir(trainer_dir / "checkpoints")) == ["checkpoint_00000002"]
+
+
+def test_a_value_only_the_config_dataclasses_refuse_is_one_line_from_both_entry_points(tmp_path):
+    """LEARNING_RATE=-1 passes the experiment's own checks; the optimizer config's __post_init__
+    refuses it while the run is built. Both entry points share that build (experiments/build.py:
+    build_tree), so both report it as the user's mistake: one line, exit 2, nothing written."""
+    result = _launcher([*[f"--{k}={v}" for k, v in BASE.items()], "--fdl.LEARNING_RATE=-1.0",
+                        f"--trainer_dir={tmp_path / 'launcher'}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    # Fuji's weight decay is scaled by the learning rate, so its check is the first to fail.
+    assert result.stderr.strip().splitlines()[-1] == (
+        "paxlite: error: weight_decay must be a finite number >= 0, got -0.01.")
+    assert "Traceback" not in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic",
+         "--fdl.LEARNING_RATE=-1.0", f"--job_log_dir={tmp_path / 'main'}"],
+        capture_output=True, text=True, env=_env(), timeout=300, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "paxlite: error: learning_rate must be a finite number >= 0, got -1.0.")
+    assert not (tmp_path / "main").exists()

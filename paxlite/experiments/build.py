@@ -59,9 +59,24 @@ def run_tree(experiment: Experiment) -> fdl.Config[RunConfig]:
     return experiment.run_config()
 
 
+def build_tree(tree: fdl.Config[RunConfig]) -> RunConfig:
+    """`fdl.build` of a run tree, where a ValueError from a config dataclass's own checks (a
+    hyperparameter the experiment's checks let through) is the user's: one ConfigError line."""
+    from paxlite.errors import UserError
+
+    try:
+        return fdl.build(tree)
+    except ValueError as e:
+        # Fiddle builds plain config dataclasses here (no JAX runs): a ValueError is one of their
+        # __post_init__ value checks.
+        if isinstance(e, UserError):
+            raise
+        raise ConfigError(str(e).split("\n\nFiddle context:", 1)[0]) from e
+
+
 def build_run_config(name: str, assignments: Sequence[str] = ()) -> tuple[Experiment, RunConfig]:
     experiment = load_experiment(name, assignments)
-    return experiment, fdl.build(run_tree(experiment))
+    return experiment, build_tree(run_tree(experiment))
 
 
 def configure(
