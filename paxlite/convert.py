@@ -309,6 +309,8 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
         return _stream_hf_to_paxlite(request, experiment_config)
     if request.source is Source.PAXLITE and request.target is Target.HF:
         return _stream_paxlite_to_hf(request, experiment_config, vocab_path=vocab_path)
+    if request.source is Source.META and request.target is Target.PAXLITE:
+        return _stream_meta_to_paxlite(request, experiment_config)
     pretrained = _read(request, experiment_config)
     if experiment_config is not None:
         adopted = adopt_config(pretrained, config=experiment_config, experiment=request.fdl_config)
@@ -369,6 +371,20 @@ def _stream_paxlite_to_hf(request: ConvertRequest, experiment_config: Transforme
         vocab_path=vocab_path,
         vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
     return ConvertSummary(family=family_of_config(config).value, num_params=num_params)
+
+def _stream_meta_to_paxlite(request: ConvertRequest, experiment_config: TransformerConfig | None
+                            ) -> ConvertSummary:
+    """Meta consolidated shards -> paxlite one layer at a time (never the whole model in memory)."""
+    from paxlite.interop import meta
+    from paxlite.interop.hf_config import Family
+
+    source = meta.open_meta(request.input, vocab_size=request.vocab_size, dtype=request.dtype)
+    config = source.config
+    if experiment_config is not None:
+        assert request.fdl_config is not None
+        config = adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+    num_params = meta.write_paxlite(source, request.output, config=config)
+    return ConvertSummary(family=Family.LLAMA.value, num_params=num_params)
 
 
 def _scan_layers(request: ConvertRequest, experiment_config: TransformerConfig | None) -> bool:

@@ -7,28 +7,37 @@ shape). Meta's q/k rows are already in the interleaved RoPE order paxlite uses: 
 
 ``.pth`` files are pickles; they are read with ``torch.load(weights_only=True)`` only, which refuses
 any object that is not a tensor or plain container, so a downloaded file cannot run code.
+
+`load_meta` (behind ``hf.from_meta``) merges whole shards in memory. `open_meta` + `write_paxlite`
+(``python -m paxlite convert --from=meta --to=paxlite``) stream instead: `MetaShards` reads one
+merged tensor at a time from memory-mapped shards, and the paxlite checkpoint is written one layer
+at a time (`stream.write_subtrees`), so the converter holds about a layer of the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from paxlite.errors import NotFoundError, UserError
+from paxlite.errors import NotFoundError, SettingError, UserError
+from paxlite.interop import layouts
+from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import UnsupportedCheckpointError
 from paxlite.interop.layouts import LayoutError, LlamaNaming, Params, llama_to_params
-from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
+from paxlite.models.transformer import LLAMA_ARCHITECTURE, VALID_DTYPES, TransformerConfig
 
 META_MAX_SEQ_LEN: int = 4096  # params.json does not say; LLaMA-2's context
 _SHARD = re.compile(r"^consolidated\.(\d+)\.pth$")
 _COLUMN_PARALLEL = re.compile(r"(attention\.w[qkv]|feed_forward\.w[13])\.weight$|^output\.weight$")
 _ROW_PARALLEL = re.compile(r"(attention\.wo|feed_forward\.w2)\.weight$")
 _IGNORED = ("rope.freqs",)
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 class UnsafeCheckpointError(UserError, ValueError):
@@ -40,6 +49,13 @@ def load_torch_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     bfloat16 tensors come back as ml_dtypes.bfloat16 arrays, bit for bit.
     """
+    return {name: _to_numpy(tensor) for name, tensor in _open_state(path).items()}
+
+
+def _open_state(path: str | os.PathLike) -> Mapping[str, Any]:
+    """The state dict of a torch file, memory-mapped (no weight is read until used) and unpickled
+    with weights_only=True; refused unless it is a dict of tensors. Its tensors keep the mapping,
+    and every page of it they were read through stays resident, until the last of them is gone."""
     import pickle
 
     try:
@@ -52,15 +68,18 @@ def load_torch_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise UnsafeCheckpointError(
             f"refused to load {path}: it holds objects other than tensors, and paxlite only "
             f"unpickles with weights_only=True ({str(e).splitlines()[0]})") from None
+    except RuntimeError as e:  # e.g. "PytorchStreamReader failed reading zip archive"
+        raise ConversionError(
+            f"cannot read {path} as a torch checkpoint ({str(e).splitlines()[0]}): a truncated or "
+            "corrupt download (download it again), or a pre-1.6 torch file, which cannot be "
+            "memory-mapped") from None
     if not isinstance(state, Mapping):
         raise UnsafeCheckpointError(f"{path} holds a {type(state).__name__}, not a dict of tensors")
-    out: dict[str, np.ndarray] = {}
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             raise UnsafeCheckpointError(
                 f"{path}: entry {name!r} is a {type(tensor).__name__}, not a tensor")
-        out[name] = _to_numpy(tensor)
-    return out
+    return state
 
 
 def _to_numpy(tensor: Any) -> np.ndarray:
@@ -143,6 +162,19 @@ def meta_config(params_json: Mapping[str, Any], *, directory: str,
     )
 
 
+def _split_axis(name: str, part_shape: tuple[int, ...], *, config: TransformerConfig
+                ) -> int | None:
+    """The axis Meta's model parallelism split ``name`` along; None: replicated in every shard."""
+    if _COLUMN_PARALLEL.search(name):
+        return 0
+    if _ROW_PARALLEL.search(name):
+        return 1
+    if name == "tok_embeddings.weight":
+        # LLaMA-1/2 split the embedding along model dims, LLaMA-3 along the vocabulary.
+        return 1 if part_shape[0] == config.vocab_size else 0
+    return None  # norms (and rope.freqs)
+
+
 def merge_shards(shards: list[dict[str, np.ndarray]], *, config: TransformerConfig
                  ) -> dict[str, np.ndarray]:
     """One state dict from model-parallel shards (interop.md section 6)."""
@@ -156,15 +188,10 @@ def merge_shards(shards: list[dict[str, np.ndarray]], *, config: TransformerConf
     merged: dict[str, np.ndarray] = {}
     for name in sorted(names):
         parts = [shard[name] for shard in shards]
-        if _COLUMN_PARALLEL.search(name):
-            merged[name] = np.concatenate(parts, axis=0)
-        elif _ROW_PARALLEL.search(name):
-            merged[name] = np.concatenate(parts, axis=1)
-        elif name == "tok_embeddings.weight":
-            # LLaMA-1/2 split the embedding along model dims, LLaMA-3 along the vocabulary.
-            axis = 1 if parts[0].shape[0] == config.vocab_size else 0
+        axis = _split_axis(name, parts[0].shape, config=config)
+        if axis is not None:
             merged[name] = np.concatenate(parts, axis=axis)
-        else:  # norms (and rope.freqs): replicated
+        else:
             for i, part in enumerate(parts[1:], start=1):
                 if part.shape != parts[0].shape or not np.array_equal(part, parts[0]):
                     raise LayoutError(
@@ -212,16 +239,213 @@ def shard_paths(directory: str) -> list[str]:
     return [os.path.join(directory, name) for _, name in found]
 
 
-def load_meta(path: str | os.PathLike, *, vocab_size: int | None = None
-              ) -> tuple[TransformerConfig, Params]:
-    """(config, unscanned params in the stored dtype) of a Meta checkpoint directory."""
-    directory = os.fspath(path)
+def read_meta_config(directory: str, *, vocab_size: int | None = None) -> TransformerConfig:
+    """The TransformerConfig of a Meta checkpoint directory's ``params.json``."""
     params_path = os.path.join(directory, "params.json")
     if not os.path.exists(params_path):
         raise NotFoundError(f"{directory} has no params.json: not a Meta LLaMA checkpoint")
     with open(params_path) as f:
-        config = meta_config(json.load(f), directory=directory, vocab_size=vocab_size)
+        return meta_config(json.load(f), directory=directory, vocab_size=vocab_size)
+
+
+def load_meta(path: str | os.PathLike, *, vocab_size: int | None = None
+              ) -> tuple[TransformerConfig, Params]:
+    """(config, unscanned params in the stored dtype) of a Meta checkpoint directory."""
+    directory = os.fspath(path)
+    config = read_meta_config(directory, vocab_size=vocab_size)
     shards = [load_torch_file(p) for p in shard_paths(directory)]
     params = llama_to_params(merge_shards(shards, config=config), config=config,
                              naming=meta_naming())
     return config, params
+
+
+# ---------------------------------------------------------------- streaming
+class MetaShards(Mapping):
+    """name -> the merged np.ndarray (stored dtype) of a Meta checkpoint's model-parallel shards,
+    read from disk on ``[]``, merged as `merge_shards` merges them.
+
+    Opening reads each shard's pickle (names, shapes, dtypes: no weights) and its replicated norms,
+    and checks that the shards hold the same float tensors of compatible shapes, agree on the
+    replicated ones, and are all there. Reading maps the shards (torch.load(mmap=True)) and copies
+    one tensor's pieces out. A page read through a mapping stays resident (and counts in the RSS)
+    while any tensor of that load lives, so the shards are mapped per group (the tensors of one
+    layer, or one other tensor) and unmapped when the group is read or another one is asked for:
+    resident input never exceeds a layer.
+    """
+
+    def __init__(self, paths: Sequence[str], *, config: TransformerConfig, directory: str) -> None:
+        self._paths = list(paths)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._groups: dict[int | str, set[str]] = {}
+        self._open: tuple[int | str, list[Mapping[str, Any]]] | None = None  # (group, mapped shards)
+        self._unread: set[str] = set()
+        shapes, replicated = _scan_shard(self._paths[0], config=config)
+        parts = {name: [shape] for name, shape in shapes.items()}
+        self._axes = {name: _split_axis(name, shape, config=config)
+                      for name, shape in shapes.items()}
+        for i, path in enumerate(self._paths[1:], start=1):
+            shapes, values = _scan_shard(path, config=config)
+            if set(shapes) != set(parts):
+                diff = sorted(set(parts).symmetric_difference(shapes))
+                raise LayoutError(
+                    f"Meta shard {i} holds different tensors from shard 0: {diff[:10]}")
+            for name, shape in shapes.items():
+                parts[name].append(shape)
+            for name, value in values.items():
+                if value.shape != replicated[name].shape or not np.array_equal(
+                        value, replicated[name]):
+                    raise LayoutError(f"Meta shards disagree on the replicated tensor {name} "
+                                      f"(shard {i} vs 0)")
+        for name, part_shapes in parts.items():
+            self._shapes[name] = _merged_shape(name, part_shapes, axis=self._axes[name])
+            self._groups.setdefault(_group(name), set()).add(name)
+        _check_shard_count(parts, config=config, directory=directory)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._shapes:
+            raise KeyError(name)
+        group = _group(name)
+        if self._open is None or self._open[0] != group:
+            self.close()
+            self._open = (group, [_open_state(path) for path in self._paths])
+            self._unread = set(self._groups[group])
+        pieces = [_to_numpy(state[name]) for state in self._open[1]]
+        axis = self._axes[name]
+        # Copies (concatenate always does): the result must not keep the mapping alive. Casting
+        # here instead of in the writer was measured to raise the peak: the cast copy would then
+        # coexist with the mapped pieces and the writes still in flight.
+        merged = pieces[0].copy() if axis is None else np.concatenate(pieces, axis=axis)
+        del pieces
+        self._unread.discard(name)
+        if not self._unread:
+            self.close()
+        return merged
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def close(self) -> None:
+        """Unmaps the shards (a later read maps them again)."""
+        self._open = None
+
+    def stand_ins(self) -> dict[str, np.ndarray]:
+        """The same names as zero-stride float32 arrays of the merged shapes (no memory, no reads)."""
+        zero = np.zeros(1, np.float32)
+        return {name: np.lib.stride_tricks.as_strided(zero, shape, (0,) * len(shape))
+                for name, shape in self._shapes.items()}
+
+
+def _group(name: str) -> int | str:
+    """The layer index of a layer's tensor, else the tensor's own name."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else name
+
+
+def _scan_shard(path: str, *, config: TransformerConfig
+                ) -> tuple[dict[str, tuple[int, ...]], dict[str, np.ndarray]]:
+    """(every tensor's shape, copies of the replicated tensors) of one shard, which is unmapped
+    again on return; a tensor that is not floating point is refused."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    replicated: dict[str, np.ndarray] = {}
+    for name, tensor in _open_state(path).items():
+        if not tensor.is_floating_point():
+            raise ConversionError(
+                f"{path}: tensor {name} is stored as {tensor.dtype}; paxlite converts float "
+                "weights only (a quantized checkpoint needs its scales applied first)")
+        shapes[name] = tuple(tensor.shape)
+        if _split_axis(name, shapes[name], config=config) is None:
+            replicated[name] = _to_numpy(tensor).copy()
+    return shapes, replicated
+
+
+def _merged_shape(name: str, shapes: list[tuple[int, ...]], *, axis: int | None
+                  ) -> tuple[int, ...]:
+    for i, shape in enumerate(shapes[1:], start=1):
+        if len(shape) != len(shapes[0]) or any(
+                a != b for k, (a, b) in enumerate(zip(shape, shapes[0])) if k != axis):
+            split = "replicated" if axis is None else f"split along axis {axis}"
+            raise LayoutError(f"Meta shards disagree on the shape of {name} ({split}): shard {i} "
+                              f"{shape}, shard 0 {shapes[0]}")
+    if axis is None:
+        return shapes[0]
+    return tuple(sum(s[axis] for s in shapes) if k == axis else n
+                 for k, n in enumerate(shapes[0]))
+
+
+def _check_shard_count(parts: Mapping[str, list[tuple[int, ...]]], *,
+                       config: TransformerConfig, directory: str) -> None:
+    """A missing last shard leaves the others numbered 00..N-1 and every split tensor short: say
+    which files are missing rather than which rows."""
+    name = "layers.0.attention.wq.weight"
+    if name not in parts:
+        return
+    have, rows = len(parts[name]), parts[name][0][0]
+    want = config.num_heads * config.dims_per_head
+    if rows * have < want and want % rows == 0:
+        split = want // rows
+        missing = (f"consolidated.{have:02d}.pth is" if split == have + 1 else
+                   f"consolidated.{have:02d}.pth to consolidated.{split - 1:02d}.pth are")
+        raise NotFoundError(
+            f"{directory} holds {have} Meta shard(s), but the checkpoint is split {split} ways "
+            f"({name} holds {rows} of its n_heads * head_dim = {want} rows in each shard): "
+            f"{missing} missing; finish the download")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MetaSource:
+    """An opened Meta checkpoint: its converted config; tensors are read when written."""
+
+    directory: str
+    config: TransformerConfig
+    tensors: MetaShards
+
+    def subtrees(self, tensors: Mapping[str, np.ndarray] | None = None,
+                 *, config: TransformerConfig | None = None) -> Iterator[tuple[str, Params]]:
+        """The unscanned top-level subtrees (``embedding``, ``layers_<i>``, ...), one at a time."""
+        tensors = self.tensors if tensors is None else tensors
+        config = dataclasses.replace(config or self.config, scan_layers=False)
+        return layouts.iter_llama_params(tensors, config=config, naming=meta_naming())
+
+
+def open_meta(path: str | os.PathLike, *, vocab_size: int | None = None,
+              dtype: str = "float32") -> MetaSource:
+    """params.json and the shards' pickles of a Meta checkpoint directory (no weight is read);
+    the config's dtype is ``dtype``, as in ``hf.from_meta`` (tensors are cast when written)."""
+    if dtype not in VALID_DTYPES:
+        raise SettingError(f"dtype={dtype!r} is not valid; expected one of {VALID_DTYPES}")
+    directory = os.fspath(path)
+    config = read_meta_config(directory, vocab_size=vocab_size)
+    config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+    tensors = MetaShards(shard_paths(directory), config=config, directory=directory)
+    return MetaSource(directory=directory, config=config, tensors=tensors)
+
+
+def dry_run(source: MetaSource, *, config: TransformerConfig) -> int:
+    """Walks the layout on stand-ins: every name and shape checked; returns #parameters."""
+    import jax
+
+    def shapes(tree: Any) -> Any:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32), tree)
+
+    tree = {top: shapes(sub) for top, sub in
+            source.subtrees(source.tensors.stand_ins(), config=config)}
+    layouts.check_params(tree, config=dataclasses.replace(config, scan_layers=False))
+    return layouts.count(tree)
+
+
+def write_paxlite(source: MetaSource, out_dir: str | os.PathLike, *,
+                  config: TransformerConfig) -> int:
+    """The paxlite checkpoint of ``source`` (as ``hf.to_paxlite(hf.from_meta(...))`` writes it:
+    stacked layers when ``config.scan_layers``, ``model_config.json``), one layer in memory at a
+    time; returns #parameters. Bad tensors are found by `dry_run` before ``out_dir`` is made."""
+    from paxlite.interop.stream import write_subtrees
+
+    num_params = dry_run(source, config=config)
+    try:
+        write_subtrees(source.subtrees(config=config), out_dir, config=config)
+    finally:
+        source.tensors.close()
+    return num_params

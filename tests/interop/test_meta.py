@@ -24,8 +24,11 @@ def _hf_to_meta_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return out
 
 
-def _write_meta(directory, model, *, permute: bool, shards: int = 2) -> None:
-    """consolidated.NN.pth shards split as Meta's model-parallel code splits them (interop.md 6)."""
+def write_meta(directory, model, *, permute: bool, shards: int = 2, dtype=None,
+               embedding_axis: int = 1) -> None:
+    """consolidated.NN.pth shards split as Meta's model-parallel code splits them (interop.md 6),
+    stored in ``dtype`` (a torch dtype; None: the model's float32); the token embedding split along
+    model dims (``embedding_axis=1``, LLaMA-1/2) or the vocabulary (0, LLaMA-3)."""
     import torch
 
     config = model.config
@@ -55,11 +58,13 @@ def _write_meta(directory, model, *, permute: bool, shards: int = 2) -> None:
             if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight",
                               "output.weight")):
                 part = np.split(array, shards, axis=0)[s]
-            elif name.endswith(("wo.weight", "w2.weight", "tok_embeddings.weight")):
+            elif name.endswith(("wo.weight", "w2.weight")):
                 part = np.split(array, shards, axis=1)[s]
+            elif name == "tok_embeddings.weight":
+                part = np.split(array, shards, axis=embedding_axis)[s]
             else:
                 part = array
-            shard[name] = torch.from_numpy(np.ascontiguousarray(part))
+            shard[name] = torch.from_numpy(np.ascontiguousarray(part)).to(dtype or torch.float32)
         torch.save(shard, directory / f"consolidated.{s:02d}.pth")
     params = {"dim": config.hidden_size, "n_layers": config.num_hidden_layers, "n_heads": heads,
               "n_kv_heads": kv, "multiple_of": 4, "ffn_dim_multiplier": None,
@@ -77,14 +82,14 @@ def test_ffn_size_formula():
 def test_two_shards_match_hf_and_a_wrong_permutation_is_caught(llama_gqa, tmp_path):
     _, model = llama_gqa
     ref = hf_logits(model)
-    _write_meta(tmp_path / "meta", model, permute=True)
+    write_meta(tmp_path / "meta", model, permute=True)
     with pytest.raises(ValueError, match="vocab_size=-1 .* --vocab_size"):
         hf.from_meta(tmp_path / "meta")
     pretrained = hf.from_meta(tmp_path / "meta", vocab_size=256)
     assert pretrained.config.hidden_dims == 172 and pretrained.config.kv_heads == 2
     np.testing.assert_allclose(pretrained.logits(TOKENS), ref, atol=TOL, rtol=0)
     # The same shards without Meta's row order: the model runs, and its logits are wrong.
-    _write_meta(tmp_path / "unpermuted", model, permute=False)
+    write_meta(tmp_path / "unpermuted", model, permute=False)
     wrong = hf.from_meta(tmp_path / "unpermuted", vocab_size=256)
     assert np.abs(wrong.logits(TOKENS) - ref).max() > 1e-2
 
