@@ -311,6 +311,8 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
         return _stream_paxlite_to_hf(request, experiment_config, vocab_path=vocab_path)
     if request.source is Source.META and request.target is Target.PAXLITE:
         return _stream_meta_to_paxlite(request, experiment_config)
+    if request.source is Source.META and request.target is Target.HF:
+        return _stream_meta_to_hf(request, experiment_config, vocab_path=vocab_path)
     pretrained = _read(request, experiment_config)
     if experiment_config is not None:
         adopted = adopt_config(pretrained, config=experiment_config, experiment=request.fdl_config)
@@ -384,6 +386,24 @@ def _stream_meta_to_paxlite(request: ConvertRequest, experiment_config: Transfor
         assert request.fdl_config is not None
         config = adopted_config(config, config=experiment_config, experiment=request.fdl_config)
     num_params = meta.write_paxlite(source, request.output, config=config)
+    return ConvertSummary(family=Family.LLAMA.value, num_params=num_params)
+
+
+def _stream_meta_to_hf(request: ConvertRequest, experiment_config: TransformerConfig | None,
+                       *, vocab_path: str | None) -> ConvertSummary:
+    """Meta consolidated shards -> HF safetensors one layer at a time."""
+    from paxlite.interop import hf, meta
+    from paxlite.interop.hf_config import Family
+
+    source = meta.open_meta(request.input, vocab_size=request.vocab_size, dtype=request.dtype)
+    if experiment_config is not None:
+        assert request.fdl_config is not None
+        adopted_config(source.config, config=experiment_config, experiment=request.fdl_config)
+    num_params = hf.stream_source_to_hf(
+        source, request.output, config=source.config, dtype=request.dtype,
+        max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
+        vocab_path=vocab_path,
+        vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
     return ConvertSummary(family=Family.LLAMA.value, num_params=num_params)
 
 

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -327,6 +327,52 @@ def stream_paxlite_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike, *,
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return config, layouts.count(stand_ins)
+
+
+class _InOrder(Mapping):
+    """A source's subtrees (``(top, subtree)`` in model order, read as the iterator advances) as
+    the params mapping `write_hf` walks: each ``[top]`` advances to that subtree and holds only it.
+    The HF tensor iterators ask for the subtrees in the order sources make them."""
+
+    def __init__(self, subtrees: Iterator[tuple[str, Any]], tops: list[str]) -> None:
+        self._subtrees, self._tops, self._done = subtrees, tops, 0
+
+    def __getitem__(self, top: str) -> Any:
+        if top not in self._tops[self._done:]:
+            raise KeyError(f"{top} (already passed or not in the model: a converter bug)")
+        for name, subtree in self._subtrees:
+            self._done += 1
+            if name == top:
+                return subtree
+        raise KeyError(top)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tops)
+
+    def __len__(self) -> int:
+        return len(self._tops)
+
+    def finish(self) -> None:
+        """Runs the source to its end (its own check that every tensor was used)."""
+        for _ in self._subtrees:
+            pass
+
+
+def stream_source_to_hf(source: Any, out_dir: str | os.PathLike, *, config: TransformerConfig,
+                        dtype: str = "float32", **options: Any) -> int:
+    """`save` of a streaming source (`meta.MetaSource`, `stream.HfSource`: ``.subtrees(tensors)``
+    and ``.tensors.stand_ins()``) read one layer at a time; ``options`` as `write_hf`'s. Returns
+    #parameters."""
+    import jax
+
+    config = dataclasses.replace(_with_dtype(config, _check_dtype(dtype)), scan_layers=False,
+                                 remat_policy=RematPolicy.NONE)
+    stand_ins = {top: jax.tree.map(stand_in, subtree)  # each stand-in layer made and dropped
+                 for top, subtree in source.subtrees(source.tensors.stand_ins(), config=config)}
+    params = _InOrder(source.subtrees(config=config), list(stand_ins))
+    write_hf(params, out_dir, config=config, stand_ins=stand_ins, dtype=dtype, **options)
+    params.finish()
+    return layouts.count(stand_ins)
 
 
 def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,

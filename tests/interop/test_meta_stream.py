@@ -226,3 +226,21 @@ def test_bad_input_fails_before_the_output_exists(meta_gqa, tmp_path, monkeypatc
                                output=str(tmp_path / "out"), vocab_size=VOCAB))
     assert not os.path.exists(tmp_path / "out")
     assert not os.path.exists(tmp_path / "out.partial")
+
+
+@pytest.mark.parametrize(("stored", "dtype"), [("meta_gqa", "bfloat16"),
+                                               ("meta_mha_bf16", "float32")])
+def test_meta_to_hf_streams_the_in_memory_export(request, tmp_path, stored, dtype):
+    """--from=meta --to=hf, read one layer at a time, writes the safetensors the whole-model path
+    (`hf.save(hf.from_meta(...))`) writes, byte for byte, here in several shards."""
+    from tests.interop.test_stream_read import _assert_same_export
+
+    directory = request.getfixturevalue(stored)
+    hf.save(hf.from_meta(directory, vocab_size=VOCAB, dtype=dtype), tmp_path / "want",
+            dtype=dtype, max_shard_size="60KB")
+    summary = convert(ConvertRequest(source=Source.META, target=Target.HF, input=str(directory),
+                                     output=str(tmp_path / "have"), vocab_size=VOCAB, dtype=dtype,
+                                     max_shard_size="60KB"))
+    assert summary.num_params == hf.from_meta(directory, vocab_size=VOCAB).num_params
+    assert "model.safetensors.index.json" in os.listdir(tmp_path / "have")
+    _assert_same_export(tmp_path / "have", tmp_path / "want")
