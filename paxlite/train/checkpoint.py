@@ -132,6 +132,22 @@ def _without_absent_empty_fields(saved: PyTree, target: PyTree) -> tuple[PyTree,
     return kept, lambda restored: dataclasses.replace(target, **restored)
 
 
+def layer_chunked_save_args(state: PyTree) -> PyTree:
+    """Orbax SaveArgs that store every leaf of a scanned layer stack (a ``layers`` subtree: params
+    and the optimizer moments that mirror them) one layer per chunk.
+
+    Orbax otherwise makes each device shard one chunk, which spans every layer of the stack, so a
+    reader that wants one layer (``convert --from=paxlite``, ``export_merged``: train/stream_read.py)
+    must decode the whole leaf for it. Per-layer chunks change nothing for a restore.
+    """
+
+    def args(path: tuple, leaf: Any) -> ocp.SaveArgs:
+        stacked = any(getattr(k, "key", getattr(k, "name", None)) == "layers" for k in path)
+        return ocp.SaveArgs(shard_axes=(0,) if stacked and np.ndim(leaf) >= 1 else ())
+
+    return jax.tree_util.tree_map_with_path(args, state)
+
+
 def incomplete(step_dir: epath.Path) -> str | None:
     """Why `step_dir` is not a finished checkpoint, or None.
 
@@ -293,7 +309,7 @@ class Checkpointer:
                 step,
             )
         # force=True: the interval is ours; Orbax's own should_save also refuses steps <= latest.
-        items = {_ITEM: ocp.args.StandardSave(state)}
+        items = {_ITEM: ocp.args.StandardSave(state, save_args=layer_chunked_save_args(state))}
         if data_state is not None:
             items[_DATA_ITEM] = ocp.args.JsonSave(data_state)
         return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))

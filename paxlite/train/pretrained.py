@@ -32,7 +32,7 @@ from flax import traverse_util
 from paxlite.errors import SettingError, UserError
 from paxlite.models.transformer import TransformerConfig
 from paxlite.paths import staged_output
-from paxlite.train import pax_layout
+from paxlite.train import checkpoint, pax_layout
 from paxlite.train.checkpoint import incomplete, is_damage
 
 PyTree = Any
@@ -167,7 +167,8 @@ def _save_state_into(root: epath.Path, state: PyTree, *, step: int,
     state = jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, dict(state))
     state["step"] = jnp.asarray(step, jnp.int32)
     with ocp.CheckpointManager(checkpoints, options=options, item_names=(_ITEM,)) as manager:
-        manager.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(state)}), force=True)
+        save = ocp.args.StandardSave(state, save_args=checkpoint.layer_chunked_save_args(state))
+        manager.save(step, args=ocp.args.Composite(**{_ITEM: save}), force=True)
         manager.wait_until_finished()
     if model_config is not None and jax.process_index() == 0:
         (root / MODEL_CONFIG_FILE).write_text(model_config_to_json(model_config))

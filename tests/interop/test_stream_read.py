@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+from unittest import mock
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from paxlite.convert import ConvertRequest, Source, Target, convert
 from paxlite.interop import hf
+from paxlite.train import checkpoint
 from paxlite.train.pretrained import PretrainedCheckpointError, find_checkpoint, save_params
 from paxlite.train.stream_read import CheckpointReader
 from paxlite.train.stream_write import write_subtrees
@@ -66,8 +68,8 @@ def _sharded_stacked(pretrained, mesh):
     return jax.tree.map(put, params)
 
 
-LAYOUTS = ["orbax_unscanned", "orbax_scanned", "orbax_scanned_sharded", "streamed_unscanned",
-           "streamed_scanned"]
+LAYOUTS = ["orbax_unscanned", "orbax_scanned", "orbax_scanned_one_chunk", "orbax_scanned_sharded",
+           "streamed_unscanned", "streamed_scanned"]
 
 
 def _write_checkpoint(layout, pretrained, root):
@@ -77,6 +79,9 @@ def _write_checkpoint(layout, pretrained, root):
         hf.to_paxlite(pretrained, root)
     elif layout == "orbax_scanned":
         hf.to_paxlite(dataclasses.replace(pretrained, config=scanned), root)
+    elif layout == "orbax_scanned_one_chunk":  # as saved before stacks were chunked per layer
+        with mock.patch.object(checkpoint, "layer_chunked_save_args", lambda state: None):
+            hf.to_paxlite(dataclasses.replace(pretrained, config=scanned), root)
     elif layout == "orbax_scanned_sharded":
         mesh = jax.make_mesh((2, 4), ("data", "model"))
         save_params(root, _sharded_stacked(pretrained, mesh), model_config=scanned)
@@ -130,12 +135,14 @@ def test_gpt2_bfloat16_sharded_export(gpt2, tmp_path):
     _assert_same_export(tmp_path / "have", tmp_path / "want")
 
 
-@pytest.mark.parametrize(("layout", "copies"), [("orbax_scanned", True),
+@pytest.mark.parametrize(("layout", "copies"), [("orbax_scanned_one_chunk", True),
+                                               ("orbax_scanned", False),
                                                ("orbax_scanned_sharded", False)])
 def test_reader_rows_equal_orbax(llama, tmp_path, layout, copies):
-    """Leaves chunked across layers (one device's save: one chunk per leaf) are copied once per
-    layer into the scratch directory; a sharded save's chunks (global shape from TensorStore, not
-    the metadata's per-shard write shape) are read as they are."""
+    """Leaves chunked across layers (one device's save before stacks were chunked per layer: one
+    chunk per leaf) are copied once per layer into the scratch directory; per-layer chunks, also
+    of a sharded save (global shape from TensorStore, not the metadata's per-shard write shape),
+    are read as they are."""
     pretrained, _ = llama
     checkpoint = _write_checkpoint(layout, pretrained, tmp_path / "ckpt")
     _, step_dir = find_checkpoint(checkpoint)

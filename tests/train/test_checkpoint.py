@@ -444,3 +444,40 @@ def test_earlier_layout_of_another_model_stays_a_mismatch(tmp_path: pathlib.Path
     with (Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt,
           pytest.raises(CheckpointMismatchError, match=r"params/w: checkpoint shape \(8, 4\)")):
         ckpt.restore_latest(abstract)
+
+
+def test_scanned_layer_stacks_are_chunked_one_layer_per_chunk(tmp_path: pathlib.Path) -> None:
+    """A ``layers`` stack (params and the moments that mirror it) is saved one layer per chunk, so a
+    converter reading one layer decodes only that layer; other leaves keep Orbax's chunks; the
+    round trip is unchanged."""
+    from paxlite.train.stream_read import CheckpointReader
+
+    # One device: Orbax would write each leaf as one chunk (a sharded or replicated save may split
+    # the first axis on its own).
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    stack = jnp.arange(3 * 8 * 4, dtype=jnp.float32).reshape(3, 8, 4)
+    state = {
+        "params": {"layers": {"w": jax.device_put(stack, one)},
+                   "embed": jax.device_put(jnp.ones((8, 4)), one)},
+        "opt_state": {"mu": {"layers": {"w": jax.device_put(stack * 2, one)}}},
+        "step": jax.device_put(jnp.int32(5), one),
+    }
+    directory = tmp_path / "checkpoints"
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        assert ckpt.save(5, state)
+        ckpt.wait_until_finished()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            state)
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        _, restored = ckpt.restore_latest(abstract)
+    _assert_state_equal(restored, state, abstract)
+    reader = CheckpointReader(directory / "checkpoint_00000005", scratch_dir=None)
+    assert reader._open(("layers", "w")).chunk_layout.read_chunk.shape == (1, 8, 4)
+    assert reader._open(("embed",)).chunk_layout.read_chunk.shape == (8, 4)
+    import tensorstore as ts  # the optimizer's copy of the stack too
+
+    moment = ts.open({"driver": "zarr", "kvstore": {
+        "driver": "ocdbt", "base": f"file://{directory}/checkpoint_00000005/state/",
+        "path": "opt_state.mu.layers.w"}}, open=True, read=True).result()
+    assert moment.chunk_layout.read_chunk.shape == (1, 8, 4)
+    np.testing.assert_array_equal(reader.read(("layers", "w"), 2), np.asarray(stack[2]))

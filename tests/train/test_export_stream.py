@@ -29,7 +29,7 @@ def _restore(path, config):
 def test_streamed_export_equals_the_whole_model_merge(layout, tmp_path):
     config = _with_lora(CONFIGS[layout])
     params = _randomise_lora_b(_init(config))
-    # Orbax on one device: each scanned leaf is one chunk spanning both layers (copied per layer).
+    # Orbax on one device, scanned stacks one layer per chunk (as every save now writes them).
     pretrained.save_params(tmp_path / "job", params, step=7, model_config=config)
     step_dir = export_merged(tmp_path / "job", tmp_path / "merged", model_config=config)
     assert step_dir == tmp_path / "merged" / "checkpoints" / "checkpoint_00000007"
