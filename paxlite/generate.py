@@ -7,8 +7,8 @@
 The model comes from the job's config.json (its experiment and overrides), or from the
 model_config.json that `convert` writes beside a checkpoint, or from --fdl_config; the parameters
 from the latest complete checkpoint, read as CHECKPOINT_RESTORE_PATH reads them. The tokenizer is
-the experiment's VOCAB_PATH (or the VOCAB_PATH environment variable, as Pax), and its EOS ends a
-sample. Every user mistake is one line and exit 2, found before any parameter is read.
+the experiment's VOCAB_PATH (or the VOCAB_PATH environment variable, as Pax; for a converted
+model, the tokenizer.model `convert` copied beside it), and its EOS ends a sample. Every user mistake is one line and exit 2, found before any parameter is read.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paxlite.errors import NotFoundError, SettingError, UserError
+from paxlite.interop.hf_write import TOKENIZER_FILE
 
 
 class OutputFormat:
@@ -131,7 +132,11 @@ def _resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> _Mod
     for directory in (path, step_dir.parent, step_dir.parent.parent):
         config = load_model_config(directory)
         if config is not None:
-            return _Model(config=config, checkpoint=path, vocab_path=os.environ.get("VOCAB_PATH") or None,
+            # The tokenizer `convert` copied beside the model (from the HF / Meta input), unless
+            # VOCAB_PATH names another.
+            beside = os.path.join(os.fspath(directory), TOKENIZER_FILE)
+            vocab = os.environ.get("VOCAB_PATH") or (beside if os.path.isfile(beside) else None)
+            return _Model(config=config, checkpoint=path, vocab_path=vocab,
                           source=os.path.join(os.fspath(directory), "model_config.json"))
     raise NotFoundError(
         f"no config.json or model_config.json beside {path}: give its experiment with "

@@ -62,9 +62,9 @@ def export_merged(
         _check_fits(reader, config=layer_config, step_dir=step_dir)
 
         def merged_layers():
-            for top in reader.tops():
-                merged = merge_lora(reader.subtree(top), config=layer_config)
-                yield top, jax.tree.map(np.asarray, merged)
+            for top in reader.tops():  # no local names: a layer is dropped as soon as it is written
+                yield top, jax.tree.map(np.asarray,
+                                        merge_lora(reader.subtree(top), config=layer_config))
 
         written = write_subtrees(merged_layers(), directory,
                                  config=base_model_config(model_config), step=step)
