@@ -271,7 +271,21 @@ def _job_vocab_paths(directory: str) -> list[str]:
 
 
 def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
-    """Reads the input, checks it against --fdl_config if given, writes the output."""
+    """Reads the input, checks it against --fdl_config if given, writes the output. A paxlite
+    output of an HF or Meta input also gets the input's own ``tokenizer.model`` (when it has one),
+    so that ``python -m paxlite generate --checkpoint=OUTPUT --prompt=...`` finds it."""
+    import shutil
+
+    tokenizer = None
+    if request.target is Target.PAXLITE and request.source in (Source.HF, Source.META):
+        tokenizer = find_tokenizer(dataclasses.replace(request, vocab_path=None))
+    result = _convert(request)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, os.path.join(request.output, hf_write.TOKENIZER_FILE))
+    return result
+
+
+def _convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     from paxlite.interop import hf
 
     if request.source is Source.TE or request.target is Target.TE:

@@ -42,3 +42,29 @@ def test_greedy_generation_matches_transformers(llama_gqa, tmp_path, capsys):
     for record, ids in zip(records, want, strict=True):
         assert record["ids"][:len(ids)] == ids
     assert np.all([len(r["ids"]) == NEW for r in records])
+
+
+def test_a_converted_model_brings_its_tokenizer_for_text_prompts(llama_gqa, tmp_path, capsys):
+    """convert --from=hf --to=paxlite copies the input's tokenizer.model beside the checkpoint;
+    generate --checkpoint reads it, so a text prompt works without VOCAB_PATH."""
+    import shutil
+
+    import sentencepiece as spm
+
+    from tests.interop.test_hf_export import train_bpe
+
+    directory, _ = llama_gqa
+    with_tokenizer = tmp_path / "hf"
+    shutil.copytree(directory, with_tokenizer)
+    shutil.copyfile(train_bpe(tmp_path / "spm"), with_tokenizer / "tokenizer.model")
+    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={with_tokenizer}",
+                 f"--output={tmp_path / 'pax'}"]) == 0
+    assert (tmp_path / "pax" / "tokenizer.model").read_bytes() == (
+        with_tokenizer / "tokenizer.model").read_bytes()
+    capsys.readouterr()
+    assert main(["generate", f"--checkpoint={tmp_path / 'pax'}", "--prompt=the quick brown fox",
+                 "--max_new_tokens=4", "--format=json"]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "pax" / "tokenizer.model"))
+    assert record["prompt_ids"] == sp.encode("the quick brown fox")
+    assert isinstance(record["text"], str) and len(record["ids"]) >= 1

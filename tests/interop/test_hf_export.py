@@ -19,12 +19,12 @@ TOL = 1e-4
 TEXTS = ["hello world!", "the lazy dog said hello to the fox", "a fox, 42 dogs!"]
 
 
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory):
-    """A tiny LLaMA-like SentencePiece BPE model (unk 0, bos 1, eos 2; no byte fallback, which needs 256 pieces more than the 256-token test model has), 200 pieces."""
+def train_bpe(root) -> str:
+    """A tiny LLaMA-like SentencePiece BPE model (unk 0, bos 1, eos 2; no byte fallback, which
+    needs 256 pieces more than the 256-token test model has), 200 pieces, in ``root``."""
     import sentencepiece as spm
 
-    root = tmp_path_factory.mktemp("spm")
+    root.mkdir(parents=True, exist_ok=True)
     lines = [f"the quick brown fox {i} jumps over the lazy dog, hello world! said {i * 7}"
              for i in range(200)]
     (root / "corpus.txt").write_text("\n".join(lines))
@@ -33,6 +33,11 @@ def spm_model(tmp_path_factory):
         model_type="bpe", byte_fallback=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
         minloglevel=2)
     return str(root / "tok.model")
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    return train_bpe(tmp_path_factory.mktemp("spm"))
 
 
 @pytest.fixture(scope="module")
