@@ -329,31 +329,40 @@ def _pax_step(out_dir: str | os.PathLike, *, step: int) -> Iterator[str]:
 
 class _PaxWriter:
     """Pax arrays written into ``state`` as they are made: whole, or (``repeat.sub``) a row at a
-    time into an [L, ...] array created at its first row with one chunk per layer."""
+    time into an [L, ...] array created at its first row with one chunk per layer. TensorStore
+    writes them in its own threads; `end_layer` waits for the layer before, so that one layer is
+    written while the next is read."""
 
     def __init__(self, state: str, *, num_layers: int) -> None:
         self._state = state
         self._num_layers = num_layers
         self._stacks: dict[str, Any] = {}
-        self._writing: list[Any] = []
+        self._writing: list[Any] = []  # futures of the current layer's writes
+        self._previous: list[Any] = []  # of the layer before
 
     def put(self, name: str, index: int | None, array: np.ndarray) -> None:
         path = os.path.join(self._state, pax_layout.PARAMS_PREFIX + name)
-        if index is None:
-            _write_array(path, array)
-            return
         array = np.ascontiguousarray(array)
+        if index is None:
+            store = _create(path, array.shape, array.dtype,
+                            chunks=_chunks(array.shape, array.dtype))
+            self._writing.append(store.write(array))
+            return
         if name not in self._stacks:
             shape = (self._num_layers, *array.shape)
             self._stacks[name] = _create(path, shape, array.dtype,
                                          chunks=_layer_chunks(shape, array.dtype))
         self._writing.append(self._stacks[name][index].write(array))
 
-    def wait(self) -> None:
-        """Waits for the rows written since the last wait (TensorStore writes them in parallel)."""
-        for future in self._writing:
+    def end_layer(self) -> None:
+        """Waits for the writes of the layer before this one (two layers in memory at most)."""
+        for future in self._previous:
             future.result()
-        self._writing = []
+        self._previous, self._writing = self._writing, []
+
+    def close(self) -> None:
+        self.end_layer()
+        self.end_layer()
 
 
 def stream_paxlite_to_pax(path: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -391,5 +400,6 @@ def stream_paxlite_to_pax(path: str | os.PathLike, out_dir: str | os.PathLike, *
                     leaf = np.asarray(leaf).astype(target, copy=False)
                     for (pax_name, index), piece in zip(layer, plan.recipe.split(leaf)):
                         writer.put(pax_name, index, piece)
-                writer.wait()  # one layer in memory
+                writer.end_layer()
+            writer.close()
     return layouts.count(stand_ins)
