@@ -164,7 +164,8 @@ def run_child(argv: list[str]) -> tuple[float, float]:
 def export_merged_argv(source: str, output: str) -> list[str]:
     """What `python -m paxlite export_merged` runs, without an experiment to name: the LoRA config
     is the model_config.json beside the checkpoint."""
-    code = ("import sys; from paxlite.train.export import export_merged; "
+    code = ("import sys; from paxlite.convert import return_freed_buffers; return_freed_buffers(); "
+            "from paxlite.train.export import export_merged; "
             "from paxlite.train.pretrained import load_model_config; "
             "export_merged(sys.argv[1], sys.argv[2], model_config=load_model_config(sys.argv[1]))")
     return ["-c", code, source, output]

@@ -223,6 +223,9 @@ def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
             experiment = load_recorded_experiment(name, overrides, assignments, source=str(record),
                                                   fdl_config=args.fdl_config)
         model = fdl.build(experiment.with_lora(experiment.model_config()))
+        from paxlite.convert import return_freed_buffers
+
+        return_freed_buffers()
         print(export.export_merged(args.input, output, model_config=model))
     except UserError as e:
         print(f"paxlite: error: {e}", file=sys.stderr)

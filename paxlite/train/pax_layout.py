@@ -283,11 +283,10 @@ def one_line(step_dir: Any, problems: list[str], *, what: str) -> str:
             + (more if len(problems) > 1 else ""))
 
 
-def to_pax(params: Mapping[str, Any], *, repeated: bool) -> dict[str, np.ndarray]:
-    """Unscanned paxlite params (flat {'a/b': array} of layers_<i>) -> {Pax name: array} in Pax's
-    form: repeated layers stacked under ``repeat.sub`` when ``repeated``, fused q/k/v when the
-    model's is fused; names without ``mdl_vars.params.``."""
-    leaves = {n: tuple(np.shape(v)) for n, v in params.items()}
+def plan_writes(leaves: Mapping[str, tuple[int, ...]], *, repeated: bool) -> dict[str, LeafPlan]:
+    """Pax's form of unscanned paxlite params of these shapes ({'a/b': shape} of layers_<i>):
+    {paxlite leaf: plan}, each piece a Pax name (without ``mdl_vars.params.``) and, under
+    ``repeat.sub`` when ``repeated``, its row; fused q/k/v when the model's is fused."""
     tied, layer_norm, num_layers = model_facts(leaves)
     fused = any(n.endswith("attention/qkv/kernel") for n in leaves)
     layout = Layout(repeated=repeated, fused_qkv=fused, tied=tied, layer_norm=layer_norm,
@@ -296,6 +295,15 @@ def to_pax(params: Mapping[str, Any], *, repeated: bool) -> dict[str, np.ndarray
     if unknown:
         raise PaxCheckpointError(f"Pax has no name for paxlite's {', '.join(unknown[:5])}: only "
                                  "GPT and LLaMA models convert to Pax's layout")
+    return plans
+
+
+def to_pax(params: Mapping[str, Any], *, repeated: bool) -> dict[str, np.ndarray]:
+    """Unscanned paxlite params (flat {'a/b': array} of layers_<i>) -> {Pax name: array} in Pax's
+    form (`plan_writes`), repeated layers stacked."""
+    leaves = {n: tuple(np.shape(v)) for n, v in params.items()}
+    num_layers = model_facts(leaves)[2]
+    plans = plan_writes(leaves, repeated=repeated)
     out: dict[str, np.ndarray] = {}
     per_layer: dict[str, dict[int, np.ndarray]] = {}
     for leaf, plan in plans.items():
