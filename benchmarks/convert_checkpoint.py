@@ -8,6 +8,8 @@ process so that its peak resident memory (ru_maxrss of the child) is its own:
     python -m paxlite convert --from=paxlite --to=hf ...     (paxlite -> HF, bf16 again)
     the same from the checkpoint saved as training saves it  (Orbax, scanned, a chunk per leaf)
     export_merged of a LoRA run's checkpoint                 (Orbax, scanned, rank-8 adapters)
+    python -m paxlite convert --from=meta --to=paxlite ...   (the same weights as 2 Meta shards)
+    python -m paxlite convert --from=paxlite --to=pax / --from=pax --to=paxlite
 
 Both paxlite -> HF exports must give back every input tensor bit for bit (bf16 -> f32 -> bf16 is
 exact), and one layer of the merged export is checked against a float64 merge, so the numbers are
@@ -149,6 +151,73 @@ def write_orbax_copies(pax: str, orbax: str, lora: str) -> None:
                 model_config=lora_config)
 
 
+def write_meta_from_hf(hf_dir: str, meta_dir: str, *, shards: int = 2) -> None:
+    """Child: the random HF checkpoint as Meta's release lays it out: params.json and
+    ``consolidated.NN.pth`` model-parallel shards (column-parallel weights split along rows,
+    row-parallel ones and the embedding along columns, norms replicated), q/k rows in Meta's
+    interleaved RoPE order, bfloat16."""
+    import torch
+    from safetensors.torch import load_file
+
+    from paxlite.interop.layouts import rotate_half_to_interleaved
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    d, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = d // heads
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+
+    def meta_rows(w: torch.Tensor, n: int) -> torch.Tensor:  # HF rotate-half rows -> interleaved
+        rows = rotate_half_to_interleaved(w.view(torch.int16).numpy(), heads=n, head_dim=head_dim)
+        return torch.from_numpy(np.ascontiguousarray(rows)).view(torch.bfloat16)
+
+    meta = {"tok_embeddings.weight": state.pop("model.embed_tokens.weight"),
+            "norm.weight": state.pop("model.norm.weight"), "output.weight": state.pop("lm_head.weight")}
+    for i in range(config["num_hidden_layers"]):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        meta.update({
+            dst + "attention.wq.weight": meta_rows(state.pop(src + "self_attn.q_proj.weight"), heads),
+            dst + "attention.wk.weight": meta_rows(state.pop(src + "self_attn.k_proj.weight"), kv),
+            dst + "attention.wv.weight": state.pop(src + "self_attn.v_proj.weight"),
+            dst + "attention.wo.weight": state.pop(src + "self_attn.o_proj.weight"),
+            dst + "feed_forward.w1.weight": state.pop(src + "mlp.gate_proj.weight"),
+            dst + "feed_forward.w2.weight": state.pop(src + "mlp.down_proj.weight"),
+            dst + "feed_forward.w3.weight": state.pop(src + "mlp.up_proj.weight"),
+            dst + "attention_norm.weight": state.pop(src + "input_layernorm.weight"),
+            dst + "ffn_norm.weight": state.pop(src + "post_attention_layernorm.weight"),
+        })
+    os.makedirs(meta_dir)
+    columns = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight")
+    for k in range(shards):
+        part = {}
+        for name, tensor in meta.items():
+            if name.endswith(columns):
+                part[name] = tensor.chunk(shards, dim=0)[k].clone()
+            elif name.endswith(("wo.weight", "w2.weight", "tok_embeddings.weight")):
+                part[name] = tensor.chunk(shards, dim=1)[k].clone()
+            else:
+                part[name] = tensor.clone()
+        torch.save(part, os.path.join(meta_dir, f"consolidated.{k:02d}.pth"))
+    # FFN size: multiple_of * ceil(int(2 * 4d / 3) / multiple_of) = F for F a multiple of 2048.
+    params = {"dim": d, "n_layers": config["num_hidden_layers"], "n_heads": heads, "n_kv_heads": kv,
+              "vocab_size": config["vocab_size"], "multiple_of": config["intermediate_size"] // 2,
+              "norm_eps": config["rms_norm_eps"], "rope_theta": 10000.0}
+    with open(os.path.join(meta_dir, "params.json"), "w") as f:
+        json.dump(params, f)
+
+
+def experiment_flags(hf_dir: str) -> list[str]:
+    """--fdl_config for --from=pax: LLaMA7B resized to the random checkpoint's shapes."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    return ["--fdl_config=LLaMA7B", f"--fdl.NUM_LAYERS={c['num_hidden_layers']}",
+            f"--fdl.MODEL_DIMS={d}", f"--fdl.HIDDEN_DIMS={c['intermediate_size']}",
+            f"--fdl.NUM_HEADS={heads}", f"--fdl.NUM_KV_HEADS={c['num_key_value_heads']}",
+            f"--fdl.DIMS_PER_HEAD={d // heads}", f"--fdl.VOCAB_SIZE={c['vocab_size']}",
+            f"--fdl.LAYERNORM_EPSILON={c['rms_norm_eps']}", "--fdl.USE_REPEATED_LAYER=false"]
+
+
 def run_child(argv: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS GiB) of one child process; os.wait4 gives that child's own rusage."""
     start = time.perf_counter()
@@ -169,6 +238,19 @@ def export_merged_argv(source: str, output: str) -> list[str]:
             "from paxlite.train.pretrained import load_model_config; "
             "export_merged(sys.argv[1], sys.argv[2], model_config=load_model_config(sys.argv[1]))")
     return ["-c", code, source, output]
+
+
+def same_params(a: str, b: str) -> None:
+    """Two unscanned paxlite checkpoints hold the same params, bit for bit (read leaf by leaf)."""
+    from paxlite.train.pretrained import find_checkpoint
+    from paxlite.train.stream_read import CheckpointReader
+
+    readers = [CheckpointReader(find_checkpoint(p)[1]) for p in (a, b)]
+    if sorted(readers[0].leaves) != sorted(readers[1].leaves):
+        raise AssertionError(f"{a} and {b} hold different params")
+    for leaf in readers[0].leaves:
+        if readers[0].read(leaf).tobytes() != readers[1].read(leaf).tobytes():
+            raise AssertionError(f"{b}: params/{'/'.join(leaf)} differs from {a}'s")
 
 
 def check_merged(lora: str, merged: str, *, layer: int) -> None:
@@ -196,6 +278,7 @@ def main() -> None:
     parser.add_argument("--max_shard_size", default="1GB", help="of the paxlite -> HF export")
     parser.add_argument("--write_hf", default=None, help=argparse.SUPPRESS)  # child: write, exit
     parser.add_argument("--write_orbax", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--write_meta", nargs=2, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write_hf:
@@ -204,13 +287,17 @@ def main() -> None:
     if args.write_orbax:
         write_orbax_copies(*args.write_orbax)
         return
+    if args.write_meta:
+        write_meta_from_hf(*args.write_meta)
+        return
     shutil.rmtree(args.work_dir, ignore_errors=True)
     os.makedirs(args.work_dir)
     me = os.path.abspath(__file__)
     results = {}
     for size in ("tiny", "full"):  # tiny: the process's own footprint (Python, JAX, Orbax)
         d = {n: os.path.join(args.work_dir, f"{size}_{n}") for n in (
-            "hf_in", "paxlite", "hf_out", "orbax", "hf_from_orbax", "lora", "merged")}
+            "hf_in", "paxlite", "hf_out", "orbax", "hf_from_orbax", "lora", "merged", "meta",
+            "from_meta", "pax", "from_pax")}
         layers = 1 if size == "tiny" else args.layers
         num_params = write_in_child(d["hf_in"], layers=layers, tiny=size == "tiny")
         if size == "full":
@@ -232,12 +319,26 @@ def main() -> None:
                        f"--output={d['hf_from_orbax']}"])
         results[size]["export_merged (Orbax, scanned, LoRA r8)"] = run_child(
             export_merged_argv(d["lora"], d["merged"]))
-    full = {n: os.path.join(args.work_dir, f"full_{n}") for n in ("hf_in", "hf_out", "hf_from_orbax",
-                                                                    "lora", "merged")}
+        subprocess.run([sys.executable, me, "--write_meta", d["hf_in"], d["meta"]], check=True,
+                       cwd=REPO)
+        results[size]["meta bf16 (2 shards) -> paxlite"] = run_child(
+            convert + ["--from=meta", "--to=paxlite", f"--input={d['meta']}",
+                       f"--output={d['from_meta']}"])
+        results[size]["paxlite -> pax"] = run_child(
+            convert + ["--from=paxlite", "--to=pax", f"--input={d['paxlite']}",
+                       f"--output={d['pax']}"])
+        results[size]["pax -> paxlite"] = run_child(
+            convert + ["--from=pax", "--to=paxlite", f"--input={d['pax']}",
+                       f"--output={d['from_pax']}", *experiment_flags(d["hf_in"])])
+    full = {n: os.path.join(args.work_dir, f"full_{n}") for n in (
+        "hf_in", "paxlite", "hf_out", "hf_from_orbax", "lora", "merged", "from_meta", "from_pax")}
     count = compare(full["hf_in"], full["hf_out"])
     compare(full["hf_in"], full["hf_from_orbax"])
+    for other in ("from_meta", "from_pax"):  # the same float32 params as the HF conversion's
+        same_params(full["paxlite"], full[other])
     check_merged(full["lora"], full["merged"], layer=args.layers - 1)
-    print(f"round trips exact: {count} tensors bit-identical (both paxlite -> hf); export_merged "
+    print(f"round trips exact: {count} tensors bit-identical (both paxlite -> hf); meta -> paxlite "
+          "and paxlite -> pax -> paxlite give the hf -> paxlite params bit for bit; export_merged "
           "checked against a float64 merge of one layer")
     f32 = num_params * 4 / 2**30
     for what, (t, m) in results["full"].items():
