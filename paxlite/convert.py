@@ -199,6 +199,7 @@ class ConvertRequest:
     te_options: dict[str, Any] | None = None  # given TE options (dest -> value); None: none given
     max_shard_size: str | None = None  # --to=hf only; None: transformers' default
     vocab_path: str | None = None  # --to=hf only: SentencePiece model to ship; None: the input's
+    overwrite: bool = False  # replace an earlier conversion's output, once the new one is complete
 
 
 def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
@@ -264,12 +265,81 @@ def _job_vocab_paths(directory: str) -> list[str]:
     return []
 
 
+# What a conversion writes at the top of its output: with --overwrite, a directory holding anything
+# else is not an earlier conversion's and is never replaced.
+CONVERSION_OUTPUT_NAMES = frozenset({
+    "checkpoints", "model_config.json", "config.json", "generation_config.json",
+    hf_write.INDEX_FILE, hf_write.TOKENIZER_FILE, "tokenizer_config.json",
+    "special_tokens_map.json",
+})
+
+
+def _refuse_input_inside(output: str, *, inputs: Sequence[str]) -> None:
+    from paxlite.paths import OutputPathError
+
+    real = os.path.realpath(output)
+    for given in inputs:
+        source = os.path.realpath(os.path.abspath(given))
+        if source == real or source.startswith(real + os.sep):
+            raise OutputPathError(f"--output={output!r} is (or holds) the input {given!r}; write "
+                                  "to a new directory (--overwrite never replaces the input)")
+
+
+def _replaceable(output: str, *, inputs: Sequence[str]) -> str | None:
+    """The absolute output path if --overwrite is to replace it (an earlier conversion's output),
+    None if there is nothing to replace; refuses anything else before any work."""
+    from paxlite.paths import OutputExistsError
+
+    path = os.path.abspath(require_local_path(output, setting="--output"))
+    if not os.path.isdir(path) or not os.listdir(path):
+        return None
+    _refuse_input_inside(path, inputs=inputs)
+    foreign = sorted(n for n in os.listdir(path) if n not in CONVERSION_OUTPUT_NAMES
+                     and not (n.endswith(".safetensors") and n.startswith("model")))
+    if foreign:
+        raise OutputExistsError(
+            f"--output={path!r} holds {foreign[0]!r}{f' (and {len(foreign) - 1} more)' if len(foreign) > 1 else ''}, "
+            "which no conversion writes: --overwrite replaces an earlier conversion's output only; "
+            "choose a new or empty directory")
+    return path
+
+
+def _convert_replacing(request: ConvertRequest, target: str) -> Pretrained | ConvertSummary:
+    """--overwrite: the new output is written beside ``target`` and swapped in only once it is
+    complete, so a conversion that fails leaves the earlier output as it was."""
+    import shutil
+
+    fresh, old = target + ".overwrite-new", target + ".overwrite-old"
+    for leftover in (fresh, old):  # left by a killed --overwrite run; refused if anything else
+        if os.path.exists(leftover):
+            _replaceable(leftover, inputs=[request.input])
+            shutil.rmtree(leftover)
+    result = convert(dataclasses.replace(request, output=fresh, overwrite=False))
+    os.replace(target, old)
+    os.replace(fresh, target)
+    shutil.rmtree(old)
+    return result
+
+
 def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     """Reads the input, checks it against --fdl_config if given, writes the output. A paxlite
     output of an HF or Meta input also gets the input's own ``tokenizer.model`` (when it has one),
-    so that ``python -m paxlite generate --checkpoint=OUTPUT --prompt=...`` finds it."""
+    so that ``python -m paxlite generate --checkpoint=OUTPUT --prompt=...`` finds it. An existing
+    output is refused unless ``overwrite`` (and it is an earlier conversion's output)."""
     import shutil
 
+    if request.overwrite:
+        target = _replaceable(request.output, inputs=[request.input])
+        if target is not None:
+            return _convert_replacing(request, target)
+    elif os.path.isdir(request.output) and os.listdir(request.output):
+        from paxlite.paths import OutputExistsError
+
+        _refuse_input_inside(os.path.abspath(request.output), inputs=[request.input])
+        raise OutputExistsError(
+            f"--output={os.path.abspath(request.output)!r} exists and is not empty; refusing to "
+            "overwrite it: choose a new or empty directory, or pass --overwrite to replace an "
+            "earlier conversion's output")
     tokenizer = None
     if request.target is Target.PAXLITE and request.source in (Source.HF, Source.META):
         tokenizer = find_tokenizer(dataclasses.replace(request, vocab_path=None))
@@ -558,6 +628,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="a new (or empty) directory")
     parser.add_argument("--fdl_config", default=None,
                         help="experiment whose model the converted one must be (accepts --fdl.X=V)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier conversion's output (written beside it first and "
+                        "swapped in when complete); a directory holding anything else is refused")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the written weights")
     parser.add_argument("--max_shard_size", default=None,
@@ -615,7 +688,7 @@ def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
         source=Source(args.source), target=Target(args.target), input=args.input,
         output=args.output, fdl_config=args.fdl_config, assignments=tuple(assignments),
         dtype=args.dtype, vocab_size=args.vocab_size, max_shard_size=args.max_shard_size,
-        vocab_path=args.vocab_path,
+        vocab_path=args.vocab_path, overwrite=args.overwrite,
         te_options={dest: getattr(args, dest) for _, dest in TE_OPTION_FLAGS
                     if getattr(args, dest, None) is not None} or None,
     )

@@ -1,6 +1,7 @@
 """Outputs of conversions and exports: every precondition is checked before the input is read, and a
 writer killed midway leaves `<output>.partial`, which a rerun replaces instead of being blocked."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -114,3 +115,41 @@ def test_a_failed_hf_save_leaves_nothing_behind(tmp_path, monkeypatch, llama_gqa
     assert sorted(os.listdir(tmp_path)) == ["hf_out"]
     assert sorted(os.listdir(tmp_path / "hf_out")) == [
         "config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_overwrite_replaces_an_earlier_conversion_only_once_the_new_one_is_complete(
+        tmp_path, llama_gqa, gpt2, monkeypatch):
+    """Without --overwrite an existing output is refused (the message names the flag); with it, a
+    conversion's output is replaced, but only after the new one is complete: a failure midway
+    leaves the earlier output whole. A directory holding anything a conversion does not write, or
+    the input, is never replaced."""
+    from paxlite.__main__ import main
+    from paxlite.interop import stream
+
+    out = tmp_path / "out"
+    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={gpt2[0]}", f"--output={out}"]) == 0
+    before = hf.from_paxlite(out).num_params
+    with pytest.raises(OutputExistsError, match="pass --overwrite"):
+        convert(_request(llama_gqa[0], out))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(stream, "write_paxlite", broken)
+    with pytest.raises(OSError, match="disk full"):
+        convert(dataclasses.replace(_request(llama_gqa[0], out), overwrite=True))
+    monkeypatch.undo()
+    assert hf.from_paxlite(out).num_params == before  # the earlier output, untouched
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={llama_gqa[0]}",
+                 f"--output={out}", "--overwrite"]) == 0
+    assert hf.from_paxlite(out).num_params == hf.load(llama_gqa[0]).num_params != before
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="holds 'notes.txt'.*earlier conversion's output"):
+        convert(dataclasses.replace(_request(llama_gqa[0], out), overwrite=True))
+    assert (out / "notes.txt").read_text() == "mine"
+    with pytest.raises(OutputPathError, match="is \\(or holds\\) the input"):
+        convert(ConvertRequest(source=Source.PAXLITE, target=Target.HF, input=str(out),
+                               output=str(tmp_path), overwrite=True))
