@@ -1,0 +1,275 @@
+"""What a conversion is, apart from running it: its request (`ConvertRequest`: the formats, the
+paths, the options of ``python -m paxlite convert``), the checks of a converted model against an
+experiment's (`adopted_config`), where a paxlite checkpoint's model config and tokenizer come from
+(``model_config.json``, the experiment, a training job's ``config.json``), and which existing outputs
+``--overwrite`` may replace. `paxlite.convert` runs conversions and is the command line.
+
+Above interop/ because ``--fdl_config`` and a job's ``config.json`` need the registry of
+experiments. Only the standard library is imported at the top, so ``python -m paxlite`` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from paxlite.interop import hf_write
+from paxlite.interop.errors import ConversionError
+from paxlite.paths import require_local_path
+
+if TYPE_CHECKING:
+    from paxlite.interop.hf import Pretrained
+    from paxlite.models.transformer import TransformerConfig
+
+class Source(str, enum.Enum):
+    HF = "hf"
+    META = "meta"
+    PAXLITE = "paxlite"
+    PAX = "pax"  # Pax's own TensorStore layout (interop/pax.py); needs --fdl_config
+    TE = "te"  # a paxlite checkpoint of a Transformer Engine model (ENABLE_TE=1; interop/te.py)
+
+
+class Target(str, enum.Enum):
+    PAXLITE = "paxlite"
+    HF = "hf"
+    PAX = "pax"
+    TE = "te"
+
+
+# Pax converter options (interop/te.py): (flag, dest) of those that only TE conversions read.
+TE_OPTION_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--num-gqa-groups", "num_gqa_groups"), ("--te-qkv-layout", "te_qkv_layout"),
+    ("--weight-only", "weight_only"), ("--skip-bias", "skip_bias"),
+    ("--use-gated-activations", "use_gated_activations"), ("--pax-split-qkv", "pax_split_qkv"),
+)
+
+
+# Fields that decide the weights and the function a model computes (not dtypes, remat, dropout,
+# init).
+ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "vocab_size", "num_layers", "model_dims", "num_heads", "kv_heads", "dims_per_head",
+    "hidden_dims", "norm", "norm_epsilon", "activation", "gated_mlp", "use_bias", "tie_embeddings",
+    "position_kind",
+)
+# The same for the experts, compared when both models have them (routing decides the function).
+MOE_ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "num_experts", "experts_per_token", "routing", "moe_layer_interval", "gated_experts",
+    "expert_activation",
+)
+
+
+def _plain(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+def architecture_differences(have: TransformerConfig, *, want: TransformerConfig) -> list[str]:
+    """'field: converted X, experiment Y' for every architecture field that differs."""
+    from paxlite.models.transformer import PositionEmbedding
+
+    fields = list(ARCHITECTURE_FIELDS)
+    if want.position_kind is PositionEmbedding.ROTARY:
+        fields.append("rope_theta")
+    if want.position_kind is PositionEmbedding.LEARNED:
+        fields.append("max_seq_len")  # the learned position table's size
+    pairs = [(name, getattr(have, name), getattr(want, name)) for name in fields]
+    if have.moe is None or want.moe is None:
+        pairs.append(("moe", _plain_moe(have), _plain_moe(want)))
+    else:
+        pairs += [(f"moe.{name}", getattr(have.moe, name), getattr(want.moe, name))
+                  for name in MOE_ARCHITECTURE_FIELDS]
+        pairs.append(("moe.expert_hidden_dims (effective)",
+                      have.moe.expert_hidden_dims or have.hidden_dims,
+                      want.moe.expert_hidden_dims or want.hidden_dims))
+    out = []
+    for name, a, b in pairs:
+        same = (math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) and isinstance(b, float)
+                else a == b)
+        if not same:
+            out.append(f"{name}: converted {_plain(a)!r}, experiment {_plain(b)!r}")
+    return out
+
+
+def _plain_moe(config: TransformerConfig) -> str | None:
+    moe = config.moe
+    return None if moe is None else f"{moe.num_experts} experts, top-{moe.experts_per_token}"
+
+
+def experiment_model_config(name: str, assignments: Sequence[str] = ()) -> TransformerConfig:
+    """The model an experiment builds (as the trainer builds it), after --fdl.X overrides."""
+    import fiddle as fdl
+
+    from paxlite.experiments.build import load_experiment
+
+    return fdl.build(load_experiment(name, assignments).model_config())
+
+
+def adopt_config(pretrained: Pretrained, *, config: TransformerConfig, experiment: str
+                 ) -> Pretrained:
+    """``pretrained`` with the experiment's model config; an error names every differing field."""
+    return dataclasses.replace(pretrained, config=adopted_config(
+        pretrained.config, config=config, experiment=experiment))
+
+
+def adopted_config(converted: TransformerConfig, *, config: TransformerConfig, experiment: str
+                   ) -> TransformerConfig:
+    """The experiment's model config with the converted dtype; an error names every differing
+    field."""
+    diffs = architecture_differences(converted, want=config)
+    if diffs:
+        raise ConversionError(
+            f"the converted model is not {experiment}'s model ({len(diffs)} differing fields):\n  "
+            + "\n  ".join(diffs)
+            + "\n(pick the matching experiment, or override its hyperparameters with "
+            "--fdl.NAME=VALUE)")
+    return dataclasses.replace(config, param_dtype=converted.param_dtype)
+
+
+def model_config_from_job(job_dir: Any) -> TransformerConfig:
+    """Rebuilds the model of a training job from its ``config.json`` (experiment + overrides)."""
+    import fiddle as fdl
+
+    from paxlite.config.errors import ConfigError
+    from paxlite.experiments.build import load_recorded_experiment
+
+    path = os.path.join(os.fspath(job_dir), "config.json")
+    if not os.path.exists(path):
+        raise ConversionError(
+            f"no model config for the checkpoint: expected model_config.json beside it (written by "
+            f"python -m paxlite convert) or a training job's config.json at {path}; or pass "
+            "--fdl_config=NAME (with the job's --fdl.X overrides)")
+    with open(path) as f:
+        record = json.load(f)
+    try:
+        hparams = record["hparams"]
+        experiment = load_recorded_experiment(
+            record["experiment"], {k: hparams[k] for k in record.get("overridden", [])},
+            source=path)
+    except ConfigError:
+        raise  # says itself what to pass instead
+    except (KeyError, ValueError) as e:
+        raise ConversionError(
+            f"cannot rebuild the model from {path} ({type(e).__name__}: {e}); pass "
+            "--fdl_config=NAME "
+            "and the job's --fdl.X overrides instead") from e
+    return fdl.build(experiment.model_config())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvertRequest:
+    source: Source
+    target: Target
+    input: str
+    output: str
+    fdl_config: str | None = None
+    assignments: tuple[str, ...] = ()
+    dtype: str = "float32"
+    vocab_size: int | None = None  # Meta checkpoints whose params.json says vocab_size -1
+    te_options: dict[str, Any] | None = None  # given TE options (dest -> value); None: none given
+    max_shard_size: str | None = None  # --to=hf only; None: transformers' default
+    vocab_path: str | None = None  # --to=hf only: SentencePiece model to ship; None: the input's
+    overwrite: bool = False  # replace an earlier conversion's output, once the new one is complete
+
+
+def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
+                 dtype: str = "float32") -> Pretrained:
+    """`hf.from_paxlite`, and also a training job that has no ``model_config.json``: its model is
+    rebuilt from the job's ``config.json`` through the registry. ``config``, when given, is used only
+    if no ``model_config.json`` lies beside the checkpoint."""
+    from paxlite.interop import hf
+    from paxlite.train.pretrained import find_checkpoint
+
+    _, step_dir = find_checkpoint(path)
+    if hf.find_model_config(os.path.abspath(os.fspath(path)), step_dir=step_dir) is None:
+        if config is None:
+            config = model_config_from_job(step_dir.parent.parent)
+        return hf.from_paxlite(path, config=config, dtype=dtype)
+    return hf.from_paxlite(path, dtype=dtype)
+
+
+def find_tokenizer(request: ConvertRequest) -> str | None:
+    """The SentencePiece model an HF export ships: --vocab_path, else the input's own
+    ``tokenizer.model`` (HF directory; Meta directory or its parent), else a paxlite training job's
+    VOCAB_PATH; None when there is none."""
+    from paxlite.errors import NotFoundError
+
+    if request.vocab_path is not None:
+        if not os.path.isfile(request.vocab_path):
+            raise NotFoundError(f"--vocab_path={request.vocab_path} does not exist (expected a "
+                                "SentencePiece .model file)")
+        return request.vocab_path
+    directory = os.path.abspath(request.input)
+    candidates = []
+    if request.source in (Source.HF, Source.META):
+        candidates.append(os.path.join(directory, hf_write.TOKENIZER_FILE))
+    if request.source is Source.META:
+        candidates.append(os.path.join(os.path.dirname(directory), hf_write.TOKENIZER_FILE))
+    if request.source is Source.PAXLITE:
+        candidates += _job_vocab_paths(directory)
+    return next((c for c in candidates if os.path.isfile(c)), None)
+
+
+def _job_vocab_paths(directory: str) -> list[str]:
+    """VOCAB_PATH recorded in the config.json of the training job holding ``directory``."""
+    for parent in (directory, os.path.dirname(directory), os.path.dirname(os.path.dirname(directory)),
+                   os.path.dirname(os.path.dirname(os.path.dirname(directory)))):
+        path = os.path.join(parent, "config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    vocab = json.load(f).get("hparams", {}).get("VOCAB_PATH")
+            except (OSError, ValueError, AttributeError):
+                return []
+            return [vocab] if isinstance(vocab, str) else []
+    return []
+
+
+# What a conversion writes at the top of its output: with --overwrite, a directory holding anything
+# else is not an earlier conversion's and is never replaced.
+CONVERSION_OUTPUT_NAMES = frozenset({
+    "checkpoints", "model_config.json", "config.json", "generation_config.json",
+    hf_write.INDEX_FILE, hf_write.TOKENIZER_FILE, "tokenizer_config.json",
+    "special_tokens_map.json",
+})
+
+
+def refuse_input_inside(output: str, *, inputs: Sequence[str]) -> None:
+    from paxlite.paths import OutputPathError
+
+    real = os.path.realpath(output)
+    for given in inputs:
+        source = os.path.realpath(os.path.abspath(given))
+        if source == real or source.startswith(real + os.sep):
+            raise OutputPathError(f"--output={output!r} is (or holds) the input {given!r}; write "
+                                  "to a new directory (--overwrite never replaces the input)")
+
+
+def replaceable(output: str, *, inputs: Sequence[str]) -> str | None:
+    """The absolute output path if --overwrite is to replace it (an earlier conversion's output),
+    None if there is nothing to replace; refuses anything else before any work."""
+    from paxlite.paths import OutputExistsError
+
+    path = os.path.abspath(require_local_path(output, setting="--output"))
+    if not os.path.isdir(path) or not os.listdir(path):
+        return None
+    refuse_input_inside(path, inputs=inputs)
+    foreign = sorted(n for n in os.listdir(path) if n not in CONVERSION_OUTPUT_NAMES
+                     and not (n.endswith(".safetensors") and n.startswith("model")))
+    if foreign:
+        raise OutputExistsError(
+            f"--output={path!r} holds {foreign[0]!r}{f' (and {len(foreign) - 1} more)' if len(foreign) > 1 else ''}, "
+            "which no conversion writes: --overwrite replaces an earlier conversion's output only; "
+            "choose a new or empty directory")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertSummary:
+    """What `convert_te` reports (the HF paths return a Pretrained with the same two fields)."""
+
+    family: str
+    num_params: int
