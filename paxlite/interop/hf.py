@@ -13,6 +13,7 @@ imported for ``.bin``/``.pth`` pickles, which are read with ``weights_only=True`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -354,8 +355,7 @@ class _InOrder(Mapping):
 
     def finish(self) -> None:
         """Runs the source to its end (its own check that every tensor was used)."""
-        for _ in self._subtrees:
-            pass
+        collections.deque(self._subtrees, maxlen=0)
 
 
 def stream_source_to_hf(source: Any, out_dir: str | os.PathLike, *, config: TransformerConfig,
