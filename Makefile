@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist); each holds 8 simulated CPU devices and its own compiles (~1-3 GB).
 TEST_WORKERS ?= 2
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test test-quick demo bench lint clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 found (python3.12, ~/.pyenv/versions/3.12*): install one, or make PYTHON=/path/to/python3.12"; exit 2; }
@@ -28,8 +28,14 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The whole suite, with the 30 slowest tests at the end of the log so the time budget stays visible
+# (at most 15 minutes on 2 cores; docs/performance.md has the figures).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=30 $(PYTEST_ARGS)
+
+# The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not multiprocess" --durations=10 $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m paxlite.demo --work_dir=build/demo --job_log_dir=$(DEMO_DIR)

@@ -19,12 +19,20 @@ from paxlite.errors import UserError
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(all parameters, those one token passes through) of a built TransformerConfig, the first
-    counted on the model abstractly (transformer.num_params)."""
-    from paxlite.models import moe_params
-    from paxlite.models.transformer import num_params
+    """(all parameters, those one token passes through) of a built TransformerConfig.
 
-    total = num_params(model)
+    Read off the config in closed form (moe_params.closed_form_num_params), which the golden test
+    of every registered experiment checks against the abstractly traced model; tracing costs about
+    a second per model, which `list` would pay for each of its dozens. A LoRA model's adapters have
+    no closed form: those models are traced (transformer.num_params)."""
+    from paxlite.models import moe_params
+
+    if model.lora_rank is None:
+        total = moe_params.closed_form_num_params(model)
+    else:
+        from paxlite.models.transformer import num_params
+
+        total = num_params(model)
     return total, moe_params.num_active_params(model, total)
 
 
@@ -65,8 +73,8 @@ def describe(experiment, *, num_local_devices: int | None = None) -> dict:
 def _catalogue() -> list[dict]:
     """One entry per registered experiment, in registry order: what `list` prints in either format.
 
-    Parameter counts come from tracing each model's initialisation abstractly (no compile); experiments that
-    share a model (the Fuji -flash/-fp8/-single-host variants) are counted once.
+    Parameter counts are read off each model's config (parameter_counts); experiments that share a model
+    (the Fuji -flash/-fp8/-single-host variants) are counted once.
     """
     from paxlite.experiments import EXPERIMENTS
 

@@ -18,7 +18,10 @@ def _run_config(*, on: bool, directory: str | None):
 
 
 @pytest.fixture
-def settings():
+def settings(monkeypatch):
+    # The suite shares one cache through JAX's own variable (conftest.py); these tests check the
+    # fallback to the job's directory, which applies when the variable is not set.
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     before = {name: getattr(jax.config, name) for name in NAMES}
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 7.5)  # not JAX's default
     mine = {name: getattr(jax.config, name) for name in NAMES}

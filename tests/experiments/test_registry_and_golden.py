@@ -4,6 +4,7 @@ The golden files make any change to an experiment's hyperparameters or parameter
 Regenerate with `UPDATE_GOLDEN=1 pytest tests/experiments`.
 """
 
+import math
 import os
 
 import fiddle as fdl
@@ -11,6 +12,7 @@ import flax.linen as nn
 import jax
 import pytest
 
+from paxlite.__main__ import parameter_counts
 from paxlite.experiments import EXPERIMENTS
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import abstract_variables, num_params
@@ -26,14 +28,18 @@ def golden_text(name: str) -> str:
     variables = abstract_variables(model)["params"]
     specs = nn.get_partition_spec(variables)
     lines.append("[params]")
+    count = 0
     for (path, leaf), spec in zip(
         jax.tree_util.tree_leaves_with_path(nn.meta.unbox(variables)), jax.tree.leaves(
             specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     ):
         key = "/".join(str(getattr(k, "key", k)) for k in path)
         lines.append(f"{key} {leaf.dtype} {tuple(leaf.shape)} {tuple(spec)}")
+        count += math.prod(leaf.shape)
+    # The count `list` and `show` print (a closed form of the config) is the traced model's.
+    assert parameter_counts(model)[0] == count, (name, parameter_counts(model)[0], count)
     lines.append("[derived]")
-    lines.append(f"num_params = {num_params(model)}")
+    lines.append(f"num_params = {count}")
     lines.append(f"flops_per_token = {experiment.flops_per_token()}")
     return "\n".join(lines) + "\n"
 

@@ -31,9 +31,12 @@ TRAIN = [
 _CLUSTER_VARS = ("SLURM_", "PAXLITE_", "OMPI_", "PMI_")
 
 
-def _env(**extra: str) -> dict[str, str]:
+def _env(*, own_cache: bool = False, **extra: str) -> dict[str, str]:
+    """The test's environment without cluster variables; ``own_cache``: without the suite's shared
+    compilation cache too (conftest.py), so that the job's own cache settings are what is tested."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_CLUSTER_VARS) and k != "JOB_COMPLETION_INDEX"}
+           if not k.startswith(_CLUSTER_VARS) and k != "JOB_COMPLETION_INDEX"
+           and not (own_cache and k == "JAX_COMPILATION_CACHE_DIR")}
     env.update(JAX_PLATFORMS="cpu", **extra)
     return env
 
@@ -219,7 +222,7 @@ def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path):
         out = subprocess.run(
             [sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / name}", *TRAIN,
              "--fdl.MAX_STEPS=3", f"--fdl.COMPILATION_CACHE_DIR='{cache}'"],
-            check=False, env=_env(), capture_output=True, text=True, timeout=300)
+            check=False, env=_env(own_cache=True), capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         runs.append(sorted(os.listdir(cache)))
     assert any(name.startswith("jit_train_step") for name in runs[0]), runs[0]
@@ -227,7 +230,7 @@ def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path):
     assert not (tmp_path / "a" / "compilation_cache").exists()
     off = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'c'}", *TRAIN,
                           "--fdl.MAX_STEPS=1", "--fdl.COMPILATION_CACHE=False"],
-                         check=False, env=_env(), capture_output=True, text=True, timeout=300)
+                         check=False, env=_env(own_cache=True), capture_output=True, text=True, timeout=300)
     assert off.returncode == 0 and not (tmp_path / "c" / "compilation_cache").exists()
 
 
