@@ -47,6 +47,8 @@ def _number(cell):
     return float(cell.rstrip("%").replace(",", ""))
 
 
+# slow: the shared fixture runs twelve training processes and the matmul part (~140 s on 2 cores)
+@pytest.mark.slow
 def test_table_is_last_and_has_every_row(bench):
     _, stdout = bench
     header, rows = _table(stdout)
@@ -60,6 +62,7 @@ def test_table_is_last_and_has_every_row(bench):
     assert combos == [(m, p, a) for m in MODELS for p in ("bf16", "fp8") for a in ("flash", "dot_product")]
 
 
+@pytest.mark.slow  # the same fixture as the table test
 def test_numbers_follow_from_each_runs_metrics(bench):
     log_dir, stdout = bench
     _, rows = _table(stdout)

@@ -259,6 +259,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two launcher processes plus a one-process reference (~29 s on 2 cores)
 @pytest.mark.multiprocess
 def test_two_processes_from_axlearns_environment_variables(tmp_path):
     trainer_dir, port = tmp_path / "trainer", _free_port()

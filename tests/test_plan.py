@@ -125,6 +125,7 @@ def test_fits_flips_and_levers_are_computed(fsdp_plans):
     assert accum["applicable"] is False and "GRAD_ACCUM_STEPS" in accum["reason"]
 
 
+@pytest.mark.slow  # compiles the step with and without accumulation (~29 s on 2 cores)
 def test_gradient_accumulation_lever_lowers_the_peak():
     plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
     accum = {lever["lever"]: lever for lever in plan["levers"]}["GRAD_ACCUM_STEPS 1 -> 2 (same global batch, "
@@ -234,6 +235,8 @@ def test_a_fresh_process_plans_itself_without_a_second_jax_start():
     assert result.stdout.strip().splitlines()[-1] == "RESULT 0 0"
 
 
+# slow: compiles a 64B MoE step for 512 devices, then each expert lever (~70 s on 2 cores)
+@pytest.mark.slow
 def test_glam64b64e_on_512_devices_has_a_verdict_moe_memory_and_expert_levers():
     """The issue's case: Pax's GLaM 64B/64E mesh (FSDP 64 x tensor 8) planned for 512 devices."""
     p = plan_lib.plan(plan_lib.PlanRequest(name="GLaM64B64E", num_devices=512))

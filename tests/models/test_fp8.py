@@ -109,6 +109,7 @@ def _state_after_one_step(config: TransformerConfig):
     return variables["params"], traverse_util.flatten_dict(new, sep="/")
 
 
+@pytest.mark.slow  # FP8 dense and MoE models initialised and differentiated (~28 s on 2 cores)
 def test_every_matmul_and_expert_matmul_owns_its_state():
     config = _config(moe=MoeConfig(num_experts=4, moe_layer_interval=1), gated_mlp=False)
     params, state = _state_after_one_step(config)

@@ -155,6 +155,7 @@ def test_the_token_exchange_is_the_designed_collective(routing, collectives):
     assert found == collectives, found
 
 
+@pytest.mark.slow  # scanned, rematerialised MoE steps compiled sharded and on one device (~30 s each)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_scanned_rematerialised_moe_on_a_mesh_matches_one_device(name):
     """The scanned layer stack (GLaM: a 2-layer unit) with SAVE_NOTHING remat: the sown losses and

@@ -275,6 +275,7 @@ def _mesh_layout(log: Path) -> list[int]:
     return [sorted(ids).index(i) for i in ids]
 
 
+@pytest.mark.slow  # two-process runs, a resume and a one-process reference (~45 s on 2 cores)
 @pytest.mark.multiprocess
 def test_two_processes_resume_and_match_one_process(tmp_path):
     job, ref = tmp_path / "job", tmp_path / "ref"

@@ -16,6 +16,7 @@ def _stopped_at(text: str) -> int:
     return int(line.split("stopped after step ", 1)[1].split()[0])
 
 
+@pytest.mark.slow  # two processes trained, signalled and restarted (~35 s on 2 cores)
 @pytest.mark.multiprocess
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     job = tmp_path / "job"

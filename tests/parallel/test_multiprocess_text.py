@@ -51,6 +51,7 @@ def _final_params(job, dataset) -> dict:
     return jax.device_get(params)
 
 
+@pytest.mark.slow  # two-process runs, a resume and a one-process reference (~60 s on 2 cores)
 @pytest.mark.multiprocess
 def test_two_processes_resume_text_training_exactly(tmp_path, dataset):
     job, ref = tmp_path / "job", tmp_path / "ref"

@@ -188,6 +188,7 @@ def _restore(path, config: TransformerConfig):
     return pretrained.restore_params(path, abstract)
 
 
+@pytest.mark.slow  # two training processes and an export from the command line (~32 s on 2 cores)
 def test_full_sft_then_lora_then_merged_export_from_the_command_line(tmp_path):
     name = "--fdl_config=tests.train.test_lora.TinyLLaMAForLoRATest"  # a dotted path, as users' own
     job_a, job_b, out = tmp_path / "a", tmp_path / "b", tmp_path / "merged"

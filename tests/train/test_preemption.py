@@ -215,6 +215,8 @@ def test_watchdog_timeouts_are_checked():
     load_experiment("TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=None", "CRASH_ON_HANG_TIMEOUT_SECONDS=None"])
 
 
+# slow: three training processes, two of them compiling into an empty cache of their own (~35 s)
+@pytest.mark.slow
 def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path):
     cache = tmp_path / "cache"
     runs = []

@@ -114,6 +114,7 @@ def test_mesh_matches_one_device(ici, dcn, one_device_reference):
     np.testing.assert_allclose(losses, losses_ref, rtol=1e-5)
 
 
+@pytest.mark.slow  # scanned steps on a 2x2x2 mesh and one device, several steps (~30 s on 2 cores)
 def test_repeated_layers_on_2x2x2_match_one_device():
     run = _setup("TinySyntheticRepeated")
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])

@@ -59,6 +59,8 @@ def _records(job, key):
         return [(r["step"], r[key]) for r in map(json.loads, f) if key in r]
 
 
+# slow: three training runs each; the SeqIO one also starts TensorFlow (~30-45 s on 2 cores)
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline,file_format", [("grain", "array_record"), ("seqio", "tfrecord")])
 def test_resume_from_tfds_consumes_exactly_the_uninterrupted_batches(tmp_path, tfds_dirs, pipeline, file_format):
     dirs, vocab = tfds_dirs
