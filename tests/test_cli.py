@@ -1,9 +1,11 @@
 """The command line as users type it: `python -m paxlite.main ...` and `python -m paxlite list|show`."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 
@@ -21,6 +23,94 @@ def _main(*flags, cwd=None):
     return _run("-m", "paxlite.main", *flags, cwd=cwd)
 
 
+class _Result(NamedTuple):
+    """What a finished `python -m ...` leaves: its exit status and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _exit_status(code) -> int:
+    """The status a process exits with for sys.exit(code)."""
+    return 0 if code is None else code if isinstance(code, int) else 1
+
+
+@pytest.fixture
+def main_in_process(monkeypatch, capfd):
+    """`python -m paxlite.main FLAGS...` in this process: the same entry point (run_main: absl's
+    app.run with paxlite's flags parser), its exit status and output, without a new interpreter.
+
+    For the checks that stop before any work. absl keeps its state in globals (the parsed FLAGS,
+    app.run's run-once markers, the absl log handler on the root logger and the levels it sets);
+    all of it is reset before the call and restored when the test ends, so nothing leaks into the
+    other tests of this process. This process has the eight fake devices of conftest.py, not one.
+    """
+    from absl import app, flags
+    from absl import logging as absl_logging
+
+    from paxlite import main as paxlite_main
+
+    flags_ = flags.FLAGS
+    root, absl_logger = logging.getLogger(), absl_logging.get_absl_logger()
+    absl_handler = absl_logging.get_absl_handler()
+    had_absl_handler = absl_handler in root.handlers
+    levels = root.level, absl_logger.level
+    filters = list(absl_handler.filters)  # main() adds its library-log filter on every run
+    # Process-wide effects of app.run that mean nothing here: prevented rather than undone.
+    monkeypatch.setattr(app, "faulthandler", None)  # would write crashes into this test's capture
+    monkeypatch.setattr(app.command_name, "make_process_name_useful", lambda: None)
+    monkeypatch.setattr(absl_logging, "_attempted_to_remove_stderr_stream_handlers", True)
+    monkeypatch.setattr(app._run_init, "done", False)
+    monkeypatch.setattr(app._register_and_parse_flags_with_usage, "done", False)
+
+    def run(*args) -> _Result:
+        flags_.unparse_flags()
+        app._run_init.done = app._register_and_parse_flags_with_usage.done = False
+        monkeypatch.setattr(sys, "argv", [paxlite_main.__file__, *args])
+        # absl's handler keeps the stderr of the moment it was made (pytest's capture, closed by
+        # now); a process's log lines go to its stderr.
+        monkeypatch.setattr(absl_handler.python_handler, "stream", sys.stderr)
+        capfd.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            paxlite_main.run_main()
+        out, err = capfd.readouterr()
+        return _Result(_exit_status(exited.value.code), out, err)
+
+    flags_.unparse_flags()
+    try:
+        yield run
+    finally:
+        flags_.unparse_flags()
+        if not had_absl_handler:
+            root.removeHandler(absl_handler)
+        root.setLevel(levels[0])
+        absl_logger.setLevel(levels[1])
+        absl_handler.filters[:] = filters
+
+
+@pytest.fixture
+def paxlite_in_process(monkeypatch, capfd):
+    """`python -m paxlite COMMAND ...` in this process: paxlite.__main__.run(), as the module runs
+    it (`sys.exit(run())`), with its exit status and output."""
+    from paxlite import __main__ as paxlite_cli
+
+    def run(*args) -> _Result:
+        monkeypatch.setattr(sys, "argv", [paxlite_cli.__file__, *args])
+        capfd.readouterr()
+        try:
+            code = paxlite_cli.run()
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+        out, err = capfd.readouterr()
+        return _Result(_exit_status(code), out, err)
+
+    return run
+
+
+_ONE_DEVICE = "needs 64 devices, but this job has 1"  # a plain machine: run as a process of its own
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -28,27 +118,29 @@ def _main(*flags, cwd=None):
         (["--fdl_config=TinySynthetic", "--fdl.NUM_LAYERS=abc"], "expected int"),
         (["--fdl_config=TinySynthetic", "--fdl.FPROP_DTYPE=bf16"], "did you mean 'bfloat16'"),
         (["--fdl_config=Synthetic126m"], "did you mean 'Synthetic126M'"),
-        (["--fdl_config=Synthetic126M"], "needs 64 devices, but this job has 1"),
+        (["--fdl_config=Synthetic126M"], _ONE_DEVICE),
         (["--fdl_config=Pile126M", "--fdl.ICI_MESH_SHAPE=[1,1,1]", "--fdl.DCN_MESH_SHAPE=[1,1,1]"],
          "--fdl.SYNTHETIC_DATA=true"),
     ],
 )
-def test_bad_input_is_one_clear_error(tmp_path, flags, message):
+def test_bad_input_is_one_clear_error(tmp_path, main_in_process, flags, message):
     job = tmp_path / "job"
-    result = _main(*flags, f"--job_log_dir={job}")
+    run = _main if message == _ONE_DEVICE else main_in_process  # this process has 8 devices
+    result = run(*flags, f"--job_log_dir={job}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert not (job / "checkpoints").exists()  # stopped before any work
 
 
-def test_fiddle_flags_that_would_be_ignored_are_refused(tmp_path):
-    result = _main("--fdl_config=TinySynthetic", "--fiddler=double_layers", f"--job_log_dir={tmp_path}")
+def test_fiddle_flags_that_would_be_ignored_are_refused(tmp_path, main_in_process):
+    result = main_in_process("--fdl_config=TinySynthetic", "--fiddler=double_layers",
+                             f"--job_log_dir={tmp_path}")
     assert result.returncode == 2 and "--fiddler" in result.stderr
 
 
-def test_missing_job_log_dir():
-    result = _main("--fdl_config=TinySynthetic")
+def test_missing_job_log_dir(main_in_process):
+    result = main_in_process("--fdl_config=TinySynthetic")
     assert result.returncode == 2 and "--job_log_dir is required" in result.stderr
 
 
@@ -85,8 +177,10 @@ def test_train_then_eval_writes_the_job_directory(tmp_path):
     assert (job / "config.previous-1.json").exists()
 
 
-def test_eval_without_checkpoint_is_an_error_before_anything_is_written(tmp_path):
-    result = _main("--fdl_config=TinySynthetic", "--mode=eval", f"--job_log_dir={tmp_path / 'job'}")
+def test_eval_without_checkpoint_is_an_error_before_anything_is_written(tmp_path,
+                                                                        main_in_process):
+    result = main_in_process("--fdl_config=TinySynthetic", "--mode=eval",
+                             f"--job_log_dir={tmp_path / 'job'}")
     assert result.returncode == 2 and "needs a checkpoint" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "job").exists()  # no config.json, metrics.jsonl or compile cache left behind
@@ -96,8 +190,12 @@ def test_eval_without_checkpoint_is_an_error_before_anything_is_written(tmp_path
     ("--exp=Pile126M", "paxlite: error: Unknown command line flag 'exp'"),
     ("--fdl.MAX_STEPS", "paxlite: error: --fdl.MAX_STEPS: a setting looks like --fdl.NAME=VALUE"),
 ])
-def test_an_unknown_or_malformed_flag_is_one_line_and_exit_2(tmp_path, flag, message):
-    result = _main("--fdl_config=TinySynthetic", flag, f"--job_log_dir={tmp_path / 'job'}")
+def test_an_unknown_or_malformed_flag_is_one_line_and_exit_2(tmp_path, main_in_process, flag,
+                                                             message):
+    # absl's "Did you mean" names near flags of every module imported so far (orbax's, after other
+    # tests here): the unknown flag is checked in a fresh process, as users meet it.
+    run = _main if flag.startswith("--exp=") else main_in_process
+    result = run("--fdl_config=TinySynthetic", flag, f"--job_log_dir={tmp_path / 'job'}")
     assert result.returncode == 2 and result.stderr.strip() == message
 
 
@@ -108,10 +206,12 @@ def test_listing_into_a_reader_that_stops_early_is_quiet():
 
 
 @pytest.mark.parametrize("mode", ["train", "dry_run"])
-def test_max_steps_zero_trains_nothing_so_it_is_refused_before_any_work(tmp_path, mode):
+def test_max_steps_zero_trains_nothing_so_it_is_refused_before_any_work(tmp_path, main_in_process,
+                                                                        mode):
     job = tmp_path / "job"
-    result = _main("--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=0", f"--mode={mode}",
-                   f"--job_log_dir={job}")
+    run = _main if mode == "dry_run" else main_in_process  # the dry run compiles: its own process
+    result = run("--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=0", f"--mode={mode}",
+                 f"--job_log_dir={job}")
     if mode == "dry_run":  # the planner compiles the step for its shapes; MAX_STEPS plays no part
         assert result.returncode == 0, result.stderr[-3000:]
         return
@@ -158,17 +258,18 @@ def test_a_bug_while_tracing_keeps_its_traceback(tmp_path):
     assert "paxlite: error:" not in result.stderr
 
 
-def test_list_prints_every_experiment_with_its_size():
-    result = _run("-m", "paxlite", "list")
+def test_list_prints_every_experiment_with_its_size(paxlite_in_process):
+    result = paxlite_in_process("list")
     assert result.returncode == 0, result.stderr
     assert "125,262,336" in result.stdout and "174,604,259,328" in result.stdout
     for name in ("Synthetic126M", "Pile5B", "GPT175B", "Lambada126M", "TinySynthetic"):
         assert name in result.stdout
 
 
-def test_show_json():
-    result = _run("-m", "paxlite", "show", "--fdl_config=Synthetic126M", "--fdl.LR_COS_WARMUP=500",
-                  "--fdl.ICI_MESH_SHAPE=[1,8,1]", "--fdl.DCN_MESH_SHAPE=[1,2,1]", "--format=json")
+def test_show_json(paxlite_in_process):
+    result = paxlite_in_process("show", "--fdl_config=Synthetic126M", "--fdl.LR_COS_WARMUP=500",
+                                "--fdl.ICI_MESH_SHAPE=[1,8,1]", "--fdl.DCN_MESH_SHAPE=[1,2,1]",
+                                "--format=json")
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["experiment"] == "Synthetic126M"
@@ -180,17 +281,16 @@ def test_show_json():
     assert len(info["hparams"]) > 40
 
 
-def test_show_rejects_unknown_override():
-    result = _run("-m", "paxlite", "show", "--fdl_config=GPT5B", "--fdl.LEARNING_RAT=1")
+def test_show_rejects_unknown_override(paxlite_in_process):
+    result = paxlite_in_process("show", "--fdl_config=GPT5B", "--fdl.LEARNING_RAT=1")
     assert result.returncode == 2 and "LEARNING_RATE" in result.stderr
 
 
-def test_use_fp8_is_pax_s_switch_and_dropless_fp8_exits_2():
-    result = _run("-m", "paxlite", "show", "--fdl_config=Pile126M", "--fdl.USE_FP8=True",
-                  "--format=json")
+def test_use_fp8_is_pax_s_switch_and_dropless_fp8_exits_2(paxlite_in_process):
+    result = paxlite_in_process("show", "--fdl_config=Pile126M", "--fdl.USE_FP8=True", "--format=json")
     assert result.returncode == 0, result.stderr
     hparams = json.loads(result.stdout)["hparams"]
     assert hparams["USE_FP8"] is True and hparams["FP8_AMAX_HISTORY_LENGTH"] == 1024
-    result = _run("-m", "paxlite", "show", "--fdl_config=Mixtral8x7B", "--fdl.USE_FP8=true")
+    result = paxlite_in_process("show", "--fdl_config=Mixtral8x7B", "--fdl.USE_FP8=true")
     assert result.returncode == 2
     assert "USE_FP8=true with MOE_ROUTING='dropless_topk'" in result.stderr
