@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist); each holds 8 simulated CPU devices and its own compiles (~1-3 GB).
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-quick demo bench lint clean
+.PHONY: install test test-quick test-durations demo bench lint clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 found (python3.12, ~/.pyenv/versions/3.12*): install one, or make PYTHON=/path/to/python3.12"; exit 2; }
@@ -34,8 +34,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=30 $(PYTEST_ARGS)
 
 # The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
+# `slow`: marked in the test file, or measured over 2 s in tests/durations.json (tests/conftest.py).
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not multiprocess" --durations=10 $(PYTEST_ARGS)
+
+# The whole suite, recording each test's seconds in tests/durations.json (commit it): the suite runs
+# longest first from it, and make test-quick leaves out what it measured as slow.
+test-durations: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=30 --record-durations=tests/durations.json $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m paxlite.demo --work_dir=build/demo --job_log_dir=$(DEMO_DIR)

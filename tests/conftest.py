@@ -11,6 +11,7 @@ Tests that check the cache itself set their own directory or remove the variable
 is removed when the session ends.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -51,18 +52,69 @@ def _has_gpu() -> bool:
         return False
 
 
-def _expected_cost(item) -> int:
-    """0 for tests marked slow (tens of seconds each), 1 for multi-process ones, 2 for the rest."""
-    return 0 if "slow" in item.keywords else 1 if "multiprocess" in item.keywords else 2
+# Seconds each test took (setup, call and teardown) in the last recorded run on 2 cores, written by
+# `make test-durations` (pytest --record-durations). Tests missing from it (new ones) count as 0 s.
+DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "durations.json")
+# A test measured above this is `slow` (left out of `make test-quick`) even without its own marker;
+# the ones of tens of seconds carry @pytest.mark.slow in their file, with the reason.
+QUICK_LIMIT_S = 2.0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help="write each test's seconds (setup + call + teardown) to PATH as JSON "
+                          "(tests/durations.json orders the suite and marks the slow tests)")
+
+
+def _recorded_durations() -> dict[str, float]:
+    try:
+        with open(DURATIONS_FILE) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
 
 
 def pytest_collection_modifyitems(config, items):
-    # The long tests first (a stable sort keeps each file's order otherwise): xdist hands the first
-    # items out round-robin, so the long ones are split over the workers and the short ones fill in
-    # at the end, instead of one worker finishing a long test alone while the other idles.
-    items.sort(key=_expected_cost)
+    # Longest first (the longest-processing-time rule): xdist hands out the first items
+    # round-robin and the rest as workers free up, so the long tests are split over the workers
+    # and the short ones fill in at the end, instead of one worker finishing a long test alone
+    # while the other idles. Tests marked slow or multiprocess but not yet measured go first too.
+    durations = _recorded_durations()
+    slow = pytest.mark.slow(reason=f"measured over {QUICK_LIMIT_S:.0f} s on 2 cores (tests/durations.json)")
+
+    def cost(item) -> tuple[int, float]:
+        marked = "slow" in item.keywords or "multiprocess" in item.keywords
+        measured = durations.get(item.nodeid)
+        return (0 if marked and measured is None else 1, -(measured or 0.0))
+
+    items.sort(key=cost)
+    for item in items:
+        if durations.get(item.nodeid, 0.0) > QUICK_LIMIT_S and "slow" not in item.keywords:
+            item.add_marker(slow)
     if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _has_gpu():
         skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU; none on this machine")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
+
+
+class _DurationRecorder:
+    """Sums each test's phases as the reports arrive (in the controlling process under xdist) and
+    writes them at the end of the session, rounded to 0.1 s, sorted by name."""
+
+    def __init__(self, path: str):
+        self.path, self.seconds = path, {}
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session):
+        with open(self.path, "w") as f:
+            json.dump({k: round(v, 1) for k, v in sorted(self.seconds.items())}, f, indent=0)
+            f.write("\n")
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-durations")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_DurationRecorder(path), "paxlite-duration-recorder")
