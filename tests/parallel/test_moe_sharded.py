@@ -57,12 +57,31 @@ def _batch():
             "weights": np.ones((ROWS, SEQ), np.float32)}
 
 
-def _loss_and_grads(config: TransformerConfig, mesh):
+def _random_params(abstract_params, seed: int = 0):
+    """Host parameters of the abstract tree's shapes: a real init compiles the threefry sampler,
+    which on CPU costs more than the sharded loss and gradients it would feed."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, s):
+        noise = rng.normal(0.0, 0.1, s.shape).astype(s.dtype)
+        return 1 + noise if "scale" in jax.tree_util.keystr(path) else noise
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_params)
+
+
+def _loss_and_grads(config: TransformerConfig, mesh, params=None):
+    """On `mesh`: the objective, loss, summaries, parameters and gradients at `params`, or at the
+    parameters `compile_steps`'s init makes there (None). `params`: a function of the abstract
+    parameters returning host arrays."""
     model = Transformer(config)
     with jax.set_mesh(mesh):
         steps = compile_steps(model=model, optimizer=optax.sgd(0.1), schedule=optax.constant_schedule(0.1),
                               mesh=mesh, seq_len=SEQ, seed=3, deterministic=True)
-        state = steps.init()
+        param_shardings = steps.state_shardings.params
+        if params is None:
+            state_params = steps.init().params
+        else:
+            state_params = jax.device_put(params(steps.abstract_state.params), param_shardings)
         batch = jax.device_put(_batch(), steps.batch_sharding)
 
         def value_and_grad(params, batch):
@@ -70,13 +89,12 @@ def _loss_and_grads(config: TransformerConfig, mesh):
                 return jax.value_and_grad(functools.partial(loss_fn, model=model), has_aux=True)(
                     params, batch)
 
-        param_shardings = steps.state_shardings.params
         (objective, aux), grads = jax.jit(
             value_and_grad, in_shardings=(param_shardings, steps.batch_sharding),
             out_shardings=((rules_lib.replicated(mesh), None), param_shardings),
-        )(state.params, batch)
+        )(state_params, batch)
         return (float(objective), float(aux["loss"]), jax.device_get(aux["summaries"]),
-                jax.device_get(state.params), jax.device_get(grads))
+                jax.device_get(state_params), jax.device_get(grads))
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -145,8 +163,11 @@ def test_the_token_exchange_is_the_designed_collective(routing, collectives):
         boxed = jax.eval_shape(lambda: layer.init({"params": jax.random.key(0)}, x))
         shardings = nn.meta.unbox(
             rules_lib.logical_to_shardings(nn.get_partition_spec(boxed), mesh))["params"]
-        params = jax.jit(lambda: nn.meta.unbox(layer.init({"params": jax.random.key(0)}, x))["params"],
-                         out_shardings=shardings)()
+        # Lowering needs only shapes and shardings: no init compiled (threefry is slow on CPU).
+        params = jax.tree.map(
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+            jax.eval_shape(lambda: nn.meta.unbox(layer.init({"params": jax.random.key(0)}, x))["params"]),
+            shardings)
         rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert")))
         apply = jax.jit(lambda p, x: layer.apply({"params": p}, x), in_shardings=(shardings, rows))
         hlo = apply.lower(params, x).compile().as_text()
@@ -159,14 +180,16 @@ def test_the_token_exchange_is_the_designed_collective(routing, collectives):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_scanned_rematerialised_moe_on_a_mesh_matches_one_device(name):
     """The scanned layer stack (GLaM: a 2-layer unit) with SAVE_NOTHING remat: the sown losses and
-    summaries stacked by nn.scan, and the dropless shard_map inside scan and remat."""
+    summaries stacked by nn.scan, and the dropless shard_map inside scan and remat. The same random
+    parameters on both (init's mesh invariance is test_moe_mesh_matches_one_device's)."""
     import dataclasses
 
     config = dataclasses.replace(MODELS[name], scan_layers=True, remat_policy="save_nothing")
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
-    objective_ref, loss_ref, summaries_ref, _, grads_ref = _loss_and_grads(config, one)
+    objective_ref, loss_ref, summaries_ref, _, grads_ref = _loss_and_grads(
+        config, one, params=_random_params)
     objective, loss, summaries, _, grads = _loss_and_grads(
-        config, build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 1, 4))))
+        config, build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 1, 4))), params=_random_params)
     assert abs(objective - objective_ref) / abs(objective_ref) < 1e-5
     assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
     for key, value in summaries_ref.items():

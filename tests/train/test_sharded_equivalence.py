@@ -19,7 +19,7 @@ from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import compile_steps, loss_fn
+from paxlite.train.step import TrainState, compile_steps, loss_fn
 
 GLOBAL_BATCH = 8
 MESHES = [(2, 2, 2), (1, 8, 1), (8, 1, 1), (1, 1, 8)]
@@ -31,22 +31,44 @@ def _setup(experiment_name: str, overrides=()):
     return run
 
 
-def _loss_grads_and_losses(run, mesh, num_steps: int = 3):
-    """Loss and gradients at initialisation, then the losses of `num_steps` train steps."""
+def _random_params(abstract_params, seed: int = 0):
+    """Host parameters of the abstract tree's shapes: a real init compiles the threefry sampler,
+    which on CPU costs more than the sharded steps it would feed."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, s):
+        noise = rng.normal(0.0, 0.1, s.shape).astype(s.dtype)
+        return 1 + noise if "scale" in jax.tree_util.keystr(path) else noise
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_params)
+
+
+def _loss_grads_and_losses(run, mesh, num_steps: int = 3, params=None):
+    """Loss and gradients at initialisation, then the losses of `num_steps` train steps. `params`:
+    None for `compile_steps`'s init, or a function of the abstract parameters returning host arrays
+    to start from instead (with the optimizer's initial state)."""
     model = Transformer(run.model)
     schedule = make_schedule(run.schedule)
+    optimizer = make_optimizer(run.optimizer, schedule)
     data = SyntheticData(run.data, global_batch_size=GLOBAL_BATCH)
     with jax.set_mesh(mesh):
         steps = compile_steps(
             model=model,
-            optimizer=make_optimizer(run.optimizer, schedule),
+            optimizer=optimizer,
             schedule=schedule,
             mesh=mesh,
             seq_len=run.data.seq_len,
             seed=run.loop.seed,
             deterministic=True,
         )
-        state = steps.init()
+        if params is None:
+            state = steps.init()
+        else:
+            host = params(steps.abstract_state.params)
+            state = jax.device_put(
+                TrainState(step=np.zeros((), np.int32), params=host, opt_state=optimizer.init(host)),
+                steps.state_shardings,
+            )
         batch = data.train_batch(0, steps.batch_sharding)
 
         def value_and_grad(params, batch):
@@ -116,11 +138,14 @@ def test_mesh_matches_one_device(ici, dcn, one_device_reference):
 
 @pytest.mark.slow  # scanned steps on a 2x2x2 mesh and one device, several steps (~30 s on 2 cores)
 def test_repeated_layers_on_2x2x2_match_one_device():
+    """From the same random parameters on both (init's mesh invariance is tested above)."""
     run = _setup("TinySyntheticRepeated")
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
-    _, loss_ref, grads_ref, losses_ref = _loss_grads_and_losses(run, one, num_steps=2)
+    _, loss_ref, grads_ref, losses_ref = _loss_grads_and_losses(
+        run, one, num_steps=2, params=_random_params
+    )
     _, loss, grads, losses = _loss_grads_and_losses(
-        run, build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2))), num_steps=2
+        run, build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2))), num_steps=2, params=_random_params
     )
     assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
     for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)):
