@@ -75,10 +75,11 @@ def _recorded_durations() -> dict[str, float]:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Longest first (the longest-processing-time rule): xdist hands out the first items
-    # round-robin and the rest as workers free up, so the long tests are split over the workers
-    # and the short ones fill in at the end, instead of one worker finishing a long test alone
-    # while the other idles. Tests marked slow or multiprocess but not yet measured go first too.
+    # Longest first (the longest-processing-time rule). With the Makefile's --maxschedchunk=1 xdist
+    # gives each worker the next test as it frees up (by default it hands each worker a block of
+    # an eighth of the suite at the start, which here would be all the long tests on one worker),
+    # so the long tests are spread over the workers and the short ones fill in at the end.
+    # Tests marked slow or multiprocess but not yet measured go first too.
     durations = _recorded_durations()
     slow = pytest.mark.slow(reason=f"measured over {QUICK_LIMIT_S:.0f} s on 2 cores (tests/durations.json)")
 
