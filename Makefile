@@ -29,20 +29,20 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The whole suite, with the 30 slowest tests at the end of the log so the time budget stays visible
-# (docs/performance.md has the figures). --maxschedchunk=1: each worker takes the next test when it
-# is free, so the longest-first order of tests/conftest.py balances the two workers.
+# (docs/performance.md has the figures). --dist loadfile: a file's tests run on one worker (its
+# module fixtures are built once) and each worker takes the next file, longest first (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk=1 --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 # The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
 # `slow`: marked in the test file, or measured over 2 s in tests/durations.json (tests/conftest.py).
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk=1 -m "not slow and not multiprocess" --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess" --durations=10 $(PYTEST_ARGS)
 
 # The whole suite, recording each test's seconds in tests/durations.json (commit it): the suite runs
 # longest first from it, and make test-quick leaves out what it measured as slow.
 test-durations: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxschedchunk=1 --durations=30 --record-durations=tests/durations.json $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --record-durations=tests/durations.json $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m paxlite.demo --work_dir=build/demo --job_log_dir=$(DEMO_DIR)

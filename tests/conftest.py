@@ -75,20 +75,23 @@ def _recorded_durations() -> dict[str, float]:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Longest first (the longest-processing-time rule). With the Makefile's --maxschedchunk=1 xdist
-    # gives each worker the next test as it frees up (by default it hands each worker a block of
-    # an eighth of the suite at the start, which here would be all the long tests on one worker),
-    # so the long tests are spread over the workers and the short ones fill in at the end.
-    # Tests marked slow or multiprocess but not yet measured go first too.
+    # Longest file first (the longest-processing-time rule over files). The Makefile runs xdist with
+    # --dist loadfile: a file's tests stay on one worker, so its module-scoped fixtures (a trained
+    # job, the GPU benchmark's twelve runs) are built once, and each worker takes the next file when
+    # it is free, so the long files are spread over the workers and the short ones fill in at the
+    # end. Within a file the order is the file's own. Unmeasured tests marked slow or multiprocess
+    # count as 30 s.
     durations = _recorded_durations()
     slow = pytest.mark.slow(reason=f"measured over {QUICK_LIMIT_S:.0f} s on 2 cores (tests/durations.json)")
-
-    def cost(item) -> tuple[int, float]:
-        marked = "slow" in item.keywords or "multiprocess" in item.keywords
-        measured = durations.get(item.nodeid)
-        return (0 if marked and measured is None else 1, -(measured or 0.0))
-
-    items.sort(key=cost)
+    file_seconds: dict[str, float] = {}
+    for item in items:
+        seconds = durations.get(item.nodeid)
+        if seconds is None and ("slow" in item.keywords or "multiprocess" in item.keywords):
+            seconds = 30.0
+        file_seconds[item.nodeid.split("::")[0]] = file_seconds.get(item.nodeid.split("::")[0], 0.0) + (seconds or 0.0)
+    order = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-file_seconds[item.nodeid.split("::")[0]], item.nodeid.split("::")[0],
+                                 order[id(item)]))
     for item in items:
         if durations.get(item.nodeid, 0.0) > QUICK_LIMIT_S and "slow" not in item.keywords:
             item.add_marker(slow)
