@@ -16,10 +16,15 @@ import os
 import shutil
 import tempfile
 
-# Must happen before JAX is imported anywhere.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.xla_test_flags import COMPILE_FLAGS
+
+# Must happen before JAX is imported anywhere. The compile flags: see tests/xla_test_flags.py. A flag
+# already set (by the developer, or by the controlling process for an xdist worker) is kept as it is.
+_flags = os.environ.get("XLA_FLAGS", "").split()
+for _flag in (COMPILE_FLAGS, "--xla_force_host_platform_device_count=8"):
+    if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):
+        _flags.append(_flag)
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _SESSION_CACHE_VAR = "PAXLITE_TEST_SESSION_CACHE"  # set by the controlling process, read by workers

@@ -9,8 +9,10 @@ from typing import NamedTuple
 
 import pytest
 
+from tests.xla_test_flags import COMPILE_FLAGS
+
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
-ENV.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
+ENV["XLA_FLAGS"] = COMPILE_FLAGS  # one CPU device, as on a plain machine
 
 
 def _run(*args, timeout=300, cwd=None):

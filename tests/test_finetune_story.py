@@ -31,6 +31,7 @@ from paxlite.train import pretrained
 from paxlite.train.export import export_merged
 from paxlite.train.loop import Run, RunContext
 from tests.eval.test_boolq import _examples, _train_spm, _write_jsonl
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_LLAMA = "paxlite.experiments.tiny.TinyLLaMA"
@@ -97,7 +98,7 @@ def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
     converted = tmp_path / "converted"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
         [sys.executable, "-m", "paxlite", "convert", "--from=hf", "--to=paxlite", f"--input={tmp_path / 'hf_in'}",
          f"--output={converted}", f"--fdl_config={TINY_LLAMA}", f"--fdl.VOCAB_SIZE={VOCAB}"],

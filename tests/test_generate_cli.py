@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from paxlite.__main__ import main
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
-ENV.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
+ENV["XLA_FLAGS"] = COMPILE_FLAGS  # one CPU device, as on a plain machine
 PROMPTS = ([5, 9, 200, 17], [42])
 NEW = 5
 

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.xla_test_flags import COMPILE_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "gpu", "bench.py")
 MODELS = ("Synthetic126M", "LLaMA-1B (fuji-1B-v3)", "GLaM126M64E")
@@ -22,7 +24,8 @@ PENDING = ("USE_FP8", "USE_CUDNN_FLASH_ATTENTION")
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("bench")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "BASE_XLA_FLAGS", "XLA_PRESET")}
+    env = {k: v for k, v in os.environ.items() if k not in ("BASE_XLA_FLAGS", "XLA_PRESET")}
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
         [sys.executable, BENCH, "--cpu", "--tiny", f"--log_dir={log_dir}", f"--deadline_s={time.time() + 3000}",
          f"--peak_tflops={PEAKS[0]},{PEAKS[1]}"],
@@ -103,7 +106,7 @@ def _config(label):
 
 
 def test_past_the_deadline_nothing_starts_and_every_row_still_prints(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS}
     result = subprocess.run(
         [sys.executable, BENCH, "--cpu", "--tiny", f"--log_dir={tmp_path}", f"--deadline_s={time.time()}",
          "--only=Synthetic126M"], env=env, capture_output=True, text=True, timeout=300, check=False)

@@ -14,9 +14,10 @@ from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import num_params
 from paxlite.parallel.mesh import MeshError
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
-ENV.pop("XLA_FLAGS", None)  # a plain process: one CPU device until the planner asks for more
+ENV["XLA_FLAGS"] = COMPILE_FLAGS  # a plain process: one CPU device until the planner asks for more
 
 # 1 layer, d_model 64, 8 heads of 8, vocabulary 256: every dimension splits 8 ways.
 TINY = ("NUM_LAYERS=1", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1")

@@ -11,6 +11,7 @@ import pytest
 
 from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--fdl.NUM_LAYERS=1", "--fdl.MODEL_DIMS=32", "--fdl.NUM_HEADS=4", "--fdl.DIMS_PER_HEAD=8",
@@ -19,7 +20,7 @@ TINY = ["--fdl.NUM_LAYERS=1", "--fdl.MODEL_DIMS=32", "--fdl.NUM_HEADS=4", "--fdl
 
 def _env():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"]}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     return env
 
 

@@ -11,6 +11,7 @@ import pytest
 from paxlite.config.errors import ConfigError
 from paxlite.config.registry import resolve_registered_experiment
 from paxlite.experiments import EXPERIMENTS
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,7 +48,7 @@ def planted(tmp_path):
 def test_reading_a_job_never_imports_the_module_it_names(planted, command):
     cwd, job, marker = planted
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
         [sys.executable, "-m", "paxlite", *command, f"--input={job}", f"--output={cwd / 'out'}"],
         capture_output=True, text=True, env=env, cwd=cwd, timeout=300, check=False)

@@ -10,6 +10,7 @@ import pytest
 from paxlite.config.errors import ConfigError
 from paxlite.data import prepare
 from paxlite.experiments.build import load_experiment
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,7 +60,7 @@ def test_object_store_path_in_the_environment_is_refused(monkeypatch):
 
 def test_job_log_dir_url_is_refused_and_nothing_is_written(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
         [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic",
          "--job_log_dir=gs://bucket/job"],

@@ -23,6 +23,7 @@ from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import Transformer
 from paxlite.train.loop import Run, RunContext
 from paxlite.train.step import choice_correct
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_LLAMA = "paxlite.experiments.tiny.TinyLLaMA"
@@ -257,8 +258,9 @@ def _main(*flags) -> subprocess.CompletedProcess:
     """One CPU device (compiles faster than the tests' eight; the checkpoint was written on eight)."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "JAX_PLATFORMS": "cpu"}
-    for name in ("TFDS_DATA_DIR", "VOCAB_PATH", "XLA_FLAGS"):
+    for name in ("TFDS_DATA_DIR", "VOCAB_PATH"):
         env.pop(name, None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     return subprocess.run([sys.executable, "-m", "paxlite.main", *flags], capture_output=True, text=True,
                           env=env, timeout=600, cwd=ROOT, check=False)
 

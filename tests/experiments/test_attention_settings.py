@@ -12,6 +12,7 @@ from paxlite.experiments.build import load_experiment
 from paxlite.experiments.gpt import GPT126M
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import AttentionImplementation as Impl
+from tests.xla_test_flags import COMPILE_FLAGS
 
 
 def _model(name, assignments):
@@ -101,7 +102,7 @@ def test_cudnn_on_a_cpu_job_stops_with_one_line_and_exit_2(tmp_path):
     import sys
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
         [sys.executable, "-m", "paxlite.main", "--fdl_config=fuji-test-v3",
          "--fdl.USE_CUDNN_FLASH_ATTENTION=True", "--fdl.DIMS_PER_HEAD=8",

@@ -14,6 +14,7 @@ from paxlite.convert import ConvertRequest, Source, Target, convert
 from paxlite.interop import hf
 from paxlite.paths import PARTIAL_MARKER, OutputExistsError, OutputPathError
 from paxlite.train import pretrained
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PARAMS = {"embedding": {"embedding": np.arange(32, dtype=np.float32).reshape(4, 8)}}
@@ -72,7 +73,7 @@ def test_a_killed_save_leaves_partial_which_a_rerun_replaces(tmp_path, caplog):
         "ocp.CheckpointManager.save = killed\n"
         f"pretrained.save_params({str(out)!r}, {{'w': np.ones((2, 2), np.float32)}})\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 9, result.stderr[-2000:]

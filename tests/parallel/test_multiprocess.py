@@ -26,6 +26,7 @@ from paxlite.parallel.distributed import (
     first_slurm_host,
     timeouts_from_env,
 )
+from tests.xla_test_flags import COMPILE_FLAGS
 
 NO_FLAGS = dict(multiprocess_gpu=False, server_addr=None, num_hosts=None, host_idx=None)
 
@@ -197,7 +198,8 @@ _CLUSTER_VARS = ("SLURM_", "PAXLITE_", "JAX_", "XLA_", "OMPI_", "PMI_")
 
 
 def _env(num_cpu_devices: int) -> dict[str, str]:
-    """No XLA_FLAGS from conftest (each process sets its own device count), no cluster variables."""
+    """No XLA_FLAGS from conftest but its compile flags (each process sets its own device count), no
+    cluster variables."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -206,6 +208,7 @@ def _env(num_cpu_devices: int) -> dict[str, str]:
     env.update(
         JAX_PLATFORMS="cpu",
         JAX_NUM_CPU_DEVICES=str(num_cpu_devices),
+        XLA_FLAGS=COMPILE_FLAGS,
         PAXLITE_HEARTBEAT_TIMEOUT_S="10",
         PAXLITE_SHUTDOWN_TIMEOUT_S="10",
         PAXLITE_INIT_TIMEOUT_S="60",

@@ -3,6 +3,7 @@
 import pytest
 
 from paxlite.train.flops import flops_per_token, model_flops_utilization, peak_flops_per_device
+from tests.xla_test_flags import COMPILE_FLAGS
 
 
 def _gpt(*, layers: int, dims: int, heads: int, head_dim: int, hidden: int, vocab: int) -> int:
@@ -128,7 +129,7 @@ def test_lora_experiment_reports_the_work_done_to_the_loop_and_to_show() -> None
     _, config = build_run_config(name, ["USE_LORA=true", "LORA_RANDOM_BASE=true", "SYNTHETIC_DATA=true", "EVAL_TASK=validation"])
     assert config.loop.flops_per_token == TINY_LLAMA_LORA  # what MFU in metrics.jsonl uses
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     shown = subprocess.run(
         [sys.executable, "-m", "paxlite", "show", f"--fdl_config={name}", "--fdl.USE_LORA=true", "--fdl.LORA_RANDOM_BASE=true",
          "--format=json"], capture_output=True, text=True, env=env, timeout=300, check=False)

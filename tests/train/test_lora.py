@@ -26,6 +26,7 @@ from paxlite.train.export import base_model_config
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
 from paxlite.train.step import compile_steps
+from tests.xla_test_flags import COMPILE_FLAGS
 
 GLOBAL_BATCH = 8
 NUM_STEPS = 3
@@ -169,7 +170,7 @@ def test_lora_hyperparameters():
 
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
-ENV.pop("XLA_FLAGS", None)  # one CPU device
+ENV["XLA_FLAGS"] = COMPILE_FLAGS  # one CPU device
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [ENV.get("PYTHONPATH")] if p])
 

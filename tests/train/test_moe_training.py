@@ -13,9 +13,10 @@ import sys
 import pytest
 
 from tests.train.test_metrics import _scalars
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
-ENV.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
+ENV["XLA_FLAGS"] = COMPILE_FLAGS  # one CPU device, as on a plain machine
 MOE_KEYS = {"moe/aux_loss", "moe/dropped_fraction", "moe/expert_load_min", "moe/expert_load_max"}
 
 

@@ -15,6 +15,7 @@ from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import build_run_config, load_experiment
 from paxlite.train.loop import Run, RunContext
 from paxlite.train.profiling import StepProfiler
+from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["SUMMARY_INTERVAL_STEPS=1", "CHECKPOINT_EVERY_N_STEPS=100", "EVAL_INTERVAL_STEPS=1000",
@@ -117,7 +118,7 @@ def test_bad_profiler_settings_are_refused(settings, message):
 
 def test_bad_profiler_setting_exits_2_through_the_cli(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     job = tmp_path / "job"
     result = subprocess.run(
         [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic",

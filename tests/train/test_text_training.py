@@ -17,6 +17,7 @@ from paxlite.experiments.build import build_run_config
 from paxlite.train import loop as loop_lib
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.loop import Run, RunContext
+from tests.xla_test_flags import COMPILE_FLAGS
 
 WORDS = ("the king and queen of a far land rode out at dawn to see the sea while bells rang and "
          "children sang of rain wind fire stone gold silver bread wine night day love war").split()
@@ -93,7 +94,7 @@ def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset, mo
     job = tmp_path / "job"
     _train(job, _overrides(dataset, 3))  # 8 devices x PERCORE_BATCH_SIZE=1: global batch 8
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device: PERCORE_BATCH_SIZE=2 is a global batch of 2
+    env["XLA_FLAGS"] = COMPILE_FLAGS  # one device: PERCORE_BATCH_SIZE=2 is a global batch of 2
     overrides = [o for o in _overrides(dataset, 6) if not o.startswith("PERCORE_BATCH_SIZE=")]
     result = subprocess.run(
         [sys.executable, "-m", "paxlite.main", "--fdl_config=TinyShakespeare",
