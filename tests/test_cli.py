@@ -1,14 +1,13 @@
 """The command line as users type it: `python -m paxlite.main ...` and `python -m paxlite list|show`."""
 
 import json
-import logging
 import os
 import subprocess
 import sys
-from typing import NamedTuple
 
 import pytest
 
+from tests.in_process import paxlite_command, paxlite_main
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -25,89 +24,18 @@ def _main(*flags, cwd=None):
     return _run("-m", "paxlite.main", *flags, cwd=cwd)
 
 
-class _Result(NamedTuple):
-    """What a finished `python -m ...` leaves: its exit status and what it printed."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def _exit_status(code) -> int:
-    """The status a process exits with for sys.exit(code)."""
-    return 0 if code is None else code if isinstance(code, int) else 1
-
-
 @pytest.fixture
 def main_in_process(monkeypatch, capfd):
-    """`python -m paxlite.main FLAGS...` in this process: the same entry point (run_main: absl's
-    app.run with paxlite's flags parser), its exit status and output, without a new interpreter.
-
-    For the checks that stop before any work. absl keeps its state in globals (the parsed FLAGS,
-    app.run's run-once markers, the absl log handler on the root logger and the levels it sets);
-    all of it is reset before the call and restored when the test ends, so nothing leaks into the
-    other tests of this process. This process has the eight fake devices of conftest.py, not one.
-    """
-    from absl import app, flags
-    from absl import logging as absl_logging
-
-    from paxlite import main as paxlite_main
-
-    flags_ = flags.FLAGS
-    root, absl_logger = logging.getLogger(), absl_logging.get_absl_logger()
-    absl_handler = absl_logging.get_absl_handler()
-    had_absl_handler = absl_handler in root.handlers
-    levels = root.level, absl_logger.level
-    filters = list(absl_handler.filters)  # main() adds its library-log filter on every run
-    # Process-wide effects of app.run that mean nothing here: prevented rather than undone.
-    monkeypatch.setattr(app, "faulthandler", None)  # would write crashes into this test's capture
-    monkeypatch.setattr(app.command_name, "make_process_name_useful", lambda: None)
-    monkeypatch.setattr(absl_logging, "_attempted_to_remove_stderr_stream_handlers", True)
-    monkeypatch.setattr(app._run_init, "done", False)
-    monkeypatch.setattr(app._register_and_parse_flags_with_usage, "done", False)
-
-    def run(*args) -> _Result:
-        flags_.unparse_flags()
-        app._run_init.done = app._register_and_parse_flags_with_usage.done = False
-        monkeypatch.setattr(sys, "argv", [paxlite_main.__file__, *args])
-        # absl's handler keeps the stderr of the moment it was made (pytest's capture, closed by
-        # now); a process's log lines go to its stderr.
-        monkeypatch.setattr(absl_handler.python_handler, "stream", sys.stderr)
-        capfd.readouterr()
-        with pytest.raises(SystemExit) as exited:
-            paxlite_main.run_main()
-        out, err = capfd.readouterr()
-        return _Result(_exit_status(exited.value.code), out, err)
-
-    flags_.unparse_flags()
-    try:
+    """`python -m paxlite.main FLAGS...` in this process (tests/in_process.py), for the checks that
+    stop before any work. This process has the eight fake devices of conftest.py, not one."""
+    with paxlite_main(monkeypatch, capfd) as run:
         yield run
-    finally:
-        flags_.unparse_flags()
-        if not had_absl_handler:
-            root.removeHandler(absl_handler)
-        root.setLevel(levels[0])
-        absl_logger.setLevel(levels[1])
-        absl_handler.filters[:] = filters
 
 
 @pytest.fixture
 def paxlite_in_process(monkeypatch, capfd):
-    """`python -m paxlite COMMAND ...` in this process: paxlite.__main__.run(), as the module runs
-    it (`sys.exit(run())`), with its exit status and output."""
-    from paxlite import __main__ as paxlite_cli
-
-    def run(*args) -> _Result:
-        monkeypatch.setattr(sys, "argv", [paxlite_cli.__file__, *args])
-        capfd.readouterr()
-        try:
-            code = paxlite_cli.run()
-        except SystemExit as e:  # argparse's usage errors
-            code = e.code
-        out, err = capfd.readouterr()
-        return _Result(_exit_status(code), out, err)
-
-    return run
+    """`python -m paxlite COMMAND ...` in this process (tests/in_process.py)."""
+    return paxlite_command(monkeypatch, capfd)
 
 
 _ONE_DEVICE = "needs 64 devices, but this job has 1"  # a plain machine: run as a process of its own

@@ -1,6 +1,7 @@
 """AXLearn's Fuji family: exact parameter counts, names, batches, step counts, the learner against
 hand formulas, flash attention against dot-product attention, and fuji-test-v3 training via main."""
 
+import functools
 import json
 import math
 import os
@@ -18,11 +19,12 @@ from paxlite.config.errors import ConfigError
 from paxlite.experiments import EXPERIMENTS, fuji
 from paxlite.experiments.build import load_experiment
 from paxlite.models.attention import AttentionKind
-from paxlite.models.transformer import PositionEmbedding, Transformer, TransformerConfig, num_params
+from paxlite.models.transformer import PositionEmbedding, Transformer, TransformerConfig
 from paxlite.parallel.mesh import MeshError, global_batch_size
 from paxlite.train.loop import Run, RunContext
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
+from tests.experiments.traced import traced_num_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 1024**4
@@ -74,6 +76,13 @@ def _name(size, version, flash, single_host, fp8=False):
             + "-single-host" * single_host)
 
 
+@functools.cache
+def _experiment(name):
+    """load_experiment(name), no overrides, once per name and process: the tests below read every
+    variant's values and build its model config, and none changes the experiment."""
+    return load_experiment(name)
+
+
 def _count(size, version):
     """interop.md section 5's LLaMA formula, with one V x D table where Fuji ties the head."""
     layers, d, heads, h, kv, f, v, tied, *_ = TABLE[size, version]
@@ -109,8 +118,8 @@ def test_every_name_resolves_to_one_class(variant):
 def test_parameter_counts_by_abstract_init(pair):
     size, version = pair
     for variant in [v for v in VARIANTS if v[:2] == pair]:
-        model = fdl.build(EXPERIMENTS[_name(*variant)].resolve({}).model_config())
-        assert num_params(model) == _count(size, version), _name(*variant)
+        model = fdl.build(_experiment(_name(*variant)).model_config())
+        assert traced_num_params(model) == _count(size, version), _name(*variant)
     if pair in DERIVED_BILLIONS:
         printed = DERIVED_BILLIONS[pair]
         digits = len(printed.split(".")[1])
@@ -125,7 +134,7 @@ def test_parameter_counts_by_abstract_init(pair):
 def test_architecture_and_learner_values():
     for (size, version), row in TABLE.items():
         _layers, d, _heads, _h, kv, _f, _v, tied, _seq, theta, _total = row
-        e = load_experiment(f"fuji-{size}-v{version}")
+        e = _experiment(f"fuji-{size}-v{version}")
         assert (e.NUM_LAYERS, e.MODEL_DIMS, e.NUM_HEADS, e.DIMS_PER_HEAD, e.NUM_KV_HEADS,
                 e.HIDDEN_DIMS, e.VOCAB_SIZE, e.TIE_EMBEDDINGS, e.MAX_SEQ_LEN, e.ROPE_THETA,
                 e.TOTAL_TOKENS) == row
@@ -143,7 +152,7 @@ def test_architecture_and_learner_values():
                 e.ADAM_CLIP_THRESHOLD) == (0.9, 0.95, 1e-8, 1.0, -1.0)
         assert e.INIT_STD == d**-0.5
         assert model.attention_kind is AttentionKind.DOT_PRODUCT
-        flash = fdl.build(load_experiment(f"fuji-{size}-v{version}-flash").model_config())
+        flash = fdl.build(_experiment(f"fuji-{size}-v{version}-flash").model_config())
         assert flash.attention_kind is AttentionKind.FLASH
 
 
@@ -157,7 +166,7 @@ def test_global_batches_max_steps_and_single_host():
     # AXLearn's intent: / 32 for v1, v2 and / 128 for v3, v3-tiktoken
     single_host = {"1": 64, "2": 32, "3": 16, "3-tiktoken": 16}
     for size, version, flash, single, fp8 in VARIANTS:
-        e = load_experiment(_name(size, version, flash, single, fp8))
+        e = _experiment(_name(size, version, flash, single, fp8))
         batch, steps = want[size, version]
         assert e.MAX_STEPS == steps and e.LR_COS_DECAY_END == steps
         assert e.GLOBAL_BATCH_SIZE == (single_host[version] if single else batch)
@@ -316,7 +325,7 @@ def test_fuji_test_v3_trains_three_steps_through_main(tmp_path):
 def test_fp8_variants_are_axlearns_intent_on_every_gpu():
     """-fp8: USE_FP8 with AXLearn's amax history of 128 (on every GPU, as AXLearn intends)."""
     for size, version, flash, single, fp8 in VARIANTS:
-        e = load_experiment(_name(size, version, flash, single, fp8))
+        e = _experiment(_name(size, version, flash, single, fp8))
         assert e.USE_FP8 is fp8
         model = fdl.build(e.model_config())
         if fp8:

@@ -17,15 +17,11 @@ from paxlite.config.errors import ConfigError
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments import EXPERIMENTS
 from paxlite.experiments.build import load_experiment
-from paxlite.models.transformer import (
-    PositionEmbedding,
-    Transformer,
-    abstract_variables,
-    num_params,
-)
+from paxlite.models.transformer import PositionEmbedding, Transformer
 from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.step import loss_fn
+from tests.experiments.traced import traced_num_params, traced_variables
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # name: (D, F, L, H, KV, published parameter count), reference interop.md section 5
@@ -45,7 +41,7 @@ def test_exact_parameter_counts(name: str) -> None:
     d, f, layers, heads, kv, published = SIZES[name]
     assert _formula(d, f, layers, heads, kv) == published
     model = fdl.build(EXPERIMENTS[name].resolve({}).model_config())  # abstract: nothing allocated
-    assert num_params(model) == published
+    assert traced_num_params(model) == published
 
 
 def test_pax_llama_hyperparameters() -> None:
@@ -67,7 +63,7 @@ def test_pax_llama_hyperparameters() -> None:
 
 
 def test_70b_layout_and_logical_axes() -> None:
-    variables = abstract_variables(fdl.build(EXPERIMENTS["LLaMA70B"].resolve({}).model_config()))
+    variables = traced_variables(fdl.build(EXPERIMENTS["LLaMA70B"].resolve({}).model_config()))
     params, specs = nn.meta.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
     attention = params["layers_0"]["attention"]
     assert {k: v["kernel"].shape for k, v in attention.items()} == {
@@ -121,7 +117,7 @@ def _loss_and_grads(run, mesh):
     by the rules table (mirrors tests/train/test_sharded_equivalence.py, which also covers the optimizer update).
     Parameters come from NumPy rather than the model's init, whose random sampler is slow to compile on CPU."""
     model = Transformer(run.model)
-    abstract = abstract_variables(run.model)["params"]
+    abstract = traced_variables(run.model)["params"]
     rng = np.random.default_rng(0)
     host_params = jax.tree_util.tree_map_with_path(
         lambda path, leaf: (1.0 + 0.1 * rng.normal(size=leaf.shape) if path[-1].key == "scale"

@@ -15,7 +15,7 @@ import pytest
 from paxlite.__main__ import parameter_counts
 from paxlite.experiments import EXPERIMENTS
 from paxlite.experiments.build import load_experiment
-from paxlite.models.transformer import abstract_variables, num_params
+from tests.experiments.traced import traced_num_params, traced_variables
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "testdata", "golden")
 
@@ -25,7 +25,7 @@ def golden_text(name: str) -> str:
     lines = [f"# {name}: {type(experiment).__module__}.{type(experiment).__qualname__}", "[hparams]"]
     lines += [f"{key} = {value!r}" for key, value in experiment.hparams().items()]
     model = fdl.build(experiment.model_config())
-    variables = abstract_variables(model)["params"]
+    variables = traced_variables(model)["params"]  # shared with the other tests tracing this model
     specs = nn.get_partition_spec(variables)
     lines.append("[params]")
     count = 0
@@ -75,7 +75,7 @@ def test_every_golden_file_has_an_experiment():
 )
 def test_exact_parameter_counts(name, expected):
     model = fdl.build(EXPERIMENTS[name].resolve({}).model_config())
-    assert num_params(model) == expected
+    assert traced_num_params(model) == expected
 
 
 def test_pax_gpt_hyperparameters():
