@@ -100,11 +100,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if durations.get(item.nodeid, 0.0) > QUICK_LIMIT_S and "slow" not in item.keywords:
             item.add_marker(slow)
+    # A fixture built once for several tests is paid by the first of them, so leaving that test out
+    # would only move the cost to the next one: a test that shares a module- or session-scoped
+    # fixture of the test files with a slow test is slow too.
+    shared_by_slow = {fixture for item in items if "slow" in item.keywords
+                      for fixture in _shared_fixtures(item)}
+    shared = pytest.mark.slow(reason="shares a fixture with a slow test, which builds it")
+    for item in items:
+        if "slow" not in item.keywords and shared_by_slow.intersection(_shared_fixtures(item)):
+            item.add_marker(shared)
     if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _has_gpu():
         skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU; none on this machine")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
+
+
+def _shared_fixtures(item) -> set:
+    """The fixtures of the test files (not pytest's own, such as tmp_path_factory) that `item` uses
+    and that are built once for several tests (class, module, package or session scope)."""
+    info = getattr(item, "_fixtureinfo", None)
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = set()
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for fixture_def in defs:
+            code = getattr(fixture_def.func, "__code__", None)
+            if (fixture_def.scope != "function" and code is not None
+                    and os.path.abspath(code.co_filename).startswith(here)):
+                found.add(fixture_def)
+    return found
 
 
 class _DurationRecorder:
