@@ -24,6 +24,7 @@ from paxlite.models.transformer_config import NormKind, PositionEmbedding
 from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.step import compile_steps, loss_fn
+from tests.host_params import random_host_params
 
 SEQ, ROWS, VOCAB = 16, 8, 128
 SIZES = dict(vocab_size=VOCAB, num_layers=2, model_dims=32, num_heads=4, dims_per_head=8,
@@ -55,18 +56,6 @@ def _batch():
     tokens = rng.integers(0, VOCAB, size=(ROWS, SEQ + 1), dtype=np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "weights": np.ones((ROWS, SEQ), np.float32)}
-
-
-def _random_params(abstract_params, seed: int = 0):
-    """Host parameters of the abstract tree's shapes: a real init compiles the threefry sampler,
-    which on CPU costs more than the sharded loss and gradients it would feed."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, s):
-        noise = rng.normal(0.0, 0.1, s.shape).astype(s.dtype)
-        return 1 + noise if "scale" in jax.tree_util.keystr(path) else noise
-
-    return jax.tree_util.tree_map_with_path(leaf, abstract_params)
 
 
 def _loss_and_grads(config: TransformerConfig, mesh, params=None):
@@ -187,9 +176,9 @@ def test_scanned_rematerialised_moe_on_a_mesh_matches_one_device(name):
     config = dataclasses.replace(MODELS[name], scan_layers=True, remat_policy="save_nothing")
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
     objective_ref, loss_ref, summaries_ref, _, grads_ref = _loss_and_grads(
-        config, one, params=_random_params)
+        config, one, params=random_host_params)
     objective, loss, summaries, _, grads = _loss_and_grads(
-        config, build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 1, 4))), params=_random_params)
+        config, build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 1, 4))), params=random_host_params)
     assert abs(objective - objective_ref) / abs(objective_ref) < 1e-5
     assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
     for key, value in summaries_ref.items():

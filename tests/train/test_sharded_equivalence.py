@@ -20,6 +20,7 @@ from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
 from paxlite.train.step import TrainState, compile_steps, loss_fn
+from tests.host_params import random_host_params
 
 GLOBAL_BATCH = 8
 MESHES = [(2, 2, 2), (1, 8, 1), (8, 1, 1), (1, 1, 8)]
@@ -29,18 +30,6 @@ def _setup(experiment_name: str, overrides=()):
     experiment = load_experiment(experiment_name, list(overrides))
     run = fdl.build(experiment.run_config())
     return run
-
-
-def _random_params(abstract_params, seed: int = 0):
-    """Host parameters of the abstract tree's shapes: a real init compiles the threefry sampler,
-    which on CPU costs more than the sharded steps it would feed."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, s):
-        noise = rng.normal(0.0, 0.1, s.shape).astype(s.dtype)
-        return 1 + noise if "scale" in jax.tree_util.keystr(path) else noise
-
-    return jax.tree_util.tree_map_with_path(leaf, abstract_params)
 
 
 def _loss_grads_and_losses(run, mesh, num_steps: int = 3, params=None):
@@ -142,10 +131,10 @@ def test_repeated_layers_on_2x2x2_match_one_device():
     run = _setup("TinySyntheticRepeated")
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
     _, loss_ref, grads_ref, losses_ref = _loss_grads_and_losses(
-        run, one, num_steps=2, params=_random_params
+        run, one, num_steps=2, params=random_host_params
     )
     _, loss, grads, losses = _loss_grads_and_losses(
-        run, build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2))), num_steps=2, params=_random_params
+        run, build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2))), num_steps=2, params=random_host_params
     )
     assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
     for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)):
