@@ -88,21 +88,22 @@ def pytest_collection_modifyitems(config, items):
     # count as 30 s.
     durations = _recorded_durations()
     slow = pytest.mark.slow(reason=f"measured over {QUICK_LIMIT_S:.0f} s on 2 cores (tests/durations.json)")
+    def file_of(item) -> str:
+        return item.nodeid.split("::")[0]
+
     file_seconds: dict[str, float] = {}
     for item in items:
         seconds = durations.get(item.nodeid)
         if seconds is None and ("slow" in item.keywords or "multiprocess" in item.keywords):
             seconds = 30.0
-        file_seconds[item.nodeid.split("::")[0]] = file_seconds.get(item.nodeid.split("::")[0], 0.0) + (seconds or 0.0)
-    order = {id(item): index for index, item in enumerate(items)}
-    items.sort(key=lambda item: (-file_seconds[item.nodeid.split("::")[0]], item.nodeid.split("::")[0],
-                                 order[id(item)]))
+        file_seconds[file_of(item)] = file_seconds.get(file_of(item), 0.0) + (seconds or 0.0)
+    items.sort(key=lambda item: (-file_seconds[file_of(item)], file_of(item)))  # stable: a file keeps its order
     for item in items:
         if durations.get(item.nodeid, 0.0) > QUICK_LIMIT_S and "slow" not in item.keywords:
             item.add_marker(slow)
     # A fixture built once for several tests is paid by the first of them, so leaving that test out
-    # would only move the cost to the next one: a test that shares a module- or session-scoped
-    # fixture of the test files with a slow test is slow too.
+    # would only move the cost to the next one: a test that shares a class-, module-, package- or
+    # session-scoped fixture of the test files with a slow test is slow too.
     shared_by_slow = {fixture for item in items if "slow" in item.keywords
                       for fixture in _shared_fixtures(item)}
     shared = pytest.mark.slow(reason="shares a fixture with a slow test, which builds it")
