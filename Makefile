@@ -31,8 +31,10 @@ install: $(STAMP)
 # The whole suite, with the 30 slowest tests at the end of the log so the time budget stays visible
 # (docs/performance.md has the figures). --dist loadfile: a file's tests run on one worker (its
 # module fixtures are built once) and each worker takes the next file, longest first (tests/conftest.py).
+# Then the gpu tests on the GPU, where there is one (tests/gpu_pass.py; without one it says so in a line).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
+	$(BIN)/python tests/gpu_pass.py
 
 # The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
 # `slow`: marked in the test file, or measured over 2 s in tests/durations.json (tests/conftest.py).

@@ -18,10 +18,12 @@ import tempfile
 
 from tests.xla_test_flags import COMPILE_FLAGS
 
-# Must happen before JAX is imported anywhere. The compile flags: see tests/xla_test_flags.py. A flag
-# already set (by the developer, or by the controlling process for an xdist worker) is kept as it is.
+# Must happen before JAX is imported anywhere. The compile flags: see tests/xla_test_flags.py (CPU only:
+# not in the GPU pass, tests/gpu_pass.py, whose GPU kernels compile as in a run). A flag already set (by
+# the developer, or by the controlling process for an xdist worker) is kept as it is.
+GPU_PASS = os.environ.get("PAXLITE_TEST_GPU_PASS") == "1"
 _flags = os.environ.get("XLA_FLAGS", "").split()
-for _flag in (COMPILE_FLAGS, "--xla_force_host_platform_device_count=8"):
+for _flag in (() if GPU_PASS else (COMPILE_FLAGS,)) + ("--xla_force_host_platform_device_count=8",):
     if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):
         _flags.append(_flag)
 os.environ["XLA_FLAGS"] = " ".join(_flags)
@@ -86,6 +88,14 @@ def pytest_collection_modifyitems(config, items):
     # it is free, so the long files are spread over the workers and the short ones fill in at the
     # end. Within a file the order is the file's own. Unmeasured tests marked slow or multiprocess
     # count as 30 s.
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _has_gpu():
+        reason = ("needs an NVIDIA GPU: `make test` runs the gpu tests in a second pass on a machine with one "
+                  "(tests/gpu_pass.py)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
+    if GPU_PASS:
+        return  # tests/gpu_pass.py gives the files most telling first: a timeout cuts the rest
     durations = _recorded_durations()
     slow = pytest.mark.slow(reason=f"measured over {QUICK_LIMIT_S:.0f} s on 2 cores (tests/durations.json)")
     def file_of(item) -> str:
@@ -110,11 +120,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" not in item.keywords and shared_by_slow.intersection(_shared_fixtures(item)):
             item.add_marker(shared)
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _has_gpu():
-        skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU; none on this machine")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip_gpu)
 
 
 def _shared_fixtures(item) -> set:
