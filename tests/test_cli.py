@@ -196,6 +196,23 @@ def test_list_prints_every_experiment_with_its_size(paxlite_in_process):
         assert name in result.stdout
 
 
+def test_list_and_show_trace_no_model(paxlite_in_process, monkeypatch):
+    """Counts come from the configs in closed form: a model traced by `list` (dozens of them) or `show`
+    would cost seconds each. Any trace of a Transformer calls its __call__."""
+    from paxlite.models.transformer import Transformer
+
+    traced = []
+
+    def refuse(self, *args, **kwargs):
+        traced.append(self.config)
+        raise AssertionError("`list`/`show` traced a model")
+
+    monkeypatch.setattr(Transformer, "__call__", refuse)
+    for command in (("list",), ("show", "--fdl_config=LLaMA70B"), ("show", "--fdl_config=GLaM64B64E")):
+        result = paxlite_in_process(*command)
+        assert result.returncode == 0 and not traced, (command, result.stderr[-2000:])
+
+
 def test_show_json(paxlite_in_process):
     result = paxlite_in_process("show", "--fdl_config=Synthetic126M", "--fdl.LR_COS_WARMUP=500",
                                 "--fdl.ICI_MESH_SHAPE=[1,8,1]", "--fdl.DCN_MESH_SHAPE=[1,2,1]",
