@@ -4,11 +4,16 @@ USE_CUDNN_FLASH_ATTENTION, ATTENTION_IMPLEMENTATION and ATTENTION_KIND must agre
 model must use them, and a kernel asked for by name must fit the model's dtype, head dims,
 sequence length and logit bias. What depends on the devices (the backend, the GPU generation) is
 checked when the step is traced (models/attention_kernels.py). docs/attention.md.
+
+With ENABLE_TE=1 the layers are Transformer Engine's, which read neither attention switch nor a
+name-based CHECKPOINT_POLICY: those are refused here first (config/transformer_engine.py), because
+this is where the model config, whose TE fields import TE, is first made.
 """
 
 from __future__ import annotations
 
 from paxlite.config.errors import ConfigError
+from paxlite.config.transformer_engine import check_settings_te_ignores
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import (
     AttentionImplementation,
@@ -22,6 +27,7 @@ def check_attention_settings(experiment) -> None:
     """A LanguageModelExperiment's attention settings agree with each other, the model uses them, and a kernel asked
     for by name fits the model's dtype and head dims (the backend is checked when the step is
     traced, where it is known): one error naming every reason, before anything is built."""
+    check_settings_te_ignores(experiment)
     implementation = AttentionImplementation(experiment.ATTENTION_IMPLEMENTATION)
     problems = []
     if experiment.USE_CUDNN_FLASH_ATTENTION and implementation is not AttentionImplementation.CUDNN:

@@ -62,7 +62,8 @@ class MoeHParams:
     Z_LOSS_WEIGHT: float = 0.0
     # AXLearn's router z-loss per MoE layer; 0: off.
     ROUTER_Z_LOSS_WEIGHT: float = 0.0
-    # dropless_topk only: the grouped-matmul kernel (jax.lax.ragged_dot; the one kernel today).
+    # dropless_topk only: the grouped-matmul kernel the experts run (models/moe.py
+    # GROUPED_MATMUL_KERNELS; "ragged_dot", jax.lax.ragged_dot, is the one kernel today).
     MOE_GROUPED_MATMUL: Literal["ragged_dot"] = "ragged_dot"
     # Hidden size of each expert; None: HIDDEN_DIMS.
     EXPERT_HIDDEN_DIMS: int | None = None

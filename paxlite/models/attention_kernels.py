@@ -14,7 +14,8 @@ measurement says otherwise (docs/attention.md).
 A kernel asked for by name where it cannot run is a ``SettingError`` naming why (backend, dtype,
 head dims, bias), raised while the step is traced, before anything is compiled; the experiment
 layer checks the parts it can know earlier (experiments/base.py). AUTO never fails: it falls back
-to XLA.
+to XLA, and says so once in the log (which kernel it chose and why), since a ``-flash`` run that
+quietly computes XLA's attention (float32 activations, no GPU) is not what its name promises.
 
 Shapes: q [B, T, N, H] (already scaled by the caller), k and v [B, S, K, H] with K dividing N,
 query head i using kv head i // (N / K) (JAX's grouping, as HF ``repeat_kv``).
@@ -23,11 +24,13 @@ query head i using kv head i // (N / K) (JAX's grouping, as HF ``repeat_kv``).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
@@ -137,6 +140,7 @@ def resolve_implementation(
     cudnn = cudnn_problems(dtype=dtype, head_dim=head_dim, seq_len=seq_len, dense_bias=dense_bias,
                            backend=backend, compute_capability=compute_capability)
     if requested is AttentionImplementation.AUTO:
+        log_auto_choice(cudnn)
         return AttentionImplementation.CUDNN if not cudnn else AttentionImplementation.XLA
     if requested is AttentionImplementation.CUDNN and cudnn:
         raise SettingError(
@@ -148,6 +152,26 @@ def resolve_implementation(
             raise SettingError(
                 "attention implementation 'pallas_triton' cannot run: " + "; ".join(pallas))
     return requested
+
+
+def auto_choice_message(cudnn: list[str]) -> str:
+    """What AUTO runs, given why cuDNN cannot run here (``cudnn_problems``; [] when it can)."""
+    if not cudnn:
+        return "ATTENTION_IMPLEMENTATION='auto' runs cuDNN flash attention"
+    return ("ATTENTION_IMPLEMENTATION='auto' runs XLA attention (jax.nn.dot_product_attention "
+            "implementation='xla'), not cuDNN flash attention: " + "; ".join(cudnn))
+
+
+@functools.cache
+def _log_once(message: str, *, warn: bool) -> None:
+    # Every attention layer of the model resolves AUTO when it is traced (and again under remat);
+    # the choice is the same for all of them, so it is logged once per process per distinct reason.
+    (logging.warning if warn else logging.info)("%s", message)
+
+
+def log_auto_choice(cudnn: list[str]) -> None:
+    """Logs once what AUTO chose and why: a warning when it falls back to XLA, else info."""
+    _log_once(auto_choice_message(cudnn), warn=bool(cudnn))
 
 
 def flash_attention(

@@ -15,6 +15,7 @@ their "gradient" (docs/fp8.md). The bias add and LoRA's low-rank path stay in th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -183,15 +184,36 @@ class ExpertLinear(nn.Module):
         return self.kernel.astype(self.dtype)
 
 
-def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Rows sorted by expert times their expert's matrix: x [M, K], kernel [G, K, N] -> [M, N].
+def ragged_dot(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The ``RAGGED_DOT`` grouped-matmul kernel: ``jax.lax.ragged_dot``, x [M, K] -> [M, N].
 
-    Rows ``[sum(group_sizes[:g]), sum(group_sizes[:g+1]))`` use ``kernel[g]``; rows past
-    ``sum(group_sizes)`` come out as zeros (``jax.lax.ragged_dot``'s contract), which the dropless
-    exchange relies on for rows routed to another shard's experts. Which kernel XLA uses on a GPU is
-    set by JAX's ragged-dot lowering flags (models/moe_config.py ``GroupedMatmul``).
+    JAX documents only the rows inside the groups; what it leaves in rows past
+    ``sum(group_sizes)`` is unspecified (zeros from the CPU lowering, whatever the GPU kernel
+    wrote there), which is why :func:`grouped_matmul` masks them.
     """
     return jax.lax.ragged_dot(
         x.astype(kernel.dtype), kernel, group_sizes.astype(jnp.int32),
         preferred_element_type=kernel.dtype,
     )
+
+
+# A grouped-matmul kernel: (x [M, K], kernel [G, K, N], group_sizes [G]) -> [M, N], rows in groups
+# computed, rows past sum(group_sizes) unspecified (any value, NaN included).
+GroupedMatmulKernel = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *,
+                   kernel_fn: GroupedMatmulKernel = ragged_dot) -> jax.Array:
+    """Rows sorted by expert times their expert's matrix: x [M, K], kernel [G, K, N] -> [M, N].
+
+    Rows ``[sum(group_sizes[:g]), sum(group_sizes[:g+1]))`` use ``kernel[g]``. Rows past
+    ``sum(group_sizes)`` (in the dropless exchange: rows routed to another shard's experts) are
+    zeros, and no gradient flows through them, whatever ``kernel_fn`` leaves there: its output is
+    masked to zero there (forward), and so is its input, whose gradient the mask's select then
+    drops (backward: a kernel's dgrad may leave anything in those rows too). Neither JAX nor a GPU
+    kernel promises zeros there, so nothing downstream may rely on them.
+    """
+    valid = (jnp.arange(x.shape[0]) < jnp.sum(group_sizes))[:, None]  # [M, 1]
+    x = jnp.where(valid, x, jnp.zeros((), x.dtype))
+    y = kernel_fn(x, kernel, group_sizes)  # [M, N]
+    return jnp.where(valid, y, jnp.zeros((), y.dtype))

@@ -9,10 +9,11 @@ from group-sharded [G, S, D] to expert-sharded [E, G, C, D] is where GSPMD puts 
 
 Dropless (Mixtral): each token goes to its top-k experts, however many pick the same one. Inside
 ``shard_map`` every shard gathers the tokens of its ``expert`` group (all-gather), sorts the
-assignments by local expert, runs the experts as grouped matmuls (rows of other shards' experts come
-out zero) and reduce-scatters the weighted results back (MaxText's ring of experts, which JAX users
-measured faster than ``ragged_all_to_all`` on GPUs, and which also runs on CPU, where
-``ragged_all_to_all`` does not).
+assignments by local expert, runs the experts as grouped matmuls (``MoeConfig.grouped_matmul``
+picks the kernel; the rows of other shards' experts, which sort last, are masked to zero, since no
+kernel promises anything there) and reduce-scatters the weighted results back (MaxText's ring of
+experts, which JAX users measured faster than ``ragged_all_to_all`` on GPUs, and which also runs on
+CPU, where ``ragged_all_to_all`` does not).
 
 Einsum letters: B batch, T length, D model dims, F expert hidden dims, E experts, G groups,
 S tokens per group, C capacity per expert and group, N tokens, K experts per token, M sorted
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import math
+import types
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +34,15 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from paxlite.models.activations import activation_fn
-from paxlite.models.linear import ExpertLinear, Fp8Config, Linear, grouped_matmul
-from paxlite.models.moe_config import MoeConfig, MoeRouting
+from paxlite.models.linear import (
+    ExpertLinear,
+    Fp8Config,
+    GroupedMatmulKernel,
+    Linear,
+    grouped_matmul,
+    ragged_dot,
+)
+from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
 from paxlite.models.moe_gating import (
     Top2Gating,
     load_balancing_loss_topk,
@@ -42,7 +52,24 @@ from paxlite.models.moe_gating import (
 )
 from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
 
-__all__ = ["MoeMlp", "Top2Gating", "top2_gating", "topk_routing"]
+__all__ = ["GROUPED_MATMUL_KERNELS", "MoeMlp", "Top2Gating", "grouped_matmul_kernel", "top2_gating",
+           "topk_routing"]
+
+# MoeConfig.grouped_matmul -> the kernel the dropless experts run (a new GroupedMatmul value adds
+# its kernel here; one without is refused by grouped_matmul_kernel, never replaced by another).
+GROUPED_MATMUL_KERNELS: Mapping[GroupedMatmul, GroupedMatmulKernel] = types.MappingProxyType({
+    GroupedMatmul.RAGGED_DOT: ragged_dot,
+})
+
+
+def grouped_matmul_kernel(choice: GroupedMatmul | str) -> GroupedMatmulKernel:
+    """The kernel of ``MoeConfig.grouped_matmul`` (ValueError for a value with no kernel)."""
+    choice = GroupedMatmul(choice)
+    if choice not in GROUPED_MATMUL_KERNELS:
+        valid = ", ".join(repr(c.value) for c in GROUPED_MATMUL_KERNELS)
+        raise ValueError(f"MoeConfig.grouped_matmul={choice.value!r} has no kernel in this "
+                         f"version; valid: {valid}")
+    return GROUPED_MATMUL_KERNELS[choice]
 
 # [G, S, D] tokens by group, groups over the batch shards; [E, G, C, D] dispatched, experts over
 # the expert axis and groups over what remains of the batch axes.
@@ -109,6 +136,7 @@ def _dropless_experts(
     activation,
     expert_axis: str | None,
     tensor_axes: tuple[str, ...],
+    kernel_fn: GroupedMatmulKernel,
 ) -> jax.Array:
     """The body run per shard (or once, without a mesh): [N, D] -> [N, D] in x's dtype."""
     local_experts = wi.shape[0]
@@ -129,12 +157,16 @@ def _dropless_experts(
 
     rows = jnp.repeat(x, k, axis=0)  # [M, D]: row m is token m // K
     rows = _permute(rows, order, inverse)  # sorted by local expert
-    hidden = grouped_matmul(rows, wi, group_sizes)  # [M, F]
+    # Rows past sum(group_sizes) belong to other shards' experts (with an expert axis). The kernel
+    # may leave anything there; grouped_matmul masks them to zero in its output and keeps their
+    # gradient out, so `out` below is exactly zero there before it is un-permuted and combined.
+    matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, kernel_fn=kernel_fn)
+    hidden = matmul(rows, wi)  # [M, F]
     if wi_gate is not None:
-        hidden = activation(grouped_matmul(rows, wi_gate, group_sizes)) * hidden
+        hidden = activation(matmul(rows, wi_gate)) * hidden
     else:
         hidden = activation(hidden)
-    out = grouped_matmul(hidden, wo, group_sizes)  # [M, D]; zero rows for other shards' experts
+    out = matmul(hidden, wo)  # [M, D]; zero rows for other shards' experts
     if tensor_axes:  # F was split over the tensor axes: partial sums
         out = jax.lax.psum(out, tensor_axes)
     out = _permute(out, inverse, order).reshape(num_tokens, k, -1)  # [N', K, D] token-major
@@ -155,6 +187,9 @@ class MoeMlp(nn.Module):
     Attributes:
         config: the MoE switches.
         hidden_dims: each expert's hidden size.
+        grouped_matmul_fn: dropless only: a kernel that replaces the one ``config.grouped_matmul``
+            names (None: that one). For tests (a kernel that writes NaN past the groups checks
+            that nothing reads those rows) and for trying a kernel before it gets a name.
     """
 
     config: MoeConfig
@@ -164,6 +199,7 @@ class MoeMlp(nn.Module):
     param_dtype: DTypeLike = jnp.float32
     # expert matmuls (GShard einsums) in FP8, each with its own state; the router stays float32
     fp8: Fp8Config | None = None
+    grouped_matmul_fn: GroupedMatmulKernel | None = None
 
     def _expert(self, shape: tuple[int, int, int], axes: tuple[str, str, str], name: str):
         return ExpertLinear(kernel_shape=shape, kernel_axes=axes, init_std=self.init_std,
@@ -263,9 +299,12 @@ class MoeMlp(nn.Module):
         ep = _mesh_size(expert_axes)
         if len(expert_axes) > 1:
             raise ValueError(f"the expert logical axis must map to one mesh axis, got {expert_axes}")
+        kernel_fn = (self.grouped_matmul_fn if self.grouped_matmul_fn is not None
+                     else grouped_matmul_kernel(cfg.grouped_matmul))
         run = functools.partial(
             _dropless_experts, activation=act,
-            expert_axis=expert_axes[0] if ep > 1 else None, tensor_axes=tensor_axes)
+            expert_axis=expert_axes[0] if ep > 1 else None, tensor_axes=tensor_axes,
+            kernel_fn=kernel_fn)
         gate_kernel = None if wi_gate is None else wi_gate.kernel_value()
         x2 = x.reshape(batch * length, model_dims).astype(self.dtype)
         weights = weights * real[:, None]  # padding contributes nothing

@@ -39,10 +39,13 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from paxlite.errors import UserError
+from paxlite.models.attention import AttentionKind
+from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.transformer_config import (
     LayerImplementation,
     NormKind,
     PositionEmbedding,
+    RematPolicy,
     TransformerConfig,
     te_mlp_activations,
 )
@@ -85,6 +88,40 @@ def import_transformer_engine() -> tuple[Any, Any]:
         raise TransformerEngineUnavailableError(
             f"ENABLE_TE=1 but JAX's backend is {backend!r}, not 'gpu'. {TE_INSTALL_HINT}")
     return modules
+
+
+# The remat policies that keep tensors by their checkpoint_name tags (models/attention.py). TE's
+# TransformerLayer tags none, so under TE each would keep nothing and recompute the whole layer:
+# a different memory/speed trade than the one asked for, silently.
+NAME_BASED_REMAT_POLICIES: frozenset[RematPolicy] = frozenset({
+    RematPolicy.SAVE_DOT_FOR_MLPERF_200B, RematPolicy.SAVE_QKV_OUT_PROJ, RematPolicy.SAVE_OUT_PROJ,
+    RematPolicy.SAVE_CONTEXT, RematPolicy.SAVE_CONTEXT_AND_OUT_PROJ,
+})
+TE_ATTENTION_REASON = ("TE's TransformerLayer runs its own fused attention, on the backend TE picks "
+                       "from NVTE_FUSED_ATTN, and reads neither attention switch")
+TE_REMAT_REASON = ("it keeps tensors by their checkpoint_name tags, and TE's TransformerLayer "
+                   "tags none (it would keep nothing and recompute the whole layer)")
+
+
+def settings_te_ignores(*, attention_kind: AttentionKind | str,
+                        attention_implementation: AttentionImplementation | str,
+                        remat_policy: RematPolicy | str) -> list[tuple[str, str, str]]:
+    """(setting, value, why) for each of these a TE layer would not honour ([] when none).
+
+    The attention switches at their defaults (dot_product, auto) and the remat policies that do
+    not select by name are what TE runs anyway; anything else would be silently ignored.
+    """
+    found = []
+    kind = AttentionKind(attention_kind)
+    implementation = AttentionImplementation(attention_implementation)
+    if kind is not AttentionKind.DOT_PRODUCT:
+        found.append(("attention_kind", kind.value, TE_ATTENTION_REASON))
+    if implementation is not AttentionImplementation.AUTO:
+        found.append(("attention_implementation", implementation.value, TE_ATTENTION_REASON))
+    policy = RematPolicy.parse(remat_policy)
+    if policy in NAME_BASED_REMAT_POLICIES:
+        found.append(("remat_policy", policy.value, TE_REMAT_REASON))
+    return found
 
 
 def uses_transformer_engine(config: TransformerConfig) -> bool:
@@ -224,6 +261,15 @@ class TransformerEngineBlock(nn.Module):
         del positions, paddings  # unpacked rows only: positions are arange(T), no MoE
         if self.moe_layer:
             raise ValueError("Transformer Engine layers have no mixture-of-experts MLP")
+        ignored = settings_te_ignores(attention_kind=self.config.attention_kind,
+                                      attention_implementation=self.config.attention_implementation,
+                                      remat_policy=self.config.remat_policy)
+        if ignored:  # before TE is imported: the same error with or without a GPU
+            raise ValueError(
+                "layer_implementation='transformer_engine' would ignore "
+                + "; ".join(f"{name}={value!r}: {why}" for name, value, why in ignored)
+                + " (attention_kind='dot_product', attention_implementation='auto' and a remat "
+                "policy that does not select by name are what TE runs)")
         if segment_ids is not None or (mask is not None and mask.shape[0] != 1):
             raise ValueError(
                 "Transformer Engine layers take no packed rows (segment_ids): TE's causal mask "

@@ -115,3 +115,34 @@ def test_cudnn_on_a_cpu_job_stops_with_one_line_and_exit_2(tmp_path):
         "cuDNN flash attention runs on NVIDIA GPUs, and this job's JAX backend is 'cpu'; use 'auto' "
         "(cuDNN where it fits, else XLA) or 'xla'")]
     assert "Traceback" not in result.stderr
+
+
+def test_auto_says_once_which_kernel_it_runs_and_why(caplog):
+    """AUTO falling back to XLA (here: CPU backend, float32) is logged, once for the whole model
+    (every layer, init and apply resolve it), naming why; cuDNN is not what runs."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+
+    from paxlite.models import attention_kernels
+    from paxlite.models.transformer import Transformer, TransformerConfig
+
+    attention_kernels._log_once.cache_clear()  # another test may have logged the same choice
+    config = TransformerConfig(vocab_size=32, num_layers=3, model_dims=16, num_heads=2,
+                               dims_per_head=8, hidden_dims=32, max_seq_len=8,
+                               attention_kind="flash", attention_implementation="auto")
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    model = Transformer(config)
+    with caplog.at_level(logging.INFO):
+        variables = model.init({"params": jax.random.key(0)}, tokens)
+        model.apply(variables, tokens)
+    records = [r for r in caplog.records if "ATTENTION_IMPLEMENTATION='auto'" in r.getMessage()]
+    assert [r.levelno for r in records] == [logging.WARNING], [r.getMessage() for r in records]
+    assert records[0].getMessage() == (
+        "ATTENTION_IMPLEMENTATION='auto' runs XLA attention (jax.nn.dot_product_attention "
+        "implementation='xla'), not cuDNN flash attention: cuDNN flash attention runs on NVIDIA "
+        "GPUs, and this job's JAX backend is 'cpu'; cuDNN flash attention takes bfloat16 or float16 "
+        "activations, and the compute dtype is float32")
+    assert attention_kernels.auto_choice_message([]) == (
+        "ATTENTION_IMPLEMENTATION='auto' runs cuDNN flash attention")

@@ -9,6 +9,7 @@ interop/te.py writes.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -96,6 +97,71 @@ def test_autocast_arguments_are_pax_recipe_on_our_mesh_axes():
     assert te_layer.fp8_state_collections(config) == ()
     fp8 = dataclasses.replace(config, te=dataclasses.replace(config.te_settings, fp8=True))
     assert te_layer.fp8_state_collections(fp8) == ("fp8_metas",)
+
+
+# ENABLE_TE=1 with settings TE's layer would not read: refused at validation, before TE is imported,
+# so the same one line on a CPU machine and on a GPU with TE (formerly silently ignored there).
+@pytest.mark.parametrize(("name", "settings", "ignored"), [
+    ("TinySynthetic", ["ATTENTION_KIND=flash"], r"ATTENTION_KIND='flash' \(TE's TransformerLayer"),
+    ("TinySynthetic", ["USE_CUDNN_FLASH_ATTENTION=true"], r"USE_CUDNN_FLASH_ATTENTION=true \(TE's"),
+    ("TinySynthetic", ["ATTENTION_KIND=flash", "ATTENTION_IMPLEMENTATION=xla"],
+     r"ATTENTION_IMPLEMENTATION='xla', ATTENTION_KIND='flash' \("),
+    ("TinySynthetic", ["USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_CONTEXT"],
+     r"CHECKPOINT_POLICY='SAVE_CONTEXT' \(it selects tensors by checkpoint_name tags"),
+    # AXLearn's -flash variant sets ATTENTION_KIND itself; Fuji's remat policy is name-based
+    ("fuji-test-v2-flash", ["USE_REPEATED_LAYER=true"],
+     r"ATTENTION_KIND='flash' \(.*\); CHECKPOINT_POLICY='SAVE_DOT_FOR_MLPERF_200B' \("),
+], ids=["kind", "cudnn-switch", "implementation", "remat", "fuji-flash"])
+def test_settings_te_would_ignore_are_refused(monkeypatch, name, settings, ignored):
+    from paxlite.experiments.build import load_experiment
+
+    monkeypatch.setenv("ENABLE_TE", "1")
+    with pytest.raises(ConfigError) as info:
+        load_experiment(name, settings)
+    message = str(info.value)
+    prefix = "ENABLE_TE=1 runs Transformer Engine's layers, which would ignore "
+    assert message.startswith(prefix) and message.endswith("; or set ENABLE_TE=0"), message
+    assert re.match(re.escape(prefix) + r"\w[\w-]*'s " + ignored, message), message
+    assert "\n" not in message
+
+
+def test_settings_te_runs_pass_the_check(monkeypatch):
+    """Defaults and remat policies that do not select by name get past it (to TE's own check)."""
+    from paxlite.experiments.build import load_experiment
+
+    monkeypatch.setenv("ENABLE_TE", "1")
+    for settings in ([], ["USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_NOTHING"]):
+        if _te_available():
+            load_experiment("TinySynthetic", settings)
+        else:
+            with pytest.raises(te_layer.TransformerEngineUnavailableError):
+                load_experiment("TinySynthetic", settings)
+    monkeypatch.setenv("ENABLE_TE", "0")  # without TE every one of them is read
+    load_experiment("TinySynthetic", ["ATTENTION_KIND=flash", "USE_REPEATED_LAYER=true",
+                                      "CHECKPOINT_POLICY=SAVE_CONTEXT"])
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"attention_kind": "flash"}, "attention_kind='flash'"),
+    ({"attention_kind": "flash", "attention_implementation": "cudnn"},
+     "attention_kind='flash': .*; attention_implementation='cudnn'"),
+    ({"scan_layers": True, "remat_policy": "save_qkv_out_proj"},
+     "remat_policy='save_qkv_out_proj': it keeps tensors by their checkpoint_name tags"),
+], ids=["kind", "implementation", "remat"])
+def test_te_layer_refuses_what_it_would_ignore(changes, message):
+    """From Python (no experiment): the TE layer says so when traced, before importing TE."""
+    import dataclasses
+
+    from paxlite.models.transformer import Transformer
+
+    config = dataclasses.replace(GPT, layer_implementation=LayerImplementation.TRANSFORMER_ENGINE,
+                                 **changes)
+    with pytest.raises(ValueError, match="layer_implementation='transformer_engine' would ignore "
+                       + message):
+        jax.eval_shape(lambda: Transformer(config).init({"params": jax.random.key(0)},
+                                                        jnp.zeros((1, 16), jnp.int32)))
+    assert te_layer.settings_te_ignores(attention_kind="dot_product", attention_implementation="auto",
+                                        remat_policy="save_dot_with_no_batch_dim") == []
 
 
 # ---------------------------------------------------------------- GPU, with TE
