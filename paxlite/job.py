@@ -27,6 +27,10 @@ _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "g
 # Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint committed (train/preemption.py);
 # schedulers that count a 0 as "finished" (Kubernetes Indexed Jobs) set another, e.g. 143.
 PREEMPTION_EXIT_CODE_ENV = "PAXLITE_PREEMPTION_EXIT_CODE"
+# Exit status of a run stopped by SIGTERM/SIGINT with nothing saved (--enable_checkpoint_saving=false):
+# never PAXLITE_PREEMPTION_EXIT_CODE, which tells a scheduler to rerun the job to resume; a rerun of this
+# one would resume nothing. Not 0 (it did not finish), 1 (it did not fail), 2 (no mistake) nor 128 + N.
+PREEMPTED_UNSAVED_EXIT_CODE = 3
 
 
 class Mode(str, enum.Enum):
@@ -80,6 +84,9 @@ def preemption_exit_code(env: Mapping[str, str] | None = None) -> int:
     if not 0 <= code <= 255:
         raise SettingError(f"{PREEMPTION_EXIT_CODE_ENV}={raw!r} must be an exit status 0..255 "
                            "(e.g. 143, what a process killed by SIGTERM reports)")
+    if code == PREEMPTED_UNSAVED_EXIT_CODE:
+        raise SettingError(f"{PREEMPTION_EXIT_CODE_ENV}={raw!r}: {PREEMPTED_UNSAVED_EXIT_CODE} is the status of a "
+                           "run stopped without a checkpoint; pick another status 0..255 (e.g. 143)")
     return code
 
 
@@ -196,7 +203,8 @@ def run_job(experiment, tree, run_config, *, job_dir: str, mode: Mode, enable_ch
     os.makedirs(job_dir, exist_ok=True)
     with contextlib.ExitStack() as stack:
         # Stop signals are caught from before the run is built: one that comes while the step compiles
-        # or the checkpoint is read stops the run after its first step, with a checkpoint.
+        # or the checkpoint is read stops the run after its first step, with a checkpoint; with several
+        # processes too, whichever of them got it (the first step's vote is read once it is computed).
         preemption = stack.enter_context(stop_signals()) if training else None
         stack.enter_context(compilation_cache(run_config, job_dir=job_dir))
         run = stack.enter_context(Run(run_config, RunContext(
@@ -208,5 +216,5 @@ def run_job(experiment, tree, run_config, *, job_dir: str, mode: Mode, enable_ch
             return 0
         run.train(preemption=preemption)
         if run.preempted_at is not None:
-            return exit_code_if_preempted
+            return exit_code_if_preempted if run.preempted_saved else PREEMPTED_UNSAVED_EXIT_CODE
     return 0

@@ -9,6 +9,7 @@ boundaries the host waits for nothing but a bound on how far it runs ahead.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -50,14 +51,17 @@ from paxlite.train.step import (
 )
 from paxlite.train.watchdog import Watchdog
 
-# Steps the host may dispatch beyond the newest one known to be computed: enough to keep the device
-# busy, few enough that the batches waiting on it stay few.
+# Steps (and evaluation batches) the host may dispatch beyond the newest one known to be computed:
+# enough to keep the device busy, few enough that the batches waiting on it stay few.
 _STEPS_AHEAD = 2
+# After a stop signal, the most steps a run trains beyond the one in flight (train/preemption.py).
+MAX_STEPS_AFTER_SIGNAL = _STEPS_AHEAD + 1
 
 
-def stop_signals() -> Preemption:
-    """SIGTERM/SIGINT handlers for a training loop (a context manager; train/preemption.py)."""
-    return Preemption(lag=_STEPS_AHEAD)
+def stop_signals(*, voting: bool | None = None) -> Preemption:
+    """SIGTERM/SIGINT handlers for a training loop (a context manager; train/preemption.py).
+    `voting`: default, when there are several processes."""
+    return Preemption(lag=_STEPS_AHEAD, voting=voting)
 
 
 class TrainingDivergedError(RunStoppedError, FloatingPointError):
@@ -157,8 +161,11 @@ class Run:
             context.job_dir, enabled=jax.process_index() == 0, max_steps=config.loop.max_steps
         )
         self._pretrained_plan: tuple[dict, list[str], list[str]] | None = None
-        # The step a SIGTERM/SIGINT stopped training at, after its checkpoint (None: not stopped).
+        # The step a SIGTERM/SIGINT stopped training at (None: not stopped), and whether its
+        # checkpoint was written and committed (not with --enable_checkpoint_saving=false).
         self.preempted_at: int | None = None
+        self.preempted_saved = False
+        self._eval_compiled = False  # the first evaluation batch compiles (not timed by the watchdog)
         if config.loop.checkpoint_restore_path is not None and not self.checkpointer.all_steps():
             try:
                 self._pretrained_plan = self._check_restore_path(config.loop.checkpoint_restore_path)
@@ -257,17 +264,32 @@ class Run:
         return loaded
 
     # ---------------------------------------------------------------- eval
-    def evaluate(self, state: TrainState) -> dict[str, float]:
+    def evaluate(self, state: TrainState, *, watchdog: Watchdog | None = None) -> dict[str, float]:
         """Eval metrics over EVAL_LOOP_NUM_BATCHES batches (built ahead by a producer thread); the
-        sums are accumulated on the device and read once, with the per-example scores."""
+        sums are accumulated on the device and read once, with the per-example scores.
+
+        The host runs at most _STEPS_AHEAD batches ahead of the device, and `watchdog` is told of
+        each batch computed: a long evaluation is progress, not a hang. The first batch of a run
+        compiles, which the watchdog does not time."""
         totals = device_metrics.eval_totals_init()
         per_example: dict[str, list[jax.Array]] = {"correct": [], "targets": [], "weights": [], "choice": []}
+        dispatched: collections.deque[dict] = collections.deque()  # totals of batches maybe not computed
         with jax.set_mesh(self.mesh), contextlib.closing(prefetch_eval_batches(
                 self.eval_data, num_batches=self.config.loop.eval_num_batches,
                 sharding=self.steps.batch_sharding)) as batches:
             for batch in batches:
-                out = self.steps.eval(state.params, batch, state.fp8)
+                if not self._eval_compiled and watchdog is not None:
+                    with watchdog.compiling():
+                        out = jax.block_until_ready(self.steps.eval(state.params, batch, state.fp8))
+                else:
+                    out = self.steps.eval(state.params, batch, state.fp8)
+                self._eval_compiled = True
                 totals = device_metrics.eval_totals_add(totals, out)
+                dispatched.append(totals)
+                if len(dispatched) > _STEPS_AHEAD:
+                    jax.block_until_ready(dispatched.popleft())  # computed: that batch is progress
+                    if watchdog is not None:
+                        watchdog.beat()
                 if "example_weights" in out:
                     per_example["correct"].append(out["correct_tokens"])
                     per_example["targets"].append(out["target_tokens"])
@@ -324,23 +346,34 @@ class Run:
         return metrics
 
     # ---------------------------------------------------------------- train
-    def train(self, *, preemption: Preemption | None = None) -> TrainState:
-        """Train to MAX_STEPS, or until SIGTERM/SIGINT (then `preempted_at` is the step checkpointed).
+    def train(self, *, preemption: Preemption | None = None, watchdog: Watchdog | None = None) -> TrainState:
+        """Train to MAX_STEPS, or until SIGTERM/SIGINT (then `preempted_at` is the step it stopped
+        after, and `preempted_saved` whether that step's checkpoint was committed).
 
         `preemption`: handlers the caller installed earlier (job.py does, before the run is built and
-        compiled, from `stop_signals()`); else they are installed here."""
+        compiled, from `stop_signals()`); else they are installed here. `watchdog`: a hang watchdog
+        not yet started; by default one with WATCHDOG_TIMEOUT_SECONDS / CRASH_ON_HANG_TIMEOUT_SECONDS."""
         loop = self.config.loop
         # From here a stop signal waits for a step and its checkpoint, and a hang is reported.
         with contextlib.ExitStack() as stack:
             if preemption is None:
                 preemption = stack.enter_context(stop_signals())
-            watchdog = stack.enter_context(Watchdog(timeout_s=loop.watchdog_timeout_seconds,
-                                                    crash_timeout_s=loop.crash_on_hang_timeout_seconds))
+            if watchdog is None:
+                watchdog = Watchdog(timeout_s=loop.watchdog_timeout_seconds,
+                                    crash_timeout_s=loop.crash_on_hang_timeout_seconds)
+            stack.enter_context(watchdog)
             state = self._train(preemption, watchdog)
-        if self.preempted_at is not None:
+        if self.preempted_at is not None and self.preempted_saved:
             logging.warning("%s: stopped after step %d with its checkpoint committed in %s; run the same "
                             "command again to resume", preemption.signal_name, self.preempted_at,
                             self.checkpointer.directory)
+        elif self.preempted_at is not None:
+            saved = self.checkpointer.all_steps()
+            logging.warning("%s: stopped after step %d WITHOUT a checkpoint: saving is off "
+                            "(--enable_checkpoint_saving=false), so this run's training is lost; the same "
+                            "command would start again from %s", preemption.signal_name, self.preempted_at,
+                            f"step {saved[-1]} in {self.checkpointer.directory}" if saved
+                            else "the beginning (there is no checkpoint)")
         return state
 
     def _train(self, preemption: Preemption, watchdog: Watchdog) -> TrainState:
@@ -373,7 +406,11 @@ class Run:
                     fetch_start = time.perf_counter()  # waiting for the producer's next batch
                     batch, position = next(batches)
                     input_wait += time.perf_counter() - fetch_start
-                    state, metrics = self.steps.train(state, batch)
+                    if preemption.voting:  # the processes' stop flags reduced inside the step
+                        state, metrics, vote = self.steps.train_voting(
+                            state, batch, preemption.votes(self.steps.vote_sharding))
+                    else:
+                        (state, metrics), vote = self.steps.train(state, batch), None
                 # Writing the trace takes a while: kept out of step_time_s.
                 timer_start += profiler.after_step(step, (state, metrics))
                 kept.add(step, metrics)
@@ -382,8 +419,11 @@ class Run:
                     timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
                 else:
                     timer_steps += 1
-                stop = preemption.should_stop(step)  # the same answer on every process
-                if not stop and not self._boundary(step):
+                boundary = self._boundary(step)
+                # The same answer on every process; on the vote of this step where the loop waits
+                # for it anyway (the first step, a boundary), else of the step _STEPS_AHEAD back.
+                stop = preemption.should_stop(step, vote=vote, synced=boundary or step == start + 1)
+                if not stop and not boundary:
                     kept.wait_for(_STEPS_AHEAD)
                     watchdog.beat()
                     continue
@@ -395,19 +435,23 @@ class Run:
                     self._write_train(step, host, step_time, wait_fraction)
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
-                    self.writer.write_eval(step, self.evaluate(state))
+                    self.writer.write_eval(step, self.evaluate(state, watchdog=watchdog))
                 last = step == loop.max_steps or stop
+                saved = False
                 if self.checkpointer.should_save(step) or last:
                     self._check_state_finite(step, state)
-                    self.checkpointer.save(step, state, force=last, data_state=self.data.state(position))
+                    with watchdog.committing():  # it may wait for the previous save's commit
+                        saved = self.checkpointer.save(step, state, force=last,
+                                                       data_state=self.data.state(position))
                 watchdog.beat()
                 if stop:
-                    self.preempted_at = step
+                    self.preempted_at, self.preempted_saved = step, saved
                     break
                 timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
             if len(kept):
                 self._read_checked(kept)
-        self.checkpointer.wait_until_finished()
+        with watchdog.committing():
+            self.checkpointer.wait_until_finished()
         return state
 
     def _boundary(self, step: int) -> bool:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paxlite.errors import SettingError
 from paxlite.models import sown
@@ -468,6 +468,11 @@ class CompiledSteps:
 
     init: Callable[[], TrainState]
     train: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+    # train_voting(state, batch, votes) -> (state, metrics, stop): `train` that also reduces the
+    # processes' stop flags (int32 [devices], laid out by vote_sharding) to their maximum, inside the
+    # same program; a multi-process loop runs it instead of `train` (train/preemption.py).
+    train_voting: Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array], jax.Array]]
+    vote_sharding: jax.sharding.NamedSharding
     # eval(params, batch, fp8=state.fp8): an FP8 model needs its scaling state to run forward.
     eval: Callable[..., dict[str, jax.Array]]
     all_finite: Callable[[PyTree], jax.Array]  # True when every parameter is finite (checked before saving)
@@ -564,25 +569,35 @@ def compile_steps(
         state_shardings,
     )
     batch_sharding = rules_lib.batch_sharding(mesh)
+    step_fn = functools.partial(
+        train_step,
+        model=model,
+        optimizer=optimizer,
+        schedule=schedule,
+        dropout_key=dropout_key,
+        deterministic=deterministic,
+        grad_accum_steps=grad_accum_steps,
+        trainable=trainable,
+        z_loss_weight=z_loss_weight,
+        loss_chunk_size=loss_chunk_size,
+    )
     train = jax.jit(
-        _with_rules(
-            functools.partial(
-                train_step,
-                model=model,
-                optimizer=optimizer,
-                schedule=schedule,
-                dropout_key=dropout_key,
-                deterministic=deterministic,
-                grad_accum_steps=grad_accum_steps,
-                trainable=trainable,
-                z_loss_weight=z_loss_weight,
-                loss_chunk_size=loss_chunk_size,
-            ),
-            logical_rules,
-            name="train_step",
-        ),
+        _with_rules(step_fn, logical_rules, name="train_step"),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+    # One element per device, over every mesh axis: each process fills its own devices' elements.
+    vote_sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+
+    def step_and_vote(state: TrainState, batch: Batch, votes: jax.Array):
+        new_state, metrics = step_fn(state, batch)
+        return new_state, metrics, jnp.max(votes)  # [devices] -> []: any process asked to stop
+
+    train_voting = jax.jit(
+        _with_rules(step_and_vote, logical_rules, name="train_step"),
+        in_shardings=(state_shardings, batch_sharding, vote_sharding),
+        out_shardings=(state_shardings, replicated, replicated),
         donate_argnums=(0,),
     )
     evaluate_jit = jax.jit(
@@ -610,6 +625,8 @@ def compile_steps(
     return CompiledSteps(
         init=init,
         train=train,
+        train_voting=train_voting,
+        vote_sharding=vote_sharding,
         eval=evaluate,
         all_finite=all_finite,
         state_shardings=state_shardings,

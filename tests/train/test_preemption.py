@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from paxlite.errors import SettingError
-from paxlite.job import preemption_exit_code
+from paxlite.job import PREEMPTED_UNSAVED_EXIT_CODE, preemption_exit_code
 from paxlite.train.preemption import DUPLICATE_WINDOW_S
 
 # Steps are milliseconds long, so a run reaches any step long before it would finish.
@@ -257,3 +257,89 @@ def test_the_axlearn_style_launcher_stops_the_same_way(tmp_path):
     assert _stop(proc, signal.SIGTERM) == 143, log.read_text()[-3000:]
     stop = _stopped_at(log)
     assert os.listdir(trainer_dir / "checkpoints") == [f"checkpoint_{stop:08d}"]
+
+
+def test_a_signal_with_checkpoint_saving_off_says_so_and_does_not_ask_for_a_retry(tmp_path):
+    """Nothing was saved, so the status a scheduler reads as "rerun to resume" would be a lie."""
+    job, log = tmp_path / "job", tmp_path / "run.log"
+    proc = _start(job, log, ["--enable_checkpoint_saving=false"], PAXLITE_PREEMPTION_EXIT_CODE="143")
+    _wait_for_step(proc, job, log, 2)
+    assert _stop(proc, signal.SIGTERM) == PREEMPTED_UNSAVED_EXIT_CODE == 3, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "committed" not in text and "run the same command again to resume" not in text
+    line = [line for line in text.splitlines() if "stopped after step" in line][-1]
+    assert "WITHOUT a checkpoint: saving is off (--enable_checkpoint_saving=false)" in line
+    assert line.endswith("the same command would start again from the beginning (there is no checkpoint)")
+    assert not (job / "checkpoints").exists() or not os.listdir(job / "checkpoints")
+
+
+def test_the_unsaved_status_cannot_be_the_preemption_status():
+    with pytest.raises(SettingError, match="PAXLITE_PREEMPTION_EXIT_CODE='3': 3 is the status of a run stopped "
+                                           "without a checkpoint"):
+        preemption_exit_code({"PAXLITE_PREEMPTION_EXIT_CODE": "3"})
+
+
+# ---------------------------------------------------------------- the processes' vote, in one process
+# (Preemption(voting=True) votes over this process's 8 devices exactly as several processes vote over theirs.)
+RUN_OVERRIDES = ["NUM_LAYERS=1", "MAX_STEPS=50", "SUMMARY_INTERVAL_STEPS=1000", "EVAL_INTERVAL_STEPS=1000",
+                 "CHECKPOINT_EVERY_N_STEPS=1000"]
+
+
+def _train_signalled_before_the_first_step(job: Path, *, voting: bool, caplog) -> tuple[int, set[str]]:
+    """(the step a run signalled while it is built stops after, the programs lowered while it trains)."""
+    import logging
+
+    from paxlite.experiments.build import build_run_config
+    from paxlite.train.loop import Run, RunContext, stop_signals
+
+    _, config = build_run_config("TinySynthetic", RUN_OVERRIDES)
+    with stop_signals(voting=voting) as preemption, Run(config, RunContext(job_dir=str(job))) as run:
+        signal.raise_signal(signal.SIGTERM)  # handled at once, in this (the main) thread
+        assert preemption.signal_name == "SIGTERM"
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="jax._src.interpreters.pxla"):
+            run.train(preemption=preemption)
+        lowered = {r.args[0] for r in caplog.records if r.getMessage().startswith("Compiling ")}
+        assert run.preempted_saved
+        return run.preempted_at, lowered
+
+
+def test_the_vote_rides_in_the_train_step_and_a_signal_while_building_stops_after_step_one(tmp_path, caplog):
+    """Several processes stop after their first step too (job.py), and voting adds no program to a step:
+    the programs a voting run lowers are among those of a run that does not vote."""
+    alone_at, alone = _train_signalled_before_the_first_step(tmp_path / "alone", voting=False, caplog=caplog)
+    voted_at, voted = _train_signalled_before_the_first_step(tmp_path / "voted", voting=True, caplog=caplog)
+    assert alone_at == voted_at == 1
+    assert os.listdir(tmp_path / "voted" / "checkpoints") == ["checkpoint_00000001"]
+    assert "jit(train_step)" in voted and voted <= alone, (voted, alone)
+
+
+def test_every_process_stops_after_the_same_step_within_lag_plus_one_steps():
+    """Two processes' Preemptions (one signalled) fed the same agreed votes, as the train step computes them:
+    the same decision at every step; at a step the loop waits for anyway (first, boundary) the newest vote."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from paxlite.train.loop import MAX_STEPS_AFTER_SIGNAL, stop_signals
+
+    sharding = NamedSharding(Mesh(jax.devices(), ("all",)), PartitionSpec("all"))
+    agree = jax.jit(jnp.maximum)  # what max over the processes' devices gives when each holds one flag
+    boundaries = {1, 10, 20}
+    for signal_step in range(2, 18):
+        quiet, signalled = stop_signals(voting=True), stop_signals(voting=True)
+        with signalled:
+            stops = []
+            for step in range(1, 30):
+                vote = jnp.max(agree(quiet.votes(sharding), signalled.votes(sharding)))
+                if step == signal_step:  # arrives once `step` is dispatched: the next step carries it
+                    signal.raise_signal(signal.SIGTERM)
+                decisions = [p.should_stop(step, vote=vote, synced=step in boundaries) for p in (quiet, signalled)]
+                assert decisions[0] == decisions[1], (signal_step, step)
+                if decisions[0]:
+                    stops.append(step)
+                    break
+        stop = stops[0]
+        assert signal_step < stop <= signal_step + MAX_STEPS_AFTER_SIGNAL, (signal_step, stop)
+        if signal_step + 1 in boundaries:
+            assert stop == signal_step + 1  # read at once where the loop waits anyway

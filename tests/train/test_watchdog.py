@@ -56,3 +56,33 @@ def test_thread_stacks_names_every_thread():
         worker.join()
     assert 'Thread "input-producer"' in stacks and 'Thread "MainThread"' in stacks
     assert "test_thread_stacks_names_every_thread" in stacks
+
+
+def test_a_commit_is_reported_but_never_ended_and_the_clock_restarts_after_it(caplog):
+    exits: list[int] = []
+    caplog.set_level(logging.INFO)
+    with Watchdog(timeout_s=0.2, crash_timeout_s=0.4, exit_process=exits.append) as watchdog:
+        watchdog.beat()
+        with watchdog.committing():
+            _stuck_in_a_named_place(1.0)  # well past the crash timeout
+        assert exits == []
+        commits = [r.getMessage() for r in caplog.records if "while a checkpoint commits" in r.getMessage()]
+        assert len(commits) == 1 and "_stuck_in_a_named_place" in commits[0]
+        time.sleep(0.25)  # the commit's end counts as progress: past the first timeout only, again
+        assert exits == []
+        deadline = time.monotonic() + 5
+        while not exits and time.monotonic() < deadline:  # a stall after the commit still ends it
+            time.sleep(0.05)
+    assert exits == [HANG_EXIT_CODE]
+
+
+def test_nothing_is_timed_while_compiling(caplog):
+    exits: list[int] = []
+    caplog.set_level(logging.INFO)
+    with Watchdog(timeout_s=0.1, crash_timeout_s=0.2, exit_process=exits.append) as watchdog:
+        watchdog.beat()
+        with watchdog.compiling():
+            time.sleep(0.6)
+        time.sleep(0.05)
+    assert exits == [] and watchdog.beats == 2  # the compile's end is a beat
+    assert not [r for r in caplog.records if "No training step completed" in r.getMessage()]
