@@ -53,7 +53,9 @@ paxlite_run() {
 
 # The line a run_*.sh script ends with, from paxlite's status ($1).
 paxlite_report() {
-    if [ "$1" -ne 0 ]; then
+    if [ "$1" -eq 3 ]; then
+        echo "Run stopped by a signal without a checkpoint (checkpoint saving is off): a rerun starts over"
+    elif [ "$1" -ne 0 ]; then
         echo "Run failed"
     elif [ -n "${PAXLITE_STOP_SIGNAL:-}" ]; then
         echo "Run stopped by $PAXLITE_STOP_SIGNAL after a checkpoint; the same command resumes it"

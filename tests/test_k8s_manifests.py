@@ -198,6 +198,7 @@ def _decide(rules, *, exit_code, conditions=()):
     (137, ("DisruptionTarget",), "Ignore"),      # evicted and killed before it finished
     (PREEMPTED, ("DisruptionTarget",), "Ignore"),
     (2, (), "FailJob"),                          # a user mistake: no retry
+    (3, (), "FailJob"),                          # stopped with saving off: a retry resumes nothing
     (1, (), "Count"),                            # diverged
     (124, (), "Count"),                          # the hang watchdog
     (134, (), "Count"),                          # a peer died (jax.distributed aborts)
