@@ -214,7 +214,8 @@ def _launch(flags: LaunchFlags, env: Mapping[str, str]) -> distributed.Launch:
     num = given["num_processes"][1]
     if "distributed_coordinator" not in given:
         if str(num).strip() == "1":  # AXLearn: localhost; one process needs no coordinator
-            return distributed.Launch(source=distributed.LaunchSource.SINGLE)
+            return distributed.explicit_launch(coordinator_address=None, num_processes=num,
+                                               process_id=given["process_id"][1], names=names)
         raise LaunchError(f"{names[1]}={num} needs --distributed_coordinator=HOST:PORT "
                           "(DISTRIBUTED_COORDINATOR), the address of process 0")
     return distributed.explicit_launch(coordinator_address=str(given["distributed_coordinator"][1]),

@@ -99,25 +99,45 @@ def _check_address(address: str, *, name: str) -> str:
     return address.strip()
 
 
+def _check_index(*, num: int, index: int, names: tuple[str, str, str]) -> None:
+    if not 0 <= index < num:
+        raise DistributedError(
+            f"{names[2]}={index} is outside 0..{num - 1} for {names[1]}={num} "
+            f"process{'es' if num != 1 else ''} (process ids count from 0)"
+        )
+
+
 def _checked(
     *, source: LaunchSource, address: str, num: int, index: int, names: tuple[str, str, str]
 ) -> Launch:
     _check_address(address, name=names[0])
-    if not 0 <= index < num:
-        raise DistributedError(
-            f"{names[2]}={index} is outside 0..{num - 1} for {names[1]}={num} processes"
-        )
+    _check_index(num=num, index=index, names=names)
     return Launch(source=source, num_processes=num, process_id=index, coordinator_address=address)
 
 
 def explicit_launch(
-    *, coordinator_address: str, num_processes: int, process_id: int, names: tuple[str, str, str]
+    *,
+    coordinator_address: str | None,
+    num_processes: int | str,
+    process_id: int | str,
+    names: tuple[str, str, str],
 ) -> Launch:
     """A launch given by its three values (the AXLearn-style launcher's --distributed_coordinator,
-    --num_processes, --process_id), checked as Pax's flags are; `names` spell them in messages."""
-    return _checked(source=LaunchSource.FLAGS, address=coordinator_address,
-                    num=_int(num_processes, name=names[1], minimum=1),
-                    index=_int(process_id, name=names[2], minimum=0), names=names)
+    --num_processes, --process_id), checked as Pax's flags are; `names` spell them in messages.
+
+    No coordinator: one process (AXLearn's localhost), so the id must be 0; a different id is
+    refused rather than ignored (it may be one process of a job whose other flags were lost).
+    """
+    num = _int(num_processes, name=names[1], minimum=1)
+    index = _int(process_id, name=names[2], minimum=0)
+    if coordinator_address is not None:
+        return _checked(source=LaunchSource.FLAGS, address=coordinator_address, num=num,
+                        index=index, names=names)
+    if num != 1:
+        raise DistributedError(f"{names[1]}={num} needs {names[0]}=HOST:PORT, the address of "
+                               "process 0")
+    _check_index(num=num, index=index, names=names)
+    return Launch(source=LaunchSource.SINGLE)
 
 
 def first_slurm_host(nodelist: str) -> str:

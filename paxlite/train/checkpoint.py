@@ -21,15 +21,25 @@ Robustness rules, because a checkpoint directory holds days of compute:
   lists every checkpoint: silently starting from scratch would discard a run.
 - The data record of a step is restored together with its state, so both come from one step.
 - A save never overwrites: an existing step directory is an error.
+- Every process acts on one answer about the directory, process 0's: which steps exist, whether a
+  candidate is finished and holds a data record, whether a step about to be saved exists
+  (`multihost.decided_by_process_0`). Each host listing for itself could see different steps (NFS
+  attribute caching, a rename in flight) and then make a different number of collectives (a hang)
+  or restore different steps. A process that reads a step's files and fails still counts: the
+  worst result over processes decides, as above. A process whose own Orbax bookkeeping still lists
+  a step process 0 found absent (Orbax refuses such a save there alone) stops every process before
+  the save with CheckpointViewsDifferError.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import os
 import types
+from collections.abc import Callable
 from typing import Any, Self
 
 import jax
@@ -40,6 +50,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from paxlite.errors import RunStoppedError, UserError
+from paxlite.parallel import multihost
 from paxlite.train import opt_state_layout as layout
 
 PyTree = Any
@@ -73,6 +84,10 @@ class CheckpointReadError(RunStoppedError, RuntimeError):
 
 class CheckpointMismatchError(UserError, ValueError):
     """An intact checkpoint holds another train state than the run expects (a user's setting)."""
+
+
+class CheckpointViewsDifferError(RunStoppedError, RuntimeError):
+    """Some process still lists a step that process 0 found absent; nothing was saved."""
 
 
 def _leaf_name(path: tuple) -> str:
@@ -289,34 +304,76 @@ class Checkpointer:
         `force` saves off the interval (e.g. the final step) but never when saving is disabled.
         `data_state`, when given, is a JSON-serialisable record of where the input pipelines stand
         (already gathered from every process), saved beside the state and restored by `restore_data`.
-        Raises CheckpointExistsError if the step is already saved (or being saved).
+        Raises CheckpointExistsError if the step is already saved (or being saved), as process 0
+        sees it; CheckpointViewsDifferError (on every process) if another process still lists it.
         """
         if not self._enable_saving or not (force or self.should_save(step)):
             return False
         path = self.step_path(step)
-        if step in self._manager.all_steps() or path.exists():
+        if self._decided(functools.partial(self._prepare_save, step),
+                         what=f"check that {path} is not saved yet"):
             raise CheckpointExistsError(
                 f"Checkpoint for step {step} already exists at {path}; refusing to overwrite it. "
                 "Move it away or resume from it."
             )
-        leftover = path.parent / (path.name + _TMP_SUFFIX)
-        if jax.process_index() == 0 and leftover.exists():
-            moved = self._move_aside(leftover)
-            logging.warning(
-                "Moved the unfinished save %s out of the way to %s before saving step %d.",
-                leftover,
-                moved,
-                step,
-            )
+        stale = self._processes_still_listing(step)
+        if stale:
+            raise CheckpointViewsDifferError(
+                f"Process {stale[0]} still lists {path}, which process 0 does not see (a stale "
+                "network file system cache, or a rename in flight), so Orbax would refuse the save "
+                "there alone; nothing was saved. Rerun once the storage agrees.")
         # force=True: the interval is ours; Orbax's own should_save also refuses steps <= latest.
         items = {_ITEM: ocp.args.StandardSave(state, save_args=layer_chunked_save_args(state))}
         if data_state is not None:
             items[_DATA_ITEM] = ocp.args.JsonSave(data_state)
         return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
 
+    def _prepare_save(self, step: int) -> bool:
+        """On process 0 only: whether `step` is saved (or being saved); if not, a killed save's
+        leftover of it is moved aside, before any process starts writing (Orbax would delete it)."""
+        path = self.step_path(step)
+        if step in self._manager.all_steps() or path.exists():
+            return True
+        leftover = path.parent / (path.name + _TMP_SUFFIX)
+        if leftover.exists():
+            logging.warning("Moved the unfinished save %s out of the way to %s before saving "
+                            "step %d.", leftover, self._move_aside(leftover), step)
+        return False
+
+    def _processes_still_listing(self, step: int) -> list[int]:
+        """The processes whose Orbax bookkeeping lists `step` (re-read once) after process 0 found
+        it absent. Orbax checks its own list before a save, on each process: one stale view would
+        refuse there alone while the others wait in the save's collectives."""
+        listed = step in self._manager.all_steps()
+        if listed:
+            try:
+                self._manager.reload()
+                listed = step in self._manager.all_steps()
+            except OSError:
+                pass
+        return multihost.processes_where(listed)
+
+    def _decided(self, decide: Callable[[], Any], *, what: str) -> Any:
+        """`multihost.decided_by_process_0`, a failure raised as CheckpointReadError everywhere."""
+        try:
+            return multihost.decided_by_process_0(decide, what=what)
+        except multihost.ProcessZeroError as error:
+            raise CheckpointReadError(f"{error}; nothing was moved.") from error
+        except OSError as error:
+            if isinstance(error, UserError):
+                raise
+            raise CheckpointReadError(
+                f"Could not {what} ({_short(error)}). This is not a sign of damage, so nothing "
+                "was moved; fix the cause (permissions, storage) and rerun.") from error
+
     def restore_data(self, step: int) -> Any:
-        """The data record saved with `step`, or None if that checkpoint has none."""
-        if not (self.step_path(step) / _DATA_ITEM).exists():
+        """The data record saved with `step`, or None if that checkpoint has none.
+
+        A collective (every process calls it): process 0 decides whether the record is there.
+        """
+        has_data = self._decided((self.step_path(step) / _DATA_ITEM).exists,
+                                 what=f"look for the data record of {self.step_path(step)}")
+        if not has_data:
             return None
         restored = self._manager.restore(
             step, args=ocp.args.Composite(**{_DATA_ITEM: ocp.args.JsonRestore()})
@@ -345,13 +402,17 @@ class Checkpointer:
             CheckpointReadError: a checkpoint could not be read for a reason other than damage.
         """
         self.wait_until_finished()
-        self._manager.reload()
-        steps = sorted(self._manager.all_steps(), reverse=True)
+        steps = sorted(self._decided(self._reloaded_steps,
+                                     what=f"list the checkpoints in {self._directory}"),
+                       reverse=True)
         if not steps:
             return None
         failures: list[tuple[int, str]] = []
         for step in steps:
-            outcome, restored, error = self._try_restore(step, abstract_state)
+            check = self._decided(functools.partial(self._check_step, step),
+                                  what=f"check that {self.step_path(step)} is finished")
+            outcome, restored, error = self._try_restore(
+                step, abstract_state, problem=check["problem"], has_data=check["data"])
             worst = _worst_over_processes(outcome)
             if worst is _Outcome.RESTORED:
                 self._set_aside_failures([s for s, _ in failures])
@@ -375,13 +436,28 @@ class Checkpointer:
             f"nothing was moved or deleted. Fix or move them to start from scratch:\n{listing}"
         )
 
+    def _reloaded_steps(self) -> list[int]:
+        """On process 0 only: the steps in the directory now, ascending."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def _check_step(self, step: int) -> dict[str, Any]:
+        """On process 0 only: why `step` is not finished (or None), and whether it holds a data
+        record."""
+        path = self.step_path(step)
+        problem = incomplete(path)
+        return {"problem": problem, "data": problem is None and (path / _DATA_ITEM).exists()}
+
     def _try_restore(
-        self, step: int, abstract_state: PyTree
+        self, step: int, abstract_state: PyTree, *, problem: str | None, has_data: bool
     ) -> tuple[_Outcome, tuple[PyTree, Any] | None, BaseException | None]:
-        """Restores one step's state and data record on this process, classifying any failure."""
+        """Restores one step's state and data record on this process, classifying any failure.
+
+        `problem` (why the step is not finished) and `has_data` are process 0's answers, the same
+        on every process.
+        """
         path = self.step_path(step)
         try:
-            problem = incomplete(path)
             if problem is not None:
                 raise CheckpointDamagedError(problem)
             handler = ocp.StandardCheckpointHandler()
@@ -405,7 +481,7 @@ class Checkpointer:
                 abstract_state, earlier.restore_target(layout.opt_state_of(abstract_state)))
             target, rebuild = _without_absent_empty_fields(saved_tree, target)
             items = {_ITEM: ocp.args.StandardRestore(target)}
-            if (path / _DATA_ITEM).exists():
+            if has_data:
                 items[_DATA_ITEM] = ocp.args.JsonRestore()
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             data = restored[_DATA_ITEM] if _DATA_ITEM in items else None
@@ -432,8 +508,12 @@ class Checkpointer:
             return _Outcome.FATAL, None, read_error
 
     def all_steps(self) -> list[int]:
-        """Saved (and in-progress) steps, ascending."""
-        return sorted(self._manager.all_steps())
+        """Saved (and in-progress) steps, ascending, as process 0 knows them.
+
+        A collective (every process calls it), so that every process acts on the same list.
+        """
+        return self._decided(lambda: sorted(self._manager.all_steps()),
+                             what=f"list the checkpoints in {self._directory}")
 
     def wait_until_finished(self) -> None:
         """Blocks until an asynchronous save has been committed; raises its error if it failed."""
