@@ -126,9 +126,26 @@ def test_fits_flips_and_levers_are_computed(fsdp_plans):
     assert accum["applicable"] is False and "GRAD_ACCUM_STEPS" in accum["reason"]
 
 
+@pytest.fixture(scope="module")
+def lever_plan() -> dict:
+    """Nothing fits: four levers (one on another mesh) compiled at once, then all together."""
+    return _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
+
+
+# slow: the levers compiled one at a time, for comparison (~15 s on 2 cores)
+@pytest.mark.slow
+def test_levers_compiled_at_once_measure_what_one_at_a_time_measures(lever_plan, monkeypatch):
+    """The levers compile in threads (plan._compile_variants), each under its own mesh: a mesh or rules
+    context leaking between threads would change some lever's bytes."""
+    assert sum(lever.get("method") == "compiled" for lever in lever_plan["levers"]) >= 3
+    monkeypatch.setattr(plan_lib.os, "cpu_count", lambda: 1)  # one worker: one lever after another
+    serial = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
+    assert serial["levers"] == lever_plan["levers"]
+
+
 @pytest.mark.slow  # compiles the step with and without accumulation (~29 s on 2 cores)
-def test_gradient_accumulation_lever_lowers_the_peak():
-    plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
+def test_gradient_accumulation_lever_lowers_the_peak(lever_plan):
+    plan = lever_plan
     accum = {lever["lever"]: lever for lever in plan["levers"]}["GRAD_ACCUM_STEPS 1 -> 2 (same global batch, "
                                                                   "same training)"]
     assert accum["method"] == "compiled" and accum["peak_bytes"] < plan["memory_per_device"]["peak_bytes"]
@@ -170,8 +187,26 @@ def test_mesh_mismatch_and_unknown_experiment_raise():
 def test_fake_device_env_replaces_the_device_count():
     flags = "--a=1 --xla_force_host_platform_device_count=8"
     env = plan_lib.fake_device_env(256, {"XLA_FLAGS": flags})
-    assert env["XLA_FLAGS"] == "--a=1 --xla_force_host_platform_device_count=256"
+    # and LLVM's quickest code generation: the plan reads only what XLA decides before it
+    assert env["XLA_FLAGS"] == ("--a=1 --xla_backend_optimization_level=0 "
+                                "--xla_force_host_platform_device_count=256")
     assert env["JAX_PLATFORMS"] == "cpu"
+    mine = plan_lib.fake_device_env(4, {"XLA_FLAGS": "--xla_backend_optimization_level=2"})["XLA_FLAGS"]
+    assert mine == "--xla_backend_optimization_level=2 --xla_force_host_platform_device_count=4"
+
+
+def test_the_quick_code_generation_plans_the_same_bytes_and_flops():
+    """This process compiles at LLVM level 0 (tests/xla_test_flags.py); a planner process given level 3
+    must measure the same memory and FLOPs, or the planner's own level 0 would change its answers."""
+    mesh = ("ICI_MESH_SHAPE=[1,2,1]",)
+    result = _run("-m", "paxlite", "plan", "--fdl_config=TinySynthetic", *(f"--fdl.{a}" for a in TINY + mesh),
+                  "--devices=2", "--format=json", env={**ENV, "XLA_FLAGS": "--xla_backend_optimization_level=3"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    level3 = json.loads(result.stdout)
+    level0 = _tiny_plan(*mesh, num_devices=2)
+    assert level3["memory_per_device"]["peak_bytes"] > 0
+    assert level3["memory_per_device"] == level0["memory_per_device"]
+    assert level3["flops_per_step"]["compiler_per_device"] == level0["flops_per_step"]["compiler_per_device"] > 0
 
 
 def test_a_process_with_fewer_devices_plans_in_a_subprocess():
@@ -185,8 +220,8 @@ def test_a_process_with_fewer_devices_plans_in_a_subprocess():
     assert "--fdl.NUM_LAYERS=1" in command and "--devices=16" in command
 
 
-def _run(*args, cwd=None):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV,
+def _run(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV if env is None else env,
                           timeout=300, cwd=cwd, check=False)
 
 
