@@ -257,11 +257,13 @@ def from_meta(path: str | os.PathLike, *, vocab_size: int | None = None,
 def _lora_leaves(step_dir: Any) -> list[str]:
     """Paths of saved params whose name mentions LoRA (read from the checkpoint's metadata only)."""
     import jax
-    import orbax.checkpoint as ocp
 
-    metadata = ocp.PyTreeCheckpointer().metadata(step_dir / "state")
-    tree = getattr(metadata, "item_metadata", metadata)
-    tree = getattr(tree, "tree", tree)
+    from paxlite.train.pretrained import item_metadata
+
+    try:
+        tree = item_metadata(step_dir / "state")
+    except (FileNotFoundError, NotImplementedError, ValueError, TypeError):
+        return []  # a damaged checkpoint: the read that follows names the array it cannot read
     params = tree.get("params", {}) if isinstance(tree, Mapping) else {}
     paths: list[str] = []
     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:

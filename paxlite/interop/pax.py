@@ -8,10 +8,12 @@ and the array reader are `paxlite.train.pax_layout`'s, shared with ``CHECKPOINT_
 (which reads these checkpoints directly); this module adds the converter's strictness (a Pax
 tensor the model does not use is an error, not a warning) and the writer.
 
-Written back (``--to=pax``): ``<DIR>/checkpoints/checkpoint_00000000/`` with ``state/step`` and one
-zarr array per parameter under ``state/mdl_vars.params.<name>`` (the experiment's repeated layers
-under ``repeat.sub``), and ``commit_success.txt``: the layout saxml's converter writes, which Pax
-restores with ``CHECKPOINT_RESTORE_PATH=<DIR>``. No optimizer state (saxml writes none either).
+Written back (``--to=pax``): ``<DIR>/checkpoints/checkpoint_00000000/`` with ``state/step`` (a
+scalar) and one zarr array per parameter under ``state/mdl_vars.params.<name>`` (the experiment's
+repeated layers under ``repeat.sub``), ``metadata/metadata`` (Pax's checkpoint version 1.1 and the
+arrays' shapes, `pax_metadata`) and ``commit_success.txt``: the layout saxml's converter writes
+(through Pax's own ``save_checkpoint``), which Pax restores with ``CHECKPOINT_RESTORE_PATH=<DIR>``.
+No optimizer state (saxml writes none either).
 
 The converter holds about one layer, both ways: `open_pax` checks every name and shape first (one
 error, before the output directory exists), then `write_paxlite` / `write_hf` make the model one
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import math
 import os
 import shutil
@@ -45,6 +48,8 @@ from paxlite.paths import staged_output
 from paxlite.train import pax_layout
 
 COMMIT_FILE = "commit_success.txt"
+METADATA_ITEM = "metadata"  # checkpoint_<STEP>/metadata/metadata: Pax's version file (pax_metadata)
+PAX_VERSION = 1.1  # paxml/checkpoint_version.py: per-array TensorStore layout, without OCDBT
 _CHUNK_BYTES = 256 * 2**20  # one zarr chunk at most: big embeddings split along their first axis
 
 
@@ -274,7 +279,7 @@ def _create(path: str, shape: tuple[int, ...], dtype: np.dtype, *, chunks: list[
 
 
 def _write_array(path: str, array: np.ndarray) -> None:
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # not ascontiguousarray: it makes a scalar [1]
     store = _create(path, array.shape, array.dtype, chunks=_chunks(array.shape, array.dtype))
     store.write(array).result()
 
@@ -291,15 +296,44 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, repeated: bool,
     return os.path.join(os.path.abspath(os.fspath(out_dir)), "checkpoints", f"checkpoint_{step:08d}")
 
 
+def pax_metadata(state: str | os.PathLike) -> dict[str, Any]:
+    """The JSON of ``checkpoint_<STEP>/metadata/metadata`` for the arrays written in ``state``.
+
+    Pax 1.4.0 (paxml/checkpoint_managers.py, ``_get_checkpoint_version``) reads the checkpoint's
+    version from this file and, without it, takes the step directory for a pre-1.0 layout and
+    fails to find ``state/step``; version 1.1 is its per-array TensorStore layout (1.2 is OCDBT).
+    ``train_state_metadata`` is what its ``PaxMetadata.from_dict`` parses: ``mdl_vars.params``
+    nested by the names' ``.`` parts, each array tagged with its shape and dtype (Pax compares
+    them with the model's when it restores with unpadded shapes)."""
+    tree: dict[str, Any] = {}
+    for child in sorted(os.listdir(state)):
+        if not child.startswith(pax_layout.PARAMS_PREFIX):
+            continue
+        with open(os.path.join(state, child, ".zarray")) as f:
+            zarray = json.load(f)
+        dtype = zarray["dtype"] if zarray["dtype"] == "bfloat16" else np.dtype(zarray["dtype"]).name
+        *parents, last = child.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = {"_array_metadata_tag": True, "is_optax_masked_node": False,
+                      "unpadded_shape": list(zarray["shape"]), "dtype": dtype}
+    return {"version": PAX_VERSION, "train_state_metadata": tree}
+
+
 @contextlib.contextmanager
 def _pax_step(out_dir: str | os.PathLike, *, step: int) -> Iterator[str]:
-    """The ``state`` directory to write the arrays into; ``step`` and the commit file around it."""
+    """The ``state`` directory to write the arrays into; ``step`` (a scalar, as Pax restores it),
+    the ``metadata`` item and the commit file around it."""
     with staged_output(out_dir, setting="--output") as staging:
         step_dir = os.path.join(staging, "checkpoints", f"checkpoint_{step:08d}")
         state = os.path.join(step_dir, pax_layout.STATE)
         os.makedirs(state)
         _write_array(os.path.join(state, "step"), np.asarray(step, np.int32))
         yield state
+        os.makedirs(os.path.join(step_dir, METADATA_ITEM))
+        with open(os.path.join(step_dir, METADATA_ITEM, METADATA_ITEM), "w") as f:
+            json.dump(pax_metadata(state), f)
         with open(os.path.join(step_dir, COMMIT_FILE), "w") as f:
             f.write(f"Checkpoint commit was successful to {os.path.abspath(os.fspath(out_dir))}\n")
 

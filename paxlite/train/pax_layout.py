@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -103,10 +104,27 @@ class Recipe:
             out[p] = shape[j]
         return tuple(out)
 
-    def combine(self, pieces: list[np.ndarray]) -> np.ndarray:
-        parts = [p if self.perm is None else np.transpose(p, self.perm) for p in pieces]
-        out = parts[0] if self.stack_axis is None else np.stack(parts, axis=self.stack_axis)
+    def combine(self, pieces: list[np.ndarray], *, lead: int = 0) -> np.ndarray:
+        """The paxlite leaf (or block of it) made of its Pax pieces (or their blocks), each with
+        ``lead`` leading axes (a range of layers) before the piece's own."""
+        perm = None if self.perm is None else (*range(lead), *(lead + p for p in self.perm))
+        parts = [p if perm is None else np.transpose(p, perm) for p in pieces]
+        out = parts[0] if self.stack_axis is None else np.stack(parts, axis=lead + self.stack_axis)
         return out + np.asarray(self.shift, out.dtype) if self.shift else out
+
+    def piece_index(self, index: tuple[slice, ...]) -> tuple[slice, tuple[slice, ...]]:
+        """(which pieces, the index into each) of a block ``index`` of one layer's leaf: the
+        stacked axis selects pieces, the others map through ``perm`` onto the piece's axes."""
+        rest = list(index)
+        which = slice(0, 1)
+        if self.stack_axis is not None:
+            which = rest.pop(self.stack_axis)
+        if self.perm is None:
+            return which, tuple(rest)
+        out = [slice(None)] * len(rest)
+        for j, p in enumerate(self.perm):
+            out[p] = rest[j]
+        return which, tuple(out)
 
     def split(self, leaf: np.ndarray) -> list[np.ndarray]:
         """Inverse of `combine`: the Pax pieces of a paxlite leaf."""
@@ -270,11 +288,108 @@ def used_names(plans: Mapping[str, LeafPlan]) -> set[str]:
     return {n for plan in plans.values() for layer in plan.pieces for n, _ in layer}
 
 
+Bounds = tuple[tuple[int, int], ...]  # (start, stop) per axis of a block of a leaf
+
+
+class BlockReader:
+    """Blocks of paxlite leaves (devices' shards) read from Pax's arrays.
+
+    Each TensorStore read covers only a block's index range of a Pax array, the layer axis
+    included: a shard of a repeated [L, ...] array is one read of its rows, never the whole array
+    nor one read per layer (Pax chunks by device shard, across all layers, so a per-layer read
+    decodes each chunk once per layer). Each array is opened once. ``bytes_read`` counts what the
+    reads returned (diagnostics; the tests check it).
+
+    Rows of one repeated array that several unscanned leaves ask for (``layers_<i>`` of a model
+    without repeated layers, from ``repeat.sub``) are read together, once, and handed out row by
+    row (`expect` says which will be asked for): read one by one, a chunk spanning the layers
+    would be decoded once per layer, as the converter's `_Rows` avoids too."""
+
+    def __init__(self, arrays: Mapping[str, PaxArray]) -> None:
+        self._arrays = arrays
+        self._stores: dict[str, Any] = {}
+        self._rows_wanted: dict[str, set[int]] = {}
+        self._rows: dict[tuple, tuple[int, np.ndarray, set[int]]] = {}
+        self.bytes_read = 0
+
+    def expect(self, plans: Mapping[str, LeafPlan]) -> None:
+        """Note the rows of repeated arrays that the unscanned leaves of ``plans`` will ask for."""
+        for plan in plans.values():
+            if not plan.stacked:
+                for name, index in plan.pieces[0]:
+                    if index is not None:
+                        self._rows_wanted.setdefault(name, set()).add(index)
+
+    def _read_row(self, name: str, row: int, inner: tuple[slice, ...]) -> np.ndarray:
+        wanted = self._rows_wanted.get(name, set())
+        if len(wanted) < 2 or row not in wanted:
+            return self._read(name, (row, *inner))
+        key = (name, tuple((s.start, s.stop) for s in inner))
+        if key not in self._rows:
+            first = min(wanted)
+            self._rows[key] = (first, self._read(name, (slice(first, max(wanted) + 1), *inner)),
+                               set(wanted))
+        first, rows, left = self._rows[key]
+        left.discard(row)
+        if not left:  # every row handed out: nothing holds the block any more
+            del self._rows[key]
+        return rows[row - first]
+
+    def _read(self, name: str, index: tuple) -> np.ndarray:
+        import tensorstore as ts
+
+        store = self._stores.get(name)
+        if store is None:
+            spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": self._arrays[name].path}}
+            store = ts.open(spec, open=True, read=True).result()
+            self._stores[name] = store
+        out = np.asarray(store[index].read().result())
+        self.bytes_read += out.nbytes
+        return out
+
+    def shards(self, plan: LeafPlan, ranges: set[Bounds]) -> dict[Bounds, np.ndarray]:
+        """{bounds: block} for this process's distinct device ranges of one leaf.
+
+        When the ranges tile their bounding box (a process's devices hold one contiguous region
+        of the leaf: the usual mesh), the box is read once and cut, so a chunk shared by two
+        devices is decoded once; otherwise each range is read by itself."""
+        if not ranges:  # none of this process's devices holds a part of the leaf
+            return {}
+        box = tuple((min(r[a][0] for r in ranges), max(r[a][1] for r in ranges))
+                    for a in range(len(next(iter(ranges)))))
+        volume = lambda bounds: math.prod(stop - start for start, stop in bounds)
+        if volume(box) != sum(volume(r) for r in ranges):
+            return {r: self.block(plan, tuple(slice(*b) for b in r)) for r in ranges}
+        whole = self.block(plan, tuple(slice(*b) for b in box))
+        return {r: whole[tuple(slice(b[0] - o[0], b[1] - o[0]) for b, o in zip(r, box))]
+                for r in ranges}
+
+    def block(self, plan: LeafPlan, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The block ``index`` (slices of the paxlite leaf; None: all of it) of one leaf."""
+        shape = ((len(plan.pieces), *plan.leaf_shape) if plan.stacked else plan.leaf_shape)
+        index = tuple(slice(*s.indices(n)) for s, n in
+                      zip((*(index or ()), *[slice(None)] * len(shape))[:len(shape)], shape))
+        recipe = plan.recipe
+        if not plan.stacked:
+            which, inner = recipe.piece_index(index)
+            pieces = plan.pieces[0][which]
+            return recipe.combine([self._read(n, inner) if i is None
+                                   else self._read_row(n, i, inner) for n, i in pieces])
+        layers, per_layer = range(len(plan.pieces))[index[0]], index[1:]
+        which, inner = recipe.piece_index(per_layer)
+        rows = [plan.pieces[i][which] for i in layers]
+        names = [n for n, _ in rows[0]] if rows else []
+        if rows and all([n for n, _ in row] == names and [i for _, i in row] == [layer] * len(row)
+                        for layer, row in zip(layers, rows)):  # repeat.sub: one read of the rows
+            span = slice(layers.start, layers.stop, layers.step)
+            return recipe.combine([self._read(n, (span, *inner)) for n in names], lead=1)
+        return np.stack([recipe.combine([self._read(n, inner if i is None else (i, *inner))
+                                         for n, i in row]) for row in rows])
+
+
 def read_leaf(plan: LeafPlan, arrays: Mapping[str, PaxArray]) -> np.ndarray:
-    """One paxlite leaf, read piece by piece (one layer's slice at a time when repeated)."""
-    layers = [plan.recipe.combine([arrays[n].read(index) for n, index in layer])
-              for layer in plan.pieces]
-    return np.stack(layers) if plan.stacked else layers[0]
+    """One whole paxlite leaf (`BlockReader.block` of all of it)."""
+    return BlockReader(arrays).block(plan)
 
 
 def one_line(step_dir: Any, problems: list[str], *, what: str) -> str:

@@ -59,3 +59,37 @@ def test_refusals(tmp_path):
         pretrained.find_checkpoint(tmp_path)
     with pytest.raises(pretrained.PretrainedCheckpointError, match="does not exist"):
         pretrained.find_checkpoint(tmp_path / "nope")
+
+
+def test_reading_a_paxlite_checkpoint_passes_on_no_orbax_noise(tmp_path, caplog):
+    """generate / convert read checkpoints paxlite wrote: Orbax's "Metadata file does not exist"
+    (it looks for step metadata inside the item directory) and its "Sharding info not provided"
+    warning are noise about a whole checkpoint, and must not reach the user (issue 23 item 13)."""
+    import logging
+    import warnings
+
+    from etils import epath
+
+    from paxlite.interop import hf
+
+    params = _params()
+    step_dir = pretrained.save_params(tmp_path / "out", params, step=600)
+    mesh = jax.make_mesh((8,), ("data",))
+    unsharded = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    caplog.set_level(logging.WARNING)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, shapes = pretrained.saved_param_shapes(tmp_path / "out")
+        _, sharded = pretrained.restore_params(tmp_path / "out", _abstract(params, mesh))
+        _, plain = pretrained.restore_params(tmp_path / "out", unsharded)
+        step, _, state = pretrained.read_state(tmp_path / "out")
+        lora = hf._lora_leaves(epath.Path(step_dir))
+    noise = [r.getMessage() for r in caplog.records] + [str(w.message) for w in caught]
+    assert not [m for m in noise if "Metadata file does not exist" in m
+                or "Sharding info not provided" in m], noise
+    # ... and everything was still read.
+    assert shapes["embedding/embedding"] == (16, 8) and lora == ["layers_0/mlp/lora_a"]
+    assert step == 600 and int(state["step"]) == 600
+    for tree in (sharded, plain, state["params"]):
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), tree, params)
+    assert isinstance(state["params"]["embedding"]["embedding"], np.ndarray)
