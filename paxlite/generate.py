@@ -3,12 +3,19 @@
     python -m paxlite generate --job_log_dir=DIR | --checkpoint=PATH [--fdl_config=NAME --fdl.X=V]
         --prompt=TEXT ... | --prompt_file=F | --prompt_ids=1,2,3 ...
         [--max_new_tokens=N --temperature=T --top_k=K --top_p=P --seed=S --format=text|json]
+        [--add_bos=auto|true|false]
+        [--multiprocess_gpu --server_addr=HOST:PORT --num_hosts=N --host_idx=I]
 
 The model comes from the job's config.json (its experiment and overrides), or from the
 model_config.json that `convert` writes beside a checkpoint, or from --fdl_config; the parameters
 from the latest complete checkpoint, read as CHECKPOINT_RESTORE_PATH reads them. The tokenizer is
 the experiment's VOCAB_PATH (or the VOCAB_PATH environment variable, as Pax; for a converted
 model, the tokenizer.model `convert` copied beside it), and its EOS ends a sample. Every user mistake is one line and exit 2, found before any parameter is read.
+
+Text prompts start with the tokenizer's BOS where the model family was trained so (BosChoice);
+token-id prompts are used as given. Several processes (Pax's flags, SLURM, Kubernetes, as training)
+run one SPMD decode loop over the experiment's mesh: each parses the same prompts, and process 0
+prints the outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import enum
 import json
 import os
 import sys
@@ -29,6 +37,22 @@ from paxlite.interop.hf_write import TOKENIZER_FILE
 class OutputFormat:
     TEXT = "text"
     JSON = "json"
+
+
+class BosChoice(str, enum.Enum):
+    """Whether text prompts start with the tokenizer's BOS id.
+
+    AUTO follows how the model family was trained: LLaMA, Mistral/Mixtral and Fuji experiments
+    (BaseLLaMA's subclasses) start every sequence with BOS; GPT, GLaM and the tiny Pax-style models
+    have none. A converted checkpoint alone follows its tokenizer: ``add_bos_token`` of a
+    tokenizer_config.json beside the tokenizer file when there is one (what transformers reads),
+    else BOS whenever the SentencePiece model defines one (LLaMA's and Mistral's do; Pax's c4 and
+    T5 vocabularies do not). A tokenizer without BOS never gets one under AUTO.
+    """
+
+    AUTO = "auto"
+    TRUE = "true"
+    FALSE = "false"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=(OutputFormat.TEXT, OutputFormat.JSON),
                         default=OutputFormat.TEXT,
                         help="json: one object per prompt (prompt_ids, ids, text)")
+    parser.add_argument("--add_bos", choices=[c.value for c in BosChoice], default=None,
+                        help="start text prompts with the tokenizer's BOS id; auto (the default): "
+                             "as the model family was trained (LLaMA, Mistral, Mixtral, Fuji: "
+                             "yes; GPT, GLaM: no; a converted model: its tokenizer's "
+                             "add_bos_token, else whether it defines a BOS). --prompt_ids are "
+                             "used as given")
+    launch = parser.add_argument_group("several processes (as training; SLURM and Kubernetes are "
+                                       "detected from the environment)")
+    launch.add_argument("--multiprocess_gpu", action="store_true",
+                        help="join a multi-process job with --server_addr, --num_hosts and "
+                             "--host_idx (Pax's flags)")
+    launch.add_argument("--server_addr", default=None, help="HOST:PORT of process 0")
+    launch.add_argument("--num_hosts", type=int, default=None, help="number of processes")
+    launch.add_argument("--host_idx", type=int, default=None, help="this process's index")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +98,9 @@ class _Model:
     vocab_path: str | None
     source: str  # where the config came from, for messages
     mesh_config: Any = None  # the experiment's MeshConfig; None (a converted model alone): one device
+    # BosChoice.AUTO's answer where the experiment decides it (True: LLaMA family); None: the
+    # tokenizer decides (a converted model alone)
+    family_adds_bos: bool | None = None
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -99,6 +140,9 @@ def _check_arguments(args: argparse.Namespace):
         raise SettingError("no prompt: give --prompt=TEXT, --prompt_file=F or --prompt_ids=1,2,3")
     if any(not t for t in texts):
         raise SettingError("--prompt='' is empty; a prompt needs at least one token")
+    if ids and args.add_bos in (BosChoice.TRUE.value, BosChoice.FALSE.value):
+        raise SettingError(f"--add_bos={args.add_bos} applies to text prompts; --prompt_ids are "
+                           "used as given (write the BOS id into them)")
     return sampling, texts, ids
 
 
@@ -123,9 +167,12 @@ def _resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> _Mod
         experiment = load_experiment(args.fdl_config, assignments)
         source = f"--fdl_config={args.fdl_config}"
     if experiment is not None:
+        from paxlite.experiments.llama import BaseLLaMA
+
         config = fdl.build(experiment.with_lora(experiment.model_config()))
         return _Model(config=config, checkpoint=path, vocab_path=experiment.vocab_path(),
-                      source=source, mesh_config=fdl.build(experiment.mesh_config()))
+                      source=source, mesh_config=fdl.build(experiment.mesh_config()),
+                      family_adds_bos=isinstance(experiment, BaseLLaMA))
     if assignments:
         raise SettingError(f"--fdl.{assignments[0]} needs an experiment (--fdl_config=NAME); "
                            f"{path} records its model in model_config.json")
@@ -180,6 +227,57 @@ def _mesh(model: _Model):
     return mesh, math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)
 
 
+def _tokenizer_adds_bos(vocab_path: str) -> bool | None:
+    """``add_bos_token`` of the tokenizer_config.json beside a tokenizer file (transformers'
+    setting, which `convert --to=hf` writes and HF LLaMA / Mistral directories carry); None when
+    there is none or it does not say."""
+    path = os.path.join(os.path.dirname(vocab_path), "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f).get("add_bos_token")
+    except (OSError, ValueError, AttributeError):
+        raise SettingError(
+            f"{path} is not a JSON object; fix it or pass --add_bos=true|false") from None
+    return value if isinstance(value, bool) else None
+
+
+def _bos_id(choice: BosChoice, model: _Model, tokenizer) -> int | None:
+    """The id text prompts start with, or None."""
+    if choice is BosChoice.FALSE:
+        return None
+    if tokenizer.bos_id is None:
+        if choice is BosChoice.TRUE:
+            raise SettingError(f"--add_bos=true but the tokenizer {tokenizer.path} defines no BOS "
+                               "piece; use --add_bos=auto or false")
+        return None
+    if choice is BosChoice.TRUE:
+        return tokenizer.bos_id
+    adds = model.family_adds_bos
+    if adds is None:
+        from_config = _tokenizer_adds_bos(tokenizer.path)
+        adds = True if from_config is None else from_config
+    return tokenizer.bos_id if adds else None
+
+
+def _join_processes(args: argparse.Namespace, model: _Model) -> int:
+    """Joins the other processes (before any device is touched); returns this process's index."""
+    import jax
+
+    from paxlite.parallel import distributed
+
+    launch = distributed.detect_launch(
+        multiprocess_gpu=args.multiprocess_gpu, server_addr=args.server_addr,
+        num_hosts=args.num_hosts, host_idx=args.host_idx, env=os.environ)
+    if launch.is_distributed and model.mesh_config is None:  # found before connecting
+        raise SettingError(
+            f"generating over {launch.num_processes} processes needs the experiment's mesh, and "
+            f"{model.source} names no experiment: add --fdl_config=NAME")
+    distributed.initialize(launch, timeouts=distributed.timeouts_from_env(os.environ))
+    return jax.process_index()
+
+
 def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     from paxlite.models.decode import generate
 
@@ -196,7 +294,8 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
             f"text prompts need a tokenizer and {model.source} names none: pass --fdl.VOCAB_PATH="
             "/path/to/spm.model, set VOCAB_PATH, or give --prompt_ids=1,2,3")
     if texts:
-        prompt_ids = [tokenizer.encode(t) for t in texts]
+        bos = _bos_id(BosChoice(args.add_bos or BosChoice.AUTO), model, tokenizer)
+        prompt_ids = [tokenizer.encode(t, add_bos=bos is not None) for t in texts]
         if any(not ids for ids in prompt_ids):
             raise SettingError("a prompt encodes to no tokens; give a non-empty prompt")
     longest = max(len(p) for p in prompt_ids)
@@ -211,6 +310,7 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
         raise SettingError(f"--prompt_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
     eos = tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id >= 0 else None
 
+    process = _join_processes(args, model)
     mesh, batch_multiple = _mesh(model)  # a mesh that does not fit is an error before reading
     params = _restore(model, mesh)
     with contextlib.ExitStack() as stack:
@@ -226,6 +326,8 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
                            sampling=sampling, seed=args.seed, eos_id=eos,
                            vocab_limit=None if tokenizer is None else tokenizer.vocab_size,
                            batch_multiple=batch_multiple)
+    if process != 0:  # every process has all the ids; one prints them
+        return 0
     for prompt, ids in zip(prompt_ids, outputs, strict=True):
         text = None if tokenizer is None else _continuation(tokenizer, prompt, ids)
         if args.format == OutputFormat.JSON:

@@ -109,8 +109,58 @@ def test_text_prompts_with_a_tokenizer_and_seeded_sampling(job, vocab, capsys):
     (["--checkpoint=/absent/dir", "--prompt_ids=1"], "does not exist"),
     (["--job_log_dir={job}", "--prompt_file=/absent/prompts.txt"], "does not exist"),
     (["--job_log_dir={job}", "--prompt_ids=1", "--max_new_tokens=0"], "must be at least 1"),
+    (["--job_log_dir={job}", "--prompt_ids=1", "--add_bos=true"],
+     "--add_bos=true applies to text prompts; --prompt_ids are used as given"),
+    (["--job_log_dir={job}", "--prompt_ids=1", "--multiprocess_gpu"],
+     "--multiprocess_gpu needs --server_addr"),
 ])
 def test_bad_input_is_one_line_and_exit_2(job, capsys, flags, message):
     assert main(["generate", *[f.format(job=job) for f in flags]]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("fdl_config, adds", [
+    (None, False), ("TinyGLaM", False),  # GPT family (the job's TinySynthetic), GLaM: no BOS
+    ("paxlite.experiments.tiny.TinyLLaMA", True), ("TinyMixtral", True), ("FujiTestV1", True),
+])
+def test_text_prompts_get_bos_as_the_experiment_family_was_trained(job, tmp_path, fdl_config,
+                                                                   adds):
+    """--add_bos=auto: LLaMA, Mixtral and Fuji experiments start text prompts with the tokenizer's
+    BOS, GPT and GLaM do not (read off the experiment the job names or --fdl_config replaces;
+    the model is not run: a LLaMA experiment cannot read this GPT job's parameters)."""
+    import argparse
+
+    from paxlite.data.tokenizer import Tokenizer
+    from paxlite.generate import BosChoice, _bos_id, _resolve_model
+    from tests.interop.test_hf_export import train_bpe
+
+    tokenizer = Tokenizer(train_bpe(tmp_path))  # defines BOS (id 1)
+    args = argparse.Namespace(job_log_dir=str(job), checkpoint=None, fdl_config=fdl_config)
+    model = _resolve_model(args, [])
+    assert _bos_id(BosChoice.AUTO, model, tokenizer) == (1 if adds else None)
+    assert _bos_id(BosChoice.TRUE, model, tokenizer) == 1
+    assert _bos_id(BosChoice.FALSE, model, tokenizer) is None
+
+
+def test_bos_on_the_command_line_and_a_tokenizer_without_one(job, vocab, tmp_path, capsys):
+    """The GPT job with a BOS-defining tokenizer: none by default, BOS first with --add_bos=true;
+    with a tokenizer that has no BOS, --add_bos=true is an error (auto adds none)."""
+    import sentencepiece as spm
+
+    from tests.interop.test_hf_export import train_bpe
+
+    with_bos = train_bpe(tmp_path)
+    sp = spm.SentencePieceProcessor(model_file=with_bos)
+    flags = ["generate", f"--job_log_dir={job}", f"--fdl.VOCAB_PATH={with_bos}",
+             "--prompt=the quick brown fox", "--max_new_tokens=2", "--format=json"]
+    ids = {}
+    for extra in ([], ["--add_bos=true"]):
+        assert main([*flags, *extra]) == 0
+        ids[len(extra)] = json.loads(capsys.readouterr().out)["prompt_ids"]
+    assert ids == {0: sp.encode("the quick brown fox"), 1: [1, *sp.encode("the quick brown fox")]}
+    assert main(["generate", f"--job_log_dir={job}", f"--fdl.VOCAB_PATH={vocab}", "--prompt=the king",
+                 "--add_bos=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--add_bos=true but the tokenizer" in err and "defines no BOS" in err, err
+    assert len(err.splitlines()) == 1

@@ -55,9 +55,16 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with no BOS or EOS added."""
-        return self._processor.encode(text, out_type=int)
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`, no EOS added; BOS first only when asked (paxlite's data pipeline
+        adds none, but LLaMA-family models were trained with every document starting with it, so
+        prompting them needs it)."""
+        ids = self._processor.encode(text, out_type=int)
+        if not add_bos:
+            return ids
+        if self.bos_id is None:
+            raise VocabError(f"{self.path} defines no BOS piece, so none can be added")
+        return [self.bos_id, *ids]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of many texts; SentencePiece spreads the batch over all CPU threads."""

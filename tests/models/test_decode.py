@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from paxlite.models.activations import Activation
 from paxlite.models.decode import SamplingConfig, generate, sample_logits
@@ -129,22 +130,81 @@ def test_too_long_and_out_of_vocabulary_prompts() -> None:
         generate(cfg, params, [[1, 32]], max_new_tokens=2)
 
 
-def test_sharded_generation_equals_one_device() -> None:
-    """(2,2,2,1) mesh under the trainer's rules: params FSDP x tensor sharded, the batch and the
-    cache over the batch axes (the cache's logical axes are the k/v activations'); same tokens."""
-    from flax import linen as nn
-    from jax.sharding import AxisType
+# Each case's rules and the sharding they give each cache leaf, written out by hand: the batch over
+# data x fsdp x expert, the heads of keys and values over tensor, the cache length whole.
+BATCH = ("data", "fsdp", "expert")
+SHARDED_CASES = {
+    # GQA keys/values have their own head axis name, replicated by DEFAULT_RULES: a rule shards it
+    "llama_gqa_kv_heads_over_tensor": (
+        dict(cfg="llama", batch_multiple=4), (("activation_kv_heads", "tensor"),),
+        {"cached_key": P(BATCH, None, "tensor", None), "cached_value": P(BATCH, None, "tensor", None),
+         "cached_positions": P(BATCH, None), "cache_index": P()}),
+    # multi-head attention: the cache has training's head axis, over tensor in DEFAULT_RULES; a
+    # scanned stack puts the layers first
+    "gpt_scanned": (
+        # no batch_multiple: generate pads the 3 rows to the batch split (4) itself
+        dict(cfg="gpt_scanned", batch_multiple=1), (),
+        {"cached_key": P(None, BATCH, None, "tensor", None),
+         "cached_value": P(None, BATCH, None, "tensor", None),
+         "cached_positions": P(None, BATCH, None), "cache_index": P(None)}),
+}
 
+
+@pytest.mark.parametrize("case", list(SHARDED_CASES))
+def test_sharded_generation_equals_one_device_with_the_cache_sharded_by_the_rules(case: str) -> None:
+    """(2,2,2,1) mesh under the trainer's rules: params FSDP x tensor sharded, the batch and the
+    cache over the batch axes and the kv heads over tensor (the cache's logical axes are the k/v
+    activations'), each device holding only its shard of it; same tokens as one device."""
+    from flax import linen as nn
+    from jax.sharding import AxisType, NamedSharding
+
+    from paxlite.models.decode import generate_with_cache
     from paxlite.models.transformer import logical_param_axes
     from paxlite.parallel.rules import DEFAULT_RULES
 
-    cfg = llama(num_heads=4, num_kv_heads=2)
+    which, extra_rules, want_specs = SHARDED_CASES[case]
+    cfg = llama(num_heads=4, num_kv_heads=2) if which["cfg"] == "llama" else CONFIGS[which["cfg"]]
+    rules = (*DEFAULT_RULES, *extra_rules)
     params = _params(cfg)
-    prompts = PROMPTS  # 3 rows, made 4 (batch_multiple) for the batch axes (data x fsdp)
+    prompts = PROMPTS  # 3 rows, made 4 for the batch axes (data x fsdp)
     want = generate(cfg, params, prompts, max_new_tokens=NEW)
     mesh = jax.make_mesh((2, 2, 2, 1), ("data", "fsdp", "tensor", "expert"),
                          axis_types=(AxisType.Auto,) * 4)
-    shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, DEFAULT_RULES)
+    shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, rules)
     sharded = jax.device_put(params, shardings)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
-        assert generate(cfg, sharded, prompts, max_new_tokens=NEW, batch_multiple=4) == want
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        got = generate_with_cache(cfg, sharded, prompts, max_new_tokens=NEW,
+                                  batch_multiple=which["batch_multiple"])
+    assert got.ids == want
+    leaves = jax.tree_util.tree_leaves_with_path(got.cache)
+    assert len(leaves) == 4 * (1 if cfg.scan_layers else cfg.num_layers)
+    for path, leaf in leaves:
+        spec = want_specs[path[-1].key]
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (
+            jax.tree_util.keystr(path), leaf.sharding)
+        if path[-1].key == "cached_key":  # each device: a quarter of the rows, half the heads
+            whole = leaf.shape
+            local = {tuple(s.data.shape) for s in leaf.addressable_shards}
+            rows = 1 if cfg.scan_layers else 0
+            assert local == {(*whole[:rows], whole[rows] // 4, whole[rows + 1],
+                              whole[rows + 2] // 2, whole[rows + 3])}
+
+
+def test_the_cache_is_donated_to_prefill_and_every_step() -> None:
+    """The cache passed in is consumed (its buffers reused for the updated one), so a device never
+    holds two copies of its cache."""
+    from paxlite.models import decode
+
+    cfg = CONFIGS["llama_gqa"]
+    params = _params(cfg)
+    model = Transformer(cfg)
+    steps = decode._make_steps(model, SamplingConfig(), 8, None, None, ())
+    cache = decode.init_cache(model, batch=2, max_len=8)
+    tokens = jnp.asarray([[3, 4, 5], [0, 6, 7]], jnp.int32)
+    pad = jnp.asarray([0, 1], jnp.int32)
+    seed = jnp.asarray(0, jnp.uint32)
+    token, updated = steps.prefill(params, cache, tokens, pad, seed)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
+    _, last = steps.step(params, updated, token, pad, jnp.int32(3), seed, jnp.int32(1))
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(updated))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(last))
