@@ -104,10 +104,14 @@ def _convert_replacing(request: ConvertRequest, target: str) -> Pretrained | Con
     return result
 
 
+TOKENIZER_SETTINGS_FILE = "tokenizer_config.json"
+
+
 def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     """Reads the input, checks it against --fdl_config if given, writes the output. A paxlite
     output of an HF or Meta input also gets the input's own ``tokenizer.model`` (when it has one),
-    so that ``python -m paxlite generate --checkpoint=OUTPUT --prompt=...`` finds it. An existing
+    and an HF input's ``tokenizer_config.json``, so that ``python -m paxlite generate
+    --checkpoint=OUTPUT --prompt=...`` finds the tokenizer and whether to add BOS. An existing
     output is refused unless ``overwrite`` (and it is an earlier conversion's output)."""
     import shutil
 
@@ -129,6 +133,10 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     result = _convert(request)
     if tokenizer is not None:
         shutil.copyfile(tokenizer, os.path.join(request.output, hf_write.TOKENIZER_FILE))
+        # transformers' tokenizer settings beside it: `generate` reads add_bos_token from there
+        settings = os.path.join(os.path.dirname(tokenizer), TOKENIZER_SETTINGS_FILE)
+        if request.source is Source.HF and os.path.isfile(settings):
+            shutil.copyfile(settings, os.path.join(request.output, TOKENIZER_SETTINGS_FILE))
     return result
 
 

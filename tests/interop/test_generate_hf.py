@@ -83,6 +83,8 @@ def test_text_prompts_of_a_converted_llama_start_with_bos_as_in_transformers(
                  f"--output={tmp_path / 'pax'}"]) == 0
     assert (tmp_path / "pax" / "tokenizer.model").read_bytes() == (
         with_tokenizer / "tokenizer.model").read_bytes()
+    assert (tmp_path / "pax" / "tokenizer_config.json").read_bytes() == (  # add_bos_token with it
+        with_tokenizer / "tokenizer_config.json").read_bytes()
     hf_tokenizer = AutoTokenizer.from_pretrained(with_tokenizer)
     sp = spm.SentencePieceProcessor(model_file=str(with_tokenizer / "tokenizer.model"))
     vocab, eos = sp.get_piece_size(), sp.eos_id()
