@@ -10,6 +10,7 @@ import fiddle as fdl
 import pytest
 
 from paxlite import plan as plan_lib
+from paxlite import plan_search
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import num_params
@@ -162,7 +163,7 @@ def test_gradient_accumulation_lever_lowers_the_peak(lever_plan):
 
 
 def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(monkeypatch):
-    monkeypatch.setattr(plan_lib, "_MAX_COMPILED_LEVERS", 1)  # only the fsdp move: one more compile
+    monkeypatch.setattr(plan_search, "_MAX_COMPILED_LEVERS", 1)  # only the fsdp move: one more compile
     plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1,1]", "DCN_MESH_SHAPE=[1,1,1]", num_devices=2,
                       device_memory_gib=1e-4)
     assert plan["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 1}
