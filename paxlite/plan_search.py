@@ -79,9 +79,10 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
     from paxlite.models.transformer import Transformer
     from paxlite.parallel import mesh as mesh_lib
     from paxlite.parallel import rules as rules_lib
+    from paxlite.train.grad_accum import microbatch_size
     from paxlite.train.optimizer import make_optimizer
     from paxlite.train.schedules import make_schedule
-    from paxlite.train.step import compile_steps, microbatch_size
+    from paxlite.train.step import compile_steps
 
     devices = jax.devices()
     if devices[0].platform != "cpu" or len(devices) < num_devices:

@@ -2,7 +2,7 @@
 
 Pax's score does not compare the answer with every word the model could say, only with the other
 answer: at each target position the logit of the right answer must exceed the logit of the wrong
-one (`paxlite.train.step.choice_correct` counts those positions per row). The examples, prompts and
+one (`paxlite.train.losses.choice_correct` counts those positions per row). The examples, prompts and
 batches are built by `paxlite.data.boolq`; this module only scores what the model produced.
 """
 

@@ -10,15 +10,15 @@ Robustness rules, because a checkpoint directory holds days of compute:
   aside (Orbax would delete it) rather than lost.
 - Restoring walks back from the latest step, but only past checkpoints that are *damaged*: no
   commit marker, missing or garbled metadata, missing or truncated array files, failed integrity
-  checks (`_is_damage`). Those are reported with a warning; once an older one restores, they are
-  moved to `<directory>_corrupted/<name>` - never deleted - so a later save of the same step cannot
-  collide with them. Any other failure (a permission or transient I/O error) stops with
-  `CheckpointReadError` and moves nothing: an older checkpoint would silently discard progress.
-  A checkpoint that is intact but holds another train state (another model shape) stops with
-  `CheckpointMismatchError`, naming the entries; the one exception is optimizer state saved in
-  the earlier layout of the optax chain (disabled stages left out), which is read into the current
-  one (`opt_state_layout.py`). If none restores, nothing is moved and the error
-  lists every checkpoint: silently starting from scratch would discard a run.
+  checks (`is_damage`, train/checkpoint_damage.py). Those are reported with a warning; once an
+  older one restores, they are moved to `<directory>_corrupted/<name>` - never deleted - so a later
+  save of the same step cannot collide with them. Any other failure (a permission or transient I/O
+  error) stops with `CheckpointReadError` and moves nothing: an older checkpoint would silently
+  discard progress. A checkpoint that is intact but holds another train state (another model
+  shape) stops with `CheckpointMismatchError`, naming the entries (train/checkpoint_match.py); the
+  one exception is optimizer state saved in the earlier layout of the optax chain (disabled stages
+  left out), which is read into the current one (`opt_state_layout.py`). If none restores, nothing
+  is moved and the error lists every checkpoint: silently starting from scratch would discard a run.
 - The data record of a step is restored together with its state, so both come from one step.
 - A save never overwrites: an existing step directory is an error.
 - Every process acts on one answer about the directory, process 0's: which steps exist, whether a
@@ -33,10 +33,7 @@ Robustness rules, because a checkpoint directory holds days of compute:
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import functools
-import json
 import os
 import types
 from collections.abc import Callable
@@ -52,6 +49,19 @@ from jax.experimental import multihost_utils
 from paxlite.errors import RunStoppedError, UserError
 from paxlite.parallel import multihost
 from paxlite.train import opt_state_layout as layout
+from paxlite.train.checkpoint_damage import (
+    CheckpointDamagedError,
+    Outcome,
+    incomplete,
+    is_damage,
+    short_error,
+    worst_over_processes,
+)
+from paxlite.train.checkpoint_match import (
+    earlier_optimizer_layout,
+    mismatches,
+    without_absent_empty_fields,
+)
 
 PyTree = Any
 
@@ -60,10 +70,6 @@ _STEP_DIGITS = 8
 _ITEM = "state"
 _DATA_ITEM = "data"  # the input iterators' positions, one JSON object per process
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-_COMMIT_MARKER = "commit_success.txt"  # written by Orbax when a save is finalised
-_STEP_METADATA = "_CHECKPOINT_METADATA"
-# TensorStore status codes that mean "the bytes are not there or not what was written".
-_DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
 
 
 class CheckpointExistsError(UserError, FileExistsError):
@@ -72,10 +78,6 @@ class CheckpointExistsError(UserError, FileExistsError):
 
 class NoRestorableCheckpointError(UserError, RuntimeError):
     """Checkpoints exist but none of them can be restored."""
-
-
-class CheckpointDamagedError(RuntimeError):
-    """A checkpoint's files are incomplete or unreadable as written (it may be set aside)."""
 
 
 class CheckpointReadError(RunStoppedError, RuntimeError):
@@ -88,63 +90,6 @@ class CheckpointMismatchError(UserError, ValueError):
 
 class CheckpointViewsDifferError(RunStoppedError, RuntimeError):
     """Some process still lists a step that process 0 found absent; nothing was saved."""
-
-
-def _leaf_name(path: tuple) -> str:
-    """'opt_state/1/mu/layers_0/mlp/wi/kernel' for both saved metadata and the abstract state."""
-    keys = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
-    return "/".join(str(k) for k in keys)
-
-
-def _shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
-    return {
-        _leaf_name(path): tuple(leaf.shape)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-
-
-def mismatches(saved: PyTree, expected: PyTree) -> list[str]:
-    """Every entry that differs between a saved tree's metadata and the expected tree, named."""
-    have, want = _shapes(saved), _shapes(expected)
-    problems = [f"  {name}: in the checkpoint {have[name]}, not in this run"
-                for name in sorted(set(have) - set(want))]
-    problems += [f"  {name}: expected by this run {want[name]}, not in the checkpoint"
-                 for name in sorted(set(want) - set(have))]
-    problems += [f"  {name}: checkpoint shape {have[name]}, this run's shape {want[name]}"
-                 for name in sorted(set(have) & set(want)) if have[name] != want[name]]
-    return problems
-
-
-def _earlier_optimizer_layout(
-    saved: PyTree, abstract_state: PyTree
-) -> layout.EarlierLayout | None:
-    """The earlier optimizer layout `saved` (a checkpoint's metadata) has, if, with its Adam state
-    and schedule count moved to their current positions, it matches `abstract_state` exactly."""
-    current = layout.opt_state_of(abstract_state)
-    if not isinstance(saved, dict) or not isinstance(current, tuple):
-        return None
-    earlier = layout.earlier_layout(saved.get("opt_state"))
-    if earlier is None or len(current) != layout.NUM_STAGES:
-        return None
-    mapped = layout.with_opt_state(saved, earlier.as_current(saved["opt_state"]))
-    return None if mismatches(mapped, abstract_state) else earlier
-
-
-def _without_absent_empty_fields(saved: PyTree, target: PyTree) -> tuple[PyTree, Any]:
-    """(restore target, rebuild) for a state whose empty fields an older checkpoint lacks.
-
-    A train state field that holds nothing in this run (the FP8 state of a model without FP8) and
-    is absent from the checkpoint (saved before the field existed) is left out of the restore, and
-    `rebuild` puts the restored entries back into the state type. Otherwise (target, None).
-    """
-    if not dataclasses.is_dataclass(target) or not isinstance(saved, dict):
-        return target, None
-    fields = [f.name for f in dataclasses.fields(target)]
-    absent = [n for n in fields if n not in saved and not jax.tree.leaves(getattr(target, n))]
-    if not absent:
-        return target, None
-    kept = {n: getattr(target, n) for n in fields if n not in absent}
-    return kept, lambda restored: dataclasses.replace(target, **restored)
 
 
 def layer_chunked_save_args(state: PyTree) -> PyTree:
@@ -161,75 +106,6 @@ def layer_chunked_save_args(state: PyTree) -> PyTree:
         return ocp.SaveArgs(shard_axes=(0,) if stacked and np.ndim(leaf) >= 1 else ())
 
     return jax.tree_util.tree_map_with_path(args, state)
-
-
-def incomplete(step_dir: epath.Path) -> str | None:
-    """Why `step_dir` is not a finished checkpoint, or None.
-
-    Finished: a commit marker, or (checkpoints of Orbax versions without one) step metadata with
-    a commit time. FileNotFoundError counts as "missing"; any other OSError propagates.
-    """
-    if (step_dir / _COMMIT_MARKER).exists():
-        return None
-    try:
-        metadata = json.loads((step_dir / _STEP_METADATA).read_text())
-    except FileNotFoundError:
-        return f"no {_COMMIT_MARKER} and no {_STEP_METADATA}: the save or copy did not finish"
-    except ValueError as error:
-        return f"{_STEP_METADATA} is not valid JSON ({error})"
-    if not isinstance(metadata, dict) or not metadata.get("commit_timestamp_nsecs"):
-        return f"no {_COMMIT_MARKER} and no commit time in {_STEP_METADATA}: not finished"
-    return None
-
-
-def _causes(error: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    while error is not None and error not in chain and len(chain) < 10:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    return chain
-
-
-def is_damage(error: BaseException) -> bool:
-    """Whether `error` proves the checkpoint's bytes are missing or wrong (not merely unreadable now).
-
-    Damage: a missing file, garbled JSON metadata, TensorStore's NOT_FOUND / OUT_OF_RANGE (a
-    truncated file) / DATA_LOSS (failed checksum), or our own integrity check. Not damage: any other
-    OSError (permissions, EIO, a stale network mount), other TensorStore codes, and anything unknown.
-    """
-    chain = _causes(error)
-    if any(isinstance(e, OSError) and not isinstance(e, FileNotFoundError) for e in chain):
-        return False
-    for e in chain:
-        if isinstance(e, (CheckpointDamagedError, FileNotFoundError, json.JSONDecodeError)):
-            return True
-        text = str(e).lstrip()
-        if any(text.startswith(f"{code}:") for code in _DAMAGE_CODES):
-            return True
-    return False
-
-
-class _Outcome(enum.IntEnum):
-    """One process's result for one step; the worst over processes decides (all agree)."""
-
-    RESTORED = 0
-    DAMAGED = 1
-    FATAL = 2
-
-
-def _short(error: BaseException) -> str:
-    """First line of an error, capped: TensorStore errors embed a page-long spec."""
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    text = f"{type(error).__name__}: {first_line}"
-    return text if len(text) <= 400 else text[:400] + "..."
-
-
-def _worst_over_processes(outcome: _Outcome) -> _Outcome:
-    """The worst outcome over all processes, so every process restores the same step or stops."""
-    if jax.process_count() == 1:
-        return outcome
-    codes = multihost_utils.process_allgather(np.array(int(outcome), dtype=np.int32))
-    return _Outcome(int(np.max(codes)))
 
 
 class Checkpointer:
@@ -363,8 +239,8 @@ class Checkpointer:
             if isinstance(error, UserError):
                 raise
             raise CheckpointReadError(
-                f"Could not {what} ({_short(error)}). This is not a sign of damage, so nothing "
-                "was moved; fix the cause (permissions, storage) and rerun.") from error
+                f"Could not {what} ({short_error(error)}). This is not a sign of damage, so "
+                "nothing was moved; fix the cause (permissions, storage) and rerun.") from error
 
     def restore_data(self, step: int) -> Any:
         """The data record saved with `step`, or None if that checkpoint has none.
@@ -413,18 +289,18 @@ class Checkpointer:
                                   what=f"check that {self.step_path(step)} is finished")
             outcome, restored, error = self._try_restore(
                 step, abstract_state, problem=check["problem"], has_data=check["data"])
-            worst = _worst_over_processes(outcome)
-            if worst is _Outcome.RESTORED:
+            worst = worst_over_processes(outcome)
+            if worst is Outcome.RESTORED:
                 self._set_aside_failures([s for s, _ in failures])
                 state, data = restored
                 return step, state, data
-            if worst is _Outcome.FATAL:
+            if worst is Outcome.FATAL:
                 if error is None:
                     raise CheckpointReadError(
                         f"Checkpoint {self.step_path(step)} could not be read on another process "
                         "(see its log); nothing was moved.")
                 raise error
-            reason = _short(error) if error is not None else "damaged on another process"
+            reason = short_error(error) if error is not None else "damaged on another process"
             logging.warning(
                 "Checkpoint %s is damaged (%s); trying the previous one.",
                 self.step_path(step), reason,
@@ -450,7 +326,7 @@ class Checkpointer:
 
     def _try_restore(
         self, step: int, abstract_state: PyTree, *, problem: str | None, has_data: bool
-    ) -> tuple[_Outcome, tuple[PyTree, Any] | None, BaseException | None]:
+    ) -> tuple[Outcome, tuple[PyTree, Any] | None, BaseException | None]:
         """Restores one step's state and data record on this process, classifying any failure.
 
         `problem` (why the step is not finished) and `has_data` are process 0's answers, the same
@@ -467,9 +343,9 @@ class Checkpointer:
                 handler.close()
             saved_tree = getattr(saved, "tree", saved)
             problems = mismatches(saved_tree, abstract_state)
-            earlier = _earlier_optimizer_layout(saved_tree, abstract_state) if problems else None
+            earlier = earlier_optimizer_layout(saved_tree, abstract_state) if problems else None
             if problems and earlier is None:
-                return _Outcome.FATAL, None, CheckpointMismatchError(
+                return Outcome.FATAL, None, CheckpointMismatchError(
                     f"Checkpoint {path} is intact but does not match this run's train state "
                     f"({len(problems)} entries):\n" + "\n".join(problems[:20])
                     + ("\n  ..." if len(problems) > 20 else "")
@@ -479,7 +355,7 @@ class Checkpointer:
                     f"--fdl.CHECKPOINT_RESTORE_PATH={path} (fresh optimizer state).")
             target = abstract_state if earlier is None else layout.with_opt_state(
                 abstract_state, earlier.restore_target(layout.opt_state_of(abstract_state)))
-            target, rebuild = _without_absent_empty_fields(saved_tree, target)
+            target, rebuild = without_absent_empty_fields(saved_tree, target)
             items = {_ITEM: ocp.args.StandardRestore(target)}
             if has_data:
                 items[_DATA_ITEM] = ocp.args.JsonRestore()
@@ -496,16 +372,16 @@ class Checkpointer:
                     "Checkpoint %s holds the optimizer state of the earlier layout (%d stages, "
                     "disabled ones left out); its Adam state and schedule count were mapped "
                     "into the current %d-stage layout.", path, earlier.length, len(current))
-            return _Outcome.RESTORED, (state, data), None
+            return Outcome.RESTORED, (state, data), None
         except Exception as error:  # noqa: BLE001 - TensorStore raises bare Exception.
             if is_damage(error):
-                return _Outcome.DAMAGED, None, error
+                return Outcome.DAMAGED, None, error
             read_error = CheckpointReadError(
-                f"Checkpoint {path} could not be read ({_short(error)}). This is not a sign of "
-                "damage, so nothing was moved and no older checkpoint was used; fix the cause "
+                f"Checkpoint {path} could not be read ({short_error(error)}). This is not a sign "
+                "of damage, so nothing was moved and no older checkpoint was used; fix the cause "
                 "(permissions, storage) and rerun.")
             read_error.__cause__ = error
-            return _Outcome.FATAL, None, read_error
+            return Outcome.FATAL, None, read_error
 
     def all_steps(self) -> list[int]:
         """Saved (and in-progress) steps, ascending, as process 0 knows them.

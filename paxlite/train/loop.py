@@ -4,12 +4,12 @@ The loop owns everything impure (time, files, host transfers); the steps stay pu
 critical path: batches are built and put on the devices by a producer thread ahead of the step
 (data/prefetch.py), and each step's metrics stay on the device until a summary, evaluation or checkpoint boundary,
 where they are read in one transfer with a finiteness flag per step (train/device_metrics.py); between
-boundaries the host waits for nothing but a bound on how far it runs ahead.
+boundaries the host waits for nothing but a bound on how far it runs ahead. The evaluation loop itself
+is train/eval_loop.py.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import math
@@ -23,11 +23,9 @@ from absl import logging
 from flax import traverse_util
 
 from paxlite.data.errors import DatasetError
-from paxlite.data.feed import make_feed, prefetch_eval_batches, prefetch_train_batches
+from paxlite.data.feed import make_feed, prefetch_train_batches
 from paxlite.data.feeding import plan_feeding
 from paxlite.errors import NotFoundError, RunStoppedError
-from paxlite.eval.boolq import boolq_acc
-from paxlite.eval.lambada import acc_strict
 from paxlite.models.lora import is_lora_path
 from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
 from paxlite.models.transformer import Transformer
@@ -36,19 +34,15 @@ from paxlite.parallel import rules as rules_lib
 from paxlite.train import device_metrics, pretrained
 from paxlite.train import flops as flops_lib
 from paxlite.train.checkpoint import Checkpointer
+from paxlite.train.eval_loop import Evaluator
+from paxlite.train.grad_accum import microbatch_size
 from paxlite.train.metrics import MetricsWriter
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.preemption import Preemption
 from paxlite.train.profiling import StepProfiler
 from paxlite.train.run_config import RunConfig
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import (
-    CompiledSteps,
-    TrainState,
-    compile_steps,
-    join_params,
-    microbatch_size,
-)
+from paxlite.train.step import CompiledSteps, TrainState, compile_steps, join_params
 from paxlite.train.watchdog import Watchdog
 
 # Steps (and evaluation batches) the host may dispatch beyond the newest one known to be computed:
@@ -165,7 +159,9 @@ class Run:
         # checkpoint was written and committed (not with --enable_checkpoint_saving=false).
         self.preempted_at: int | None = None
         self.preempted_saved = False
-        self._eval_compiled = False  # the first evaluation batch compiles (not timed by the watchdog)
+        # Knows whether the eval step has compiled: the first batch compiles (not timed by the watchdog).
+        self._evaluator = Evaluator(self.steps, self.mesh, num_batches=config.loop.eval_num_batches,
+                                    steps_ahead=_STEPS_AHEAD)
         if config.loop.checkpoint_restore_path is not None and not self.checkpointer.all_steps():
             try:
                 self._pretrained_plan = self._check_restore_path(config.loop.checkpoint_restore_path)
@@ -265,60 +261,9 @@ class Run:
 
     # ---------------------------------------------------------------- eval
     def evaluate(self, state: TrainState, *, watchdog: Watchdog | None = None) -> dict[str, float]:
-        """Eval metrics over EVAL_LOOP_NUM_BATCHES batches (built ahead by a producer thread); the
-        sums are accumulated on the device and read once, with the per-example scores.
-
-        The host runs at most _STEPS_AHEAD batches ahead of the device, and `watchdog` is told of
-        each batch computed: a long evaluation is progress, not a hang. The first batch of a run
-        compiles, which the watchdog does not time."""
-        totals = device_metrics.eval_totals_init()
-        per_example: dict[str, list[jax.Array]] = {"correct": [], "targets": [], "weights": [], "choice": []}
-        dispatched: collections.deque[dict] = collections.deque()  # totals of batches maybe not computed
-        with jax.set_mesh(self.mesh), contextlib.closing(prefetch_eval_batches(
-                self.eval_data, num_batches=self.config.loop.eval_num_batches,
-                sharding=self.steps.batch_sharding)) as batches:
-            for batch in batches:
-                if not self._eval_compiled and watchdog is not None:
-                    with watchdog.compiling():
-                        out = jax.block_until_ready(self.steps.eval(state.params, batch, state.fp8))
-                else:
-                    out = self.steps.eval(state.params, batch, state.fp8)
-                self._eval_compiled = True
-                totals = device_metrics.eval_totals_add(totals, out)
-                dispatched.append(totals)
-                if len(dispatched) > _STEPS_AHEAD:
-                    jax.block_until_ready(dispatched.popleft())  # computed: that batch is progress
-                    if watchdog is not None:
-                        watchdog.beat()
-                if "example_weights" in out:
-                    per_example["correct"].append(out["correct_tokens"])
-                    per_example["targets"].append(out["target_tokens"])
-                    per_example["weights"].append(out["example_weights"])
-                if "choice_correct" in out:  # a two-way choice per example (BoolQ)
-                    per_example["choice"].append(out["choice_correct"])
-            host_totals, per_example = jax.device_get((totals, per_example))
-        sums = device_metrics.eval_totals_value(host_totals)
-        if sums["target_tokens"] == 0:
-            raise DatasetError("the evaluation data has no weighted tokens; nothing to evaluate")
-        loss = sums["loss_sum"] / sums["target_tokens"]
-        metrics = {
-            "loss": loss,
-            "accuracy": sums["correct_tokens"] / sums["target_tokens"],
-            "log_pplx": loss,
-            "num_tokens": sums["target_tokens"],
-        }
-        if per_example["choice"]:  # Pax's boolq_acc: the right answer's logit beats the other's
-            metrics[f"{self.eval_data.metric_prefix}acc"] = boolq_acc(
-                choice_correct=np.concatenate(per_example["choice"]),
-                example_weights=np.concatenate(per_example["weights"]),
-            )
-        elif per_example["weights"]:
-            metrics[f"{self.eval_data.metric_prefix}acc_strict"] = acc_strict(
-                correct_tokens=np.concatenate(per_example["correct"]),
-                target_tokens=np.concatenate(per_example["targets"]),
-                example_weights=np.concatenate(per_example["weights"]),
-            )
-        return metrics
+        """Eval metrics over EVAL_LOOP_NUM_BATCHES batches of the eval data (train/eval_loop.py);
+        `watchdog` is told of each batch computed: a long evaluation is progress, not a hang."""
+        return self._evaluator.evaluate(state, self.eval_data, watchdog=watchdog)
 
     def run_eval(self) -> dict[str, float]:
         """--mode=eval: evaluate the latest checkpoint of the job; without one, the parameters

@@ -33,7 +33,7 @@ from paxlite.errors import SettingError, UserError
 from paxlite.models.transformer import TransformerConfig
 from paxlite.paths import staged_output
 from paxlite.train import checkpoint, pax_layout
-from paxlite.train.checkpoint import incomplete, is_damage
+from paxlite.train.checkpoint_damage import incomplete, is_damage
 
 PyTree = Any
 

@@ -22,7 +22,7 @@ from paxlite.eval.boolq import boolq_acc
 from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import Transformer
 from paxlite.train.loop import Run, RunContext
-from paxlite.train.step import choice_correct
+from paxlite.train.losses import choice_correct
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,7 +13,7 @@ import sentencepiece as spm
 
 from paxlite.data.lambada import BATCH_KEYS, lambada_batches, read_lambada, split_lambada
 from paxlite.eval.lambada import acc_strict
-from paxlite.train.step import per_example_scores
+from paxlite.train.losses import per_example_scores
 
 _WORDS = (
     "the cat sat on a mat and looked at dog who ran down road with big red ball while old man sang"

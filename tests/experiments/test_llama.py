@@ -20,7 +20,7 @@ from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import PositionEmbedding, Transformer
 from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
-from paxlite.train.step import loss_fn
+from paxlite.train.losses import loss_fn
 from tests.experiments.traced import traced_num_params, traced_variables
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -21,9 +21,10 @@ from paxlite.parallel.mesh import (
     check_mesh_fits,
     global_batch_size,
 )
+from paxlite.train.grad_accum import microbatch_size
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import compile_steps, microbatch_size
+from paxlite.train.step import compile_steps
 
 
 def _ids(mesh) -> list:

@@ -23,7 +23,8 @@ from paxlite.models.transformer import LLAMA_ARCHITECTURE, Transformer, Transfor
 from paxlite.models.transformer_config import NormKind, PositionEmbedding
 from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
-from paxlite.train.step import compile_steps, loss_fn
+from paxlite.train.losses import loss_fn
+from paxlite.train.step import compile_steps
 from tests.host_params import random_host_params
 
 SEQ, ROWS, VOCAB = 16, 8, 128

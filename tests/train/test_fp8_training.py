@@ -22,9 +22,10 @@ from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import Transformer
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.checkpoint import Checkpointer
+from paxlite.train.losses import loss_fn
 from paxlite.train.optimizer import global_norm, make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import compile_steps, loss_fn
+from paxlite.train.step import compile_steps
 
 GLOBAL_BATCH = 8
 # TinySynthetic shrunk further (and bf16 compute, as FP8 runs are): cheap on 2 CPU cores.

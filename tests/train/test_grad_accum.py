@@ -20,14 +20,10 @@ from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import build_run_config, load_experiment
 from paxlite.models.transformer import Transformer, TransformerConfig, abstract_variables
 from paxlite.parallel.mesh import MeshConfig, build_mesh
+from paxlite.train.grad_accum import microbatch_size, split_microbatches
 from paxlite.train.loop import Run, RunContext
-from paxlite.train.step import (
-    TrainState,
-    compile_steps,
-    loss_fn,
-    microbatch_size,
-    split_microbatches,
-)
+from paxlite.train.losses import loss_fn
+from paxlite.train.step import TrainState, compile_steps
 
 SEQ = 8
 CFG = TransformerConfig(vocab_size=32, num_layers=2, model_dims=16, num_heads=2, dims_per_head=8,

@@ -71,7 +71,9 @@ def test_gradient_accumulation_with_moe_losses():
     from paxlite.models.moe_config import MoeConfig, MoeRouting
     from paxlite.models.transformer import Transformer, TransformerConfig
     from paxlite.parallel.mesh import MeshConfig, build_mesh
-    from paxlite.train.step import compile_steps, loss_fn, split_microbatches
+    from paxlite.train.grad_accum import split_microbatches
+    from paxlite.train.losses import loss_fn
+    from paxlite.train.step import compile_steps
 
     config = TransformerConfig(
         vocab_size=64, num_layers=2, model_dims=16, num_heads=2, dims_per_head=8, hidden_dims=32,

@@ -17,9 +17,10 @@ from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
+from paxlite.train.losses import loss_fn
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import TrainState, compile_steps, loss_fn
+from paxlite.train.step import TrainState, compile_steps
 from tests.host_params import random_host_params
 
 GLOBAL_BATCH = 8

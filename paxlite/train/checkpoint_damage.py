@@ -1,0 +1,97 @@
+"""Whether a checkpoint that failed to restore is damaged, or only unreadable now.
+
+Apart from the checkpointer (train/checkpoint.py) because this judgement decides what happens to a
+user's files, and other readers make it too (train/pretrained.py): a *damaged* checkpoint (no commit
+marker, garbled metadata, missing or truncated array files, failed integrity checks) may be walked
+past and set aside, while any other failure (permissions, a transient I/O error) must stop the run
+and move nothing. With several processes each one classifies its own failure and the worst outcome
+over all of them decides, so every process restores the same step or stops.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import jax
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
+
+_COMMIT_MARKER = "commit_success.txt"  # written by Orbax when a save is finalised
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+# TensorStore status codes that mean "the bytes are not there or not what was written".
+_DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
+
+
+class CheckpointDamagedError(RuntimeError):
+    """A checkpoint's files are incomplete or unreadable as written (it may be set aside)."""
+
+
+def incomplete(step_dir: epath.Path) -> str | None:
+    """Why `step_dir` is not a finished checkpoint, or None.
+
+    Finished: a commit marker, or (checkpoints of Orbax versions without one) step metadata with
+    a commit time. FileNotFoundError counts as "missing"; any other OSError propagates.
+    """
+    if (step_dir / _COMMIT_MARKER).exists():
+        return None
+    try:
+        metadata = json.loads((step_dir / _STEP_METADATA).read_text())
+    except FileNotFoundError:
+        return f"no {_COMMIT_MARKER} and no {_STEP_METADATA}: the save or copy did not finish"
+    except ValueError as error:
+        return f"{_STEP_METADATA} is not valid JSON ({error})"
+    if not isinstance(metadata, dict) or not metadata.get("commit_timestamp_nsecs"):
+        return f"no {_COMMIT_MARKER} and no commit time in {_STEP_METADATA}: not finished"
+    return None
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while error is not None and error not in chain and len(chain) < 10:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether `error` proves the checkpoint's bytes are missing or wrong (not merely unreadable now).
+
+    Damage: a missing file, garbled JSON metadata, TensorStore's NOT_FOUND / OUT_OF_RANGE (a
+    truncated file) / DATA_LOSS (failed checksum), or our own integrity check. Not damage: any other
+    OSError (permissions, EIO, a stale network mount), other TensorStore codes, and anything unknown.
+    """
+    chain = _causes(error)
+    if any(isinstance(e, OSError) and not isinstance(e, FileNotFoundError) for e in chain):
+        return False
+    for e in chain:
+        if isinstance(e, (CheckpointDamagedError, FileNotFoundError, json.JSONDecodeError)):
+            return True
+        text = str(e).lstrip()
+        if any(text.startswith(f"{code}:") for code in _DAMAGE_CODES):
+            return True
+    return False
+
+
+class Outcome(enum.IntEnum):
+    """One process's result for one step; the worst over processes decides (all agree)."""
+
+    RESTORED = 0
+    DAMAGED = 1
+    FATAL = 2
+
+
+def short_error(error: BaseException) -> str:
+    """First line of an error, capped: TensorStore errors embed a page-long spec."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = f"{type(error).__name__}: {first_line}"
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+def worst_over_processes(outcome: Outcome) -> Outcome:
+    """The worst outcome over all processes, so every process restores the same step or stops."""
+    if jax.process_count() == 1:
+        return outcome
+    codes = multihost_utils.process_allgather(np.array(int(outcome), dtype=np.int32))
+    return Outcome(int(np.max(codes)))

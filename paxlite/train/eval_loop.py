@@ -1,0 +1,95 @@
+"""The evaluation loop: eval batches through the compiled eval step, into eval metrics.
+
+Apart from the train loop (train/loop.py) because evaluating is a loop of its own, run both between
+training steps and alone (--mode=eval): it has its own feed, its own bound on how far the host runs
+ahead of the device, its own per-example scores read back in one transfer, and its own metrics (the
+loss and accuracy of the eval data, and the task scores of eval/: Lambada's acc_strict, BoolQ's
+boolq_acc).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from paxlite.data.errors import DatasetError
+from paxlite.data.feed import Feed, prefetch_eval_batches
+from paxlite.eval.boolq import boolq_acc
+from paxlite.eval.lambada import acc_strict
+from paxlite.train import device_metrics
+from paxlite.train.step import CompiledSteps, TrainState
+from paxlite.train.watchdog import Watchdog
+
+
+class Evaluator:
+    """Evaluates train states with one run's compiled eval step (`Run.evaluate`), and remembers
+    whether that step has compiled yet: only the first batch of a run compiles."""
+
+    def __init__(self, steps: CompiledSteps, mesh: Mesh, *, num_batches: int, steps_ahead: int):
+        self._steps = steps
+        self._mesh = mesh
+        self._num_batches = num_batches
+        self._steps_ahead = steps_ahead
+        self._compiled = False  # the first evaluation batch compiles (not timed by the watchdog)
+
+    def evaluate(self, state: TrainState, data: Feed, *,
+                 watchdog: Watchdog | None = None) -> dict[str, float]:
+        """Eval metrics over `num_batches` batches of `data` (built ahead by a producer thread);
+        the sums are accumulated on the device and read once, with the per-example scores.
+
+        The host runs at most `steps_ahead` batches ahead of the device, and `watchdog` is told of
+        each batch computed: a long evaluation is progress, not a hang. The first batch of a run
+        compiles, which the watchdog does not time."""
+        totals = device_metrics.eval_totals_init()
+        per_example: dict[str, list[jax.Array]] = {"correct": [], "targets": [], "weights": [], "choice": []}
+        dispatched: collections.deque[dict] = collections.deque()  # totals of batches maybe not computed
+        with jax.set_mesh(self._mesh), contextlib.closing(prefetch_eval_batches(
+                data, num_batches=self._num_batches,
+                sharding=self._steps.batch_sharding)) as batches:
+            for batch in batches:
+                if not self._compiled and watchdog is not None:
+                    with watchdog.compiling():
+                        out = jax.block_until_ready(
+                            self._steps.eval(state.params, batch, state.fp8))
+                else:
+                    out = self._steps.eval(state.params, batch, state.fp8)
+                self._compiled = True
+                totals = device_metrics.eval_totals_add(totals, out)
+                dispatched.append(totals)
+                if len(dispatched) > self._steps_ahead:
+                    jax.block_until_ready(dispatched.popleft())  # computed: that batch is progress
+                    if watchdog is not None:
+                        watchdog.beat()
+                if "example_weights" in out:
+                    per_example["correct"].append(out["correct_tokens"])
+                    per_example["targets"].append(out["target_tokens"])
+                    per_example["weights"].append(out["example_weights"])
+                if "choice_correct" in out:  # a two-way choice per example (BoolQ)
+                    per_example["choice"].append(out["choice_correct"])
+            host_totals, per_example = jax.device_get((totals, per_example))
+        sums = device_metrics.eval_totals_value(host_totals)
+        if sums["target_tokens"] == 0:
+            raise DatasetError("the evaluation data has no weighted tokens; nothing to evaluate")
+        loss = sums["loss_sum"] / sums["target_tokens"]
+        metrics = {
+            "loss": loss,
+            "accuracy": sums["correct_tokens"] / sums["target_tokens"],
+            "log_pplx": loss,
+            "num_tokens": sums["target_tokens"],
+        }
+        if per_example["choice"]:  # Pax's boolq_acc: the right answer's logit beats the other's
+            metrics[f"{data.metric_prefix}acc"] = boolq_acc(
+                choice_correct=np.concatenate(per_example["choice"]),
+                example_weights=np.concatenate(per_example["weights"]),
+            )
+        elif per_example["weights"]:
+            metrics[f"{data.metric_prefix}acc_strict"] = acc_strict(
+                correct_tokens=np.concatenate(per_example["correct"]),
+                target_tokens=np.concatenate(per_example["targets"]),
+                example_weights=np.concatenate(per_example["weights"]),
+            )
+        return metrics
