@@ -1,0 +1,81 @@
+"""Load-balanced token order for sequence (context) parallelism: MaxText's ``dual_chunk_swap``.
+
+Why: with the sequence sharded over C devices of a ``seq`` mesh axis, causal attention gives the
+device holding the last slice of the row far more (query, key) pairs to compute than the one holding
+the first (about 2C-1 : 1 of the unmasked pairs for contiguous slices). Split the
+row into 2·C chunks and give shard i chunks i and 2C-1-i: every shard then holds one early and one
+late chunk, and the unmasked pairs per shard are equal. The reorder happens once, where the batch is
+formed, on every per-token field together, so ``positions`` and ``segment_ids`` travel with their
+token: RoPE, the packed-segment mask and the loss weights keep following each token's true position
+while its slot in the row changes. The loss (a weighted sum over tokens) does not depend on the slot
+order; attention over a reordered row must mask by positions, not slots
+(models/context_parallel.py).
+
+Convention: ``order`` is a permutation of ``range(seq_len)``; the reordered row is
+``row[:, order]``, i.e. slot t holds the token that was at ``order[t]``; ``inverse_order(order)``
+undoes it (``reordered[:, inverse] == row``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+def dual_chunk_swap_order(seq_len: int, num_shards: int) -> np.ndarray:
+    """The permutation [seq_len] (int32) that gives shard i chunks i and 2C-1-i, in that order.
+
+    The row is cut into 2·C equal chunks of seq_len / (2C) tokens; shard i's contiguous slice of
+    the reordered row is chunk i followed by chunk 2C-1-i. A seq_len that 2C does not divide is a
+    ValueError naming both numbers (the chunks must be equal for the work to balance).
+    """
+    if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+        raise ValueError(f"num_shards={num_shards!r}: expected a positive integer (the seq axis size)")
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r}: expected a positive integer")
+    chunks = 2 * num_shards
+    if seq_len % chunks:
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by 2 * num_shards = {chunks} (dual_chunk_swap "
+            f"cuts the row into 2 equal chunks per shard of the seq axis, num_shards={num_shards})")
+    chunk = seq_len // chunks
+    starts = [c for i in range(num_shards) for c in (i, chunks - 1 - i)]  # chunk ids in slot order
+    return np.concatenate(
+        [np.arange(c * chunk, (c + 1) * chunk, dtype=np.int32) for c in starts])
+
+
+def inverse_order(order: np.ndarray) -> np.ndarray:
+    """The permutation that undoes ``order``: ``row[:, order][:, inverse_order(order)] == row``."""
+    order = np.asarray(order)
+    if order.ndim != 1 or not np.array_equal(np.sort(order), np.arange(order.shape[0])):
+        raise ValueError(f"order must be a permutation of range(n), got shape {order.shape}")
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.shape[0], dtype=order.dtype)
+    return inverse
+
+
+def reorder_batch(batch: Mapping[str, Any], order: np.ndarray) -> dict[str, Any]:
+    """Every per-token field [B, T, ...] of ``batch`` permuted along T by ``order``.
+
+    inputs, targets, weights, positions and segment_ids move together, so each token keeps its
+    true position and document. Fields of rank 1 (one value per row) do not depend on the token
+    order and are returned as they are. A field of rank >= 2 whose second axis is not T is a
+    ValueError naming it: it is not clear what reordering it would mean. Works on NumPy and JAX
+    arrays alike (``x[:, order]``).
+    """
+    order = np.asarray(order)
+    length = order.shape[0]
+    out: dict[str, Any] = {}
+    for name, value in batch.items():
+        shape = np.shape(value)
+        if len(shape) < 2:
+            out[name] = value
+            continue
+        if shape[1] != length:
+            raise ValueError(
+                f"batch field {name!r} has shape {tuple(shape)}: expected [batch, {length}, ...] "
+                f"to reorder it with an order of length {length}")
+        out[name] = value[:, order]
+    return out
