@@ -1,0 +1,231 @@
+"""Pipeline parallelism as one SPMD program: a stack of layers split into stages over a mesh axis.
+
+A building block (issue 24), not yet used by the model, the mesh or the train step. ``pipeline_apply``
+runs L stacked layers on M microbatches so that the result equals applying the L layers in order to
+each microbatch, while each device group of the ``pipeline`` mesh axis computes only its own stage.
+
+The recipe is the one MaxText, AXLearn and Praxis share (reference parallelism.md section 1):
+
+- the layers of all S stages are ``vmap``ped over a leading stage dimension, sharded over the mesh
+  axis the logical name ``"stage"`` maps to (``STAGE_RULE = ("stage", "pipeline")`` by default), so
+  each device group runs one stage;
+- every iteration, each stage's output moves to the next stage by a ``jnp.roll`` over the stage
+  dimension, which the SPMD partitioner lowers to a collective-permute;
+- a ``lax.scan`` runs ``R*M + S - 1`` iterations. At iteration t, stage s works on item ``t - s``
+  (microbatch ``(t - s) % M`` in repeat ``(t - s) // M``); the other iterations are the bubble.
+
+Schedules: GPipe when ``repeats == 1``; circular when ``repeats = R > 1``: each stage holds R
+non-adjacent groups of layers and every microbatch passes through the S stages R times, which
+shrinks the bubble to ``(S - 1) / (R*M + S - 1)`` (``bubble_fraction``). The schedule is derived
+from ``repeats``, not chosen separately, so the two can never disagree.
+
+Layer order: the saved layout stays the scanned stack's ``[L, ...]`` (independent of the mesh);
+layer ``l = (r*S + s)*K + k`` (K = L / (S*R) layers per stage) is the k-th layer of stage s in
+repeat r. With R = 1 stage s holds the contiguous layers ``[s*K, (s+1)*K)``.
+
+Bubbles: a bubble iteration's input is replaced by zeros (a ``where``, not luck) before it reaches
+a layer, and its output is never written to the results, so neither its values nor its gradients
+reach outputs or parameter gradients (``layer_fn`` must be finite at a zero input, as a dense layer,
+a norm with epsilon, or attention is). ``bubble_fill`` sets what the shift state and the circular
+buffer hold before anything is written: tests pass NaN so that any leak shows.
+
+Einsum letters / shapes: S stages, R repeats, K layers per stage, L = S*R*K layers, M microbatches,
+mb rows per microbatch; ``...`` the feature dimensions of one microbatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+STAGE = "stage"  # the logical name of the stage dimension
+STAGE_RULE = (STAGE, "pipeline")  # the logical-axis rule it needs; the default when no rule names it
+
+
+def bubble_fraction(*, num_stages: int, repeats: int, num_microbatches: int) -> float:
+    """The share of stage-iterations that are bubble: ``(S - 1) / (R*M + S - 1)``."""
+    return (num_stages - 1) / (repeats * num_microbatches + num_stages - 1)
+
+
+def stage_mesh_axis(num_stages: int) -> str | None:
+    """The mesh axis the stage dimension is sharded over, or None (one device, or replicated).
+
+    The logical-axis rules in context (``nn.logical_axis_rules``) decide if they name ``"stage"``;
+    otherwise ``STAGE_RULE`` applies. None when no mesh is in context (``jax.set_mesh``), when the
+    mesh lacks the axis, or when the axis has size 1.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    rules = dict(nn.get_logical_axis_rules())
+    axis = rules.get(STAGE, STAGE_RULE[1])
+    if axis is None:
+        return None
+    if not isinstance(axis, str):
+        raise ValueError(f"the logical axis {STAGE!r} must map to one mesh axis, got {axis!r}")
+    if axis not in mesh.axis_names or mesh.shape[axis] == 1:
+        return None
+    if num_stages % mesh.shape[axis]:
+        raise ValueError(
+            f"{num_stages} pipeline stages do not divide over the {axis!r} mesh axis of size "
+            f"{mesh.shape[axis]}: stages must be a multiple of it")
+    return axis
+
+
+def _check(stacked_params, microbatches: jax.Array, *, num_stages: int, repeats: int) -> int:
+    """Refuse what the schedule cannot run, naming the numbers; return layers per stage (K)."""
+    if num_stages < 1 or repeats < 1:
+        raise ValueError(f"num_stages={num_stages} and repeats={repeats} must both be >= 1")
+    leaves = jax.tree.leaves(stacked_params)
+    if not leaves:
+        raise ValueError("stacked_params has no arrays: nothing to pipeline")
+    counts = sorted({leaf.shape[0] if leaf.ndim else 0 for leaf in leaves})
+    if len(counts) != 1:
+        raise ValueError(f"stacked_params leaves disagree on their leading layer axis: sizes {counts}")
+    num_layers = counts[0]
+    if num_layers == 0 or num_layers % (num_stages * repeats):
+        raise ValueError(
+            f"{num_layers} layers do not split into {num_stages} stages x {repeats} repeats: "
+            f"the layer count must be a positive multiple of {num_stages * repeats}")
+    if microbatches.ndim < 2 or microbatches.shape[0] < 1:
+        raise ValueError(f"microbatches must be [M, mb, ...] with M >= 1, got shape {microbatches.shape}")
+    num_micro = microbatches.shape[0]
+    if repeats > 1 and num_micro < num_stages:
+        # Item (r, m) re-enters stage 0 at iteration r*M + m; its previous pass left the last stage
+        # at (r-1)*M + m + S - 1, which is earlier only when M >= S.
+        raise ValueError(
+            f"the circular schedule ({repeats} repeats) needs at least as many microbatches as "
+            f"stages: got {num_micro} microbatches for {num_stages} stages")
+    return num_layers // (num_stages * repeats)
+
+
+def _constrain_stage(x: jax.Array, axis: str | None) -> jax.Array:
+    """Shard the leading stage dimension over ``axis``; leave the other dimensions to the partitioner."""
+    if axis is None:
+        return x
+    spec = PartitionSpec(axis, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return lax.with_sharding_constraint(x, spec)
+
+
+# Data movement: cheap to redo, and how the weights an iteration uses are made from the stack.
+_MOVES = frozenset({"dynamic_slice", "gather", "slice", "squeeze", "reshape", "expand_dims",
+                    "broadcast_in_dim", "transpose", "convert_element_type", "copy", "name"})
+
+
+def _save_all_but_moves(prim, *_, **__) -> bool:
+    """The policy without remat: save every computed intermediate, redo data movement.
+
+    The weights an iteration uses are a slice (a gather, once vmapped over stages), a squeeze and
+    often a cast of the loop-invariant stack; saving any of them would keep a copy of a repeat's
+    weights for every one of the R*M + S - 1 iterations (``checkpoint_name`` on them is not
+    enough: the slice feeding the name would be saved instead). Redoing a move costs a copy; its
+    input is the stack, or an activation that is itself saved. (With remat, a ``remat_policy`` that
+    saves such moves brings the per-iteration weight copies back.)
+    """
+    return prim.name not in _MOVES
+
+
+def _per_stage(flag: jax.Array, like: jax.Array) -> jax.Array:
+    """A [S] boolean broadcast against [S, mb, ...]."""
+    return flag.reshape(flag.shape + (1,) * (like.ndim - 1))
+
+
+def pipeline_apply(
+    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    stacked_params: Any,
+    microbatches: jax.Array,
+    *,
+    num_stages: int,
+    repeats: int = 1,
+    remat: bool = False,
+    remat_policy: Callable[..., bool] | None = None,
+    bubble_fill: float = 0.0,
+) -> jax.Array:
+    """Apply L stacked layers in order to each microbatch, pipelined over ``num_stages`` stages.
+
+    Args:
+      layer_fn: ``layer_fn(params_of_one_layer, x) -> x``, x one microbatch [mb, ...]; it must keep
+        x's shape and dtype, and be finite at a zero input (bubble inputs are zeros).
+      stacked_params: a pytree whose leaves have a leading layer axis L = num_stages * repeats * K.
+      microbatches: [M, mb, ...].
+      num_stages: S. The stage dimension is sharded over the mesh axis of ``stage_mesh_axis``.
+      repeats: R; 1 is GPipe, more is the circular schedule (needs M >= S).
+      remat: ``jax.checkpoint`` each iteration's stage computation: its inputs are kept for the
+        backward pass and the layers recomputed (``remat_policy`` chooses what else is saved; the
+        default saves nothing). Without remat every computed activation is kept, but data movement
+        is redone, so the weights an iteration selects are re-sliced from the stack, not saved.
+      bubble_fill: what the shift state and circular buffer hold before anything is written (a test
+        hook: NaN shows any bubble leak); never reaches outputs or gradients.
+
+    Returns:
+      [M, mb, ...]: microbatch m after all L layers.
+    """
+    if remat_policy is not None and not remat:
+        raise ValueError("remat_policy is used only with remat=True (it chooses what an iteration under "
+                         "jax.checkpoint saves); pass remat=True or leave remat_policy out")
+    S, R = num_stages, repeats
+    K = _check(stacked_params, microbatches, num_stages=S, repeats=R)
+    M = microbatches.shape[0]
+    items = R * M  # (repeat, microbatch) pairs each stage processes
+    iterations = items + S - 1
+    axis = stage_mesh_axis(S)
+
+    def to_stages(leaf: jax.Array) -> jax.Array:
+        # [L, ...] -> [R, S, K, ...] -> [S, R, K, ...]: layer (r*S + s)*K + k is stage s, repeat r.
+        leaf = jnp.swapaxes(leaf.reshape((R, S, K) + leaf.shape[1:]), 0, 1)
+        return _constrain_stage(leaf, axis)
+
+    staged = jax.tree.map(to_stages, stacked_params)
+
+    def stage_step(stage_params, repeat: jax.Array, x: jax.Array) -> jax.Array:
+        """One stage: its K layers of repeat ``repeat`` on x [mb, ...] (leaves [R, K, ...])."""
+        def one_layer(h, k):
+            p = jax.tree.map(lambda leaf: lax.dynamic_index_in_dim(
+                lax.dynamic_index_in_dim(leaf, repeat, 0, keepdims=False), k, 0, keepdims=False),
+                stage_params)
+            return layer_fn(p, h), None
+
+        return lax.scan(one_layer, x, jnp.arange(K))[0]
+
+    all_stages = jax.vmap(stage_step, spmd_axis_name=axis)  # [S, ...] params, [S] repeat, [S, mb, ...]
+    if remat:
+        policy = remat_policy or jax.checkpoint_policies.nothing_saveable
+    else:  # keep every activation, but re-select the weights rather than save them per iteration
+        policy = _save_all_but_moves
+    all_stages = jax.checkpoint(all_stages, policy=policy)
+
+    stage_ids = jnp.arange(S)
+    zeros = jnp.zeros((S,) + microbatches.shape[1:], microbatches.dtype)
+
+    def iteration(carry, t):
+        state, circ = carry  # state [S, mb, ...]: each stage's last output; circ [M, mb, ...] or None
+        slot = t % M
+        first = lax.dynamic_index_in_dim(microbatches, slot, 0, keepdims=False)  # [mb, ...]
+        if circ is not None:  # repeats after the first re-enter stage 0 from the circular buffer
+            first = jnp.where(t < M, first, lax.dynamic_index_in_dim(circ, slot, 0, keepdims=False))
+        shifted = _constrain_stage(jnp.roll(state, 1, axis=0), axis)  # stage s gets stage s-1's output
+        x = jnp.where(_per_stage(stage_ids == 0, shifted), first[None], shifted)
+        item = t - stage_ids  # [S]
+        valid = (item >= 0) & (item < items)
+        x = _constrain_stage(jnp.where(_per_stage(valid, x), x, zeros), axis)  # bubbles compute on zeros
+        repeat = jnp.clip(item // M, 0, R - 1)
+        out = _constrain_stage(all_stages(staged, repeat, x), axis)
+        last = out[S - 1]  # the last stage's item t - (S - 1); every t here has t - (S-1) < items
+        if circ is not None:
+            done = t - (S - 1)
+            slot_done = jnp.maximum(done, 0) % M
+            kept = lax.dynamic_index_in_dim(circ, slot_done, 0, keepdims=False)
+            circ = lax.dynamic_update_index_in_dim(circ, jnp.where(done >= 0, last, kept), slot_done, 0)
+        return (out, circ), last
+
+    state0 = jnp.full((S,) + microbatches.shape[1:], bubble_fill, microbatches.dtype)
+    circ0 = jnp.full(microbatches.shape, bubble_fill, microbatches.dtype) if R > 1 else None
+    _, lasts = lax.scan(iteration, (state0, circ0), jnp.arange(iterations))  # [iterations, mb, ...]
+    # The last M iterations finish microbatches 0..M-1 of the last repeat, in order.
+    return lasts[iterations - M:]

@@ -1,0 +1,207 @@
+"""The pipeline schedule (paxlite/models/pipeline.py) against the plain sequential layer loop.
+
+Every case holds values to 1e-6 and every gradient (parameters and inputs) to 1e-5 of applying the
+L layers one after another to each microbatch, with distinct random weights per layer (so a wrong
+stage or repeat order cannot hide), on one device and on 8 CPU devices with the stage dimension
+sharded over a `pipeline` mesh axis. Bubbles are filled with NaN where stated, so a bubble value or
+gradient that leaks into the results shows as NaN.
+"""
+
+import contextlib
+import io
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from paxlite.models.pipeline import STAGE_RULE, bubble_fraction, pipeline_apply
+
+D = 8  # features
+MB = 4  # rows per microbatch
+CASES = [  # (stages, repeats, microbatches, layers per stage)
+    (2, 1, 4, 2),
+    (4, 1, 4, 1),
+    (8, 1, 8, 1),
+    (2, 2, 4, 2),
+    (4, 2, 8, 1),
+]
+CASE_IDS = [f"S{s}-R{r}-M{m}-K{k}" for s, r, m, k in CASES]
+
+
+def layer(p, x):
+    """One layer: dense + tanh, x [mb, D]."""
+    return jnp.tanh(jnp.einsum("bd,de->be", x, p["w"]) + p["b"])
+
+
+def make(num_layers: int, num_micro: int, seed: int = 0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    params = {"w": jax.random.normal(k[0], (num_layers, D, D)) / np.sqrt(D),
+              "b": 0.1 * jax.random.normal(k[1], (num_layers, D))}
+    x = jax.random.normal(k[2], (num_micro, MB, D))
+    cotangent = jax.random.normal(k[3], (num_micro, MB, D))  # weights every output differently
+    return params, x, cotangent
+
+
+def sequential(params, x):
+    """The reference: each microbatch through layers 0..L-1 in order, one Python step per layer."""
+    num_layers = params["w"].shape[0]
+    outs = []
+    for m in range(x.shape[0]):
+        h = x[m]
+        for i in range(num_layers):
+            h = layer({"w": params["w"][i], "b": params["b"][i]}, h)
+        outs.append(h)
+    return jnp.stack(outs)
+
+
+def value_and_grads(fn, params, x, cotangent):
+    def loss(p, xs):
+        return jnp.sum(fn(p, xs) * cotangent)
+
+    return jax.jit(lambda p, xs: (fn(p, xs), jax.grad(loss, argnums=(0, 1))(p, xs)))(params, x)
+
+
+def pipelined(num_stages, repeats, **kwargs):
+    return lambda p, xs: pipeline_apply(layer, p, xs, num_stages=num_stages, repeats=repeats,
+                                        **kwargs)
+
+
+def assert_close(got, want):
+    (out, grads), (ref_out, ref_grads) = got, want
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-6)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Sequential values and gradients per case, computed once."""
+    refs = {}
+    for s, r, m, k in CASES:
+        params, x, ct = make(s * r * k, m)
+        refs[(s, r, m, k)] = value_and_grads(sequential, params, x, ct)
+    return refs
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_equals_sequential_with_nan_bubbles(case, references):
+    """GPipe (R=1) and circular (R>1) equal the layer loop; NaN in the shift state and circular
+    buffer never reaches outputs or gradients, and gives the same numbers as a zero fill."""
+    s, r, m, k = case
+    params, x, ct = make(s * r * k, m)
+    nan_filled = value_and_grads(pipelined(s, r, bubble_fill=jnp.nan), params, x, ct)
+    assert_close(nan_filled, references[case])
+    zero_filled = value_and_grads(pipelined(s, r), params, x, ct)
+    for a, b in zip(jax.tree.leaves(nan_filled), jax.tree.leaves(zero_filled), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sequential_reference_matches_float64():
+    """The reference loop itself against NumPy float64 (independent of JAX's ops)."""
+    params, x, _ = make(4, 2)
+    w, b, h = (np.asarray(a, np.float64) for a in (params["w"], params["b"], x))
+    for i in range(4):
+        h = np.tanh(np.einsum("mbd,de->mbe", h, w[i]) + b[i])
+    np.testing.assert_allclose(sequential(params, x), h, rtol=0, atol=1e-6)
+
+
+def _saved_per_iteration(fn, params, x) -> list[str]:
+    """The float residuals the backward pass keeps per scan iteration (leading dimension 19)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda p: jnp.sum(fn(p, x)), params)
+    return sorted(re.findall(r"f32\[19,[0-9,]*\]", out.getvalue()))
+
+
+def test_remat_is_exact_and_saves_only_stage_inputs(references):
+    """remat: same numbers; per iteration only the stages' inputs f32[T=19, S=4, mb=4, D=8] are
+    kept. Without remat the per-layer activations are kept too, but never the weights an iteration
+    selects ([T, K, S, D, D] would be a copy of a repeat's weights per iteration)."""
+    case = (4, 2, 8, 1)
+    s, r, m, k = case
+    params, x, ct = make(s * r * k, m)
+    assert_close(value_and_grads(pipelined(s, r, remat=True, bubble_fill=jnp.nan), params, x, ct),
+                 references[case])
+    assert _saved_per_iteration(pipelined(s, r, remat=True), params, x) == ["f32[19,4,4,8]"]
+    plain = _saved_per_iteration(pipelined(s, r), params, x)
+    assert "f32[19,1,4,4,8]" in plain  # activations of the K=1 layer of each of the S=4 stages
+    assert not [res for res in plain if res.endswith(",8,8]")], plain
+
+
+def _run_on_mesh(mesh, fn, params, x, ct):
+    """Values, gradients and compiled HLO text of fn on `mesh`, inputs' rows over `data`."""
+    def loss(p, xs):
+        return jnp.sum(fn(p, xs) * ct)
+
+    step = jax.jit(lambda p, xs: (fn(p, xs), jax.grad(loss, argnums=(0, 1))(p, xs)))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P(None, "data")))
+        compiled = step.lower(params, x).compile()
+        return compiled(params, x), compiled.as_text()
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_pipeline_mesh_equals_one_device(case, references):
+    """8 CPU devices as (pipeline=S, data=8/S): equal to one device, with the stage dimension
+    really split over `pipeline` (the stage shift compiles to a collective-permute)."""
+    s, r, m, k = case
+    params, x, ct = make(s * r * k, m)
+    mesh = Mesh(np.array(jax.devices()).reshape(s, 8 // s), ("pipeline", "data"))
+    got, hlo = _run_on_mesh(mesh, pipelined(s, r, bubble_fill=jnp.nan), params, x, ct)
+    assert_close(got, references[case])
+    assert "collective-permute" in hlo
+
+
+def test_no_pipeline_axis_means_replicated_stages(references):
+    """A mesh without a `pipeline` axis, or rules mapping `stage` to None, keeps the stages on every
+    device: same numbers, no stage shift between devices. The contrast with the test above shows the
+    collective-permute there comes from the stage sharding."""
+    case = (4, 1, 4, 1)
+    s, r, m, k = case
+    params, x, ct = make(s * r * k, m)
+    data_only = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    got, hlo = _run_on_mesh(data_only, pipelined(s, r), params, x, ct)
+    assert_close(got, references[case])
+    assert "collective-permute" not in hlo
+    pipe = Mesh(np.array(jax.devices()).reshape(4, 2), ("pipeline", "data"))
+    with nn.logical_axis_rules([(STAGE_RULE[0], None)]):
+        got, hlo = _run_on_mesh(pipe, pipelined(s, r), params, x, ct)
+    assert_close(got, references[case])
+    assert "collective-permute" not in hlo
+
+
+def test_bad_counts_are_refused_with_the_numbers():
+    params, x, _ = make(6, 4)
+    with pytest.raises(ValueError, match=r"^6 layers do not split into 4 stages x 1 repeats: .* multiple of 4$"):
+        pipeline_apply(layer, params, x, num_stages=4)
+    with pytest.raises(ValueError, match=r"^6 layers do not split into 2 stages x 2 repeats"):
+        pipeline_apply(layer, params, x, num_stages=2, repeats=2)
+    params, x, _ = make(8, 2)
+    with pytest.raises(ValueError, match=r"circular schedule \(2 repeats\) needs at least as many "
+                                         r"microbatches as stages: got 2 microbatches for 4 stages"):
+        pipeline_apply(layer, params, x, num_stages=4, repeats=2)
+    with pytest.raises(ValueError, match=r"num_stages=0 and repeats=1 must both be >= 1"):
+        pipeline_apply(layer, params, x, num_stages=0)
+    with pytest.raises(ValueError, match=r"remat_policy is used only with remat=True"):
+        pipeline_apply(layer, params, x, num_stages=2, remat_policy=jax.checkpoint_policies.everything_saveable)
+    bad = {"w": params["w"], "b": params["b"][:4]}
+    with pytest.raises(ValueError, match=r"disagree on their leading layer axis: sizes \[4, 8\]"):
+        pipeline_apply(layer, bad, x, num_stages=2)
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("pipeline", "data"))
+    with jax.set_mesh(mesh), pytest.raises(
+            ValueError, match=r"^2 pipeline stages do not divide over the 'pipeline' mesh axis of size 4"):
+        pipeline_apply(layer, params, x, num_stages=2)
+
+
+def test_bubble_fraction():
+    """(S - 1) / (R*M + S - 1): 4 stages, 4 microbatches: 3/7; two repeats shrink it to 3/11."""
+    assert bubble_fraction(num_stages=4, repeats=1, num_microbatches=4) == pytest.approx(3 / 7)
+    assert bubble_fraction(num_stages=4, repeats=2, num_microbatches=4) == pytest.approx(3 / 11)
+    assert bubble_fraction(num_stages=1, repeats=1, num_microbatches=4) == 0
