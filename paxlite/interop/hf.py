@@ -258,11 +258,14 @@ def _lora_leaves(step_dir: Any) -> list[str]:
     """Paths of saved params whose name mentions LoRA (read from the checkpoint's metadata only)."""
     import jax
 
+    from paxlite.train.checkpoint_damage import is_damage
     from paxlite.train.pretrained import item_metadata
 
     try:
         tree = item_metadata(step_dir / "state")
-    except (FileNotFoundError, NotImplementedError, ValueError, TypeError):
+    except Exception as error:  # only damage is let through, as the restore classifies it
+        if not is_damage(error):
+            raise
         return []  # a damaged checkpoint: the read that follows names the array it cannot read
     params = tree.get("params", {}) if isinstance(tree, Mapping) else {}
     paths: list[str] = []

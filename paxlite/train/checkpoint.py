@@ -225,8 +225,9 @@ class Checkpointer:
             try:
                 self._manager.reload()
                 listed = step in self._manager.all_steps()
-            except OSError:
-                pass
+            except OSError as error:  # the list it had stands: a step still listed stops the save
+                logging.warning("Could not re-read the checkpoints in %s (%s); keeping the list read "
+                                "before", self._directory, error)
         return multihost.processes_where(listed)
 
     def _decided(self, decide: Callable[[], Any], *, what: str) -> Any:

@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests.parallel.test_multiprocess import _env, _finish, _free_port
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = (1, 2)
-_CLUSTER_VARS = ("SLURM_", "PAXLITE_", "JAX_", "XLA_", "OMPI_", "PMI_")
 
 
 def _w(step: int) -> np.ndarray:
@@ -106,22 +105,6 @@ def _worker(process_id: int, port: int, directory: str, out: str) -> None:
                    "failure": failure, "answer": answer}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    from tests.xla_test_flags import COMPILE_FLAGS
-
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_CLUSTER_VARS) and k != "JOB_COMPLETION_INDEX"}
-    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", XLA_FLAGS=COMPILE_FLAGS,
-               PYTHONPATH=str(REPO))
-    return env
-
-
 def _save(directory: pathlib.Path) -> None:
     """Steps 1 and 2 with their data records, saved by this (one-process, 8-device) test."""
     import jax
@@ -161,16 +144,8 @@ def test_every_process_restores_process_0s_choice(tmp_path: pathlib.Path) -> Non
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.train.test_checkpoint_hosts", str(i), str(port),
                  str(directories[i]), str(outs[i])],
-                cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    assert codes == [0, 0], tails
+                cwd=REPO, env=_env(2), stdout=log, stderr=subprocess.STDOUT))
+    _finish(procs, logs, timeout=90)
 
     results = [json.loads(out.read_text()) for out in outs]
     for result in results:

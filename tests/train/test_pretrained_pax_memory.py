@@ -12,7 +12,6 @@ restore did before) costs twice the whole array; reading the shard costs two sha
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -77,14 +76,9 @@ def _worker(process_id: int, port: int, checkpoint: str, out: str) -> None:
     jax.distributed.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 def test_two_process_restore_holds_about_a_shard_per_process(tmp_path):
+    from tests.parallel.test_multiprocess import _free_port
     from tests.xla_test_flags import COMPILE_FLAGS
 
     checkpoint = _write_checkpoint(tmp_path / "pax")
