@@ -66,8 +66,33 @@ def describe(experiment, *, num_local_devices: int | None = None) -> dict:
         "tokens_per_step": batch * experiment.MAX_SEQ_LEN,
         "num_devices": num_devices,
         "mesh": {axis: sizes[axis] for axis in MESH_AXES},
+        **_pipeline_and_seq(model, batch=batch, experiment=experiment, seq=sizes["seq"]),
         "hparams": experiment.hparams(),
     }
+
+
+def _pipeline_and_seq(model, *, batch: int, experiment, seq: int) -> dict:
+    """The pipeline schedule (stages, microbatches, bubble) and the seq strategy, where the run has them."""
+    out: dict = {}
+    if model.pipeline is not None:
+        rows = batch // max(experiment.GRAD_ACCUM_STEPS, 1)
+        micro = model.pipeline.microbatches(rows)
+        out["pipeline"] = {
+            "num_stages": model.pipeline.num_stages,
+            "repeats": model.pipeline.repeats,
+            "schedule": "circular" if model.pipeline.repeats > 1 else "gpipe",
+            "num_microbatches": micro,
+            "microbatch_rows": rows // micro,
+            "bubble_fraction": round(model.pipeline.bubble_fraction(micro), 4),
+        }
+    if seq > 1:
+        out["sequence_parallel"] = {
+            "seq": seq,
+            "strategy": model.context_parallel_strategy.value,
+            "load_balance": bool(experiment.CONTEXT_PARALLEL_LOAD_BALANCE),
+            "tokens_per_shard": experiment.MAX_SEQ_LEN // seq,
+        }
+    return out
 
 
 def _catalogue() -> list[dict]:

@@ -222,7 +222,7 @@ def test_show_json(paxlite_in_process):
     assert info["experiment"] == "Synthetic126M"
     assert info["num_params"] == 125_262_336
     assert info["flops_per_token"] == 854_654_976
-    assert info["mesh"] == {"data": 1, "fsdp": 16, "tensor": 1, "expert": 1}
+    assert info["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 16, "seq": 1, "tensor": 1, "expert": 1}
     assert info["global_batch_size"] == 4 * 16
     assert info["hparams"]["LR_COS_DECAY_START"] == 501
     assert len(info["hparams"]) > 40

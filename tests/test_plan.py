@@ -166,14 +166,14 @@ def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(monke
     monkeypatch.setattr(plan_search, "_MAX_COMPILED_LEVERS", 1)  # only the fsdp move: one more compile
     plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1,1]", "DCN_MESH_SHAPE=[1,1,1]", num_devices=2,
                       device_memory_gib=1e-4)
-    assert plan["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert plan["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}
     assert plan["ici_mesh_shape"] == [2, 1, 1, 1] and plan["dcn_mesh_shape"] == [1, 1, 1]
     assert plan["attention_logits_bytes_per_layer"] == 4 * (2 // 2) * 8 * 32 * 32
     move = {lever["lever"]: lever for lever in plan["levers"]}["fsdp 1 -> 2 (all of data moved to fsdp)"]
     # Each shape keeps its own length: the expert entry stays where the user put it.
     assert move["overrides"] == {"ICI_MESH_SHAPE": [1, 2, 1, 1], "DCN_MESH_SHAPE": [1, 1, 1]}
     assert move["method"] == "compiled" and move["peak_bytes"] > 0
-    assert ("mesh data 2 x fsdp 1 x tensor 1 x expert 1 (ICI [2, 1, 1, 1] x DCN [1, 1, 1])"
+    assert ("mesh pipeline 1 x data 2 x fsdp 1 x seq 1 x tensor 1 x expert 1 (ICI [2, 1, 1, 1] x DCN [1, 1, 1])"
             in plan_lib.format_text(plan))
 
 
@@ -248,7 +248,7 @@ def test_dry_run_mode_writes_plan_json_and_allocates_nothing(tmp_path):
                   f"--job_log_dir={job}")
     assert result.returncode == 0, result.stderr[-2000:]
     p = json.loads((job / "plan.json").read_text())
-    assert p["num_devices"] == 4 and p["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1, "expert": 1}
+    assert p["num_devices"] == 4 and p["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 2, "seq": 1, "tensor": 1, "expert": 1}
     assert p["overrides"]["ICI_MESH_SHAPE"] == [2, 2, 1]
     assert "Verdict: fits" in result.stdout
     assert sorted(os.listdir(job)) == ["plan.json"]  # no checkpoints, metrics or summaries
@@ -277,7 +277,7 @@ def test_a_fresh_process_plans_itself_without_a_second_jax_start():
 def test_glam64b64e_on_512_devices_has_a_verdict_moe_memory_and_expert_levers():
     """The issue's case: Pax's GLaM 64B/64E mesh (FSDP 64 x tensor 8) planned for 512 devices."""
     p = plan_lib.plan(plan_lib.PlanRequest(name="GLaM64B64E", num_devices=512))
-    assert p["mesh"] == {"data": 1, "fsdp": 64, "tensor": 8, "expert": 1}
+    assert p["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 64, "seq": 1, "tensor": 8, "expert": 1}
     assert isinstance(p["fits"], bool)
     moe = p["moe"]
     # by hand: 64 groups (the batch shards: fsdp 64), S = 2048 x 1024 / 64 = 32768 tokens,

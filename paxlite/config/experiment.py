@@ -138,8 +138,22 @@ class Experiment:
     # Sequence positions per block of the chunked loss: the float32 [B, T, V] logits never exist at
     # once (a memory saving for large vocabularies; same loss and gradients). None: whole sequence.
     LOSS_CHUNK_SIZE: int | None = None
-    ICI_MESH_SHAPE: list[int] | None = None  # [data, fsdp, tensor(, expert)]; None: all on data
+    # [data, fsdp, tensor(, expert(, pipeline(, seq)))] within a node / across nodes; None: all on
+    # data. With NUM_STAGES set, a 4-entry shape is Pax's pipelined [pipeline, data, fsdp, tensor].
+    ICI_MESH_SHAPE: list[int] | None = None
     DCN_MESH_SHAPE: list[int] = [1, 1, 1]
+    # Pipeline parallelism (docs/parallelism.md): the layers run as stages over the `pipeline` mesh
+    # axis, on microbatches of each batch. NUM_STAGES (Pax's): None means the pipeline axis's size;
+    # set, it must be a multiple of it. Microbatches: NUM_MICROBATCHES, or (Pax) rows / MICROBATCH_SIZE,
+    # else NUM_STAGES. PIPELINE_REPEATS > 1: the circular schedule.
+    NUM_STAGES: int | None = None
+    NUM_MICROBATCHES: int | None = None
+    MICROBATCH_SIZE: int | None = None
+    PIPELINE_REPEATS: int = 1
+    # Sequence parallelism over the `seq` mesh axis: how attention reaches other shards' keys, and
+    # whether rows are reordered (MaxText's dual_chunk_swap) so every shard has equal causal work.
+    CONTEXT_PARALLEL_STRATEGY: Literal["all_gather", "ring"] = "all_gather"
+    CONTEXT_PARALLEL_LOAD_BALANCE: bool = True
     FPROP_DTYPE: Literal["float32", "bfloat16"] = "float32"
     LEARNING_RATE: float = 1e-3
     LR_SCHEDULE: Literal[
@@ -358,9 +372,19 @@ def _base_problems(hp: Experiment) -> Iterable[str]:
         yield f"EVAL_LOOP_NUM_BATCHES must be >= 1 or -1 (all), got {hp.EVAL_LOOP_NUM_BATCHES}"
     for name in ("ICI_MESH_SHAPE", "DCN_MESH_SHAPE"):
         shape = getattr(hp, name)
-        if shape is not None and (len(shape) not in (3, 4) or any(d <= 0 for d in shape)):
-            yield (f"{name} must be 3 positive sizes [data, fsdp, tensor] or 4 [data, fsdp, tensor, "
-                   f"expert] (a 4th entry is the expert axis), got {shape}")
+        if shape is not None and (len(shape) not in range(3, 7) or any(d <= 0 for d in shape)):
+            yield (f"{name} must be 3 to 6 positive sizes [data, fsdp, tensor, expert, pipeline, "
+                   f"seq] (entries after tensor optional; with NUM_STAGES set, 4 entries are Pax's "
+                   f"[pipeline, data, fsdp, tensor]), got {shape}")
+    for name in ("NUM_STAGES", "NUM_MICROBATCHES", "MICROBATCH_SIZE"):
+        value = getattr(hp, name)
+        if value is not None and value < 1:
+            yield f"{name} must be a positive integer or None, got {value}"
+    if hp.PIPELINE_REPEATS < 1:
+        yield f"PIPELINE_REPEATS must be >= 1 (1: GPipe), got {hp.PIPELINE_REPEATS}"
+    if hp.NUM_MICROBATCHES is not None and hp.MICROBATCH_SIZE is not None:
+        yield (f"NUM_MICROBATCHES={hp.NUM_MICROBATCHES} and MICROBATCH_SIZE={hp.MICROBATCH_SIZE} "
+               "both set: give one (the other follows from the batch)")
     if hp.PERCORE_BATCH_SIZE <= 0:
         yield f"PERCORE_BATCH_SIZE must be > 0, got {hp.PERCORE_BATCH_SIZE}"
     if hp.LOSS_CHUNK_SIZE is not None and hp.LOSS_CHUNK_SIZE < 1:

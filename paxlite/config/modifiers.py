@@ -25,45 +25,57 @@ from typing import Any, Protocol
 
 from paxlite.config.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
-# AXLearn's axis names that paxlite's meshes do not have (yet); asking for more than one of them is an error.
-_ABSENT_AXES = ("pipeline", "seq")
+# The entries of ICI_MESH_SHAPE / DCN_MESH_SHAPE, in order (parallel/mesh.py SHAPE_AXES).
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "pipeline", "seq")
+_MIN_ENTRIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Sizes of paxlite's mesh axes (data, fsdp, tensor, expert); at most one may be -1 ("all that is left")."""
+    """Sizes of paxlite's mesh axes; at most one may be -1 ("all that is left")."""
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
+    pipeline: int = 1
+    seq: int = 1
 
     def __post_init__(self):
-        sizes = self.as_list()
+        sizes = self._all()
         if any(not isinstance(s, int) or isinstance(s, bool) or (s < 1 and s != -1) for s in sizes):
-            raise ConfigError(f"mesh axis sizes must be positive integers or -1, got {dict(zip(MESH_AXES, sizes))}")
+            raise ConfigError(f"mesh axis sizes must be positive integers or -1, got {self.named()}")
         if sizes.count(-1) > 1:
-            raise ConfigError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+            raise ConfigError(f"at most one mesh axis may be -1, got {self.named()}")
+
+    def _all(self) -> list[int]:
+        return [getattr(self, axis) for axis in MESH_AXES]
+
+    def named(self) -> dict[str, int]:
+        return dict(zip(MESH_AXES, self._all()))
 
     def as_list(self) -> list[int]:
-        """[data, fsdp, tensor], with a 4th (expert) entry only when expert is not 1: a dense mesh is
-        recorded as it always was."""
-        return [self.data, self.fsdp, self.tensor] + ([self.expert] if self.expert != 1 else [])
+        """[data, fsdp, tensor], then expert, pipeline and seq only as far as the last one that is
+        not 1: a dense mesh is recorded as it always was, and each longer form keeps the meaning of
+        the shorter ones."""
+        sizes = self._all()
+        length = max([_MIN_ENTRIES] + [i + 1 for i, s in enumerate(sizes) if s != 1])
+        return sizes[:length]
 
     def resolve(self, num_devices: int) -> list[int]:
         """The sizes with a -1 replaced so that the product is `num_devices` (an error if it cannot be)."""
         sizes = self.as_list()
+        named = dict(zip(MESH_AXES, sizes))
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if num_devices % known:
                 raise ConfigError(
-                    f"mesh {dict(zip(MESH_AXES, sizes))}: the fixed axes ({known}) do not divide {num_devices} devices"
+                    f"mesh {named}: the fixed axes ({known}) do not divide {num_devices} devices"
                 )
             sizes[sizes.index(-1)] = num_devices // known
         elif known != num_devices:
             raise ConfigError(
-                f"mesh {dict(zip(MESH_AXES, sizes))} covers {known} devices, not {num_devices}; use -1 on one axis "
+                f"mesh {named} covers {known} devices, not {num_devices}; use -1 on one axis "
                 "to take the rest"
             )
         return sizes
@@ -75,17 +87,14 @@ def mesh_shape_from_axes(
 ) -> MeshShape:
     """A mesh shape by axis name, as AXLearn spells it (`model` is AXLearn's name for `tensor`).
 
-    `pipeline` and `seq` are accepted so AXLearn-style calls read the same, but must stay 1: paxlite's meshes have
-    no such axes. `expert` is the expert-parallel axis (the 4th entry of ICI/DCN_MESH_SHAPE).
+    `expert` is the 4th entry of ICI/DCN_MESH_SHAPE, `pipeline` the 5th (the layer stack split
+    into stages, docs/parallelism.md) and `seq` the 6th (each row's tokens split over devices).
     """
     if model is not None:
         if tensor != 1:
             raise ConfigError(f"give tensor={tensor} or model={model}, not both (model is AXLearn's name for tensor)")
         tensor = model
-    absent = {name: size for name, size in zip(_ABSENT_AXES, (pipeline, seq)) if size != 1}
-    if absent:
-        raise ConfigError(f"paxlite meshes have the axes {list(MESH_AXES)}; {absent} cannot be honoured")
-    return MeshShape(data=data, fsdp=fsdp, tensor=tensor, expert=expert)
+    return MeshShape(data=data, fsdp=fsdp, tensor=tensor, expert=expert, pipeline=pipeline, seq=seq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +167,8 @@ def split_over_processes(sizes: Sequence[int], num_processes: int) -> tuple[list
     splits a plain mesh shape over granules (its first axis larger than 1 takes them).
 
     E.g. [2, 8, 1] on 2 processes (two 8-GPU nodes, data 2 x fsdp 8) -> ICI [1, 8, 1], DCN [2, 1, 1].
+    A pipeline axis (5th entry) takes processes before the others: [1, 8, 1, 1, 2] on 2 processes
+    puts one stage per node (DCN [1, 1, 1, 1, 2]).
     Where that axis is not a multiple of the process count, AXLearn's hybrid mesh fails (its PR #80
     falls back to a plain mesh); here each axis in turn takes the largest common factor of its size
     and the processes still to place ([8, 64, 1] on 64 processes -> DCN [8, 8, 1], ICI [1, 8, 1]:
@@ -165,7 +176,11 @@ def split_over_processes(sizes: Sequence[int], num_processes: int) -> tuple[list
     """
     ici, dcn = list(sizes), [1] * len(sizes)
     left = num_processes
-    for i, size in enumerate(sizes):
+    # The pipeline axis goes over DCN first where it can: stages pass one activation per
+    # microbatch, the least data of any axis (why one pipelines across nodes at all).
+    order = ([4] if len(sizes) > 4 else []) + [i for i in range(len(sizes)) if i != 4]
+    for i in order:
+        size = sizes[i]
         dcn[i] = math.gcd(size, left)
         ici[i] = size // dcn[i]
         left //= dcn[i]

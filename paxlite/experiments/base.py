@@ -22,6 +22,13 @@ from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.experiments.attention_settings import check_attention_settings
+from paxlite.experiments.parallelism_settings import (
+    context_parallel_strategy,
+    mesh_layout,
+    num_stages,
+    parallelism_problems,
+    pipeline_config,
+)
 from paxlite.experiments.moe_mixin import (
     MOE_HPARAM_NAMES,
     dense_moe_setting_error,
@@ -31,6 +38,7 @@ from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.linear import Fp8Config
 from paxlite.models.lora import PAX_LORA_RULE, LoraTargets
+from paxlite.models.te_layer import uses_transformer_engine
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
 from paxlite.parallel.mesh import MeshConfig
 from paxlite.paths import UnsupportedPathError, require_local_path
@@ -141,7 +149,7 @@ class LanguageModelExperiment(Experiment):
         if self.is_moe():
             return []
         problems = []
-        if expert_axis_size(self.ICI_MESH_SHAPE, self.DCN_MESH_SHAPE) > 1:
+        if expert_axis_size(self.ICI_MESH_SHAPE, self.DCN_MESH_SHAPE, mesh_layout(self)) > 1:
             problems.append(
                 f"ICI_MESH_SHAPE={self.ICI_MESH_SHAPE}, DCN_MESH_SHAPE={self.DCN_MESH_SHAPE}: the "
                 f"4th (expert) entry is > 1, and {self.name} is a dense model with no experts to "
@@ -200,9 +208,19 @@ class LanguageModelExperiment(Experiment):
             except re.error as e:
                 raise ConfigError(
                     f"CHECKPOINT_IGNORE_RULES: {rule!r} is not a regular expression: {e}") from e
-        problems = [*self._path_problems(), *self._ignored_setting_problems()]
+        problems = [*self._path_problems(), *self._ignored_setting_problems(),
+                    *self._parallelism_problems()]
         if problems:
             raise ConfigError(f"invalid {self.name} hyperparameters: " + "; ".join(problems))
+
+    def _parallelism_problems(self) -> list[str]:
+        """Pipeline / seq settings the mesh and the model cannot run (parallelism_settings.py)."""
+        # The model's layer grouping matters only with a pipeline (and building it is what
+        # reports a bad model setting, so only then)
+        model = fdl.build(self.model_config()) if num_stages(self) > 1 else None
+        scan_unit = model.layers_per_scan_unit if model is not None else 1
+        uses_te = model is not None and uses_transformer_engine(model)
+        return parallelism_problems(self, scan_unit=scan_unit, uses_te=uses_te)
 
     # Hyperparameters that name files or directories (and the environment variables that stand in
     # for two of them): all must be local or mounted paths (paxlite/paths.py says why).
@@ -294,6 +312,8 @@ class LanguageModelExperiment(Experiment):
             **transformer_engine_fields(native_fp8=bool(getattr(self, "USE_FP8", False))),
             "fp8": (fdl.Config(Fp8Config, amax_history_length=self.FP8_AMAX_HISTORY_LENGTH)
                     if self.USE_FP8 else None),
+            "pipeline": pipeline_config(self),
+            "context_parallel_strategy": context_parallel_strategy(self),
         }
 
     def with_lora(self, model: fdl.Config[TransformerConfig]) -> fdl.Config[TransformerConfig]:
@@ -354,7 +374,8 @@ class LanguageModelExperiment(Experiment):
 
     def mesh_config(self) -> fdl.Config[MeshConfig]:
         ici = None if self.ICI_MESH_SHAPE is None else tuple(self.ICI_MESH_SHAPE)
-        return fdl.Config(MeshConfig, ici_mesh_shape=ici, dcn_mesh_shape=tuple(self.DCN_MESH_SHAPE))
+        return fdl.Config(MeshConfig, ici_mesh_shape=ici, dcn_mesh_shape=tuple(self.DCN_MESH_SHAPE),
+                          layout=mesh_layout(self))
 
     def vocab_path(self) -> str | None:
         return self.VOCAB_PATH or os.environ.get("VOCAB_PATH") or None

@@ -14,15 +14,17 @@ from typing import Any, ClassVar, Literal
 import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
+from paxlite.experiments.parallelism_settings import mesh_layout
 from paxlite.models.activations import Activation
 from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
+from paxlite.parallel.mesh import MeshLayout, named_sizes
 
 
-def expert_axis_size(ici: list[int] | None, dcn: list[int]) -> int:
-    """The `expert` mesh axis: the 4th entry of ICI x DCN (1 where a shape has 3 entries)."""
-    ici_expert = ici[3] if ici is not None and len(ici) == 4 else 1
-    dcn_expert = dcn[3] if len(dcn) == 4 else 1
-    return ici_expert * dcn_expert
+def expert_axis_size(ici: list[int] | None, dcn: list[int],
+                     layout: MeshLayout = MeshLayout.PAXLITE) -> int:
+    """The `expert` mesh axis: the 4th entry of ICI x DCN (1 where a shape has 3 entries, or in
+    Pax's pipelined 4-entry form, which has no expert axis)."""
+    return named_sizes(ici, layout)["expert"] * named_sizes(dcn, layout)["expert"]
 
 
 def mesh_with_expert_hint(shape: list[int] | None) -> str:
@@ -80,7 +82,7 @@ class MoeHParams:
         problems = []
         routing = MoeRouting(self.MOE_ROUTING)
         given = set(self.overridden)
-        expert = expert_axis_size(self.ICI_MESH_SHAPE, self.DCN_MESH_SHAPE)
+        expert = expert_axis_size(self.ICI_MESH_SHAPE, self.DCN_MESH_SHAPE, mesh_layout(self))
         if self.NUM_EXPERTS < 1:
             problems.append(f"NUM_EXPERTS={self.NUM_EXPERTS} must be a positive number of experts")
         elif expert >= 1 and self.NUM_EXPERTS % expert:

@@ -19,6 +19,7 @@ from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.linear import Fp8Config
 from paxlite.models.lora import LoraSpec, LoraTargets, check_alpha, check_rank
 from paxlite.models.moe_config import MoeConfig, MoeRouting
+from paxlite.models.parallel_config import ContextParallelStrategy, PipelineConfig
 from paxlite.models.rotary import DEFAULT_THETA
 
 VALID_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
@@ -230,8 +231,21 @@ class TransformerConfig:
     # Native FP8 (Pax USE_FP8) for the QKV, attention-output, MLP and GShard expert matmuls, each
     # with its own delayed-scaling state (models/linear.py, docs/fp8.md); None: dtype matmuls.
     fp8: Fp8Config | None = None
+    # Pipeline parallelism (NUM_STAGES, NUM_MICROBATCHES, PIPELINE_REPEATS): the layer stack runs
+    # as a pipeline in training and evaluation (models/pipeline.py); decoding runs it unpipelined
+    # over the same parameters. None: no pipeline.
+    pipeline: PipelineConfig | None = None
+    # Sequence parallelism: how attention reaches the keys of other `seq` shards when the mesh has a
+    # `seq` axis > 1 (models/context_parallel.py); read only then.
+    context_parallel_strategy: ContextParallelStrategy = ContextParallelStrategy.ALL_GATHER
 
     def __post_init__(self) -> None:
+        if isinstance(self.pipeline, Mapping):  # read back from JSON
+            object.__setattr__(self, "pipeline", PipelineConfig(**self.pipeline))
+        if self.pipeline is not None and not isinstance(self.pipeline, PipelineConfig):
+            raise ValueError(
+                f"TransformerConfig.pipeline={self.pipeline!r} must be None or a PipelineConfig")
+        _coerce_enum(self, "context_parallel_strategy", ContextParallelStrategy)
         if isinstance(self.moe, Mapping):  # read back from JSON
             object.__setattr__(self, "moe", MoeConfig(**self.moe))
         if self.moe is not None and not isinstance(self.moe, MoeConfig):

@@ -1,18 +1,28 @@
 """Device meshes from Pax's ICI_MESH_SHAPE x DCN_MESH_SHAPE.
 
 Pax users describe parallelism as two [data, fsdp, tensor] shapes: one within a node (ICI) and one
-across nodes (DCN); a 4th entry is the expert axis (Pax's USE_EXPERT_PARALLEL), [data, fsdp, tensor,
-expert]. The device mesh is their element-wise product and always has all four axes (expert 1 when
-a shape has 3 entries), so model code can name "expert" whatever the user gave. Within one process the devices are laid out with
-`mesh_utils.create_device_mesh` (which knows the physical topology on GPUs); across processes with
-`create_hybrid_device_mesh`, so that the slow-interconnect axes span nodes.
+across nodes (DCN). Later entries extend that form without changing what earlier ones mean: a 4th is
+the expert axis (Pax's USE_EXPERT_PARALLEL), a 5th the pipeline axis, a 6th the sequence axis:
+[data, fsdp, tensor, expert, pipeline, seq] (``SHAPE_AXES``); missing trailing entries are 1. Pax's
+own pipelined meshes are 4-D [pp, dp, fsdp, tp]; that form is read when the layout says so
+(``MeshLayout.PAX_PIPELINED``, which experiments choose when NUM_STAGES is set), because a plain
+4-entry shape already means [data, fsdp, tensor, expert].
+
+The device mesh is their element-wise product and always has all six axes, in the order
+``MESH_AXES`` = (pipeline, data, fsdp, seq, tensor, expert): outermost the axis that moves least
+data (pipeline stages pass one activation per microbatch; AXLearn and MaxText put it first too),
+innermost the ones that talk every layer. Adding size-1 axes leaves the device order of every older
+mesh as it was. Model code names any axis whatever the user gave. Within one process the devices
+are laid out with `mesh_utils.create_device_mesh` (which knows the physical topology on GPUs);
+across processes with `create_hybrid_device_mesh`, so that the slow-interconnect axes span nodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -22,56 +32,99 @@ from jax.sharding import AxisType, Mesh
 
 from paxlite.errors import UserError
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert")
-# A shape may leave out the trailing expert axis (dense models, and every mesh written before it).
+# The order of ICI_MESH_SHAPE / DCN_MESH_SHAPE entries (paxlite's layout); 3 to 6 entries.
+SHAPE_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "expert", "pipeline", "seq")
+# Pax's pipelined 4-D form (its GPU CI's [pp, dp, fsdp, tp]).
+PAX_PIPELINED_AXES: tuple[str, ...] = ("pipeline", "data", "fsdp", "tensor")
+# The device mesh's axes, in device order (outermost first).
+MESH_AXES: tuple[str, ...] = ("pipeline", "data", "fsdp", "seq", "tensor", "expert")
+# A shape has at least [data, fsdp, tensor] (every mesh written before the expert axis).
 _SHORT_LEN = 3
 # Axes a global batch is split over; never over `tensor` (Pax: inputs split over replica and data,
-# never mdl). Outside the MoE layers the expert axis is one more data axis, as in MaxText and Pax.
+# never mdl), `seq` (it splits each row's tokens) or `pipeline` (every stage sees every
+# microbatch). Outside the MoE layers the expert axis is one more data axis, as in MaxText and Pax.
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
-_AXES_TEXT = (f"{_SHORT_LEN} positive integers [{', '.join(MESH_AXES[:_SHORT_LEN])}] or "
-              f"{len(MESH_AXES)} [{', '.join(MESH_AXES)}] (a 4th entry is the expert axis)")
+
+
+class MeshLayout(str, enum.Enum):
+    """What the entries of ICI_MESH_SHAPE / DCN_MESH_SHAPE mean."""
+
+    PAXLITE = "paxlite"  # [data, fsdp, tensor(, expert(, pipeline(, seq)))]
+    PAX_PIPELINED = "pax_pipelined"  # Pax's 4-entry [pipeline, data, fsdp, tensor]; 3 entries as ever
+
+    def axes_for(self, length: int) -> tuple[str, ...]:
+        """The axis of each of `length` entries."""
+        if self is MeshLayout.PAX_PIPELINED and length == len(PAX_PIPELINED_AXES):
+            return PAX_PIPELINED_AXES
+        return SHAPE_AXES[:length]
+
+    def lengths(self) -> tuple[int, ...]:
+        if self is MeshLayout.PAX_PIPELINED:
+            return (_SHORT_LEN, len(PAX_PIPELINED_AXES))
+        return tuple(range(_SHORT_LEN, len(SHAPE_AXES) + 1))
+
+    def describe(self) -> str:
+        if self is MeshLayout.PAX_PIPELINED:
+            return ("4 positive integers [pipeline, data, fsdp, tensor] (Pax's pipelined form, read so "
+                    "because NUM_STAGES is set) or 3 [data, fsdp, tensor]")
+        return (f"{_SHORT_LEN} to {len(SHAPE_AXES)} positive integers "
+                f"[{', '.join(SHAPE_AXES)}] (entries after tensor are optional, 1 when left out)")
 
 
 class MeshError(UserError, ValueError):
     """A mesh that cannot be built on the devices at hand."""
 
 
+def named_sizes(shape: Sequence[int] | None, layout: MeshLayout = MeshLayout.PAXLITE) -> dict[str, int]:
+    """{axis: size} for every MESH_AXES axis of one ICI or DCN shape as the user wrote it (None: all 1)."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    if shape is not None:
+        sizes.update(zip(MeshLayout(layout).axes_for(len(shape)), shape))
+    return sizes
+
+
+def in_mesh_order(sizes: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[axis] for axis in MESH_AXES)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """[data, fsdp, tensor] or [data, fsdp, tensor, expert] shapes within a node (ici) and across
-    nodes (dcn).
+    """ICI (within a node) and DCN (across nodes) shapes, in the entry order of ``layout``.
 
     ici=None puts every local device on data. The shapes are kept as given (config.txt shows what
     the user wrote); ici and dcn may differ in length, and `resolved_ici`/`resolved_dcn` give both
-    with all four axes.
+    in MESH_AXES order with all six axes.
     """
 
     ici_mesh_shape: tuple[int, ...] | None = None
     dcn_mesh_shape: tuple[int, ...] = (1, 1, 1)
+    layout: MeshLayout = MeshLayout.PAXLITE
 
     def __post_init__(self):
+        object.__setattr__(self, "layout", MeshLayout(self.layout))
+        lengths = self.layout.lengths()
         for field in ("ici_mesh_shape", "dcn_mesh_shape"):
             shape = getattr(self, field)
             if shape is None:
                 continue
             shape = tuple(shape)
             object.__setattr__(self, field, shape)
-            if len(shape) not in (_SHORT_LEN, len(MESH_AXES)) or any(
+            if len(shape) not in lengths or any(
                 not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape
             ):
                 raise MeshError(
-                    f"{field.upper()}={list(shape)}: expected {_AXES_TEXT}"
+                    f"{field.upper()}={list(shape)}: expected {self.layout.describe()}"
                 )
 
     def resolved_ici(self, num_local_devices: int) -> tuple[int, ...]:
-        """The ICI shape with all four axes; None: every local device on data."""
+        """The ICI shape in MESH_AXES order; None: every local device on data."""
         if self.ici_mesh_shape is None:
-            return full_shape((num_local_devices,))
-        return full_shape(self.ici_mesh_shape)
+            return in_mesh_order(named_sizes((num_local_devices,)))
+        return in_mesh_order(named_sizes(self.ici_mesh_shape, self.layout))
 
     def resolved_dcn(self) -> tuple[int, ...]:
-        """The DCN shape with all four axes."""
-        return full_shape(self.dcn_mesh_shape)
+        """The DCN shape in MESH_AXES order."""
+        return in_mesh_order(named_sizes(self.dcn_mesh_shape, self.layout))
 
     def shape(self, num_local_devices: int) -> tuple[int, ...]:
         """The device mesh shape: ICI x DCN element-wise, one size per MESH_AXES entry."""
@@ -82,9 +135,9 @@ class MeshConfig:
         return dict(zip(MESH_AXES, self.shape(num_local_devices), strict=True))
 
 
-def full_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """`shape` padded with 1s to one size per MESH_AXES entry (a 3-entry shape has expert 1)."""
-    return tuple(shape) + (1,) * (len(MESH_AXES) - len(shape))
+def full_shape(shape: Sequence[int], layout: MeshLayout = MeshLayout.PAXLITE) -> tuple[int, ...]:
+    """`shape` (as the user wrote it) as one size per MESH_AXES entry, missing axes 1."""
+    return in_mesh_order(named_sizes(shape, layout))
 
 
 def check_mesh_fits(config: MeshConfig, *, num_devices: int, num_processes: int) -> None:
@@ -160,7 +213,7 @@ def hybrid_layout(
 
 
 def build_mesh(config: MeshConfig, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, tensor, expert) mesh over `devices` (default: all devices of the job).
+    """The MESH_AXES mesh over `devices` (default: all devices of the job).
 
     Several processes: `create_hybrid_device_mesh` with one granule per process, so the DCN axes
     span processes (nodes) and the ICI axes stay within one. One process with DCN > 1 is laid out by

@@ -2,8 +2,9 @@
 
 Models name every parameter and large activation dimension; only this table knows the mesh. Parameters are
 sharded FSDP-style over `fsdp` on their embed dimension and tensor-parallel over `tensor` on heads/mlp/vocab;
-activations split their batch over data x fsdp x expert. MoE expert weights and expert-major activations
-split over `expert`. Optimizer state follows the parameters.
+activations split their batch over data x fsdp x expert and their sequence over `seq`. MoE expert weights and
+expert-major activations split over `expert`; the layer stack over `pipeline`. Optimizer state follows the
+parameters.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 DEFAULT_RULES: LogicalRules = (
     # activations
     ("activation_batch", BATCH_AXES),
-    ("activation_length", None),
+    # the sequence between blocks: split over `seq` (sequence parallelism; size 1 without it)
+    ("activation_length", "seq"),
     ("activation_embed", None),
     ("activation_mlp", "tensor"),
     ("activation_heads", "tensor"),
@@ -40,7 +42,10 @@ DEFAULT_RULES: LogicalRules = (
     ("vocab", "tensor"),
     ("position", None),
     ("norm", None),
-    ("layers", None),
+    # the scanned layer stack [L, ...]: split over `pipeline`, so each stage holds its own layers
+    # (GPipe: contiguous blocks of L / S layers; size 1 without a pipeline)
+    ("layers", "pipeline"),
+    ("stage", "pipeline"),  # the stage dimension of a pipeline's state (models/pipeline.py)
     ("expert", "expert"),  # MoE expert weights [E, ...]: each expert-axis shard holds E / expert
     ("router", None),
     ("relpos_buckets", None),  # T5 relative-position bias table [heads, buckets]: buckets whole  # the router's [D, E] output dimension stays whole: every token scores all E

@@ -61,6 +61,25 @@ def microbatch_size(*, global_batch_size: int, grad_accum_steps: int, batch_spli
     )
 
 
+def pipeline_microbatches(pipeline: Any, *, global_batch_size: int, grad_accum_steps: int,
+                          batch_split: int) -> int:
+    """The pipeline's microbatch count for each forward pass; a SettingError naming the numbers
+    when the rows of one pass (global / GRAD_ACCUM_STEPS) do not split into microbatches that each
+    divide over data x fsdp x expert. Called before anything compiles."""
+    rows = global_batch_size // grad_accum_steps
+    try:
+        micro = pipeline.microbatches(rows)
+    except ValueError as e:
+        raise SettingError(f"{e} (the global batch {global_batch_size} / GRAD_ACCUM_STEPS="
+                           f"{grad_accum_steps})") from None
+    if (rows // micro) % batch_split:
+        raise SettingError(
+            f"pipeline microbatches of {rows // micro} rows ({rows} rows / {micro} microbatches) do "
+            f"not divide over data x fsdp x expert = {batch_split} ways: choose fewer microbatches "
+            f"(NUM_MICROBATCHES) or a larger batch")
+    return micro
+
+
 def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
     """Every [B, ...] array -> [K, B/K, ...]; microbatch k holds global rows k, k + K, k + 2K, ...
 

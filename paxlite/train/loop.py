@@ -35,7 +35,7 @@ from paxlite.train import device_metrics, pretrained
 from paxlite.train import flops as flops_lib
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.eval_loop import Evaluator
-from paxlite.train.grad_accum import microbatch_size
+from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
 from paxlite.train.metrics import MetricsWriter
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.preemption import Preemption
@@ -92,6 +92,10 @@ class Run:
         # compiling.
         microbatch_size(global_batch_size=self.global_batch_size, grad_accum_steps=config.loop.grad_accum_steps,
                         batch_split=rules_lib.batch_split(self.mesh))
+        if config.model.pipeline is not None:  # and the pipeline's microbatches of each of them
+            pipeline_microbatches(config.model.pipeline, global_batch_size=self.global_batch_size,
+                                  grad_accum_steps=config.loop.grad_accum_steps,
+                                  batch_split=rules_lib.batch_split(self.mesh))
         seq_len = config.model.max_seq_len
         self.tokens_per_step = self.global_batch_size * seq_len
         # Data first: a missing dataset or vocabulary is reported before anything is compiled.

@@ -21,8 +21,10 @@ def test_mesh_shape_from_axes_uses_axlearn_names():
     assert mesh_shape_from_axes(fsdp=8).as_list() == [1, 8, 1]
     assert mesh_shape_from_axes(data=2, model=4).as_list() == [2, 1, 4]  # model is AXLearn's tensor
     assert mesh_shape_from_axes(data=-1, fsdp=4).resolve(32) == [8, 4, 1]
-    with pytest.raises(ConfigError, match=r"'pipeline': 2"):
-        mesh_shape_from_axes(pipeline=2)
+    # pipeline and seq are the 5th and 6th entries; earlier ones keep their meaning (issue 24)
+    assert mesh_shape_from_axes(fsdp=2, pipeline=4).as_list() == [1, 2, 1, 1, 4]
+    assert mesh_shape_from_axes(data=2, seq=4).as_list() == [2, 1, 1, 1, 1, 4]
+    assert mesh_shape_from_axes(pipeline=2, data=-1, fsdp=2, seq=2).resolve(32) == [4, 2, 1, 1, 2, 2]
     with pytest.raises(ConfigError, match="at most one mesh axis may be -1"):
         mesh_shape_from_axes(data=-1, fsdp=-1)
     with pytest.raises(ConfigError, match="do not divide 12 devices"):
@@ -40,8 +42,22 @@ def test_mesh_shape_expert_axis_is_the_fourth_entry():
                                                   dcn=mesh_shape_from_axes(data=-1)),
                                   num_local_devices=8, num_processes=2)({})
     assert overrides == {"ICI_MESH_SHAPE": [1, 1, 1, 8], "DCN_MESH_SHAPE": [2, 1, 1]}
-    with pytest.raises(ConfigError, match=r"'seq': 2"):
-        mesh_shape_from_axes(seq=2)
+
+
+def test_axlearn_hybrid_pipeline_and_seq_resolve_into_a_run():
+    """AXLearn's documented call: mesh_shape_from_axes(pipeline=.., data=.., fsdp=.., seq=..) for ICI
+    and for DCN, in a HybridMeshShape; the run gets a pipeline of the DCN x ICI stages and a seq axis."""
+    overrides = MeshShapeModifier(
+        HybridMeshShape(ici=mesh_shape_from_axes(pipeline=1, data=1, fsdp=2, seq=2),
+                        dcn=mesh_shape_from_axes(pipeline=2, data=-1)),
+        num_local_devices=4, num_processes=4)({})
+    assert overrides == {"ICI_MESH_SHAPE": [1, 2, 1, 1, 1, 2], "DCN_MESH_SHAPE": [2, 1, 1, 1, 2]}
+    experiment = configure("TinySynthetic", MeshShapeModifier(
+        HybridMeshShape(ici=mesh_shape_from_axes(fsdp=2, seq=2), dcn=mesh_shape_from_axes(pipeline=2, data=-1)),
+        num_local_devices=4, num_processes=4), NUM_LAYERS=4, MAX_SEQ_LEN=64)
+    run = fdl.build(experiment.run_config())
+    assert run.mesh.axis_sizes(4) == {"pipeline": 2, "data": 2, "fsdp": 2, "seq": 2, "tensor": 1, "expert": 1}
+    assert run.model.pipeline.num_stages == 2
 
 
 def test_configure_matches_the_same_command_line():

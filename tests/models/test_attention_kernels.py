@@ -121,8 +121,8 @@ def test_pallas_blocks_are_powers_of_two_and_the_length_is_padded_to_whole_block
 
 @pytest.fixture(scope="module")
 def mesh():
-    return jax.make_mesh((2, 2, 2, 1), ("data", "fsdp", "tensor", "expert"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    return jax.make_mesh((1, 2, 2, 1, 2, 1), ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 6)
 
 
 @pytest.mark.parametrize("path", ["pallas_interpret", "jax_nn_xla"])

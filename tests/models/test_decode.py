@@ -168,8 +168,8 @@ def test_sharded_generation_equals_one_device_with_the_cache_sharded_by_the_rule
     params = _params(cfg)
     prompts = PROMPTS  # 3 rows, made 4 for the batch axes (data x fsdp)
     want = generate(cfg, params, prompts, max_new_tokens=NEW)
-    mesh = jax.make_mesh((2, 2, 2, 1), ("data", "fsdp", "tensor", "expert"),
-                         axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.make_mesh((1, 2, 2, 1, 2, 1), ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
+                         axis_types=(AxisType.Auto,) * 6)
     shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, rules)
     sharded = jax.device_put(params, shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):

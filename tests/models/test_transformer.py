@@ -372,8 +372,8 @@ def test_sharded_grads_equal_single_device_grads(
     ref = reference(scan_layers)
     cfg = ref["cfg"]
     # The trainer's mesh always has the expert axis (size 1 here): the rules name it for the batch.
-    mesh = jax.make_mesh((2, 2, 2, 1), ("data", "fsdp", "tensor", "expert"),
-                         axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.make_mesh((1, 2, 2, 1, 2, 1), ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
+                         axis_types=(AxisType.Auto,) * 6)
     shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, DEFAULT_RULES)
     params = jax.device_put(ref["params"], shardings)
     assert params["embedding"]["embedding"].sharding.spec == PartitionSpec("tensor", "fsdp")

@@ -28,7 +28,12 @@ from paxlite.train.step import compile_steps
 
 
 def _ids(mesh) -> list:
-    return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices).tolist()
+    """Device ids over (data, fsdp, tensor, expert); the pipeline and seq axes must be 1 here."""
+    ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
+    order = [mesh.axis_names.index(a) for a in ("data", "fsdp", "tensor", "expert")]
+    rest = [i for i in range(ids.ndim) if i not in order]
+    assert all(ids.shape[i] == 1 for i in rest), dict(mesh.shape)
+    return np.transpose(ids, order + rest).reshape([ids.shape[i] for i in order]).tolist()
 
 
 def _rel_err(a, b) -> float:
@@ -56,27 +61,29 @@ def _hybrid_ids(ici, dcn) -> np.ndarray:
 
 
 def test_mesh_always_has_the_four_axes():
-    assert MESH_AXES == ("data", "fsdp", "tensor", "expert")
+    assert MESH_AXES == ("pipeline", "data", "fsdp", "seq", "tensor", "expert")
     assert BATCH_AXES == ("data", "fsdp", "expert")
     three = build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2)))
     assert three.axis_names == MESH_AXES
-    assert dict(three.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert dict(three.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "seq": 1, "tensor": 2, "expert": 1}
     four = build_mesh(MeshConfig(ici_mesh_shape=(2, 1, 1, 4)))
-    assert dict(four.shape) == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 4}
+    assert dict(four.shape) == {"pipeline": 1, "data": 2, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 4}
     assert _ids(four) == np.arange(8).reshape(2, 1, 1, 4).tolist()
     default = build_mesh(MeshConfig())
-    assert dict(default.shape) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert dict(default.shape) == {"pipeline": 1, "data": 8, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}
 
 
 def test_shapes_are_kept_as_given():
-    # config.txt/config.json record what the user wrote; padding to four axes happens on use.
+    # config.txt/config.json record what the user wrote; padding to all six axes (in MESH_AXES
+    # order: pipeline, data, fsdp, seq, tensor, expert) happens on use.
     config = MeshConfig(ici_mesh_shape=(2, 1, 1, 2), dcn_mesh_shape=(2, 1, 1))
     assert config.ici_mesh_shape == (2, 1, 1, 2) and config.dcn_mesh_shape == (2, 1, 1)
-    assert config.resolved_ici(4) == (2, 1, 1, 2) and config.resolved_dcn() == (2, 1, 1, 1)
-    assert config.shape(4) == (4, 1, 1, 2)
-    assert config.axis_sizes(4) == {"data": 4, "fsdp": 1, "tensor": 1, "expert": 2}
+    assert config.resolved_ici(4) == (1, 2, 1, 1, 1, 2)
+    assert config.resolved_dcn() == (1, 2, 1, 1, 1, 1)
+    assert config.shape(4) == (1, 4, 1, 1, 1, 2)
+    assert config.axis_sizes(4) == {"pipeline": 1, "data": 4, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 2}
     assert MeshConfig(ici_mesh_shape=(1, 8, 1)).ici_mesh_shape == (1, 8, 1)
-    assert MeshConfig().resolved_ici(8) == (8, 1, 1, 1)
+    assert MeshConfig().resolved_ici(8) == (1, 8, 1, 1, 1, 1)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +124,7 @@ def test_hybrid_four_axis_layout_matches_the_rule(ici, dcn):
 @pytest.mark.parametrize(
     ("field", "shape"),
     [
-        ("ici_mesh_shape", (1, 2, 1, 2, 2)),  # five entries
+        ("ici_mesh_shape", (1, 2, 1, 2, 2, 1, 1)),  # seven entries
         ("ici_mesh_shape", (2, 2, 2, 0)),  # a zero expert axis
         ("dcn_mesh_shape", (1, 0, 1)),
         ("ici_mesh_shape", (2, 1.0, 2, 2)),  # a float among integers
@@ -130,8 +137,8 @@ def test_bad_shapes_are_one_clear_error(field, shape):
         MeshConfig(**{field: shape})
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"{field.upper()}={list(shape)}: expected 3 positive integers")
-    assert "[data, fsdp, tensor, expert]" in message and "4th entry is the expert axis" in message
+    assert message.startswith(f"{field.upper()}={list(shape)}: expected 3 to 6 positive integers")
+    assert "[data, fsdp, tensor, expert, pipeline, seq]" in message
 
 
 def test_device_count_errors_count_the_expert_axis():

@@ -18,13 +18,13 @@ from paxlite.parallel.mesh import (
 
 def test_mesh_is_ici_times_dcn():
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 2), dcn_mesh_shape=(2, 1, 1)))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "seq": 1, "tensor": 2, "expert": 1}
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
 
 def test_default_puts_every_device_on_data():
     mesh = build_mesh(MeshConfig())
-    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 8, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}
 
 
 def test_wrong_device_count_names_both_numbers():
@@ -35,7 +35,7 @@ def test_wrong_device_count_names_both_numbers():
 
 @pytest.mark.parametrize("shape", [(1, 2), (0, 8, 1), (1, 8, -1), (1.0, 8, 1)])
 def test_bad_shape(shape):
-    with pytest.raises(MeshError, match="3 positive integers"):
+    with pytest.raises(MeshError, match="3 to 6 positive integers"):
         MeshConfig(ici_mesh_shape=shape)
 
 
@@ -72,7 +72,12 @@ def test_indivisible_parameter_is_named_before_compiling():
 
 
 def _ids(mesh) -> list:
-    return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices).tolist()
+    """Device ids over (data, fsdp, tensor, expert); the pipeline and seq axes must be 1 here."""
+    ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
+    order = [mesh.axis_names.index(a) for a in ("data", "fsdp", "tensor", "expert")]
+    rest = [i for i in range(ids.ndim) if i not in order]
+    assert all(ids.shape[i] == 1 for i in rest), dict(mesh.shape)
+    return np.transpose(ids, order + rest).reshape([ids.shape[i] for i in order]).tolist()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,100 @@
+"""Model-side settings of pipeline and sequence parallelism, apart from the layers that use them.
+
+Why a module of its own: ``TransformerConfig`` names both (models/transformer_config.py), the
+attention layer reads the strategy (models/attention.py) and the pipelined stack the schedule
+(models/pipeline.py); keeping the plain values here lets all of them import it without a circle.
+The mesh decides the sizes (parallel/mesh.py: the ``pipeline`` and ``seq`` axes); these say how the
+model uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class ContextParallelStrategy(str, enum.Enum):
+    """How keys and values of the other ``seq`` shards reach a shard's queries; same result."""
+
+    ALL_GATHER = "all_gather"  # gather the whole row's k/v once (MaxText's default)
+    RING = "ring"  # pass k/v blocks round the ring, online softmax (memory: one block at a time)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """The layer stack run as ``num_stages`` pipeline stages over microbatches of each batch.
+
+    ``repeats`` 1 is GPipe; more is the circular schedule (each stage holds ``repeats``
+    non-adjacent groups of layers), which shrinks the bubble to (S - 1) / (R*M + S - 1).
+    ``num_stages`` is a multiple of the ``pipeline`` mesh axis's size (experiments check it); on a
+    mesh without that axis (one device) the same schedule runs unsharded, which is what tests
+    compare against.
+
+    The number of microbatches M of a batch of B rows: ``num_microbatches`` (NUM_MICROBATCHES), or
+    B / ``microbatch_size`` (Pax's MICROBATCH_SIZE), or, when neither is set, ``num_stages`` (the
+    fewest that keep every stage busy at once). ``microbatches(B)`` resolves it.
+    """
+
+    num_stages: int
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "num_microbatches", "microbatch_size", "repeats"):
+            value = getattr(self, name)
+            if value is None and name in ("num_microbatches", "microbatch_size"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PipelineConfig.{name}={value!r} must be a positive integer")
+        if self.num_microbatches is not None and self.microbatch_size is not None:
+            raise ValueError(
+                f"give the number of microbatches ({self.num_microbatches}) or their size "
+                f"({self.microbatch_size}), not both")
+        if (self.repeats > 1 and self.num_microbatches is not None
+                and self.num_microbatches < self.num_stages):
+            raise ValueError(
+                f"the circular schedule (repeats={self.repeats}) needs at least as many "
+                f"microbatches as stages: num_microbatches={self.num_microbatches}, "
+                f"num_stages={self.num_stages}")
+
+    def microbatches(self, batch_rows: int) -> int:
+        """M for a batch of ``batch_rows`` rows; a ValueError naming the numbers if it does not split."""
+        if self.microbatch_size is not None:
+            if batch_rows % self.microbatch_size:
+                raise ValueError(
+                    f"a batch of {batch_rows} rows does not split into microbatches of "
+                    f"MICROBATCH_SIZE={self.microbatch_size} rows")
+            m = batch_rows // self.microbatch_size
+        else:
+            m = self.num_microbatches or self.num_stages
+            if batch_rows % m:
+                raise ValueError(
+                    f"a batch of {batch_rows} rows does not split into {m} pipeline microbatches "
+                    f"(NUM_MICROBATCHES, default NUM_STAGES): choose a divisor of {batch_rows}")
+        if self.repeats > 1 and m < self.num_stages:
+            raise ValueError(
+                f"the circular schedule (PIPELINE_REPEATS={self.repeats}) needs at least as many "
+                f"microbatches as stages: {m} microbatches for {self.num_stages} stages")
+        return m
+
+    def bubble_fraction(self, num_microbatches: int) -> float:
+        """The share of stage-iterations that are bubble: (S - 1) / (R*M + S - 1)."""
+        s, r = self.num_stages, self.repeats
+        return (s - 1) / (r * num_microbatches + s - 1)
+
+SEQ_AXIS = "seq"  # the mesh axis sequence parallelism shards tokens over (parallel/mesh.py)
+PIPELINE_AXIS = "pipeline"  # the mesh axis pipeline stages are spread over
+
+
+def mesh_axis_size(name: str) -> int:
+    """The size of mesh axis ``name`` in the mesh of ``jax.set_mesh`` (1: no mesh, or no such axis).
+
+    Read while tracing, so a model switches to its sharded form only where the mesh asks for it.
+    """
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or name not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[name])
