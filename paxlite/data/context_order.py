@@ -14,6 +14,13 @@ order; attention over a reordered row must mask by positions, not slots
 Convention: ``order`` is a permutation of ``range(seq_len)``; the reordered row is
 ``row[:, order]``, i.e. slot t holds the token that was at ``order[t]``; ``inverse_order(order)``
 undoes it (``reordered[:, inverse] == row``).
+
+Where it is applied: ``balance_for_seq`` is the per-batch step (it also adds ``positions`` to a
+batch that has none, so the tokens keep their true positions), and data/feed.py's
+``prefetch_train_batches(..., balance_seq_shards=C)`` calls it on every training batch.
+Evaluation batches are left in their order: sequence-parallel attention is exact in any order,
+the reorder only balances the work. ``check_seq_divides`` says before compiling whether a
+sequence length splits over the ``seq`` axis at all.
 """
 
 from __future__ import annotations
@@ -21,7 +28,36 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from paxlite.errors import SettingError
+
+POSITIONS_KEY = "positions"  # the batch field the model reads token positions from
+
+
+def check_seq_divides(*, seq_len: int, seq_shards: int, load_balance: bool) -> None:
+    """A SettingError naming the numbers unless rows of ``seq_len`` tokens split evenly over a
+    ``seq`` mesh axis of ``seq_shards``: into seq_shards slices, or with ``load_balance`` into
+    2 * seq_shards chunks (dual_chunk_swap gives every shard two). Nothing to check for 1 shard.
+    """
+    for name, value in (("seq_len", seq_len), ("seq_shards", seq_shards)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise SettingError(f"{name}={value!r}: expected a positive integer")
+    if seq_shards == 1:
+        return
+    parts = 2 * seq_shards if load_balance else seq_shards
+    if seq_len % parts:
+        how = (f"load balancing (dual_chunk_swap) cuts each row into 2 * {seq_shards} = {parts} "
+               "equal chunks" if load_balance else f"each of the {seq_shards} shards holds an "
+               "equal slice of every row")
+        raise SettingError(
+            f"sequence length {seq_len} does not divide over the seq mesh axis of size "
+            f"{seq_shards}: {how}; use a sequence length that is a multiple of {parts}, or a seq "
+            f"axis size that divides it"
+            + ("" if not load_balance or seq_len % seq_shards else
+               ", or turn load balancing off"))
 
 
 def dual_chunk_swap_order(seq_len: int, num_shards: int) -> np.ndarray:
@@ -79,3 +115,30 @@ def reorder_batch(batch: Mapping[str, Any], order: np.ndarray) -> dict[str, Any]
                 f"to reorder it with an order of length {length}")
         out[name] = value[:, order]
     return out
+
+
+def balance_for_seq(batch: Mapping[str, Any], *, seq_shards: int) -> dict[str, Any]:
+    """``batch`` in the dual_chunk_swap order for a ``seq`` axis of ``seq_shards``, with positions.
+
+    A batch without ``positions`` first gets them (``arange(T)`` per row, int32): after the
+    reorder a token's slot is no longer its position, and RoPE, learned position embeddings and
+    the attention mask must read the true one. Then every per-token field moves together
+    (``reorder_batch``), so packed segment ids, their restarting positions and the loss weights
+    follow their tokens. The loss, a weighted sum over tokens, is the same sum in another order.
+    Deterministic (the order depends only on T and seq_shards); NumPy and JAX arrays alike, also
+    under ``jax.jit``. seq_shards 1: the batch as it is.
+    """
+    if seq_shards == 1:
+        return dict(batch)
+    per_token = [value for value in batch.values() if np.ndim(value) >= 2]
+    if not per_token:
+        raise ValueError(f"batch has no per-token field [batch, length] to reorder: fields "
+                         f"{sorted(batch)}")
+    rows, length = np.shape(per_token[0])[:2]
+    check_seq_divides(seq_len=length, seq_shards=seq_shards, load_balance=True)
+    out = dict(batch)
+    if POSITIONS_KEY not in out:
+        on_device = any(isinstance(value, jax.Array) for value in per_token)
+        xp = jnp if on_device else np
+        out[POSITIONS_KEY] = xp.broadcast_to(xp.arange(length, dtype=xp.int32), (rows, length))
+    return reorder_batch(out, dual_chunk_swap_order(length, seq_shards))

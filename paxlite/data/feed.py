@@ -4,11 +4,16 @@ A feed hides where batches come from (synthetic, or a prepared text dataset) beh
 needs: the batch for an optimizer step, the evaluation batches, and saving/restoring its position. Each
 process feeds only the rows its devices hold; `jax.make_array_from_process_local_data` assembles the global
 batch.
+
+Sequence parallelism with load balancing reorders each training batch's tokens where the batch is
+taken from its feed (``prefetch_train_batches(..., balance_seq_shards=C)``, on the devices, in the
+producer thread): data/context_order.py says why and how.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -16,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from paxlite.data.context_order import POSITIONS_KEY, balance_for_seq
 from paxlite.data.errors import DatasetError
 from paxlite.data.feeding import FeedPlan
 from paxlite.data.prefetch import DEFAULT_DEPTH, Prefetcher
@@ -368,14 +374,41 @@ class BoolQTrainFeed:
         del record, step
 
 
+@functools.cache
+def _balancer(seq_shards: int, shardings: tuple[tuple[str, Sharding], ...]):
+    """``balance_for_seq`` compiled for one batch layout; each output field keeps its sharding."""
+    return jax.jit(functools.partial(balance_for_seq, seq_shards=seq_shards),
+                   out_shardings=dict(shardings))
+
+
+def balance_batch_for_seq(batch: Batch, *, seq_shards: int) -> Batch:
+    """A global batch on its devices in the dual_chunk_swap order for a ``seq`` axis of
+    ``seq_shards``, positions added where missing (``context_order.balance_for_seq``); every field
+    keeps its sharding, and added positions take that of the per-token fields. 1: unchanged."""
+    if seq_shards == 1:
+        return batch
+    shardings = {key: value.sharding for key, value in batch.items()}
+    if POSITIONS_KEY not in shardings:
+        per_token = [value for value in batch.values() if value.ndim >= 2]
+        if per_token:  # none: balance_for_seq names the problem
+            shardings[POSITIONS_KEY] = per_token[0].sharding
+    return _balancer(seq_shards, tuple(sorted(shardings.items())))(batch)
+
+
 def prefetch_train_batches(feed: Feed, *, start: int, stop: int, sharding: Sharding,
-                           depth: int = DEFAULT_DEPTH) -> Prefetcher[tuple[Batch, Any]]:
+                           depth: int = DEFAULT_DEPTH,
+                           balance_seq_shards: int = 1) -> Prefetcher[tuple[Batch, Any]]:
     """(batch, position after it) for optimizer steps start + 1 .. stop, built `depth` ahead in a
-    producer thread: the batch is on its devices (transfer finished) before the step takes it."""
+    producer thread: the batch is on its devices (transfer finished) before the step takes it.
+
+    balance_seq_shards: the ``seq`` mesh axis size when its load is balanced: each batch is put in
+    the dual_chunk_swap order (``balance_batch_for_seq``); 1: batches as the feed gives them.
+    """
 
     def produce() -> Iterator[tuple[Batch, Any]]:
         for index in range(start, stop):
-            batch = feed.train_batch(index, sharding)
+            batch = balance_batch_for_seq(feed.train_batch(index, sharding),
+                                          seq_shards=balance_seq_shards)
             jax.block_until_ready(batch)
             yield batch, feed.position()
 

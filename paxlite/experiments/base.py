@@ -22,17 +22,18 @@ from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.experiments.attention_settings import check_attention_settings
-from paxlite.experiments.parallelism_settings import (
-    context_parallel_strategy,
-    mesh_layout,
-    num_stages,
-    parallelism_problems,
-    pipeline_config,
-)
 from paxlite.experiments.moe_mixin import (
     MOE_HPARAM_NAMES,
     dense_moe_setting_error,
     expert_axis_size,
+)
+from paxlite.experiments.parallelism_settings import (
+    context_parallel_strategy,
+    mesh_axis_sizes,
+    mesh_layout,
+    num_stages,
+    parallelism_problems,
+    pipeline_config,
 )
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import AttentionImplementation
@@ -215,9 +216,10 @@ class LanguageModelExperiment(Experiment):
 
     def _parallelism_problems(self) -> list[str]:
         """Pipeline / seq settings the mesh and the model cannot run (parallelism_settings.py)."""
-        # The model's layer grouping matters only with a pipeline (and building it is what
-        # reports a bad model setting, so only then)
-        model = fdl.build(self.model_config()) if num_stages(self) > 1 else None
+        # The model's layer grouping and layer kind matter only with a pipeline or a seq axis
+        # (and building it is what reports a bad model setting, so only then)
+        model = (fdl.build(self.model_config())
+                 if num_stages(self) > 1 or mesh_axis_sizes(self)["seq"] > 1 else None)
         scan_unit = model.layers_per_scan_unit if model is not None else 1
         uses_te = model is not None and uses_transformer_engine(model)
         return parallelism_problems(self, scan_unit=scan_unit, uses_te=uses_te)
@@ -539,6 +541,7 @@ class LanguageModelExperiment(Experiment):
             crash_on_hang_timeout_seconds=self.CRASH_ON_HANG_TIMEOUT_SECONDS,
             compilation_cache=self.COMPILATION_CACHE,
             compilation_cache_dir=self.COMPILATION_CACHE_DIR,
+            seq_load_balance=self.CONTEXT_PARALLEL_LOAD_BALANCE,
         )
 
     # ------------------------------------------------------------------ the run

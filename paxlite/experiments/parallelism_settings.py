@@ -102,6 +102,15 @@ def parallelism_problems(hp: Any, *, scan_unit: int, uses_te: bool) -> list[str]
                 f"ICI {hp.ICI_MESH_SHAPE} x DCN {hp.DCN_MESH_SHAPE} is 1, NUM_STAGES unset): give "
                 "the mesh a pipeline axis (5th entry), or drop them")
     if seq > 1:
+        if getattr(hp, "ATTENTION_IMPLEMENTATION", "auto") in ("cudnn", "pallas_triton"):
+            problems.append(
+                f"ATTENTION_IMPLEMENTATION={hp.ATTENTION_IMPLEMENTATION!r} with a seq axis of {seq}: "
+                "sequence-parallel attention runs the XLA implementation (the kernels see one "
+                "shard's keys only); use 'auto' or 'xla'")
+        if uses_te:
+            problems.append(
+                f"ENABLE_TE=1 with a seq axis of {seq}: Transformer Engine's layers mask by slot, "
+                "not by each token's position; unset ENABLE_TE or drop the seq axis")
         chunks = 2 * seq if hp.CONTEXT_PARALLEL_LOAD_BALANCE else seq
         if hp.MAX_SEQ_LEN % chunks:
             why = (f"2 x seq = {chunks} equal chunks (CONTEXT_PARALLEL_LOAD_BALANCE)"

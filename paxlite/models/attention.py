@@ -8,6 +8,17 @@ All compute the same function; AXLearn's ``-flash`` Fuji variants select FLASH. 
 additive logit bias (T5/GLaM relative position bias, models/relative_position.py) enters after the
 1/sqrt(H) query scaling and before the mask and softmax, where Pax adds it.
 
+Sequence (context) parallelism: when the current mesh (``jax.set_mesh``) has a ``seq`` axis
+larger than 1, the tokens of each row are sharded over it and the core runs as
+``context_parallel_attention`` (models/context_parallel.py) instead, which is exact: the mask
+compares token *positions* (plus segment ids), not slots, so a row reordered for load balance
+(data/context_order.py) attends as the original row did. The projections, RoPE and the output
+projection are per token and need nothing. While decoding (a KV cache) the sequence is not split.
+
+The explicit-einsum core and its mask (``einsum_attention``, ``make_attention_mask``,
+``LARGE_NEGATIVE``) live in models/attention_kernels.py, so that the sequence-parallel core can use
+them without importing this module back; they stay importable from here.
+
 Einsum letters: B batch, T query length, S key length, D model (embed) dims, K the 3 of q/k/v
 (fused path) or the key/value heads (grouped path), N query heads, G query heads per kv head
 (N = K * G), H dims per head.
@@ -16,22 +27,38 @@ Einsum letters: B batch, T query length, S key length, D model (embed) dims, K t
 from __future__ import annotations
 
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
+from paxlite.errors import SettingError
 from paxlite.models.attention_kernels import (
+    LARGE_NEGATIVE,
     AttentionImplementation,
+    einsum_attention,
     flash_attention,
+    make_attention_mask,
     resolve_implementation,
 )
+from paxlite.models.context_parallel import context_parallel_attention
 from paxlite.models.linear import Fp8Config, Linear
 from paxlite.models.lora import LoraSpec
+from paxlite.models.parallel_config import SEQ_AXIS, ContextParallelStrategy, mesh_axis_size
 from paxlite.models.relative_position import RelativePositionBias
 from paxlite.models.rotary import apply_rotary
+from paxlite.parallel.mesh import BATCH_AXES
+
+__all__ = [
+    "CONTEXT_NAME", "HEAD_ACTIVATION_AXES", "KEY_PROJ_NAME", "KV_HEAD_ACTIVATION_AXES",
+    "LARGE_NEGATIVE", "OUT_PROJ_NAME", "QKV_PROJ_NAME", "QUERY_PROJ_NAME", "TENSOR_AXIS",
+    "VALUE_PROJ_NAME", "Attention", "AttentionKind", "check_attention_choice", "einsum_attention",
+    "make_attention_mask",
+]
 
 HEAD_ACTIVATION_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_heads", "activation_kv",
@@ -48,8 +75,9 @@ KEY_PROJ_NAME: str = "key_proj"  # k [B, T, K, H]
 VALUE_PROJ_NAME: str = "value_proj"  # v [B, T, K, H]
 CONTEXT_NAME: str = "context"  # probabilities x values, before the output projection [B, T, N, H]
 OUT_PROJ_NAME: str = "out_proj"  # output projection [B, T, D]
-# Pax uses -0.7 * max(float32) rather than -inf so that a fully masked row stays finite.
-LARGE_NEGATIVE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The mesh axis heads are split over (the rules' "activation_heads"); the sequence-parallel core
+# keeps that split inside its shards when the kv heads divide over it.
+TENSOR_AXIS: str = "tensor"
 
 
 class AttentionKind(str, enum.Enum):
@@ -69,60 +97,6 @@ def check_attention_choice(kind: AttentionKind | str,
         raise ValueError(
             f"attention implementation {implementation.value!r} is a fused kernel and attention "
             f"kind 'dot_product' runs einsums: use attention kind 'flash' with it")
-
-
-def make_attention_mask(*, seq_len: int, segment_ids: jax.Array | None) -> jax.Array:
-    """Boolean mask [B or 1, 1, T, S]: True where query t may attend to key s.
-
-    Causal, and with packed rows also restricted to keys of the same segment, so that documents
-    packed into one row never see each other.
-    """
-    idx = jnp.arange(seq_len)
-    mask = idx[:, None] >= idx[None, :]  # [T, S]
-    if segment_ids is None:
-        return mask[None, None, :, :]
-    if segment_ids.ndim != 2 or segment_ids.shape[1] != seq_len:
-        raise ValueError(
-            f"segment_ids must have shape [batch, {seq_len}], got {segment_ids.shape}"
-        )
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-    return (mask[None, :, :] & same_segment)[:, None, :, :]
-
-
-def einsum_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
-    bias: jax.Array | None = None, segment_ids: jax.Array | None = None,
-    dtype: DTypeLike = jnp.float32,
-) -> jax.Array:
-    """Pax's DotProductAttention core (AttentionKind.DOT_PRODUCT): prescaled q [B, T, N, H], k, v
-    [B, S, K, H] -> [B, T, N, H]; logits and softmax in float32, probabilities cast to dtype.
-
-    mask: bool [B|1, 1, T, S]; None: causal, restricted to segment_ids [B, T] when given.
-    bias: float32 [B|1, N|1, T, S] added to the logits before the mask. With K < N, query head
-    i = k * G + g reads kv head k (no copies of k/v are made).
-    """
-    batch, length, n, h = q.shape
-    kv = k.shape[2]
-    if mask is None:
-        mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
-    if kv == n:
-        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
-        if bias is not None:
-            logits = logits + bias  # [B, N, T, S]
-        logits = jnp.where(mask, logits, LARGE_NEGATIVE)
-        probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, N, T, S]
-        return jnp.einsum("BNTS,BSNH->BTNH", probs, v)
-    qg = q.reshape(batch, length, kv, n // kv, h)  # [B, T, K, G, H]; head i = k*G + g
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
-    if bias is not None:
-        if bias.shape[1] == 1:
-            grouped_bias = bias[:, :, None]  # [B|1, 1, 1, T, S]
-        else:
-            grouped_bias = bias.reshape(bias.shape[0], kv, n // kv, *bias.shape[2:])
-        logits = logits + grouped_bias  # [B, K, G, T, S]
-    logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)  # mask [B|1, 1, 1, T, S]
-    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, K, G, T, S]
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, n, h)
 
 
 class Attention(nn.Module):
@@ -150,6 +124,13 @@ class Attention(nn.Module):
             logits from the positions passed to ``__call__`` (causal buckets). Each layer has its
             own table, as in Pax, where ``relative_bias_tpl`` sits on every DotProductAttention.
         relative_position_max_distance: where the last bucket starts (GLaM: 128).
+        context_parallel_strategy: how the keys and values of other ``seq`` shards reach a
+            shard's queries (ALL_GATHER or RING, models/context_parallel.py); read only when the
+            mesh has a ``seq`` axis larger than 1. There, FLASH runs the same XLA einsum core
+            (AUTO and XLA); a cuDNN or Pallas-Triton kernel named explicitly is a SettingError
+            (it would see one shard of the row); a caller's ``bias`` and a ``mask`` without
+            ``segment_ids`` are ValueErrors (the core masks by positions and segment ids); the
+            layer's own relative position bias is supported, exactly.
     """
 
     num_heads: int
@@ -170,6 +151,7 @@ class Attention(nn.Module):
     # Incremental decoding (models/decode.py): keys and values go to the "cache" collection and
     # attention reads all cached ones under the caller's mask [B, 1, T, S_max].
     decode: bool = False
+    context_parallel_strategy: ContextParallelStrategy = ContextParallelStrategy.ALL_GATHER
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -193,7 +175,9 @@ class Attention(nn.Module):
     ) -> jax.Array:
         """x [B, T, D], mask bool broadcastable to [B, N, T, S] (a subset of causal; None: causal
         only, which lets a fused kernel skip building one), positions int [B, T] (RoPE and the
-        relative bias read them; default arange) -> [B, T, D] in dtype.
+        relative bias read them; default arange) -> [B, T, D] in dtype. Under a mesh with a
+        ``seq`` axis > 1 the mask is causal in ``positions`` (a row may be reordered) and, for
+        packed rows, restricted by ``segment_ids``; ``mask`` must then be the one they make.
 
         segment_ids: int [B, T] of packed rows, given with the mask they make
         (``make_attention_mask``); the Pallas-Triton kernel masks by them instead of the mask.
@@ -242,9 +226,10 @@ class Attention(nn.Module):
         k = nn.with_logical_constraint(k, kv_axes)
         v = nn.with_logical_constraint(v, kv_axes)
 
+        seq_shards = 1 if self.decode else mesh_axis_size(SEQ_AXIS)
+        if positions is None and (self.rope_theta is not None or seq_shards > 1):
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         if self.rope_theta is not None:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
             q = apply_rotary(q, positions, theta=self.rope_theta)
             k = apply_rotary(k, positions, theta=self.rope_theta)
         if self.scale_query:
@@ -252,9 +237,14 @@ class Attention(nn.Module):
         key_positions = positions
         if self.decode:
             k, v, key_positions = self._extend_cache(k, v, positions, kv_axes=kv_axes)
-        bias = self._logit_bias(bias, positions, key_positions, batch=batch, length=length)
+        if seq_shards == 1:  # sharded rows take the relative bias by distance, never [T, S] whole
+            bias = self._logit_bias(bias, positions, key_positions, batch=batch, length=length)
 
-        if self.decode:  # the mask is the caller's over the whole cache; kernels assume S == T
+        if seq_shards > 1:
+            out = self._sequence_parallel_core(q, k, v, mask=mask, bias=bias,
+                                               positions=positions, segment_ids=segment_ids,
+                                               seq_shards=seq_shards)
+        elif self.decode:  # the mask is the caller's over the whole cache; kernels assume S == T
             out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype)
         elif AttentionKind(self.attention_kind) is AttentionKind.FLASH:
             # q is already scaled; k/v keep their K heads (query head i uses kv head i // G, as
@@ -287,6 +277,74 @@ class Attention(nn.Module):
             name="out",
         )(out)  # [B, T, D]
         return checkpoint_name(out, OUT_PROJ_NAME)
+
+    def _sequence_parallel_core(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None,
+        bias: jax.Array | None, positions: jax.Array, segment_ids: jax.Array | None,
+        seq_shards: int,
+    ) -> jax.Array:
+        """softmax(q k^T) v of rows sharded on T over the ``seq`` axis: prescaled q [B, T, N, H],
+        k, v [B, T, K, H] (after RoPE), positions [B, T] -> [B, T, N, H].
+
+        Batch over the mesh's batch axes that divide B (data, fsdp, expert), heads over
+        ``tensor`` when the kv heads divide over it (else whole heads in every shard, still
+        exact). The relative position bias reaches the core as one bias per head and distance.
+        """
+        n, kv = q.shape[2], k.shape[2]
+        where = f"the mesh's {SEQ_AXIS!r} axis has size {seq_shards}"
+        if bias is not None:
+            raise ValueError(
+                f"attention takes no logit bias argument with sequence parallelism ({where}): "
+                "give the layer relative_position_buckets instead, or use a seq axis of 1")
+        if mask is not None and segment_ids is None:
+            raise ValueError(
+                f"with sequence parallelism ({where}) attention masks by positions and "
+                "segment_ids: pass segment_ids [B, T] with the mask they make, not a mask alone")
+        implementation = AttentionImplementation(self.attention_implementation)
+        if AttentionKind(self.attention_kind) is AttentionKind.FLASH:
+            if implementation in (AttentionImplementation.CUDNN,
+                                  AttentionImplementation.PALLAS_TRITON):
+                raise SettingError(
+                    f"attention implementation {implementation.value!r} cannot run with sequence "
+                    f"parallelism ({where}): the kernel would see one shard of each row; use "
+                    "'auto' or 'xla' (the context-parallel XLA core), or a seq axis of 1")
+            _log_once(f"sequence parallelism ({where}): FLASH attention runs the "
+                      "context-parallel XLA einsum core, not a fused kernel")
+        distance_bias = None
+        if self.relative_position_buckets is not None:
+            distance_bias = self._distance_bias()
+        mesh = jax.sharding.get_abstract_mesh()
+        batch_axes: tuple[str, ...] = ()
+        ways = 1
+        for axis in BATCH_AXES:
+            if axis in mesh.axis_names and q.shape[0] % (ways * mesh.shape[axis]) == 0:
+                batch_axes += (axis,)
+                ways *= mesh.shape[axis]
+        tensor = mesh.shape[TENSOR_AXIS] if TENSOR_AXIS in mesh.axis_names else 1
+        head_axes = (TENSOR_AXIS,) if tensor > 1 and kv % tensor == 0 and n % tensor == 0 else ()
+        return context_parallel_attention(
+            q, k, v, q_positions=positions, kv_positions=positions, segment_ids=segment_ids,
+            distance_bias=distance_bias, strategy=self.context_parallel_strategy, mesh=mesh,
+            axis_name=SEQ_AXIS, batch_axes=batch_axes, head_axes=head_axes)
+
+    def _distance_bias(self) -> jax.Array:
+        """This layer's relative position bias as float32 [N, L]: column d is the bias of a key d
+        positions before the query, through the same table and buckets as ``_logit_bias``.
+
+        With causal buckets every distance beyond ``max_distance`` falls into the last bucket, so
+        L = max_distance + 2 columns cover every distance (the core clips d to L - 1), and keys
+        ahead of the query (d < 0) are masked. The parameter is the same ``relative_bias/rel_bias``.
+        """
+        span = self.relative_position_max_distance + 2
+        bias = RelativePositionBias(
+            num_buckets=self.relative_position_buckets,
+            max_distance=self.relative_position_max_distance,
+            num_heads=self.num_heads,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="relative_bias",
+        )(jnp.arange(span, dtype=jnp.int32)[None, :], jnp.zeros((1, 1), jnp.int32))  # [1,N,L,1]
+        return bias[0, :, :, 0]  # [N, L]: query at position d, key at 0
 
     def _extend_cache(self, k: jax.Array, v: jax.Array, positions: jax.Array | None, *,
                       kv_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -354,3 +412,9 @@ class Attention(nn.Module):
             name="relative_bias",
         )(positions, key_positions)  # [B|1, N, T, S]
         return relative if bias is None else bias + relative
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    # Every attention layer is traced (and again under remat) with the same choice: log it once.
+    logging.info("%s", message)

@@ -17,6 +17,11 @@ layer checks the parts it can know earlier (experiments/base.py). AUTO never fai
 to XLA, and says so once in the log (which kernel it chose and why), since a ``-flash`` run that
 quietly computes XLA's attention (float32 activations, no GPU) is not what its name promises.
 
+The explicit-einsum core of ``AttentionKind.DOT_PRODUCT`` (``einsum_attention``) and the mask it
+builds live here too, below every layer that computes attention: models/attention.py and the
+sequence-parallel core models/context_parallel.py both call it, and neither imports the other's
+module back.
+
 Shapes: q [B, T, N, H] (already scaled by the caller), k and v [B, S, K, H] with K dividing N,
 query head i using kv head i // (N / K) (JAX's grouping, as HF ``repeat_kv``).
 """
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 from absl import logging
 from flax import linen as nn
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 from paxlite.errors import SettingError
 
@@ -51,6 +57,64 @@ _HEAD_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_heads", "activation_kv",
 )
 _SEGMENT_AXES: tuple[str, ...] = ("activation_batch", "activation_length")
+
+
+# Pax uses -0.7 * max(float32) rather than -inf so that a fully masked row stays finite.
+LARGE_NEGATIVE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def make_attention_mask(*, seq_len: int, segment_ids: jax.Array | None) -> jax.Array:
+    """Boolean mask [B or 1, 1, T, S]: True where query t may attend to key s.
+
+    Causal, and with packed rows also restricted to keys of the same segment, so that documents
+    packed into one row never see each other.
+    """
+    idx = jnp.arange(seq_len)
+    mask = idx[:, None] >= idx[None, :]  # [T, S]
+    if segment_ids is None:
+        return mask[None, None, :, :]
+    if segment_ids.ndim != 2 or segment_ids.shape[1] != seq_len:
+        raise ValueError(
+            f"segment_ids must have shape [batch, {seq_len}], got {segment_ids.shape}"
+        )
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+    return (mask[None, :, :] & same_segment)[:, None, :, :]
+
+
+def einsum_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
+    bias: jax.Array | None = None, segment_ids: jax.Array | None = None,
+    dtype: DTypeLike = jnp.float32,
+) -> jax.Array:
+    """Pax's DotProductAttention core (AttentionKind.DOT_PRODUCT): prescaled q [B, T, N, H], k, v
+    [B, S, K, H] -> [B, T, N, H]; logits and softmax in float32, probabilities cast to dtype.
+
+    mask: bool [B|1, 1, T, S]; None: causal, restricted to segment_ids [B, T] when given.
+    bias: float32 [B|1, N|1, T, S] added to the logits before the mask. With K < N, query head
+    i = k * G + g reads kv head k (no copies of k/v are made).
+    """
+    batch, length, n, h = q.shape
+    kv = k.shape[2]
+    if mask is None:
+        mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
+    if kv == n:
+        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
+        if bias is not None:
+            logits = logits + bias  # [B, N, T, S]
+        logits = jnp.where(mask, logits, LARGE_NEGATIVE)
+        probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, N, T, S]
+        return jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+    qg = q.reshape(batch, length, kv, n // kv, h)  # [B, T, K, G, H]; head i = k*G + g
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
+    if bias is not None:
+        if bias.shape[1] == 1:
+            grouped_bias = bias[:, :, None]  # [B|1, 1, 1, T, S]
+        else:
+            grouped_bias = bias.reshape(bias.shape[0], kv, n // kv, *bias.shape[2:])
+        logits = logits + grouped_bias  # [B, K, G, T, S]
+    logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)  # mask [B|1, 1, 1, T, S]
+    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, K, G, T, S]
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, n, h)
 
 
 class AttentionImplementation(str, enum.Enum):

@@ -22,6 +22,7 @@ import numpy as np
 from absl import logging
 from flax import traverse_util
 
+from paxlite.data.context_order import check_seq_divides
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import make_feed, prefetch_train_batches
 from paxlite.data.feeding import plan_feeding
@@ -97,6 +98,9 @@ class Run:
                                   grad_accum_steps=config.loop.grad_accum_steps,
                                   batch_split=rules_lib.batch_split(self.mesh))
         seq_len = config.model.max_seq_len
+        # and the sequence over the seq axis (in 2 x seq chunks with load balancing)
+        check_seq_divides(seq_len=seq_len, seq_shards=self.mesh.shape["seq"],
+                          load_balance=config.loop.seq_load_balance)
         self.tokens_per_step = self.global_batch_size * seq_len
         # Data first: a missing dataset or vocabulary is reported before anything is compiled.
         needs_train_data = context.training or config.eval_task is None
@@ -346,8 +350,9 @@ class Run:
             capture_step=loop.profiler_capture_step, num_steps=loop.profiler_num_steps,
             min_duration_sec=loop.profiler_min_duration_sec, first_step=start + 1,
             last_step=loop.max_steps)
-        batches = prefetch_train_batches(self.data, start=start, stop=loop.max_steps,
-                                         sharding=self.steps.batch_sharding)
+        batches = prefetch_train_batches(
+            self.data, start=start, stop=loop.max_steps, sharding=self.steps.batch_sharding,
+            balance_seq_shards=self.mesh.shape["seq"] if loop.seq_load_balance else 1)
         with jax.set_mesh(self.mesh), contextlib.closing(profiler), contextlib.closing(batches):
             for index in range(start, loop.max_steps):
                 step = index + 1

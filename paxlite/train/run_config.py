@@ -54,6 +54,9 @@ class LoopConfig:
     # COMPILATION_CACHE / COMPILATION_CACHE_DIR (job.py); None dir: DIR/compilation_cache.
     compilation_cache: bool = True
     compilation_cache_dir: str | None = None
+    # CONTEXT_PARALLEL_LOAD_BALANCE: with a `seq` mesh axis > 1, training batches are put in the
+    # dual_chunk_swap token order (data/context_order.py) so every shard has equal causal work.
+    seq_load_balance: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

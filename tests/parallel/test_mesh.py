@@ -186,3 +186,61 @@ def test_one_process_keeps_accepting_dcn_when_the_product_matches():
             num_devices=8,
             num_processes=1,
         )
+
+
+# ------------------------------------------------------------------ pipeline and seq axes (issue 24)
+
+
+def test_five_and_six_entry_shapes_add_pipeline_and_seq_without_moving_older_axes():
+    from paxlite.parallel.mesh import MESH_AXES
+
+    assert MESH_AXES == ("pipeline", "data", "fsdp", "seq", "tensor", "expert")
+    five = MeshConfig(ici_mesh_shape=(1, 2, 1, 1, 4))
+    assert five.axis_sizes(8) == {"pipeline": 4, "data": 1, "fsdp": 2, "seq": 1, "tensor": 1, "expert": 1}
+    six = MeshConfig(ici_mesh_shape=(2, 1, 1, 1, 2, 2))
+    assert six.axis_sizes(8) == {"pipeline": 2, "data": 2, "fsdp": 1, "seq": 2, "tensor": 1, "expert": 1}
+    # the same sizes in ICI x DCN: element-wise per named axis
+    hybrid = MeshConfig(ici_mesh_shape=(1, 2, 1, 1, 1, 2), dcn_mesh_shape=(1, 1, 1, 1, 2))
+    assert hybrid.axis_sizes(4) == {"pipeline": 2, "data": 1, "fsdp": 2, "seq": 2, "tensor": 1, "expert": 1}
+
+
+def test_pax_pipelined_four_entry_form_is_pipeline_data_fsdp_tensor():
+    from paxlite.parallel.mesh import MeshLayout
+
+    pax = MeshConfig(ici_mesh_shape=(2, 1, 2, 2), layout=MeshLayout.PAX_PIPELINED)
+    assert pax.axis_sizes(8) == {"pipeline": 2, "data": 1, "fsdp": 2, "seq": 1, "tensor": 2, "expert": 1}
+    # without the layout the same four numbers mean [data, fsdp, tensor, expert], as ever
+    assert MeshConfig(ici_mesh_shape=(2, 1, 2, 2)).axis_sizes(8)["expert"] == 2
+    # 3 entries mean [data, fsdp, tensor] in both layouts
+    assert MeshConfig(ici_mesh_shape=(2, 2, 2), layout=MeshLayout.PAX_PIPELINED).axis_sizes(8)["pipeline"] == 1
+    with pytest.raises(MeshError, match=r"ICI_MESH_SHAPE=\[1, 1, 1, 1, 8\]: expected 4 positive integers "
+                                        r"\[pipeline, data, fsdp, tensor\]"):
+        MeshConfig(ici_mesh_shape=(1, 1, 1, 1, 8), layout=MeshLayout.PAX_PIPELINED)
+
+
+def test_pipeline_is_the_outermost_axis_and_seq_sits_before_tensor():
+    # One process: row-major over MESH_AXES, so stage s holds devices [4s, 4s+4) (contiguous blocks,
+    # the slowest links between stages) and tensor stays innermost of the axes that talk every layer.
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 2, 1, 2, 2)))
+    ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
+    assert mesh.axis_names == ("pipeline", "data", "fsdp", "seq", "tensor", "expert")
+    assert ids.shape == (2, 1, 1, 2, 2, 1)
+    assert ids[0].ravel().tolist() == [0, 1, 2, 3] and ids[1].ravel().tolist() == [4, 5, 6, 7]
+    assert ids[0, 0, 0, :, 0, 0].tolist() == [0, 2] and ids[0, 0, 0, 0, :, 0].tolist() == [0, 1]
+
+
+def test_pipeline_over_dcn_puts_one_stage_per_stand_in_process():
+    # DCN pipeline 2 on one host standing in for two: granule g (devices 4g..4g+3) is stage g.
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 1), dcn_mesh_shape=(1, 1, 1, 1, 2)))
+    ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
+    assert dict(mesh.shape)["pipeline"] == 2
+    assert sorted(ids[0].ravel().tolist()) == [0, 1, 2, 3]
+    assert sorted(ids[1].ravel().tolist()) == [4, 5, 6, 7]
+
+
+def test_batch_is_not_split_over_pipeline_or_seq():
+    from paxlite.parallel.rules import batch_sharding, batch_split
+
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=(2, 1, 1, 1, 2, 2)))
+    assert batch_split(mesh) == 2
+    assert batch_sharding(mesh).spec == P(("data", "fsdp", "expert"), None)
