@@ -1,8 +1,10 @@
 """Pipeline parallelism as one SPMD program: a stack of layers split into stages over a mesh axis.
 
-A building block (issue 24), not yet used by the model, the mesh or the train step. ``pipeline_apply``
-runs L stacked layers on M microbatches so that the result equals applying the L layers in order to
-each microbatch, while each device group of the ``pipeline`` mesh axis computes only its own stage.
+Issue 24. ``pipeline_apply`` runs L stacked layers on M microbatches so that the result equals
+applying the L layers in order to each microbatch, while each device group of the ``pipeline`` mesh
+axis computes only its own stage. ``pipeline_apply_with_extras`` is the same schedule for layers
+that also read per-microbatch side inputs and return per-layer extras (summed over the valid
+iterations); the Transformer uses it through models/pipelined_stack.py.
 
 The recipe is the one MaxText, AXLearn and Praxis share (reference parallelism.md section 1):
 
@@ -29,6 +31,16 @@ reach outputs or parameter gradients (``layer_fn`` must be finite at a zero inpu
 a norm with epsilon, or attention is). ``bubble_fill`` sets what the shift state and the circular
 buffer hold before anything is written: tests pass NaN so that any leak shows.
 
+Side inputs and extras: side inputs ([M, mb, ...], e.g. an attention mask) are not shifted between
+stages; every stage reads its current microbatch's slice. Extras (e.g. sown losses) are added into a
+[S, R, K, ...] accumulator only where the stage's item is valid, through a ``where``, so neither
+bubble values nor bubble gradients reach them.
+
+FP8 state: a stacked leaf of Flax's ``fp8_ops.fm32`` dtype (whose autodiff ``add`` is ``max``) gets
+the max of its per-iteration gradients, as the scan's accumulation uses that ``add``. Its per-layer
+selection has a custom VJP (``_index_max_grad``), since JAX cannot transpose the gather of an fm32
+leaf.
+
 Einsum letters / shapes: S stages, R repeats, K layers per stage, L = S*R*K layers, M microbatches,
 mb rows per microbatch; ``...`` the feature dimensions of one microbatch.
 """
@@ -36,11 +48,12 @@ mb rows per microbatch; ``...`` the feature dimensions of one microbatch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -131,9 +144,48 @@ def _save_all_but_moves(prim, *_, **__) -> bool:
     return prim.name not in _MOVES
 
 
+def _index(leaf: jax.Array, i: jax.Array) -> jax.Array:
+    """``leaf[i]`` along the leading axis. An ``fp8_ops.fm32`` leaf (FP8 state whose gradients
+    combine by max) is selected by ``_index_max_grad``: JAX cannot transpose the gather that a
+    vmapped index becomes for that dtype (its scatter-add has no zero of fm32)."""
+    if leaf.dtype == fp8_ops.fm32:
+        return _index_max_grad(leaf, i)
+    return lax.dynamic_index_in_dim(leaf, i, 0, keepdims=False)
+
+
+@jax.custom_vjp
+def _index_max_grad(leaf: jax.Array, i: jax.Array) -> jax.Array:
+    return lax.dynamic_index_in_dim(leaf, i, 0, keepdims=False)
+
+
+def _index_max_grad_fwd(leaf, i):
+    return _index_max_grad(leaf, i), (jnp.zeros(leaf.shape[:1], jnp.float32), i)
+
+
+def _index_max_grad_bwd(residuals, cotangent):
+    """The cotangent at row i, -inf (max's identity: fm32's zero) elsewhere, built in float32."""
+    rows, i = residuals
+    ct = lax.convert_element_type(cotangent, jnp.float32)
+    full = jnp.full(rows.shape + ct.shape, -jnp.inf, jnp.float32)
+    full = lax.dynamic_update_index_in_dim(full, ct, i, 0)
+    return lax.convert_element_type(full, fp8_ops.fm32), None
+
+
+_index_max_grad.defvjp(_index_max_grad_fwd, _index_max_grad_bwd)
+
+
 def _per_stage(flag: jax.Array, like: jax.Array) -> jax.Array:
     """A [S] boolean broadcast against [S, mb, ...]."""
     return flag.reshape(flag.shape + (1,) * (like.ndim - 1))
+
+
+class LayerCall(NamedTuple):
+    """Which call of ``layer_fn`` this is (int32 scalars, traced): layer ``layer`` of the stack
+    [0, L) on microbatch ``microbatch`` [0, M). Bubble calls get the numbers of the item they
+    would have computed; their results are discarded. Lets a layer derive, e.g., dropout keys."""
+
+    layer: jax.Array
+    microbatch: jax.Array
 
 
 def pipeline_apply(
@@ -165,6 +217,51 @@ def pipeline_apply(
 
     Returns:
       [M, mb, ...]: microbatch m after all L layers.
+
+    ``pipeline_apply_with_extras`` is the same schedule for layers that also read per-microbatch
+    side inputs and return per-layer extras.
+    """
+    out, _ = pipeline_apply_with_extras(
+        lambda params, x, side, call: (layer_fn(params, x), ()), stacked_params, microbatches,
+        num_stages=num_stages, repeats=repeats, remat=remat, remat_policy=remat_policy,
+        bubble_fill=bubble_fill)
+    return out
+
+
+def _check_side(side: Any, num_micro: int) -> None:
+    bad = [leaf.shape for leaf in jax.tree.leaves(side) if leaf.ndim < 1 or leaf.shape[0] != num_micro]
+    if bad:
+        raise ValueError(f"side inputs must be [M={num_micro}, ...] like the microbatches, got shapes {bad}")
+
+
+def pipeline_apply_with_extras(
+    layer_fn: Callable[[Any, jax.Array, Any, LayerCall], tuple[jax.Array, Any]],
+    stacked_params: Any,
+    microbatches: jax.Array,
+    *,
+    side: Any = None,
+    num_stages: int,
+    repeats: int = 1,
+    remat: bool = False,
+    remat_policy: Callable[..., bool] | None = None,
+    bubble_fill: float = 0.0,
+) -> tuple[jax.Array, Any]:
+    """``pipeline_apply`` for layers with side inputs and per-layer extras (a Transformer block:
+    its mask, positions, paddings and segment ids in; the MoE losses it sows out).
+
+    Args:
+      layer_fn: ``layer_fn(params_of_one_layer, x, side_of_its_microbatch, call) -> (x, extras)``:
+        x [mb, ...] as in ``pipeline_apply``; ``side`` the microbatch's slice of ``side`` (read,
+        never changed, so it does not travel between stages: every stage reads it from the
+        [M, ...] arrays); ``call`` a ``LayerCall`` (which layer, which microbatch); ``extras`` a
+        pytree of float arrays of fixed shapes (sown losses, summaries), finite at a zero input.
+      side: a pytree of [M, mb, ...] arrays (None leaves allowed: empty subtrees), or None.
+      The other arguments are ``pipeline_apply``'s.
+
+    Returns:
+      (outputs [M, mb, ...], extras with leaves [L, ...]): layer l's extras summed over the M
+      microbatches, over the valid (non-bubble) iterations only; bubble extras never reach them,
+      nor their gradients.
     """
     if remat_policy is not None and not remat:
         raise ValueError("remat_policy is used only with remat=True (it chooses what an iteration under "
@@ -172,6 +269,7 @@ def pipeline_apply(
     S, R = num_stages, repeats
     K = _check(stacked_params, microbatches, num_stages=S, repeats=R)
     M = microbatches.shape[0]
+    _check_side(side, M)
     items = R * M  # (repeat, microbatch) pairs each stage processes
     iterations = items + S - 1
     axis = stage_mesh_axis(S)
@@ -183,17 +281,16 @@ def pipeline_apply(
 
     staged = jax.tree.map(to_stages, stacked_params)
 
-    def stage_step(stage_params, repeat: jax.Array, x: jax.Array) -> jax.Array:
-        """One stage: its K layers of repeat ``repeat`` on x [mb, ...] (leaves [R, K, ...])."""
+    def stage_step(stage_params, repeat, x, stage_side, stage, micro):
+        """One stage: its K layers of repeat ``repeat`` on x [mb, ...] (leaves [R, K, ...]);
+        returns (x, extras with leaves [K, ...])."""
         def one_layer(h, k):
-            p = jax.tree.map(lambda leaf: lax.dynamic_index_in_dim(
-                lax.dynamic_index_in_dim(leaf, repeat, 0, keepdims=False), k, 0, keepdims=False),
-                stage_params)
-            return layer_fn(p, h), None
+            p = jax.tree.map(lambda leaf: _index(_index(leaf, repeat), k), stage_params)
+            return layer_fn(p, h, stage_side, LayerCall((repeat * S + stage) * K + k, micro))
 
-        return lax.scan(one_layer, x, jnp.arange(K))[0]
+        return lax.scan(one_layer, x, jnp.arange(K))
 
-    all_stages = jax.vmap(stage_step, spmd_axis_name=axis)  # [S, ...] params, [S] repeat, [S, mb, ...]
+    all_stages = jax.vmap(stage_step, spmd_axis_name=axis)  # every argument has a leading [S]
     if remat:
         policy = remat_policy or jax.checkpoint_policies.nothing_saveable
     else:  # keep every activation, but re-select the weights rather than save them per iteration
@@ -203,8 +300,18 @@ def pipeline_apply(
     stage_ids = jnp.arange(S)
     zeros = jnp.zeros((S,) + microbatches.shape[1:], microbatches.dtype)
 
+    def side_of(micro: jax.Array) -> Any:
+        """Each stage's microbatch's side inputs: [M, mb, ...] -> [S, mb, ...]."""
+        return jax.tree.map(lambda a: _constrain_stage(jnp.take(a, micro, axis=0), axis), side)
+
+    # The extras' shapes, from an abstract call: the accumulator holds [S, R, K, ...] per leaf.
+    extras_shape = jax.eval_shape(all_stages, staged, jnp.zeros((S,), jnp.int32), zeros,
+                                  side_of(jnp.zeros((S,), jnp.int32)), stage_ids, stage_ids)[1]
+    acc0 = jax.tree.map(
+        lambda e: jnp.zeros((S, R) + e.shape[1:], e.dtype), extras_shape)
+
     def iteration(carry, t):
-        state, circ = carry  # state [S, mb, ...]: each stage's last output; circ [M, mb, ...] or None
+        state, circ, acc = carry  # state [S, mb, ...]: each stage's last output; circ [M, mb, ...] or None
         slot = t % M
         first = lax.dynamic_index_in_dim(microbatches, slot, 0, keepdims=False)  # [mb, ...]
         if circ is not None:  # repeats after the first re-enter stage 0 from the circular buffer
@@ -215,17 +322,29 @@ def pipeline_apply(
         valid = (item >= 0) & (item < items)
         x = _constrain_stage(jnp.where(_per_stage(valid, x), x, zeros), axis)  # bubbles compute on zeros
         repeat = jnp.clip(item // M, 0, R - 1)
-        out = _constrain_stage(all_stages(staged, repeat, x), axis)
+        micro = jnp.mod(item, M)  # [S]; a bubble's is some microbatch, its results are dropped
+        out, extras = all_stages(staged, repeat, x, side_of(micro), stage_ids, micro)
+        out = _constrain_stage(out, axis)
+        # Add each stage's extras [S, K, ...] at its repeat, for valid stages only (a select, so
+        # neither a bubble's values nor its gradients reach the sums).
+        hit = (jnp.arange(R)[None, :] == repeat[:, None]) & valid[:, None]  # [S, R]
+        acc = jax.tree.map(
+            lambda a, e: _constrain_stage(a + jnp.where(
+                hit.reshape(hit.shape + (1,) * (e.ndim - 1)), e[:, None], jnp.zeros((), e.dtype)),
+                axis), acc, extras)
         last = out[S - 1]  # the last stage's item t - (S - 1); every t here has t - (S-1) < items
         if circ is not None:
             done = t - (S - 1)
             slot_done = jnp.maximum(done, 0) % M
             kept = lax.dynamic_index_in_dim(circ, slot_done, 0, keepdims=False)
             circ = lax.dynamic_update_index_in_dim(circ, jnp.where(done >= 0, last, kept), slot_done, 0)
-        return (out, circ), last
+        return (out, circ, acc), last
 
     state0 = jnp.full((S,) + microbatches.shape[1:], bubble_fill, microbatches.dtype)
     circ0 = jnp.full(microbatches.shape, bubble_fill, microbatches.dtype) if R > 1 else None
-    _, lasts = lax.scan(iteration, (state0, circ0), jnp.arange(iterations))  # [iterations, mb, ...]
+    (_, _, acc), lasts = lax.scan(iteration, (state0, circ0, acc0), jnp.arange(iterations))
+    # [S, R, K, ...] -> [R, S, K, ...] -> [L, ...]: back to the stack's layer order.
+    extras = jax.tree.map(
+        lambda a: jnp.swapaxes(a, 0, 1).reshape((S * R * K,) + a.shape[3:]), acc)
     # The last M iterations finish microbatches 0..M-1 of the last repeat, in order.
-    return lasts[iterations - M:]
+    return lasts[iterations - M:], extras

@@ -33,6 +33,8 @@ from paxlite.models.linear import FP8_COLLECTION, Linear
 from paxlite.models.mlp import Mlp
 from paxlite.models.moe import MoeMlp
 from paxlite.models.norms import LayerNorm, RMSNorm
+from paxlite.models.parallel_config import SEQ_AXIS, mesh_axis_size
+from paxlite.models.pipelined_stack import check_pipeline, pipelined_layers
 from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
 from paxlite.models.te_layer import (
     TransformerEngineBlock,
@@ -141,6 +143,7 @@ class Block(nn.Module):
             scale_query=cfg.scale_query,
             fp8=cfg.fp8,
             decode=self.decode,
+            context_parallel_strategy=cfg.context_parallel_strategy,
             name="attention",
         )(h, mask, positions, segment_ids=segment_ids)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)
@@ -200,7 +203,10 @@ class BlockUnit(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder: embeddings -> num_layers pre-norm blocks -> final norm -> logits."""
+    """Decoder: embeddings -> num_layers pre-norm blocks -> final norm -> logits.
+
+    With ``config.pipeline`` the blocks run as a pipeline outside init and decoding, on the same
+    parameters; sown MoE values are then means over microbatches (models/pipelined_stack.py)."""
 
     config: TransformerConfig
 
@@ -272,8 +278,14 @@ class Transformer(nn.Module):
         if segment_ids is not None:
             mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
         # Only RoPE reads positions inside the blocks; GPT blocks get None (an empty pytree). A
-        # KV cache also records them (a relative bias compares them with the cached keys').
+        # KV cache also records them (a relative bias compares them with the cached keys'). With
+        # the sequence sharded over a `seq` axis, attention masks by them (a row may be reordered
+        # for load balance, models/context_parallel.py), so every block gets them.
         block_positions = positions if position_kind is PositionEmbedding.ROTARY else None
+        if mesh_axis_size(SEQ_AXIS) > 1 and not decode:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+            block_positions = positions
         if decode:
             mask, block_positions = decode_mask, positions
         # MoE routing keeps padding (segment id 0 in packed rows) out of the experts' capacity.
@@ -284,7 +296,17 @@ class Transformer(nn.Module):
         # ENABLE_TE: every layer is TE's TransformerLayer (models/te_layer.py), dense only
         layer_cls: Any = TransformerEngineBlock if uses_transformer_engine(cfg) else Block
         remat = cfg.remat_policy is not RematPolicy.NONE and not decode  # nothing to save
-        if cfg.scan_layers:
+        check_pipeline(cfg)
+        if cfg.pipeline is not None and not decode and not self.is_initializing():
+            # models/pipelined_stack.py; init and decoding run the stack below on the same params
+            unit_body = (Block if unit == 1 else BlockUnit)(
+                config=cfg, deterministic=deterministic, parent=None,
+                **({"moe_layer": cfg.moe is not None} if unit == 1 else {}))
+            x = pipelined_layers(
+                self, unit_body, x, mask=mask, positions=block_positions, paddings=paddings,
+                segment_ids=segment_ids, dropout=not deterministic and cfg.dropout_prob > 0,
+                remat_policy=_remat_policy_fn(cfg.remat_policy) if remat else None)
+        elif cfg.scan_layers:
             body: Any = layer_cls if unit == 1 else BlockUnit
             if remat:
                 body = nn.remat(body, policy=_remat_policy_fn(cfg.remat_policy), prevent_cse=False)

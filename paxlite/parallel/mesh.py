@@ -50,7 +50,7 @@ class MeshLayout(str, enum.Enum):
     """What the entries of ICI_MESH_SHAPE / DCN_MESH_SHAPE mean."""
 
     PAXLITE = "paxlite"  # [data, fsdp, tensor(, expert(, pipeline(, seq)))]
-    PAX_PIPELINED = "pax_pipelined"  # Pax's 4-entry [pipeline, data, fsdp, tensor]; 3 entries as ever
+    PAX_PIPELINED = "pax_pipelined"  # 4 entries are Pax's [pipeline, data, fsdp, tensor]; others as ever
 
     def axes_for(self, length: int) -> tuple[str, ...]:
         """The axis of each of `length` entries."""
@@ -59,16 +59,15 @@ class MeshLayout(str, enum.Enum):
         return SHAPE_AXES[:length]
 
     def lengths(self) -> tuple[int, ...]:
-        if self is MeshLayout.PAX_PIPELINED:
-            return (_SHORT_LEN, len(PAX_PIPELINED_AXES))
         return tuple(range(_SHORT_LEN, len(SHAPE_AXES) + 1))
 
     def describe(self) -> str:
-        if self is MeshLayout.PAX_PIPELINED:
-            return ("4 positive integers [pipeline, data, fsdp, tensor] (Pax's pipelined form, read so "
-                    "because NUM_STAGES is set) or 3 [data, fsdp, tensor]")
-        return (f"{_SHORT_LEN} to {len(SHAPE_AXES)} positive integers "
+        text = (f"{_SHORT_LEN} to {len(SHAPE_AXES)} positive integers "
                 f"[{', '.join(SHAPE_AXES)}] (entries after tensor are optional, 1 when left out)")
+        if self is MeshLayout.PAX_PIPELINED:
+            text += ("; 4 entries are Pax's pipelined [pipeline, data, fsdp, tensor] (NUM_STAGES is "
+                     "set)")
+        return text
 
 
 class MeshError(UserError, ValueError):

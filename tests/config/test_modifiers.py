@@ -124,3 +124,23 @@ def test_global_mesh_shape_is_the_whole_job_split_over_processes():
     assert modifier({}) == {"ICI_MESH_SHAPE": [1, 8, 1], "DCN_MESH_SHAPE": [4, 1, 1]}
     one = GlobalMeshShapeModifier(mesh_shape_from_axes(fsdp=-1), num_devices=8, num_processes=1)
     assert one({"MAX_STEPS": 3}) == {"MAX_STEPS": 3, "ICI_MESH_SHAPE": [1, 8, 1], "DCN_MESH_SHAPE": [1, 1, 1]}
+
+
+def test_a_launcher_mesh_rule_with_pipeline_and_seq_resolves():
+    """A custom Fuji mesh rule (as examples/custom_fuji.py adds one) stating pipeline and seq in
+    AXLearn's names resolves through the launcher's select_mesh into a run with both axes."""
+    from paxlite.experiments.fuji_mesh import MeshRule, select_mesh
+
+    rule = MeshRule("custom", ChainConfigModifier([
+        MeshShapeModifier(HybridMeshShape(ici=mesh_shape_from_axes(fsdp=2, seq=2),
+                                          dcn=mesh_shape_from_axes(pipeline=2)),
+                          num_local_devices=4, num_processes=2),
+        GradientAccumulationModifier(2),
+    ]))
+    choice = select_mesh("test", "custom", extra_rules=[rule])
+    assert choice.rule is rule
+    experiment = configure("FujiTestV3", choice.modifier, MAX_SEQ_LEN=64, SYNTHETIC_DATA=True)
+    assert experiment.ICI_MESH_SHAPE == [1, 2, 1, 1, 1, 2] and experiment.DCN_MESH_SHAPE == [1, 1, 1, 1, 2]
+    run = fdl.build(experiment.run_config())
+    assert run.mesh.axis_sizes(4) == {"pipeline": 2, "data": 1, "fsdp": 2, "seq": 2, "tensor": 1, "expert": 1}
+    assert run.model.pipeline.num_stages == 2 and run.loop.grad_accum_steps == 2

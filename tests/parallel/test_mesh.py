@@ -213,9 +213,11 @@ def test_pax_pipelined_four_entry_form_is_pipeline_data_fsdp_tensor():
     assert MeshConfig(ici_mesh_shape=(2, 1, 2, 2)).axis_sizes(8)["expert"] == 2
     # 3 entries mean [data, fsdp, tensor] in both layouts
     assert MeshConfig(ici_mesh_shape=(2, 2, 2), layout=MeshLayout.PAX_PIPELINED).axis_sizes(8)["pipeline"] == 1
-    with pytest.raises(MeshError, match=r"ICI_MESH_SHAPE=\[1, 1, 1, 1, 8\]: expected 4 positive integers "
-                                        r"\[pipeline, data, fsdp, tensor\]"):
-        MeshConfig(ici_mesh_shape=(1, 1, 1, 1, 8), layout=MeshLayout.PAX_PIPELINED)
+    # 5 and 6 entries are paxlite's form in both layouts
+    assert MeshConfig(ici_mesh_shape=(1, 1, 1, 1, 8), layout=MeshLayout.PAX_PIPELINED).axis_sizes(8)["pipeline"] == 8
+    with pytest.raises(MeshError, match=r"ICI_MESH_SHAPE=\[1, 1, 1, 1, 1, 1, 8\]: expected 3 to 6 .*; 4 entries are "
+                                        r"Pax's pipelined \[pipeline, data, fsdp, tensor\]"):
+        MeshConfig(ici_mesh_shape=(1, 1, 1, 1, 1, 1, 8), layout=MeshLayout.PAX_PIPELINED)
 
 
 def test_pipeline_is_the_outermost_axis_and_seq_sits_before_tensor():
