@@ -180,3 +180,41 @@ def test_pipeline_with_gradient_accumulation_equals_one_device(nan_bubbles):
     ref = _one_device("TinySynthetic", tuple(settings) + ("ICI_MESH_SHAPE=[1,1,1]",))
     run = _run_config("TinySynthetic", [*settings, "ICI_MESH_SHAPE=[2,2,1,1,2]", "NUM_MICROBATCHES=2"])
     _assert_match(_loss_grads_and_losses(run, build_mesh(run.mesh)), ref, "pipeline + grad accumulation")
+
+
+def _fp8_losses_and_state(run, mesh):
+    """Three train steps of an FP8 model from its own init: the losses and the final FP8 state."""
+    model = Transformer(run.model)
+    schedule = make_schedule(run.schedule)
+    optimizer = make_optimizer(run.optimizer, schedule)
+    data = SyntheticData(run.data, global_batch_size=GLOBAL_BATCH)
+    with jax.set_mesh(mesh):
+        steps = compile_steps(model=model, optimizer=optimizer, schedule=schedule, mesh=mesh,
+                              seq_len=run.data.seq_len, seed=run.loop.seed, deterministic=True,
+                              grad_accum_steps=run.loop.grad_accum_steps)
+        state = steps.init()
+        losses = []
+        for index in range(3):
+            state, metrics = steps.train(state, data.train_batch(index, steps.batch_sharding))
+            losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.fp8)
+
+
+def test_pipelined_fp8_training_equals_the_unpipelined_one_device_run(nan_bubbles):
+    """FP8 quantises element by element with the step's scales, so microbatching changes no value;
+    the new amax histories are the max over microbatches, i.e. the whole batch's. Losses of three
+    steps (each uses the scales the previous ones wrote) and the FP8 state after them match; with
+    gradient accumulation on top, so both max-merges (pipeline and accumulation) run."""
+    settings = ["USE_FP8=true", "FP8_AMAX_HISTORY_LENGTH=4", "USE_REPEATED_LAYER=true",
+                "NUM_LAYERS=2", "GRAD_ACCUM_STEPS=2"]
+    one = _run_config("TinySynthetic", [*settings, "ICI_MESH_SHAPE=[1,1,1]"])
+    losses_ref, fp8_ref = _fp8_losses_and_state(one, build_mesh(one.mesh, devices=jax.devices()[:1]))
+    run = _run_config("TinySynthetic", [*settings, "ICI_MESH_SHAPE=[2,2,1,1,2]", "NUM_MICROBATCHES=2"])
+    losses, fp8 = _fp8_losses_and_state(run, build_mesh(run.mesh))
+    np.testing.assert_allclose(losses, losses_ref, rtol=1e-5)
+    flat_ref = jax.tree_util.tree_leaves_with_path(fp8_ref)
+    flat = jax.tree.leaves(fp8)
+    assert len(flat) == len(flat_ref) > 10
+    for (path, ref), got in zip(flat_ref, flat, strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64), rtol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
