@@ -218,8 +218,11 @@ class LanguageModelExperiment(Experiment):
         """Pipeline / seq settings the mesh and the model cannot run (parallelism_settings.py)."""
         # The model's layer grouping and layer kind matter only with a pipeline or a seq axis
         # (and building it is what reports a bad model setting, so only then)
-        model = (fdl.build(self.model_config())
-                 if num_stages(self) > 1 or mesh_axis_sizes(self)["seq"] > 1 else None)
+        model = None
+        if num_stages(self) > 1 or mesh_axis_sizes(self)["seq"] > 1:
+            config = self.model_config()
+            config.pipeline = None  # its own checks would pre-empt the fuller messages below
+            model = fdl.build(config)
         scan_unit = model.layers_per_scan_unit if model is not None else 1
         uses_te = model is not None and uses_transformer_engine(model)
         return parallelism_problems(self, scan_unit=scan_unit, uses_te=uses_te)
