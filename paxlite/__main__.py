@@ -233,6 +233,7 @@ def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
         request = plan.PlanRequest(
             name=args.fdl_config, assignments=tuple(assignments), num_devices=args.devices,
             device_memory_gib=args.device_memory_gib, peak_tflops=args.peak_tflops,
+            longest_seq=args.longest_seq, seq_step=args.seq_step,
         )
     except ValueError as e:
         print(f"paxlite: error: {e}", file=sys.stderr)
@@ -285,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--peak_tflops", type=float, default=989.0,
                       help="dense peak TFLOP/s of one device (step time at 100%% MFU)")
     plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.add_argument("--longest_seq", choices=("auto", "on", "off"), default="auto",
+                      help="search the longest MAX_SEQ_LEN that fits (auto: for runs with a seq axis)")
+    plan.add_argument("--seq_step", type=int, default=128,
+                      help="granularity in tokens of that search (raised to a multiple of 2 x seq)")
     plot = commands.add_parser("plot", help="PNG of a job's train and validation loss curves")
     plot.add_argument("job_log_dir")
     plot.add_argument("--output", default=None, help="PNG path (default: JOB_LOG_DIR/loss.png)")

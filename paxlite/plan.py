@@ -8,11 +8,13 @@ gradient bytes are exact (they follow from shapes and shardings alone). The CPU 
 deviceless CUDA compile needs the CUDA plugin on the planning machine (see the AOT notes in
 docs/parallelism.md).
 
-This module finds the devices and runs the search (paxlite/plan_search.py), whose result
-paxlite/plan_report.py prints. The planner needs as many JAX devices as the mesh has. Fake CPU devices are set by
-`XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX starts; a process whose JAX already
-started with fewer devices (pytest has 8, `python -m paxlite.main` has its real ones) plans in a
-fresh `python -m paxlite plan` subprocess instead.
+This module finds the devices and puts the plan together: one compile and its reading
+(paxlite/plan_search.py), then, when the run does not fit, the levers, and when asked (always for a
+run with a seq axis) the longest sequence that fits (both paxlite/plan_levers.py); the result is a
+JSON-friendly dict that paxlite/plan_report.py prints. The planner needs as many JAX devices as the
+mesh has. Fake CPU devices are set by `XLA_FLAGS=--xla_force_host_platform_device_count=N` before
+JAX starts; a process whose JAX already started with fewer devices (pytest has 8, `python -m
+paxlite.main` has its real ones) plans in a fresh `python -m paxlite plan` subprocess instead.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from paxlite.plan_levers import DEFAULT_SEQ_STEP, find_longest_seq, levers
 from paxlite.plan_report import format_text
 from paxlite.plan_search import (
     DEFAULT_DEVICE_MEMORY_GIB,
@@ -35,12 +39,13 @@ from paxlite.plan_search import (
     GIB,
     PlanError,
     compile_train_step,
-    plan_experiment,
+    plan_base,
 )
 
-__all__ = ["DEFAULT_DEVICE_MEMORY_GIB", "DEFAULT_PEAK_TFLOPS", "GIB", "OutputFormat", "PlanError",
-           "PlanRequest", "compile_train_step", "dry_run", "emit", "fake_device_env", "format_text",
-           "plan", "plan_command_line", "plan_experiment", "prepare_this_process", "run_plan_command"]
+__all__ = ["DEFAULT_DEVICE_MEMORY_GIB", "DEFAULT_PEAK_TFLOPS", "DEFAULT_SEQ_STEP", "GIB",
+           "LongestSeq", "OutputFormat", "PlanError", "PlanRequest", "compile_train_step", "dry_run",
+           "emit", "fake_device_env", "format_text", "plan", "plan_command_line", "plan_experiment",
+           "prepare_this_process", "run_plan_command"]
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # The planner compiles to read XLA's buffer assignment and cost analysis, both decided before LLVM turns the
@@ -54,6 +59,17 @@ class OutputFormat(str, enum.Enum):
     JSON = "json"
 
 
+class LongestSeq(str, enum.Enum):
+    """Whether the plan searches for the longest sequence that fits (a few more compiles)."""
+
+    AUTO = "auto"  # for a run with a seq axis, where the length is the question
+    ON = "on"  # for any run
+    OFF = "off"
+
+    def wanted(self, *, seq: int) -> bool:
+        return self is LongestSeq.ON or (self is LongestSeq.AUTO and seq > 1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
     """What to plan: the experiment as typed on the command line, and the hardware to plan for."""
@@ -63,11 +79,18 @@ class PlanRequest:
     num_devices: int
     device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB
     peak_tflops: float = DEFAULT_PEAK_TFLOPS
+    longest_seq: LongestSeq = LongestSeq.AUTO
+    seq_step: int = DEFAULT_SEQ_STEP  # the longest sequence's granularity, in tokens
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, int) \
-                or self.num_devices < 1:
-            raise ValueError(f"--devices={self.num_devices!r}: expected a positive integer")
+        for flag, value in (("--devices", self.num_devices), ("--seq_step", self.seq_step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag}={value!r}: expected a positive integer")
+        try:
+            object.__setattr__(self, "longest_seq", LongestSeq(self.longest_seq))
+        except ValueError:
+            raise ValueError(f"--longest_seq={self.longest_seq!r}: expected one of "
+                             f"{', '.join(mode.value for mode in LongestSeq)}") from None
         for flag, value in (("--device_memory_gib", self.device_memory_gib),
                             ("--peak_tflops", self.peak_tflops)):
             if not (math.isfinite(value) and value > 0):
@@ -110,6 +133,9 @@ def plan_command_line(request: PlanRequest, *, output_format: OutputFormat) -> l
         f"--devices={request.num_devices}",
         f"--device_memory_gib={request.device_memory_gib!r}",
         f"--peak_tflops={request.peak_tflops!r}",
+        *([] if request.longest_seq is LongestSeq.AUTO else
+          [f"--longest_seq={request.longest_seq.value}"]),
+        *([] if request.seq_step == DEFAULT_SEQ_STEP else [f"--seq_step={request.seq_step}"]),
         f"--format={output_format.value}",
     ]
 
@@ -137,7 +163,31 @@ def plan(request: PlanRequest) -> dict[str, Any]:
         num_devices=request.num_devices,
         device_memory_gib=request.device_memory_gib,
         peak_tflops=request.peak_tflops,
+        longest_seq=request.longest_seq,
+        seq_step=request.seq_step,
     )
+
+
+def plan_experiment(experiment, *, num_devices: int,
+                    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
+                    peak_tflops: float = DEFAULT_PEAK_TFLOPS,
+                    longest_seq: LongestSeq = LongestSeq.AUTO,
+                    seq_step: int = DEFAULT_SEQ_STEP) -> dict[str, Any]:
+    """The plan (a JSON-friendly dict) of `experiment` on `num_devices` devices of this process:
+    the compiled step, levers when it does not fit, the longest sequence when `longest_seq` asks."""
+    started = time.perf_counter()
+    result, base = plan_base(experiment, num_devices=num_devices,
+                             device_memory_gib=device_memory_gib, peak_tflops=peak_tflops)
+    device_bytes = result["device_memory_bytes"]
+    if not result["fits"]:
+        result["levers"] = levers(experiment, base, num_devices=num_devices,
+                                  device_bytes=device_bytes)
+    result["longest_seq"] = None
+    if LongestSeq(longest_seq).wanted(seq=base["mesh"]["seq"]):
+        result["longest_seq"] = find_longest_seq(
+            experiment, base, num_devices=num_devices, device_bytes=device_bytes, step=seq_step)
+    result["plan_s"] = round(time.perf_counter() - started, 2)
+    return result
 
 
 # ------------------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ def format_text(p: dict[str, Any]) -> str:
         (f"  (of the temporaries: attention logits of one layer, float32 [B, N, T, S], "
          f"{_gib(p['attention_logits_bytes_per_layer'])})"),
         *_moe_lines(p.get("moe")),
+        *_pipeline_lines(p.get("pipeline")),
+        *_seq_lines(p.get("sequence_parallel")),
         (f"Verdict: {'fits' if p['fits'] else 'does NOT fit'} in "
          f"{_gib(p['device_memory_bytes'])}: {_gib(abs(p['margin_bytes']))} "
          f"{'to spare' if p['fits'] else 'short'}"),
@@ -55,12 +57,15 @@ def format_text(p: dict[str, Any]) -> str:
     if p["levers"]:
         lines.append("Levers (each re-planned; none changes the model):")
         for lever in p["levers"]:
-            if lever.get("applicable", True):
+            if "skipped" in lever:
+                lines.append(f"  {lever['lever']}: not compiled ({lever['skipped']})")
+            elif lever.get("applicable", True):
                 lines.append(f"  {lever['lever']}: peak {_gib(lever['peak_bytes'])} -> "
                              f"{'fits' if lever['fits'] else 'does not fit'} "
                              f"[{lever['method']}]")
             else:
                 lines.append(f"  {lever['lever']}: not applicable: {lever['reason']}")
+    lines += _longest_seq_lines(p.get("longest_seq"), p["device_memory_bytes"])
     lines.append(f"Planned in {p['plan_s']:.1f} s (compile {p['compile_s']:.1f} s).")
     return "\n".join(lines)
 
@@ -78,3 +83,66 @@ def _moe_lines(moe: dict[str, Any] | None) -> list[str]:
                        f"{_gib(moe['dispatch_combine_bytes_per_device'])} per device)")]
     return [head, (f"  (of the temporaries: {moe['sorted_rows_per_device']:,} sorted expert rows "
                    f"of one MoE layer, {_gib(moe['sorted_rows_bytes_per_device'])} per device)")]
+
+
+def _pipeline_lines(pipe: dict[str, Any] | None) -> list[str]:
+    if pipe is None:
+        return []
+    lines = [
+        (f"  Pipeline: {pipe['num_stages']} stages over a pipeline axis of {pipe['pipeline_axis']}, "
+         f"{pipe['schedule']} schedule (repeats {pipe['repeats']}), {pipe['num_microbatches']} "
+         f"microbatches of {pipe['microbatch_rows']} rows, {pipe['iterations']} iterations"),
+        (f"  bubble fraction {pipe['bubble_fraction']:.4f} = {pipe['bubble_formula']} with S = "
+         f"{pipe['num_stages']}, R = {pipe['repeats']}, M = {pipe['num_microbatches']}"),
+    ]
+    per_device = pipe["microbatch_rows_per_device"]
+    if per_device != int(per_device) or per_device < 1:
+        lines.append(
+            f"  WARNING: a microbatch of {pipe['microbatch_rows']} rows is {per_device:g} rows per "
+            "device of data x fsdp x expert: its rows leave their devices (more memory and traffic); "
+            "choose NUM_MICROBATCHES so that each device keeps whole rows")
+    if not pipe["memory_is_per_stage"]:
+        lines.append("  (a pipeline axis of 1: every device runs all stages; the memory above is "
+                     "the whole stack's)")
+    elif pipe["layers_split_over_stages"]:
+        lines.append(
+            f"  The memory above is PER STAGE: each device holds {pipe['stages_per_device']} "
+            f"stage(s) of {pipe['layers_per_stage']} layers: {_gib(pipe['stage_layer_parameter_bytes'])} "
+            f"of layer parameters, and {_gib(pipe['parameter_bytes_on_every_stage'])} that every "
+            "stage holds (embedding, norms)")
+    else:
+        lines.append(
+            "  The layers are NOT split over the stages (an unscanned stack has no [L] axis to "
+            "split; USE_REPEATED_LAYER=true splits it): every device holds all "
+            f"{_gib(pipe['parameter_bytes_on_every_stage'])} of parameters")
+    return lines
+
+
+def _seq_lines(seq: dict[str, Any] | None) -> list[str]:
+    if seq is None:
+        return []
+    return [(f"  Sequence parallel: seq {seq['seq']} ({seq['strategy']}, load balance "
+             f"{'on' if seq['load_balance'] else 'off'}): {seq['tokens_per_shard']:,} tokens per "
+             f"shard; each device holds {seq['rows_per_device']} row(s) x "
+             f"{seq['tokens_per_shard']:,} = {seq['tokens_per_device']:,} tokens")]
+
+
+def _longest_seq_lines(found: dict[str, Any] | None, device_bytes: int) -> list[str]:
+    if found is None:
+        return []
+    where = f"at {found['rows_per_device']} row(s) per device"
+    if found["seq"] > 1:
+        where += f", seq {found['seq']}"
+    if found["pinned"]:
+        head = (f"Longest sequence that fits {_gib(device_bytes)} {where}: "
+                f"{found['seq_len']:,} tokens ({found['tokens_per_shard']:,} per seq shard) "
+                f"[compiled: {_gib(found['peak_bytes'])}; {found['seq_len'] + found['step']:,} "
+                f"does not fit at {_gib(found['next_peak_bytes'])}]")
+    elif found["bracket"][0] is None:
+        head = (f"Longest sequence that fits {_gib(device_bytes)} {where}: none; not even "
+                f"{found['step']:,} tokens fit")
+    else:
+        lo, hi = found["bracket"]
+        head = (f"Longest sequence that fits {_gib(device_bytes)} {where}: not pinned down in "
+                f"{found['compiles']} compiles: {lo:,} fits" + (f", {hi:,} does not" if hi else ""))
+    return [head, f"  (method: {found['method']}; {found['compiles']} compiles)"]

@@ -1,12 +1,17 @@
-"""The planner's search: compile a run's train step for N fake CPU devices, read what XLA decided
-(memory per device, FLOPs), and when it does not fit, re-plan the levers that could make it fit.
+"""The planner's measurement: compile a run's train step for N fake CPU devices and read what XLA
+decided (memory per device, FLOPs), with what the run's mesh, pipeline and seq axis make of it.
 
 Nothing is allocated: the state and the batch are ShapeDtypeStructs carrying their shardings, and
 `jit(...).lower(...).compile()` runs XLA's SPMD partitioner and buffer assignment for one device's
 program. The numbers are those of the *CPU* compiler: GPU fusion and buffer assignment differ (cuDNN
 attention, different fusions), so temporaries are an estimate; parameter, optimizer-state and
 gradient bytes are exact (they follow from shapes and shardings alone). paxlite/plan.py finds the
-devices (this process or a fresh one) and paxlite/plan_report.py prints the result.
+devices (this process or a fresh one) and puts the plan together, paxlite/plan_levers.py re-plans
+variants of the run (the levers, the longest sequence), and paxlite/plan_report.py prints the result.
+
+With a pipeline, one device's program is one pipeline rank's: it holds the layers of its stage(s)
+(the scanned stack's [L, ...] parameters split over the `pipeline` axis), so the per-device peak
+*is* the per-stage memory. With a `seq` axis each device holds its rows' tokens / seq.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from typing import Any
 DEFAULT_DEVICE_MEMORY_GIB = 80.0  # H100 80GB
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 dense BF16 (docs/performance.md)
 GIB = 2**30
-_MAX_COMPILED_LEVERS = 4  # re-plans per verdict: each is one more compile of the whole step
 
 
 class PlanError(RuntimeError):
@@ -28,9 +32,8 @@ class PlanError(RuntimeError):
 
 
 def _resolved_mesh_shapes(experiment, num_devices: int) -> tuple[list[int], list[int]]:
-    """ICI and DCN shapes for `num_devices`, as given ([data, fsdp, tensor] or with a 4th, expert,
-    entry); ICI=None puts each node's devices (num_devices / DCN) on data, as a real multi-node run
-    does."""
+    """ICI and DCN shapes for `num_devices`, as given (3 to 6 entries, or Pax's pipelined 4);
+    ICI=None puts each node's devices (num_devices / DCN) on data, as a real multi-node run does."""
     from paxlite.parallel.mesh import MeshError
 
     dcn = list(experiment.DCN_MESH_SHAPE)
@@ -52,14 +55,27 @@ def _resolved_mesh_shapes(experiment, num_devices: int) -> tuple[list[int], list
     return ici, dcn
 
 
-def _shard_bytes(abstract_tree) -> int:
-    """Bytes of one device's shard of every leaf (the largest shard, for uneven splits)."""
+def _shard_bytes(abstract_tree, *, over_axis: str | None = None) -> int:
+    """Bytes of one device's shard of every leaf (the largest shard, for uneven splits); with
+    `over_axis`, only of the leaves sharded over that mesh axis."""
     import jax
 
     total = 0
     for leaf in jax.tree.leaves(abstract_tree):
+        if over_axis is not None and over_axis not in _spec_axes(leaf.sharding.spec):
+            continue
         total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     return total
+
+
+def _spec_axes(spec) -> set[str]:
+    axes: set[str] = set()
+    for entry in spec:
+        if isinstance(entry, str):
+            axes.add(entry)
+        elif entry is not None:
+            axes.update(entry)
+    return axes
 
 
 def _flops_of(compiled) -> float | None:
@@ -69,20 +85,31 @@ def _flops_of(compiled) -> float | None:
     return None if not cost or "flops" not in cost else float(cost["flops"])
 
 
-def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
-    """Compile the experiment's train step for `num_devices` CPU devices and measure one device."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Setup:
+    """What a run decides before compiling: its mesh, batch and model (every check passed)."""
+
+    mesh: Any
+    ici: list[int]
+    dcn: list[int]
+    global_batch: int
+    model_config: Any
+    attention_note: str | None
+    loop: Any
+
+
+def _setup(experiment, *, num_devices: int) -> _Setup:
+    """Every refusal a run would make at start-up, without compiling: the mesh on the devices, the
+    batch over data x fsdp x expert, gradient-accumulation microbatches and pipeline microbatches
+    (ConfigError / MeshError / ValueError naming the numbers)."""
     import fiddle as fdl
     import jax
-    import jax.numpy as jnp
 
+    from paxlite.experiments.parallelism_settings import mesh_layout
     from paxlite.models.attention_kernels import AttentionImplementation
-    from paxlite.models.transformer import Transformer
     from paxlite.parallel import mesh as mesh_lib
     from paxlite.parallel import rules as rules_lib
-    from paxlite.train.grad_accum import microbatch_size
-    from paxlite.train.optimizer import make_optimizer
-    from paxlite.train.schedules import make_schedule
-    from paxlite.train.step import compile_steps
+    from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
 
     devices = jax.devices()
     if devices[0].platform != "cpu" or len(devices) < num_devices:
@@ -93,7 +120,8 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
             "starts a subprocess when needed"
         )
     ici, dcn = _resolved_mesh_shapes(experiment, num_devices)
-    mesh_config = mesh_lib.MeshConfig(ici_mesh_shape=tuple(ici), dcn_mesh_shape=tuple(dcn))
+    mesh_config = mesh_lib.MeshConfig(ici_mesh_shape=tuple(ici), dcn_mesh_shape=tuple(dcn),
+                                      layout=mesh_layout(experiment))
     mesh = mesh_lib.build_mesh(mesh_config, devices=devices[:num_devices])
     global_batch = mesh_lib.global_batch_size(
         percore_batch_size=experiment.PERCORE_BATCH_SIZE, num_devices=num_devices,
@@ -112,15 +140,42 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
             "so the temporaries are an over-estimate")
         model_config = dataclasses.replace(model_config,
                                            attention_implementation=AttentionImplementation.XLA)
-    schedule = make_schedule(fdl.build(experiment.schedule_config()))
-    seq_len = model_config.max_seq_len
     loop = fdl.build(experiment.loop_config())
     # Gradient accumulation: activations scale with the microbatch, as in the real run, which
     # refuses microbatches that do not split over data x fsdp x expert; so does the plan.
     microbatch_size(global_batch_size=global_batch, grad_accum_steps=loop.grad_accum_steps,
                     batch_split=rules_lib.batch_split(mesh))
-    accum = {"grad_accum_steps": loop.grad_accum_steps,
-             "loss_chunk_size": loop.loss_chunk_size}  # LOSS_CHUNK_SIZE: logits memory
+    if model_config.pipeline is not None:  # as train/loop.py checks at start-up
+        pipeline_microbatches(model_config.pipeline, global_batch_size=global_batch,
+                              grad_accum_steps=loop.grad_accum_steps,
+                              batch_split=rules_lib.batch_split(mesh))
+    return _Setup(mesh=mesh, ici=ici, dcn=dcn, global_batch=global_batch,
+                  model_config=model_config, attention_note=attention_note, loop=loop)
+
+
+def check_runs(experiment, *, num_devices: int) -> None:
+    """Raise what the run would refuse before compiling (see _setup); a lever's cheap first test."""
+    _setup(experiment, num_devices=num_devices)
+
+
+def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
+    """Compile the experiment's train step for `num_devices` CPU devices and measure one device."""
+    import fiddle as fdl
+    import jax
+    import jax.numpy as jnp
+
+    from paxlite.models.parallel_config import PIPELINE_AXIS
+    from paxlite.models.transformer import Transformer
+    from paxlite.train.optimizer import make_optimizer
+    from paxlite.train.schedules import make_schedule
+    from paxlite.train.step import compile_steps
+
+    setup = _setup(experiment, num_devices=num_devices)
+    mesh, global_batch, model_config = setup.mesh, setup.global_batch, setup.model_config
+    schedule = make_schedule(fdl.build(experiment.schedule_config()))
+    seq_len = model_config.max_seq_len
+    accum = {"grad_accum_steps": setup.loop.grad_accum_steps,
+             "loss_chunk_size": setup.loop.loss_chunk_size}  # LOSS_CHUNK_SIZE: logits memory
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         steps = compile_steps(
@@ -160,105 +215,37 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
     compiler_flops = _flops_of(compiled)
     return {
         "mesh": dict(mesh.shape),
-        "ici_mesh_shape": ici,
-        "dcn_mesh_shape": dcn,
+        "ici_mesh_shape": setup.ici,
+        "dcn_mesh_shape": setup.dcn,
         "global_batch_size": global_batch,
         "seq_len": seq_len,
         "memory": memory,
+        # This device's share of the parameters split over the pipeline axis (its stage's layers).
+        "pipeline_split_parameter_bytes": _shard_bytes(steps.abstract_state.params,
+                                                       over_axis=PIPELINE_AXIS),
         "compiler_flops_per_device": compiler_flops,
         "compile_s": round(compile_s, 2),
-        **({"attention_note": attention_note} if attention_note else {}),
+        **({"attention_note": setup.attention_note} if setup.attention_note else {}),
     }
 
 
-# ------------------------------------------------------------------------------------------------
-# The plan: one compile, a verdict, and levers when it does not fit
-
-
-def _variant(experiment, changes: dict[str, Any]):
+def variant(experiment, changes: dict[str, Any]):
+    """The experiment with its own overrides and then `changes` (raises what resolve refuses)."""
     overrides = {name: getattr(experiment, name) for name in experiment.overridden}
     return type(experiment).resolve({**overrides, **changes})
 
 
-def _verdict(peak_bytes: int, device_bytes: int) -> dict[str, Any]:
+def verdict(peak_bytes: int, device_bytes: int) -> dict[str, Any]:
     return {"fits": peak_bytes <= device_bytes, "margin_bytes": device_bytes - peak_bytes,
             "margin_gib": round((device_bytes - peak_bytes) / GIB, 3)}
 
 
-def _levers(experiment, base: dict[str, Any], *, num_devices: int,
-            device_bytes: int) -> list[dict[str, Any]]:
-    """Ways to make the run fit, each measured: analytic where the change is exact arithmetic,
-    compiled (at most _MAX_COMPILED_LEVERS compiles) where the compiler decides."""
-    from paxlite.config.errors import ConfigError
-    from paxlite.parallel.mesh import MeshError
-
-    levers: list[dict[str, Any]] = []
-    ici, dcn = base["ici_mesh_shape"], base["dcn_mesh_shape"]
-    data, fsdp = base["mesh"]["data"], base["mesh"]["fsdp"]
-    state = base["memory"]["parameter_bytes"] + base["memory"]["optimizer_state_bytes"]
-    state += base["memory"]["gradient_bytes"]
-    candidates: list[tuple[str, str, dict[str, Any]]] = _expert_candidates(experiment, base)
-    if data > 1:
-        # Intermediate fsdp sizes: only the sharded state changes (exactly 1/fsdp); the batch split
-        # data x fsdp x expert, and so the activations, stay as they are.
-        factor = 2
-        while data % factor == 0 and factor < data:
-            new_fsdp = fsdp * factor
-            peak = base["memory"]["peak_bytes"] - state + math.ceil(state * fsdp / new_fsdp)
-            levers.append({"lever": f"fsdp {fsdp} -> {new_fsdp} (data {data} -> {data // factor})",
-                           "method": "analytic: parameter + optimizer + gradient bytes x "
-                                     f"{fsdp}/{new_fsdp}, the rest as compiled",
-                           "peak_bytes": peak, **_verdict(peak, device_bytes)})
-            factor *= 2
-        candidates.append((f"fsdp {fsdp} -> {fsdp * data} (all of data moved to fsdp)",
-                           "compiled", {"ICI_MESH_SHAPE": [1, ici[0] * ici[1], *ici[2:]],
-                                        "DCN_MESH_SHAPE": [1, dcn[0] * dcn[1], *dcn[2:]]}))
-    else:
-        levers.append({"lever": "more fsdp", "applicable": False,
-                       "reason": "the data axis is 1: no data-parallel devices are left to "
-                                 "move to fsdp"})
-    if not experiment.USE_REPEATED_LAYER:
-        # Unrolled layers keep every activation for the backward pass (Pax applies the policy to
-        # the repeated stack only), so the remat lever is the scanned stack with SAVE_NOTHING.
-        candidates.append((("USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING (recompute each "
-                            "layer)"), "compiled",
-                           {"USE_REPEATED_LAYER": True, "CHECKPOINT_POLICY": "SAVE_NOTHING"}))
-    elif experiment.CHECKPOINT_POLICY != "SAVE_NOTHING":
-        candidates.append(("CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)", "compiled",
-                           {"CHECKPOINT_POLICY": "SAVE_NOTHING"}))
-    else:
-        levers.append({"lever": "CHECKPOINT_POLICY=SAVE_NOTHING", "applicable": False,
-                       "reason": "already SAVE_NOTHING"})
-    accum = experiment.GRAD_ACCUM_STEPS
-    candidates.append((f"GRAD_ACCUM_STEPS {accum} -> {2 * accum} (same global batch, same training)",
-                       "compiled", {"GRAD_ACCUM_STEPS": 2 * accum}))
-    if getattr(experiment, "GLOBAL_BATCH_SIZE", None) is not None:  # a fixed batch wins
-        candidates.append(((f"GLOBAL_BATCH_SIZE {experiment.GLOBAL_BATCH_SIZE} -> "
-                            f"{experiment.GLOBAL_BATCH_SIZE // 2}"), "compiled",
-                           {"GLOBAL_BATCH_SIZE": experiment.GLOBAL_BATCH_SIZE // 2}))
-    else:
-        candidates.append(((f"PERCORE_BATCH_SIZE {experiment.PERCORE_BATCH_SIZE:g} -> "
-                            f"{experiment.PERCORE_BATCH_SIZE / 2:g}"), "compiled",
-                           {"PERCORE_BATCH_SIZE": experiment.PERCORE_BATCH_SIZE / 2}))
-    chosen = candidates[:_MAX_COMPILED_LEVERS]
-    measured = _compile_variants(experiment, [changes for _, _, changes in chosen], num_devices=num_devices)
-    for (description, method, changes), result in zip(chosen, measured):
-        lever = {"lever": description, "method": method, "overrides": changes}
-        if isinstance(result, (ConfigError, MeshError, ValueError)):  # e.g. a batch that no longer divides
-            levers.append({**lever, "applicable": False, "reason": str(result)})
-            continue
-        peak = result["memory"]["peak_bytes"]
-        levers.append({**lever, "peak_bytes": peak, **_verdict(peak, device_bytes)})
-    combined = _combined_lever(experiment, levers, num_devices=num_devices, device_bytes=device_bytes)
-    return levers + ([combined] if combined else [])
-
-
-def _compile_variants(experiment, variants: list[dict[str, Any]], *,
-                      num_devices: int) -> list[dict[str, Any] | Exception]:
+def compile_variants(experiment, variants: list[dict[str, Any]], *,
+                     num_devices: int) -> list[dict[str, Any] | Exception]:
     """compile_train_step of each variant (in order), several at once: XLA's compile of one program
-    runs its passes on one core, and the levers are independent, so with N cores N levers compile in
-    about the time of one (LLaMA70B on 16 devices: three of its four levers are the 80-layer step).
-    A variant the configuration refuses gives its ConfigError / MeshError / ValueError instead."""
+    runs its passes on one core, and the variants are independent, so with N cores N of them compile
+    in about the time of one (LLaMA70B on 16 devices: three of its four levers are the 80-layer
+    step). A variant the configuration refuses gives its ConfigError / MeshError / ValueError."""
     from concurrent.futures import ThreadPoolExecutor
 
     from paxlite.config.errors import ConfigError
@@ -266,7 +253,7 @@ def _compile_variants(experiment, variants: list[dict[str, Any]], *,
 
     def measure(changes: dict[str, Any]) -> dict[str, Any] | Exception:
         try:
-            return compile_train_step(_variant(experiment, changes), num_devices=num_devices)
+            return compile_train_step(variant(experiment, changes), num_devices=num_devices)
         except (ConfigError, MeshError, ValueError) as e:
             return e
 
@@ -276,94 +263,25 @@ def _compile_variants(experiment, variants: list[dict[str, Any]], *,
         return list(pool.map(measure, variants))
 
 
-def _expert_candidates(experiment, base: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    """MoE levers: shard the experts over an expert axis taken from data (same training: the batch
-    still splits data x fsdp x expert ways), and for GShard more, smaller routing groups."""
-    moe = getattr(experiment, "NUM_EXPERTS", None)
-    if moe is None:
-        return []
-    out = []
-    shapes = {"ICI_MESH_SHAPE": list(base["ici_mesh_shape"]),
-              "DCN_MESH_SHAPE": list(base["dcn_mesh_shape"])}
-    for shape in shapes.values():
-        shape += [1] * (4 - len(shape))
-    unsharded = experiment.NUM_EXPERTS // base["mesh"]["expert"]
-    # Data first (the experts' weights were replicated over it), then fsdp (each device then
-    # gathers only its own experts' weights, not every expert's), within nodes first. At most 8x:
-    # what fsdp gives up stops sharding the dense weights, and the exchange stays within 8 ranks.
-    for axis, name in ((0, "ICI_MESH_SHAPE"), (0, "DCN_MESH_SHAPE"), (1, "ICI_MESH_SHAPE"),
-                       (1, "DCN_MESH_SHAPE")):
-        factor = math.gcd(shapes[name][axis], unsharded, 8)
-        if factor > 1:
-            changed = {key: list(value) for key, value in shapes.items()}
-            changed[name][axis] //= factor
-            changed[name][3] *= factor
-            source = ("data", "fsdp")[axis]
-            out.append(((f"expert {base['mesh']['expert']} -> {base['mesh']['expert'] * factor} "
-                         f"(from {source} in {name.split('_')[0]}; each device holds and gathers "
-                         f"{factor}x fewer experts)"), "compiled", changed))
-            break
-    if getattr(experiment, "MOE_ROUTING", None) == "gshard_top2":
-        groups = experiment.NUM_GROUPS or (_moe_plan(experiment, base) or {}).get("groups")
-        if groups:
-            out.append(((f"NUM_GROUPS {groups} -> {2 * groups} (groups of half the tokens: "
-                        "dispatch/combine halve; routing changes)"), "compiled",
-                        {"NUM_GROUPS": 2 * groups}))
-    return out
+# ------------------------------------------------------------------------------------------------
+# The plan of one compile: memory, verdict, FLOPs, the pipeline schedule and the seq shards
 
 
-# Levers that leave the training computation unchanged (same global batch, same math); halving the
-# batch is left out of the combination because it changes the run being planned.
-_SAME_TRAINING_KEYS = frozenset({"ICI_MESH_SHAPE", "DCN_MESH_SHAPE", "USE_REPEATED_LAYER",
-                                 "CHECKPOINT_POLICY", "GRAD_ACCUM_STEPS"})
-
-
-def _combined_lever(experiment, levers: list[dict[str, Any]], *, num_devices: int,
-                    device_bytes: int) -> dict[str, Any] | None:
-    """When no single lever fits, every applicable same-training lever at once, compiled.
-
-    Large models often need several (LLaMA70B on 16 devices: the scanned stack with SAVE_NOTHING and
-    gradient accumulation together); the user should not have to find the combination by hand.
-    """
-    from paxlite.config.errors import ConfigError
-    from paxlite.parallel.mesh import MeshError
-
-    if any(lever.get("fits") for lever in levers):
-        return None
-    parts = [lever for lever in levers if lever.get("method") == "compiled" and "peak_bytes" in lever
-             and set(lever["overrides"]) <= _SAME_TRAINING_KEYS]
-    if len(parts) < 2:
-        return None
-    changes: dict[str, Any] = {}
-    for lever in parts:
-        changes.update(lever["overrides"])
-    lever = {"lever": "together: " + " + ".join(p["lever"] for p in parts), "method": "compiled",
-             "overrides": changes}
-    try:
-        measured = compile_train_step(_variant(experiment, changes), num_devices=num_devices)
-    except (ConfigError, MeshError, ValueError) as e:
-        return {**lever, "applicable": False, "reason": str(e)}
-    peak = measured["memory"]["peak_bytes"]
-    return {**lever, "peak_bytes": peak, **_verdict(peak, device_bytes)}
-
-
-def plan_experiment(experiment, *, num_devices: int,
-                    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
-                    peak_tflops: float = DEFAULT_PEAK_TFLOPS) -> dict[str, Any]:
-    """The plan (a JSON-friendly dict) of `experiment` on `num_devices` devices of this process."""
+def plan_base(experiment, *, num_devices: int, device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
+              peak_tflops: float = DEFAULT_PEAK_TFLOPS) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the plan without levers, as a JSON-friendly dict; compile_train_step's measurement)."""
     import fiddle as fdl
 
     from paxlite.models.transformer import num_params
     from paxlite.parallel.mesh import BATCH_AXES
 
-    started = time.perf_counter()
     base = compile_train_step(experiment, num_devices=num_devices)
+    model = fdl.build(experiment.model_config())
     device_bytes = int(device_memory_gib * GIB)
     tokens = base["global_batch_size"] * base["seq_len"]
     analytic = experiment.flops_per_token() * tokens
     compiler = base["compiler_flops_per_device"]
     ideal_step_s = analytic / (num_devices * peak_tflops * 1e12)
-    verdict = _verdict(base["memory"]["peak_bytes"], device_bytes)
     batch_ways = math.prod(base["mesh"][axis] for axis in BATCH_AXES)
     result = {
         "experiment": experiment.name,
@@ -374,16 +292,17 @@ def plan_experiment(experiment, *, num_devices: int,
         **{key: base[key] for key in ("mesh", "ici_mesh_shape", "dcn_mesh_shape",
                                       "global_batch_size", "seq_len")},
         "tokens_per_step": tokens,
-        "num_params": num_params(fdl.build(experiment.model_config())),
+        "num_params": num_params(model),
         "memory_per_device": base["memory"],
         "peak_formula": "argument + output - alias + temp + generated_code",
         "device_memory_bytes": device_bytes,
-        **verdict,
-        # The attention logits and probabilities [B, N, T, S] per layer: the model materialises
-        # them in float32, and under remat they are rebuilt layer by layer.
-        "attention_logits_bytes_per_layer": 4 * base["global_batch_size"] // batch_ways
-        * experiment.NUM_HEADS // base["mesh"]["tensor"] * base["seq_len"] ** 2,
-        "moe": _moe_plan(experiment, base),
+        **verdict(base["memory"]["peak_bytes"], device_bytes),
+        "attention_logits_bytes_per_layer": _attention_logits_bytes(
+            experiment, model, base, batch_ways=batch_ways),
+        "pipeline": _pipeline_plan(model, base, grad_accum_steps=experiment.GRAD_ACCUM_STEPS,
+                                   batch_ways=batch_ways),
+        "sequence_parallel": _seq_plan(experiment, model, base, batch_ways=batch_ways),
+        "moe": moe_plan(experiment, base),
         # A cuDNN / Pallas-Triton run is compiled here with XLA's attention (see compile_train_step).
         "attention_note": base.get("attention_note"),
         "flops_per_step": {
@@ -391,22 +310,86 @@ def plan_experiment(experiment, *, num_devices: int,
             "analytic_per_token": experiment.flops_per_token(),
             "compiler_per_device": compiler,
             "compiler_total": None if compiler is None else compiler * num_devices,
-            # XLA's cost analysis counts a while loop's body once: with a scanned layer stack the
-            # compiler figure is about one layer's work plus the embedding and the loss.
-            "compiler_counts_scanned_layers_once": bool(experiment.USE_REPEATED_LAYER),
+            # XLA's cost analysis counts a while loop's body once: with a scanned layer stack (or a
+            # pipeline's loop) the compiler figure is about one iteration's work plus the rest.
+            "compiler_counts_scanned_layers_once": bool(experiment.USE_REPEATED_LAYER
+                                                        or model.pipeline is not None),
         },
         "peak_tflops_per_device": peak_tflops,
         "step_time_at_100pct_mfu_s": ideal_step_s,
         "tokens_per_s_at_100pct_mfu": tokens / ideal_step_s,
-        "levers": [] if verdict["fits"] else _levers(experiment, base, num_devices=num_devices,
-                                                     device_bytes=device_bytes),
+        "levers": [],
         "compile_s": base["compile_s"],
     }
-    result["plan_s"] = round(time.perf_counter() - started, 2)
-    return result
+    return result, base
 
 
-def _moe_plan(experiment, base: dict[str, Any]) -> dict[str, Any] | None:
+def _attention_logits_bytes(experiment, model, base: dict[str, Any], *, batch_ways: int) -> int:
+    """The attention logits and probabilities [B, N, T, S] of one layer on one device: the model
+    materialises them in float32, and under remat they are rebuilt layer by layer. With a seq axis
+    a device holds T / seq queries against the whole row (all-gather) or one block (ring)."""
+    from paxlite.models.parallel_config import ContextParallelStrategy
+
+    mesh, seq_len = base["mesh"], base["seq_len"]
+    queries, keys = seq_len // mesh["seq"], seq_len
+    if mesh["seq"] > 1 and model.context_parallel_strategy is ContextParallelStrategy.RING:
+        keys = seq_len // mesh["seq"]
+    rows = base["global_batch_size"] // batch_ways // experiment.GRAD_ACCUM_STEPS
+    if model.pipeline is not None:
+        rows //= model.pipeline.microbatches(base["global_batch_size"] // experiment.GRAD_ACCUM_STEPS)
+    return 4 * max(rows, 1) * experiment.NUM_HEADS // mesh["tensor"] * queries * keys
+
+
+def _pipeline_plan(model, base: dict[str, Any], *, grad_accum_steps: int,
+                   batch_ways: int) -> dict[str, Any] | None:
+    """Stages, schedule, microbatches and bubble of a pipelined run, and what one stage holds.
+
+    ``microbatch_rows_per_device``: a microbatch whose rows do not split evenly over data x fsdp x
+    expert is accepted (only the batch must divide), but its rows then leave their devices, and the
+    compiled step holds more (GPT175B, pipeline 8 x fsdp 32, 48 microbatches: 89 GiB at 32 rows per
+    microbatch, one per device; 169 GiB with GRAD_ACCUM_STEPS=2, 16 rows; docs/performance.md)."""
+    pipe = model.pipeline
+    if pipe is None:
+        return None
+    rows = base["global_batch_size"] // grad_accum_steps
+    micro = pipe.microbatches(rows)
+    axis = base["mesh"]["pipeline"]
+    split = base["pipeline_split_parameter_bytes"]
+    return {
+        "num_stages": pipe.num_stages,
+        "pipeline_axis": axis,
+        "stages_per_device": pipe.num_stages // axis,
+        "repeats": pipe.repeats,
+        "schedule": "circular" if pipe.repeats > 1 else "gpipe",
+        "num_microbatches": micro,
+        "microbatch_rows": rows // micro,
+        "microbatch_rows_per_device": rows / micro / batch_ways,
+        "iterations": pipe.repeats * micro + pipe.num_stages - 1,
+        "bubble_fraction": pipe.bubble_fraction(micro),
+        "bubble_formula": "(S - 1) / (R*M + S - 1)",
+        "layers_per_stage": model.num_layers // pipe.num_stages,
+        # Per device: its stage's share of the layer stack; the rest (embedding, final norm, and an
+        # unscanned stack's layers, which have no [L] axis to split) is held by every stage.
+        "stage_layer_parameter_bytes": split,
+        "parameter_bytes_on_every_stage": base["memory"]["parameter_bytes"] - split,
+        "layers_split_over_stages": split > 0,
+        "memory_is_per_stage": axis > 1,
+    }
+
+
+def _seq_plan(experiment, model, base: dict[str, Any], *, batch_ways: int) -> dict[str, Any] | None:
+    """The seq axis: how many shards a row's tokens are split into and what one device holds."""
+    seq = base["mesh"]["seq"]
+    if seq == 1:
+        return None
+    rows = base["global_batch_size"] // batch_ways
+    return {"seq": seq, "strategy": model.context_parallel_strategy.value,
+            "load_balance": bool(experiment.CONTEXT_PARALLEL_LOAD_BALANCE),
+            "tokens_per_shard": base["seq_len"] // seq, "rows_per_device": rows,
+            "tokens_per_device": rows * base["seq_len"] // seq}
+
+
+def moe_plan(experiment, base: dict[str, Any]) -> dict[str, Any] | None:
     """Experts per device and the routing tensors of one MoE layer per device; None when dense."""
     import fiddle as fdl
 

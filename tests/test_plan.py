@@ -1,4 +1,5 @@
-"""The dry-run planner: exact per-device state bytes, the verdict, the CLI and --mode=dry_run."""
+"""The dry-run planner: exact per-device state bytes, the verdict, the CLI and --mode=dry_run; per-stage memory
+and the bubble of a pipelined run, the longest sequence that fits, the pipeline lever."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import fiddle as fdl
 import pytest
 
 from paxlite import plan as plan_lib
-from paxlite import plan_search
+from paxlite import plan_levers, plan_search
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import num_params
@@ -136,7 +137,7 @@ def lever_plan() -> dict:
 # slow: the levers compiled one at a time, for comparison (~15 s on 2 cores)
 @pytest.mark.slow
 def test_levers_compiled_at_once_measure_what_one_at_a_time_measures(lever_plan, monkeypatch):
-    """The levers compile in threads (plan._compile_variants), each under its own mesh: a mesh or rules
+    """The levers compile in threads (plan_search.compile_variants), each under its own mesh: a mesh or rules
     context leaking between threads would change some lever's bytes."""
     assert sum(lever.get("method") == "compiled" for lever in lever_plan["levers"]) >= 3
     monkeypatch.setattr(plan_lib.os, "cpu_count", lambda: 1)  # one worker: one lever after another
@@ -155,15 +156,20 @@ def test_gradient_accumulation_lever_lowers_the_peak(lever_plan):
     singles = [lever for lever in plan["levers"][:-1] if lever.get("method") == "compiled" and "peak_bytes" in lever
                and "PERCORE_BATCH_SIZE" not in lever["overrides"]]
     assert len(singles) >= 2 and together["lever"].startswith("together: ")
-    want = {}
-    for lever in singles:
-        want.update(lever["overrides"])
+    # Levers that set the same hyperparameter do not combine; the earlier one is taken: here the seq lever (mesh
+    # and GRAD_ACCUM_STEPS) gives way to the fsdp move and the accumulation lever.
+    by_name = {lever["lever"].split(" (")[0]: lever for lever in singles}
+    seq = by_name["seq 1 -> 2"]
+    assert set(seq["overrides"]) == {"ICI_MESH_SHAPE", "DCN_MESH_SHAPE", "GRAD_ACCUM_STEPS"}
+    want = {**by_name["fsdp 1 -> 2"]["overrides"], **by_name["USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING"][
+        "overrides"], **accum["overrides"]}
     assert together["overrides"] == want and "PERCORE_BATCH_SIZE" not in together["overrides"]
-    assert together["peak_bytes"] < min(lever["peak_bytes"] for lever in singles)
+    assert seq["lever"] not in together["lever"]
+    assert together["peak_bytes"] < min(lever["peak_bytes"] for lever in singles if lever is not seq)
 
 
 def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(monkeypatch):
-    monkeypatch.setattr(plan_search, "_MAX_COMPILED_LEVERS", 1)  # only the fsdp move: one more compile
+    monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # only the fsdp move: one more compile
     plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1,1]", "DCN_MESH_SHAPE=[1,1,1]", num_devices=2,
                       device_memory_gib=1e-4)
     assert plan["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}
@@ -300,3 +306,159 @@ def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so():
     assert plan["attention_note"].startswith("attention planned with 'xla': the CPU compiler cannot "
                                              "compile 'pallas_triton'")
     assert _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", num_devices=2)["attention_note"] is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipeline and sequence parallelism in the planner
+
+# 4 scanned layers (so the [L, ...] stack splits over the stages), 2 rows per device, 32 tokens.
+STACK = ("NUM_LAYERS=4", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=2", "USE_REPEATED_LAYER=true")
+
+
+@pytest.fixture(scope="module")
+def pipelined_plan() -> dict:
+    """Circular schedule: 2 stages x 2 repeats over 2 devices, 4 microbatches of the 4-row batch."""
+    return plan_lib.plan_experiment(load_experiment("TinySynthetic", (
+        *STACK, "ICI_MESH_SHAPE=[1,1,1,1,2]", "NUM_MICROBATCHES=4", "PIPELINE_REPEATS=2")), num_devices=2)
+
+
+def test_a_pipelined_plan_reports_its_schedule_and_the_bubble_formula(pipelined_plan):
+    pipe = pipelined_plan["pipeline"]
+    assert pipelined_plan["mesh"]["pipeline"] == 2 and pipelined_plan["global_batch_size"] == 4
+    assert (pipe["num_stages"], pipe["repeats"], pipe["schedule"]) == (2, 2, "circular")
+    assert (pipe["num_microbatches"], pipe["microbatch_rows"], pipe["iterations"]) == (4, 1, 2 * 4 + 2 - 1)
+    assert pipe["microbatch_rows_per_device"] == 1  # the batch axes are 1: each device runs whole rows
+    # (S - 1) / (R*M + S - 1) by hand: 1 / 9
+    assert pipe["bubble_fraction"] == pytest.approx(1 / 9, abs=1e-15)
+    assert pipelined_plan["sequence_parallel"] is None and pipelined_plan["longest_seq"] is None
+    text = plan_lib.format_text(pipelined_plan)
+    assert "circular schedule (repeats 2), 4 microbatches of 1 rows, 9 iterations" in text
+    assert "bubble fraction 0.1111 = (S - 1) / (R*M + S - 1) with S = 2, R = 2, M = 4" in text
+    assert "The memory above is PER STAGE" in text
+    json.dumps(pipelined_plan)
+
+
+def test_a_stage_holds_its_half_of_the_layers(pipelined_plan):
+    """Per-device (= per-stage) parameters against a hand count and against the same stack unpipelined."""
+    block = _hand_count(layers=1, seq=32) - _hand_count(layers=0, seq=32)
+    rest = _hand_count(layers=0, seq=32)  # embedding, positions, final norm: on every stage
+    pipe = pipelined_plan["pipeline"]
+    assert pipe["stage_layer_parameter_bytes"] == 4 * 2 * block and pipe["layers_split_over_stages"]
+    assert pipe["parameter_bytes_on_every_stage"] == 4 * rest
+    staged = pipelined_plan["memory_per_device"]["parameter_bytes"]
+    assert staged == 4 * (2 * block + rest)
+    whole = _tiny_plan_of(STACK, "ICI_MESH_SHAPE=[2,1,1]", num_devices=2)  # data 2: the same global batch
+    assert whole["global_batch_size"] == pipelined_plan["global_batch_size"] and whole["pipeline"] is None
+    assert whole["memory_per_device"]["parameter_bytes"] == 4 * (4 * block + rest) > staged
+    assert pipelined_plan["memory_per_device"]["optimizer_state_bytes"] < whole["memory_per_device"][
+        "optimizer_state_bytes"]
+
+
+def _tiny_plan_of(base: tuple[str, ...], *more: str, num_devices: int, **kwargs) -> dict:
+    return plan_lib.plan_experiment(load_experiment("TinySynthetic", (*base, *more)), num_devices=num_devices,
+                                    **kwargs)
+
+
+def test_the_longest_sequence_fits_and_the_next_step_does_not():
+    """A seq run: the search's answer and the step above it, compiled again here on their own."""
+    memory_gib = 0.01
+    step = 16
+    p = _tiny_plan_of(TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]", num_devices=2,
+                      device_memory_gib=memory_gib, seq_step=step)
+    assert p["sequence_parallel"] == {"seq": 2, "strategy": "all_gather", "load_balance": True,
+                                      "tokens_per_shard": 16, "rows_per_device": 1, "tokens_per_device": 16}
+    found = p["longest_seq"]  # a seq run: searched without being asked
+    assert found["pinned"] and found["step"] == 16  # lcm(16, 2 x seq chunks)
+    length = found["seq_len"]
+    assert length % 16 == 0 and found["tokens_per_shard"] == length // 2
+    assert found["method"].startswith("peak(T) = a + b*T + c*T^2 fitted to compiles at T = 32, 64, 128")
+    assert found["compiles"] <= plan_levers.MAX_SEQ_SEARCH_COMPILES
+    device_bytes = int(memory_gib * 2**30)
+    experiment = load_experiment("TinySynthetic", (*TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]"))
+    at, above = plan_search.compile_variants(experiment, [{"MAX_SEQ_LEN": length}, {"MAX_SEQ_LEN": length + step}],
+                                             num_devices=2)
+    assert at["memory"]["peak_bytes"] == found["peak_bytes"] <= device_bytes
+    assert above["memory"]["peak_bytes"] == found["next_peak_bytes"] > device_bytes
+    assert f"Longest sequence that fits 10.24 MiB at 1 row(s) per device, seq 2: {length:,} tokens" in \
+        plan_lib.format_text(p)
+
+
+def _search_with(peak_of, *, device_bytes: int, step: int = 128, seq_len: int = 1024, monkeypatch) -> dict:
+    """The search against a memory curve given as a function, with no compiler: what it decides alone."""
+    calls = []
+
+    def fake_compile(experiment, variants, *, num_devices):
+        calls.append([changes["MAX_SEQ_LEN"] for changes in variants])
+        return [{"memory": {"peak_bytes": int(peak_of(changes["MAX_SEQ_LEN"]))}} for changes in variants]
+
+    monkeypatch.setattr(plan_levers, "compile_variants", fake_compile)
+    experiment = load_experiment("TinySynthetic", ())
+    base = {"seq_len": seq_len, "memory": {"peak_bytes": int(peak_of(seq_len))}, "global_batch_size": 8,
+            "mesh": {"pipeline": 1, "data": 8, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}}
+    found = plan_levers.find_longest_seq(experiment, base, num_devices=8, device_bytes=device_bytes, step=step)
+    return {**found, "calls": calls}
+
+
+@pytest.mark.parametrize("peak_of", [
+    lambda t: 3e9 + 2e5 * t + 40.0 * t * t,  # quadratic: the fit's own form
+    lambda t: 3e9 + 2e5 * t + 40.0 * t * t + 1e-3 * t**3,  # not quadratic: the fit is refined
+    lambda t: 3e9 + 1.5e6 * t + 2e8 * (t // 4096),  # steps, as buffer assignment sometimes is
+])
+def test_the_length_search_finds_the_last_fitting_step_of_any_rising_curve(peak_of, monkeypatch):
+    device_bytes = 80 * 2**30
+    want = max(t for t in range(128, 10**6, 128) if peak_of(t) <= device_bytes)  # by brute force
+    found = _search_with(peak_of, device_bytes=device_bytes, monkeypatch=monkeypatch)
+    assert found["pinned"] and found["seq_len"] == want, found["compiled"]
+    assert found["peak_bytes"] <= device_bytes < found["next_peak_bytes"]
+    assert found["calls"][0] == [2048, 4096] and found["compiles"] <= plan_levers.MAX_SEQ_SEARCH_COMPILES
+
+
+def test_the_length_search_stops_at_its_compile_budget_and_says_where(monkeypatch):
+    device_bytes = 80 * 2**30
+    found = _search_with(lambda t: 1e3 * t, device_bytes=device_bytes, step=1, monkeypatch=monkeypatch)
+    # a line fitted exactly: found in the first refinement
+    assert found["pinned"] and found["seq_len"] == device_bytes // 1000
+    # nothing fits: said so after compiling the shortest step
+    nothing = _search_with(lambda t: 100 * 2**30 + t, device_bytes=device_bytes, monkeypatch=monkeypatch)
+    assert not nothing["pinned"] and nothing["seq_len"] is None and nothing["bracket"][0] is None
+    def wiggly(t):
+        return 7e10 + 3e6 * t * (1 + 0.5 * math.sin(t))
+
+    found = _search_with(wiggly, device_bytes=device_bytes, step=1, monkeypatch=monkeypatch)
+    assert found["compiles"] <= plan_levers.MAX_SEQ_SEARCH_COMPILES
+    lo, hi = found["bracket"]
+    assert wiggly(lo) <= device_bytes < wiggly(hi)  # what it reports is what it compiled
+    if found["pinned"]:
+        assert hi == lo + 1 and found["seq_len"] == lo
+
+
+def test_the_pipeline_lever_appears_when_fsdp_alone_does_not_fit(monkeypatch):
+    """Memory that not even all-FSDP state fits: pipelining (stages from data) is offered first and compiled."""
+    monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # the pipeline lever only
+    p = _tiny_plan_of(("NUM_LAYERS=4", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1"), "ICI_MESH_SHAPE=[2,1,1]",
+                      num_devices=2, device_memory_gib=1e-4)
+    assert not p["fits"] and p["pipeline"] is None
+    lever = next(lever for lever in p["levers"] if lever["lever"].startswith("pipeline"))
+    assert lever["lever"].startswith("pipeline 1 -> 2 stages (2 from data in ICI), NUM_MICROBATCHES=2 + "
+                                     "USE_REPEATED_LAYER=true")
+    assert "bubble 33.3%" in lever["lever"]  # (2 - 1) / (2 + 2 - 1)
+    assert lever["overrides"] == {"ICI_MESH_SHAPE": [1, 1, 1, 1, 2], "DCN_MESH_SHAPE": [1, 1, 1],
+                                  "NUM_MICROBATCHES": 2, "USE_REPEATED_LAYER": True}
+    assert lever["method"] == "compiled" and lever["peak_bytes"] < p["memory_per_device"]["peak_bytes"]
+    assert any("not compiled" in lever.get("method", "") for lever in p["levers"])
+    assert "not compiled (the planner compiles at most 1 levers per plan)" in plan_lib.format_text(p)
+
+
+def test_the_longest_sequence_request_travels_to_a_subprocess_and_bad_values_are_named():
+    request = plan_lib.PlanRequest(name="TinySynthetic", num_devices=16, longest_seq="on", seq_step=64)
+    assert request.longest_seq is plan_lib.LongestSeq.ON
+    command = plan_lib.plan_command_line(request, output_format=plan_lib.OutputFormat.JSON)
+    assert "--longest_seq=on" in command and "--seq_step=64" in command
+    default = plan_lib.plan_command_line(plan_lib.PlanRequest(name="TinySynthetic", num_devices=16),
+                                         output_format=plan_lib.OutputFormat.JSON)
+    assert not any(arg.startswith(("--longest_seq", "--seq_step")) for arg in default)
+    with pytest.raises(ValueError, match=r"--longest_seq='maybe': expected one of auto, on, off"):
+        plan_lib.PlanRequest(name="TinySynthetic", num_devices=8, longest_seq="maybe")
+    with pytest.raises(ValueError, match=r"--seq_step=0: expected a positive integer"):
+        plan_lib.PlanRequest(name="TinySynthetic", num_devices=8, seq_step=0)
+    assert plan_lib.LongestSeq.AUTO.wanted(seq=2) and not plan_lib.LongestSeq.AUTO.wanted(seq=1)
