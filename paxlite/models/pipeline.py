@@ -311,10 +311,10 @@ def pipeline_apply_with_extras(
         lambda e: jnp.zeros((S, R) + e.shape[1:], e.dtype), extras_shape)
 
     def iteration(carry, t):
-        state, circ, acc = carry  # state [S, mb, ...]: each stage's last output; circ [M, mb, ...] or None
+        state, circ, acc = carry  # state [S, mb, ...]: each stage's last output; circ [M, mb, ...]
         slot = t % M
         first = lax.dynamic_index_in_dim(microbatches, slot, 0, keepdims=False)  # [mb, ...]
-        if circ is not None:  # repeats after the first re-enter stage 0 from the circular buffer
+        if R > 1:  # repeats after the first re-enter stage 0 from the circular buffer
             first = jnp.where(t < M, first, lax.dynamic_index_in_dim(circ, slot, 0, keepdims=False))
         shifted = _constrain_stage(jnp.roll(state, 1, axis=0), axis)  # stage s gets stage s-1's output
         x = jnp.where(_per_stage(stage_ids == 0, shifted), first[None], shifted)
@@ -333,18 +333,20 @@ def pipeline_apply_with_extras(
                 hit.reshape(hit.shape + (1,) * (e.ndim - 1)), e[:, None], jnp.zeros((), e.dtype)),
                 axis), acc, extras)
         last = out[S - 1]  # the last stage's item t - (S - 1); every t here has t - (S-1) < items
-        if circ is not None:
-            done = t - (S - 1)
-            slot_done = jnp.maximum(done, 0) % M
-            kept = lax.dynamic_index_in_dim(circ, slot_done, 0, keepdims=False)
-            circ = lax.dynamic_update_index_in_dim(circ, jnp.where(done >= 0, last, kept), slot_done, 0)
-        return (out, circ, acc), last
+        # The buffer takes each finished item at its microbatch's slot: the next repeat reads it
+        # back, and after the last iteration it holds the last repeat's results in order. (An
+        # output stacked per iteration instead would keep R*M + S - 1 of them, and as many
+        # cotangents in the backward pass.)
+        done = t - (S - 1)
+        slot_done = jnp.maximum(done, 0) % M
+        kept = lax.dynamic_index_in_dim(circ, slot_done, 0, keepdims=False)
+        circ = lax.dynamic_update_index_in_dim(circ, jnp.where(done >= 0, last, kept), slot_done, 0)
+        return (out, circ, acc), None
 
     state0 = jnp.full((S,) + microbatches.shape[1:], bubble_fill, microbatches.dtype)
-    circ0 = jnp.full(microbatches.shape, bubble_fill, microbatches.dtype) if R > 1 else None
-    (_, _, acc), lasts = lax.scan(iteration, (state0, circ0, acc0), jnp.arange(iterations))
+    circ0 = jnp.full(microbatches.shape, bubble_fill, microbatches.dtype)
+    (_, results, acc), _ = lax.scan(iteration, (state0, circ0, acc0), jnp.arange(iterations))
     # [S, R, K, ...] -> [R, S, K, ...] -> [L, ...]: back to the stack's layer order.
     extras = jax.tree.map(
         lambda a: jnp.swapaxes(a, 0, 1).reshape((S * R * K,) + a.shape[3:]), acc)
-    # The last M iterations finish microbatches 0..M-1 of the last repeat, in order.
-    return lasts[iterations - M:], extras
+    return results, extras

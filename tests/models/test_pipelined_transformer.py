@@ -339,7 +339,7 @@ def test_bad_settings_are_refused_with_the_numbers():
                                                                   tokens)
     cfg = CASES["scan-gpipe"]
     bad_batch = dataclasses.replace(cfg, pipeline=PipelineConfig(num_stages=2, num_microbatches=3))
-    with pytest.raises(ValueError, match=r"batch of B=8 rows does not split into M=3 pipeline"):
+    with pytest.raises(ValueError, match=r"a batch of 8 rows does not split into 3 pipeline microbatches"):
         Transformer(bad_batch).apply(params_of(cfg), tokens)
     te = config(stages=2, micro=2, layer_implementation=LayerImplementation.TRANSFORMER_ENGINE,
                 dims_per_head=8, num_heads=2)
