@@ -30,6 +30,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
+from jax._src import (
+    config as jax_config,  # the cache settings as thread-local contexts (no public form)
+)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paxlite.parallel import rules as rules_lib
@@ -196,6 +199,37 @@ class CompiledSteps:
     batch_sharding: jax.sharding.NamedSharding
 
 
+class _NotPersistentlyCached:
+    """A jitted step whose compiled program stays out of JAX's persistent compilation cache.
+
+    Why: on XLA:CPU a program with a pipeline's collective-permutes inside its loop, read back from
+    that cache, intermittently deadlocks in its collectives (jax 0.12.0.1, 8 host devices: "Expected
+    8 threads to join the rendezvous, but only 4 of them arrived"; 5 of 7 runs with the cache, 0 of
+    4 without, 2026-12-03). Raising the cache's minimum compile time for this thread's compiles
+    means such programs are never written, so never read; other programs keep the cache. `lower`
+    and the rest are the jitted function's own.
+    """
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self, *args, **kwargs):
+        with jax_config.persistent_cache_min_compile_time_secs(float("inf")):
+            return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+
+def _cache_safe(fn, mesh: Mesh):
+    """`fn` as is, or kept out of the persistent cache on a CPU mesh with a pipeline or seq axis
+    (their loops of collective-permutes: `_NotPersistentlyCached`)."""
+    loops_of_permutes = any(mesh.shape.get(axis, 1) > 1 for axis in ("pipeline", "seq"))
+    if loops_of_permutes and mesh.devices.flat[0].platform == "cpu":
+        return _NotPersistentlyCached(fn)
+    return fn
+
+
 def _with_rules(fn, logical_rules, *, name: str):
     """Trace `fn` under the logical-axis rules; `name` is what compile logs and profiles show."""
 
@@ -337,6 +371,7 @@ def compile_steps(
         in_shardings=(param_shardings,),
         out_shardings=replicated,
     )
+    train, train_voting, evaluate_jit = (_cache_safe(f, mesh) for f in (train, train_voting, evaluate_jit))
     return CompiledSteps(
         init=init,
         train=train,

@@ -111,3 +111,30 @@ def test_a_pipelined_checkpoint_decodes_as_the_flat_one(runs, capsys):
     pipelined, flat = outputs
     assert len(pipelined) == 2 and all(len(ids) == 6 for ids in pipelined)
     assert pipelined == flat
+
+
+def test_cpu_programs_with_pipeline_or_seq_loops_stay_out_of_the_persistent_cache():
+    """XLA:CPU deadlocked in the collectives of a pipelined step read back from JAX's persistent
+    cache (train/step.py `_NotPersistentlyCached`): such steps compile with an infinite minimum
+    compile time for the cache, so they are never written; other meshes keep the cache."""
+    from jax._src import config as jax_config
+
+    from paxlite.train.step import _cache_safe
+
+    seen = []
+
+    def step():
+        seen.append(jax_config.persistent_cache_min_compile_time_secs.value)
+
+    for shape, guarded in (((1, 1, 1, 1, 2), True), ((1, 1, 1, 1, 1, 2), True), ((2, 2, 2), False)):
+        seen.clear()
+        _cache_safe(step, _mesh_of(shape))()
+        assert (seen == [float("inf")]) is guarded, (shape, seen)
+    assert jax_config.persistent_cache_min_compile_time_secs.value != float("inf")
+
+
+def _mesh_of(shape):
+    from paxlite.parallel.mesh import MeshConfig, build_mesh
+
+    devices = jax.devices()[: int(np.prod(shape))]
+    return build_mesh(MeshConfig(ici_mesh_shape=shape), devices=devices)
