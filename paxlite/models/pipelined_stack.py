@@ -33,6 +33,7 @@ decoding. What this module promises:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -47,19 +48,19 @@ from paxlite.models.sown import COLLECTIONS as SOWN_COLLECTIONS
 from paxlite.models.te_layer import uses_transformer_engine
 from paxlite.models.transformer_config import TransformerConfig
 
-_bubble_fill: float = 0.0  # what the pipeline's buffers hold before anything is written
+# What the pipeline's buffers hold before anything is written (a context variable: tests set it)
+_BUBBLE_FILL: contextvars.ContextVar[float] = contextvars.ContextVar("bubble_fill", default=0.0)
 
 
 @contextlib.contextmanager
 def bubble_fill_for_tests(value: float) -> Iterator[None]:
     """Test hook, not a setting: models traced inside fill the pipeline's shift state and circular
     buffer with ``value`` (NaN makes any bubble leak visible). Read at trace time."""
-    global _bubble_fill
-    previous, _bubble_fill = _bubble_fill, value
+    token = _BUBBLE_FILL.set(value)
     try:
         yield
     finally:
-        _bubble_fill = previous
+        _BUBBLE_FILL.reset(token)
 
 
 def check_pipeline(config: TransformerConfig) -> None:
@@ -193,7 +194,7 @@ def pipelined_layers(
     out, extras = pipeline_apply_with_extras(
         layer_fn, layer_vars, split_microbatches(x, num_micro), side=side,
         num_stages=pipe.num_stages, repeats=pipe.repeats, remat=remat_policy is not None,
-        remat_policy=remat_policy, bubble_fill=_bubble_fill)
+        remat_policy=remat_policy, bubble_fill=_BUBBLE_FILL.get())
     for collection, stacked in extras.items():
         if not module.is_mutable_collection(collection):
             continue
