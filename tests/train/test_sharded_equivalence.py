@@ -111,7 +111,7 @@ def test_mesh_matches_one_device(ici, dcn, one_device_reference):
     mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
     padded = [tuple(s) + (1,) * (4 - len(s)) for s in (ici, dcn)]  # a 3-entry shape has expert 1
     shape = tuple(i * d for i, d in zip(*padded))
-    assert dict(mesh.shape) == dict(zip(("data", "fsdp", "tensor", "expert"), shape))
+    assert dict(mesh.shape) == {**dict(zip(("data", "fsdp", "tensor", "expert"), shape)), "pipeline": 1, "seq": 1}
     params, loss, grads, losses = _loss_grads_and_losses(run, mesh)
     # Initialisation is a function of the seed only, not of the mesh.
     jax.tree.map(np.testing.assert_array_equal, params, params_ref)
