@@ -75,16 +75,9 @@ def _pipeline_and_seq(model, *, batch: int, experiment, seq: int) -> dict:
     """The pipeline schedule (stages, microbatches, bubble) and the seq strategy, where the run has them."""
     out: dict = {}
     if model.pipeline is not None:
-        rows = batch // max(experiment.GRAD_ACCUM_STEPS, 1)
-        micro = model.pipeline.microbatches(rows)
-        out["pipeline"] = {
-            "num_stages": model.pipeline.num_stages,
-            "repeats": model.pipeline.repeats,
-            "schedule": "circular" if model.pipeline.repeats > 1 else "gpipe",
-            "num_microbatches": micro,
-            "microbatch_rows": rows // micro,
-            "bubble_fraction": round(model.pipeline.bubble_fraction(micro), 4),
-        }
+        schedule = model.pipeline.schedule(batch // max(experiment.GRAD_ACCUM_STEPS, 1))
+        del schedule["iterations"]
+        out["pipeline"] = {**schedule, "bubble_fraction": round(schedule["bubble_fraction"], 4)}
     if seq > 1:
         out["sequence_parallel"] = {
             "seq": seq,

@@ -95,12 +95,6 @@ def _pipeline_lines(pipe: dict[str, Any] | None) -> list[str]:
         (f"  bubble fraction {pipe['bubble_fraction']:.4f} = {pipe['bubble_formula']} with S = "
          f"{pipe['num_stages']}, R = {pipe['repeats']}, M = {pipe['num_microbatches']}"),
     ]
-    per_device = pipe["microbatch_rows_per_device"]
-    if per_device != int(per_device) or per_device < 1:
-        lines.append(
-            f"  WARNING: a microbatch of {pipe['microbatch_rows']} rows is {per_device:g} rows per "
-            "device of data x fsdp x expert: its rows leave their devices (more memory and traffic); "
-            "choose NUM_MICROBATCHES so that each device keeps whole rows")
     if not pipe["memory_is_per_stage"]:
         lines.append("  (a pipeline axis of 1: every device runs all stages; the memory above is "
                      "the whole stack's)")

@@ -344,28 +344,19 @@ def _pipeline_plan(model, base: dict[str, Any], *, grad_accum_steps: int,
                    batch_ways: int) -> dict[str, Any] | None:
     """Stages, schedule, microbatches and bubble of a pipelined run, and what one stage holds.
 
-    ``microbatch_rows_per_device``: a microbatch whose rows do not split evenly over data x fsdp x
-    expert is accepted (only the batch must divide), but its rows then leave their devices, and the
-    compiled step holds more (GPT175B, pipeline 8 x fsdp 32, 48 microbatches: 89 GiB at 32 rows per
-    microbatch, one per device; 169 GiB with GRAD_ACCUM_STEPS=2, 16 rows; docs/performance.md)."""
+    ``microbatch_rows_per_device``: each microbatch's rows over data x fsdp x expert (a whole
+    number: the run, and `_setup` here, refuse others before compiling)."""
     pipe = model.pipeline
     if pipe is None:
         return None
-    rows = base["global_batch_size"] // grad_accum_steps
-    micro = pipe.microbatches(rows)
+    schedule = pipe.schedule(base["global_batch_size"] // grad_accum_steps)
     axis = base["mesh"]["pipeline"]
     split = base["pipeline_split_parameter_bytes"]
     return {
-        "num_stages": pipe.num_stages,
+        **schedule,
         "pipeline_axis": axis,
         "stages_per_device": pipe.num_stages // axis,
-        "repeats": pipe.repeats,
-        "schedule": "circular" if pipe.repeats > 1 else "gpipe",
-        "num_microbatches": micro,
-        "microbatch_rows": rows // micro,
-        "microbatch_rows_per_device": rows / micro / batch_ways,
-        "iterations": pipe.repeats * micro + pipe.num_stages - 1,
-        "bubble_fraction": pipe.bubble_fraction(micro),
+        "microbatch_rows_per_device": schedule["microbatch_rows"] // batch_ways,
         "bubble_formula": "(S - 1) / (R*M + S - 1)",
         "layers_per_stage": model.num_layers // pipe.num_stages,
         # Per device: its stage's share of the layer stack; the rest (embedding, final norm, and an

@@ -15,7 +15,7 @@ from typing import Any
 import fiddle as fdl
 
 from paxlite.models.parallel_config import ContextParallelStrategy, PipelineConfig
-from paxlite.parallel.mesh import MeshLayout, named_sizes
+from paxlite.parallel.mesh import MeshConfig, MeshLayout
 
 PIPELINE_SETTINGS = ("NUM_MICROBATCHES", "MICROBATCH_SIZE", "PIPELINE_REPEATS")
 SEQ_SETTINGS = ("CONTEXT_PARALLEL_STRATEGY", "CONTEXT_PARALLEL_LOAD_BALANCE")
@@ -29,10 +29,9 @@ def mesh_layout(hp: Any) -> MeshLayout:
 def mesh_axis_sizes(hp: Any) -> dict[str, int]:
     """{axis: ICI x DCN size} from the shapes alone (ICI None puts every device on data, so every
     other axis is its DCN size)."""
-    layout = mesh_layout(hp)
-    ici = named_sizes(hp.ICI_MESH_SHAPE, layout)
-    dcn = named_sizes(hp.DCN_MESH_SHAPE, layout)
-    return {axis: ici[axis] * dcn[axis] for axis in ici}
+    ici = None if hp.ICI_MESH_SHAPE is None else tuple(hp.ICI_MESH_SHAPE)
+    mesh = MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=tuple(hp.DCN_MESH_SHAPE), layout=mesh_layout(hp))
+    return mesh.axis_sizes(1)  # ICI None: data is the devices' (1 here); the other axes are DCN's
 
 
 def num_stages(hp: Any) -> int:

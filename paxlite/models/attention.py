@@ -336,15 +336,20 @@ class Attention(nn.Module):
         ahead of the query (d < 0) are masked. The parameter is the same ``relative_bias/rel_bias``.
         """
         span = self.relative_position_max_distance + 2
-        bias = RelativePositionBias(
+        bias = self._relative_bias()(
+            jnp.arange(span, dtype=jnp.int32)[None, :], jnp.zeros((1, 1), jnp.int32))  # [1,N,L,1]
+        return bias[0, :, :, 0]  # [N, L]: query at position d, key at 0
+
+    def _relative_bias(self) -> RelativePositionBias:
+        """This layer's T5 bias table (``relative_bias/rel_bias``), whichever way it is read."""
+        return RelativePositionBias(
             num_buckets=self.relative_position_buckets,
             max_distance=self.relative_position_max_distance,
             num_heads=self.num_heads,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="relative_bias",
-        )(jnp.arange(span, dtype=jnp.int32)[None, :], jnp.zeros((1, 1), jnp.int32))  # [1,N,L,1]
-        return bias[0, :, :, 0]  # [N, L]: query at position d, key at 0
+        )
 
     def _extend_cache(self, k: jax.Array, v: jax.Array, positions: jax.Array | None, *,
                       kv_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -403,14 +408,7 @@ class Attention(nn.Module):
             positions = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, T]
         if key_positions is None:
             key_positions = positions
-        relative = RelativePositionBias(
-            num_buckets=self.relative_position_buckets,
-            max_distance=self.relative_position_max_distance,
-            num_heads=n,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="relative_bias",
-        )(positions, key_positions)  # [B|1, N, T, S]
+        relative = self._relative_bias()(positions, key_positions)  # [B|1, N, T, S]
         return relative if bias is None else bias + relative
 
 

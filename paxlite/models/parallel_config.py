@@ -78,6 +78,20 @@ class PipelineConfig:
                 f"microbatches as stages: {m} microbatches for {self.num_stages} stages")
         return m
 
+    def schedule(self, batch_rows: int) -> dict[str, object]:
+        """What a pass over ``batch_rows`` rows runs: stages, repeats, the schedule's name, the
+        microbatches, their rows, the scan's iterations and the bubble (what `show` and `plan` print)."""
+        micro = self.microbatches(batch_rows)
+        return {
+            "num_stages": self.num_stages,
+            "repeats": self.repeats,
+            "schedule": "circular" if self.repeats > 1 else "gpipe",
+            "num_microbatches": micro,
+            "microbatch_rows": batch_rows // micro,
+            "iterations": self.repeats * micro + self.num_stages - 1,
+            "bubble_fraction": self.bubble_fraction(micro),
+        }
+
     def bubble_fraction(self, num_microbatches: int) -> float:
         """The share of stage-iterations that are bubble: (S - 1) / (R*M + S - 1)."""
         s, r = self.num_stages, self.repeats

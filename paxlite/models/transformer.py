@@ -283,9 +283,7 @@ class Transformer(nn.Module):
         # for load balance, models/context_parallel.py), so every block gets them.
         block_positions = positions if position_kind is PositionEmbedding.ROTARY else None
         if mesh_axis_size(SEQ_AXIS) > 1 and not decode:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-            block_positions = positions
+            block_positions = positions  # None (a model without positions): attention takes arange
         if decode:
             mask, block_positions = decode_mask, positions
         # MoE routing keeps padding (segment id 0 in packed rows) out of the experts' capacity.

@@ -211,3 +211,32 @@ def test_pipelined_fp8_training_equals_the_unpipelined_one_device_run(nan_bubble
     for (path, ref), got in zip(flat_ref, flat, strict=True):
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64), rtol=1e-5,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize(("balance", "shards"), [("true", 2), ("false", 1)])
+def test_the_train_loop_balances_batches_only_when_asked(tmp_path, monkeypatch, balance, shards):
+    """Attention is exact in either token order, so only this test sees whether the loop feeds the
+    load-balanced (dual_chunk_swap) order: by default on a seq axis, and not with the setting off."""
+    from paxlite.data import feed as feed_lib
+    from paxlite.experiments.build import build_run_config
+    from paxlite.train.loop import Run, RunContext
+
+    seen = []
+    original = feed_lib.balance_batch_for_seq
+
+    def spy(batch, *, seq_shards):
+        seen.append(seq_shards)
+        out = original(batch, seq_shards=seq_shards)
+        if seq_shards > 1:  # positions added in the reordered slots: 4 chunks of 16, shard 0 holds
+            # chunks 0 and 3, shard 1 chunks 1 and 2
+            positions = np.asarray(jax.device_get(out["positions"]))[0]
+            assert positions.tolist() == [*range(16), *range(48, 64), *range(16, 48)]
+        return out
+
+    monkeypatch.setattr(feed_lib, "balance_batch_for_seq", spy)
+    _, config = build_run_config("TinySynthetic", [
+        "NUM_LAYERS=1", "MAX_STEPS=1", "ICI_MESH_SHAPE=[4,1,1,1,1,2]",
+        f"CONTEXT_PARALLEL_LOAD_BALANCE={balance}", "EVAL_INTERVAL_STEPS=1000"])
+    with Run(config, RunContext(job_dir=str(tmp_path), enable_checkpoint_saving=False)) as run:
+        run.train()
+    assert seen == [shards]
