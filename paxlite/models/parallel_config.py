@@ -20,6 +20,11 @@ class ContextParallelStrategy(str, enum.Enum):
     RING = "ring"  # pass k/v blocks round the ring, online softmax (memory: one block at a time)
 
 
+def bubble_fraction(*, num_stages: int, repeats: int, num_microbatches: int) -> float:
+    """The share of stage-iterations that are bubble: ``(S - 1) / (R*M + S - 1)``."""
+    return (num_stages - 1) / (repeats * num_microbatches + num_stages - 1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     """The layer stack run as ``num_stages`` pipeline stages over microbatches of each batch.
@@ -94,8 +99,8 @@ class PipelineConfig:
 
     def bubble_fraction(self, num_microbatches: int) -> float:
         """The share of stage-iterations that are bubble: (S - 1) / (R*M + S - 1)."""
-        s, r = self.num_stages, self.repeats
-        return (s - 1) / (r * num_microbatches + s - 1)
+        return bubble_fraction(num_stages=self.num_stages, repeats=self.repeats,
+                               num_microbatches=num_microbatches)
 
 SEQ_AXIS = "seq"  # the mesh axis sequence parallelism shards tokens over (parallel/mesh.py)
 PIPELINE_AXIS = "pipeline"  # the mesh axis pipeline stages are spread over

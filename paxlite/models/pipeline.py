@@ -57,13 +57,13 @@ from flax.linen import fp8_ops
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from paxlite.models.parallel_config import bubble_fraction
+
+__all__ = ["STAGE", "STAGE_RULE", "LayerCall", "bubble_fraction", "pipeline_apply",
+           "pipeline_apply_with_extras", "stage_mesh_axis"]
+
 STAGE = "stage"  # the logical name of the stage dimension
 STAGE_RULE = (STAGE, "pipeline")  # the logical-axis rule it needs; the default when no rule names it
-
-
-def bubble_fraction(*, num_stages: int, repeats: int, num_microbatches: int) -> float:
-    """The share of stage-iterations that are bubble: ``(S - 1) / (R*M + S - 1)``."""
-    return (num_stages - 1) / (repeats * num_microbatches + num_stages - 1)
 
 
 def stage_mesh_axis(num_stages: int) -> str | None:
