@@ -60,6 +60,12 @@ class LanguageModelExperiment(DataSettings, Experiment):
     data_source: ClassVar[DataSource] = DataSource.SYNTHETIC
 
     DATA_DIR: str | None = None  # a directory made by `python -m paxlite.data.prepare`
+    # Weighted sources instead of DATA_DIR: [[source, weight], ...], each source a prepared directory or a TFDS
+    # name[/config]:version under TFDS_DATA_DIR; weights are normalised (docs/data.md). With INPUT_PIPELINE=seqio:
+    # the name of a registered SeqIO mixture or task.
+    DATA_MIXTURE: str | list[list[str | float]] | None = None
+    # A resumed mixture whose weights differ from the checkpoint's is an error; true: re-weight from the resume on.
+    DATA_MIXTURE_REWEIGHT: bool = False
     VOCAB_PATH: str | None = None  # SentencePiece model; None: the VOCAB_PATH environment variable (Pax)
     # What EVAL_INTERVAL_STEPS / --mode=eval score: the training data's validation split, or a zero-shot task.
     EVAL_TASK: Literal["validation", "lambada", "boolq"] = "validation"
@@ -68,6 +74,14 @@ class LanguageModelExperiment(DataSettings, Experiment):
     # What training reads: "text" (DATA_DIR / TFDS_DATASET, language modelling) or "boolq" (supervised fine-tuning on
     # BoolQ's train split, one example per row, loss on the answer token; BOOLQ_TRAIN_PATH or super_glue/boolq:1.0.2).
     TRAIN_TASK: Literal["text", "boolq"] = "text"
+    # lm-evaluation-harness tasks scored during training (docs/evaluation.md; the `eval` extra), at every
+    # LM_EVAL_INTERVAL_STEPS-th step (None: at every EVAL_INTERVAL_STEPS boundary), into metrics.jsonl as
+    # lm_eval/<task>/<metric>. LM_EVAL_LIMIT: examples per task (< 1: a fraction), as lm_eval's --limit.
+    LM_EVAL_TASKS: list[str] | None = None
+    LM_EVAL_INTERVAL_STEPS: int | None = None
+    LM_EVAL_NUM_FEWSHOT: int = 0
+    LM_EVAL_LIMIT: float | None = None
+    LM_EVAL_INCLUDE_PATH: str | None = None  # a directory of local task YAMLs (lm_eval's --include_path)
     BOOLQ_TRAIN_PATH: str | None = None  # SuperGLUE BoolQ train.jsonl for TRAIN_TASK="boolq"
     # Pax's --tfds_data_dir (the flag sets this; else the TFDS_DATA_DIR environment variable). Used when
     # DATA_DIR is unset: training reads TFDS_DATASET there, EVAL_TASK="lambada" reads my_lambada:1.0.0 and
