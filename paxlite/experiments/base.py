@@ -20,6 +20,7 @@ from paxlite.config.experiment import Derived, Experiment
 from paxlite.config.transformer_engine import transformer_engine_fields
 from paxlite.experiments.attention_settings import check_attention_settings
 from paxlite.experiments.data_settings import DataSettings
+from paxlite.experiments.lm_eval_settings import LmEvalSettings
 from paxlite.experiments.moe_mixin import (
     MOE_HPARAM_NAMES,
     dense_moe_setting_error,
@@ -54,7 +55,7 @@ class DataSource(str, enum.Enum):
     TEXT = "text"  # DATA_DIR (python -m paxlite.data.prepare) or TFDS_DATASET under TFDS_DATA_DIR
 
 
-class LanguageModelExperiment(DataSettings, Experiment):
+class LanguageModelExperiment(DataSettings, LmEvalSettings, Experiment):
     """Base of every registered experiment: maps hyperparameters to a `RunConfig` Fiddle tree."""
 
     data_source: ClassVar[DataSource] = DataSource.SYNTHETIC
@@ -177,7 +178,7 @@ class LanguageModelExperiment(DataSettings, Experiment):
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
 
     def validate(self) -> None:
-        problems = self.dense_mesh_problems()
+        problems = self.dense_mesh_problems() + self.lm_eval_problems()
         if problems:
             raise ConfigError(f"invalid {self.name} hyperparameters: " + "; ".join(problems))
         super().validate()
@@ -464,4 +465,5 @@ class LanguageModelExperiment(DataSettings, Experiment):
             data=self.data_config(),
             eval_task=self.eval_task_config(),
             loop=self.loop_config(),
+            lm_eval=self.lm_eval_config(),
         )

@@ -34,6 +34,8 @@ class BaseLLaMA(LanguageModelExperiment):
     `--fdl.EVAL_TASK=boolq` still scores BoolQ after synthetic training. `paxlite show` prints the resolved values.
     """
 
+    family_adds_bos = True  # LLaMA, Mistral/Mixtral and Fuji start every sequence with BOS
+
     data_source = DataSource.TEXT
 
     # Key/value heads of grouped-query attention; equal to NUM_HEADS means plain multi-head attention with Pax's

@@ -60,6 +60,19 @@ class LoopConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LmEvalConfig:
+    """lm-evaluation-harness tasks scored on the live train state during training (LM_EVAL_*)."""
+
+    tasks: tuple[str, ...]
+    interval_steps: int  # a multiple of LoopConfig.eval_interval_steps; the last step scores too
+    num_fewshot: int = 0
+    limit: float | None = None  # examples per task (< 1: a fraction), lm_eval's --limit
+    include_path: str | None = None  # a directory of local task YAMLs
+    vocab_path: str
+    add_bos: bool = False  # text starts with the tokenizer's BOS (the LLaMA family)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     experiment: str
     model: TransformerConfig
@@ -70,3 +83,4 @@ class RunConfig:
     # None: evaluate on the training data's eval split
     eval_task: LambadaEvalConfig | BoolQEvalConfig | None = None
     loop: LoopConfig
+    lm_eval: LmEvalConfig | None = None  # LM_EVAL_TASKS; None: no lm-evaluation-harness scoring
