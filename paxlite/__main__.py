@@ -3,7 +3,8 @@
 paxlite/plan.py), `convert --from=hf|meta|paxlite|te --to=paxlite|hf|te --input=P --output=P`
 (paxlite/convert.py), `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
 adapters folded in; see paxlite/train/export.py) and `generate --job_log_dir=DIR|--checkpoint=PATH
---prompt=...|--prompt_ids=1,2,3` (samples from a model; paxlite/generate.py)."""
+--prompt=...|--prompt_ids=1,2,3` (samples from a model; paxlite/generate.py) and `lm_eval
+--job_log_dir=DIR|--checkpoint=PATH --tasks=T1,T2` (lm-evaluation-harness scores; paxlite/lm_eval_cli.py)."""
 
 from __future__ import annotations
 
@@ -301,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_generate_arguments(commands.add_parser(
         "generate", help="text or token ids from a trained or converted model (KV cache; greedy or sampled)"))
+    from paxlite.lm_eval_cli import add_arguments as add_lm_eval_arguments
+
+    add_lm_eval_arguments(commands.add_parser(
+        "lm_eval", help="lm-evaluation-harness scores of a trained or converted model (the eval extra)"))
     args, extra = parser.parse_known_args(argv)
     assignments = []
     for item in extra:
@@ -330,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from paxlite.generate import run_cli as run_generate
 
         return run_generate(args, assignments)
+    if args.command == "lm_eval":
+        from paxlite.lm_eval_cli import run_cli as run_lm_eval
+
+        return run_lm_eval(args, assignments)
     if args.command == "list":
         if assignments:
             parser.error("list takes no --fdl.NAME=VALUE overrides")

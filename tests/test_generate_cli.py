@@ -132,15 +132,15 @@ def test_text_prompts_get_bos_as_the_experiment_family_was_trained(job, tmp_path
     import argparse
 
     from paxlite.data.tokenizer import Tokenizer
-    from paxlite.generate import BosChoice, _bos_id, _resolve_model
+    from paxlite.model_source import BosChoice, bos_id, resolve_model
     from tests.interop.test_hf_export import train_bpe
 
     tokenizer = Tokenizer(train_bpe(tmp_path))  # defines BOS (id 1)
     args = argparse.Namespace(job_log_dir=str(job), checkpoint=None, fdl_config=fdl_config)
-    model = _resolve_model(args, [])
-    assert _bos_id(BosChoice.AUTO, model, tokenizer) == (1 if adds else None)
-    assert _bos_id(BosChoice.TRUE, model, tokenizer) == 1
-    assert _bos_id(BosChoice.FALSE, model, tokenizer) is None
+    model = resolve_model(args, [])
+    assert bos_id(BosChoice.AUTO, model, tokenizer) == (1 if adds else None)
+    assert bos_id(BosChoice.TRUE, model, tokenizer) == 1
+    assert bos_id(BosChoice.FALSE, model, tokenizer) is None
 
 
 def test_bos_on_the_command_line_and_a_tokenizer_without_one(job, vocab, tmp_path, capsys):

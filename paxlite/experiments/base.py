@@ -80,7 +80,7 @@ class LanguageModelExperiment(DataSettings, LmEvalSettings, Experiment):
     # lm_eval/<task>/<metric>. LM_EVAL_LIMIT: examples per task (< 1: a fraction), as lm_eval's --limit.
     LM_EVAL_TASKS: list[str] | None = None
     LM_EVAL_INTERVAL_STEPS: int | None = None
-    LM_EVAL_NUM_FEWSHOT: int = 0
+    LM_EVAL_NUM_FEWSHOT: int | None = None  # None: each task's own default, as lm_eval's --num_fewshot
     LM_EVAL_LIMIT: float | None = None
     LM_EVAL_INCLUDE_PATH: str | None = None  # a directory of local task YAMLs (lm_eval's --include_path)
     BOOLQ_TRAIN_PATH: str | None = None  # SuperGLUE BoolQ train.jsonl for TRAIN_TASK="boolq"

@@ -44,7 +44,7 @@ class LmEvalSettings:
                 f"LM_EVAL_INTERVAL_STEPS={interval} must be a positive multiple of "
                 f"EVAL_INTERVAL_STEPS={self.EVAL_INTERVAL_STEPS} (tasks are scored at evaluation "
                 "boundaries); leave it unset to score at every one")
-        if self.LM_EVAL_NUM_FEWSHOT < 0:
+        if self.LM_EVAL_NUM_FEWSHOT is not None and self.LM_EVAL_NUM_FEWSHOT < 0:
             problems.append(f"LM_EVAL_NUM_FEWSHOT={self.LM_EVAL_NUM_FEWSHOT} must be >= 0")
         limit = self.LM_EVAL_LIMIT
         if limit is not None and not limit > 0:

@@ -65,7 +65,7 @@ class LmEvalConfig:
 
     tasks: tuple[str, ...]
     interval_steps: int  # a multiple of LoopConfig.eval_interval_steps; the last step scores too
-    num_fewshot: int = 0
+    num_fewshot: int | None = None  # None: each task's default
     limit: float | None = None  # examples per task (< 1: a fraction), lm_eval's --limit
     include_path: str | None = None  # a directory of local task YAMLs
     vocab_path: str

@@ -47,7 +47,7 @@ def test_settings_resolve_to_the_run_config(tmp_path):
     lm_eval = run.lm_eval
     assert (lm_eval.tasks, lm_eval.interval_steps, lm_eval.limit, lm_eval.include_path) == (
         ("arc_easy", "wikitext"), 10, 0.5, str(tmp_path))
-    assert (lm_eval.num_fewshot, lm_eval.vocab_path, lm_eval.add_bos) == (0, "/spm.model", False)
+    assert (lm_eval.num_fewshot, lm_eval.vocab_path, lm_eval.add_bos) == (None, "/spm.model", False)
     # unset interval: every evaluation boundary; the LLaMA family starts text with BOS
     llama = load_experiment("LLaMA7B", ["VOCAB_PATH=/spm.model", 'LM_EVAL_TASKS=["a"]'])
     built = fdl.build(llama.lm_eval_config())
