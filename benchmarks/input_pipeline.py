@@ -12,6 +12,9 @@ and, when the `seqio` extra is installed, the SeqIO pipeline Pax used on the sam
 vocabulary (SentencePieceVocabulary, FunctionDataSource, Pax's `the_pile_lm` preprocessing: rekey
 -> tokenize -> reduce_concat_tokens -> split_tokens_to_targets_length -> append_eos_after_trim,
 then DecoderFeatureConverter(pack=True)). Only real tokens (weight 1) count.
+The `mixture` case reads a DATA_MIXTURE of three sources (data/mixture.py: Grain's interleave picks the
+source of every row, each source keeps its own packed stream) over the pre-tokenized dataset, weights
+0.5/0.3/0.2, beside `tokens` (one source, the same data): the cost of mixing per core.
 A diagnostic case, `plays`, packs the same pre-tokenized text stored as one document per play
 (~40 long documents instead of ~38,000 paragraphs of ~39 tokens), which separates the pipeline's
 per-document cost from its per-token cost. SentencePiece's own encode rate over the train
@@ -28,6 +31,7 @@ seq_len**2 tokens per round, see `main`). Ratios are to the tokens/s GPT126M con
 on one H200 at 100 % MFU (1,157,192) and to Rosetta's measured H100 rate (150,692 tokens/s/GPU).
 
     .venv/bin/python benchmarks/input_pipeline.py --rounds 3 --tokens 20000000
+    .venv/bin/python benchmarks/input_pipeline.py --cases tokens,mixture --tokens 4000000
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import grain
 import numpy as np
 
 from paxlite.data import records
+from paxlite.data.mixture import MixtureData, MixtureDataConfig, MixtureSource
 from paxlite.data.pipeline import TextData, TextDataConfig
 from paxlite.data.prepare import prepare
 from paxlite.data.tokenizer import Tokenizer
@@ -75,6 +80,10 @@ class Pipeline(str, enum.Enum):
     TEXT = "text"  # paxlite, raw text tokenized on the fly
     SEQIO = "seqio"  # SeqIO on the same raw text
     PLAYS = "plays"  # paxlite, pre-tokenized, one document per play: the per-document cost removed
+    MIXTURE = "mixture"  # paxlite, pre-tokenized, a 3-source DATA_MIXTURE of the `tokens` data
+
+
+MIXTURE_WEIGHTS = (0.5, 0.3, 0.2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -155,6 +164,17 @@ def paxlite_batches(data_dir: str, *, vocab_path: str, shape: Shape) -> Iterator
         packed=True, shuffle=True, seed=0,
     )
     return TextData(config, global_batch_size=shape.batch_size).train_iterator()
+
+
+def mixture_batches(data_dir: str, *, vocab_path: str, shape: Shape) -> Iterator[Batch]:
+    """A three-source mixture of `data_dir` (each source its own stream): what `Run.train()` draws
+    from with DATA_MIXTURE, on the same documents as `paxlite_batches`."""
+    config = MixtureDataConfig(sources=[
+        MixtureSource(name=f"part{i}", weight=weight, data=TextDataConfig(
+            data_dir=data_dir, vocab_path=vocab_path, vocab_size=VOCAB_SIZE, seq_len=shape.seq_len,
+            packed=True, shuffle=True, seed=0))
+        for i, weight in enumerate(MIXTURE_WEIGHTS)])
+    return MixtureData(config, global_batch_size=shape.batch_size).train_iterator()
 
 
 def train_documents(text_dir: str) -> list[str]:
@@ -319,6 +339,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--work_dir", default="build/bench_input",
                         help="cache for the texts, tokenizer and both datasets")
     parser.add_argument("--cpu", type=int, default=0, help="the one CPU to pin the process to")
+    parser.add_argument("--cases", default=",".join(p.value for p in Pipeline),
+                        help="comma-separated cases to run (default: all)")
     return parser
 
 
@@ -329,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("tokens", "text_divisor"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    try:
+        cases = {Pipeline(name.strip()) for name in args.cases.split(",")}
+    except ValueError:
+        raise SystemExit(f"--cases {args.cases!r}: each must be one of {[p.value for p in Pipeline]}") from None
     allowed = sorted(os.sched_getaffinity(0))
     if args.cpu not in allowed:
         raise SystemExit(f"--cpu {args.cpu} is not one of this process's CPUs {allowed}")
@@ -344,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"train split: {split.documents:,} documents, {split.tokens:,} tokens + "
           f"{split.documents:,} EOS per epoch ({per_document:.1f} per document), "
           f"vocab {VOCAB_SIZE}", flush=True)
-    have_seqio = importlib.util.find_spec("seqio") is not None
-    if not have_seqio:
+    have_seqio = Pipeline.SEQIO in cases and importlib.util.find_spec("seqio") is not None
+    if Pipeline.SEQIO in cases and not have_seqio:
         print(SEQIO_MISSING, flush=True)
     documents = train_documents(datasets.text_dir) if have_seqio else []
 
@@ -353,19 +379,24 @@ def main(argv: list[str] | None = None) -> int:
     for shape in SHAPES:
         check_same_data(datasets, shape)
         tokens = int(args.tokens * shape.share)
-        for pipeline, data_dir, budget in (
-            (Pipeline.TOKENS, datasets.tokens_dir, tokens),
-            (Pipeline.TEXT, datasets.text_dir, tokens // args.text_divisor),
+        for pipeline, reader, data_dir, budget in (
+            (Pipeline.TOKENS, paxlite_batches, datasets.tokens_dir, tokens),
+            (Pipeline.MIXTURE, mixture_batches, datasets.tokens_dir, tokens),
+            (Pipeline.TEXT, paxlite_batches, datasets.text_dir, tokens // args.text_divisor),
         ):
-            make = functools.partial(
-                paxlite_batches, data_dir, vocab_path=datasets.vocab_path, shape=shape
-            )
+            if pipeline not in cases:
+                continue
+            make = functools.partial(reader, data_dir, vocab_path=datasets.vocab_path, shape=shape)
             results.append(measure(pipeline, shape, make=make, tokens=budget, rounds=args.rounds))
+        by_case = {r.pipeline: r for r in results if r.shape == shape}
+        if Pipeline.TOKENS in by_case and Pipeline.MIXTURE in by_case:
+            print(f"       {shape.name:>6}  3-source mixture / one source = "
+                  f"{by_case[Pipeline.MIXTURE].median / by_case[Pipeline.TOKENS].median:.2f}", flush=True)
         if have_seqio:
             make = functools.partial(
                 seqio_batches, documents, vocab_path=datasets.vocab_path, shape=shape
             )
-            text = results[-1]
+            text = by_case.get(Pipeline.TEXT)
             # SeqIO's packer works on groups of seq_len pieces (seq_len**2 tokens: 4.2M at 2048)
             # and then serves that group's rows at no cost: warm up over one group and time at
             # least three per round, or a window may only read rows packed before it began.
@@ -374,14 +405,18 @@ def main(argv: list[str] | None = None) -> int:
                             tokens=max(tokens // args.text_divisor, args.rounds * 3 * group),
                             rounds=args.rounds)
             results.append(seqio)
-            print(f"       {shape.name:>6}  paxlite text / SeqIO = "
-                  f"{text.median / seqio.median:.2f}", flush=True)
-    # Diagnostic: the same tokens as ~40 long documents, so per-document overhead nearly vanishes.
-    make = functools.partial(
-        paxlite_batches, datasets.plays_dir, vocab_path=datasets.vocab_path, shape=SHAPES[0]
-    )
-    results.append(measure(Pipeline.PLAYS, SHAPES[0], make=make, tokens=args.tokens,
-                           rounds=args.rounds))
+            if text is not None:
+                print(f"       {shape.name:>6}  paxlite text / SeqIO = "
+                      f"{text.median / seqio.median:.2f}", flush=True)
+    if Pipeline.PLAYS in cases:
+        # Diagnostic: the same tokens as ~40 long documents, so per-document overhead nearly vanishes.
+        make = functools.partial(
+            paxlite_batches, datasets.plays_dir, vocab_path=datasets.vocab_path, shape=SHAPES[0]
+        )
+        results.append(measure(Pipeline.PLAYS, SHAPES[0], make=make, tokens=args.tokens,
+                               rounds=args.rounds))
+    if Pipeline.TOKENS not in cases:
+        return 0
 
     spm_rate = sentencepiece_rate(datasets)
     print(f"SentencePiece encode alone: {spm_rate / 1e6:.3f} M tokens/s/core "

@@ -94,12 +94,13 @@ def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding, plan: Feed
 
 
 class TextFeed:
-    """Batches from a prepared dataset, TFDS files, or a Pax SeqIO task; the iterator position is saved in
-    every checkpoint."""
+    """Batches from a prepared dataset, TFDS files, a weighted mixture of those (data/mixture.py), or a Pax
+    SeqIO task; the iterator position is saved in every checkpoint."""
 
     metric_prefix = ""
 
     def __init__(self, config, *, plan: FeedPlan):
+        from paxlite.data.mixture import MixtureData, MixtureDataConfig  # grain only on this path
         from paxlite.data.pipeline import TextData  # grain and SentencePiece only on this path
         from paxlite.data.seqio_pipeline import (  # TensorFlow only when used
             SeqIOData,
@@ -107,7 +108,9 @@ class TextFeed:
         )
 
         self._plan = plan
-        reader = SeqIOData if isinstance(config, SeqIODataConfig) else TextData
+        reader = (SeqIOData if isinstance(config, SeqIODataConfig)
+                  else MixtureData if isinstance(config, MixtureDataConfig) else TextData)
+        self._mixture = reader is MixtureData
         self._data = reader(
             config,
             global_batch_size=plan.global_batch_size,
@@ -136,6 +139,24 @@ class TextFeed:
     def position(self) -> dict:
         return {"batches_consumed": self._next_index, "iterator": self._iterator.get_state()}
 
+    def mixture_fractions(self, position: dict | None = None) -> dict[str, float]:
+        """A mixture's share of weighted tokens per source name over the batches up to `position`
+        (default: the current one), summed over every process (a collective when there are
+        several; one process: none). {} for one source."""
+        if not self._mixture:
+            return {}
+        from paxlite.data.mixture import mixture_fractions
+
+        position = self.position() if position is None else position
+        return mixture_fractions(allgather_json(position["iterator"]))
+
+    def eval_sources(self) -> dict[str, Feed]:
+        """A mixture's per-source evaluation feeds (sources with a validation split), by name; {}
+        for one source."""
+        if not self._mixture:
+            return {}
+        return {name: _SourceEvalFeed(data, plan=self._plan) for name, data in self._data.eval_sources().items()}
+
     def state(self, position: dict | None = None) -> dict:
         position = self.position() if position is None else position
         return {
@@ -161,6 +182,37 @@ class TextFeed:
             )
         self._iterator.set_state(processes[jax.process_index()])
         self._next_index = step
+
+
+class _SourceEvalFeed:
+    """One mixture source's validation split, evaluated alone (eval/<name>/loss)."""
+
+    metric_prefix = ""
+    has_eval_data = True
+
+    def __init__(self, data, *, plan: FeedPlan):
+        self._data, self._plan = data, plan
+
+    def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
+        for local in self._data.eval_batches(num_batches):
+            yield _to_global(local, sharding, self._plan)
+
+
+MIXTURE_METRIC_PREFIX = "data/mixture/"
+
+
+def mixture_summaries(feed: Feed | None, position: Any) -> dict[str, float]:
+    """`data/mixture/<source>`: each source's fraction of the weighted tokens of the batches up to
+    `position`, since step 0, over all processes; {} unless `feed` reads a mixture. Every process
+    calls it (a collective when there are several)."""
+    if not isinstance(feed, TextFeed):
+        return {}
+    return {MIXTURE_METRIC_PREFIX + name: value for name, value in feed.mixture_fractions(position).items()}
+
+
+def eval_sources(feed: Feed) -> dict[str, Feed]:
+    """Per-source evaluation feeds of a mixture, by source name; {} for any other feed."""
+    return feed.eval_sources() if isinstance(feed, TextFeed) else {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -193,38 +193,56 @@ class DocumentStream:
         self._set(epoch=int(state["epoch"]), cursor=int(state["cursor"]), offset=int(state["offset"]))
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return self._next_packed() if self._packed else self._next_unpacked()
+        return self.take(self._rows)
 
-    def _next_unpacked(self) -> dict[str, np.ndarray]:
-        while len(self._starts) - self._first_unfinished() < self._rows:
+    def take(self, rows: int, *, features: bool = True) -> dict[str, np.ndarray]:
+        """The next `rows` rows ([rows, seq_len] each; 0 gives empty arrays and moves nothing).
+
+        A mixture draws a different number of rows from each source every batch; rows are cut from
+        the same token stream whatever the count per call, so any split of N rows into calls yields
+        the N rows one call would, and the position stays the same three numbers. features=False:
+        only targets/segment_ids/positions, for a caller that joins rows before `lm_features`
+        (which works row by row, so joining first changes nothing).
+        """
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
+        if rows == 0:
+            empty = np.zeros((0, self._seq_len), dtype=np.int32)
+            cut = {"targets": empty, "segment_ids": empty, "positions": empty}
+        else:
+            cut = self._next_packed(rows) if self._packed else self._next_unpacked(rows)
+        return lm_features(cut) if features else cut
+
+    def _next_unpacked(self, count: int) -> dict[str, np.ndarray]:
+        while len(self._starts) - self._first_unfinished() < count:
             self._read(self._chunk)
         first = self._first_unfinished()
         ends = np.append(self._starts[1:], len(self._tokens))
         rows = [unpacked_row(self._tokens[self._starts[k] : ends[k]], self._seq_len)
-                for k in range(first, first + self._rows)]
-        self._pos = int(ends[first + self._rows - 1])
-        return lm_features({key: np.stack([row[key] for row in rows]) for key in rows[0]})
+                for k in range(first, first + count)]
+        self._pos = int(ends[first + count - 1])
+        return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
 
-    def _next_packed(self) -> dict[str, np.ndarray]:
-        need = self._rows * self._seq_len
+    def _next_packed(self, count: int) -> dict[str, np.ndarray]:
+        need = count * self._seq_len
         while len(self._tokens) - self._pos < need:
             self._read(self._chunk)
         start, stop = self._pos, self._pos + need
-        targets = self._tokens[start:stop].reshape(self._rows, self._seq_len)
+        targets = self._tokens[start:stop].reshape(count, self._seq_len)
         inside = self._starts[np.searchsorted(self._starts, start, side="right"):]
         inside = inside[inside < stop] - start
         starts = np.zeros(need, dtype=bool)
         starts[inside] = True
-        starts = starts.reshape(self._rows, self._seq_len)
+        starts = starts.reshape(count, self._seq_len)
         starts[:, 0] = True  # a row starts a segment, even mid-document
         columns = np.broadcast_to(np.arange(self._seq_len, dtype=np.int32), targets.shape)
         last_start = np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
         self._pos = stop
-        return lm_features({
+        return {
             "targets": targets,
             "segment_ids": np.cumsum(starts, axis=1, dtype=np.int32),
             "positions": (columns - last_start).astype(np.int32),
-        })
+        }
 
 
 def token_chunk_encoder(*, eos_id: int) -> ChunkEncoder:

@@ -135,6 +135,11 @@ class TrainIterator:
         return {"version": _STATE_VERSION, **self._meta, "position": self._stream.get_state()}
 
     def set_state(self, state: dict) -> None:
+        if isinstance(state, dict) and "names" in state and "streams" in state:
+            raise records.DatasetError(
+                f"the checkpoint's data position was saved by a DATA_MIXTURE run of sources "
+                f"{state['names']}; this run reads one source: resume with the same DATA_MIXTURE"
+            )
         if (
             not isinstance(state, dict)
             or state.get("version") != _STATE_VERSION
@@ -315,23 +320,6 @@ class TextData:
     def train_iterator(self) -> TrainIterator:
         """Infinite stream of this process's training rows, reshuffled every epoch from the seed."""
         config = self.config
-        encode = self._encode
-        chunk_encoder = (
-            text_chunk_encoder(encode.tokenizer, eos_id=encode.eos_id)
-            if encode.tokenizer is not None
-            else token_chunk_encoder(eos_id=encode.eos_id)
-        )
-        stream = DocumentStream(
-            source=self._train.source,
-            # This process's records, in file order: the slice is taken before any shuffle.
-            indices=np.arange(self.process_index, len(self._train.source), self.process_count),
-            encode=chunk_encoder,
-            shuffle=config.shuffle,
-            seed=config.seed,
-            seq_len=config.seq_len,
-            rows=self.local_batch_size,
-            packed=config.packed,
-        )
         meta = {
             "split": config.train_split,
             "packed": config.packed,
@@ -342,7 +330,33 @@ class TextData:
             "process_index": self.process_index,
             "process_count": self.process_count,
         }
-        return TrainIterator(stream, meta=meta)
+        return TrainIterator(self.document_stream(), meta=meta)
+
+    @property
+    def eos_id(self) -> int:
+        return self._encode.eos_id
+
+    def document_stream(self) -> DocumentStream:
+        """This process's training documents cut into rows (`local_batch_size` per `next`, any
+        number per `take`): what `train_iterator` wraps, and what a mixture draws each source from."""
+        config = self.config
+        encode = self._encode
+        chunk_encoder = (
+            text_chunk_encoder(encode.tokenizer, eos_id=encode.eos_id)
+            if encode.tokenizer is not None
+            else token_chunk_encoder(eos_id=encode.eos_id)
+        )
+        return DocumentStream(
+            source=self._train.source,
+            # This process's records, in file order: the slice is taken before any shuffle.
+            indices=np.arange(self.process_index, len(self._train.source), self.process_count),
+            encode=chunk_encoder,
+            shuffle=config.shuffle,
+            seed=config.seed,
+            seq_len=config.seq_len,
+            rows=self.local_batch_size,
+            packed=config.packed,
+        )
 
     def num_eval_batches(self) -> int:
         """Global batches that hold the whole eval split once (the same on every process)."""

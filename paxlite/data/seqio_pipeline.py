@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -164,14 +165,16 @@ def _boolq_strings(ds: Any) -> Any:
     return ds.map(to_strings, num_parallel_calls=tf.data.AUTOTUNE)
 
 
-def register_tasks(*, vocab_path: str, tfds_data_dir: str | None) -> None:
+def register_tasks(*, vocab_path: str, tfds_data_dir: str | None,
+                   shuffle_buffer_size: int = TRAIN_SHUFFLE_BUFFER) -> None:
     """(Re)registers the four Pax tasks with this vocabulary and TFDS directory.
 
     SeqIO binds the vocabulary when a task is registered (Pax asserted VOCAB_PATH at import for
     that reason); here a later call replaces the tasks, so the last call's settings always win.
     `tfds_data_dir` becomes SeqIO's global TFDS override, as Pax's `--tfds_data_dir` did (None
     clears a previous override: TFDS's default directory then). The sources are read-only: a
-    missing dataset is an error, never a download.
+    missing dataset is an error, never a download. `shuffle_buffer_size` is the LM tasks' own (what a
+    `seqio.Mixture` of them shuffles with; reading a task directly passes its size anyway).
     """
     seqio, tf = _import_seqio()
     vocab_path = os.path.abspath(os.path.expanduser(vocab_path))
@@ -201,9 +204,9 @@ def register_tasks(*, vocab_path: str, tfds_data_dir: str | None) -> None:
     }
     tasks: dict[str, dict[str, Any]] = {
         THE_PILE_TASK: dict(preprocessors=lm_preprocessors, output_features=lm_features,
-                            shuffle_buffer_size=TRAIN_SHUFFLE_BUFFER),
+                            shuffle_buffer_size=shuffle_buffer_size),
         C4_TASK: dict(preprocessors=lm_preprocessors, output_features=lm_features,
-                      shuffle_buffer_size=TRAIN_SHUFFLE_BUFFER),
+                      shuffle_buffer_size=shuffle_buffer_size),
         LAMBADA_TASK: dict(preprocessors=[seqio.preprocessors.tokenize],
                            output_features=eval_features),
         BOOLQ_TASK: dict(preprocessors=[_boolq_strings, seqio.preprocessors.tokenize],
@@ -221,7 +224,10 @@ class SeqIODataConfig:
     """Which Pax LM task to read and how to cut it into rows.
 
     Attributes:
-        task: 'the_pile_lm' or 'c4_lm_v301_gpt'.
+        task: 'the_pile_lm' or 'c4_lm_v301_gpt'; None when `mixture` is given.
+        mixture: instead of `task` (DATA_MIXTURE): the name of a registered SeqIO mixture or task
+            (e.g. one the experiment's module registers), or ((registered name, weight), ...), which
+            is registered as a `seqio.Mixture` under a name derived from it (`mixture_name`).
         tfds_data_dir: the directory holding the TFDS datasets (Pax's --tfds_data_dir).
         vocab_path: the SentencePiece model (its id 0 is padding and its EOS must be > 0, as SeqIO
             assumes).
@@ -234,7 +240,7 @@ class SeqIODataConfig:
         shuffle_buffer_size: examples in the training shuffle buffer (Pax: 100,000).
     """
 
-    task: str
+    task: str | None
     tfds_data_dir: str
     vocab_path: str
     vocab_size: int
@@ -244,9 +250,16 @@ class SeqIODataConfig:
     train_split: str = "train"
     eval_split: str | None = "validation"
     shuffle_buffer_size: int = TRAIN_SHUFFLE_BUFFER
+    mixture: str | tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self):
-        if self.task not in LM_TASKS:
+        if (self.task is None) == (self.mixture is None):
+            raise ValueError(f"give exactly one of task={self.task!r} and mixture={self.mixture!r}")
+        if isinstance(self.mixture, list | tuple):
+            object.__setattr__(self, "mixture", tuple((str(n), float(w)) for n, w in self.mixture))
+            if not self.mixture or any(not math.isfinite(w) or w <= 0 for _, w in self.mixture):
+                raise ValueError(f"a SeqIO mixture needs (name, weight > 0) pairs, got {self.mixture}")
+        if self.task is not None and self.task not in LM_TASKS:
             close = difflib.get_close_matches(self.task, LM_TASKS + (LAMBADA_TASK, BOOLQ_TASK), n=1)
             hint = f"; did you mean {close[0]!r}?" if close and close[0] in LM_TASKS else ""
             eval_only = (
@@ -363,6 +376,36 @@ class SeqIOTrainIterator:
         self._numpy = None  # rebuilt, and the consumed batches skipped, on the next batch
 
 
+def mixture_name(mixture: str | tuple[tuple[str, float], ...]) -> str:
+    """The SeqIO name a DATA_MIXTURE reads: the name itself, or for (name, weight) pairs a derived
+    `paxlite_mixture_<12 hex digits of their sha256>` (the same pairs, the same name)."""
+    if isinstance(mixture, str):
+        return mixture
+    digest = hashlib.sha256(json.dumps([list(pair) for pair in mixture]).encode()).hexdigest()[:12]
+    return f"paxlite_mixture_{digest}"
+
+
+def resolve_mixture(mixture: str | tuple[tuple[str, float], ...]) -> str:
+    """Checks every name DATA_MIXTURE uses is a registered SeqIO task or mixture (one error listing
+    what is registered, with the closest names), registers the pairs form as a `seqio.Mixture`, and
+    returns the name to read."""
+    seqio, _ = _import_seqio()
+    registered = sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
+    for name in [mixture] if isinstance(mixture, str) else [n for n, _ in mixture]:
+        if name not in registered:
+            close = difflib.get_close_matches(name, registered, n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise DatasetError(
+                f"DATA_MIXTURE names {name!r}, which is no registered SeqIO task or mixture{hint} "
+                f"(registered: {registered}; register yours in the experiment's module)")
+    name = mixture_name(mixture)
+    if not isinstance(mixture, str):
+        if name in seqio.MixtureRegistry.names():
+            seqio.MixtureRegistry.remove(name)
+        seqio.MixtureRegistry.add(name, list(mixture))
+    return name
+
+
 class SeqIOData:
     """Host-side batches of a Pax SeqIO LM task for one process.
 
@@ -394,15 +437,16 @@ class SeqIOData:
         tfds_data_dir = os.path.abspath(os.path.expanduser(config.tfds_data_dir))
         if not os.path.isdir(tfds_data_dir):
             raise DatasetError(f"TFDS data directory {tfds_data_dir!r} does not exist")
-        source = _SOURCES[config.task]
-        info = _read_dataset_info(source, tfds_data_dir)
-        splits = sorted(split["name"] for split in info.get("splits", []))
-        for split in (config.train_split, config.eval_split):
-            if split is not None and split not in splits:
-                raise DatasetError(
-                    f"TFDS dataset {source.tfds_name} in {tfds_data_dir!r} has no split {split!r}; "
-                    f"it has {splits}"
-                )
+        if config.task is not None:  # a mixture's tasks read what their registrations say
+            source = _SOURCES[config.task]
+            info = _read_dataset_info(source, tfds_data_dir)
+            splits = sorted(split["name"] for split in info.get("splits", []))
+            for split in (config.train_split, config.eval_split):
+                if split is not None and split not in splits:
+                    raise DatasetError(
+                        f"TFDS dataset {source.tfds_name} in {tfds_data_dir!r} has no split {split!r}; "
+                        f"it has {splits}"
+                    )
         vocab_path = os.path.abspath(os.path.expanduser(config.vocab_path))
         if not os.path.isfile(vocab_path):
             raise tokenizer_lib.VocabError(f"tokenizer file {vocab_path!r} does not exist")
@@ -413,7 +457,9 @@ class SeqIOData:
                 f"tokenizer {tokenizer.path} has eos_id {tokenizer.eos_id}; SeqIO needs an EOS id "
                 "> 0 (id 0 is its padding)"
             )
-        register_tasks(vocab_path=tokenizer.path, tfds_data_dir=tfds_data_dir)
+        register_tasks(vocab_path=tokenizer.path, tfds_data_dir=tfds_data_dir,
+                       shuffle_buffer_size=config.shuffle_buffer_size)
+        self._name = config.task if config.mixture is None else resolve_mixture(config.mixture)
         self._lengths = {"targets": config.seq_len}
 
     def _dataset(self, *, split: str, shard_index: int, train: bool) -> Any:
@@ -421,12 +467,16 @@ class SeqIOData:
         unshuffled, unpacked, one pass, last batch short for evaluation."""
         seqio, _ = _import_seqio()
         config = self.config
-        ds = seqio.get_mixture_or_task(config.task).get_dataset(
+        provider = seqio.get_mixture_or_task(self._name)
+        # A seqio.Mixture shuffles each task with that task's own buffer (it takes no size).
+        buffer = {} if isinstance(provider, seqio.Mixture) else {
+            "shuffle_buffer_size": config.shuffle_buffer_size if train else None}
+        ds = provider.get_dataset(
             self._lengths,
             split=split,
             use_cached=False,
             shuffle=train,
-            shuffle_buffer_size=config.shuffle_buffer_size if train else None,
+            **buffer,
             seed=config.seed if train else None,
             shard_info=seqio.ShardInfo(index=shard_index, num_shards=self.process_count),
             num_epochs=None if train else 1,
@@ -440,7 +490,7 @@ class SeqIOData:
         make = functools.partial(
             self._dataset, split=config.train_split, shard_index=self.process_index, train=True
         )
-        meta = {"task": config.task, "seed": config.seed, "seq_len": config.seq_len,
+        meta = {"task": self._name, "seed": config.seed, "seq_len": config.seq_len,
                 "packed": config.packed, "global_batch_size": self.global_batch_size,
                 "process_index": self.process_index, "process_count": self.process_count}
         return SeqIOTrainIterator(make, meta=meta)

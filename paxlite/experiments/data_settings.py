@@ -8,14 +8,21 @@ evaluation tasks, each with the one-line error a missing path deserves. A mixin 
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 
 import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
+from paxlite.data.errors import DatasetError
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
+from paxlite.data.mixture import MixtureDataConfig, MixtureSource
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
+
+_MIXTURE_FORM = ('a list of [source, weight] pairs, e.g. --fdl.DATA_MIXTURE=\'[["/data/pile", 0.7], '
+                 '["/data/code", 0.3]]\' (each source a prepared directory or a TFDS name[/config]:version)')
 
 
 class DataSettings:
@@ -83,6 +90,8 @@ class DataSettings:
             )
         if self.TRAIN_TASK == "boolq":
             return self.boolq_train_config()
+        if self.DATA_MIXTURE is not None:
+            return self.mixture_config()
         tfds_dir = None if self.DATA_DIR else self.tfds_data_dir()
         if self.DATA_DIR is None and tfds_dir is None and self.EVAL_TASK != "validation":
             return None  # evaluation-only; training without data is refused when it starts
@@ -128,3 +137,144 @@ class DataSettings:
             packed=self.PACKED_INPUT,
             seed=self.SEED,
         )
+
+    def mixture_config(self):
+        """DATA_MIXTURE: the grain path's weighted sources (data/mixture.py), or a SeqIO mixture or task.
+
+        Everything checkable from the file system is checked here, each in one line: the form of the
+        list, the weights, every source's directory and manifest, and that they share one tokenizer.
+        """
+        if self.DATA_DIR is not None:
+            raise ConfigError(f"DATA_MIXTURE and DATA_DIR={self.DATA_DIR!r} are both set: DATA_DIR is the "
+                              "one-source form of DATA_MIXTURE; drop one of them")
+        if isinstance(self.DATA_MIXTURE, str) and self.DATA_MIXTURE.lstrip().startswith(("[", "(")):
+            # a list the parser could not read as [[source, weight], ...] arrives as its text
+            raise ConfigError(f"DATA_MIXTURE={self.DATA_MIXTURE} is not a list of [source, weight] pairs: it "
+                              f"must be {_MIXTURE_FORM}")
+        if self.INPUT_PIPELINE == "seqio":
+            return self.seqio_mixture_config()
+        if isinstance(self.DATA_MIXTURE, str):
+            raise ConfigError(f"DATA_MIXTURE={self.DATA_MIXTURE!r} names a SeqIO mixture, which needs "
+                              f"--fdl.INPUT_PIPELINE=seqio; on the default input pipeline it is {_MIXTURE_FORM}")
+        pairs = _mixture_pairs(self.DATA_MIXTURE)
+        sources = [self._mixture_source(source) for source, _ in pairs]
+        _check_one_tokenizer(sources, vocab_path=self.vocab_path())
+        names = _unique_names([name for name, _, _ in sources])
+        return fdl.Config(MixtureDataConfig, reweight=self.DATA_MIXTURE_REWEIGHT, sources=[
+            fdl.Config(MixtureSource, name=name, weight=float(weight), data=fdl.Config(
+                TextDataConfig, data_dir=data_dir, tfds_name=tfds_name, vocab_path=self.vocab_path(),
+                vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, packed=self.PACKED_INPUT, seed=self.SEED))
+            for name, (_, weight), (_, data_dir, tfds_name) in zip(names, pairs, sources, strict=True)])
+
+    def _mixture_source(self, source: str) -> tuple[str, str, str | None]:
+        """(base name, data directory, TFDS name or None) of one DATA_MIXTURE source: an existing path
+        is a prepared directory (its manifest read now); else `name[/config]:version` under
+        TFDS_DATA_DIR."""
+        from paxlite.data import records, tfds_datasets
+
+        path = os.path.abspath(os.path.expanduser(source))
+        if os.path.exists(path) or ":" not in source:
+            try:
+                records.read_info(path)
+            except DatasetError as e:
+                raise ConfigError(f"DATA_MIXTURE source {source!r}: {e}") from None
+            return os.path.basename(path.rstrip(os.sep)), path, None
+        tfds_dir = self.tfds_data_dir()
+        try:
+            spec = tfds_datasets.TfdsName.parse(source)
+            if tfds_dir is None:
+                raise DatasetError("it is read from TFDS_DATA_DIR, which is not set (--tfds_data_dir=DIR)")
+            tfds_datasets.check_prepared(spec, os.path.abspath(os.path.expanduser(tfds_dir)))
+        except DatasetError as e:
+            raise ConfigError(f"DATA_MIXTURE source {source!r} is neither an existing directory nor a "
+                              f"prepared TFDS dataset: {e}") from None
+        if self.vocab_path() is None:
+            raise ConfigError(f"DATA_MIXTURE source {source!r} holds raw text: set --fdl.VOCAB_PATH (or the "
+                              "VOCAB_PATH environment variable) to the SentencePiece model that tokenises it")
+        return spec.name.replace("/", "_") + (f"_{spec.config}" if spec.config else ""), tfds_dir, str(spec)
+
+    def seqio_mixture_config(self):
+        """A SeqIO mixture or task by its registered name, or [[registered name, weight], ...] mixed
+        by SeqIO under a derived name; the names are checked when the data is opened, after Pax's
+        tasks are registered (data/seqio_pipeline.py)."""
+        from paxlite.data.seqio_pipeline import SeqIODataConfig
+
+        if self.vocab_path() is None:
+            raise ConfigError("INPUT_PIPELINE=seqio needs a tokenizer: --fdl.VOCAB_PATH or the VOCAB_PATH "
+                              "environment variable")
+        tfds_dir = self.tfds_data_dir()
+        if tfds_dir is None:
+            raise ConfigError("INPUT_PIPELINE=seqio reads TFDS datasets: give --tfds_data_dir")
+        if isinstance(self.DATA_MIXTURE, str):
+            mixture = self.DATA_MIXTURE
+        else:
+            pairs = _mixture_pairs(self.DATA_MIXTURE, form="a list of [registered SeqIO task or mixture, weight] "
+                                   "pairs, or the name of a registered SeqIO mixture")
+            mixture = tuple((name, float(weight)) for name, weight in pairs)
+        return fdl.Config(SeqIODataConfig, task=None, mixture=mixture, tfds_data_dir=tfds_dir,
+                          vocab_path=self.vocab_path(), vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN,
+                          packed=self.PACKED_INPUT, seed=self.SEED)
+
+
+def _mixture_pairs(value, *, form: str = _MIXTURE_FORM) -> list[tuple[str, float]]:
+    """DATA_MIXTURE's [source, weight] pairs, each weight a finite number > 0, no source twice."""
+    if not isinstance(value, list | tuple) or not value:
+        raise ConfigError(f"DATA_MIXTURE={value!r} must be {form}" + (" (it is empty)" if value == [] else ""))
+    pairs = []
+    for item in value:
+        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ConfigError(f"DATA_MIXTURE entry {item!r} is not a [source, weight] pair: DATA_MIXTURE must be {form}")
+        source, weight = item
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
+            raise ConfigError(f"DATA_MIXTURE source {source!r} has weight {weight!r}: weights must be numbers > 0 "
+                              "(they are normalised to sum to 1)")
+        pairs.append((source, weight))
+    seen: dict[str, str] = {}
+    for source, _ in pairs:
+        key = os.path.abspath(os.path.expanduser(source)) if os.path.exists(os.path.expanduser(source)) else source
+        if key in seen:
+            raise ConfigError(f"DATA_MIXTURE lists the same source twice ({seen[key]!r} and {source!r}): give each "
+                              "source once, with the sum of its weights")
+        seen[key] = source
+    return pairs
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    """Metric names of the sources: each base name, a repeat suffixed _2, _3, ... in list order."""
+    out: list[str] = []
+    for name in names:
+        unique, n = name, 1
+        while unique in out or unique == "eval":  # "eval/loss" is the pooled metric's own key
+            n += 1
+            unique = f"{name}_{n}"
+        out.append(unique)
+    return out
+
+
+def _check_one_tokenizer(sources: list[tuple[str, str, str | None]], *, vocab_path: str | None) -> None:
+    """Pre-tokenised sources' manifests agree on the tokenizer's sha256, and with VOCAB_PATH when it is
+    given; raw-text sources need VOCAB_PATH."""
+    from paxlite.data import records
+
+    want = None  # (who, sha256)
+    if vocab_path is not None:
+        path = os.path.abspath(os.path.expanduser(vocab_path))
+        if not os.path.isfile(path):
+            raise ConfigError(f"VOCAB_PATH {vocab_path!r} does not exist")
+        with open(path, "rb") as f:
+            want = (f"VOCAB_PATH {vocab_path!r}", hashlib.sha256(f.read()).hexdigest())
+    for _, data_dir, tfds_name in sources:
+        if tfds_name is not None:
+            continue
+        info = records.read_info(data_dir)
+        if info.kind != records.Kind.TOKENS.value:
+            if vocab_path is None:
+                raise ConfigError(f"DATA_MIXTURE source {data_dir!r} holds raw text: set --fdl.VOCAB_PATH (or the "
+                                  "VOCAB_PATH environment variable) to the SentencePiece model that tokenises it")
+            continue
+        sha = (info.tokenizer or {}).get("sha256")
+        if want is None:
+            want = (f"source {data_dir!r}", sha)
+        elif sha != want[1]:
+            raise ConfigError(f"DATA_MIXTURE sources must share one tokenizer: {want[0]} has sha256 {want[1]} but "
+                              f"source {data_dir!r} was tokenised with sha256 {sha}")

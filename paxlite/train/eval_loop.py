@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from paxlite.data.errors import DatasetError
-from paxlite.data.feed import Feed, prefetch_eval_batches
+from paxlite.data.feed import Feed, eval_sources, prefetch_eval_batches
 from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
 from paxlite.train import device_metrics
@@ -41,9 +41,28 @@ class Evaluator:
         """Eval metrics over `num_batches` batches of `data` (built ahead by a producer thread);
         the sums are accumulated on the device and read once, with the per-example scores.
 
+        A mixture (data/mixture.py) is evaluated source by source, `num_batches` batches of each
+        source with a validation split through the same compiled step: `<source>/loss` etc. per
+        source, and the plain `loss` etc. pooled over all of their tokens.
+
         The host runs at most `steps_ahead` batches ahead of the device, and `watchdog` is told of
         each batch computed: a long evaluation is progress, not a hang. The first batch of a run
         compiles, which the watchdog does not time."""
+        sources = eval_sources(data)
+        if not sources:
+            sums, per_example = self._sums(state, data, watchdog=watchdog)
+            return _metrics(sums, per_example, prefix=data.metric_prefix)
+        metrics: dict[str, float] = {}
+        pooled: dict[str, float] = {}
+        for name, feed in sources.items():
+            sums, _ = self._sums(state, feed, watchdog=watchdog)
+            metrics.update({f"{name}/{key}": value for key, value in _metrics(sums, {}).items()})
+            pooled = {key: pooled.get(key, 0.0) + value for key, value in sums.items()}
+        return {**_metrics(pooled, {}), **metrics}
+
+    def _sums(self, state: TrainState, data: Feed, *,
+              watchdog: Watchdog | None) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """(the eval sums, the per-example scores) of `num_batches` batches of `data`."""
         totals = device_metrics.eval_totals_init()
         per_example: dict[str, list[jax.Array]] = {"correct": [], "targets": [], "weights": [], "choice": []}
         dispatched: collections.deque[dict] = collections.deque()  # totals of batches maybe not computed
@@ -71,25 +90,30 @@ class Evaluator:
                 if "choice_correct" in out:  # a two-way choice per example (BoolQ)
                     per_example["choice"].append(out["choice_correct"])
             host_totals, per_example = jax.device_get((totals, per_example))
-        sums = device_metrics.eval_totals_value(host_totals)
-        if sums["target_tokens"] == 0:
-            raise DatasetError("the evaluation data has no weighted tokens; nothing to evaluate")
-        loss = sums["loss_sum"] / sums["target_tokens"]
-        metrics = {
-            "loss": loss,
-            "accuracy": sums["correct_tokens"] / sums["target_tokens"],
-            "log_pplx": loss,
-            "num_tokens": sums["target_tokens"],
-        }
-        if per_example["choice"]:  # Pax's boolq_acc: the right answer's logit beats the other's
-            metrics[f"{data.metric_prefix}acc"] = boolq_acc(
-                choice_correct=np.concatenate(per_example["choice"]),
-                example_weights=np.concatenate(per_example["weights"]),
-            )
-        elif per_example["weights"]:
-            metrics[f"{data.metric_prefix}acc_strict"] = acc_strict(
-                correct_tokens=np.concatenate(per_example["correct"]),
-                target_tokens=np.concatenate(per_example["targets"]),
-                example_weights=np.concatenate(per_example["weights"]),
-            )
-        return metrics
+        return device_metrics.eval_totals_value(host_totals), per_example
+
+
+def _metrics(sums: dict[str, float], per_example: dict, *, prefix: str = "") -> dict[str, float]:
+    """loss, accuracy, log_pplx and num_tokens from the sums; a task's score from the per-example
+    scores where there are any."""
+    if sums["target_tokens"] == 0:
+        raise DatasetError("the evaluation data has no weighted tokens; nothing to evaluate")
+    loss = sums["loss_sum"] / sums["target_tokens"]
+    metrics = {
+        "loss": loss,
+        "accuracy": sums["correct_tokens"] / sums["target_tokens"],
+        "log_pplx": loss,
+        "num_tokens": sums["target_tokens"],
+    }
+    if per_example.get("choice"):  # Pax's boolq_acc: the right answer's logit beats the other's
+        metrics[f"{prefix}acc"] = boolq_acc(
+            choice_correct=np.concatenate(per_example["choice"]),
+            example_weights=np.concatenate(per_example["weights"]),
+        )
+    elif per_example.get("weights"):
+        metrics[f"{prefix}acc_strict"] = acc_strict(
+            correct_tokens=np.concatenate(per_example["correct"]),
+            target_tokens=np.concatenate(per_example["targets"]),
+            example_weights=np.concatenate(per_example["weights"]),
+        )
+    return metrics

@@ -24,7 +24,7 @@ from flax import traverse_util
 
 from paxlite.data.context_order import check_seq_divides
 from paxlite.data.errors import DatasetError
-from paxlite.data.feed import make_feed, prefetch_train_batches
+from paxlite.data.feed import make_feed, mixture_summaries, prefetch_train_batches
 from paxlite.data.feeding import plan_feeding
 from paxlite.errors import NotFoundError, RunStoppedError
 from paxlite.models.lora import is_lora_path
@@ -37,6 +37,7 @@ from paxlite.train import flops as flops_lib
 from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.eval_loop import Evaluator
 from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
+from paxlite.train.lm_eval_hook import LmEvalScorer
 from paxlite.train.metrics import MetricsWriter
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.preemption import Preemption
@@ -123,6 +124,10 @@ class Run:
             logging.warning("The training data has no validation split (prepare "
                             "--validation_fraction 0?): training without evaluation")
             self.eval_data = None
+        # LM_EVAL_TASKS: the eval extra, the tokenizer and every task name are checked now
+        self.lm_eval = None if config.lm_eval is None else LmEvalScorer(
+            config.lm_eval, model_config=config.model, mesh=self.mesh,
+            batch_size=self.global_batch_size, max_steps=config.loop.max_steps)
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
         deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
@@ -296,6 +301,10 @@ class Run:
         step, state = restored
         metrics = self.evaluate(state)
         self.writer.write_eval(step, metrics)
+        if self.lm_eval is not None:
+            scores = self.lm_eval.score(state.params)
+            self.writer.write_lm_eval(step, scores)
+            metrics = {**metrics, **scores}
         return metrics
 
     # ---------------------------------------------------------------- train
@@ -386,10 +395,15 @@ class Run:
                     elapsed = time.perf_counter() - timer_start
                     step_time = elapsed / timer_steps if timer_steps else None
                     wait_fraction = input_wait / elapsed if timer_steps and elapsed > 0 else None
-                    self._write_train(step, host, step_time, wait_fraction)
+                    # a mixture's data/mixture/<source>: its token share of the consumed batches
+                    self._write_train(step, host, step_time, wait_fraction,
+                                      extra=mixture_summaries(self.data, position))
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
                     self.writer.write_eval(step, self.evaluate(state, watchdog=watchdog))
+                if self.lm_eval is not None and self.lm_eval.due(step):
+                    with watchdog.compiling():  # scoring compiles programs of its own: not a step
+                        self.writer.write_lm_eval(step, self.lm_eval.score(state.params))
                 last = step == loop.max_steps or stop
                 saved = False
                 if self.checkpointer.should_save(step) or last:
@@ -441,7 +455,7 @@ class Run:
             )
 
     def _write_train(self, step: int, host: dict[str, float], step_time: float | None,
-                     input_wait_fraction: float | None = None) -> None:
+                     input_wait_fraction: float | None = None, *, extra: dict[str, float] | None = None) -> None:
         tokens_per_s = self.tokens_per_step / step_time if step_time else None
         mfu = None
         if tokens_per_s is not None:
@@ -465,6 +479,7 @@ class Run:
                 "input_wait_fraction": input_wait_fraction,
                 # what the model summarised (MoE: moe/aux_loss, moe/dropped_fraction, ...)
                 **{k: v for k, v in host.items() if "/" in k},
+                **(extra or {}),
             },
         )
 

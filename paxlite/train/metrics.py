@@ -170,6 +170,22 @@ class MetricsWriter:
         )
         logging.info("eval at step %d | %s", step, shown)
 
+    def write_lm_eval(self, step: int, metrics: Mapping[str, float | None]) -> None:
+        """Records lm-evaluation-harness scores, keyed ``lm_eval/<task>/<metric>`` in the jsonl and
+        ``<task>/<metric>`` in TensorBoard's summaries/lm_eval."""
+        if not self._enabled or not metrics:
+            return
+        self._check_keys(metrics)
+        prefix = "lm_eval/"
+        for key in metrics:
+            if not key.startswith(prefix):
+                raise ValueError(f"lm_eval metric {key!r} lacks the {prefix!r} prefix")
+        self._append_json(step, dict(metrics))
+        self._write_scalars("lm_eval", step, {k[len(prefix):]: v for k, v in metrics.items()})
+        logging.info("lm_eval at step %d | %s", step, ", ".join(
+            f"{k[len(prefix):]} {'n/a' if (v := _json_value(val)) is None else f'{v:.4g}'}"
+            for k, val in metrics.items()))
+
     def close(self) -> None:
         """Flushes and closes every file; safe to call twice."""
         if self._jsonl is not None:
