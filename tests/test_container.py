@@ -90,9 +90,10 @@ def test_install_keeps_the_images_jax_and_uses_our_constraints(dockerfile):
     target = argv[-1]
     path, extras = re.fullmatch(r"(/[\w/]+)\[([\w,]+)\]", target).groups()
     assert path == _all(dockerfile, "WORKDIR")[0] and argv[argv.index(path + f"[{extras}]") - 1] == "-e"
-    # seqio from setup.cfg; not `gpu` (jax[cuda12]): the image's CUDA JAX is what that extra provides
-    assert set(extras.split(",")) == {"seqio"}
+    # seqio and eval from setup.cfg; not `gpu` (jax[cuda12]): the image's CUDA JAX is what that extra provides
+    assert set(extras.split(",")) == {"seqio", "eval"}
     assert re.search(r"^seqio =", (ROOT / "setup.cfg").read_text(), re.MULTILINE)
+    assert re.search(r"^eval =\n    lm_eval", (ROOT / "setup.cfg").read_text(), re.MULTILINE)
     assert re.search(r"^gpu =\n    jax\[cuda12\]", (ROOT / "setup.cfg").read_text(), re.MULTILINE)
 
 
