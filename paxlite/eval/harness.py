@@ -30,7 +30,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from paxlite.errors import SettingError
-from paxlite.models.decode import decoding_config, generate
+from paxlite.models.decode import decoding_config, generate, named_sharding
 from paxlite.models.transformer import Transformer, TransformerConfig
 from paxlite.parallel.mesh import BATCH_AXES
 from paxlite.parallel.multihost import decided_by_process_0
@@ -70,19 +70,6 @@ def scoring_config(config: TransformerConfig) -> TransformerConfig:
     if getattr(config, "pipeline", None) is not None:
         changes["pipeline"] = None
     return dataclasses.replace(config, **changes) if changes else config
-
-
-def _sharding(mesh, rules: Sequence, *logical: str | None) -> NamedSharding:
-    """The NamedSharding of logical axes; mesh axes a rule names that `mesh` lacks are left out."""
-    def present(entry):
-        if entry is None:
-            return None
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry)
-                     if a in mesh.axis_names)
-        return kept or None
-
-    mesh_axes = nn.logical_to_mesh_axes(PartitionSpec(*logical), rules)
-    return NamedSharding(mesh, PartitionSpec(*(present(e) for e in mesh_axes)))
 
 
 class ModelRunner:
@@ -213,7 +200,8 @@ class ModelRunner:
         token batches (each process places only its own devices' parts)."""
         if self.mesh is None:
             return jnp.asarray(value)
-        sharding = _sharding(self.mesh, self.rules, "activation_batch", "activation_length")
+        sharding = named_sharding(self.mesh, PartitionSpec("activation_batch", "activation_length"),
+                                  self.rules)
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
     def _make_score_fn(self):

@@ -129,11 +129,11 @@ def cache_shardings(model: Transformer, *, mesh: Mesh, rules: Sequence, max_len:
     batch over the batch axes and the heads as it shards training's k/v activations)."""
     shapes = _cache_shapes(model, batch=1, max_len=max_len)
     specs = cache_logical_axes(model.config, shapes)
-    return jax.tree.map(lambda spec: _named(mesh, spec, rules), specs,
+    return jax.tree.map(lambda spec: named_sharding(mesh, spec, rules), specs,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def _named(mesh: Mesh, logical: PartitionSpec, rules: Sequence) -> NamedSharding:
+def named_sharding(mesh: Mesh, logical: PartitionSpec, rules: Sequence) -> NamedSharding:
     """The NamedSharding of logical axes; mesh axes a rule names that `mesh` lacks (a hand-made
     mesh without "expert") are left out, as a size-1 axis would be."""
     def present(entry):
@@ -244,8 +244,8 @@ def _make_steps(model: Transformer, sampling: SamplingConfig, max_len: int,
         prefill=jax.jit(prefill, donate_argnums=(1,), out_shardings=out),
         step=jax.jit(step, donate_argnums=(1,), out_shardings=out),
         cache=cache,
-        tokens=_named(mesh, PartitionSpec("activation_batch", "activation_length"), rules),
-        rows=_named(mesh, PartitionSpec("activation_batch"), rules),
+        tokens=named_sharding(mesh, PartitionSpec("activation_batch", "activation_length"), rules),
+        rows=named_sharding(mesh, PartitionSpec("activation_batch"), rules),
         replicated=replicated)
 
 
