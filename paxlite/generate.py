@@ -1,6 +1,7 @@
 """`python -m paxlite generate`: text (or token ids) from a trained job or any paxlite checkpoint.
 
-    python -m paxlite generate --job_log_dir=DIR | --checkpoint=PATH [--fdl_config=NAME --fdl.X=V]
+    python -m paxlite generate --job_log_dir=DIR | --checkpoint=PATH | --fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH
+        [--fdl_config=NAME --fdl.X=V]
         --prompt=TEXT ... | --prompt_file=F | --prompt_ids=1,2,3 ...
         [--max_new_tokens=N --temperature=T --top_k=K --top_p=P --seed=S --format=text|json]
         [--add_bos=auto|true|false]

@@ -80,9 +80,26 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_one_source(args: argparse.Namespace) -> None:
-    if (args.job_log_dir is None) == (args.checkpoint is None):
-        raise SettingError("give exactly one of --job_log_dir=DIR and --checkpoint=PATH"
-                           + ("" if args.job_log_dir is None else ", not both"))
+    """One of --job_log_dir and --checkpoint, or neither with --fdl_config (whose
+    CHECKPOINT_RESTORE_PATH, checked by resolve_model, names the parameters)."""
+    if args.job_log_dir is not None and args.checkpoint is not None:
+        raise SettingError("give exactly one of --job_log_dir=DIR and --checkpoint=PATH, not both")
+    if args.job_log_dir is None and args.checkpoint is None and not args.fdl_config:
+        raise SettingError("give exactly one of --job_log_dir=DIR and --checkpoint=PATH (or "
+                           "--fdl_config=NAME with --fdl.CHECKPOINT_RESTORE_PATH=PATH)")
+
+
+def _restore_path_experiment(args: argparse.Namespace, assignments: Sequence[str]):
+    """(the experiment, its CHECKPOINT_RESTORE_PATH) when neither --job_log_dir nor --checkpoint
+    is given: the model is --fdl_config's and its parameters come from that path."""
+    from paxlite.experiments.build import load_experiment
+
+    experiment = load_experiment(args.fdl_config, assignments)
+    if experiment.CHECKPOINT_RESTORE_PATH is None:
+        raise SettingError(
+            f"--fdl_config={args.fdl_config} alone names no parameters: add "
+            "--fdl.CHECKPOINT_RESTORE_PATH=PATH, or give --job_log_dir=DIR or --checkpoint=PATH")
+    return experiment, experiment.CHECKPOINT_RESTORE_PATH
 
 
 def resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> ModelSource:
@@ -94,15 +111,21 @@ def resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> Model
     from paxlite.train.pretrained import find_checkpoint, load_model_config
 
     path = args.job_log_dir or args.checkpoint
-    _, step_dir = find_checkpoint(path)
-    record = export.find_job_config(path)
+    if path is not None and any(a.startswith("CHECKPOINT_RESTORE_PATH=") for a in assignments):
+        raise SettingError("--fdl.CHECKPOINT_RESTORE_PATH and --job_log_dir / --checkpoint both name "
+                           "the parameters: give one of them")
     experiment = None
+    if path is None:
+        experiment, path = _restore_path_experiment(args, assignments)
+        source = f"--fdl_config={args.fdl_config} (CHECKPOINT_RESTORE_PATH={path})"
+    _, step_dir = find_checkpoint(path)
+    record = None if experiment is not None else export.find_job_config(path)
     if record is not None:
         name, overrides = export.job_config_record(path)
         experiment = load_recorded_experiment(name, overrides, assignments, source=str(record),
                                               fdl_config=args.fdl_config)
         source = str(record)
-    elif args.fdl_config:
+    elif experiment is None and args.fdl_config:
         experiment = load_experiment(args.fdl_config, assignments)
         source = f"--fdl_config={args.fdl_config}"
     if experiment is not None:

@@ -113,11 +113,27 @@ def test_text_prompts_with_a_tokenizer_and_seeded_sampling(job, vocab, capsys):
      "--add_bos=true applies to text prompts; --prompt_ids are used as given"),
     (["--job_log_dir={job}", "--prompt_ids=1", "--multiprocess_gpu"],
      "--multiprocess_gpu needs --server_addr"),
+    (["--fdl_config=TinySynthetic", "--prompt_ids=1"],
+     "--fdl_config=TinySynthetic alone names no parameters: add --fdl.CHECKPOINT_RESTORE_PATH=PATH"),
+    (["--job_log_dir={job}", "--fdl.CHECKPOINT_RESTORE_PATH={job}", "--prompt_ids=1"],
+     "--fdl.CHECKPOINT_RESTORE_PATH and --job_log_dir / --checkpoint both name the parameters"),
 ])
 def test_bad_input_is_one_line_and_exit_2(job, capsys, flags, message):
     assert main(["generate", *[f.format(job=job) for f in flags]]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_fdl_config_with_checkpoint_restore_path_reads_the_jobs_parameters(job, capsys):
+    """--fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH (as a training run restores) decodes what
+    --job_log_dir decodes from the same checkpoint."""
+    flags = ["--prompt_ids=3,1,4", "--max_new_tokens=3", "--format=json"]
+    outputs = []
+    for source in ([f"--job_log_dir={job}"],
+                   ["--fdl_config=TinySynthetic", f"--fdl.CHECKPOINT_RESTORE_PATH={job}/checkpoints"]):
+        assert main(["generate", *source, *flags]) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["ids"])
+    assert outputs[0] == outputs[1] == _greedy_reference(job, [3, 1, 4], 3)
 
 
 @pytest.mark.parametrize("fdl_config, adds", [
