@@ -123,7 +123,8 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     params = restore_params(model, mesh)
     runner = ModelRunner(model_config=model.config, params=params, mesh=mesh,
                          batch_size=args.batch_size, vocab_limit=tokenizer.vocab_size,
-                         eos_id=tokenizer.eos_id if tokenizer.eos_id >= 0 else None)
+                         eos_id=tokenizer.eos_id if tokenizer.eos_id >= 0 else None,
+                         decode=tokenizer.decode)
     results = evaluate(runner=runner, tokenizer=tokenizer, bos_id=bos, tasks=tasks,
                        num_fewshot=args.num_fewshot, limit=_limit(args.limit),
                        include_path=args.include_path, log_samples=args.log_samples,

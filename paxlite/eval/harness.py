@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -81,7 +81,8 @@ class ModelRunner:
 
     def __init__(self, *, model_config: TransformerConfig, params: PyTree, mesh=None,
                  rules: Sequence | None = None, batch_size: int = 8,
-                 vocab_limit: int | None = None, eos_id: int | None = None):
+                 vocab_limit: int | None = None, eos_id: int | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
         if batch_size < 1:
             raise SettingError(f"--batch_size={batch_size} must be at least 1")
         self.config = scoring_config(model_config)
@@ -95,6 +96,7 @@ class ModelRunner:
         self.batch_size = -(-batch_size // split) * split  # rounded up to a multiple of the split
         self.vocab_limit = vocab_limit
         self.eos_id = eos_id
+        self.decode = decode  # ids -> text, for `until` strings; the same on every process
         self._score_fn = self._make_score_fn()
         self.compiled_shapes: set[tuple[int, int]] = set()  # (rows, bucket) scored so far
 
@@ -119,16 +121,20 @@ class ModelRunner:
                 out[i] = scored
         return out  # type: ignore[return-value]
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuations (KV-cache decoding), each ending at the EOS id if it comes; in
-        batches of `batch_size`, longest prompts first; the results in the order given."""
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 until: Sequence[str] = ()) -> list[list[int]]:
+        """Greedy continuations (KV-cache decoding), each ending at the EOS id if it comes, or
+        once its text holds one of `until` (with `decode`); in batches of `batch_size`, longest
+        prompts first; the results in the order given. Prompts are left-padded to a length bucket
+        (powers of two), so a task compiles one program per bucket, not one per prompt length."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[list[int] | None] = [None] * len(prompts)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             ids = self._exchange({"request": Request.GENERATE.value,
                                   "prompts": [[int(t) for t in prompts[i]] for i in chunk],
-                                  "max_new_tokens": int(max_new_tokens)})
+                                  "max_new_tokens": int(max_new_tokens),
+                                  "until": [str(u) for u in until]})
             for i, row in zip(chunk, ids, strict=True):
                 out[i] = row
         return out  # type: ignore[return-value]
@@ -160,10 +166,22 @@ class ModelRunner:
             if message["request"] == Request.SCORE.value:
                 return self._score(message["rows"], message["n"])
             if message["request"] == Request.GENERATE.value:
+                new = message["max_new_tokens"]
+                longest = max(len(p) for p in message["prompts"])
                 return generate(self.config, self.params, message["prompts"],
-                                max_new_tokens=message["max_new_tokens"], eos_id=self.eos_id,
-                                vocab_limit=self.vocab_limit, batch_multiple=self.batch_multiple)
+                                max_new_tokens=new, eos_id=self.eos_id,
+                                vocab_limit=self.vocab_limit, batch_multiple=self.batch_multiple,
+                                prompt_length=length_bucket(longest, max_len=self.max_len - new),
+                                stop=self._stop(message.get("until", ())))
         raise ValueError(f"unknown harness request {message['request']!r}")
+
+    def _stop(self, until: Sequence[str]) -> Callable[[list[int]], bool] | None:
+        """Ends a row once its text holds an `until` string: lm_eval cuts the text there anyway
+        (the text before it is a prefix of any longer decode), so the rest need not be generated."""
+        if not until or self.decode is None:
+            return None
+        decode = self.decode
+        return lambda ids: any(u in decode(ids) for u in until)
 
     def _context(self):
         stack = contextlib.ExitStack()
@@ -260,7 +278,8 @@ def score_tasks(*, model_config: TransformerConfig, params: PyTree, mesh, tokeni
 
     runner = ModelRunner(model_config=model_config, params=params, mesh=mesh, rules=rules,
                          batch_size=batch_size, vocab_limit=tokenizer.vocab_size,
-                         eos_id=tokenizer.eos_id if tokenizer.eos_id >= 0 else None)
+                         eos_id=tokenizer.eos_id if tokenizer.eos_id >= 0 else None,
+                         decode=tokenizer.decode)
     results = evaluate(runner=runner, tokenizer=tokenizer, bos_id=bos_id, tasks=list(tasks),
                        num_fewshot=num_fewshot, limit=limit, include_path=include_path,
                        bootstrap_iters=0)

@@ -200,8 +200,8 @@ def lm_class() -> type:
                     raise SettingError(f"max_gen_toks={new} leaves no room for a context in the "
                                        f"model's MAX_SEQ_LEN={self.max_length}")
                 prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in indices]
-                for i, ids in zip(indices, self.runner.generate(prompts, max_new_tokens=new),
-                                  strict=True):
+                generated = self.runner.generate(prompts, max_new_tokens=new, until=until)
+                for i, ids in zip(indices, generated, strict=True):
                     text = postprocess_generated_text(self.tok_decode(ids), until, None)
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -284,6 +284,8 @@ def generate(
     eos_id: int | None = None,
     vocab_limit: int | None = None,
     batch_multiple: int = 1,
+    prompt_length: int | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """The generated ids of each prompt (the prompt not included): up to `max_new_tokens`, ending
     with `eos_id` where the model emits it. The same seed gives the same tokens.
@@ -294,6 +296,11 @@ def generate(
     vocabulary cannot decode the others); None: all.
     batch_multiple: the rows are made a multiple of it (copies of the last prompt, whose outputs
     are dropped); under a mesh they are also made a multiple of the batch's split over it.
+    prompt_length: every prompt is left-padded to this many tokens (at least the longest prompt's)
+        instead of the longest prompt's: the outputs are the same (padding is masked), and callers
+        with prompts of many lengths compile one program per bucket instead of one per length.
+    stop: called with a row's generated ids after each new token; True ends that row as EOS does
+        (lm_eval's `until` strings). Under several processes it must answer alike on each.
 
     Under ``jax.set_mesh`` (and ``nn.logical_axis_rules``), the cache and the prompts are sharded
     by the rules and the loop is one SPMD program, also across several processes: every process
@@ -301,7 +308,8 @@ def generate(
     """
     return generate_with_cache(
         config, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-        eos_id=eos_id, vocab_limit=vocab_limit, batch_multiple=batch_multiple).ids
+        eos_id=eos_id, vocab_limit=vocab_limit, batch_multiple=batch_multiple,
+        prompt_length=prompt_length, stop=stop).ids
 
 
 def generate_with_cache(
@@ -315,6 +323,8 @@ def generate_with_cache(
     eos_id: int | None = None,
     vocab_limit: int | None = None,
     batch_multiple: int = 1,
+    prompt_length: int | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> Generation:
     """`generate`, also returning the final KV cache (to inspect its placement)."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -326,6 +336,11 @@ def generate_with_cache(
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     longest = max(len(p) for p in prompts)
+    if prompt_length is not None:
+        if prompt_length < longest:
+            raise ValueError(f"prompt_length={prompt_length} is shorter than the longest prompt "
+                             f"({longest} tokens)")
+        longest = prompt_length
     max_len = longest + max_new_tokens
     if max_len > config.max_seq_len:
         raise ValueError(
@@ -356,7 +371,8 @@ def generate_with_cache(
         ids = np.asarray(token)
         for row in np.flatnonzero(~done):
             out[row].append(int(ids[row]))
-            done[row] = eos_id is not None and ids[row] == eos_id
+            done[row] = (eos_id is not None and ids[row] == eos_id) or (
+                stop is not None and stop(out[row]))
         if done.all() or i + 1 == max_new_tokens:
             break
         token, cache = steps.step(params, cache, token, pad,

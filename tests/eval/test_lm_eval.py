@@ -71,7 +71,7 @@ def _paxlite(pax, *, batch_size, add_bos=True, mesh_shape=None, tasks=TASKS):
     mesh, _ = model_source.build_mesh(source)
     runner = ModelRunner(model_config=source.config, params=model_source.restore_params(source, mesh),
                          mesh=mesh, batch_size=batch_size, vocab_limit=tokenizer.vocab_size,
-                         eos_id=tokenizer.eos_id)
+                         eos_id=tokenizer.eos_id, decode=tokenizer.decode)
     results = evaluate(runner=runner, tokenizer=tokenizer, bos_id=bos if add_bos else None,
                        tasks=tasks, include_path=str(TASKS_DIR), log_samples=True,
                        bootstrap_iters=0)

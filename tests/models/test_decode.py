@@ -84,6 +84,24 @@ def test_eos_stops_a_row_and_is_kept() -> None:
         assert ids == row[:cut]
 
 
+def test_a_longer_prompt_length_changes_nothing_and_stop_ends_rows_like_eos() -> None:
+    """prompt_length left-pads every prompt further (masked, so the same tokens); `stop` ends a
+    row once it says so, keeping the token that made it say so."""
+    cfg = CONFIGS["llama_gqa"]
+    params = _params(cfg)
+    full = generate(cfg, params, PROMPTS, max_new_tokens=NEW)
+    longest, padded = max(map(len, PROMPTS)), cfg.max_seq_len - NEW
+    assert padded > longest
+    assert generate(cfg, params, PROMPTS, max_new_tokens=NEW, prompt_length=padded) == full
+    with pytest.raises(ValueError, match="shorter than the longest prompt"):
+        generate(cfg, params, PROMPTS, max_new_tokens=NEW, prompt_length=longest - 1)
+    marker = full[1][2]  # ends each row at its first `marker`, as lm_eval's until strings do
+    got = generate(cfg, params, PROMPTS, max_new_tokens=NEW, stop=lambda ids: ids[-1] == marker)
+    for row, ids in zip(full, got, strict=True):
+        assert ids == (row[:row.index(marker) + 1] if marker in row else row)
+    assert got != full
+
+
 def test_sampling_is_reproducible_per_seed_and_differs_across_seeds() -> None:
     cfg = CONFIGS["llama_gqa"]
     params = _params(cfg)
