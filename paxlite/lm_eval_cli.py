@@ -3,7 +3,8 @@
     python -m paxlite lm_eval --job_log_dir=DIR | --checkpoint=PATH | --fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH
         [--fdl_config=NAME --fdl.X=V]
         --tasks=T1,T2 [--num_fewshot=N --limit=N --batch_size=N --include_path=DIR]
-        [--output_path=FILE.json --log_samples] [--add_bos=auto|true|false]
+        [--output_path=FILE.json --log_samples --seed=R,N,T,F --gen_kwargs=K=V,...]
+        [--add_bos=auto|true|false]
         [--multiprocess_gpu --server_addr=HOST:PORT --num_hosts=N --host_idx=I]
 
 The model, its parameters, its tokenizer and BOS are found exactly as `generate` finds them
@@ -35,6 +36,7 @@ from paxlite.model_source import (
 )
 
 DEFAULT_BATCH_SIZE = 8
+DEFAULT_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, few-shot sampling
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(under 'samples')")
     tasks.add_argument("--bootstrap_iters", type=int, default=100000,
                        help="bootstrap resamples for standard errors (lm_eval's default); 0: none")
+    tasks.add_argument("--seed", default=DEFAULT_SEEDS,
+                       help="lm_eval's seeds for python's random, numpy, torch and few-shot "
+                            "sampling, as 'R,N,T,F' (3 values: F keeps its default), or one for "
+                            "all; 'None' leaves one unset. T changes nothing here: paxlite's model "
+                            "decodes greedily and lm_eval draws nothing from torch for it")
+    tasks.add_argument("--gen_kwargs", default=None,
+                       help="generation settings over every generate_until task's own, as "
+                            "lm_eval takes them: 'max_gen_toks=64,until=.' (sampling is refused)")
     parser.add_argument("--add_bos", choices=[c.value for c in BosChoice], default=None,
                         help="start text with the tokenizer's BOS id; auto (the default): as the "
                              "model family was trained (as `generate`)")
@@ -69,6 +79,30 @@ def _task_names(text: str) -> list[str]:
     if not names:
         raise SettingError(f"--tasks={text!r} names no task; e.g. --tasks=lambada_openai,hellaswag")
     return names
+
+
+def _seeds(text: str) -> dict[str, int | None]:
+    """lm_eval's --seed: 1, 3 or 4 comma-separated integers or 'None' (its own reading)."""
+    def one(item: str) -> int | None:
+        item = item.strip()
+        if item.lower() == "none":
+            return None
+        try:
+            return int(item)
+        except ValueError:
+            raise SettingError(f"--seed={text!r}: {item!r} is not an integer or None") from None
+
+    values = [one(item) for item in text.split(",")]
+    defaults = [one(item) for item in DEFAULT_SEEDS.split(",")]
+    if len(values) == 1:
+        values = values * 4
+    elif len(values) in (3, 4):
+        values = values + defaults[len(values):]
+    else:
+        raise SettingError(f"--seed={text!r} has {len(values)} values: give 1, 3 or 4 "
+                           "(python random, numpy, torch, few-shot sampling)")
+    return {"random_seed": values[0], "numpy_random_seed": values[1],
+            "fewshot_random_seed": values[3]}
 
 
 def _check_arguments(args: argparse.Namespace) -> list[str]:
@@ -83,6 +117,12 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
         raise SettingError(f"--batch_size={args.batch_size} must be at least 1")
     if args.bootstrap_iters < 0:
         raise SettingError(f"--bootstrap_iters={args.bootstrap_iters} must be 0 or more")
+    _seeds(args.seed)
+    if args.gen_kwargs is not None:
+        bad = [item for item in args.gen_kwargs.split(",") if "=" not in item]
+        if bad or not args.gen_kwargs.strip():
+            raise SettingError(f"--gen_kwargs={args.gen_kwargs!r} is not key=value pairs separated "
+                               "by commas (e.g. --gen_kwargs=max_gen_toks=64)")
     if args.include_path is not None and not os.path.isdir(args.include_path):
         raise NotFoundError(f"--include_path={args.include_path} is not a directory")
     if args.output_path is not None:
@@ -128,7 +168,8 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     results = evaluate(runner=runner, tokenizer=tokenizer, bos_id=bos, tasks=tasks,
                        num_fewshot=args.num_fewshot, limit=_limit(args.limit),
                        include_path=args.include_path, log_samples=args.log_samples,
-                       bootstrap_iters=args.bootstrap_iters, manager=manager)
+                       bootstrap_iters=args.bootstrap_iters, manager=manager,
+                       gen_kwargs=args.gen_kwargs, **_seeds(args.seed))
     if process != 0 or results is None:
         return 0
     _report(results, args)

@@ -237,9 +237,12 @@ def results_json(results: dict) -> str:
 def evaluate(*, runner, tokenizer, bos_id: int | None, tasks: list[str],
              num_fewshot: int | None = None, limit: float | None = None,
              include_path: str | None = None, log_samples: bool = False,
-             bootstrap_iters: int = 100000, manager=None) -> dict | None:
+             bootstrap_iters: int = 100000, manager=None, gen_kwargs: str | None = None,
+             random_seed: int | None = 0, numpy_random_seed: int | None = 1234,
+             fewshot_random_seed: int | None = 1234) -> dict | None:
     """lm_eval's ``simple_evaluate`` of paxlite's model: its results dict on process 0, None on
-    the others (which compute the same batches until process 0 is done). Every process calls it."""
+    the others (which compute the same batches until process 0 is done). Every process calls it.
+    The seeds and `gen_kwargs` are simple_evaluate's (its defaults: the seeds of lm_eval's CLI)."""
     import jax
 
     if jax.process_index() != 0:
@@ -254,7 +257,9 @@ def evaluate(*, runner, tokenizer, bos_id: int | None, tasks: list[str],
         return simple_evaluate(
             model=make_lm(runner=runner, tokenizer=tokenizer, bos_id=bos_id), tasks=tasks,
             num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples,
-            bootstrap_iters=bootstrap_iters, batch_size=runner.batch_size,
+            bootstrap_iters=bootstrap_iters, batch_size=runner.batch_size, gen_kwargs=gen_kwargs,
+            random_seed=random_seed, numpy_random_seed=numpy_random_seed,
+            fewshot_random_seed=fewshot_random_seed,
             torch_random_seed=None)  # no torch here: its seed would import it
     finally:
         runner.finish()

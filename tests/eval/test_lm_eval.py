@@ -214,6 +214,36 @@ def test_the_command_line_end_to_end(runs, converted, tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
+def test_seed_and_gen_kwargs_are_lm_evals(runs, converted, tmp_path, capsys):
+    """--gen_kwargs overrides the task's generation settings (max_gen_toks=1: one token each);
+    --num_fewshot=1 puts another document of the task before each question, picked by the
+    few-shot seed (the 4th --seed value, as lm_eval reads it); bad values are one line, exit 2."""
+    flags = ["lm_eval", f"--checkpoint={converted[1]}", "--tasks=paxlite_gen",
+             f"--include_path={TASKS_DIR}", "--bootstrap_iters=0", "--log_samples", "--num_fewshot=1",
+             "--gen_kwargs=max_gen_toks=1"]
+    contexts = {}
+    for seed in ("0,1234,1234,1", "0,1234,1234,2"):
+        output = tmp_path / f"{seed[-1]}.json"
+        assert main([*flags, f"--seed={seed}", f"--output_path={output}"]) == 0
+        samples = json.loads(output.read_text())["samples"]["paxlite_gen"]
+        assert written_config_max(samples) == 1
+        contexts[seed] = [s["arguments"][0][0] for s in samples]
+        assert all(c.count("\n\n") == 1 for c in contexts[seed])  # one example, then the question
+    assert contexts["0,1234,1234,1"] != contexts["0,1234,1234,2"]
+    capsys.readouterr()
+    for bad, message in (("--seed=1,2", "--seed='1,2' has 2 values: give 1, 3 or 4"),
+                         ("--seed=x", "--seed='x': 'x' is not an integer or None"),
+                         ("--gen_kwargs=max_gen_toks", "is not key=value pairs")):
+        assert main([*flags, bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
+def written_config_max(samples) -> int:
+    """The max_gen_toks every sample was generated with."""
+    return max(int(s["arguments"][0][1]["max_gen_toks"]) for s in samples)
+
+
 def test_without_the_eval_extra_one_error_names_it(converted, monkeypatch, capsys):
     import sys
 
