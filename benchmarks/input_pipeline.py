@@ -187,7 +187,7 @@ def train_documents(text_dir: str) -> list[str]:
 def seqio_batches(documents: list[str], *, vocab_path: str, shape: Shape) -> Iterator[Batch]:
     """Pax's SeqIO LM pipeline (`the_pile_lm`) over `documents` (needs the `seqio` extra).
 
-    The preprocessors are Pax's, from `paxlite.data.seqio_pipeline`: the ids of every 128
+    The preprocessors are Pax's, from `paxlite.data.seqio_tasks`: the ids of every 128
     documents are joined without separators and cut into pieces of `seq_len - 1` plus EOS, so
     nothing is dropped; SeqIO's packer then fills rows with those pieces and may leave padding at
     row ends, which costs time but is not counted (only decoder_loss_weights == 1 is). Only the
@@ -196,7 +196,7 @@ def seqio_batches(documents: list[str], *, vocab_path: str, shape: Shape) -> Ite
     import seqio  # the optional extra: imported only on this path
     import tensorflow as tf
 
-    from paxlite.data import seqio_pipeline
+    from paxlite.data import seqio_tasks
 
     def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
         del split, shuffle_files, seed  # one in-memory split; the task shuffles examples
@@ -209,8 +209,8 @@ def seqio_batches(documents: list[str], *, vocab_path: str, shape: Shape) -> Ite
         preprocessors=[
             functools.partial(seqio.preprocessors.rekey, key_map={"targets": "text"}),
             seqio.preprocessors.tokenize,
-            seqio_pipeline.reduce_concat_tokens,
-            seqio_pipeline.split_tokens_to_targets_length,
+            seqio_tasks.reduce_concat_tokens,
+            seqio_tasks.split_tokens_to_targets_length,
             seqio.preprocessors.append_eos_after_trim,
         ],
         output_features={"targets": seqio.Feature(vocabulary=vocabulary, add_eos=True)},

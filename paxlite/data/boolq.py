@@ -2,7 +2,7 @@
 
 Pax (`boolq` SeqIO task, `CustomMetricsLM` with `eval_task='boolq'`) asks the model a yes/no question
 about a passage. The prompt is `passage + '\\nquestion: ' + question + '?\\nanswer:'` and the target is
-`yes` or `no` with no EOS (`paxlite.data.seqio_pipeline.boolq_prompt`, the one definition). Each row
+`yes` or `no` with no EOS (`paxlite.data.seqio_tasks.boolq_prompt`, the one definition). Each row
 carries the pair of answer tokens, because the score compares the right answer's logit with the
 other answer's only.
 
@@ -33,7 +33,7 @@ from paxlite.data.errors import DatasetError
 from paxlite.data.jsonl import read_jsonl_examples
 from paxlite.data.lambada import BATCH_KEYS as LM_BATCH_KEYS
 from paxlite.data.lambada import TextEncoder
-from paxlite.data.seqio_pipeline import boolq_prompt
+from paxlite.data.seqio_tasks import boolq_prompt
 
 # The per-row pair of answer tokens (yes_id, no_id) that `paxlite.train.step.eval_step` scores.
 CHOICE_KEY = "yn_tokens"

@@ -123,7 +123,8 @@ class DataSettings:
 
     def seqio_data_config(self, tfds_dir: str):
         """Pax's SeqIO task for TFDS_DATASET (the_pile_lm or c4_lm_v301_gpt), read through TensorFlow."""
-        from paxlite.data.seqio_pipeline import SeqIODataConfig, task_for_dataset
+        from paxlite.data.seqio_pipeline import SeqIODataConfig
+        from paxlite.data.seqio_tasks import task_for_dataset
 
         if self.vocab_path() is None:
             raise ConfigError("INPUT_PIPELINE=seqio needs a tokenizer: --fdl.VOCAB_PATH or the VOCAB_PATH environment variable")
@@ -196,7 +197,7 @@ class DataSettings:
     def seqio_mixture_config(self):
         """A SeqIO mixture or task by its registered name, or [[registered name, weight], ...] mixed
         by SeqIO under a derived name; the names are checked when the data is opened, after Pax's
-        tasks are registered (data/seqio_pipeline.py)."""
+        tasks are registered (data/seqio_tasks.py)."""
         from paxlite.data.seqio_pipeline import SeqIODataConfig
 
         if self.vocab_path() is None:

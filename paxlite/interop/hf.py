@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from paxlite.errors import NotFoundError, SettingError
-from paxlite.interop import hf_write, layouts
+from paxlite.interop import gpt2_layout, hf_write, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
     Family,
@@ -150,7 +150,7 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
     if family in (Family.LLAMA, Family.MIXTRAL):
         params = layouts.llama_to_params(tensors, config=config)
     else:
-        params = layouts.gpt2_to_params(tensors, config=config)
+        params = gpt2_layout.gpt2_to_params(tensors, config=config)
     params = cast_params(params, dtype)
     layouts.check_params(params, config=config)
     return Pretrained(config=config, params=params, family=family,
@@ -198,7 +198,7 @@ def stand_in(array: Any) -> np.ndarray:
 def _hf_tensors(params: Mapping[str, Any], *, config: TransformerConfig, family: Family):
     if family in (Family.LLAMA, Family.MIXTRAL):
         return layouts.iter_llama_tensors(params, config=config)
-    return layouts.iter_gpt2_tensors(params, config=config)
+    return gpt2_layout.iter_gpt2_tensors(params, config=config)
 
 
 def write_hf(params: Mapping[str, Any], out_dir: str | os.PathLike, *, config: TransformerConfig,

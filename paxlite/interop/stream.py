@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from paxlite.errors import NotFoundError
-from paxlite.interop import layouts
+from paxlite.interop import gpt2_layout, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import Family, from_hf_config
 from paxlite.models.transformer import TransformerConfig
@@ -162,7 +162,7 @@ class HfSource:
         tensors = self.tensors if tensors is None else tensors
         config = dataclasses.replace(config or self.config, scan_layers=False)
         if self.family is Family.GPT2:
-            return layouts.iter_gpt2_params(tensors, config=config)
+            return gpt2_layout.iter_gpt2_params(tensors, config=config)
         return layouts.iter_llama_params(tensors, config=config)
 
 

@@ -11,6 +11,7 @@ import seqio
 
 from paxlite.config.errors import ConfigError
 from paxlite.data import seqio_pipeline as sp
+from paxlite.data import seqio_tasks as st
 from paxlite.data.errors import DatasetError
 from paxlite.experiments.build import build_run_config
 from tests.data.test_seqio_pipeline import assert_same, config, take, tfds_dir, vocab  # noqa: F401 (fixtures)
@@ -31,7 +32,7 @@ def test_one_task_mixture_reads_that_task(tfds_dir, vocab):  # noqa: F811
 def test_pairs_are_registered_as_the_mixture_a_user_would_register(tfds_dir, vocab):  # noqa: F811
     pairs = (("the_pile_lm", 0.7), ("c4_lm_v301_gpt", 0.3))
     data = sp.SeqIOData(_mixture(tfds_dir, vocab, pairs), global_batch_size=4)
-    name = sp.mixture_name(pairs)
+    name = st.mixture_name(pairs)
     assert seqio.get_mixture_or_task(name).get_rate(seqio.get_mixture_or_task("the_pile_lm")) == 0.7
     if "user_mix" in seqio.MixtureRegistry.names():
         seqio.MixtureRegistry.remove("user_mix")

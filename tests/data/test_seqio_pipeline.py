@@ -21,6 +21,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from paxlite.data import seqio_pipeline as sp
+from paxlite.data import seqio_tasks as st
 from paxlite.data.errors import DatasetError
 from paxlite.data.tokenizer import VocabError
 from paxlite.data.train_tokenizer import train_from_sentences
@@ -30,7 +31,7 @@ WORDS = (
     "they which one you were her all she there would their we him been has when who will more"
 ).split()
 VOCAB = 400  # 259 byte/special pieces, the characters, and a merge for most words
-GROUP = sp.CONCAT_GROUP_SIZE
+GROUP = st.CONCAT_GROUP_SIZE
 TEXT = tfds.features.FeaturesDict({"text": tfds.features.Text()})
 LAMBADA = [("He opened the door and saw", " her"), ("They sat by the", " fire"),
            ("When all was said, she had not", " gone")]
@@ -165,7 +166,7 @@ def features_of(rows: list[list[list[int]]], *, seq_len: int) -> dict[str, np.nd
 
 
 def config(tfds_dir: str, vocab: str, **overrides) -> sp.SeqIODataConfig:
-    values = dict(task=sp.THE_PILE_TASK, tfds_data_dir=tfds_dir, vocab_path=vocab,
+    values = dict(task=st.THE_PILE_TASK, tfds_data_dir=tfds_dir, vocab_path=vocab,
                   vocab_size=VOCAB, seq_len=16, shuffle_buffer_size=1)
     return sp.SeqIODataConfig(**(values | overrides))
 
@@ -205,9 +206,9 @@ def test_the_pile_rows_match_a_hand_reference(tfds_dir, vocab, spm_model, seq_le
         np.testing.assert_array_equal(seg[:, 1:][inside], seg[:, :-1][inside])
 
 
-@pytest.mark.parametrize("task", [sp.C4_TASK, sp.THE_PILE_TASK])
+@pytest.mark.parametrize("task", [st.C4_TASK, st.THE_PILE_TASK])
 def test_two_processes_read_disjoint_shards(tfds_dir, vocab, spm_model, task):
-    if task == sp.C4_TASK:  # one file per process: SeqIO shards by file
+    if task == st.C4_TASK:  # one file per process: SeqIO shards by file
         shards = stored_texts(os.path.join(tfds_dir, "c4", "en", "3.0.1"), "train")
         assert len(shards) == 2
     else:  # one file for two processes: SeqIO takes every other example
@@ -227,7 +228,7 @@ def test_two_processes_read_disjoint_shards(tfds_dir, vocab, spm_model, task):
 def test_two_process_eval_covers_the_split_once_in_equal_steps(tfds_dir, vocab, spm_model):
     files = stored_texts(os.path.join(tfds_dir, "c4", "en", "3.0.1"), "validation")
     per_process = [
-        list(sp.SeqIOData(config(tfds_dir, vocab, task=sp.C4_TASK), global_batch_size=4,
+        list(sp.SeqIOData(config(tfds_dir, vocab, task=st.C4_TASK), global_batch_size=4,
                           process_index=i, process_count=2).eval_batches(-1))
         for i in range(2)
     ]
@@ -289,31 +290,31 @@ def eval_task_rows(task: str, split: str, lengths: dict[str, int]) -> list[dict[
 
 
 def test_lambada_task_tokenizes_both_features_without_eos(tfds_dir, vocab, spm_model):
-    sp.register_tasks(vocab_path=vocab, tfds_data_dir=tfds_dir)
-    got = eval_task_rows(sp.LAMBADA_TASK, "test", {"inputs": 64, "targets": 64})
+    st.register_tasks(vocab_path=vocab, tfds_data_dir=tfds_dir)
+    got = eval_task_rows(st.LAMBADA_TASK, "test", {"inputs": 64, "targets": 64})
     want = [{"inputs": spm_model.encode(i), "targets": spm_model.encode(t)} for i, t in LAMBADA]
     assert sorted(map(str, got)) == sorted(map(str, want))  # TFDS stores by key hash
 
 
 def test_boolq_task_matches_the_python_prompt(tfds_dir, vocab, spm_model):
-    assert sp.boolq_prompt(passage="Cats purr.", question="do cats purr", label=1) == (
+    assert st.boolq_prompt(passage="Cats purr.", question="do cats purr", label=1) == (
         "Cats purr.\nquestion: do cats purr?\nanswer:", "yes")
-    assert sp.boolq_prompt(passage="P", question="q", label=0)[1] == "no"
-    sp.register_tasks(vocab_path=vocab, tfds_data_dir=tfds_dir)
+    assert st.boolq_prompt(passage="P", question="q", label=0)[1] == "no"
+    st.register_tasks(vocab_path=vocab, tfds_data_dir=tfds_dir)
     for split, examples in BOOLQ.items():
-        got = eval_task_rows(sp.BOOLQ_TASK, split, {"inputs": 128, "targets": 8})
+        got = eval_task_rows(st.BOOLQ_TASK, split, {"inputs": 128, "targets": 8})
         want = []
         for passage, question, label in examples:
-            inputs, targets = sp.boolq_prompt(passage=passage, question=question, label=label)
+            inputs, targets = st.boolq_prompt(passage=passage, question=question, label=label)
             want.append({"inputs": spm_model.encode(inputs), "targets": spm_model.encode(targets)})
         assert sorted(map(str, got)) == sorted(map(str, want))  # TFDS stores by key hash
 
 
 def test_register_tasks_replaces_vocabulary_and_data_dir(tfds_dir, vocab, tmp_path):
     other = train_from_sentences(documents(500, seed=5), tmp_path / "other", vocab_size=300)
-    sp.register_tasks(vocab_path=other, tfds_data_dir=str(tmp_path))
-    sp.register_tasks(vocab_path=vocab, tfds_data_dir=tfds_dir)
-    for name in (sp.THE_PILE_TASK, sp.C4_TASK, sp.LAMBADA_TASK, sp.BOOLQ_TASK):
+    st.register_tasks(vocab_path=other, tfds_data_dir=str(tmp_path))
+    st.register_tasks(vocab_path=vocab, tfds_data_dir=tfds_dir)
+    for name in (st.THE_PILE_TASK, st.C4_TASK, st.LAMBADA_TASK, st.BOOLQ_TASK):
         task = seqio.get_mixture_or_task(name)
         assert task.output_features["targets"].vocabulary.vocab_size == VOCAB
         assert task.source.tfds_dataset.data_dir == tfds_dir
@@ -323,12 +324,12 @@ def test_preprocessors_on_hand_made_examples():
     ds = tf.data.Dataset.from_generator(
         lambda: iter([[5, 6], [0, 7], [8], [9, 0, 3]]),
         output_signature=tf.TensorSpec([None], tf.int32)).map(lambda t: {"targets": t, "x": 1})
-    joined = sp.reduce_concat_tokens(ds, batch_size=3)
+    joined = st.reduce_concat_tokens(ds, batch_size=3)
     assert [x["targets"].tolist() for x in joined.as_numpy_iterator()] == [[5, 6, 7, 8], [9, 3]]
     long = tf.data.Dataset.from_tensor_slices({"targets": [list(range(1, 8))]})
     for add_eos, want in ((True, [[1, 2, 3], [4, 5, 6], [7]]), (False, [[1, 2, 3, 4], [5, 6, 7]])):
         feature = seqio.Feature(vocabulary=seqio.PassThroughVocabulary(10), add_eos=add_eos)
-        pieces = sp.split_tokens_to_targets_length(
+        pieces = st.split_tokens_to_targets_length(
             long, sequence_length={"targets": 4}, output_features={"targets": feature})
         assert [x["targets"].tolist() for x in pieces.as_numpy_iterator()] == want
 
@@ -337,7 +338,7 @@ def test_cheap_checks_fail_before_any_dataset_is_built(tfds_dir, vocab, tmp_path
     with pytest.raises(ValueError, match="did you mean 'the_pile_lm'"):
         config(tfds_dir, vocab, task="the_pile")
     with pytest.raises(ValueError, match="evaluation task"):
-        config(tfds_dir, vocab, task=sp.LAMBADA_TASK)
+        config(tfds_dir, vocab, task=st.LAMBADA_TASK)
 
     def build(**overrides):
         return sp.SeqIOData(config(tfds_dir, vocab, **overrides), global_batch_size=4)
@@ -347,7 +348,7 @@ def test_cheap_checks_fail_before_any_dataset_is_built(tfds_dir, vocab, tmp_path
     with pytest.raises(DatasetError, match=r"the_pile/1\.0\.0.*download_the_pile\.py"):
         build(tfds_data_dir=str(tmp_path))
     with pytest.raises(DatasetError, match=r"c4/en/3\.0\.1"):
-        build(tfds_data_dir=str(tmp_path), task=sp.C4_TASK)
+        build(tfds_data_dir=str(tmp_path), task=st.C4_TASK)
     with pytest.raises(DatasetError, match="no split 'dev'.*'train', 'validation'"):
         build(eval_split="dev")
     with pytest.raises(VocabError, match="VOCAB_SIZE is 100"):
@@ -379,10 +380,12 @@ def test_module_imports_without_tensorflow():
         "        if name.split('.')[0] in ('tensorflow', 'seqio', 'tensorflow_datasets'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from paxlite.data import seqio_pipeline as sp\n"
-        "print(sp.boolq_prompt(passage='p', question='q', label=1))\n"
+        "from paxlite.data import seqio_pipeline, seqio_tasks as st\n"
+        "seqio_pipeline.SeqIODataConfig(task=st.THE_PILE_TASK, tfds_data_dir='d', vocab_path='v',\n"
+        "                               vocab_size=8, seq_len=4)\n"
+        "print(st.boolq_prompt(passage='p', question='q', label=1))\n"
         "try:\n"
-        "    sp.register_tasks(vocab_path='x', tfds_data_dir=None)\n"
+        "    st.register_tasks(vocab_path='x', tfds_data_dir=None)\n"
         "except ImportError as e:\n"
         "    print(e)\n"
     )

@@ -16,7 +16,7 @@ import sentencepiece as spm
 
 from paxlite.config.errors import ConfigError
 from paxlite.data.boolq import BATCH_KEYS, BoolQExample, boolq_batches, read_boolq, yes_no_token_ids
-from paxlite.data.seqio_pipeline import boolq_prompt
+from paxlite.data.seqio_tasks import boolq_prompt
 from paxlite.data.tokenizer import Tokenizer
 from paxlite.eval.boolq import boolq_acc
 from paxlite.experiments.build import build_run_config
