@@ -17,10 +17,15 @@ With a pipeline, one device's program is one pipeline rank's: it holds the layer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
 from typing import Any
+
+from paxlite.parallel import gpu_target
+from paxlite.parallel.compiled_kernels import custom_calls, fp8_gemms
+from paxlite.parallel.gpu_target import CompileTarget, GpuTopology, gpu_devices
 
 DEFAULT_DEVICE_MEMORY_GIB = 80.0  # H100 80GB
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 dense BF16 (docs/performance.md)
@@ -98,19 +103,15 @@ class _Setup:
     loop: Any
 
 
-def _setup(experiment, *, num_devices: int) -> _Setup:
-    """Every refusal a run would make at start-up, without compiling: the mesh on the devices, the
-    batch over data x fsdp x expert, gradient-accumulation microbatches and pipeline microbatches
-    (ConfigError / MeshError / ValueError naming the numbers)."""
-    import fiddle as fdl
+def target_devices(experiment, *, num_devices: int, target: CompileTarget) -> list[Any]:
+    """The devices to compile for: this process's CPU devices, or compile-only GPUs of `target`
+    laid out as the run's nodes (DCN_MESH_SHAPE's product hosts, the rest of the devices on each)."""
     import jax
 
-    from paxlite.experiments.parallelism_settings import mesh_layout
-    from paxlite.models.attention_kernels import AttentionImplementation
-    from paxlite.parallel import mesh as mesh_lib
-    from paxlite.parallel import rules as rules_lib
-    from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
-
+    if target.is_gpu:
+        _, dcn = _resolved_mesh_shapes(experiment, num_devices)
+        hosts = math.prod(dcn)
+        return gpu_devices(target, GpuTopology(hosts=hosts, gpus_per_host=num_devices // hosts))
     devices = jax.devices()
     if devices[0].platform != "cpu" or len(devices) < num_devices:
         raise PlanError(
@@ -119,10 +120,26 @@ def _setup(experiment, *, num_devices: int) -> _Setup:
             f"has {len(devices)} {devices[0].platform} device(s); use paxlite.plan.plan(), which "
             "starts a subprocess when needed"
         )
+    return devices[:num_devices]
+
+
+def _setup(experiment, *, num_devices: int, target: CompileTarget = CompileTarget.CPU) -> _Setup:
+    """Every refusal a run would make at start-up, without compiling: the mesh on the devices, the
+    batch over data x fsdp x expert, gradient-accumulation microbatches and pipeline microbatches
+    (ConfigError / MeshError / ValueError naming the numbers)."""
+    import fiddle as fdl
+
+    from paxlite.experiments.parallelism_settings import mesh_layout
+    from paxlite.models.attention_kernels import AttentionImplementation
+    from paxlite.parallel import mesh as mesh_lib
+    from paxlite.parallel import rules as rules_lib
+    from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
+
+    devices = target_devices(experiment, num_devices=num_devices, target=target)
     ici, dcn = _resolved_mesh_shapes(experiment, num_devices)
     mesh_config = mesh_lib.MeshConfig(ici_mesh_shape=tuple(ici), dcn_mesh_shape=tuple(dcn),
                                       layout=mesh_layout(experiment))
-    mesh = mesh_lib.build_mesh(mesh_config, devices=devices[:num_devices])
+    mesh = mesh_lib.build_mesh(mesh_config, devices=devices)
     global_batch = mesh_lib.global_batch_size(
         percore_batch_size=experiment.PERCORE_BATCH_SIZE, num_devices=num_devices,
         batch_split=rules_lib.batch_split(mesh),
@@ -130,8 +147,8 @@ def _setup(experiment, *, num_devices: int) -> _Setup:
     )
     model_config = fdl.build(experiment.model_config())
     attention_note = None
-    if model_config.attention_implementation in (AttentionImplementation.CUDNN,
-                                                 AttentionImplementation.PALLAS_TRITON):
+    if not target.is_gpu and model_config.attention_implementation in (
+            AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON):
         # The CPU compiler has no cuDNN or Triton kernels: plan the same function with XLA's
         # attention (its [B, N, T, S] logits make the temporaries an over-estimate) and say so.
         attention_note = (
@@ -153,13 +170,38 @@ def _setup(experiment, *, num_devices: int) -> _Setup:
                   model_config=model_config, attention_note=attention_note, loop=loop)
 
 
-def check_runs(experiment, *, num_devices: int) -> None:
+def check_runs(experiment, *, num_devices: int,
+               target: CompileTarget = CompileTarget.CPU) -> None:
     """Raise what the run would refuse before compiling (see _setup); a lever's cheap first test."""
-    _setup(experiment, num_devices=num_devices)
+    _setup(experiment, num_devices=num_devices, target=target)
 
 
-def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
-    """Compile the experiment's train step for `num_devices` CPU devices and measure one device."""
+@functools.cache
+def _preset_options(preset_name: str) -> dict[str, str]:
+    """The XLA flags and JAX settings of a preset (paxlite.xla_presets), in the spellings this
+    jaxlib parses, as compile options."""
+    from paxlite import xla_presets
+
+    preset = xla_presets.get_preset(preset_name)
+    resolved = xla_presets.resolve(preset)
+    return gpu_target.compiler_options(resolved.flags, preset.env)
+
+
+def gpu_compile_options(experiment) -> tuple[str, dict[str, str]]:
+    """(preset name, its compile options): the XLA flags a run of `experiment` is launched with."""
+    from paxlite import xla_presets
+
+    cls = type(experiment)
+    name = xla_presets.preset_for_experiment(f"{cls.__module__}.{cls.__qualname__}")
+    return name, _preset_options(name)
+
+
+def compile_train_step(experiment, *, num_devices: int,
+                       target: CompileTarget | str = CompileTarget.CPU,
+                       compiler_options: dict[str, str] | None = None) -> dict[str, Any]:
+    """Compile the experiment's train step for `num_devices` devices of `target` (fake CPU devices,
+    or compile-only GPUs with the run's XLA preset as compile options unless `compiler_options`
+    says otherwise) and measure one device. A GPU target adds the kernels of the optimized HLO."""
     import fiddle as fdl
     import jax
     import jax.numpy as jnp
@@ -170,14 +212,21 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
     from paxlite.train.schedules import make_schedule
     from paxlite.train.step import compile_steps
 
-    setup = _setup(experiment, num_devices=num_devices)
+    target = CompileTarget.parse(target)
+    setup = _setup(experiment, num_devices=num_devices, target=target)
     mesh, global_batch, model_config = setup.mesh, setup.global_batch, setup.model_config
+    preset = None
+    if target.is_gpu and compiler_options is None:
+        preset, compiler_options = gpu_compile_options(experiment)
     schedule = make_schedule(fdl.build(experiment.schedule_config()))
     seq_len = model_config.max_seq_len
     accum = {"grad_accum_steps": setup.loop.grad_accum_steps,
              "loss_chunk_size": setup.loop.loss_chunk_size}  # LOSS_CHUNK_SIZE: logits memory
     started = time.perf_counter()
-    with jax.set_mesh(mesh):
+    # A compile-only GPU mesh cannot hold arrays: eager work while building the steps (an
+    # optimizer's init on placeholders) runs under its abstract mesh, which is what tracing reads.
+    context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if target.is_gpu else jax.set_mesh(mesh)
+    with context:
         steps = compile_steps(
             model=Transformer(model_config),
             optimizer=make_optimizer(fdl.build(experiment.optimizer_config()), schedule),
@@ -194,7 +243,7 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
         batch = {key: jax.ShapeDtypeStruct((global_batch, seq_len), dtype,
                                            sharding=steps.batch_sharding)
                  for key, dtype in dtypes.items()}
-        compiled = steps.train.lower(steps.abstract_state, batch).compile()
+        compiled = steps.train.lower(steps.abstract_state, batch).compile(compiler_options)
     compile_s = time.perf_counter() - started
     stats = compiled.memory_analysis()
     memory = {
@@ -213,7 +262,13 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
                             - memory["alias_bytes"] + memory["temp_bytes"]
                             + memory["generated_code_bytes"])
     compiler_flops = _flops_of(compiled)
+    hlo = {}
+    if target.is_gpu:
+        text = compiled.as_text()
+        hlo = {"kernels": custom_calls(text), "fp8_gemms": fp8_gemms(text),
+               "xla_preset": preset, "compiler_options": dict(compiler_options or {})}
     return {
+        "compiled_for": target.value,
         "mesh": dict(mesh.shape),
         "ici_mesh_shape": setup.ici,
         "dcn_mesh_shape": setup.dcn,
@@ -226,6 +281,7 @@ def compile_train_step(experiment, *, num_devices: int) -> dict[str, Any]:
         "compiler_flops_per_device": compiler_flops,
         "compile_s": round(compile_s, 2),
         **({"attention_note": setup.attention_note} if setup.attention_note else {}),
+        **hlo,
     }
 
 
@@ -240,8 +296,8 @@ def verdict(peak_bytes: int, device_bytes: int) -> dict[str, Any]:
             "margin_gib": round((device_bytes - peak_bytes) / GIB, 3)}
 
 
-def compile_variants(experiment, variants: list[dict[str, Any]], *,
-                     num_devices: int) -> list[dict[str, Any] | Exception]:
+def compile_variants(experiment, variants: list[dict[str, Any]], *, num_devices: int,
+                     target: CompileTarget = CompileTarget.CPU) -> list[dict[str, Any] | Exception]:
     """compile_train_step of each variant (in order), several at once: XLA's compile of one program
     runs its passes on one core, and the variants are independent, so with N cores N of them compile
     in about the time of one (LLaMA70B on 16 devices: three of its four levers are the 80-layer
@@ -253,7 +309,8 @@ def compile_variants(experiment, variants: list[dict[str, Any]], *,
 
     def measure(changes: dict[str, Any]) -> dict[str, Any] | Exception:
         try:
-            return compile_train_step(variant(experiment, changes), num_devices=num_devices)
+            return compile_train_step(variant(experiment, changes), num_devices=num_devices,
+                                      target=target)
         except (ConfigError, MeshError, ValueError) as e:
             return e
 

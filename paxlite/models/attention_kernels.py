@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from paxlite.errors import SettingError
+from paxlite.parallel.gpu_target import compile_platform
 
 # cuDNN's flash kernels (JAX check_is_flash_attention): these dtypes, head dims a multiple of 8,
 # at most 256 on Hopper and later (compute capability >= 9.0), at most 128 before.
@@ -182,11 +183,9 @@ def pallas_problems(*, has_bias: bool, backend: str | None = None) -> list[str]:
 
 
 def _device_facts() -> tuple[str, str | None]:
-    backend = jax.default_backend()
-    capability = None
-    if backend == "gpu":
-        capability = getattr(jax.devices()[0], "compute_capability", None)
-    return backend, capability
+    # The platform of the mesh the step is built on: a compile-only GPU target's, not this
+    # process's CPU backend, when the planner compiles for a GPU (parallel/gpu_target.py).
+    return compile_platform()
 
 
 def resolve_implementation(

@@ -49,6 +49,7 @@ from paxlite.models.transformer_config import (
     TransformerConfig,
     te_mlp_activations,
 )
+from paxlite.parallel.gpu_target import compile_platform
 from paxlite.parallel.rules import LogicalRules
 
 TE_INSTALL_HINT = (
@@ -83,7 +84,7 @@ def import_transformer_engine() -> tuple[Any, Any]:
         raise TransformerEngineUnavailableError(
             f"ENABLE_TE=1 but Transformer Engine cannot be imported ({type(error).__name__}: "
             f"{first}). {TE_INSTALL_HINT}") from None
-    backend = jax.default_backend()
+    backend, _ = compile_platform()  # a compile-only GPU target's platform too
     if backend != "gpu":
         raise TransformerEngineUnavailableError(
             f"ENABLE_TE=1 but JAX's backend is {backend!r}, not 'gpu'. {TE_INSTALL_HINT}")

@@ -27,6 +27,7 @@ DEFAULT_RULES: LogicalRules = (
     ("activation_embed", None),
     ("activation_mlp", "tensor"),
     ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
     ("activation_kv", None),
     ("activation_vocab", "tensor"),
     ("activation_exp", "expert"),  # the expert dimension of dispatched MoE activations
@@ -37,6 +38,7 @@ DEFAULT_RULES: LogicalRules = (
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),
     ("kv", None),
     ("qkv", None),
     ("vocab", "tensor"),

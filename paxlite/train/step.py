@@ -267,12 +267,17 @@ def compile_steps(
     """
     check_accum_steps(grad_accum_steps, name="grad_accum_steps")
     check_chunk_size(loss_chunk_size)
-    params_key = jax.random.key(seed)
-    dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
-    dummy_tokens = jnp.zeros((1, seq_len), jnp.int32)
+    # The keys are made inside the traced functions, not here: an eager key is an array on this
+    # process's devices, which a compile-only mesh (a GPU target, parallel/gpu_target.py) lacks.
+    def params_key() -> jax.Array:
+        return jax.random.key(seed)
+
+    def dropout_key() -> jax.Array:
+        return jax.random.fold_in(jax.random.key(seed), 1)
 
     def boxed_variables():
-        variables = model.init({"params": params_key}, dummy_tokens)
+        dummy_tokens = jnp.zeros((1, seq_len), jnp.int32)
+        variables = model.init({"params": params_key()}, dummy_tokens)
         return variables["params"], dict(variables.get(fp8_collection(model), {}))
 
     with nn.logical_axis_rules(logical_rules):
@@ -318,18 +323,13 @@ def compile_steps(
         state_shardings,
     )
     batch_sharding = rules_lib.batch_sharding(mesh)
-    step_fn = functools.partial(
-        train_step,
-        model=model,
-        optimizer=optimizer,
-        schedule=schedule,
-        dropout_key=dropout_key,
-        deterministic=deterministic,
-        grad_accum_steps=grad_accum_steps,
-        trainable=trainable,
-        z_loss_weight=z_loss_weight,
-        loss_chunk_size=loss_chunk_size,
-    )
+    def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        return train_step(
+            state, batch, model=model, optimizer=optimizer, schedule=schedule,
+            dropout_key=dropout_key(), deterministic=deterministic,
+            grad_accum_steps=grad_accum_steps, trainable=trainable, z_loss_weight=z_loss_weight,
+            loss_chunk_size=loss_chunk_size,
+        )
     train = jax.jit(
         _with_rules(step_fn, logical_rules, name="train_step"),
         in_shardings=(state_shardings, batch_sharding),
