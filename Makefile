@@ -11,7 +11,17 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist); each holds 8 simulated CPU devices and its own compiles (~1-3 GB).
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-quick test-durations demo bench lint clean
+# XLA's GPU compiler for the gpu_compile tests (and `plan --target=h100` in this checkout): JAX's CUDA
+# plugin and the CUDA libraries it compiles with, ~2.9 GB, kept out of the venv so that `make install`
+# stays CPU-only and no other test process loads the plugin; only the gpu_compile session puts it on
+# PYTHONPATH. GPU_COMPILE_PACKAGES are pinned in constraints.txt.
+GPU_COMPILE := $(VENV)/gpu_compile
+GPU_COMPILE_STAMP := $(GPU_COMPILE)/.installed
+GPU_COMPILE_PACKAGES := jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12 nvidia-cublas-cu12 \
+	nvidia-cuda-nvcc-cu12 nvidia-nvjitlink-cu12 nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 \
+	nvidia-cuda-cupti-cu12
+
+.PHONY: install gpu-compile test test-quick test-durations demo bench lint clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 found (python3.12, ~/.pyenv/versions/3.12*): install one, or make PYTHON=/path/to/python3.12"; exit 2; }
@@ -28,12 +38,23 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+$(GPU_COMPILE_STAMP): $(STAMP) constraints.txt
+	rm -rf $(GPU_COMPILE)
+	$(BIN)/pip install --quiet --no-deps --target $(GPU_COMPILE) -c constraints.txt $(GPU_COMPILE_PACKAGES)
+	touch $@
+
+gpu-compile: $(GPU_COMPILE_STAMP)
+
 # The whole suite, with the 30 slowest tests at the end of the log so the time budget stays visible
 # (docs/performance.md has the figures). --dist loadfile: a file's tests run on one worker (its
 # module fixtures are built once) and each worker takes the next file, longest first (tests/conftest.py).
+# Then the gpu_compile tests (tests/gpu_compile/: programs compiled for H100/H200 by XLA's GPU compiler)
+# in a session of their own with the plugin on PYTHONPATH, where a missing plugin is an error, not a skip.
 # Then the gpu tests on the GPU, where there is one (tests/gpu_pass.py; without one it says so in a line).
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
+test: $(STAMP) $(GPU_COMPILE_STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile $(PYTEST_ARGS)
+	PYTHONPATH=$(GPU_COMPILE) PAXLITE_REQUIRE_GPU_COMPILE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+		--dist loadfile --durations=10 tests/gpu_compile $(PYTEST_ARGS)
 	$(BIN)/python tests/gpu_pass.py
 
 # The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
