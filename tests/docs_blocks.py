@@ -3,7 +3,9 @@
 The convention the docs follow (every test of the docs reads it from here):
 - ```bash, ```sh or ```shell is a COMMAND block; the docs test runs it on CPU unless its info
   string carries ONE marker word after the language: `gpu` (needs an NVIDIA GPU), `cluster` (needs
-  Slurm, Kubernetes, Docker/pyxis, several nodes or the network) or `long` (too long for CI).
+  Slurm, Kubernetes, Docker/pyxis, several nodes or the network), `long` (too long for CI) or
+  `gpu_compile` (compiles for a GPU with JAX's CUDA plugin: run by tests/gpu_compile/test_docs.py
+  in `make test`'s gpu_compile session, where the plugin is on PYTHONPATH).
 - Everything else a reader should not run (output, synopses with placeholders) is ```text, and
   every fence names its language, so that no block is ambiguous.
 """
@@ -16,7 +18,7 @@ import re
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COMMAND_LANGUAGES = frozenset({"bash", "sh", "shell"})
-MARKERS = frozenset({"gpu", "cluster", "long"})
+MARKERS = frozenset({"gpu", "cluster", "long", "gpu_compile"})
 
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 

@@ -34,8 +34,11 @@ from paxlite.errors import UserError
 # ptxas wheels it compiles with).
 PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 CUDNN_DISTRIBUTION = "nvidia-cudnn-cu12"
+CUDA_RUNTIME_DISTRIBUTION = "nvidia-cuda-runtime-cu12"
 # What XLA is told of cuDNN when its wheel's version cannot be read (the oldest the plugin accepts).
 FALLBACK_CUDNN_VERSION = "9.10.0"
+# What XLA is told of CUDA when the runtime wheel's version cannot be read (the plugin's build).
+FALLBACK_CUDA_VERSION = "12.9.0"
 DEFAULT_GPUS_PER_HOST = 8
 
 
@@ -170,10 +173,25 @@ def cudnn_version() -> str:
     return ".".join(version.split(".")[:3])
 
 
+def cuda_version() -> str:
+    """The CUDA runtime the plugin runs with (its wheel's major.minor, as cudaRuntimeGetVersion
+    reports it: major.minor.0)."""
+    try:
+        version = importlib.metadata.version(CUDA_RUNTIME_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return FALLBACK_CUDA_VERSION
+    major, minor = version.split(".")[:2]
+    return f"{major}.{minor}.0"
+
+
 def target_config_text(target: CompileTarget) -> str:
     """The `stream_executor.GpuTargetConfigProto` (text format) describing one `target` GPU.
 
-    The per-block and per-thread limits are those of every NVIDIA part since Volta."""
+    The per-block and per-thread limits are those of every NVIDIA part since Volta. The CUDA
+    versions matter: XLA's GEMM rewriter reads `runtime_version` and, below CUDA 12, silently keeps
+    FP8 dots out of cuBLASLt's FP8 GEMM (a description without it reads as 0.0.0); the driver is
+    taken to be the runtime's own (the oldest that runs it)."""
+    cuda = cuda_version()
     spec = target.spec
     major, minor = spec.compute_capability
     extension = "ACCELERATED_FEATURES" if major >= 9 else "NONE"  # sm_90a: wgmma, TMA
@@ -200,6 +218,9 @@ def target_config_text(target: CompileTarget) -> str:
   thread_dim_limit_y: 1024
   thread_dim_limit_z: 64
   mem_clock_ghz: {spec.memory_clock_ghz}
+  driver_version: "{cuda}"
+  runtime_version: "{cuda}"
+  compile_time_toolkit_version: "{cuda}"
   dnn_version: "{cudnn_version()}"
   name: "{spec.device_kind}"
 }}
@@ -208,11 +229,18 @@ device_description_str: "{spec.device_kind}"
 """
 
 
+def plugin_installed() -> bool:
+    try:  # a missing parent package (jax_plugins) raises instead of returning None
+        return importlib.util.find_spec(PLUGIN_MODULE) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def plugin_problem() -> str | None:
     """Why this process cannot compile for a GPU (one line), or None when it can."""
     import jax
 
-    if importlib.util.find_spec(PLUGIN_MODULE) is None:
+    if not plugin_installed():
         return ("compiling for a GPU without one needs JAX's CUDA plugin (XLA's GPU compiler, no GPU "
                 f"or driver needed, ~5 GB): pip install 'jax[cuda12]=={jax.__version__}'")
     return None

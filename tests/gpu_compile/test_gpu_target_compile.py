@@ -1,0 +1,58 @@
+"""Compile-only GPUs from JAX's CUDA plugin (paxlite/parallel/gpu_target.py): what they are, and that the
+models' kernel choices see the target's platform, not this process's CPU backend."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from paxlite.models.attention_kernels import AttentionImplementation, resolve_implementation
+from paxlite.parallel.compiled_kernels import custom_calls
+from paxlite.parallel.gpu_target import CompileTarget, GpuTopology, compile_platform, gpu_devices
+
+pytestmark = pytest.mark.gpu_compile
+
+
+def test_a_topology_has_its_hosts_and_gpus():
+    devices = gpu_devices(CompileTarget.H100, GpuTopology.parse("1x2x8"))
+    assert len(devices) == 16
+    assert {d.platform for d in devices} == {"gpu"}
+    assert {d.device_kind for d in devices} == {"NVIDIA H100 80GB HBM3"}
+    assert sorted({d.process_index for d in devices}) == [0, 1]  # one process per host
+    assert jax.default_backend() == "cpu"  # the process's own backend is untouched
+
+
+@pytest.mark.parametrize(("target", "capability", "head_dim", "chosen"), [
+    (CompileTarget.H100, "9.0", 256, AttentionImplementation.CUDNN),  # Hopper: up to 256 per head
+    (CompileTarget.A100, "8.0", 256, AttentionImplementation.XLA),  # 128 before Hopper
+    (CompileTarget.A100, "8.0", 128, AttentionImplementation.CUDNN),
+])
+def test_the_kernel_choice_reads_the_targets_platform(target, capability, head_dim, chosen):
+    mesh = Mesh(np.array(gpu_devices(target, GpuTopology(gpus_per_host=8))), ("data",))
+    seen = {}
+
+    def probe(x):
+        seen["platform"] = compile_platform()
+        seen["choice"] = resolve_implementation(
+            AttentionImplementation.AUTO, dtype=jnp.bfloat16, head_dim=head_dim, seq_len=1024,
+            dense_bias=False, has_bias=False)
+        return x
+
+    with jax.set_mesh(mesh):
+        jax.jit(probe).lower(jax.ShapeDtypeStruct((8,), jnp.float32)).compile()
+    assert seen == {"platform": ("gpu", capability), "choice": chosen}
+
+
+def test_cudnn_attention_compiles_to_cudnns_fused_kernels():
+    mesh = Mesh(np.array(gpu_devices(CompileTarget.H200, GpuTopology(gpus_per_host=8))).reshape(4, 2),
+                ("data", "heads"))
+    spec = jax.ShapeDtypeStruct((8, 512, 8, 128), jnp.bfloat16,
+                                sharding=NamedSharding(mesh, PartitionSpec("data", None, "heads")))
+
+    def loss(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").sum()
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile()
+    assert custom_calls(compiled.as_text()) == {"__cudnn$fmhaSoftmax": 1,
+                                                "__cudnn$fmhaSoftmaxBackward": 1}
