@@ -53,7 +53,7 @@ gpu-compile: $(GPU_COMPILE_STAMP)
 # Then the gpu tests on the GPU, where there is one (tests/gpu_pass.py; without one it says so in a line).
 test: $(STAMP) $(GPU_COMPILE_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile $(PYTEST_ARGS)
-	PYTHONPATH=$(GPU_COMPILE) PAXLITE_REQUIRE_GPU_COMPILE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
 		--dist loadfile --durations=10 tests/gpu_compile $(PYTEST_ARGS)
 	$(BIN)/python tests/gpu_pass.py
 

@@ -23,10 +23,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# (experiment, devices): the mesh and device count docs/experiments.md lists for each.
-CASES = (
-    ("GPT5B", 256), ("GPT175B", 256), ("LLaMA7B", 8), ("LLaMA13B", 8), ("LLaMA70B", 16),
-    ("GLaM64B64E", 512), ("Mixtral8x7B", 8), ("Fuji7BV3", 8), ("Fuji70BV3", 8),
+# (experiment, devices, overrides): the mesh and device count docs/experiments.md lists for each, and
+# the training settings of Pax's LLaMA scripts (the LLaMA defaults are Pax's zero-shot evaluation batch).
+CASES: tuple[tuple[str, int, tuple[str, ...]], ...] = (
+    ("GPT5B", 256, ()), ("GPT175B", 256, ()), ("LLaMA7B", 8, ()), ("LLaMA13B", 8, ()),
+    ("LLaMA70B", 16, ()), ("GLaM64B64E", 512, ()), ("Mixtral8x7B", 8, ()), ("Fuji7BV3", 8, ()),
+    ("Fuji70BV3", 8, ()),
+    # run_llama_boolq.sh: full fine-tuning 2 sequences per GPU on 16 GPUs; LoRA 2 per GPU on 8
+    ("LLaMA7B", 16, ("PERCORE_BATCH_SIZE=2", "DCN_MESH_SHAPE=[1,2,1]")),
+    ("LLaMA7B", 8, ("PERCORE_BATCH_SIZE=2", "USE_LORA=True", "ICI_MESH_SHAPE=[8,1,1]")),
 )
 TARGETS = ("cpu", "h100", "h200")
 GIB = 2**30
@@ -102,7 +107,8 @@ def table(rows: list[dict]) -> str:
         ratio = ""
         if "peak_bytes" in row.get("h100", {}) and "peak_bytes" in row.get("cpu", {}):
             ratio = f"{row['h100']['peak_bytes'] / row['cpu']['peak_bytes']:.2f}"
-        lines.append(f"| {row['experiment']} | {row['devices']} | {mesh} | {_cell(row.get('h100'))} | "
+        name = row["experiment"] + "".join(f" `{a}`" for a in row.get("overrides", []))
+        lines.append(f"| {name} | {row['devices']} | {mesh} | {_cell(row.get('h100'))} | "
                      f"{_cell(row.get('h200'))} | {_cell(row.get('cpu'))} | {ratio} |")
     return "\n".join(lines)
 
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="", help="comma-separated experiment names (default: all)")
     parser.add_argument("--out", default="", help="write the raw rows here as JSON")
     parser.add_argument("--timeout_s", type=float, default=1800.0, help="per case")
+    parser.add_argument("--with_overrides_only", action="store_true",
+                        help="only the cases with overrides (Pax's LLaMA training settings)")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--assign", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -120,13 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_one(args.one, args.devices, args.assign)))
         return 0
     wanted = {c for c in args.cases.split(",") if c}
-    cases = [(name, devices) for name, devices in CASES if not wanted or name in wanted]
+    cases = [case for case in CASES if not wanted or case[0] in wanted]
+    if args.with_overrides_only:
+        cases = [case for case in cases if case[2]]
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {len(cases)} cases",
           file=sys.stderr)
     rows = []
-    for name, devices in cases:
+    for name, devices, assignments in cases:
         started = time.perf_counter()
-        rows.append(run_case(name, devices, [], timeout_s=args.timeout_s))
+        rows.append(run_case(name, devices, list(assignments), timeout_s=args.timeout_s))
         print(f"# {name} on {devices}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         if args.out:
             with open(args.out, "w") as f:

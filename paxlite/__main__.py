@@ -1,5 +1,5 @@
 """`python -m paxlite list [--format=markdown]` (the markdown is docs/experiments.md), `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
-`plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N` (will it fit? see
+`plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N [--target=cpu|h100|h200]` (will it fit? see
 paxlite/plan.py), `convert --from=hf|meta|paxlite|te --to=paxlite|hf|te --input=P --output=P`
 (paxlite/convert.py), `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
 adapters folded in; see paxlite/train/export.py) and `generate --job_log_dir=DIR|--checkpoint=PATH
@@ -226,10 +226,10 @@ def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     try:
         request = plan.PlanRequest(
             name=args.fdl_config, assignments=tuple(assignments), num_devices=args.devices,
-            device_memory_gib=args.device_memory_gib, peak_tflops=args.peak_tflops,
-            longest_seq=args.longest_seq, seq_step=args.seq_step,
+            target=args.target, device_memory_gib=args.device_memory_gib,
+            peak_tflops=args.peak_tflops, longest_seq=args.longest_seq, seq_step=args.seq_step,
         )
-    except ValueError as e:
+    except (UserError, ValueError) as e:  # a bad --target names every valid one
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
     return plan.run_plan_command(request, output_format=plan.OutputFormat(args.format))
@@ -272,13 +272,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("--fdl_config", required=True, help="registered name, dotted path or Pax name")
     show.add_argument("--format", choices=("text", "json"), default="text")
     plan = commands.add_parser(
-        "plan", help="will it fit? compile the train step on N fake devices; memory per device")
+        "plan", help="will it fit? compile the train step for N devices (CPU or H100/H200); memory "
+                     "per device")
     plan.add_argument("--fdl_config", required=True,
                       help="registered name, dotted path or Pax name")
     plan.add_argument("--devices", type=int, required=True, help="devices to plan for (ICI x DCN)")
-    plan.add_argument("--device_memory_gib", type=float, default=80.0, help="memory of one device")
-    plan.add_argument("--peak_tflops", type=float, default=989.0,
-                      help="dense peak TFLOP/s of one device (step time at 100%% MFU)")
+    plan.add_argument("--target", default="cpu", metavar="cpu|h100|h200|a100",
+                      help="the compiler that measures: cpu (fake CPU devices; default) or a GPU "
+                           "model, h100 / h200 / a100 (XLA's GPU compiler, no GPU needed; JAX's "
+                           "CUDA plugin)")
+    plan.add_argument("--device_memory_gib", type=float, default=None,
+                      help="memory of one device (default: the GPU target's own; 80 for cpu)")
+    plan.add_argument("--peak_tflops", type=float, default=None,
+                      help="dense peak TFLOP/s of one device (step time at 100%% MFU; default: "
+                           "the GPU target's BF16 peak; 989 for cpu)")
     plan.add_argument("--format", choices=("text", "json"), default="text")
     plan.add_argument("--longest_seq", choices=("auto", "on", "off"), default="auto",
                       help="search the longest MAX_SEQ_LEN that fits (auto: for runs with a seq axis)")

@@ -1,20 +1,24 @@
-"""Will it fit? Compile a run's train step ahead of time on fake CPU devices and read its memory.
+"""Will it fit? Compile a run's train step ahead of time for a target and read its memory.
 
 Nothing is allocated: the state and the batch are ShapeDtypeStructs carrying their shardings, and
 `jit(...).lower(...).compile()` runs XLA's SPMD partitioner and buffer assignment for one device's
-program. The numbers are those of the *CPU* compiler: GPU fusion and buffer assignment differ (cuDNN
-attention, different fusions), so temporaries are an estimate; parameter, optimizer-state and
-gradient bytes are exact (they follow from shapes and shardings alone). The CPU stands in because a
-deviceless CUDA compile needs the CUDA plugin on the planning machine (see the AOT notes in
-docs/parallelism.md).
+program. The target (`--target`) says which compiler: `cpu` (the default) compiles for fake CPU
+devices, whose temporaries are an estimate (GPU kernels and fusion differ); `h100`, `h200`, `a100`
+compile with XLA's GPU compiler for compile-only GPUs of that model (JAX's CUDA plugin, no GPU
+needed; paxlite/parallel/gpu_target.py): the run's own kernels (cuDNN attention, cuBLAS, Triton),
+without autotuning, and no FLOPs (its cost analysis is empty). Parameter, optimizer-state and
+gradient bytes are exact either way (they follow from shapes and shardings alone).
 
 This module finds the devices and puts the plan together: one compile and its reading
 (paxlite/plan_search.py), then, when the run does not fit, the levers, and when asked (always for a
 run with a seq axis) the longest sequence that fits (both paxlite/plan_levers.py); the result is a
-JSON-friendly dict that paxlite/plan_report.py prints. The planner needs as many JAX devices as the
-mesh has. Fake CPU devices are set by `XLA_FLAGS=--xla_force_host_platform_device_count=N` before
-JAX starts; a process whose JAX already started with fewer devices (pytest has 8, `python -m
-paxlite.main` has its real ones) plans in a fresh `python -m paxlite plan` subprocess instead.
+JSON-friendly dict that paxlite/plan_report.py prints. For `cpu` the planner needs as many JAX
+devices as the mesh has: fake CPU devices are set by
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX starts; a process whose JAX
+already started with fewer devices (pytest has 8, `python -m paxlite.main` has its real ones) plans
+in a fresh `python -m paxlite plan` subprocess instead. A GPU target needs only JAX started on the
+CPU platform (JAX_PLATFORMS=cpu: the plugin then compiles without initialising CUDA); a process
+whose JAX runs on a GPU plans it in a subprocess.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from paxlite.errors import UserError
+from paxlite.parallel.gpu_target import CompileTarget, GpuCompileUnavailableError, plugin_problem
 from paxlite.plan_levers import DEFAULT_SEQ_STEP, find_longest_seq, levers
 from paxlite.plan_report import format_text
 from paxlite.plan_search import (
@@ -40,12 +46,14 @@ from paxlite.plan_search import (
     PlanError,
     compile_train_step,
     plan_base,
+    target_defaults,
 )
 
 __all__ = ["DEFAULT_DEVICE_MEMORY_GIB", "DEFAULT_PEAK_TFLOPS", "DEFAULT_SEQ_STEP", "GIB",
-           "LongestSeq", "OutputFormat", "PlanError", "PlanRequest", "compile_train_step", "dry_run",
-           "emit", "fake_device_env", "format_text", "plan", "plan_command_line", "plan_experiment",
-           "prepare_this_process", "run_plan_command"]
+           "CompileTarget", "LongestSeq", "OutputFormat", "PlanError", "PlanRequest",
+           "compile_train_step", "dry_run", "emit", "fake_device_env", "format_text", "plan",
+           "plan_command_line", "plan_experiment", "prepare_this_process", "run_plan_command",
+           "target_defaults"]
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # The planner compiles to read XLA's buffer assignment and cost analysis, both decided before LLVM turns the
@@ -72,13 +80,15 @@ class LongestSeq(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
-    """What to plan: the experiment as typed on the command line, and the hardware to plan for."""
+    """What to plan: the experiment as typed on the command line, and the hardware to plan for
+    (memory and peak not given are the target's: target_defaults)."""
 
     name: str
     assignments: tuple[str, ...] = ()
     num_devices: int
-    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB
-    peak_tflops: float = DEFAULT_PEAK_TFLOPS
+    target: CompileTarget = CompileTarget.CPU  # which compiler measures (a name is parsed)
+    device_memory_gib: float | None = None
+    peak_tflops: float | None = None
     longest_seq: LongestSeq = LongestSeq.AUTO
     seq_step: int = DEFAULT_SEQ_STEP  # the longest sequence's granularity, in tokens
 
@@ -91,37 +101,47 @@ class PlanRequest:
         except ValueError:
             raise ValueError(f"--longest_seq={self.longest_seq!r}: expected one of "
                              f"{', '.join(mode.value for mode in LongestSeq)}") from None
+        object.__setattr__(self, "target", CompileTarget.parse(self.target))  # UserError: names all
         for flag, value in (("--device_memory_gib", self.device_memory_gib),
                             ("--peak_tflops", self.peak_tflops)):
-            if not (math.isfinite(value) and value > 0):
+            if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{flag}={value!r}: expected a positive number")
 
 
 # ------------------------------------------------------------------------------------------------
-# Devices: this process, or a fresh one with enough fake CPU devices
+# Devices: this process, or a fresh one with enough fake CPU devices (or on the CPU platform)
 
 
-def fake_device_env(num_devices: int, base: dict[str, str] | None = None) -> dict[str, str]:
+def fake_device_env(num_devices: int, base: dict[str, str] | None = None, *,
+                    target: CompileTarget | str = CompileTarget.CPU) -> dict[str, str]:
     """`base` (default os.environ) with XLA_FLAGS asking for exactly `num_devices` CPU devices, and for
-    LLVM's quickest code generation (_CODEGEN_LEVEL_FLAG) unless XLA_FLAGS already sets a level."""
+    LLVM's quickest code generation (_CODEGEN_LEVEL_FLAG) unless XLA_FLAGS already sets a level.
+    A GPU target compiles on compile-only GPUs: it needs JAX on the CPU platform only (the CUDA
+    plugin registers its compiler without initialising CUDA), and XLA_FLAGS is left as it is."""
     env = dict(os.environ if base is None else base)
+    env["JAX_PLATFORMS"] = "cpu"
+    if CompileTarget.parse(target).is_gpu:
+        return env
     flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", env.get("XLA_FLAGS", "")).split()
     if not any(flag.startswith(_CODEGEN_LEVEL_FLAG + "=") for flag in flags):
         flags.append(f"{_CODEGEN_LEVEL_FLAG}=0")
     env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={num_devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
-def prepare_this_process(num_devices: int) -> bool:
-    """True when this process can plan for `num_devices` (setting the fake devices if JAX has not
-    started yet); False when JAX already runs with other devices and a subprocess must plan."""
+def prepare_this_process(num_devices: int, *,
+                         target: CompileTarget | str = CompileTarget.CPU) -> bool:
+    """True when this process can plan for `num_devices` of `target` (setting up JAX's environment
+    if JAX has not started yet); False when JAX already runs on other devices (a GPU; for `cpu`,
+    fewer CPU devices) and a subprocess must plan."""
     if "jax" not in sys.modules:
-        os.environ.update(fake_device_env(num_devices))
+        os.environ.update(fake_device_env(num_devices, target=target))
         return True
     import jax
 
     devices = jax.devices()
+    if CompileTarget.parse(target).is_gpu:  # compile-only GPUs: any number, beside the CPU
+        return devices[0].platform == "cpu"
     return devices[0].platform == "cpu" and len(devices) >= num_devices
 
 
@@ -131,8 +151,10 @@ def plan_command_line(request: PlanRequest, *, output_format: OutputFormat) -> l
         sys.executable, "-m", "paxlite", "plan", f"--fdl_config={request.name}",
         *(f"--fdl.{a}" for a in request.assignments),
         f"--devices={request.num_devices}",
-        f"--device_memory_gib={request.device_memory_gib!r}",
-        f"--peak_tflops={request.peak_tflops!r}",
+        *([] if request.target is CompileTarget.CPU else [f"--target={request.target.value}"]),
+        *([] if request.device_memory_gib is None else
+          [f"--device_memory_gib={request.device_memory_gib!r}"]),
+        *([] if request.peak_tflops is None else [f"--peak_tflops={request.peak_tflops!r}"]),
         *([] if request.longest_seq is LongestSeq.AUTO else
           [f"--longest_seq={request.longest_seq.value}"]),
         *([] if request.seq_step == DEFAULT_SEQ_STEP else [f"--seq_step={request.seq_step}"]),
@@ -144,23 +166,30 @@ def plan_in_subprocess(request: PlanRequest) -> dict[str, Any]:
     """Plan in a fresh process; its error message (one line on stderr) becomes a PlanError."""
     result = subprocess.run(
         plan_command_line(request, output_format=OutputFormat.JSON),
-        capture_output=True, text=True, env=fake_device_env(request.num_devices), check=False,
+        capture_output=True, text=True, check=False,
+        env=fake_device_env(request.num_devices, target=request.target),
     )
     if result.returncode != 0:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
-        raise PlanError(lines[-1] if lines else f"the planner exited with {result.returncode}")
+        raise PlanError(lines[-1].removeprefix("paxlite: error: ") if lines
+                        else f"the planner exited with {result.returncode}")
     return json.loads(result.stdout)
 
 
 def plan(request: PlanRequest) -> dict[str, Any]:
-    """The plan of `request`, in this process when its devices allow, else in a subprocess."""
-    if not prepare_this_process(request.num_devices):
+    """The plan of `request`, in this process when its devices allow, else in a subprocess. A GPU
+    target without JAX's CUDA plugin is a GpuCompileUnavailableError saying how to install it."""
+    if not prepare_this_process(request.num_devices, target=request.target):
         return plan_in_subprocess(request)
+    problem = plugin_problem() if request.target.is_gpu else None
+    if problem:  # before the experiment is loaded: nothing else would be of use
+        raise GpuCompileUnavailableError(problem)
     from paxlite.experiments.build import load_experiment
 
     return plan_experiment(
         load_experiment(request.name, request.assignments),
         num_devices=request.num_devices,
+        target=request.target,
         device_memory_gib=request.device_memory_gib,
         peak_tflops=request.peak_tflops,
         longest_seq=request.longest_seq,
@@ -169,23 +198,27 @@ def plan(request: PlanRequest) -> dict[str, Any]:
 
 
 def plan_experiment(experiment, *, num_devices: int,
-                    device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
-                    peak_tflops: float = DEFAULT_PEAK_TFLOPS,
+                    target: CompileTarget | str = CompileTarget.CPU,
+                    device_memory_gib: float | None = None,
+                    peak_tflops: float | None = None,
                     longest_seq: LongestSeq = LongestSeq.AUTO,
                     seq_step: int = DEFAULT_SEQ_STEP) -> dict[str, Any]:
-    """The plan (a JSON-friendly dict) of `experiment` on `num_devices` devices of this process:
-    the compiled step, levers when it does not fit, the longest sequence when `longest_seq` asks."""
+    """The plan (a JSON-friendly dict) of `experiment` on `num_devices` devices of `target` (this
+    process's CPU devices, or compile-only GPUs): the compiled step, levers when it does not fit,
+    the longest sequence when `longest_seq` asks, every re-plan compiled for the same target."""
     started = time.perf_counter()
-    result, base = plan_base(experiment, num_devices=num_devices,
+    target = CompileTarget.parse(target)
+    result, base = plan_base(experiment, num_devices=num_devices, target=target,
                              device_memory_gib=device_memory_gib, peak_tflops=peak_tflops)
     device_bytes = result["device_memory_bytes"]
     if not result["fits"]:
         result["levers"] = levers(experiment, base, num_devices=num_devices,
-                                  device_bytes=device_bytes)
+                                  device_bytes=device_bytes, target=target)
     result["longest_seq"] = None
     if LongestSeq(longest_seq).wanted(seq=base["mesh"]["seq"]):
         result["longest_seq"] = find_longest_seq(
-            experiment, base, num_devices=num_devices, device_bytes=device_bytes, step=seq_step)
+            experiment, base, num_devices=num_devices, device_bytes=device_bytes, step=seq_step,
+            target=target)
     result["plan_s"] = round(time.perf_counter() - started, 2)
     return result
 
@@ -201,16 +234,13 @@ def emit(p: dict[str, Any], output_format: OutputFormat) -> str:
 def run_plan_command(request: PlanRequest, *, output_format: OutputFormat) -> int:
     """`python -m paxlite plan`: prints the plan; a bad configuration exits 2 with one line."""
     # First, before anything imports JAX (paxlite.parallel does): a fresh process plans itself.
-    if not prepare_this_process(request.num_devices):
+    if not prepare_this_process(request.num_devices, target=request.target):
         command = plan_command_line(request, output_format=output_format)
-        return subprocess.run(command, env=fake_device_env(request.num_devices),
-                              check=False).returncode
-    from paxlite.config.errors import ConfigError
-    from paxlite.parallel.mesh import MeshError
-
+        return subprocess.run(command, check=False, env=fake_device_env(
+            request.num_devices, target=request.target)).returncode
     try:
         print(emit(plan(request), output_format))
-    except (ConfigError, MeshError, PlanError, ValueError) as e:
+    except (UserError, PlanError, ValueError) as e:  # ConfigError, MeshError, no CUDA plugin
         print(f"paxlite: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from paxlite.parallel.gpu_target import CompileTarget
 from paxlite.plan_search import (
     check_runs,
     compile_variants,
@@ -87,8 +88,8 @@ def _moved(named: dict[str, dict[str, int]], moves: list[tuple[str, str, str, in
 # Levers
 
 
-def levers(experiment, base: dict[str, Any], *, num_devices: int,
-           device_bytes: int) -> list[dict[str, Any]]:
+def levers(experiment, base: dict[str, Any], *, num_devices: int, device_bytes: int,
+           target: CompileTarget | str = CompileTarget.CPU) -> list[dict[str, Any]]:
     """Ways to make the run fit, each measured: analytic where the change is exact arithmetic,
     compiled (at most _MAX_COMPILED_LEVERS compiles) where the compiler decides. Candidates come in
     order of preference; one the run would refuse is reported with the refusal, not compiled."""
@@ -161,7 +162,7 @@ def levers(experiment, base: dict[str, Any], *, num_devices: int,
         description, changes = candidate
         lever = {"lever": description, "method": "compiled", "overrides": changes}
         try:
-            check_runs(variant(experiment, changes), num_devices=num_devices)
+            check_runs(variant(experiment, changes), num_devices=num_devices, target=target)
         except (ConfigError, MeshError, ValueError) as e:  # e.g. a batch that no longer divides
             out.append({**lever, "applicable": False, "reason": str(e)})
             continue
@@ -172,14 +173,15 @@ def levers(experiment, base: dict[str, Any], *, num_devices: int,
         to_compile.append(lever)
         out.append(lever)
     measured = compile_variants(experiment, [lever["overrides"] for lever in to_compile],
-                                num_devices=num_devices)
+                                num_devices=num_devices, target=target)
     for lever, result in zip(to_compile, measured):
         if isinstance(result, Exception):  # refused only while compiling
             lever.update(applicable=False, reason=str(result))
         else:
             peak = result["memory"]["peak_bytes"]
             lever.update(peak_bytes=peak, **verdict(peak, device_bytes))
-    combined = _combined_lever(experiment, out, num_devices=num_devices, device_bytes=device_bytes)
+    combined = _combined_lever(experiment, out, num_devices=num_devices, device_bytes=device_bytes,
+                               target=target)
     return out + ([combined] if combined else [])
 
 
@@ -310,7 +312,7 @@ def _expert_candidates(experiment, base, named, layout) -> list[tuple[str, dict[
 
 
 def _combined_lever(experiment, levers: list[dict[str, Any]], *, num_devices: int,
-                    device_bytes: int) -> dict[str, Any] | None:
+                    device_bytes: int, target: CompileTarget | str) -> dict[str, Any] | None:
     """When no single lever fits, the applicable same-training levers at once, compiled.
 
     Large models often need several (LLaMA70B on 16 devices: the scanned stack with SAVE_NOTHING and
@@ -333,7 +335,7 @@ def _combined_lever(experiment, levers: list[dict[str, Any]], *, num_devices: in
         changes.update(lever["overrides"])
     lever = {"lever": "together: " + " + ".join(p["lever"] for p in parts), "method": "compiled",
              "overrides": changes}
-    [measured] = compile_variants(experiment, [changes], num_devices=num_devices)
+    [measured] = compile_variants(experiment, [changes], num_devices=num_devices, target=target)
     if isinstance(measured, Exception):
         return {**lever, "applicable": False, "reason": str(measured)}
     peak = measured["memory"]["peak_bytes"]
@@ -345,8 +347,8 @@ def _combined_lever(experiment, levers: list[dict[str, Any]], *, num_devices: in
 
 
 def find_longest_seq(experiment, base: dict[str, Any], *, num_devices: int, device_bytes: int,
-                step: int = DEFAULT_SEQ_STEP,
-                max_compiles: int = MAX_SEQ_SEARCH_COMPILES) -> dict[str, Any]:
+                step: int = DEFAULT_SEQ_STEP, max_compiles: int = MAX_SEQ_SEARCH_COMPILES,
+                target: CompileTarget | str = CompileTarget.CPU) -> dict[str, Any]:
     """The longest MAX_SEQ_LEN, a multiple of `step`, whose train step fits `device_bytes` per
     device, at the run's mesh and rows per device.
 
@@ -363,6 +365,8 @@ def find_longest_seq(experiment, base: dict[str, Any], *, num_devices: int, devi
     chunks = seq * (2 if seq > 1 and experiment.CONTEXT_PARALLEL_LOAD_BALANCE else 1)
     step = math.lcm(step, chunks)
     peaks: dict[int, int | str] = {base["seq_len"]: base["memory"]["peak_bytes"]}
+    # cpu is compile_variants' default (and a stand-in compiler taking no target stays usable)
+    on_target = {"target": target} if CompileTarget.parse(target).is_gpu else {}
     first: list[int] = []
     compiles = 0
 
@@ -374,7 +378,7 @@ def find_longest_seq(experiment, base: dict[str, Any], *, num_devices: int, devi
         nonlocal compiles
         todo = sorted({t for t in lengths if t >= step and t not in peaks})[:max_compiles - compiles]
         results = compile_variants(experiment, [{"MAX_SEQ_LEN": t} for t in todo],
-                                   num_devices=num_devices)
+                                   num_devices=num_devices, **on_target)
         compiles += len(todo)
         for t, result in zip(todo, results):
             peaks[t] = (f"refused: {result}" if isinstance(result, Exception)

@@ -24,7 +24,7 @@ def format_text(p: dict[str, Any]) -> str:
          f"(ICI {p['ici_mesh_shape']} x DCN {p['dcn_mesh_shape']})"),
         (f"  {p['num_params']:,} parameters; global batch {p['global_batch_size']} x {p['seq_len']}"
          f" = {p['tokens_per_step']:,} tokens per step"),
-        "Memory per device (train step compiled for CPU; GPU temporaries differ):",
+        *_compiler_lines(p),
         f"  parameters          {_gib(m['parameter_bytes']):>14}",
         f"  optimizer state     {_gib(m['optimizer_state_bytes']):>14}",
         f"  gradients           {_gib(m['gradient_bytes']):>14}  (live inside temporaries)",
@@ -34,8 +34,7 @@ def format_text(p: dict[str, Any]) -> str:
         f"  temporaries (peak)  {_gib(m['temp_bytes']):>14}",
         f"  generated code      {_gib(m['generated_code_bytes']):>14}",
         f"  peak live           {_gib(m['peak_bytes']):>14}  = {p['peak_formula']}",
-        (f"  (of the temporaries: attention logits of one layer, float32 [B, N, T, S], "
-         f"{_gib(p['attention_logits_bytes_per_layer'])})"),
+        _attention_line(p),
         *_moe_lines(p.get("moe")),
         *_pipeline_lines(p.get("pipeline")),
         *_seq_lines(p.get("sequence_parallel")),
@@ -44,7 +43,8 @@ def format_text(p: dict[str, Any]) -> str:
          f"{'to spare' if p['fits'] else 'short'}"),
         f"FLOPs per step: analytic {flops['analytic']:.4g} (6N + attention, "
         f"{flops['analytic_per_token']:,} per token); compiler "
-        + ("n/a" if flops["compiler_total"] is None else
+        + (f"not available ({flops.get('compiler_note') or 'no cost analysis'})"
+           if flops["compiler_total"] is None else
            f"{flops['compiler_total']:.4g} ({flops['compiler_per_device']:.4g} per device x "
            f"{p['num_devices']}; counts rematerialisation"
            + ("; counts the scanned layer stack's loop body ONCE, so it is not comparable"
@@ -68,6 +68,36 @@ def format_text(p: dict[str, Any]) -> str:
     lines += _longest_seq_lines(p.get("longest_seq"), p["device_memory_bytes"])
     lines.append(f"Planned in {p['plan_s']:.1f} s (compile {p['compile_s']:.1f} s).")
     return "\n".join(lines)
+
+
+def _compiler_lines(p: dict[str, Any]) -> list[str]:
+    """Which compiler measured, and what a GPU program launches (custom calls, FP8 GEMMs)."""
+    target = p.get("compiled_for", "cpu")
+    if target == "cpu":
+        lines = ["Memory per device (train step compiled for CPU; GPU temporaries differ):"]
+        if p.get("attention_note"):
+            lines.append(f"  ({p['attention_note']})")
+        return lines
+    lines = [(f"Memory per device (train step compiled for {target} by XLA's GPU compiler, "
+              f"preset {p.get('xla_preset')!r}; no autotuning; temporaries include cuBLAS "
+              "workspaces):")]
+    kernels = p.get("kernels") or {}
+    calls = ", ".join(f"{name} x{count}" for name, count in kernels.items()) or "none"
+    lines.append(f"  kernels (custom calls, each call site once): {calls}")
+    fp8 = p.get("fp8_gemms")
+    if fp8:
+        lines.append(f"  FP8 GEMMs: {fp8['total']} (cuBLASLt {fp8['cublaslt']}, cuBLAS "
+                     f"{fp8['cublas']}, Triton {fp8['triton']})")
+    return lines
+
+
+def _attention_line(p: dict[str, Any]) -> str:
+    logits = p.get("attention_logits_bytes_per_layer")
+    if logits is None:
+        return (f"  (attention: the fused {p.get('attention_kernel')!r} kernel, no [B, N, T, S] "
+                "logits among the temporaries)")
+    return (f"  (of the temporaries: attention logits of one layer, float32 [B, N, T, S], "
+            f"{_gib(logits)})")
 
 
 def _moe_lines(moe: dict[str, Any] | None) -> list[str]:

@@ -1,13 +1,15 @@
-"""The planner's measurement: compile a run's train step for N fake CPU devices and read what XLA
-decided (memory per device, FLOPs), with what the run's mesh, pipeline and seq axis make of it.
+"""The planner's measurement: compile a run's train step for N devices of a target (fake CPU
+devices, or compile-only H100/H200/A100s through XLA's GPU compiler) and read what XLA decided
+(memory per device, FLOPs where the compiler counts them, a GPU program's kernels), with what the
+run's mesh, pipeline and seq axis make of it.
 
 Nothing is allocated: the state and the batch are ShapeDtypeStructs carrying their shardings, and
 `jit(...).lower(...).compile()` runs XLA's SPMD partitioner and buffer assignment for one device's
-program. The numbers are those of the *CPU* compiler: GPU fusion and buffer assignment differ (cuDNN
-attention, different fusions), so temporaries are an estimate; parameter, optimizer-state and
-gradient bytes are exact (they follow from shapes and shardings alone). paxlite/plan.py finds the
-devices (this process or a fresh one) and puts the plan together, paxlite/plan_levers.py re-plans
-variants of the run (the levers, the longest sequence), and paxlite/plan_report.py prints the result.
+program. For `cpu` the temporaries are the CPU compiler's estimate (GPU kernels and fusion differ);
+for a GPU target they are the GPU compiler's own, without autotuning. Parameter, optimizer-state and
+gradient bytes are exact either way (they follow from shapes and shardings alone). paxlite/plan.py
+finds the devices and puts the plan together, paxlite/plan_levers.py re-plans variants of the run
+(the levers, the longest sequence), and paxlite/plan_report.py prints the result.
 
 With a pipeline, one device's program is one pipeline rank's: it holds the layers of its stage(s)
 (the scanned stack's [L, ...] parameters split over the `pipeline` axis), so the per-device peak
@@ -30,6 +32,8 @@ from paxlite.parallel.gpu_target import CompileTarget, GpuTopology, gpu_devices
 DEFAULT_DEVICE_MEMORY_GIB = 80.0  # H100 80GB
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 dense BF16 (docs/performance.md)
 GIB = 2**30
+# A fused attention kernel's custom call in a GPU program (prefix -> attention implementation)
+_FUSED_ATTENTION_CALLS = (("__cudnn$fmha", "cudnn"), ("__gpu$xla.gpu.triton", "pallas_triton"))
 
 
 class PlanError(RuntimeError):
@@ -324,49 +328,91 @@ def compile_variants(experiment, variants: list[dict[str, Any]], *, num_devices:
 # The plan of one compile: memory, verdict, FLOPs, the pipeline schedule and the seq shards
 
 
-def plan_base(experiment, *, num_devices: int, device_memory_gib: float = DEFAULT_DEVICE_MEMORY_GIB,
-              peak_tflops: float = DEFAULT_PEAK_TFLOPS) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the plan without levers, as a JSON-friendly dict; compile_train_step's measurement)."""
+def target_defaults(target: CompileTarget | str) -> tuple[int, float]:
+    """(device bytes, dense BF16 TFLOP/s) a plan for `target` assumes unless told: the GPU's own
+    description (GpuSpec), or for `cpu` an H100's 80 GiB and peak (the planner's defaults)."""
+    target = CompileTarget.parse(target)
+    return ((target.spec.memory_bytes, target.spec.dense_bf16_tflops) if target.is_gpu
+            else (int(DEFAULT_DEVICE_MEMORY_GIB * GIB), DEFAULT_PEAK_TFLOPS))
+
+
+def _compiler_notes(base: dict[str, Any]) -> tuple[str, str | None]:
+    """(where the memory figures come from, why there are no compiler FLOPs or None): the reader is
+    told which compiler measured, and a missing number is never filled with another compiler's."""
+    target = base["compiled_for"]
+    memory = ("XLA's CPU compiler: parameter, optimizer and gradient bytes are exact; GPU kernels, "
+              "fusion and buffer assignment differ, so the temporaries are an estimate")
+    if target != CompileTarget.CPU.value:
+        memory = (f"XLA's GPU compiler for {target} (compile-only devices, XLA preset "
+                  f"{base.get('xla_preset')!r}): the run's kernels and buffer assignment, without "
+                  "autotuning (default GEMM configurations); temporaries include cuBLAS workspaces")
+    flops = ("XLA's CPU compiler gave no cost analysis" if target == CompileTarget.CPU.value else
+             f"XLA's GPU compiler gives no cost analysis for a compile-only {target}: the analytic "
+             "count stands, and no CPU compile's count is put in its place")
+    return memory, None if base["compiler_flops_per_device"] is not None else flops
+
+
+def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None = None,
+              peak_tflops: float | None = None, target: CompileTarget | str = CompileTarget.CPU,
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the plan without levers, as a JSON-friendly dict; compile_train_step's measurement).
+    Memory and peak not given are the target's (target_defaults)."""
     import fiddle as fdl
 
     from paxlite.models.transformer import num_params
     from paxlite.parallel.mesh import BATCH_AXES
 
-    base = compile_train_step(experiment, num_devices=num_devices)
+    target = CompileTarget.parse(target)
+    default_bytes, default_tflops = target_defaults(target)
+    device_bytes = default_bytes if device_memory_gib is None else int(device_memory_gib * GIB)
+    peak_tflops = default_tflops if peak_tflops is None else peak_tflops
+    base = compile_train_step(experiment, num_devices=num_devices, target=target)
     model = fdl.build(experiment.model_config())
-    device_bytes = int(device_memory_gib * GIB)
     tokens = base["global_batch_size"] * base["seq_len"]
     analytic = experiment.flops_per_token() * tokens
     compiler = base["compiler_flops_per_device"]
     ideal_step_s = analytic / (num_devices * peak_tflops * 1e12)
     batch_ways = math.prod(base["mesh"][axis] for axis in BATCH_AXES)
+    memory_note, flops_note = _compiler_notes(base)
+    kernels = base.get("kernels") or {}
+    attention = next((name for prefix, name in _FUSED_ATTENTION_CALLS
+                      if any(call.startswith(prefix) for call in kernels)), "xla")
     result = {
         "experiment": experiment.name,
         "class": f"{type(experiment).__module__}.{type(experiment).__qualname__}",
         "overrides": {name: experiment.hparams()[name] for name in sorted(experiment.overridden)},
         "num_devices": num_devices,
-        "compiled_for": "cpu",
+        "compiled_for": base["compiled_for"],
+        "memory_note": memory_note,
         **{key: base[key] for key in ("mesh", "ici_mesh_shape", "dcn_mesh_shape",
                                       "global_batch_size", "seq_len")},
         "tokens_per_step": tokens,
-        "num_params": num_params(model),
+        # traced with XLA's attention (the same parameters): AUTO resolved here, off the target's
+        # mesh, would log a fall-back to XLA that a GPU program does not make
+        "num_params": num_params(dataclasses.replace(model, attention_implementation="xla")),
         "memory_per_device": base["memory"],
         "peak_formula": "argument + output - alias + temp + generated_code",
         "device_memory_bytes": device_bytes,
         **verdict(base["memory"]["peak_bytes"], device_bytes),
+        "attention_kernel": attention,
+        # a fused kernel (cuDNN, Pallas-Triton) holds no [B, N, T, S] logits: None
         "attention_logits_bytes_per_layer": _attention_logits_bytes(
-            experiment, model, base, batch_ways=batch_ways),
+            experiment, model, base, batch_ways=batch_ways) if attention == "xla" else None,
         "pipeline": _pipeline_plan(model, base, grad_accum_steps=experiment.GRAD_ACCUM_STEPS,
                                    batch_ways=batch_ways),
         "sequence_parallel": _seq_plan(experiment, model, base, batch_ways=batch_ways),
         "moe": moe_plan(experiment, base),
-        # A cuDNN / Pallas-Triton run is compiled here with XLA's attention (see compile_train_step).
+        # A cuDNN / Pallas-Triton run is compiled for cpu with XLA's attention (compile_train_step).
         "attention_note": base.get("attention_note"),
+        # GPU targets: every custom call of the optimized HLO (call sites: a scanned stack's body
+        # once), the FP8 GEMMs, and the XLA preset compiled with; None for cpu.
+        **{key: base.get(key) for key in ("kernels", "fp8_gemms", "xla_preset", "compiler_options")},
         "flops_per_step": {
             "analytic": analytic,
             "analytic_per_token": experiment.flops_per_token(),
             "compiler_per_device": compiler,
             "compiler_total": None if compiler is None else compiler * num_devices,
+            "compiler_note": flops_note,
             # XLA's cost analysis counts a while loop's body once: with a scanned layer stack (or a
             # pipeline's loop) the compiler figure is about one iteration's work plus the rest.
             "compiler_counts_scanned_layers_once": bool(experiment.USE_REPEATED_LAYER

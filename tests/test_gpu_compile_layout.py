@@ -27,5 +27,7 @@ def test_the_makefile_runs_tests_gpu_compile_with_the_plugin_required():
     with open(os.path.join(os.path.dirname(TESTS), "Makefile")) as f:
         makefile = f.read()
     assert "--ignore=tests/gpu_compile" in makefile
-    assert re.search(r"PYTHONPATH=\$\(GPU_COMPILE\) PAXLITE_REQUIRE_GPU_COMPILE=1 .*pytest", makefile)
+    # absolute: the docs' gpu_compile blocks run from a temporary directory
+    assert re.search(r"PYTHONPATH=\$\(abspath \$\(GPU_COMPILE\)\) PAXLITE_REQUIRE_GPU_COMPILE=1 .*pytest",
+                     makefile)
     assert re.search(r"--durations=10 tests/gpu_compile", makefile)
