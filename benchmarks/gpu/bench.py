@@ -1,23 +1,30 @@
 """The one-call GPU benchmark: matmul ceilings, then training throughput of three models, as one table.
 
     python benchmarks/gpu/bench.py --log_dir=DIR [--deadline_s=UNIX_TIME] [--cpu --tiny] [--peak_tflops=BF16,FP8]
+                                   [--plan_s=60] [--plan_target=h100|h200|a100|cpu]
 
 Parts (benchmarks/gpu/run.sh calls this after the GPU tests; docs/performance.md, "GPU benchmark"):
 1. The measured matmul ceiling of this device: a large square bf16 `jnp.dot`, and an FP8 one (float8_e4m3fn
    operands dequantised by a scalar scale each, the pattern XLA rewrites into one cuBLASLt FP8 GEMM; the
    compiled HLO is checked for that call). TFLOP/s of the best of a few sizes. Run in a subprocess, so this
    process never holds the GPU while the training jobs need it.
-2. Synthetic126M (seq 2048), a LLaMA-style 1B (fuji-1B-v3-flash dims, seq 4096, 8 sequences) and
+2. Planned peak memory (benchmarks/gpu/peaks.py), beside part 1: each training case's train step compiled
+   for one device of the local GPU model by XLA's GPU compiler, deviceless, in one CPU-only subprocess
+   capped at --plan_s seconds (the cases in run order; what the cap cuts off is "n/a").
+3. Synthetic126M (seq 2048), a LLaMA-style 1B (fuji-1B-v3-flash dims, seq 4096, 8 sequences) and
    GLaM126M64E (synthetic), each in BF16 and native FP8 (`--fdl.USE_FP8=True`), with flash attention on
    and off: `python -m paxlite.main` subprocesses on one device with checkpoint saving off and the
-   model's XLA preset (paxlite.xla_presets), read back from their metrics.jsonl and config.json.
+   model's XLA preset (paxlite.xla_presets), read back from their metrics.jsonl and config.json, and
+   each run's measured peak device memory (`peak_bytes_in_use`, read inside the run by peaks.py).
 
 Columns: tokens/s and input wait are medians over the logged windows after the first (which holds the
 warm-up steps); TFLOP/s per device = tokens/s x flops_per_token (config.json, MaxText's count) / devices;
 MFU against the spec peak of the row's precision (paxlite.train.flops; --peak_tflops overrides) and
-against the measured ceiling of the same precision. A run that fails gives its row "failed: <first error
-line>" and the rest go on; a run that would pass the deadline is not started ("skipped: time budget").
-`--cpu --tiny` runs every part on the CPU in seconds (tiny models, 3 steps, tiny matmuls): the test
+against the measured ceiling of the same precision; planned and measured peak GiB per device and
+measured/planned, the planner's error (over 1: the run needed more than planned). A run that fails gives its
+row "failed: <first error line>" and the rest go on; a run that would pass the deadline is not started
+("skipped: time budget"). `--cpu --tiny` runs every part on the CPU in seconds (tiny models, 3 steps, tiny
+matmuls, the first case planned for the CPU, whose devices report no memory peak): the test
 (tests/test_gpu_benchmark.py) and a dry run before spending GPU time.
 """
 
@@ -39,6 +46,8 @@ from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # the repository's paxlite, also when run as a script
+
+import peaks  # benchmarks/gpu/peaks.py: the planned and measured memory columns
 
 from paxlite import xla_presets
 from paxlite.train.flops import peak_flops_per_device
@@ -202,7 +211,7 @@ def _run(cmd: list[str], *, env: dict[str, str], log: str, timeout_s: float,
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 return f"failed: timed out after {timeout_s:.0f} s"
-            time.sleep(0.25)
+            time.sleep(0.1)  # a run left going after its last step starts the final evaluation's compile
     if rc == 0:
         return None
     with open(log) as f:
@@ -213,16 +222,6 @@ def _run(cmd: list[str], *, env: dict[str, str], log: str, timeout_s: float,
 def _steps(tiny: bool) -> tuple[int, int]:
     """(MAX_STEPS, SUMMARY_INTERVAL_STEPS)."""
     return (3, 1) if tiny else (30, 10)
-
-
-def _logged_step(job_dir: str, step: int) -> bool:
-    """Whether metrics.jsonl has the train line of `step`."""
-    try:
-        with open(os.path.join(job_dir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.endswith("\n")]  # whole lines only
-        return any(r.get("step") == step and "loss" in r for r in records)
-    except OSError:
-        return False
 
 
 def case_command(case: Case, *, job_dir: str, tiny: bool) -> list[str]:
@@ -266,7 +265,7 @@ def read_run(job_dir: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ table
 COLUMNS = ("model", "precision", "attention", "tokens/s", "TFLOP/s/dev", "MFU spec", "MFU measured", "input wait",
-           "note")
+           "planned peak GiB", "measured peak GiB", "measured/planned", "note")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -278,30 +277,42 @@ def _tflops(value: float | None) -> str:
     return _fmt(value, ".1f" if value is not None and value >= 10 else ".3g")
 
 
-def table_rows(results: list[dict], matmul: dict, peaks: dict[str, float | None]) -> list[list[str]]:
+def _memory(result: dict, *, ran: bool) -> list[str]:
+    """planned peak GiB, measured peak GiB, measured/planned: 3 significant digits (GPU and tiny CPU
+    scales alike); a run that did not run has no measured cells."""
+    planned, measured = result.get("planned_peak_bytes"), result.get("measured_peak_bytes")
+    cells = [_fmt(peaks.gib(planned), ".3g")]
+    if not ran:
+        return [*cells, "-", "-"]
+    return [*cells, _fmt(peaks.gib(measured), ".3g"), _fmt(peaks.ratio(measured, planned), ".2f")]
+
+
+def table_rows(results: list[dict], matmul: dict, spec_peaks: dict[str, float | None]) -> list[list[str]]:
     rows = []
     for precision in PRECISIONS:
         if "error" in matmul:
-            rows.append([f"matmul {precision}", precision, "-", "-", "-", "-", "-", "-", matmul["error"]])
+            rows.append([f"matmul {precision}", precision, *["-"] * 9, matmul["error"]])
             continue
         sizes = matmul[precision]
         best = max(sizes, key=lambda n: sizes[n])
-        peak = peaks[precision]
+        peak = spec_peaks[precision]
         note = matmul.get("fp8_gemm", "") if precision == "fp8" else ""
         rows.append([f"matmul {precision} {best}^3", precision, "-", "-", _tflops(sizes[best]),
-                     _fmt(sizes[best] * 1e12 / peak if peak else None, ".1%"), "100.0%", "-", note])
+                     _fmt(sizes[best] * 1e12 / peak if peak else None, ".1%"), "100.0%", "-", "-", "-", "-",
+                     note])
     for result in results:
         head = [result["model"], result["precision"], result["attention"]]
         if "status" in result:
-            rows.append([*head, "-", "-", "-", "-", "-", result["status"]])
+            rows.append([*head, "-", "-", "-", "-", "-", *_memory(result, ran=False), result["status"]])
             continue
         tflops = result["tokens_per_s"] * result["flops_per_token"] / result["num_devices"] / 1e12
-        peak = peaks[result["precision"]]
+        peak = spec_peaks[result["precision"]]
         ceiling = None if "error" in matmul else max(matmul[result["precision"]].values())
         rows.append([*head, _fmt(result["tokens_per_s"], ",.0f"), _tflops(tflops),
                      _fmt(tflops * 1e12 / peak if peak else None, ".1%"),
                      _fmt(tflops / ceiling if ceiling else None, ".1%"),
-                     _fmt(result["input_wait_fraction"], ".1%"), f"steps {result['steps'][0]}-{result['steps'][-1]}"])
+                     _fmt(result["input_wait_fraction"], ".1%"), *_memory(result, ran=True),
+                     f"steps {result['steps'][0]}-{result['steps'][-1]}"])
     return rows
 
 
@@ -333,6 +344,20 @@ def _environment(cpu: bool, preset: str | None) -> dict[str, str]:
     return env
 
 
+def _start_planning(cases: list[Case], *, args: argparse.Namespace, target: str | None, deadline: float,
+                    log_dir: str, say: Callable[[str], None]) -> subprocess.Popen | None:
+    """The planner subprocess for `cases` (None when there is no target or no time)."""
+    if target is None or not cases:
+        return None
+    if deadline - time.time() < (5 if args.tiny else 30):
+        say("planning: skipped (time budget)")
+        return None
+    say(f"planning {len(cases)} cases for {target}, at most {args.plan_s:.0f} s, beside the matmuls")
+    return peaks.start_planner(
+        log_dir, cases=[peaks.plan_case(c.name, case_command(c, job_dir="", tiny=args.tiny)) for c in cases],
+        target=target, num_devices=1, env=_environment(args.cpu, None))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--log_dir", default=os.environ.get("OUT") or "/tmp/paxlite_gpu_bench")
@@ -343,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak_tflops", default=None,
                         help="BF16,FP8 spec peaks in TFLOP/s per device (default: paxlite's table)")
     parser.add_argument("--only", default=None, help="comma-separated model labels or configs to run")
+    parser.add_argument("--plan_s", type=float, default=60,
+                        help="seconds the planner may take (beside the matmuls) before the first run")
+    parser.add_argument("--plan_target", default=None, type=str.lower,
+                        help="the GPU model to plan for (default: the local GPU's; cpu with --cpu)")
     parser.add_argument("--_matmul_child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_sizes", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -358,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         peak_override = {"bf16": bf16 * 1e12, "fp8": fp8 * 1e12}
+    if args.plan_target is not None and args.plan_target not in peaks.TARGETS:
+        print(f"bench: error: --plan_target={args.plan_target!r}: expected one of {', '.join(peaks.TARGETS)}",
+              file=sys.stderr)
+        return 2
     models = MODELS
     if args.only:
         wanted = set(args.only.split(","))
@@ -370,6 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(log_dir, exist_ok=True)
     deadline = args.deadline_s or time.time() + 420
     say = lambda msg: print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    cases = [c for c in run_order() if c.model in models]
+
+    # planned peaks, beside the matmul part; --tiny plans the first case only: the dry run needs one to
+    # exercise the planning path, and each tiny compile costs seconds of the CPU the runs share
+    target, target_note = peaks.plan_target(cpu=args.cpu, requested=args.plan_target)
+    planned_cases = cases[:1] if args.tiny else cases
+    plan_started = time.time()
+    planner = _start_planning(planned_cases, args=args, target=target, deadline=deadline, log_dir=log_dir,
+                              say=say)
 
     sizes = [64, 128] if args.tiny else [4096, 8192, 16384]
     say(f"matmul ceilings, sizes {sizes}")
@@ -379,11 +421,19 @@ def main(argv: list[str] | None = None) -> int:
         matmul = measure_matmuls(log_dir, sizes=sizes, env=_environment(args.cpu, None),
                                  timeout_s=min(120, deadline - time.time()))
     say(f"matmul: {json.dumps(matmul)}")
+    plan_stop = peaks.finish_planner(planner, until=min(plan_started + args.plan_s, deadline)) if planner else None
+    plans = peaks.read_plans(log_dir) if planner else {}
+    planning = peaks.planning_summary(
+        plans, target_note=target_note, cases=[c.name for c in cases],
+        asked=[c.name for c in planned_cases] if planner else [], stopped=plan_stop,
+        seconds=time.time() - plan_started, asked_note="--tiny plans the first case only")
+    say(f"planning: {planning}")
 
     results: dict[str, dict] = {}
     device_kind = matmul.get("device_kind", "")
-    for case in (c for c in run_order() if c.model in models):
-        result = {"model": case.model.label, "precision": case.precision, "attention": case.attention}
+    for case in cases:
+        result = {"model": case.model.label, "precision": case.precision, "attention": case.attention,
+                  "planned_peak_bytes": plans.get(case.name, {}).get("peak_bytes")}
         results[case.name] = result
         left = deadline - time.time()
         need = 5 if args.tiny else case.model.est_s
@@ -396,27 +446,37 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{case.name}: {' '.join(cmd[2:])}")
         started = time.time()
         env = _environment(args.cpu, xla_presets.preset_for_experiment(case.model.config))
-        status = _run(cmd, env=env, log=os.path.join(log_dir, f"{case.name}.log"), timeout_s=left,
-                      done=lambda job_dir=job_dir: _logged_step(job_dir, _steps(args.tiny)[0]))
+        # the same run with a thread beside it that reads the devices' memory peak after each train line
+        status = _run(peaks.watched_command(cmd, job_dir=job_dir), env=env,
+                      log=os.path.join(log_dir, f"{case.name}.log"), timeout_s=left,
+                      done=peaks.measured_after(job_dir, _steps(args.tiny)[0]))
         if status is None:
             try:
                 result.update(read_run(job_dir))
                 device_kind = result["device_kind"]
             except (OSError, ValueError, KeyError) as e:
                 status = f"failed: {e}"
+            reading = peaks.read_measured(job_dir)  # only a reading after the last step has the whole peak
+            last = reading.get("step", 0) >= _steps(args.tiny)[0]
+            result["measured_peak_bytes"] = reading.get("peak_bytes_in_use") if last else None
         if status is not None:
             result["status"] = status
         say(f"{case.name}: {time.time() - started:.0f} s, {result.get('status') or 'ok'}")
 
-    peaks = peak_override or {p: peak_flops_per_device(device_kind, fp8=p == "fp8") for p in PRECISIONS}
+    spec_peaks = peak_override or {p: peak_flops_per_device(device_kind, fp8=p == "fp8") for p in PRECISIONS}
     ordered = [results[c.name] for m in models for p in PRECISIONS for a in ATTENTIONS
                for c in [Case(m, p, a)] if c.name in results]
-    table = format_table(table_rows(ordered, matmul, peaks))
-    spec = ", ".join(f"{p} {_fmt(v and v / 1e12, '.0f')}" for p, v in peaks.items())
+    table = format_table(table_rows(ordered, matmul, spec_peaks))
+    spec = ", ".join(f"{p} {_fmt(v and v / 1e12, '.0f')}" for p, v in spec_peaks.items())
+    measured = [r["measured_peak_bytes"] for r in ordered if "measured_peak_bytes" in r]
     footer = (f"device: {device_kind or 'unknown'}; spec peaks TFLOP/s: {spec}; MFU of FP8 rows is against the "
-              "FP8 peak and ceiling; medians over the windows after the first; logs in " + log_dir)
+              "FP8 peak and ceiling; medians over the windows after the first; logs in " + log_dir + "\n"
+              f"planned peak: the train step compiled before the runs, {planning}; measured peak: "
+              "peak_bytes_in_use of the run's device after its last step"
+              + ("" if any(m is not None for m in measured) or not measured else " (none reported: n/a)"))
     with open(os.path.join(log_dir, "results.json"), "w") as f:
-        json.dump({"matmul": matmul, "runs": ordered, "peaks": peaks}, f, indent=2)
+        json.dump({"matmul": matmul, "runs": ordered, "peaks": spec_peaks,
+                   "planning": {"target": target, "summary": planning, "cases": plans}}, f, indent=2)
     with open(os.path.join(log_dir, "table.md"), "w") as f:
         f.write(table + "\n\n" + footer + "\n")
     print("\n" + footer + "\n\n" + table, flush=True)  # the table last

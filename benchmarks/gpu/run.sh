@@ -12,12 +12,16 @@
 #   GPU tests (every gpu-marked test, tests/gpu_pass.py, most telling first;
 #              the timeout cuts the rest)                                    75
 #   matmul ceilings: bf16 and FP8 at 4096^3, 8192^3, 16384^3 (one process)  ~30
+#   planned peaks (benchmarks/gpu/peaks.py), beside the matmuls: each case's train step compiled
+#     for this GPU model by XLA's GPU compiler, deviceless, in one JAX_PLATFORMS=cpu process; the
+#     first run waits for it, at most 60 s after it started (--plan_s)     <= 30 beyond the matmuls
+#     (a full-size case took 14-93 s on a 2-core CPU host: expect the first few cases planned)
 #   training, each run = start ~10 + compile + 30 steps (stopped before the final eval):
 #     Synthetic126M   ~40 x 4 (bf16/fp8 x flash/dot_product)
 #     fuji-1B seq 4096 ~90 x 4
 #     GLaM126M64E     ~75 x 4      -> ~820 if all twelve ran: the order (bf16, then fp8, with each model's
 #                                     usual attention first) keeps the most telling rows inside the deadline
-#   table                                                                    ~1
+#   table (with planned and measured peak GiB, and measured/planned)        ~1
 #   total                                                                 <= 480 (deadline 465 after start)
 set -uo pipefail
 START=$(date +%s)
