@@ -13,12 +13,18 @@ once however many layers it runs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz")
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 # One instruction: `%name = <result type> <opcode>(<operands>), <attributes>`
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+# A computation's first line: `%name (<parameters>) -> <type> {` (or `ENTRY %name ...`)
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_OPERAND_NAME = re.compile(r"%([\w.\-]+)")
+_FP8_TYPE = re.compile(r"^\(?(" + "|".join(FP8_TYPES) + r")\[")
 _FP8_OPERAND = re.compile(r"\b(" + "|".join(FP8_TYPES) + r")\[")
 _TRITON_GEMM_KINDS = ("__triton_nested_gemm_fusion", "__triton_gemm")
 
@@ -39,25 +45,63 @@ def _operands(rest: str) -> str:
     return rest
 
 
-def fp8_gemms(hlo_text: str) -> dict[str, int]:
-    """GEMMs whose operands are FP8: cuBLASLt calls (`cublaslt`), other library GEMM calls
-    (`cublas`) and Triton GEMM fusions (`triton`), and their `total`."""
-    counts = {"cublaslt": 0, "cublas": 0, "triton": 0}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Instruction:
+    computation: str
+    result_type: str
+    opcode: str
+    operands: str
+    rest: str
+
+
+def _instructions(hlo_text: str) -> tuple[list[_Instruction], dict[tuple[str, str], str]]:
+    """Every instruction of the module (with the computation it is in), and the result type of
+    each (computation, instruction name)."""
+    found, types, computation = [], {}, ""
     for line in hlo_text.splitlines():
         match = _INSTRUCTION.match(line)
         if not match:
+            header = _COMPUTATION.match(line)
+            computation = header.group(1) if header else computation
             continue
-        opcode, rest = match.group(2), match.group(3)
-        if not _FP8_OPERAND.search(_operands(rest)):
-            continue
-        target = _CUSTOM_CALL.search(rest)
-        if opcode == "custom-call" and target:
-            name = target.group(1)
+        name, result_type, opcode, rest = match.groups()
+        found.append(_Instruction(computation=computation, result_type=result_type, opcode=opcode,
+                                  operands=_operands(rest), rest=rest))
+        types[(computation, name)] = result_type
+    return found, types
+
+
+def _has_fp8_operand(instruction: _Instruction, types: dict[tuple[str, str], str]) -> bool:
+    """Whether an operand is FP8: typed in the operand list (older HLO text prints
+    `f8e4m3fn[...] %x`), or named there and defined with an FP8 type (newer text prints `%x`)."""
+    if _FP8_OPERAND.search(instruction.operands):
+        return True
+    return any(_FP8_TYPE.match(types.get((instruction.computation, name), ""))
+               for name in _OPERAND_NAME.findall(instruction.operands))
+
+
+def fp8_gemms(hlo_text: str) -> dict[str, int]:
+    """GEMMs whose operands are FP8: cuBLASLt calls (`cublaslt`), other library GEMM calls
+    (`cublas`) and Triton GEMM fusions whose dot takes FP8 operands (`triton`), and their `total`.
+
+    A fusion's FP8 parameters alone do not make an FP8 GEMM (it may convert them to BF16 before
+    its dot), so a Triton fusion counts when the dot inside it reads FP8 values."""
+    instructions, types = _instructions(hlo_text)
+    fp8_dot_computations = {i.computation for i in instructions
+                            if i.opcode == "dot" and _has_fp8_operand(i, types)}
+    counts = {"cublaslt": 0, "cublas": 0, "triton": 0}
+    for instruction in instructions:
+        if instruction.opcode == "custom-call" and _has_fp8_operand(instruction, types):
+            target = _CUSTOM_CALL.search(instruction.rest)
+            name = target.group(1) if target else ""
             if "cublas$lt" in name:
                 counts["cublaslt"] += 1
             elif "gemm" in name or "matmul" in name:
                 counts["cublas"] += 1
-        elif opcode == "fusion" and any(kind in rest for kind in _TRITON_GEMM_KINDS):
-            counts["triton"] += 1
+        elif instruction.opcode == "fusion" and any(kind in instruction.rest
+                                                    for kind in _TRITON_GEMM_KINDS):
+            called = _CALLS.search(instruction.rest)
+            if called and called.group(1) in fp8_dot_computations:
+                counts["triton"] += 1
     counts["total"] = sum(counts.values())
     return counts
