@@ -105,3 +105,26 @@ def fp8_gemms(hlo_text: str) -> dict[str, int]:
                 counts["triton"] += 1
     counts["total"] = sum(counts.values())
     return counts
+
+
+def _operand_types(instruction: _Instruction, types: dict[tuple[str, str], str]) -> tuple[str, ...]:
+    """The element type of each operand ("f8e4m3fn", "bf16", ...), typed in place or by definition."""
+    typed = re.findall(r"\b([a-z]\w*)\[[^\]]*\](?:\{[^}]*\})?\s+%", instruction.operands)
+    if typed:
+        return tuple(typed)
+    return tuple(types.get((instruction.computation, name), "").lstrip("(").split("[", 1)[0]
+                 for name in _OPERAND_NAME.findall(instruction.operands))
+
+
+def cublaslt_fp8_operand_types(hlo_text: str) -> list[tuple[str, str]]:
+    """The (lhs, rhs) element types of each cuBLASLt FP8 GEMM: a forward pass multiplies e4m3 by
+    e4m3, the backward pass's gradient GEMMs take an e5m2 operand."""
+    instructions, types = _instructions(hlo_text)
+    found = []
+    for instruction in instructions:
+        target = _CUSTOM_CALL.search(instruction.rest)
+        if instruction.opcode == "custom-call" and target and "cublas$lt" in target.group(1):
+            operands = _operand_types(instruction, types)
+            if len(operands) >= 2 and any(t in FP8_TYPES for t in operands[:2]):
+                found.append((operands[0], operands[1]))
+    return found

@@ -28,7 +28,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.models.te_layer import TransformerEngineUnavailableError
-from paxlite.parallel.compiled_kernels import custom_calls, fp8_gemms
+from paxlite.parallel.compiled_kernels import (
+    cublaslt_fp8_operand_types,
+    custom_calls,
+    fp8_gemms,
+)
 from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
 from paxlite.plan_search import compile_train_step, gpu_compile_options
 
@@ -188,6 +192,9 @@ def test_a_bare_flax_fp8_einsum_is_the_models_three_gemms_and_a_bf16_dot_of_fp8_
     # the reference: what each of the model's projections compiles to (forward, dgrad, wgrad)
     assert fp8_gemms(with_preset["flax"])["cublaslt"] == GEMMS_PER_FP8_PROJECTION
     assert custom_calls(with_preset["flax"]) == {"__cublas$lt$matmul$f8": GEMMS_PER_FP8_PROJECTION}
+    # forward: activations x weights in e4m3; the two gradient GEMMs take the e5m2 gradient
+    assert sorted(cublaslt_fp8_operand_types(with_preset["flax"])) == [
+        ("f8e4m3fn", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2"), ("f8e5m2", "f8e4m3fn")]
     assert fp8_gemms(without["flax"]) == {"cublaslt": 0, "cublas": 0,
                                           "triton": GEMMS_PER_FP8_PROJECTION,
                                           "total": GEMMS_PER_FP8_PROJECTION}

@@ -8,8 +8,6 @@ backward GEMMs for each of the 4 FP8 matmuls (qkv, attention output, wi, wo) of 
 
 from __future__ import annotations
 
-import re
-
 import fiddle as fdl
 import jax
 import pytest
@@ -17,6 +15,7 @@ import pytest
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import Transformer
+from paxlite.parallel.compiled_kernels import cublaslt_fp8_operand_types
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
@@ -26,8 +25,6 @@ NUM_LAYERS = 2
 # cuBLASLt FP8 needs the GEMM dimensions in multiples of 16: every size here is.
 OVERRIDES = ("USE_FP8=true", "FPROP_DTYPE=bfloat16", f"NUM_LAYERS={NUM_LAYERS}", "MODEL_DIMS=128",
              "HIDDEN_DIMS=512", "NUM_HEADS=4", "DIMS_PER_HEAD=32", "VOCAB_SIZE=256", "MAX_SEQ_LEN=64")
-FP8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
-FORWARD_FP8_GEMM = re.compile(r"custom-call\(f8e4m3fn\[[^\]]*\]\{[^}]*\} %[^,]+, f8e4m3fn\[")
 
 
 @pytest.mark.gpu
@@ -42,8 +39,8 @@ def test_fp8_train_step_compiles_to_cublaslt_fp8_gemms():
         batch = SyntheticData(run.data, global_batch_size=8).train_batch(0, steps.batch_sharding)
         hlo = steps.train.lower(steps.abstract_state, batch).compile().as_text()
     matmuls = 4 * NUM_LAYERS
-    fp8_gemms = [line for line in hlo.splitlines() if FP8_GEMM.search(line)]
-    forward = [line for line in fp8_gemms if FORWARD_FP8_GEMM.search(line)]
+    fp8_gemms = cublaslt_fp8_operand_types(hlo)  # operands' types, wherever the HLO text prints them
+    forward = [types for types in fp8_gemms if types == ("f8e4m3fn", "f8e4m3fn")]
     assert len(forward) >= matmuls, (
         f"{len(forward)} e4m3 x e4m3 FP8 GEMMs for {matmuls} FP8 matmuls: some forward matmul "
         "stayed BF16")
