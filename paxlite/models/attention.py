@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ from paxlite.models.lora import LoraSpec
 from paxlite.models.parallel_config import SEQ_AXIS, ContextParallelStrategy, mesh_axis_size
 from paxlite.models.relative_position import RelativePositionBias
 from paxlite.models.rotary import apply_rotary
+from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import BATCH_AXES
 
 __all__ = [
@@ -64,7 +66,9 @@ HEAD_ACTIVATION_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_heads", "activation_kv",
 )
 # Keys and values of grouped-query attention have fewer heads than the query; their head axis has
-# its own logical name so a rules table can shard it differently (it is replicated by default).
+# its own logical name ("activation_kv_heads"; DEFAULT_RULES split it over tensor like the query's
+# heads, which cuDNN requires, and attention repeats the kv heads to a multiple of that split when
+# they are fewer: ``_repeat_kv_heads``).
 KV_HEAD_ACTIVATION_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_kv_heads", "activation_kv",
 )
@@ -222,9 +226,10 @@ class Attention(nn.Module):
             k = checkpoint_name(k, KEY_PROJ_NAME)
             v = checkpoint_name(v, VALUE_PROJ_NAME)
             kv_axes = KV_HEAD_ACTIVATION_AXES
+            k, v = _repeat_kv_heads(k, v, num_heads=n)
         q = nn.with_logical_constraint(q, HEAD_ACTIVATION_AXES)
-        k = nn.with_logical_constraint(k, kv_axes)
-        v = nn.with_logical_constraint(v, kv_axes)
+        k = rules_lib.logical_constraint(k, kv_axes)
+        v = rules_lib.logical_constraint(v, kv_axes)
 
         seq_shards = 1 if self.decode else mesh_axis_size(SEQ_AXIS)
         if positions is None and (self.rope_theta is not None or seq_shards > 1):
@@ -371,10 +376,10 @@ class Attention(nn.Module):
         if not initialized:
             return k, v, positions
         i = index.value
-        cached_k.value = nn.with_logical_constraint(
+        cached_k.value = rules_lib.logical_constraint(
             jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype),
                                          (0, i, 0, 0)), kv_axes)
-        cached_v.value = nn.with_logical_constraint(
+        cached_v.value = rules_lib.logical_constraint(
             jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype),
                                          (0, i, 0, 0)), kv_axes)
         cached_pos.value = jax.lax.dynamic_update_slice(
@@ -410,6 +415,29 @@ class Attention(nn.Module):
             key_positions = positions
         relative = self._relative_bias()(positions, key_positions)  # [B|1, N, T, S]
         return relative if bias is None else bias + relative
+
+
+def _repeat_kv_heads(k: jax.Array, v: jax.Array, *, num_heads: int) -> tuple[jax.Array, jax.Array]:
+    """k, v [B, T, K, H] with each kv head repeated so that the split of "activation_kv_heads"
+    (the tensor axis under DEFAULT_RULES, mesh and rules in context) divides them: K' =
+    lcm(K, split) heads, each device holding the kv heads its query heads use.
+
+    Why: with fewer kv heads than the tensor axis (2 kv heads, tensor 4; MQA) the kv heads cannot
+    be split, and whole kv heads beside split query heads are what cuDNN's attention refuses
+    ("Query, key and value should have same sharding"). Exact: query head i reads kv head
+    i // (N / K') of the repeated heads, which is kv head i // (N / K). The parameters keep their
+    K heads (replicated over tensor, rules.FITTED_NAMES); a KV cache holds K' heads split over
+    tensor, as many per device as whole K heads would be at most.
+    """
+    kv = k.shape[2]
+    ways = rules_lib.mesh_ways("activation_kv_heads")
+    target = math.lcm(kv, ways)
+    if target == kv or num_heads % target:  # divides already; or no split of the queries fits
+        return k, v
+    # whole heads first (fitted: the split dropped), so the projection stays as it is
+    k = rules_lib.logical_constraint(k, KV_HEAD_ACTIVATION_AXES)
+    v = rules_lib.logical_constraint(v, KV_HEAD_ACTIVATION_AXES)
+    return jnp.repeat(k, target // kv, axis=2), jnp.repeat(v, target // kv, axis=2)
 
 
 @functools.cache

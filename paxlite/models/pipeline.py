@@ -23,7 +23,9 @@ from ``repeats``, not chosen separately, so the two can never disagree.
 
 Layer order: the saved layout stays the scanned stack's ``[L, ...]`` (independent of the mesh);
 layer ``l = (r*S + s)*K + k`` (K = L / (S*R) layers per stage) is the k-th layer of stage s in
-repeat r. With R = 1 stage s holds the contiguous layers ``[s*K, (s+1)*K)``.
+repeat r. With R = 1 stage s holds the contiguous layers ``[s*K, (s+1)*K)``, the stack's own split
+over the stages; with R > 1 ``_to_stage_order`` moves each stage's K-layer chunks to it by
+collective-permutes (the partitioner alone would replicate the whole stack).
 
 Bubbles: a bubble iteration's input is replaced by zeros (a ``where``, not luck) before it reaches
 a layer, and its output is never written to the results, so neither its values nor its gradients
@@ -47,6 +49,7 @@ mb rows per microbatch; ``...`` the feature dimensions of one microbatch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -126,6 +129,111 @@ def _constrain_stage(x: jax.Array, axis: str | None) -> jax.Array:
     return lax.with_sharding_constraint(x, spec)
 
 
+def _perfect_matching(edges: list[list[bool]]) -> list[int]:
+    """A perfect matching of a bipartite graph (``edges[p][d]``), as ``match[p] = d`` (Kuhn's
+    augmenting paths; the graphs here are regular, so one exists)."""
+    owner = [-1] * len(edges)  # owner[d] = p
+
+    def augment(p: int, seen: list[bool]) -> bool:
+        for d, edge in enumerate(edges[p]):
+            if edge and not seen[d]:
+                seen[d] = True
+                if owner[d] < 0 or augment(owner[d], seen):
+                    owner[d] = p
+                    return True
+        return False
+
+    for p in range(len(edges)):
+        if not augment(p, [False] * len(edges)):
+            raise AssertionError("a regular bipartite multigraph always has a perfect matching")
+    match = [0] * len(edges)
+    for d, p in enumerate(owner):
+        match[p] = d
+    return match
+
+
+@functools.cache
+def _stage_order_rounds(stages: int, repeats: int, devices: int) -> tuple:
+    """How the stack's contiguous blocks reach stage order, as rounds of one chunk per device.
+
+    Chunk c (K layers) sits on device ``c // per`` at slot ``c % per`` (``per = q*R`` chunks per
+    device, q = stages per device); it is stage ``s = c % S``'s chunk of repeat ``r = c // S``,
+    which device ``s // q`` holds at slot ``(s % q)*R + r``. Every device sends and receives
+    ``per`` chunks, so the moves split into ``per`` perfect matchings (König): each round is one
+    collective-permute of one chunk per device, and nothing is padded or gathered whole.
+
+    Returns ``per`` rounds ``(src, pairs, dst)``: device p sends its slot ``src[p]`` to the device
+    ``pairs`` pairs it with, and device d writes what it receives at its slot ``dst[d]``.
+    """
+    S, R, P = stages, repeats, devices
+    q, per = S // P, (S // P) * repeats
+    pending: list[list[list[tuple[int, int]]]] = [[[] for _ in range(P)] for _ in range(P)]
+    for c in range(S * R):
+        r, s = divmod(c, S)
+        pending[c // per][s // q].append((c % per, (s % q) * R + r))
+    rounds = []
+    for _ in range(per):
+        match = _perfect_matching([[bool(pending[p][d]) for d in range(P)] for p in range(P)])
+        src, dst = [0] * P, [0] * P
+        for p, d in enumerate(match):
+            src[p], dst[d] = pending[p][d].pop()
+        rounds.append((tuple(src), tuple(enumerate(match)), tuple(dst)))
+    return tuple(rounds)
+
+
+def _move_chunks(local: jax.Array, axis: str, rounds) -> jax.Array:
+    """Inside a ``shard_map`` manual over ``axis``: round t sends this device's slot
+    ``src[t][me]`` to device ``perm[t]``, which writes it at its slot ``dst[t][me]``. Written into
+    one buffer by in-place updates: no gather, no scatter, no [per, ...] stack of rounds."""
+    me = lax.axis_index(axis)
+    out = jnp.zeros_like(local)
+    for src, pairs, dst in rounds:
+        chunk = lax.dynamic_index_in_dim(local, jnp.asarray(src)[me], 0)
+        chunk = lax.ppermute(chunk, axis, perm=pairs)
+        out = lax.dynamic_update_index_in_dim(out, chunk, jnp.asarray(dst)[me], 0)
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _permute_chunks(local: jax.Array, axis: str, rounds) -> jax.Array:
+    """``_move_chunks`` whose gradient is the inverse move (a permutation's transpose), so the
+    backward pass is the same rounds reversed rather than per-round scatter-adds into zeros."""
+    return _move_chunks(local, axis, rounds)
+
+
+def _permute_chunks_fwd(local, axis, rounds):
+    return _move_chunks(local, axis, rounds), None
+
+
+def _permute_chunks_bwd(axis, rounds, _, cotangent):
+    back = tuple((dst, tuple((d, p) for p, d in pairs), src) for src, pairs, dst in rounds)
+    return (_move_chunks(cotangent, axis, back),)
+
+
+_permute_chunks.defvjp(_permute_chunks_fwd, _permute_chunks_bwd)
+
+
+def _to_stage_order(leaf: jax.Array, *, stages: int, repeats: int, axis: str) -> jax.Array:
+    """[L, ...] with L split into contiguous blocks over ``axis`` (the stack's sharding) ->
+    [S, R, K, ...] split over ``axis`` on S, moving each chunk of K layers once.
+
+    Why not ``reshape`` + ``swapaxes``: for R > 1 stage s needs the non-adjacent layers
+    ``(r*S + s)*K + k``, and unless S divides R or R divides S the partitioner cannot map the
+    blocks onto [R, S, K]: it replicates the whole stack on every device (GPT175B, 8 stages, R =
+    12: 216 GiB for one MLP kernel). Here each device sends its chunks to their stages by
+    collective-permutes (``_stage_order_rounds``), inside a ``shard_map`` manual only over ``axis``,
+    so the other axes (FSDP) keep their split; the gradient travels the same way back.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    rounds = _stage_order_rounds(stages, repeats, mesh.shape[axis])
+    k = leaf.shape[0] // (stages * repeats)
+    chunks = leaf.reshape((stages * repeats, k) + leaf.shape[1:])  # chunk c: layers c*K ...
+    staged = jax.shard_map(lambda local: _permute_chunks(local, axis, rounds), mesh=mesh,
+                           in_specs=PartitionSpec(axis), out_specs=PartitionSpec(axis),
+                           axis_names={axis})(chunks)
+    return staged.reshape((stages, repeats, k) + leaf.shape[1:])  # slot (s % q)*R + r
+
+
 # Data movement: cheap to redo, and how the weights an iteration uses are made from the stack.
 _MOVES = frozenset({"dynamic_slice", "gather", "slice", "squeeze", "reshape", "expand_dims",
                     "broadcast_in_dim", "transpose", "convert_element_type", "copy", "name"})
@@ -177,6 +285,34 @@ _index_max_grad.defvjp(_index_max_grad_fwd, _index_max_grad_bwd)
 def _per_stage(flag: jax.Array, like: jax.Array) -> jax.Array:
     """A [S] boolean broadcast against [S, mb, ...]."""
     return flag.reshape(flag.shape + (1,) * (like.ndim - 1))
+
+
+@jax.custom_vjp
+def _select(flag: jax.Array, on_true: jax.Array, on_false: jax.Array) -> jax.Array:
+    """``where(flag, on_true, on_false)`` for a scalar or [S] flag over [S, mb, ...] values.
+
+    Why not ``jnp.where``: it broadcasts the flag to the values' shape, and its backward pass keeps
+    that mask, one per iteration of the schedule (GPT175B, R = 12: 583 x [mb, T, D] booleans, 14
+    GiB per device). This keeps only the flag.
+    """
+    return jnp.where(_broadcastable(flag, on_true), on_true, on_false)
+
+
+def _broadcastable(flag: jax.Array, like: jax.Array) -> jax.Array:
+    return flag if flag.ndim == 0 else _per_stage(flag, like)
+
+
+def _select_fwd(flag, on_true, on_false):
+    return _select(flag, on_true, on_false), flag
+
+
+def _select_bwd(flag, cotangent):
+    keep = _broadcastable(flag, cotangent)
+    zero = jnp.zeros((), cotangent.dtype)
+    return None, jnp.where(keep, cotangent, zero), jnp.where(keep, zero, cotangent)
+
+
+_select.defvjp(_select_fwd, _select_bwd)
 
 
 class LayerCall(NamedTuple):
@@ -275,7 +411,9 @@ def pipeline_apply_with_extras(
     axis = stage_mesh_axis(S)
 
     def to_stages(leaf: jax.Array) -> jax.Array:
-        # [L, ...] -> [R, S, K, ...] -> [S, R, K, ...]: layer (r*S + s)*K + k is stage s, repeat r.
+        # [L, ...] -> [S, R, K, ...]: layer (r*S + s)*K + k is stage s, repeat r.
+        if R > 1 and axis is not None and leaf.dtype != fp8_ops.fm32:
+            return _constrain_stage(_to_stage_order(leaf, stages=S, repeats=R, axis=axis), axis)
         leaf = jnp.swapaxes(leaf.reshape((R, S, K) + leaf.shape[1:]), 0, 1)
         return _constrain_stage(leaf, axis)
 
@@ -315,12 +453,12 @@ def pipeline_apply_with_extras(
         slot = t % M
         first = lax.dynamic_index_in_dim(microbatches, slot, 0, keepdims=False)  # [mb, ...]
         if R > 1:  # repeats after the first re-enter stage 0 from the circular buffer
-            first = jnp.where(t < M, first, lax.dynamic_index_in_dim(circ, slot, 0, keepdims=False))
+            first = _select(t < M, first, lax.dynamic_index_in_dim(circ, slot, 0, keepdims=False))
         shifted = _constrain_stage(jnp.roll(state, 1, axis=0), axis)  # stage s gets stage s-1's output
-        x = jnp.where(_per_stage(stage_ids == 0, shifted), first[None], shifted)
+        x = _select(stage_ids == 0, jnp.broadcast_to(first[None], shifted.shape), shifted)
         item = t - stage_ids  # [S]
         valid = (item >= 0) & (item < items)
-        x = _constrain_stage(jnp.where(_per_stage(valid, x), x, zeros), axis)  # bubbles compute on zeros
+        x = _constrain_stage(_select(valid, x, zeros), axis)  # bubbles compute on zeros
         repeat = jnp.clip(item // M, 0, R - 1)
         micro = jnp.mod(item, M)  # [S]; a bubble's is some microbatch, its results are dropped
         out, extras = all_stages(staged, repeat, x, side_of(micro), stage_ids, micro)
@@ -340,7 +478,7 @@ def pipeline_apply_with_extras(
         done = t - (S - 1)
         slot_done = jnp.maximum(done, 0) % M
         kept = lax.dynamic_index_in_dim(circ, slot_done, 0, keepdims=False)
-        circ = lax.dynamic_update_index_in_dim(circ, jnp.where(done >= 0, last, kept), slot_done, 0)
+        circ = lax.dynamic_update_index_in_dim(circ, _select(done >= 0, last, kept), slot_done, 0)
         return (out, circ, acc), None
 
     state0 = jnp.full((S,) + microbatches.shape[1:], bubble_fill, microbatches.dtype)

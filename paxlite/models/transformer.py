@@ -49,6 +49,7 @@ from paxlite.models.transformer_config import (
     RematPolicy,
     TransformerConfig,
 )
+from paxlite.parallel import rules as rules_lib
 
 __all__ = [  # the config names stay importable from here, where they were first defined
     "LLAMA_ARCHITECTURE", "VALID_DTYPES", "Activation", "Block", "NormKind", "PositionEmbedding",
@@ -62,6 +63,11 @@ EMBED_ACTIVATION_AXES: tuple[str, ...] = (
 LOGITS_ACTIVATION_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_vocab",
 )
+# The rows of the embedding, final norm and logits around a pipelined stack: split over the stages
+# too (rules: "activation_embed_and_logits_batch"), so each stage computes 1/S of them rather than
+# every stage all of them; the pipeline gathers its microbatches from them (a [B, T, D] all-gather
+# over the stages) and hands its result back to be split again.
+PIPELINE_EDGE_BATCH = "activation_embed_and_logits_batch"
 # q/k/v projection tags: the fused one (GPT) and the separate ones (grouped-query attention).
 _QKV_NAMES: tuple[str, ...] = (QKV_PROJ_NAME, QUERY_PROJ_NAME, KEY_PROJ_NAME, VALUE_PROJ_NAME)
 
@@ -270,7 +276,8 @@ class Transformer(nn.Module):
                 name="position_embedding",
             )(positions)
         x = nn.Dropout(rate=cfg.input_dropout_prob)(x, deterministic=deterministic)
-        x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
+        pipelined = cfg.pipeline is not None and not decode and not self.is_initializing()
+        x = _constrain_rows(x, EMBED_ACTIVATION_AXES, pipelined=pipelined)
 
         # Packed rows: the same-segment causal mask [B, 1, T, S], built once for all layers. Unpacked
         # rows pass None (causal only), so a fused kernel needs no dense mask at all.
@@ -295,7 +302,7 @@ class Transformer(nn.Module):
         layer_cls: Any = TransformerEngineBlock if uses_transformer_engine(cfg) else Block
         remat = cfg.remat_policy is not RematPolicy.NONE and not decode  # nothing to save
         check_pipeline(cfg)
-        if cfg.pipeline is not None and not decode and not self.is_initializing():
+        if pipelined:
             # models/pipelined_stack.py; init and decoding run the stack below on the same params
             unit_body = (Block if unit == 1 else BlockUnit)(
                 config=cfg, deterministic=deterministic, parent=None,
@@ -304,6 +311,7 @@ class Transformer(nn.Module):
                 self, unit_body, x, mask=mask, positions=block_positions, paddings=paddings,
                 segment_ids=segment_ids, dropout=not deterministic and cfg.dropout_prob > 0,
                 remat_policy=_remat_policy_fn(cfg.remat_policy) if remat else None)
+            x = _constrain_rows(x, EMBED_ACTIVATION_AXES, pipelined=True)
         elif cfg.scan_layers:
             body: Any = layer_cls if unit == 1 else BlockUnit
             if remat:
@@ -339,18 +347,26 @@ class Transformer(nn.Module):
 
         x = _make_norm(cfg, name="final_norm")(x)
         if return_hidden:
-            return x
+            return _constrain_rows(x, EMBED_ACTIVATION_AXES, pipelined=pipelined)
         if cfg.tie_embeddings:
             logits = embed.attend(x)  # [B, T, V]
         else:
             logits = _output_layer(cfg, name="output")(x)
-        logits = logits.astype(jnp.float32)
-        return nn.with_logical_constraint(logits, LOGITS_ACTIVATION_AXES)
+        return _constrain_rows(logits.astype(jnp.float32), LOGITS_ACTIVATION_AXES,
+                               pipelined=pipelined)
 
     def project(self, hidden: jax.Array) -> jax.Array:
         """hidden [B, t, D] from ``return_hidden=True`` -> float32 logits [B, t, V], exactly as
         ``__call__`` computes them; use as ``model.apply(variables, hidden, method="project")``."""
         return project_hidden(self.config, self.variables["params"], hidden)
+
+
+def _constrain_rows(x: jax.Array, axes: tuple[str, ...], *, pipelined: bool) -> jax.Array:
+    """The logical constraint of `axes`; around a pipelined stack with the rows split over the
+    stages as well, as far as the batch divides over them (``PIPELINE_EDGE_BATCH``)."""
+    if not pipelined:
+        return nn.with_logical_constraint(x, axes)
+    return rules_lib.logical_constraint(x, (PIPELINE_EDGE_BATCH,) + axes[1:])
 
 
 def _token_embedding(config: TransformerConfig, **module_kwargs: Any) -> Embed:
@@ -387,7 +403,8 @@ def project_hidden(config: TransformerConfig, params: Any, hidden: jax.Array) ->
             {"params": params["embedding"]}, hidden, method=Embed.attend)
     else:
         logits = _output_layer(config, parent=None).apply({"params": params["output"]}, hidden)
-    return nn.with_logical_constraint(logits.astype(jnp.float32), LOGITS_ACTIVATION_AXES)
+    return _constrain_rows(logits.astype(jnp.float32), LOGITS_ACTIVATION_AXES,
+                           pipelined=config.pipeline is not None)
 
 
 def abstract_variables(config: TransformerConfig) -> Any:

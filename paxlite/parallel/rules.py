@@ -10,6 +10,7 @@ parameters.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
@@ -22,6 +23,10 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 DEFAULT_RULES: LogicalRules = (
     # activations
     ("activation_batch", BATCH_AXES),
+    # the rows of the embedding, final norm and logits around a pipelined stack: also split over
+    # `pipeline`, innermost (each device keeps a part of its rows: no data moves), so each stage
+    # computes 1/S of them instead of every stage all of them (MaxText's name)
+    ("activation_embed_and_logits_batch", (*BATCH_AXES, "pipeline")),
     # the sequence between blocks: split over `seq` (sequence parallelism; size 1 without it)
     ("activation_length", "seq"),
     ("activation_embed", None),
@@ -49,14 +54,81 @@ DEFAULT_RULES: LogicalRules = (
     ("layers", "pipeline"),
     ("stage", "pipeline"),  # the stage dimension of a pipeline's state (models/pipeline.py)
     ("expert", "expert"),  # MoE expert weights [E, ...]: each expert-axis shard holds E / expert
-    ("router", None),
-    ("relpos_buckets", None),  # T5 relative-position bias table [heads, buckets]: buckets whole  # the router's [D, E] output dimension stays whole: every token scores all E
+    ("router", None),  # the router's [D, E] output dimension stays whole: every token scores all E
+    ("relpos_buckets", None),  # T5 relative-position bias table [heads, buckets]: buckets whole
+    ("lora_rank", None),  # LoRA adapters' rank dimension (models/lora.py): small, whole
 )
 
+# Names whose mesh axes apply only as far as they divide the dimension (``fitted_spec``): the
+# longest leading run of them that divides it is kept, the dimension replicated over the rest,
+# instead of the mesh being refused. Key/value heads: grouped-query models with fewer kv heads
+# than the tensor axis (MaxText replicates them too; attention repeats its kv activations to a
+# multiple of the tensor axis, models/attention.py). Rows around a pipeline: a batch that does
+# not divide over the stages too stays split over the batch axes only.
+FITTED_NAMES: frozenset[str] = frozenset({
+    "kv_heads", "activation_kv_heads", "activation_embed_and_logits_batch",
+})
 
-def logical_to_shardings(logical_specs, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES):
-    """Map a pytree of logical PartitionSpecs to NamedShardings on `mesh`."""
-    return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+
+def fitted_spec(names, shape, mesh_shape: Mapping[str, int], rules: LogicalRules) -> PartitionSpec:
+    """The mesh PartitionSpec of logical `names` (one per dimension of `shape`) under `rules`.
+
+    As Flax maps them, with mesh axes that `mesh_shape` lacks left out (as a size-1 axis would
+    be: a hand-made mesh without "expert"), and for ``FITTED_NAMES`` only the longest leading run
+    of the axes whose product divides the dimension kept (none: replicated). So 2 kv heads on a
+    tensor axis of 4 are whole on every device, where a plain rule makes a sharding that cannot
+    hold them.
+    """
+    names = tuple(names)
+    entries = []
+    for name, dim, entry in zip(names, shape, nn.logical_to_mesh_axes(names, rules)):
+        if entry is not None:
+            given = (entry,) if isinstance(entry, str) else tuple(entry)
+            axes = tuple(a for a in given if a in mesh_shape)
+            while name in FITTED_NAMES and axes and dim % math.prod(mesh_shape[a] for a in axes):
+                axes = axes[:-1]
+            if axes != given:
+                entry = None if not axes else axes[0] if len(axes) == 1 else axes
+        entries.append(entry)
+    return PartitionSpec(*entries)
+
+
+def logical_to_shardings(logical_specs, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES, *,
+                         shapes=None):
+    """Map a pytree of logical PartitionSpecs to NamedShardings on `mesh`.
+
+    With `shapes` (the same pytree of arrays or ShapeDtypeStructs) the ``FITTED_NAMES`` keep only
+    the mesh axes that divide their dimension (``fitted_spec``); without, every rule applies as
+    written (and ``check_divisible`` names what does not divide).
+    """
+    if shapes is None:
+        return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+    return jax.tree.map(
+        lambda spec, leaf: NamedSharding(mesh, fitted_spec(spec, leaf.shape, mesh.shape, rules)),
+        logical_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def mesh_ways(name: str) -> int:
+    """How many ways the rules in context (``nn.logical_axis_rules``) split the logical axis
+    `name` on the mesh in context (``jax.set_mesh``); 1 without either."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return 1
+    entry = nn.logical_to_mesh_axes((name,), rules)[0]
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(mesh.shape[a] for a in axes if a in mesh.axis_names)
+
+
+def logical_constraint(x: jax.Array, names) -> jax.Array:
+    """``nn.with_logical_constraint`` through ``fitted_spec``: the rules and mesh in context, the
+    ``FITTED_NAMES`` kept to the mesh axes that divide `x`'s dimensions. A no-op without a mesh
+    or rules in context, as Flax's is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return x
+    return jax.lax.with_sharding_constraint(x, fitted_spec(names, x.shape, mesh.shape, rules))
 
 
 def _batch_axes(mesh: Mesh) -> tuple[str, ...]:

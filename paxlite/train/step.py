@@ -282,10 +282,10 @@ def compile_steps(
 
     with nn.logical_axis_rules(logical_rules):
         abstract_boxed, abstract_fp8 = jax.eval_shape(boxed_variables)
-    param_shardings = rules_lib.logical_to_shardings(
-        nn.get_partition_spec(abstract_boxed), mesh, logical_rules
-    )
     abstract_params = nn.meta.unbox(abstract_boxed)
+    param_shardings = rules_lib.logical_to_shardings(
+        nn.get_partition_spec(abstract_boxed), mesh, logical_rules, shapes=abstract_params
+    )
     rules_lib.check_divisible(abstract_params, param_shardings, mesh)
     replicated = rules_lib.replicated(mesh)
     # FP8 scales and histories are tiny and read whole by every matmul: replicated, no logical axes.
