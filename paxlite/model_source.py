@@ -169,7 +169,7 @@ def restore_params(model: ModelSource, mesh):
 
     from paxlite.models.decode import decoding_config
     from paxlite.models.transformer import abstract_variables, logical_param_axes
-    from paxlite.parallel.rules import DEFAULT_RULES
+    from paxlite.parallel.rules import DEFAULT_RULES, logical_to_shardings
     from paxlite.train.pretrained import restore_params as restore
 
     config = decoding_config(model.config)
@@ -178,7 +178,9 @@ def restore_params(model: ModelSource, mesh):
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, abstract)
     else:
-        shardings = nn.logical_to_mesh_sharding(logical_param_axes(config), mesh, DEFAULT_RULES)
+        # as training shards them (kv heads that do not divide the tensor axis stay whole)
+        shardings = logical_to_shardings(logical_param_axes(config), mesh, DEFAULT_RULES,
+                                         shapes=abstract)
     abstract = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
         abstract, shardings)

@@ -16,8 +16,8 @@ the layer's. At initialisation ``B = 0``, so the output is bit-identical to the 
 Layouts carry logical axis names so the adapters shard like their kernel: for a kernel
 ``[*inputs, *groups, *outputs]`` (e.g. the fused QKV ``[embed, 3, heads, kv]``, inputs ``embed``,
 groups the ``3`` of q/k/v, outputs ``heads, kv``), ``lora_a`` is ``[*inputs, *groups, rank]`` and
-``lora_b`` is ``[*groups, rank, *outputs]``; the rank axis is ``lora_rank`` (no rule maps it, so it
-is replicated). A group axis gives each slice of the kernel its own adapter pair: q, k and v get
+``lora_b`` is ``[*groups, rank, *outputs]``; the rank axis is ``lora_rank`` (the rules table keeps it
+whole). A group axis gives each slice of the kernel its own adapter pair: q, k and v get
 separate LoRA, as Pax's ``LoraCombinedQKVProjection`` (``[3, D, r]`` / ``[3, N*H, r]``).
 """
 

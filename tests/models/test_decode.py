@@ -152,7 +152,7 @@ def test_too_long_and_out_of_vocabulary_prompts() -> None:
 # data x fsdp x expert, the heads of keys and values over tensor, the cache length whole.
 BATCH = ("data", "fsdp", "expert")
 SHARDED_CASES = {
-    # GQA keys/values have their own head axis name, replicated by DEFAULT_RULES: a rule shards it
+    # GQA keys/values have their own head axis name, over tensor in DEFAULT_RULES as here
     "llama_gqa_kv_heads_over_tensor": (
         dict(cfg="llama", batch_multiple=4), (("activation_kv_heads", "tensor"),),
         {"cached_key": P(BATCH, None, "tensor", None), "cached_value": P(BATCH, None, "tensor", None),
