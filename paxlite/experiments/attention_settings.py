@@ -53,7 +53,8 @@ def check_attention_settings(experiment) -> None:
     if implementation is AttentionImplementation.CUDNN:
         problems = cudnn_problems(dtype=experiment.FPROP_DTYPE, head_dim=experiment.DIMS_PER_HEAD,
                                   seq_len=experiment.MAX_SEQ_LEN,
-                                  dense_bias=experiment.PACKED_INPUT or relative_bias)
+                                  dense_bias=experiment.PACKED_INPUT or relative_bias,
+                                  vmapped_stages=model.pipeline is not None)
         setting = ("USE_CUDNN_FLASH_ATTENTION=true" if experiment.USE_CUDNN_FLASH_ATTENTION
                    else "ATTENTION_IMPLEMENTATION='cudnn'")
         if problems:

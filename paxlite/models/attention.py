@@ -156,6 +156,8 @@ class Attention(nn.Module):
     # attention reads all cached ones under the caller's mask [B, 1, T, S_max].
     decode: bool = False
     context_parallel_strategy: ContextParallelStrategy = ContextParallelStrategy.ALL_GATHER
+    # The layer is one of a pipeline's stages (vmapped over them): the kernel choice must know.
+    pipelined: bool = False
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -258,6 +260,7 @@ class Attention(nn.Module):
             implementation = resolve_implementation(
                 self.attention_implementation, dtype=q.dtype, head_dim=h, seq_len=length,
                 dense_bias=mask is not None or bias is not None, has_bias=bias is not None,
+                vmapped_stages=self.pipelined,
             )
             out = flash_attention(
                 q, k, v, implementation=implementation, mask=mask, bias=bias,

@@ -138,12 +138,15 @@ def cudnn_max_head_dim(compute_capability: str | None) -> int:
 def cudnn_problems(
     *, dtype: Any, head_dim: int, seq_len: int | None = None, dense_bias: bool = False,
     backend: str | None = None, compute_capability: str | None = None,
+    vmapped_stages: bool = False,
 ) -> list[str]:
     """Why cuDNN flash attention cannot run here ([] when it can).
 
     backend / compute_capability None: not known yet (experiment validation), not checked.
     dense_bias: a mask (packed rows) or a logit bias reaches cuDNN as a dense bias, and its
-    backward pass then needs an even sequence length.
+    backward pass then needs an even sequence length. vmapped_stages: the layer runs inside a
+    pipeline's vmap over stages, where JAX 0.12's cuDNN batching rule reshapes a [B, 1, T, S]
+    mask to [B, N, T, S] and fails (a compile of the real step for H100 showed it).
     """
     problems = []
     if backend is not None and backend != "gpu":
@@ -164,6 +167,11 @@ def cudnn_problems(
         problems.append(
             f"with a mask (packed rows) or a logit bias cuDNN's backward pass needs an even "
             f"sequence length, got {seq_len}")
+    if dense_bias and vmapped_stages:
+        problems.append(
+            "with a mask (packed rows) or a logit bias cuDNN cannot run inside a pipeline's stages "
+            "(JAX's cuDNN batching rule cannot take the mask under the stages' vmap); unpacked rows "
+            "(PACKED_INPUT=False) can")
     return problems
 
 
@@ -191,7 +199,7 @@ def _device_facts() -> tuple[str, str | None]:
 def resolve_implementation(
     requested: AttentionImplementation | str, *, dtype: Any, head_dim: int, seq_len: int,
     dense_bias: bool, has_bias: bool, backend: str | None = None,
-    compute_capability: str | None = None,
+    compute_capability: str | None = None, vmapped_stages: bool = False,
 ) -> AttentionImplementation:
     """The kernel that runs: AUTO resolved, a named kernel checked (SettingError with every reason).
 
@@ -201,7 +209,8 @@ def resolve_implementation(
     if backend is None:
         backend, compute_capability = _device_facts()
     cudnn = cudnn_problems(dtype=dtype, head_dim=head_dim, seq_len=seq_len, dense_bias=dense_bias,
-                           backend=backend, compute_capability=compute_capability)
+                           backend=backend, compute_capability=compute_capability,
+                           vmapped_stages=vmapped_stages)
     if requested is AttentionImplementation.AUTO:
         log_auto_choice(cudnn)
         return AttentionImplementation.CUDNN if not cudnn else AttentionImplementation.XLA

@@ -150,6 +150,7 @@ class Block(nn.Module):
             fp8=cfg.fp8,
             decode=self.decode,
             context_parallel_strategy=cfg.context_parallel_strategy,
+            pipelined=cfg.pipeline is not None,
             name="attention",
         )(h, mask, positions, segment_ids=segment_ids)
         h = nn.Dropout(rate=cfg.dropout_prob)(h, deterministic=self.deterministic)

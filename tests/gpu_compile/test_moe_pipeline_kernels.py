@@ -10,10 +10,15 @@ the circular schedule on a 5-entry [data, fsdp, tensor, expert, pipeline] mesh.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 
+from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
-from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget
+from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
 from paxlite.plan_search import compile_train_step
 
 pytestmark = pytest.mark.gpu_compile
@@ -97,8 +102,28 @@ def test_the_circular_stage_holds_twice_the_gpipe_stages_layers(gpipe, circular)
 
 @pytest.mark.xfail(raises=TypeError, strict=True, reason=(
     "JAX 0.12's cuDNN attention batching rule reshapes a vmapped mask to [B, N, T, S] and fails on "
-    "packed rows' mask, which is [B, 1, T, S] (broadcast over heads); the pipeline vmaps its "
-    "stages (jax-ml/jax#34920)"))
-def test_a_pipeline_with_cudnn_attention_on_packed_rows_compiles():
-    _compile("TinyLLaMA", *PIPELINE, "NUM_LAYERS=2", "USE_CUDNN_FLASH_ATTENTION=True",
-             "DIMS_PER_HEAD=64", "MODEL_DIMS=256")
+    "a [B, 1, T, S] mask (broadcast over heads), as a pipeline's stages would give it "
+    "(jax-ml/jax#34920); once this passes, paxlite's refusal (cudnn_problems' vmapped_stages) can go"))
+def test_jaxs_cudnn_attention_takes_a_head_broadcast_mask_under_vmap():
+    mesh = Mesh(np.array(gpu_devices(CompileTarget.H100, GpuTopology(gpus_per_host=1))), ("data",))
+    qkv = jax.ShapeDtypeStruct((2, 4, 256, 4, 64), jnp.bfloat16)  # [stages, B, T, N, H]
+    mask = jax.ShapeDtypeStruct((2, 4, 1, 256, 256), jnp.bool_)  # [stages, B, 1, T, S]
+
+    def stage(q, k, v, m):
+        return jax.nn.dot_product_attention(q, k, v, mask=m, implementation="cudnn").sum()
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        jax.jit(jax.vmap(jax.grad(stage, argnums=(0, 1, 2)))).lower(qkv, qkv, qkv, mask).compile()
+
+
+def test_a_pipeline_refuses_cudnn_on_packed_rows_and_auto_runs_xla_there():
+    with pytest.raises(ConfigError, match=r"^USE_CUDNN_FLASH_ATTENTION=true cannot run TinyLLaMA: "
+                       r"with a mask \(packed rows\) or a logit bias cuDNN cannot run inside a "
+                       r"pipeline's stages"):
+        load_experiment(TINY + "TinyLLaMA", (*PIPELINE, *CUDNN, "PACKED_INPUT=True",
+                                             "DIMS_PER_HEAD=64", "MODEL_DIMS=256"))
+    # AUTO (flash kind) on the same packed batch: XLA's attention inside the stages, no cuDNN call
+    auto = _compile("TinyLLaMA", *PIPELINE, "NUM_LAYERS=2", "ATTENTION_KIND='flash'",
+                    "DIMS_PER_HEAD=64", "MODEL_DIMS=256")
+    assert not [name for name in auto["kernels"] if name.startswith("__cudnn")], auto["kernels"]
+    assert auto["kernels"]["__cublas$lt$matmul"] > 0
