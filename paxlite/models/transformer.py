@@ -414,7 +414,8 @@ def abstract_variables(config: TransformerConfig) -> Any:
     Traced with XLA attention: the parameters do not depend on the kernel, and a cuDNN or Pallas
     model's shapes must be countable on a CPU machine too (``show``, ``plan``).
     """
-    if config.attention_implementation is not AttentionImplementation.AUTO:
+    if config.attention_implementation is not AttentionImplementation.XLA:  # AUTO too: it would
+        # resolve (and log its choice) for this process's backend, whatever the run's devices are
         config = dataclasses.replace(config, attention_implementation=AttentionImplementation.XLA)
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return jax.eval_shape(

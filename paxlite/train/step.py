@@ -276,7 +276,9 @@ def compile_steps(
         return jax.random.fold_in(jax.random.key(seed), 1)
 
     def boxed_variables():
-        dummy_tokens = jnp.zeros((1, seq_len), jnp.int32)
+        # One row per batch shard: a kernel run per shard (Pallas attention's shard_map) cannot
+        # split a single row over data x fsdp x expert; the parameters do not depend on the rows.
+        dummy_tokens = jnp.zeros((rules_lib.batch_split(mesh), seq_len), jnp.int32)
         variables = model.init({"params": params_key()}, dummy_tokens)
         return variables["params"], dict(variables.get(fp8_collection(model), {}))
 
