@@ -33,9 +33,12 @@ CASES: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     # sequences of 8,192 tokens, which XLA's CPU compiler cannot even compile (it dies of SIGFPE).
     ("Fuji7BV3Flash", 256, ("ICI_MESH_SHAPE=[1,8,1]", "DCN_MESH_SHAPE=[32,1,1]")),
     ("Fuji70BV3Flash", 512, ("ICI_MESH_SHAPE=[1,8,1]", "DCN_MESH_SHAPE=[4,16,1]")),
-    # run_llama_boolq.sh: full fine-tuning 2 sequences per GPU on 16 GPUs; LoRA 2 per GPU on 8
+    # run_llama_boolq.sh: full fine-tuning 2 sequences per GPU on 16 GPUs, with XLA's attention and
+    # with the fused one (flash: cuDNN on a GPU); LoRA 2 per GPU on 8 (a random base: sizes only)
     ("LLaMA7B", 16, ("PERCORE_BATCH_SIZE=2", "DCN_MESH_SHAPE=[1,2,1]")),
-    ("LLaMA7B", 8, ("PERCORE_BATCH_SIZE=2", "USE_LORA=True", "ICI_MESH_SHAPE=[8,1,1]")),
+    ("LLaMA7B", 16, ("PERCORE_BATCH_SIZE=2", "DCN_MESH_SHAPE=[1,2,1]", "ATTENTION_KIND='flash'")),
+    ("LLaMA7B", 8, ("PERCORE_BATCH_SIZE=2", "USE_LORA=True", "LORA_RANDOM_BASE=True",
+                    "ICI_MESH_SHAPE=[8,1,1]", "ATTENTION_KIND='flash'")),
 )
 TARGETS = ("cpu", "h100", "h200")
 GIB = 2**30
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="", help="comma-separated experiment names (default: all)")
     parser.add_argument("--out", default="", help="write the raw rows here as JSON")
     parser.add_argument("--timeout_s", type=float, default=1800.0, help="per case")
+    parser.add_argument("--case_index", type=int, default=None, help="only CASES[i]")
     parser.add_argument("--with_overrides_only", action="store_true",
                         help="only the cases with overrides (Pax's LLaMA training settings)")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
@@ -135,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = [case for case in CASES if not wanted or case[0] in wanted]
     if args.with_overrides_only:
         cases = [case for case in cases if case[2]]
+    if args.case_index is not None:
+        cases = [CASES[args.case_index]]
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {len(cases)} cases",
           file=sys.stderr)
     rows = []

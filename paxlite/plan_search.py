@@ -19,7 +19,6 @@ With a pipeline, one device's program is one pipeline rank's: it holds the layer
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -149,7 +148,9 @@ def _setup(experiment, *, num_devices: int, target: CompileTarget = CompileTarge
         batch_split=rules_lib.batch_split(mesh),
         fixed_global_batch_size=getattr(experiment, "GLOBAL_BATCH_SIZE", None),
     )
-    model_config = fdl.build(experiment.model_config())
+    # the run's model: the family's, plus USE_LORA's adapters (run_config does the same)
+    with_lora = getattr(experiment, "with_lora", lambda model: model)
+    model_config = fdl.build(with_lora(experiment.model_config()))
     attention_note = None
     if not target.is_gpu and model_config.attention_implementation in (
             AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON):
@@ -180,24 +181,13 @@ def check_runs(experiment, *, num_devices: int,
     _setup(experiment, num_devices=num_devices, target=target)
 
 
-@functools.cache
-def _preset_options(preset_name: str) -> dict[str, str]:
-    """The XLA flags and JAX settings of a preset (paxlite.xla_presets), in the spellings this
-    jaxlib parses, as compile options."""
-    from paxlite import xla_presets
-
-    preset = xla_presets.get_preset(preset_name)
-    resolved = xla_presets.resolve(preset)
-    return gpu_target.compiler_options(resolved.flags, preset.env)
-
-
 def gpu_compile_options(experiment) -> tuple[str, dict[str, str]]:
     """(preset name, its compile options): the XLA flags a run of `experiment` is launched with."""
     from paxlite import xla_presets
 
     cls = type(experiment)
     name = xla_presets.preset_for_experiment(f"{cls.__module__}.{cls.__qualname__}")
-    return name, _preset_options(name)
+    return name, gpu_target.preset_compiler_options(name)
 
 
 def compile_train_step(experiment, *, num_devices: int,
@@ -210,8 +200,11 @@ def compile_train_step(experiment, *, num_devices: int,
     import jax
     import jax.numpy as jnp
 
+    from paxlite.models.lora import is_lora_path
     from paxlite.models.parallel_config import PIPELINE_AXIS
+    from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
     from paxlite.models.transformer import Transformer
+    from paxlite.parallel.rules import DEFAULT_RULES
     from paxlite.train.optimizer import make_optimizer
     from paxlite.train.schedules import make_schedule
     from paxlite.train.step import compile_steps
@@ -224,8 +217,13 @@ def compile_train_step(experiment, *, num_devices: int,
         preset, compiler_options = gpu_compile_options(experiment)
     schedule = make_schedule(fdl.build(experiment.schedule_config()))
     seq_len = model_config.max_seq_len
+    # What train/loop.py passes too: a LoRA run differentiates and keeps Adam state for the
+    # adapters only, TE's layers add their logical names to the rules.
     accum = {"grad_accum_steps": setup.loop.grad_accum_steps,
-             "loss_chunk_size": setup.loop.loss_chunk_size}  # LOSS_CHUNK_SIZE: logits memory
+             "loss_chunk_size": setup.loop.loss_chunk_size,  # LOSS_CHUNK_SIZE: logits memory
+             "z_loss_weight": setup.loop.z_loss_weight,
+             "trainable": is_lora_path if model_config.lora_rank is not None else None,
+             "logical_rules": te_logical_axis_rules(model_config, DEFAULT_RULES)}
     started = time.perf_counter()
     # A compile-only GPU mesh cannot hold arrays: eager work while building the steps (an
     # optimizer's init on placeholders) runs under its abstract mesh, which is what tracing reads.

@@ -301,6 +301,16 @@ def compiler_options(flags: Sequence[str], env: Sequence[tuple[str, str]] = ()) 
     return options
 
 
+@functools.cache
+def preset_compiler_options(preset_name: str) -> dict[str, str]:
+    """The XLA flags and JAX settings of one of paxlite's presets (paxlite.xla_presets), in the
+    spellings this jaxlib parses (one probe per process), as compile options."""
+    from paxlite import xla_presets
+
+    preset = xla_presets.get_preset(preset_name)
+    return compiler_options(xla_presets.resolve(preset).flags, preset.env)
+
+
 # ------------------------------------------------------------------------------------------------
 # Which platform a program is being built for (the models' kernel choices read this)
 
