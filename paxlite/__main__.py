@@ -184,6 +184,15 @@ def _markdown_catalogue(entries: list[dict]) -> str:
         "`PERCORE_BATCH_SIZE` x those devices. Override any of them with `--fdl.NAME=VALUE`",
         "([configuration.md](configuration.md)); `python -m paxlite show --fdl_config=NAME` prints the resolved",
         "values after overrides.",
+        "",
+        "A default is Pax's or AXLearn's setting, not a promise that its train step fits a GPU: whether it",
+        "does, per device on H100 and H200 as XLA's GPU compiler builds it, and what makes it fit, is in",
+        "[performance.md](performance.md) (\"Peak memory of the large experiments on H100 and H200\"), and",
+        "`python -m paxlite plan --fdl_config=NAME --target=h100` answers it for any overrides. In short: the",
+        "LLaMA defaults are Pax's zero-shot evaluation batch (training at it needs far more than a GPU holds;",
+        "Pax's fine-tuning batch of 2 per GPU with cuDNN attention fits), GLaM64B64E fits H200s and, with",
+        "half the batch and 8-way expert parallelism, H100s, Mixtral8x7B needs more than 8 GPUs, and the Fuji",
+        "rows are sized for AXLearn's mesh rules (`--mesh_selector`), not for the 8 devices shown.",
     ]
     by_family: dict[str, list[dict]] = {}
     for e in entries:
