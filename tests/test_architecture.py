@@ -77,7 +77,7 @@ def test_each_contract_breaks_on_a_forbidden_import(tmp_path, path, line, contra
 
 
 def test_importing_every_module_loads_no_heavy_extra():
-    """DESIGN.md section 2: optional heavy dependencies load only on the path that needs them (the
+    """docs/architecture.md: optional heavy dependencies load only on the path that needs them (the
     contract above says where they are imported; this, that importing paxlite runs none of it)."""
     code = (
         "import importlib, json, pkgutil, sys\n"

@@ -114,14 +114,14 @@ def finish_planner(proc: subprocess.Popen, *, until: float) -> str | None:
 def read_plans(log_dir: str) -> dict[str, dict]:
     """{case name: its planner record}, plus "*" for an error that stopped every case."""
     plans: dict[str, dict] = {}
-    try:
-        with open(os.path.join(log_dir, PLAN_FILE)) as f:
-            for line in f:
-                if line.endswith("\n"):  # whole lines only: a killed planner may leave half of one
-                    record = json.loads(line)
-                    plans[record.get("name", "*")] = record
-    except OSError:
-        pass
+    path = os.path.join(log_dir, PLAN_FILE)
+    if not os.path.exists(path):  # the planner has not written a line yet
+        return plans
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n"):  # whole lines only: a killed planner may leave half of one
+                record = json.loads(line)
+                plans[record.get("name", "*")] = record
     return plans
 
 

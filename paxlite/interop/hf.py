@@ -1,4 +1,5 @@
-"""Public API: load / save Hugging Face checkpoints, read Meta and paxlite ones (DESIGN.md 3.4).
+"""Public API: load / save Hugging Face checkpoints, read Meta and paxlite ones
+(docs/interop.md, "Python API").
 
     from paxlite.interop import hf
     pretrained = hf.load("path/to/hf_model_dir")   # LLaMA-style, Mixtral or GPT-2

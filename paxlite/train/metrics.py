@@ -1,6 +1,6 @@
 """Training and evaluation metrics: metrics.jsonl, TensorBoard event files and a log line.
 
-`metrics.jsonl` is the machine-readable record (DESIGN.md section 3.3): one JSON object per call,
+`metrics.jsonl` is the machine-readable record (docs/training.md lists its keys): one JSON object per call,
 appended so a resumed run keeps its history, flushed per line so a crash loses nothing already
 logged, and strictly valid JSON (NaN/inf become null, because `json` would otherwise write the
 non-standard `NaN` token that most readers reject).
@@ -143,7 +143,7 @@ class MetricsWriter:
             self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write_train(self, step: int, metrics: Mapping[str, float | None]) -> None:
-        """Records one training step's metrics (keys as in DESIGN.md section 3.3)."""
+        """Records one training step's metrics (keys as docs/training.md lists them)."""
         if not self._enabled:
             return
         self._check_keys(metrics)

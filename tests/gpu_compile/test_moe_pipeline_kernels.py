@@ -100,11 +100,10 @@ def test_the_circular_stage_holds_twice_the_gpipe_stages_layers(gpipe, circular)
     assert circular["pipeline_split_parameter_bytes"] == 2 * gpipe["pipeline_split_parameter_bytes"]
 
 
-@pytest.mark.xfail(raises=TypeError, strict=True, reason=(
-    "JAX 0.12's cuDNN attention batching rule reshapes a vmapped mask to [B, N, T, S] and fails on "
-    "a [B, 1, T, S] mask (broadcast over heads), as a pipeline's stages would give it "
-    "(jax-ml/jax#34920); once this passes, paxlite's refusal (cudnn_problems' vmapped_stages) can go"))
-def test_jaxs_cudnn_attention_takes_a_head_broadcast_mask_under_vmap():
+def test_jaxs_cudnn_attention_still_refuses_a_head_broadcast_mask_under_vmap():
+    """JAX 0.12's cuDNN attention batching rule reshapes a vmapped mask to [B, N, T, S] and fails on
+    a [B, 1, T, S] mask (broadcast over heads), as a pipeline's stages give it (jax-ml/jax#34920).
+    When this test fails, JAX compiles it: paxlite's refusal (cudnn_problems' vmapped_stages) can go."""
     mesh = Mesh(np.array(gpu_devices(CompileTarget.H100, GpuTopology(gpus_per_host=1))), ("data",))
     qkv = jax.ShapeDtypeStruct((2, 4, 256, 4, 64), jnp.bfloat16)  # [stages, B, T, N, H]
     mask = jax.ShapeDtypeStruct((2, 4, 1, 256, 256), jnp.bool_)  # [stages, B, 1, T, S]
@@ -112,7 +111,8 @@ def test_jaxs_cudnn_attention_takes_a_head_broadcast_mask_under_vmap():
     def stage(q, k, v, m):
         return jax.nn.dot_product_attention(q, k, v, mask=m, implementation="cudnn").sum()
 
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+          pytest.raises(TypeError, match=r"cannot reshape array of shape \(2, 4, 1, 256, 256\)")):
         jax.jit(jax.vmap(jax.grad(stage, argnums=(0, 1, 2)))).lower(qkv, qkv, qkv, mask).compile()
 
 

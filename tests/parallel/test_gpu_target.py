@@ -50,10 +50,13 @@ def test_xla_flags_become_compile_options_in_xlas_spelling():
                        "optimization_level": "O1"}
 
 
-@pytest.mark.skipif(gpu_target.plugin_installed(), reason="the CUDA plugin is importable here")
-def test_without_the_plugin_one_line_says_what_to_install():
+def test_without_the_plugin_one_line_says_what_to_install(monkeypatch):
+    import sys
+
     import jax
 
+    monkeypatch.setitem(sys.modules, "jax_plugins", None)  # as where it is not installed
+    assert not gpu_target.plugin_installed()
     problem = gpu_target.plugin_problem()
     assert problem is not None and "\n" not in problem
     assert f"pip install 'jax[cuda12]=={jax.__version__}'" in problem
