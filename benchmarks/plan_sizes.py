@@ -47,8 +47,7 @@ GIB = 2**30
 def measure_one(name: str, devices: int, assignments: list[str]) -> dict:
     """In this process (fake CPU devices already set): the three compiles of one case."""
     from paxlite.experiments.build import load_experiment
-    from paxlite.parallel.gpu_target import CompileTarget
-    from paxlite.plan_search import DEFAULT_DEVICE_MEMORY_GIB, compile_train_step
+    from paxlite.plan_search import compile_train_step, target_defaults, verdict
 
     experiment = load_experiment(name, tuple(assignments))
     row: dict = {"experiment": name, "devices": devices, "overrides": assignments}
@@ -59,14 +58,12 @@ def measure_one(name: str, devices: int, assignments: list[str]) -> dict:
         except Exception as error:  # noqa: BLE001 - a case that cannot compile is a row, not a crash
             row[target] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
             continue
-        parsed = CompileTarget.parse(target)
-        device_bytes = (parsed.spec.memory_bytes if parsed.is_gpu
-                        else int(DEFAULT_DEVICE_MEMORY_GIB * GIB))
+        device_bytes, _ = target_defaults(target)  # as `plan --target` assumes
         memory = result["memory"]
         row[target] = {
             "peak_bytes": memory["peak_bytes"], "temp_bytes": memory["temp_bytes"],
             "argument_bytes": memory["argument_bytes"], "device_bytes": device_bytes,
-            "fits": memory["peak_bytes"] <= device_bytes,
+            "fits": verdict(memory["peak_bytes"], device_bytes)["fits"],
             "kernels": result.get("kernels"), "fp8_gemms": result.get("fp8_gemms"),
             "mesh": result["mesh"], "global_batch_size": result["global_batch_size"],
             "seq_len": result["seq_len"], "seconds": round(time.perf_counter() - started, 1),
