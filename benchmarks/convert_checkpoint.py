@@ -124,10 +124,10 @@ def write_orbax_copies(pax: str, orbax: str, lora: str) -> None:
     import jax
     from flax import linen as nn
 
+    from paxlite.checkpointing.pretrained import save_params
     from paxlite.interop import hf
     from paxlite.interop.layouts import stack_layers
     from paxlite.models.transformer import abstract_variables
-    from paxlite.train.pretrained import save_params
 
     pretrained = hf.from_paxlite(pax)
     config = dc.replace(pretrained.config, scan_layers=True)
@@ -233,17 +233,17 @@ def run_child(argv: list[str]) -> tuple[float, float]:
 def export_merged_argv(source: str, output: str) -> list[str]:
     """What `python -m paxlite export_merged` runs, without an experiment to name: the LoRA config
     is the model_config.json beside the checkpoint."""
-    code = ("import sys; from paxlite.convert import return_freed_buffers; return_freed_buffers(); "
+    code = ("import sys; from paxlite.cli.convert import return_freed_buffers; return_freed_buffers(); "
             "from paxlite.train.export import export_merged; "
-            "from paxlite.train.pretrained import load_model_config; "
+            "from paxlite.checkpointing.pretrained import load_model_config; "
             "export_merged(sys.argv[1], sys.argv[2], model_config=load_model_config(sys.argv[1]))")
     return ["-c", code, source, output]
 
 
 def same_params(a: str, b: str) -> None:
     """Two unscanned paxlite checkpoints hold the same params, bit for bit (read leaf by leaf)."""
-    from paxlite.train.pretrained import find_checkpoint
-    from paxlite.train.stream_read import CheckpointReader
+    from paxlite.checkpointing.pretrained import find_checkpoint
+    from paxlite.checkpointing.stream_read import CheckpointReader
 
     readers = [CheckpointReader(find_checkpoint(p)[1]) for p in (a, b)]
     if sorted(readers[0].leaves) != sorted(readers[1].leaves):
@@ -255,8 +255,8 @@ def same_params(a: str, b: str) -> None:
 
 def check_merged(lora: str, merged: str, *, layer: int) -> None:
     """One layer's MLP output kernel of the export is base + (alpha / r) * A @ B (float64 reference)."""
-    from paxlite.train.pretrained import find_checkpoint
-    from paxlite.train.stream_read import CheckpointReader
+    from paxlite.checkpointing.pretrained import find_checkpoint
+    from paxlite.checkpointing.stream_read import CheckpointReader
 
     def row(path: str, leaf: tuple[str, ...]) -> np.ndarray:
         _, step_dir = find_checkpoint(path)

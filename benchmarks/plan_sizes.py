@@ -47,7 +47,7 @@ GIB = 2**30
 def measure_one(name: str, devices: int, assignments: list[str]) -> dict:
     """In this process (fake CPU devices already set): the three compiles of one case."""
     from paxlite.experiments.build import load_experiment
-    from paxlite.plan_search import compile_train_step, target_defaults, verdict
+    from paxlite.planner.search import compile_train_step, target_defaults, verdict
 
     experiment = load_experiment(name, tuple(assignments))
     row: dict = {"experiment": name, "devices": devices, "overrides": assignments}
@@ -72,7 +72,7 @@ def measure_one(name: str, devices: int, assignments: list[str]) -> dict:
 
 
 def run_case(name: str, devices: int, assignments: list[str], *, timeout_s: float) -> dict:
-    from paxlite.plan import fake_device_env
+    from paxlite.planner.plan import fake_device_env
 
     command = [sys.executable, os.path.abspath(__file__), "--one", name, "--devices", str(devices),
                *(["--assign", *assignments] if assignments else [])]

@@ -12,7 +12,7 @@ AXLearn name -> what it sets here:
   ("custom", ChainConfigModifier([...]))   fuji_mesh.MeshRule("custom", ChainConfigModifier([...]))
   --mesh_selector=custom                   fuji_mesh.select_mesh(size, "custom", extra_rules=[...])
   max_step                                 MAX_STEPS
-  dir                                      the job directory given to paxlite.job.run_job
+  dir                                      the job directory given to paxlite.cli.job.run_job
   input...global_logical_batch_size        GLOBAL_BATCH_SIZE
   input.source.max_sequence_length         MAX_SEQ_LEN
   checkpointer.save_policy.n               CHECKPOINT_EVERY_N_STEPS
@@ -28,6 +28,7 @@ import sys
 
 import fiddle as fdl
 
+from paxlite.cli.job import Mode, run_job
 from paxlite.config.modifiers import (
     ChainConfigModifier,
     GradientAccumulationModifier,
@@ -39,7 +40,6 @@ from paxlite.errors import UserError
 from paxlite.experiments import fuji_mesh
 from paxlite.experiments.build import run_tree
 from paxlite.experiments.fuji import named_trainer_configs
-from paxlite.job import Mode, run_job
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -1,10 +1,10 @@
 """`python -m paxlite list [--format=markdown]` (the markdown is docs/experiments.md), `show --fdl_config=NAME [--fdl.X=V ...] [--format=json]`,
 `plot JOB_DIR`, `plan --fdl_config=NAME [--fdl.X=V ...] --devices=N [--target=cpu|h100|h200]` (will it fit? see
-paxlite/plan.py), `convert --from=hf|meta|paxlite|te --to=paxlite|hf|te --input=P --output=P`
-(paxlite/convert.py), `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
+paxlite/planner/plan.py), `convert --from=hf|meta|paxlite|te --to=paxlite|hf|te --input=P --output=P`
+(paxlite/cli/convert.py), `export_merged --input=JOB_DIR --output=DIR` (a LoRA run with its
 adapters folded in; see paxlite/train/export.py) and `generate --job_log_dir=DIR|--checkpoint=PATH
---prompt=...|--prompt_ids=1,2,3` (samples from a model; paxlite/generate.py) and `lm_eval
---job_log_dir=DIR|--checkpoint=PATH --tasks=T1,T2` (lm-evaluation-harness scores; paxlite/lm_eval_cli.py)."""
+--prompt=...|--prompt_ids=1,2,3` (samples from a model; paxlite/cli/generate.py) and `lm_eval
+--job_log_dir=DIR|--checkpoint=PATH --tasks=T1,T2` (lm-evaluation-harness scores; paxlite/cli/lm_eval.py)."""
 
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def _show(args: argparse.Namespace, assignments: Sequence[str]) -> int:
 
 def _plan(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     """Runs before anything imports JAX, so that the fake CPU devices can still be set."""
-    from paxlite import plan
+    from paxlite.planner import plan
 
     try:
         request = plan.PlanRequest(
@@ -260,7 +260,7 @@ def _export_merged(args: argparse.Namespace, assignments: Sequence[str]) -> int:
             experiment = load_recorded_experiment(name, overrides, assignments, source=str(record),
                                                   fdl_config=args.fdl_config)
         model = fdl.build(experiment.with_lora(experiment.model_config()))
-        from paxlite.convert import return_freed_buffers
+        from paxlite.cli.convert import return_freed_buffers
 
         return_freed_buffers()
         print(export.export_merged(args.input, output, model_config=model))
@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot = commands.add_parser("plot", help="PNG of a job's train and validation loss curves")
     plot.add_argument("job_log_dir")
     plot.add_argument("--output", default=None, help="PNG path (default: JOB_LOG_DIR/loss.png)")
-    from paxlite.convert import add_arguments as add_convert_arguments
+    from paxlite.cli.convert import add_arguments as add_convert_arguments
 
     add_convert_arguments(commands.add_parser(
         "convert", help="checkpoints: HF/Meta/paxlite -> paxlite/HF; paxlite <-> TE (accepts --fdl.NAME=VALUE)"))
@@ -314,11 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("--output", required=True, help="new directory for the merged checkpoint")
     export.add_argument("--fdl_config", default=None,
                         help="the run's experiment (default: read from the job's config.json)")
-    from paxlite.generate import add_arguments as add_generate_arguments
+    from paxlite.cli.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(commands.add_parser(
         "generate", help="text or token ids from a trained or converted model (KV cache; greedy or sampled)"))
-    from paxlite.lm_eval_cli import add_arguments as add_lm_eval_arguments
+    from paxlite.cli.lm_eval import add_arguments as add_lm_eval_arguments
 
     add_lm_eval_arguments(commands.add_parser(
         "lm_eval", help="lm-evaluation-harness scores of a trained or converted model (the eval extra)"))
@@ -342,17 +342,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args, assignments)
     if args.command == "convert":
-        from paxlite.convert import run_cli
+        from paxlite.cli.convert import run_cli
 
         return run_cli(args, assignments)
     if args.command == "export_merged":
         return _export_merged(args, assignments)
     if args.command == "generate":
-        from paxlite.generate import run_cli as run_generate
+        from paxlite.cli.generate import run_cli as run_generate
 
         return run_generate(args, assignments)
     if args.command == "lm_eval":
-        from paxlite.lm_eval_cli import run_cli as run_lm_eval
+        from paxlite.cli.lm_eval import run_cli as run_lm_eval
 
         return run_lm_eval(args, assignments)
     if args.command == "list":

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 from absl import app, flags, logging
 
-from paxlite.job import exit_usage, report_errors
-from paxlite.launch_plan import (
+from paxlite.cli.job import exit_usage, report_errors
+from paxlite.cli.launch_plan import (
     BACKENDS,
     CONFIG_MODULES,
     DEFAULTS,
@@ -115,11 +115,11 @@ def _write_trainer_files(plan: LaunchPlan, experiment, tree) -> None:
 
 
 def run(plan: LaunchPlan, *, argv: Sequence[str]) -> int:
-    """Join the job, check the devices, resolve the mesh and train (paxlite.job.run_job)."""
+    """Join the job, check the devices, resolve the mesh and train (paxlite.cli.job.run_job)."""
     import jax
 
+    from paxlite.cli.job import Mode, preemption_exit_code, run_job
     from paxlite.experiments.build import build_tree, run_tree
-    from paxlite.job import Mode, preemption_exit_code, run_job
     from paxlite.parallel import distributed
 
     preemption_exit_code()  # a bad PAXLITE_PREEMPTION_EXIT_CODE is reported before joining

@@ -15,8 +15,8 @@ import sys
 from absl import app, flags, logging
 from fiddle import absl_flags  # noqa: F401  defines --fdl_config, --fdl_set, ... (parsed in _parse_flags)
 
+from paxlite.cli.job import Mode, exit_usage, report_errors, run_job
 from paxlite.errors import UserError
-from paxlite.job import Mode, exit_usage, report_errors, run_job
 
 FLAGS = flags.FLAGS
 
@@ -108,10 +108,10 @@ def main(argv) -> int:
 def _run_job(argv) -> int:
     experiment, tree, run_config = parse_job(argv)
     if Mode(FLAGS.mode) is Mode.DRY_RUN:
-        from paxlite.plan import dry_run
+        from paxlite.planner.plan import dry_run
 
         return dry_run(experiment, job_log_dir=os.path.abspath(FLAGS.job_log_dir), argv=sys.argv)
-    from paxlite.job import preemption_exit_code
+    from paxlite.cli.job import preemption_exit_code
     from paxlite.parallel import distributed
 
     preemption_exit_code()  # PAXLITE_PREEMPTION_EXIT_CODE checked before joining other processes

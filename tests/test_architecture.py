@@ -99,7 +99,7 @@ def test_importing_every_module_loads_no_heavy_extra():
 def test_the_command_line_parses_before_jax_is_imported():
     """`python -m paxlite plan` sets its fake device count before JAX starts, and the `convert`
     parser is built for every subcommand: neither may pull in JAX or NumPy at import."""
-    code = ("import json, sys\nimport paxlite.__main__, paxlite.convert\n"
+    code = ("import json, sys\nimport paxlite.__main__, paxlite.cli.convert\n"
             "print(json.dumps(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules)))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                             timeout=120, check=False)

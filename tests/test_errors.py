@@ -4,6 +4,13 @@ RunStoppedError (exit 1, one line), and keeps the built-in base its Python calle
 import pytest
 
 from paxlite import errors
+from paxlite.checkpointing.checkpoint import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointReadError,
+    NoRestorableCheckpointError,
+)
+from paxlite.checkpointing.pretrained import PretrainedCheckpointError
 from paxlite.config.errors import ConfigError
 from paxlite.data.errors import DatasetError
 from paxlite.data.tokenizer import VocabError
@@ -11,14 +18,7 @@ from paxlite.interop.errors import ConversionError
 from paxlite.main import UsageError
 from paxlite.parallel.distributed import ConnectionFailedError, DistributedError
 from paxlite.parallel.mesh import MeshError
-from paxlite.train.checkpoint import (
-    CheckpointExistsError,
-    CheckpointMismatchError,
-    CheckpointReadError,
-    NoRestorableCheckpointError,
-)
 from paxlite.train.loop import TrainingDivergedError
-from paxlite.train.pretrained import PretrainedCheckpointError
 
 
 @pytest.mark.parametrize("cls, builtin", [

@@ -21,13 +21,13 @@ import jax
 import numpy as np
 import pytest
 
+from paxlite.checkpointing import pretrained
 from paxlite.data.boolq import boolq_batches, read_boolq
 from paxlite.data.tokenizer import Tokenizer
 from paxlite.experiments.build import build_run_config
 from paxlite.interop import hf
 from paxlite.models.lora import is_lora_path
 from paxlite.models.transformer import Transformer
-from paxlite.train import pretrained
 from paxlite.train.export import export_merged
 from paxlite.train.loop import Run, RunContext
 from tests.eval.test_boolq import _examples, _train_spm, _write_jsonl

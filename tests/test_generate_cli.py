@@ -48,9 +48,9 @@ def _greedy_reference(job, prompt, new):
     """Full forward pass (no cache) on the saved params, argmax at every step."""
     import fiddle as fdl
 
+    from paxlite.checkpointing.pretrained import read_state
     from paxlite.experiments.build import load_experiment
     from paxlite.models.transformer import Transformer
-    from paxlite.train.pretrained import read_state
 
     model = Transformer(fdl.build(load_experiment("TinySynthetic", ["MAX_STEPS=2"]).model_config()))
     params = read_state(job)[2]["params"]
@@ -147,8 +147,8 @@ def test_text_prompts_get_bos_as_the_experiment_family_was_trained(job, tmp_path
     the model is not run: a LLaMA experiment cannot read this GPT job's parameters)."""
     import argparse
 
+    from paxlite.cli.model_source import BosChoice, bos_id, resolve_model
     from paxlite.data.tokenizer import Tokenizer
-    from paxlite.model_source import BosChoice, bos_id, resolve_model
     from tests.interop.test_hf_export import train_bpe
 
     tokenizer = Tokenizer(train_bpe(tmp_path))  # defines BOS (id 1)

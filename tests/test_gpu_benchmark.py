@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from paxlite.experiments.build import load_recorded_experiment
-from paxlite.plan_search import compile_train_step
+from paxlite.planner.search import compile_train_step
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import types
 import jax
 import pytest
 
-from paxlite.job import compilation_cache
+from paxlite.cli.job import compilation_cache
 
 NAMES = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
          "jax_persistent_cache_min_entry_size_bytes")

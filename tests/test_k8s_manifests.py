@@ -9,10 +9,10 @@ import fiddle as fdl
 import pytest
 import yaml
 
+from paxlite.cli.job import preemption_exit_code
 from paxlite.config.registry import resolve_experiment
 from paxlite.experiments import EXPERIMENTS
 from paxlite.experiments.build import load_experiment, run_tree
-from paxlite.job import preemption_exit_code
 from paxlite.parallel.distributed import detect_launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def _experiment(container):
     else:  # the AXLearn-style launcher, through its own flag parsing (the data directory is the cluster's)
         assert set(flags) <= AXLEARN_FLAGS, set(flags) - AXLEARN_FLAGS
         assert flags["module"] == "text.gpt.c4_trainer" and flags["jax_backend"] == "gpu"
-        from paxlite.launch_plan import LaunchFlags, parse_launch
+        from paxlite.cli.launch_plan import LaunchFlags, parse_launch
 
         plan = parse_launch(LaunchFlags.of(**{**flags, "data_dir": "FAKE"}), {})
         experiment = plan.experiment(num_devices=container["resources"]["limits"]["nvidia.com/gpu"],

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from paxlite.cli.launch_plan import LaunchError, LaunchFlags, parse_launch, split_fdl_args
 from paxlite.config.errors import ConfigError
 from paxlite.config.modifiers import split_over_processes
 from paxlite.experiments import fuji_mesh
-from paxlite.launch_plan import LaunchError, LaunchFlags, parse_launch, split_fdl_args
 from paxlite.parallel.distributed import DistributedError, Launch, LaunchSource
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,12 +10,13 @@ import sys
 import fiddle as fdl
 import pytest
 
-from paxlite import plan as plan_lib
-from paxlite import plan_levers, plan_search
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import num_params
 from paxlite.parallel.mesh import MeshError
+from paxlite.planner import levers as plan_levers
+from paxlite.planner import plan as plan_lib
+from paxlite.planner import search as plan_search
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}

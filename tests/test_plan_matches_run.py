@@ -2,7 +2,7 @@
 (LoRA's trainable filter, above all) the plan passes too."""
 
 from paxlite.experiments.build import load_experiment
-from paxlite.plan_search import compile_train_step
+from paxlite.planner.search import compile_train_step
 
 
 def test_a_lora_plan_keeps_adam_state_for_the_adapters_only():

@@ -1,6 +1,6 @@
 """The GPU benchmark's memory columns: each case's planned peak beside its run's measured one.
 
-Why: the planner (`paxlite.plan_search.compile_train_step`) promises a run's peak device memory
+Why: the planner (`paxlite.planner.search.compile_train_step`) promises a run's peak device memory
 from a compile on a machine without the GPU (XLA's GPU compiler for the GPU model, deviceless).
 Only a run on that GPU can say how far the promise is from the allocator's real peak, so the
 benchmark that spends GPU time anyway measures both and prints their ratio, the planner's error.
@@ -83,7 +83,7 @@ def plan_case(name: str, command: Sequence[str]) -> dict:
 def start_planner(log_dir: str, *, cases: list[dict], target: str, num_devices: int,
                   env: dict[str, str]) -> subprocess.Popen:
     """The planner subprocess, on the CPU platform (with `num_devices` CPU devices for `cpu`)."""
-    from paxlite.plan import fake_device_env
+    from paxlite.planner.plan import fake_device_env
 
     cases_path = os.path.join(log_dir, "plan_cases.json")
     with open(cases_path, "w") as f:
@@ -147,7 +147,7 @@ def planning_summary(plans: dict[str, dict], *, target_note: str, cases: list[st
 def _plan_child(cases_path: str, out_path: str, target: str, num_devices: int) -> None:
     from paxlite.experiments.build import load_experiment
     from paxlite.parallel.gpu_target import plugin_problem
-    from paxlite.plan_search import compile_train_step
+    from paxlite.planner.search import compile_train_step
 
     with open(cases_path) as f:
         cases = json.load(f)

@@ -259,8 +259,8 @@ def _lora_leaves(step_dir: Any) -> list[str]:
     """Paths of saved params whose name mentions LoRA (read from the checkpoint's metadata only)."""
     import jax
 
-    from paxlite.train.checkpoint_damage import is_damage
-    from paxlite.train.pretrained import item_metadata
+    from paxlite.checkpointing.checkpoint_damage import is_damage
+    from paxlite.checkpointing.pretrained import item_metadata
 
     try:
         tree = item_metadata(step_dir / "state")
@@ -278,7 +278,7 @@ def _lora_leaves(step_dir: Any) -> list[str]:
 
 
 def find_model_config(path: str, *, step_dir: Any) -> TransformerConfig | None:
-    from paxlite.train.pretrained import load_model_config
+    from paxlite.checkpointing.pretrained import load_model_config
 
     for directory in (path, step_dir.parent, step_dir.parent.parent):
         config = load_model_config(directory)
@@ -296,7 +296,7 @@ def _paxlite_config(path: str, *, step_dir: Any, config: TransformerConfig | Non
         raise ConversionError(
             f"no model config for the checkpoint: expected model_config.json beside {path} "
             "(written by python -m paxlite convert), or pass config=TransformerConfig(...); a "
-            "training job's config.json is read by paxlite.convert.read_paxlite and python -m "
+            "training job's config.json is read by paxlite.cli.convert.read_paxlite and python -m "
             "paxlite convert")
     lora = _lora_leaves(step_dir)
     if lora:
@@ -314,8 +314,8 @@ def stream_paxlite_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike, *,
     """`save` of the paxlite checkpoint at ``path`` read one layer at a time (`from_paxlite` then
     `save`, without holding the model); ``options`` as `write_hf`'s. Returns (the unscanned config,
     #parameters)."""
-    from paxlite.train.pretrained import find_checkpoint
-    from paxlite.train.stream_read import CheckpointReader, LayerParams
+    from paxlite.checkpointing.pretrained import find_checkpoint
+    from paxlite.checkpointing.stream_read import CheckpointReader, LayerParams
 
     path = os.path.abspath(os.fspath(path))
     _, step_dir = find_checkpoint(path)
@@ -387,13 +387,13 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
 
     The model config is ``config`` if given, else ``model_config.json`` beside the checkpoint (what
     ``convert`` writes). A training job's ``config.json`` names an experiment, which only the registry
-    above interop/ can rebuild: `paxlite.convert.read_paxlite` reads those too.
+    above interop/ can rebuild: `paxlite.cli.convert.read_paxlite` reads those too.
     """
     import jax
     from flax import linen as nn
 
+    from paxlite.checkpointing.pretrained import find_checkpoint, restore_params
     from paxlite.models.transformer import abstract_variables
-    from paxlite.train.pretrained import find_checkpoint, restore_params
 
     path = os.path.abspath(os.fspath(path))
     _, step_dir = find_checkpoint(path)
@@ -418,7 +418,7 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
 def to_paxlite(pretrained: Pretrained, out_dir: str | os.PathLike) -> str:
     """Writes a paxlite checkpoint (``out_dir/checkpoints/checkpoint_00000000``) plus
     ``model_config.json``; params are stacked when ``config.scan_layers``. Returns the step dir."""
-    from paxlite.train.pretrained import save_params
+    from paxlite.checkpointing.pretrained import save_params
 
     check_output_dir(out_dir, setting="output directory")  # before casting a whole model
     config = pretrained.config

@@ -4,7 +4,7 @@ Reads what Pax wrote (a trained GPT, with or without repeated layers) and what s
 ``convert_llama_ckpt.py`` wrote (LLaMA, fused ``combined_qkv`` or separate ``query/key/value``), in
 Pax's per-array TensorStore layout (pax.md 14), into the parameters of the experiment named by
 ``--fdl_config``: Pax's files do not say which model they hold, the experiment does. The name table
-and the array reader are `paxlite.train.pax_layout`'s, shared with ``CHECKPOINT_RESTORE_PATH``
+and the array reader are `paxlite.checkpointing.pax_layout`'s, shared with ``CHECKPOINT_RESTORE_PATH``
 (which reads these checkpoints directly); this module adds the converter's strictness (a Pax
 tensor the model does not use is an error, not a warning) and the writer.
 
@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from paxlite.checkpointing import pax_layout
 from paxlite.interop import layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf import Pretrained, cast_params
@@ -45,7 +46,6 @@ from paxlite.interop.hf_config import UnsupportedCheckpointError, family_of_conf
 from paxlite.interop.hf_write import numpy_dtype
 from paxlite.models.transformer import RematPolicy, TransformerConfig
 from paxlite.paths import staged_output
-from paxlite.train import pax_layout
 
 COMMIT_FILE = "commit_success.txt"
 METADATA_ITEM = "metadata"  # checkpoint_<STEP>/metadata/metadata: Pax's version file (pax_metadata)
@@ -93,8 +93,8 @@ def open_pax(path: str | os.PathLike, *, config: TransformerConfig, experiment: 
     the arrays' metadata is read."""
     from flax import linen as nn
 
+    from paxlite.checkpointing.pretrained import find_checkpoint
     from paxlite.models.transformer import abstract_variables
-    from paxlite.train.pretrained import find_checkpoint
 
     _, step_dir = find_checkpoint(path)
     if not pax_layout.is_pax_step(step_dir):
@@ -382,8 +382,8 @@ def stream_paxlite_to_pax(path: str | os.PathLike, out_dir: str | os.PathLike, *
     """`save` of the paxlite checkpoint at ``path`` (``config``: its model), read one layer at a
     time (`stream_read.CheckpointReader`) and each Pax array written as it is made; names and shapes
     are checked before ``out_dir`` is made. Returns #parameters."""
-    from paxlite.train.pretrained import find_checkpoint
-    from paxlite.train.stream_read import CheckpointReader, LayerParams
+    from paxlite.checkpointing.pretrained import find_checkpoint
+    from paxlite.checkpointing.stream_read import CheckpointReader, LayerParams
 
     _, step_dir = find_checkpoint(path)
     target = numpy_dtype(dtype)

@@ -1,5 +1,5 @@
 """Hugging Face -> paxlite without holding the model: safetensors read lazily, one tensor at a
-time, and the paxlite checkpoint written one layer at a time (`paxlite.train.stream_write`).
+time, and the paxlite checkpoint written one layer at a time (`paxlite.checkpointing.stream_write`).
 
 A conversion first walks the whole layout on zero-memory stand-ins of the tensors (right shapes,
 zero strides), so a missing, left-over or misshapen tensor is reported before the output directory
@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from paxlite.checkpointing.stream_write import write_subtrees
 from paxlite.errors import NotFoundError
 from paxlite.interop import gpt2_layout, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import Family, from_hf_config
 from paxlite.models.transformer import TransformerConfig
-from paxlite.train.stream_write import write_subtrees
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -291,7 +291,7 @@ def generate(
     with `eos_id` where the model emits it. The same seed gives the same tokens.
 
     The ids are used as given: no BOS is added here (the command line adds the model family's;
-    see paxlite/generate.py).
+    see paxlite/cli/generate.py).
     vocab_limit: only ids below it are generated (a tokenizer smaller than the model's padded
     vocabulary cannot decode the others); None: all.
     batch_multiple: the rows are made a multiple of it (copies of the last prompt, whose outputs

@@ -22,13 +22,13 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
+from paxlite.checkpointing import pretrained
+from paxlite.checkpointing.stream_read import CheckpointReader
+from paxlite.checkpointing.stream_write import write_subtrees
 from paxlite.errors import NotFoundError, SettingError
 from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import TransformerConfig, abstract_variables
 from paxlite.paths import check_output_dir
-from paxlite.train import pretrained
-from paxlite.train.stream_read import CheckpointReader
-from paxlite.train.stream_write import write_subtrees
 
 
 def base_model_config(config: TransformerConfig) -> TransformerConfig:

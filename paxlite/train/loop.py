@@ -22,6 +22,8 @@ import numpy as np
 from absl import logging
 from flax import traverse_util
 
+from paxlite.checkpointing import pretrained
+from paxlite.checkpointing.checkpoint import Checkpointer
 from paxlite.data.context_order import check_seq_divides
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import make_feed, mixture_summaries, prefetch_train_batches
@@ -32,9 +34,8 @@ from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
-from paxlite.train import device_metrics, pretrained
+from paxlite.train import device_metrics
 from paxlite.train import flops as flops_lib
-from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.eval_loop import Evaluator
 from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
 from paxlite.train.lm_eval_hook import LmEvalScorer

@@ -48,7 +48,7 @@ def converted(tmp_path_factory):
 
 
 def _source(pax, mesh_shape=None):
-    from paxlite import model_source
+    from paxlite.cli import model_source
     from paxlite.parallel.mesh import MeshConfig
 
     source = model_source.resolve_model(
@@ -60,7 +60,7 @@ def _source(pax, mesh_shape=None):
 
 def _paxlite(pax, *, batch_size, add_bos=True, mesh_shape=None, tasks=TASKS):
     """lm_eval's results of paxlite's LM (samples logged), and the runner."""
-    from paxlite import model_source
+    from paxlite.cli import model_source
     from paxlite.eval.harness import ModelRunner
     from paxlite.eval.harness_lm import evaluate
 
@@ -172,7 +172,7 @@ def test_scores_do_not_change_with_batch_size_or_mesh(runs, converted):
 
 def test_score_tasks_returns_flat_metrics(runs, converted):
     """The in-process API (for LM_EVAL_TASKS): lm_eval's "metric,filter" keys as task/metric."""
-    from paxlite import model_source
+    from paxlite.cli import model_source
     from paxlite.eval.harness import flatten_results, score_tasks
 
     source = _source(converted[1])

@@ -62,7 +62,7 @@ def test_pallas_triton_attention_compiles_with_rows_split_over_data():
     """The step's init once traced the model on one row, which Pallas's per-shard kernel cannot
     split over 8 data shards ("2 does not evenly divide 1" on 2); now one row per batch shard."""
     from paxlite.experiments.build import load_experiment
-    from paxlite.plan_search import compile_train_step
+    from paxlite.planner.search import compile_train_step
 
     experiment = load_experiment("paxlite.experiments.tiny.TinyLLaMA", (
         "FPROP_DTYPE='bfloat16'", "NUM_LAYERS=1", "DIMS_PER_HEAD=64", "MODEL_DIMS=256",

@@ -34,7 +34,7 @@ from paxlite.parallel.compiled_kernels import (
     fp8_gemms,
 )
 from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
-from paxlite.plan_search import compile_train_step, gpu_compile_options
+from paxlite.planner.search import compile_train_step, gpu_compile_options
 
 gpu_compile = pytest.mark.gpu_compile  # each test that compiles (the refusals need no plugin)
 LLAMA = "paxlite.experiments.tiny.TinyLLaMA"

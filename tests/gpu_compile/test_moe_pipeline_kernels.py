@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
-from paxlite.plan_search import compile_train_step
+from paxlite.planner.search import compile_train_step
 
 pytestmark = pytest.mark.gpu_compile
 TINY = "paxlite.experiments.tiny."

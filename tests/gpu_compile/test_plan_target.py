@@ -17,11 +17,11 @@ import sys
 import pytest
 
 from paxlite import __main__ as cli
-from paxlite import plan as plan_lib
-from paxlite import plan_levers
 from paxlite.errors import UserError
 from paxlite.experiments.build import load_experiment
 from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget
+from paxlite.planner import levers as plan_levers
+from paxlite.planner import plan as plan_lib
 
 gpu_compile = pytest.mark.gpu_compile  # each test that compiles for a GPU (the last ones need none)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -25,7 +25,7 @@ import pytest
 
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import abstract_variables
-from paxlite.plan_search import compile_train_step
+from paxlite.planner.search import compile_train_step
 
 pytestmark = pytest.mark.gpu_compile
 TINY = "paxlite.experiments.tiny."

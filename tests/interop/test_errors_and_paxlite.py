@@ -7,11 +7,18 @@ import numpy as np
 import pytest
 
 from paxlite.__main__ import main
-from paxlite.convert import ConversionError, ConvertRequest, Source, Target, convert, read_paxlite
+from paxlite.checkpointing.pretrained import save_params
+from paxlite.cli.convert import (
+    ConversionError,
+    ConvertRequest,
+    Source,
+    Target,
+    convert,
+    read_paxlite,
+)
 from paxlite.interop import hf, layouts
 from paxlite.interop.hf_config import UnsupportedCheckpointError, from_hf_config
 from paxlite.models.transformer import Activation
-from paxlite.train.pretrained import save_params
 from tests.interop.conftest import TOKENS, hf_logits
 
 TOL = 1e-4
@@ -104,7 +111,7 @@ def test_job_config_json_and_lora_refusal(llama_gqa, tmp_path):
     hparams = {k: (float(v) if "EPSILON" in k else int(v)) for k, v in hparams.items()}
     (job / "config.json").write_text(json.dumps(
         {"experiment": "LLaMA7B", "hparams": hparams, "overridden": sorted(hparams)}))
-    with pytest.raises(ConversionError, match="read by paxlite.convert.read_paxlite"):
+    with pytest.raises(ConversionError, match="read by paxlite.cli.convert.read_paxlite"):
         hf.from_paxlite(job)  # interop/ cannot rebuild an experiment; it says who can
     from_job = read_paxlite(job)
     np.testing.assert_allclose(from_job.logits(TOKENS), hf_logits(model), atol=TOL, rtol=0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from paxlite.convert import ConvertRequest, Source, Target, convert
+from paxlite.cli.convert import ConvertRequest, Source, Target, convert
 from paxlite.errors import UserError
 from paxlite.interop import hf, hf_write
 from tests.interop.conftest import TOKENS, hf_logits

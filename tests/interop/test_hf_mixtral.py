@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from paxlite.__main__ import main
-from paxlite.convert import ConversionError, architecture_differences
+from paxlite.cli.convert import ConversionError, architecture_differences
 from paxlite.interop import hf, layouts
 from paxlite.interop.hf_config import (
     Family,

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from paxlite.__main__ import main
-from paxlite.convert import (
+from paxlite.checkpointing.pretrained import load_model_config, restore_params
+from paxlite.cli.convert import (
     ConvertRequest,
     Source,
     Target,
@@ -24,7 +25,6 @@ from paxlite.convert import (
 from paxlite.errors import UserError
 from paxlite.interop import hf, meta
 from paxlite.interop.hf_write import numpy_dtype
-from paxlite.train.pretrained import load_model_config, restore_params
 from tests.interop.conftest import TOKENS, hf_logits
 from tests.interop.test_meta import write_meta
 

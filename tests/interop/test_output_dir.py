@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.convert import ConvertRequest, Source, Target, convert
+from paxlite.checkpointing import pretrained
+from paxlite.cli.convert import ConvertRequest, Source, Target, convert
 from paxlite.interop import hf
 from paxlite.paths import PARTIAL_MARKER, OutputExistsError, OutputPathError
-from paxlite.train import pretrained
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

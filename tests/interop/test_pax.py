@@ -3,7 +3,7 @@ zero-centred LayerNorm scales, ``repeat.sub``), read by ``convert --from=pax`` a
 CHECKPOINT_RESTORE_PATH, written back by ``--to=pax``.
 
 The reference model is paxlite's Transformer with the same random numbers placed by the hand-written
-table `_reference_params` below (independent of paxlite/train/pax_layout.py's table): a wrong name,
+table `_reference_params` below (independent of paxlite/checkpointing/pax_layout.py's table): a wrong name,
 axis order or scale shift in the product changes the logits.
 """
 
@@ -17,10 +17,10 @@ import pytest
 from flax import traverse_util
 
 from paxlite.__main__ import main
-from paxlite.convert import ConvertRequest, Source, Target, convert, experiment_model_config
+from paxlite.checkpointing import pretrained
+from paxlite.cli.convert import ConvertRequest, Source, Target, convert, experiment_model_config
 from paxlite.interop import hf
 from paxlite.models.transformer import Transformer
-from paxlite.train import pretrained
 
 LLAMA = "paxlite.experiments.tiny.TinyLLaMA"  # 4 heads, 2 kv heads: separate q/k/v
 LLAMA_MHA = (LLAMA, ("NUM_KV_HEADS=4",))  # fused combined_qkv

@@ -14,9 +14,9 @@ from flax import linen as nn
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
-from paxlite.convert import experiment_model_config
+from paxlite.checkpointing import pax_layout, pretrained
+from paxlite.cli.convert import experiment_model_config
 from paxlite.models.transformer import abstract_variables
-from paxlite.train import pax_layout, pretrained
 from tests.interop.test_pax import LLAMA, make_pax
 from tests.interop.test_pax_stream import STEP, _sharded_like_pax
 

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from paxlite.__main__ import main
-from paxlite.convert import (
+from paxlite.checkpointing import pax_layout
+from paxlite.checkpointing.stream_read import CheckpointReader
+from paxlite.cli.convert import (
     ConvertRequest,
     Source,
     Target,
@@ -23,8 +25,6 @@ from paxlite.convert import (
 )
 from paxlite.interop import hf, pax
 from paxlite.interop.hf_config import UnsupportedCheckpointError
-from paxlite.train import pax_layout
-from paxlite.train.stream_read import CheckpointReader
 from tests.interop.test_pax import LLAMA, LLAMA_MHA, P, make_pax
 
 LLAMA_SCANNED = (LLAMA, ("USE_REPEATED_LAYER=True",))

@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from paxlite.convert import ConvertRequest, Source, Target, convert, read_paxlite
+from paxlite.cli.convert import ConvertRequest, Source, Target, convert, read_paxlite
 from paxlite.interop import pax
 from tests.interop.test_pax import LLAMA, P, make_pax
 

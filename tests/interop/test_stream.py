@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.convert import ConvertRequest, Source, Target, convert
+from paxlite.checkpointing.pretrained import restore_params
+from paxlite.cli.convert import ConvertRequest, Source, Target, convert
 from paxlite.errors import UserError
 from paxlite.interop import hf, stream
-from paxlite.train.pretrained import restore_params
 from tests.interop.conftest import TOKENS, hf_logits
 
 TOL = 1e-4
@@ -172,7 +172,7 @@ def test_writer_chunks_rows_and_layers(tmp_path, monkeypatch):
     """Leaves split into several chunks (rows, and one layer per chunk) read back exactly."""
     import ml_dtypes
 
-    from paxlite.train import stream_write
+    from paxlite.checkpointing import stream_write
 
     monkeypatch.setattr(stream_write, "CHUNK_BYTES", 3 * 7 * 4)  # 3 rows of a [10, 7] float32
     rng = np.random.default_rng(0)

@@ -12,12 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.convert import ConvertRequest, Source, Target, convert
+from paxlite.checkpointing import checkpoint
+from paxlite.checkpointing.pretrained import PretrainedCheckpointError, find_checkpoint, save_params
+from paxlite.checkpointing.stream_read import CheckpointReader
+from paxlite.checkpointing.stream_write import write_subtrees
+from paxlite.cli.convert import ConvertRequest, Source, Target, convert
 from paxlite.interop import hf
-from paxlite.train import checkpoint
-from paxlite.train.pretrained import PretrainedCheckpointError, find_checkpoint, save_params
-from paxlite.train.stream_read import CheckpointReader
-from paxlite.train.stream_write import write_subtrees
 from tests.interop.conftest import TOKENS, hf_logits
 
 

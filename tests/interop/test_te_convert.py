@@ -230,7 +230,7 @@ def _run(args):
 
 
 def test_cli_round_trip_keeps_optimizer_state(tmp_path, capsys):
-    from paxlite.train.pretrained import load_model_config, read_state, save_state
+    from paxlite.checkpointing.pretrained import load_model_config, read_state, save_state
 
     params = _params(LLAMA)
     src = tmp_path / "src"
@@ -264,7 +264,7 @@ def test_cli_round_trip_keeps_optimizer_state(tmp_path, capsys):
     (["--from=te", "--to=paxlite"], "is not a Transformer Engine model"),
 ])
 def test_cli_errors_exit_2(tmp_path, capsys, args, message):
-    from paxlite.train.pretrained import save_params
+    from paxlite.checkpointing.pretrained import save_params
 
     save_params(tmp_path / "src", jax.tree.map(lambda a: np.asarray(a, np.float32), _params(LLAMA)),
                 model_config=LLAMA)

@@ -8,7 +8,7 @@ tests/train/test_pipeline_seq_training); this is the memory it saves, on the com
 """
 
 from paxlite.experiments.build import load_experiment
-from paxlite.plan_search import compile_train_step
+from paxlite.planner.search import compile_train_step
 
 VOCAB = 16384
 # data 2 x pipeline 4, 4 layers, 16 rows of 128 tokens: the float32 logits dominate the step

@@ -27,9 +27,9 @@ def _checkpoint(directory, vocab: str) -> list[str]:
     import fiddle as fdl
     from flax import linen as nn
 
+    from paxlite.checkpointing.pretrained import save_params
     from paxlite.experiments.build import load_experiment
     from paxlite.models.transformer import Transformer
-    from paxlite.train.pretrained import save_params
 
     flags = ["--fdl.MAX_SEQ_LEN=32", f"--fdl.VOCAB_PATH={vocab}"]
     experiment = load_experiment(EXPERIMENT, [f.removeprefix("--fdl.") for f in flags])

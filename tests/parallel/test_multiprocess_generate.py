@@ -25,9 +25,9 @@ def _checkpoint(directory):
     import jax
     from flax import linen as nn
 
+    from paxlite.checkpointing.pretrained import save_params
     from paxlite.experiments.build import load_experiment
     from paxlite.models.transformer import Transformer
-    from paxlite.train.pretrained import save_params
 
     experiment = load_experiment("TinySynthetic", [m.removeprefix("--fdl.") for m in MODEL])
     model = Transformer(fdl.build(experiment.model_config()))

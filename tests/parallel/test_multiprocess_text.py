@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from paxlite.checkpointing import pretrained
+from paxlite.checkpointing.checkpoint import Checkpointer
 from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import abstract_variables
-from paxlite.train import pretrained
-from paxlite.train.checkpoint import Checkpointer
 from tests.parallel.test_multiprocess import _finish, _start_pair, _train_losses
 from tests.train.test_text_training import make_text_dataset
 

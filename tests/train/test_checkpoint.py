@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from paxlite.train.checkpoint import (
+from paxlite.checkpointing.checkpoint import (
     Checkpointer,
     CheckpointExistsError,
     CheckpointMismatchError,
@@ -450,7 +450,7 @@ def test_scanned_layer_stacks_are_chunked_one_layer_per_chunk(tmp_path: pathlib.
     """A ``layers`` stack (params and the moments that mirror it) is saved one layer per chunk, so a
     converter reading one layer decodes only that layer; other leaves keep Orbax's chunks; the
     round trip is unchanged."""
-    from paxlite.train.stream_read import CheckpointReader
+    from paxlite.checkpointing.stream_read import CheckpointReader
 
     # One device: Orbax would write each leaf as one chunk (a sharded or replicated save may split
     # the first axis on its own).

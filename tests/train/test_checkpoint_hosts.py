@@ -51,8 +51,8 @@ def _worker(process_id: int, port: int, directory: str, out: str) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from paxlite.checkpointing.checkpoint import Checkpointer
     from paxlite.parallel import multihost
-    from paxlite.train.checkpoint import Checkpointer
 
     # Count paxlite's own collectives (the real functions still run).
     calls: collections.Counter[str] = collections.Counter()
@@ -112,7 +112,7 @@ def _save(directory: pathlib.Path) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from paxlite.train.checkpoint import Checkpointer
+    from paxlite.checkpointing.checkpoint import Checkpointer
 
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
     with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
@@ -185,7 +185,7 @@ def test_a_listing_that_fails_on_process_0_is_one_clear_error(
     file system's would, the way tests/train/test_checkpoint.py fails a read."""
     import orbax.checkpoint as ocp
 
-    from paxlite.train.checkpoint import Checkpointer, CheckpointReadError
+    from paxlite.checkpointing.checkpoint import Checkpointer, CheckpointReadError
 
     directory = tmp_path / "checkpoints"
 

@@ -218,7 +218,7 @@ def test_hyperparameter_reaches_the_loop_and_bad_values_are_refused():
 def test_the_planner_compiles_the_chunked_step():
     """`python -m paxlite plan ... --fdl.LOSS_CHUNK_SIZE=c` plans the step that would run: with a
     vocabulary of 16384 the float32 logits (16 MiB per row of 256) leave the peak."""
-    from paxlite import plan as plan_lib
+    from paxlite.planner import plan as plan_lib
 
     def peak(*overrides):
         experiment = load_experiment("TinySynthetic", (

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from paxlite.checkpointing import pretrained
 from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import abstract_variables
-from paxlite.train import pretrained
 from paxlite.train.export import base_model_config, export_merged
 from tests.models.test_lora import CONFIGS, _init, _randomise_lora_b, _with_lora
 

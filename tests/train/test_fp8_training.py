@@ -16,12 +16,12 @@ import optax
 import pytest
 from flax import traverse_util
 
+from paxlite.checkpointing.checkpoint import Checkpointer
 from paxlite.config.errors import ConfigError
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import Transformer
 from paxlite.parallel.mesh import MeshConfig, build_mesh
-from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.losses import loss_fn
 from paxlite.train.optimizer import global_norm, make_optimizer
 from paxlite.train.schedules import make_schedule

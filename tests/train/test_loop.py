@@ -237,7 +237,7 @@ def test_resume_from_checkpoint_of_the_earlier_optimizer_layout(
 
 
 def test_checkpoint_of_another_model_is_a_named_mismatch(tmp_path):
-    from paxlite.train.checkpoint import CheckpointMismatchError
+    from paxlite.checkpointing.checkpoint import CheckpointMismatchError
 
     _run(tmp_path, ["MAX_STEPS=1", "EVAL_INTERVAL_STEPS=1000", "EVAL_LOOP_NUM_BATCHES=1"])
     before = sorted(os.listdir(tmp_path / "checkpoints"))

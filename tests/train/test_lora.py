@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from paxlite.checkpointing import pretrained
 from paxlite.config.errors import ConfigError
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments.build import load_experiment
@@ -21,7 +22,6 @@ from paxlite.models.lora import is_lora_path
 from paxlite.models.lora_merge import merge_lora
 from paxlite.models.transformer import Transformer, TransformerConfig, abstract_variables
 from paxlite.parallel.mesh import MeshConfig, build_mesh
-from paxlite.train import pretrained
 from paxlite.train.export import base_model_config
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from paxlite.checkpointing.checkpoint import Checkpointer
 from paxlite.data.mixture import MixtureData, mixture_fractions
 from paxlite.experiments.build import build_run_config
-from paxlite.train.checkpoint import Checkpointer
 from tests.parallel.test_multiprocess import _finish, _start_pair
 from tests.train.test_mixture_training import _overrides, sources  # noqa: F401 (a fixture)
 

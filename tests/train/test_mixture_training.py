@@ -17,13 +17,13 @@ import jax
 import numpy as np
 import pytest
 
+from paxlite.checkpointing.checkpoint import Checkpointer
 from paxlite.config.errors import ConfigError
 from paxlite.data.mixture import grain_proportions
 from paxlite.data.pipeline import TextData, TextDataConfig
 from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.experiments.build import build_run_config
-from paxlite.train.checkpoint import Checkpointer
 from paxlite.train.loop import Run, RunContext
 from tests.xla_test_flags import COMPILE_FLAGS
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from paxlite.cli.job import PREEMPTED_UNSAVED_EXIT_CODE, preemption_exit_code
 from paxlite.errors import SettingError
-from paxlite.job import PREEMPTED_UNSAVED_EXIT_CODE, preemption_exit_code
 from paxlite.train.preemption import DUPLICATE_WINDOW_S
 
 # Steps are milliseconds long, so a run reaches any step long before it would finish.

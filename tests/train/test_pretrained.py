@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from paxlite.checkpointing import pretrained
 from paxlite.models.transformer import TransformerConfig
-from paxlite.train import pretrained
 
 
 def _params(seed: int = 0):

@@ -60,7 +60,7 @@ def _worker(process_id: int, port: int, checkpoint: str, out: str) -> None:
     from jax.sharding import NamedSharding, PartitionSpec
 
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-    from paxlite.train import pretrained
+    from paxlite.checkpointing import pretrained
 
     mesh = jax.make_mesh((2,), ("x",))
     sharding = NamedSharding(mesh, PartitionSpec(None, None, "x"))

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from paxlite.checkpointing import pretrained
+from paxlite.checkpointing.pretrained import ignored_by
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import Transformer
-from paxlite.train import pretrained
 from paxlite.train.loop import Run, RunContext
-from paxlite.train.pretrained import ignored_by
 
 COMMON = ["LR_SCHEDULE=constant", "LEARNING_RATE=3e-3", "SUMMARY_INTERVAL_STEPS=1",
           "EVAL_INTERVAL_STEPS=1000", "EVAL_LOOP_NUM_BATCHES=1", "CHECKPOINT_EVERY_N_STEPS=1000"]

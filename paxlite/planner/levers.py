@@ -1,7 +1,7 @@
 """The planner's re-plans: the levers that could make a run fit, and the longest sequence that fits.
 
 Both are searches over variants of the run being planned (the same experiment with a few
-hyperparameters changed), each variant measured by compiling it (paxlite/plan_search.py) or, where
+hyperparameters changed), each variant measured by compiling it (paxlite/planner/search.py) or, where
 the change is exact arithmetic, computed. A variant the run itself would refuse (a batch that no
 longer divides, microbatches that do not split) is found before compiling and costs no compile;
 at most _MAX_COMPILED_LEVERS lever variants are compiled per plan, and the sequence search stops
@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from paxlite.parallel.gpu_target import CompileTarget
-from paxlite.plan_search import (
+from paxlite.planner.search import (
     check_runs,
     compile_variants,
     moe_plan,

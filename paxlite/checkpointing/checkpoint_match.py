@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from paxlite.train import opt_state_layout as layout
+from paxlite.checkpointing import opt_state_layout as layout
 
 PyTree = Any
 

@@ -23,7 +23,7 @@ through the registry, so it follows the experiment's current code).
 
 A command rather than part of interop/, because ``--fdl_config`` and a job's ``config.json`` need
 the registry of experiments, which sits above interop/; the formats are `paxlite.interop`'s, the
-request and its checks `paxlite.conversion`'s. Only the standard library is imported at the top
+request and its checks `paxlite.cli.conversion`'s. Only the standard library is imported at the top
 (and the two small modules above), so ``python -m paxlite`` stays fast.
 """
 
@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from paxlite.conversion import (
+from paxlite.cli.conversion import (
     TE_OPTION_FLAGS,
     ConvertRequest,
     ConvertSummary,
@@ -229,9 +229,9 @@ def _stream_paxlite_to_hf(request: ConvertRequest, experiment_config: Transforme
                           *, vocab_path: str | None) -> ConvertSummary:
     """paxlite -> HF safetensors one layer at a time (`hf.stream_paxlite_to_hf`); the model config
     as `read_paxlite` finds it, checked against --fdl_config's."""
+    from paxlite.checkpointing.pretrained import find_checkpoint
     from paxlite.interop import hf
     from paxlite.interop.hf_config import family_of_config
-    from paxlite.train.pretrained import find_checkpoint
 
     _, step_dir = find_checkpoint(request.input)
     config = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
@@ -283,8 +283,8 @@ def _stream_meta_to_hf(request: ConvertRequest, experiment_config: TransformerCo
 def _scan_layers(request: ConvertRequest, experiment_config: TransformerConfig | None) -> bool:
     """Whether the model's layers are repeated (Pax's ``repeat.sub``): the experiment's, else the
     paxlite checkpoint's own model config; other sources name no experiment (unrepeated)."""
+    from paxlite.checkpointing.pretrained import find_checkpoint
     from paxlite.interop import hf
-    from paxlite.train.pretrained import find_checkpoint
 
     if experiment_config is not None:
         return experiment_config.scan_layers
@@ -323,9 +323,9 @@ def _stream_paxlite_to_pax(request: ConvertRequest, experiment_config: Transform
     """paxlite -> Pax one layer at a time (`pax.stream_paxlite_to_pax`): the model config as
     `read_paxlite` finds it, checked against --fdl_config's, whose layer stack (else the
     checkpoint's) decides ``repeat.sub``."""
+    from paxlite.checkpointing.pretrained import find_checkpoint
     from paxlite.interop import hf, pax
     from paxlite.interop.hf_config import family_of_config
-    from paxlite.train.pretrained import find_checkpoint
 
     _, step_dir = find_checkpoint(request.input)
     config = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
@@ -365,9 +365,9 @@ def convert_te(request: ConvertRequest) -> ConvertSummary:
 
     import jax
 
+    from paxlite.checkpointing.pretrained import find_checkpoint, read_state, save_state
     from paxlite.interop import te
     from paxlite.interop.hf import cast_params
-    from paxlite.train.pretrained import find_checkpoint, read_state, save_state
 
     pair = (request.source, request.target)
     if pair not in ((Source.PAXLITE, Target.TE), (Source.TE, Target.PAXLITE)):

@@ -28,8 +28,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from paxlite.errors import NotFoundError, SettingError, UserError
-from paxlite.model_source import (
+from paxlite.cli.model_source import (
     BosChoice,
     add_launch_arguments,
     add_model_arguments,
@@ -41,6 +40,7 @@ from paxlite.model_source import (
     resolve_model,
     restore_params,
 )
+from paxlite.errors import NotFoundError, SettingError, UserError
 
 
 class OutputFormat:

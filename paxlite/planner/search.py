@@ -7,9 +7,9 @@ Nothing is allocated: the state and the batch are ShapeDtypeStructs carrying the
 `jit(...).lower(...).compile()` runs XLA's SPMD partitioner and buffer assignment for one device's
 program. For `cpu` the temporaries are the CPU compiler's estimate (GPU kernels and fusion differ);
 for a GPU target they are the GPU compiler's own, without autotuning. Parameter, optimizer-state and
-gradient bytes are exact either way (they follow from shapes and shardings alone). paxlite/plan.py
-finds the devices and puts the plan together, paxlite/plan_levers.py re-plans variants of the run
-(the levers, the longest sequence), and paxlite/plan_report.py prints the result.
+gradient bytes are exact either way (they follow from shapes and shardings alone). paxlite/planner/plan.py
+finds the devices and puts the plan together, paxlite/planner/levers.py re-plans variants of the run
+(the levers, the longest sequence), and paxlite/planner/report.py prints the result.
 
 With a pipeline, one device's program is one pipeline rank's: it holds the layers of its stage(s)
 (the scanned stack's [L, ...] parameters split over the `pipeline` axis), so the per-device peak
@@ -120,7 +120,7 @@ def target_devices(experiment, *, num_devices: int, target: CompileTarget) -> li
         raise PlanError(
             f"planning for {num_devices} devices needs that many CPU devices in this process, "
             "which "
-            f"has {len(devices)} {devices[0].platform} device(s); use paxlite.plan.plan(), which "
+            f"has {len(devices)} {devices[0].platform} device(s); use paxlite.planner.plan.plan(), which "
             "starts a subprocess when needed"
         )
     return devices[:num_devices]

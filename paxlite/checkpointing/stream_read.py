@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from paxlite.train.pretrained import PretrainedCheckpointError
+from paxlite.checkpointing.pretrained import PretrainedCheckpointError
 
 ITEM = "state"
 _LAYER = re.compile(r"^layers_(\d+)$")

@@ -8,7 +8,7 @@
         [--multiprocess_gpu --server_addr=HOST:PORT --num_hosts=N --host_idx=I]
 
 The model, its parameters, its tokenizer and BOS are found exactly as `generate` finds them
-(paxlite/model_source.py). lm_eval's flags mean what they mean to lm_eval; lm_eval runs on
+(paxlite/cli/model_source.py). lm_eval's flags mean what they mean to lm_eval; lm_eval runs on
 process 0 (eval/harness_lm.py) and every process computes (eval/harness.py). Process 0 prints
 lm_eval's results table and writes --output_path. Every user mistake (a missing model, an unknown
 task, an output file that exists) is one line and exit 2, found before any parameter is read.
@@ -21,8 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from paxlite.errors import ExistsError, NotFoundError, SettingError, UserError
-from paxlite.model_source import (
+from paxlite.cli.model_source import (
     BosChoice,
     add_launch_arguments,
     add_model_arguments,
@@ -34,6 +33,7 @@ from paxlite.model_source import (
     resolve_model,
     restore_params,
 )
+from paxlite.errors import ExistsError, NotFoundError, SettingError, UserError
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, few-shot sampling

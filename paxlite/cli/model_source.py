@@ -106,9 +106,9 @@ def resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> Model
     """The model config, checkpoint and tokenizer path; reads only small JSON files."""
     import fiddle as fdl
 
+    from paxlite.checkpointing.pretrained import find_checkpoint, load_model_config
     from paxlite.experiments.build import load_experiment, load_recorded_experiment
     from paxlite.train import export
-    from paxlite.train.pretrained import find_checkpoint, load_model_config
 
     path = args.job_log_dir or args.checkpoint
     if path is not None and any(a.startswith("CHECKPOINT_RESTORE_PATH=") for a in assignments):
@@ -167,10 +167,10 @@ def restore_params(model: ModelSource, mesh):
     import jax
     from flax import linen as nn
 
+    from paxlite.checkpointing.pretrained import restore_params as restore
     from paxlite.models.decode import decoding_config
     from paxlite.models.transformer import abstract_variables, logical_param_axes
     from paxlite.parallel.rules import DEFAULT_RULES, logical_to_shardings
-    from paxlite.train.pretrained import restore_params as restore
 
     config = decoding_config(model.config)
     abstract = nn.meta.unbox(abstract_variables(config))["params"]

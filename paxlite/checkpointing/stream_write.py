@@ -2,7 +2,7 @@
 
 Orbax saves a whole tree in one call, so a converter using it holds every array at once (2.4x the
 float32 model at 1B parameters, docs/performance.md). This writer produces the same checkpoint that
-`paxlite.train.pretrained.save_params` does, in Orbax's non-OCDBT PyTree layout (which Orbax, and so
+`paxlite.checkpointing.pretrained.save_params` does, in Orbax's non-OCDBT PyTree layout (which Orbax, and so
 ``CHECKPOINT_RESTORE_PATH``, reads sharded onto any mesh): one zarr array per leaf, named by its
 ``.``-joined path, written with TensorStore as soon as it is made, plus the item's ``_METADATA``,
 ``_sharding`` and ``array_metadatas`` and the step's ``_CHECKPOINT_METADATA`` / commit marker.
@@ -159,8 +159,8 @@ def write_subtrees(subtrees: Iterable[tuple[str, Any]], out_dir: str | os.PathLi
     import jax
     import ml_dtypes
 
+    from paxlite.checkpointing.pretrained import MODEL_CONFIG_FILE, model_config_to_json
     from paxlite.paths import staged_output
-    from paxlite.train.pretrained import MODEL_CONFIG_FILE, model_config_to_json
 
     target = np.dtype(ml_dtypes.bfloat16 if config.param_dtype == "bfloat16" else np.float32)
     with staged_output(os.fspath(out_dir), setting="output directory") as staging:

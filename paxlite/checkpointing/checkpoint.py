@@ -46,10 +46,8 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from paxlite.errors import RunStoppedError, UserError
-from paxlite.parallel import multihost
-from paxlite.train import opt_state_layout as layout
-from paxlite.train.checkpoint_damage import (
+from paxlite.checkpointing import opt_state_layout as layout
+from paxlite.checkpointing.checkpoint_damage import (
     CheckpointDamagedError,
     Outcome,
     incomplete,
@@ -57,11 +55,13 @@ from paxlite.train.checkpoint_damage import (
     short_error,
     worst_over_processes,
 )
-from paxlite.train.checkpoint_match import (
+from paxlite.checkpointing.checkpoint_match import (
     earlier_optimizer_layout,
     mismatches,
     without_absent_empty_fields,
 )
+from paxlite.errors import RunStoppedError, UserError
+from paxlite.parallel import multihost
 
 PyTree = Any
 

@@ -2,7 +2,7 @@
 paths, the options of ``python -m paxlite convert``), the checks of a converted model against an
 experiment's (`adopted_config`), where a paxlite checkpoint's model config and tokenizer come from
 (``model_config.json``, the experiment, a training job's ``config.json``), and which existing outputs
-``--overwrite`` may replace. `paxlite.convert` runs conversions and is the command line.
+``--overwrite`` may replace. `paxlite.cli.convert` runs conversions and is the command line.
 
 Above interop/ because ``--fdl_config`` and a job's ``config.json`` need the registry of
 experiments. Only the standard library is imported at the top, so ``python -m paxlite`` stays fast.
@@ -180,8 +180,8 @@ def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
     """`hf.from_paxlite`, and also a training job that has no ``model_config.json``: its model is
     rebuilt from the job's ``config.json`` through the registry. ``config``, when given, is used only
     if no ``model_config.json`` lies beside the checkpoint."""
+    from paxlite.checkpointing.pretrained import find_checkpoint
     from paxlite.interop import hf
-    from paxlite.train.pretrained import find_checkpoint
 
     _, step_dir = find_checkpoint(path)
     if hf.find_model_config(os.path.abspath(os.fspath(path)), step_dir=step_dir) is None:

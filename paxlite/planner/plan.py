@@ -10,9 +10,9 @@ without autotuning, and no FLOPs (its cost analysis is empty). Parameter, optimi
 gradient bytes are exact either way (they follow from shapes and shardings alone).
 
 This module finds the devices and puts the plan together: one compile and its reading
-(paxlite/plan_search.py), then, when the run does not fit, the levers, and when asked (always for a
-run with a seq axis) the longest sequence that fits (both paxlite/plan_levers.py); the result is a
-JSON-friendly dict that paxlite/plan_report.py prints. For `cpu` the planner needs as many JAX
+(paxlite/planner/search.py), then, when the run does not fit, the levers, and when asked (always for a
+run with a seq axis) the longest sequence that fits (both paxlite/planner/levers.py); the result is a
+JSON-friendly dict that paxlite/planner/report.py prints. For `cpu` the planner needs as many JAX
 devices as the mesh has: fake CPU devices are set by
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX starts; a process whose JAX
 already started with fewer devices (pytest has 8, `python -m paxlite.main` has its real ones) plans
@@ -37,9 +37,9 @@ from typing import Any
 
 from paxlite.errors import UserError
 from paxlite.parallel.gpu_target import CompileTarget, GpuCompileUnavailableError, plugin_problem
-from paxlite.plan_levers import DEFAULT_SEQ_STEP, find_longest_seq, levers
-from paxlite.plan_report import format_text
-from paxlite.plan_search import (
+from paxlite.planner.levers import DEFAULT_SEQ_STEP, find_longest_seq, levers
+from paxlite.planner.report import format_text
+from paxlite.planner.search import (
     DEFAULT_DEVICE_MEMORY_GIB,
     DEFAULT_PEAK_TFLOPS,
     GIB,

@@ -29,11 +29,11 @@ from absl import logging
 from etils import epath
 from flax import traverse_util
 
+from paxlite.checkpointing import checkpoint, pax_layout
+from paxlite.checkpointing.checkpoint_damage import incomplete, is_damage
 from paxlite.errors import SettingError, UserError
 from paxlite.models.transformer import TransformerConfig
 from paxlite.paths import staged_output
-from paxlite.train import checkpoint, pax_layout
-from paxlite.train.checkpoint_damage import incomplete, is_damage
 
 PyTree = Any
 
