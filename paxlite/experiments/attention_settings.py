@@ -1,4 +1,4 @@
-"""The attention hyperparameters checked together (called from LanguageModelExperiment.validate).
+"""The attention hyperparameters, declared and checked together (LanguageModelExperiment.validate).
 
 USE_CUDNN_FLASH_ATTENTION, ATTENTION_IMPLEMENTATION and ATTENTION_KIND must agree, the family's
 model must use them, and a kernel asked for by name must fit the model's dtype, head dims,
@@ -12,7 +12,10 @@ this is where the model config, whose TE fields import TE, is first made.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from paxlite.config.errors import ConfigError
+from paxlite.config.experiment import Derived
 from paxlite.config.transformer_engine import check_settings_te_ignores
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import (
@@ -21,6 +24,27 @@ from paxlite.models.attention_kernels import (
     pallas_problems,
 )
 from paxlite.models.transformer_config import PositionEmbedding
+
+
+class AttentionSettings:
+    """Which attention runs (docs/attention.md); model_settings.py maps them to the model."""
+
+    # Pax's switch: true runs cuDNN flash attention, and refuses to start (naming why) where it
+    # cannot run: CPU, float32, dims per head not a multiple of 8 or above 256 (128 before
+    # Hopper). Packed rows reach it as a dense mask.
+    USE_CUDNN_FLASH_ATTENTION: bool = False
+    # The kernel of fused attention: "auto" (cuDNN where it fits, else XLA), "xla", "cudnn", or
+    # "pallas_triton" (JAX's Pallas-Triton flash attention, which reads packed rows' segment ids in
+    # the kernel instead of a dense mask; GPU only, no relative position bias).
+    ATTENTION_IMPLEMENTATION: Literal["auto", "xla", "cudnn", "pallas_triton"] = Derived(
+        lambda hp: "cudnn" if hp.USE_CUDNN_FLASH_ATTENTION else "auto",
+        doc="'cudnn' if USE_CUDNN_FLASH_ATTENTION else 'auto'")
+    # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash" (a fused
+    # kernel, ATTENTION_IMPLEMENTATION's). Same parameters, same result.
+    ATTENTION_KIND: Literal["dot_product", "flash"] = Derived(
+        lambda hp: ("flash" if hp.ATTENTION_IMPLEMENTATION in ("cudnn", "pallas_triton")
+                    else "dot_product"),
+        doc="'flash' if ATTENTION_IMPLEMENTATION is 'cudnn' or 'pallas_triton' else 'dot_product'")
 
 
 def check_attention_settings(experiment) -> None:

@@ -1,23 +1,25 @@
 """Where an experiment's tokens come from: the training data, the evaluation task and the tokenizer.
 
-Apart from base.py (which maps every other hyperparameter) because the rules are their own: synthetic
-tokens, a prepared directory, TFDS through Grain or SeqIO, BoolQ fine-tuning, and the Lambada / BoolQ
-evaluation tasks, each with the one-line error a missing path deserves. A mixin of
-``LanguageModelExperiment``: it reads the hyperparameters that class declares.
+The rules are their own: synthetic tokens, a prepared directory, TFDS through Grain or SeqIO, BoolQ
+fine-tuning, and the Lambada / BoolQ evaluation tasks, each with the one-line error a missing path
+deserves. The hyperparameters are declared here, in two mixins of ``LanguageModelExperiment``
+(base.py says why two); every data config gets the row fields from `row_fields`, once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
-import math
 import os
+from typing import Any, ClassVar, Literal
 
 import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
-from paxlite.data.mixture import MixtureDataConfig, MixtureSource
+from paxlite.data.mixture import MixtureDataConfig, MixtureSource, weight_problems
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 
@@ -25,8 +27,70 @@ _MIXTURE_FORM = ('a list of [source, weight] pairs, e.g. --fdl.DATA_MIXTURE=\'[[
                  '["/data/code", 0.3]]\' (each source a prepared directory or a TFDS name[/config]:version)')
 
 
+class DataSource(str, enum.Enum):
+    """Where an experiment's training tokens come from (SYNTHETIC_DATA=true replaces any of them)."""
+
+    SYNTHETIC = "synthetic"
+    TEXT = "text"  # DATA_DIR (python -m paxlite.data.prepare) or TFDS_DATASET under TFDS_DATA_DIR
+
+
 class DataSettings:
     """The data, evaluation-task and tokenizer parts of an experiment's run tree."""
+
+    data_source: ClassVar[DataSource] = DataSource.SYNTHETIC
+
+    SYNTHETIC_DATA: bool = False  # train on synthetic tokens of the same shapes
+    PACKED_INPUT: bool = True
+    DATA_DIR: str | None = None  # a directory made by `python -m paxlite.data.prepare`
+    # Weighted sources instead of DATA_DIR: [[source, weight], ...], each source a prepared
+    # directory or a TFDS name[/config]:version under TFDS_DATA_DIR; weights are normalised
+    # (docs/data.md). With INPUT_PIPELINE=seqio: the name of a registered SeqIO mixture or task.
+    DATA_MIXTURE: str | list[list[str | float]] | None = None
+    # A resumed mixture whose weights differ from the checkpoint's is an error; true: re-weight
+    # from the resume on.
+    DATA_MIXTURE_REWEIGHT: bool = False
+    VOCAB_PATH: str | None = None  # SentencePiece model; None: the VOCAB_PATH environment variable
+    # What EVAL_INTERVAL_STEPS / --mode=eval score: the training data's validation split, or a
+    # zero-shot task.
+    EVAL_TASK: Literal["validation", "lambada", "boolq"] = "validation"
+    LAMBADA_PATH: str | None = None  # lambada_test.jsonl ({"text": ...} lines), EVAL_TASK="lambada"
+    BOOLQ_PATH: str | None = None  # SuperGLUE BoolQ val.jsonl (passage, question, label), "boolq"
+    # What training reads: "text" (DATA_DIR / TFDS_DATASET, language modelling) or "boolq"
+    # (supervised fine-tuning on BoolQ's train split, one example per row, loss on the answer
+    # token; BOOLQ_TRAIN_PATH or super_glue/boolq:1.0.2).
+    TRAIN_TASK: Literal["text", "boolq"] = "text"
+
+    def uses_synthetic_data(self) -> bool:
+        return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
+
+    def eval_data_problems(self) -> list[str]:
+        whole_eval_set = self.EVAL_LOOP_NUM_BATCHES == -1
+        if self.uses_synthetic_data() and self.EVAL_TASK == "validation" and whole_eval_set:
+            return [("EVAL_LOOP_NUM_BATCHES=-1 means 'the whole eval set', and synthetic data has "
+                    "no end; give a number of batches (e.g. --fdl.EVAL_LOOP_NUM_BATCHES=10)")]
+        return []
+
+    def unread_data_problems(self) -> list[str]:
+        """A path given for a task the run does not do, or TFDS_DATASET beside DATA_DIR."""
+        given = set(self.overridden)
+        problems = []
+        needs = (("LAMBADA_PATH", "EVAL_TASK", "lambada"), ("BOOLQ_PATH", "EVAL_TASK", "boolq"),
+                 ("BOOLQ_TRAIN_PATH", "TRAIN_TASK", "boolq"))
+        for name, switch, value in needs:
+            if name in given and getattr(self, name) is not None and getattr(self, switch) != value:
+                problems.append(
+                    f"{name} is read only with {switch}={value!r}, and "
+                    f"{switch}={getattr(self, switch)!r}: add --fdl.{switch}={value!r}, or drop "
+                    f"{name}")
+        return problems
+
+    def row_fields(self, config_class: type) -> dict[str, Any]:
+        """How every data config cuts rows (tokenizer, vocabulary, sequence length, packing, seed),
+        mapped once: the fields of these that `config_class` has."""
+        fields = {"vocab_path": self.vocab_path(), "vocab_size": self.VOCAB_SIZE,
+                  "seq_len": self.MAX_SEQ_LEN, "packed": self.PACKED_INPUT, "seed": self.SEED}
+        names = {f.name for f in dataclasses.fields(config_class)}
+        return {name: value for name, value in fields.items() if name in names}
 
     def vocab_path(self) -> str | None:
         return self.VOCAB_PATH or os.environ.get("VOCAB_PATH") or None
@@ -47,7 +111,7 @@ class DataSettings:
                 f"or the VOCAB_PATH environment variable); got LAMBADA_PATH={self.LAMBADA_PATH}, "
                 f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
             )
-        return fdl.Config(LambadaEvalConfig, **source, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN)
+        return fdl.Config(LambadaEvalConfig, **source, **self.row_fields(LambadaEvalConfig))
 
     def boolq_config(self) -> fdl.Config[BoolQEvalConfig]:
         source = {"path": self.BOOLQ_PATH} if self.BOOLQ_PATH else {"tfds_data_dir": self.tfds_data_dir()}
@@ -59,7 +123,7 @@ class DataSettings:
                 f"--fdl.EVAL_TASK=validation. Got BOOLQ_PATH={self.BOOLQ_PATH}, "
                 f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
             )
-        return fdl.Config(BoolQEvalConfig, **source, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN)
+        return fdl.Config(BoolQEvalConfig, **source, **self.row_fields(BoolQEvalConfig))
 
     def boolq_train_config(self):
         from paxlite.data.feed import BoolQTrainConfig
@@ -80,14 +144,11 @@ class DataSettings:
                 f"(--fdl.VOCAB_PATH or VOCAB_PATH); got BOOLQ_TRAIN_PATH={self.BOOLQ_TRAIN_PATH}, "
                 f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
             )
-        return fdl.Config(BoolQTrainConfig, **source, vocab_path=self.vocab_path(), seq_len=self.MAX_SEQ_LEN,
-                          seed=self.SEED)
+        return fdl.Config(BoolQTrainConfig, **source, **self.row_fields(BoolQTrainConfig))
 
     def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig] | None:
         if self.uses_synthetic_data():
-            return fdl.Config(
-                SyntheticDataConfig, vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, seed=self.SEED
-            )
+            return fdl.Config(SyntheticDataConfig, **self.row_fields(SyntheticDataConfig))
         if self.TRAIN_TASK == "boolq":
             return self.boolq_train_config()
         if self.DATA_MIXTURE is not None:
@@ -114,11 +175,7 @@ class DataSettings:
             TextDataConfig,
             data_dir=self.DATA_DIR or tfds_dir,
             tfds_name=None if self.DATA_DIR else self.TFDS_DATASET,
-            vocab_path=self.vocab_path(),
-            vocab_size=self.VOCAB_SIZE,
-            seq_len=self.MAX_SEQ_LEN,
-            packed=self.PACKED_INPUT,
-            seed=self.SEED,
+            **self.row_fields(TextDataConfig),
         )
 
     def seqio_data_config(self, tfds_dir: str):
@@ -132,11 +189,7 @@ class DataSettings:
             SeqIODataConfig,
             task=task_for_dataset(self.TFDS_DATASET),
             tfds_data_dir=tfds_dir,
-            vocab_path=self.vocab_path(),
-            vocab_size=self.VOCAB_SIZE,
-            seq_len=self.MAX_SEQ_LEN,
-            packed=self.PACKED_INPUT,
-            seed=self.SEED,
+            **self.row_fields(SeqIODataConfig),
         )
 
     def mixture_config(self):
@@ -163,8 +216,8 @@ class DataSettings:
         names = _unique_names([name for name, _, _ in sources])
         return fdl.Config(MixtureDataConfig, reweight=self.DATA_MIXTURE_REWEIGHT, sources=[
             fdl.Config(MixtureSource, name=name, weight=float(weight), data=fdl.Config(
-                TextDataConfig, data_dir=data_dir, tfds_name=tfds_name, vocab_path=self.vocab_path(),
-                vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN, packed=self.PACKED_INPUT, seed=self.SEED))
+                TextDataConfig, data_dir=data_dir, tfds_name=tfds_name,
+                **self.row_fields(TextDataConfig)))
             for name, (_, weight), (_, data_dir, tfds_name) in zip(names, pairs, sources, strict=True)])
 
     def _mixture_source(self, source: str) -> tuple[str, str, str | None]:
@@ -213,8 +266,7 @@ class DataSettings:
                                    "pairs, or the name of a registered SeqIO mixture")
             mixture = tuple((name, float(weight)) for name, weight in pairs)
         return fdl.Config(SeqIODataConfig, task=None, mixture=mixture, tfds_data_dir=tfds_dir,
-                          vocab_path=self.vocab_path(), vocab_size=self.VOCAB_SIZE, seq_len=self.MAX_SEQ_LEN,
-                          packed=self.PACKED_INPUT, seed=self.SEED)
+                          **self.row_fields(SeqIODataConfig))
 
 
 def _mixture_pairs(value, *, form: str = _MIXTURE_FORM) -> list[tuple[str, float]]:
@@ -226,9 +278,8 @@ def _mixture_pairs(value, *, form: str = _MIXTURE_FORM) -> list[tuple[str, float
         if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise ConfigError(f"DATA_MIXTURE entry {item!r} is not a [source, weight] pair: DATA_MIXTURE must be {form}")
         source, weight = item
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
-            raise ConfigError(f"DATA_MIXTURE source {source!r} has weight {weight!r}: weights must be numbers > 0 "
-                              "(they are normalised to sum to 1)")
+        for problem in weight_problems(source, weight):  # data/mixture.py's rule
+            raise ConfigError(f"DATA_MIXTURE {problem}")
         pairs.append((source, weight))
     seen: dict[str, str] = {}
     for source, _ in pairs:
@@ -279,3 +330,35 @@ def _check_one_tokenizer(sources: list[tuple[str, str, str | None]], *, vocab_pa
         elif sha != want[1]:
             raise ConfigError(f"DATA_MIXTURE sources must share one tokenizer: {want[0]} has sha256 {want[1]} but "
                               f"source {data_dir!r} was tokenised with sha256 {sha}")
+
+
+class TfdsSettings:
+    """BoolQ's training split and the TFDS datasets Grain or SeqIO read (DataSettings maps them)."""
+
+    BOOLQ_TRAIN_PATH: str | None = None  # SuperGLUE BoolQ train.jsonl for TRAIN_TASK="boolq"
+    # Pax's --tfds_data_dir (the flag sets this; else the TFDS_DATA_DIR environment variable). Used
+    # when DATA_DIR is unset: training reads TFDS_DATASET there, EVAL_TASK="lambada" reads
+    # my_lambada:1.0.0 and EVAL_TASK="boolq" reads super_glue/boolq:1.0.2 (validation split).
+    TFDS_DATA_DIR: str | None = None
+    TFDS_DATASET: str = "the_pile:1.0.0"  # or "c4/en:3.0.1"
+    # grain: TFDS ArrayRecord files, random access, exact resume, no TensorFlow. seqio: Pax's own
+    # tasks (the_pile_lm, c4_lm_v301_gpt) through TensorFlow; needs pip install 'paxlite[seqio]'.
+    INPUT_PIPELINE: Literal["grain", "seqio"] = "grain"
+
+    def tfds_dataset_problems(self) -> list[str]:
+        from paxlite.data.tfds_datasets import LM_TEXT_FEATURES, TfdsName
+
+        try:
+            dataset = TfdsName.parse(self.TFDS_DATASET)
+        except DatasetError as e:
+            return [f"TFDS_DATASET: {e}"]
+        if dataset.name not in LM_TEXT_FEATURES:
+            return [(f"TFDS_DATASET={self.TFDS_DATASET!r}: paxlite trains language models on "
+                    f"{sorted(LM_TEXT_FEATURES)} (e.g. 'the_pile:1.0.0', 'c4/en:3.0.1')")]
+        return []
+
+    def unread_tfds_problems(self) -> list[str]:
+        if "TFDS_DATASET" in self.overridden and self.DATA_DIR is not None:
+            return [(f"TFDS_DATASET={self.TFDS_DATASET!r} is read only without DATA_DIR, and "
+                    f"DATA_DIR={self.DATA_DIR!r} is set: drop one of them")]
+        return []

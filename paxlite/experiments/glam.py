@@ -21,12 +21,12 @@ from typing import ClassVar
 import fiddle as fdl
 
 from paxlite.experiments.gpt import GPT126M, SyntheticTokens
-from paxlite.experiments.moe_mixin import MoeHParams
+from paxlite.experiments.moe_settings import MoeSettings
 from paxlite.models.activations import Activation
 from paxlite.models.transformer import NormKind, PositionEmbedding, TransformerConfig
 
 
-class GLaM126M64E(MoeHParams, GPT126M):
+class GLaM126M64E(MoeSettings, GPT126M):
     """Pax GLaM126M64EBase: GPT126M's sizes (12 layers, 12 heads x 64, d_model 768, ffn 3072) with
     64 experts on the 6 even layers; 1,921,670,400 parameters, 166,354,176 active per token.
 

@@ -5,7 +5,8 @@ found when the experiment resolves (a task list that is empty, an interval that 
 EVAL_INTERVAL_STEPS, a setting given without LM_EVAL_TASKS, an include path that does not exist), so
 a run never trains for hours before it finds its evaluation settings wrong. Whether the task names
 exist is asked of lm_eval itself when the run starts (train/lm_eval_hook.py), before anything
-compiles. A mixin of ``LanguageModelExperiment``: it reads the hyperparameters that class declares.
+compiles. A mixin of ``LanguageModelExperiment`` (base.py): the LM_EVAL_* hyperparameters are
+declared here; it also reads EVAL_INTERVAL_STEPS and the tokenizer (data_settings.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ class LmEvalSettings:
     # Whether the model family was trained with BOS first (the LLaMA family); read by lm_eval
     # scoring and by `generate` (BosChoice.AUTO).
     family_adds_bos = False
+
+    # lm-evaluation-harness tasks scored during training (docs/evaluation.md; the `eval` extra), at
+    # every LM_EVAL_INTERVAL_STEPS-th step (None: at every EVAL_INTERVAL_STEPS boundary), into
+    # metrics.jsonl as lm_eval/<task>/<metric>. LM_EVAL_LIMIT: examples per task (< 1: a
+    # fraction), as lm_eval's --limit.
+    LM_EVAL_TASKS: list[str] | None = None
+    LM_EVAL_INTERVAL_STEPS: int | None = None
+    LM_EVAL_NUM_FEWSHOT: int | None = None  # None: each task's own default (lm_eval --num_fewshot)
+    LM_EVAL_LIMIT: float | None = None
+    LM_EVAL_INCLUDE_PATH: str | None = None  # a directory of local task YAMLs (--include_path)
 
     def lm_eval_problems(self) -> list[str]:
         if not self.LM_EVAL_TASKS:

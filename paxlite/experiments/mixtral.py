@@ -21,12 +21,12 @@ from typing import ClassVar
 import fiddle as fdl
 
 from paxlite.experiments.llama import BaseLLaMA
-from paxlite.experiments.moe_mixin import MoeHParams
+from paxlite.experiments.moe_settings import MoeSettings
 from paxlite.models.activations import Activation
 from paxlite.models.transformer import TransformerConfig
 
 
-class BaseMixtral(MoeHParams, BaseLLaMA):
+class BaseMixtral(MoeSettings, BaseLLaMA):
     """Mixtral's architecture at any size; not registered (no size of its own)."""
 
     moe_layer_interval: ClassVar[int] = 1  # every layer

@@ -1,24 +1,49 @@
-"""Pipeline and sequence parallelism hyperparameters -> the mesh layout and the model's settings.
+"""The mesh, pipeline and sequence-parallelism hyperparameters -> the mesh and the model's settings.
 
-Apart from base.py because the rules are their own: which form a 4-entry mesh shape has (Pax's
-pipelined [pipeline, data, fsdp, tensor] when NUM_STAGES is set), how many stages and microbatches
-a run has, and which combinations are refused. Every check here runs before any device work, so a
-mesh that does not divide the layers, the batch or the sequence is one line naming the numbers
-(docs/parallelism.md). The batch (which needs the device count) is checked at start-up in
-train/loop.py through ``PipelineConfig.microbatches``.
+The rules are their own: which form a 4-entry mesh shape has (Pax's pipelined [pipeline, data, fsdp,
+tensor] when NUM_STAGES is set), how many stages and microbatches a run has, and which combinations
+are refused. Every check here runs before any device work, so a mesh that does not divide the
+layers, the batch or the sequence is one line naming the numbers (docs/parallelism.md). The rules
+themselves belong to the configs that run them (``PipelineConfig.problems``, data/context_order.py's
+``check_seq_divides``); here they are asked and answered in hyperparameter names. The batch (which
+needs the device count) is checked at start-up in train/loop.py through
+``PipelineConfig.microbatches``. A mixin of ``LanguageModelExperiment`` (base.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Literal
 
 import fiddle as fdl
 
-from paxlite.models.parallel_config import ContextParallelStrategy, PipelineConfig
+from paxlite.config.transformer_engine import env_flag
+from paxlite.data.context_order import check_seq_divides
+from paxlite.errors import SettingError
+from paxlite.models.parallel_config import (
+    ContextParallelStrategy,
+    PipelineConfig,
+    scan_unit_layers,
+)
 from paxlite.parallel.mesh import MeshConfig, MeshLayout
 
 PIPELINE_SETTINGS = ("NUM_MICROBATCHES", "MICROBATCH_SIZE", "PIPELINE_REPEATS")
 SEQ_SETTINGS = ("CONTEXT_PARALLEL_STRATEGY", "CONTEXT_PARALLEL_LOAD_BALANCE")
+# The one table from PipelineConfig's words (its fields, and the model's num_layers) to the
+# hyperparameters that set them: its problems() are reported in these names.
+PIPELINE_FIELD_NAMES = {
+    "num_layers": "NUM_LAYERS",
+    "num_stages": "NUM_STAGES",
+    "num_microbatches": "NUM_MICROBATCHES",
+    "microbatch_size": "MICROBATCH_SIZE",
+    "repeats": "PIPELINE_REPEATS",
+}
+_FIELD = re.compile(r"\b(" + "|".join(PIPELINE_FIELD_NAMES) + r")=")
+
+
+def in_hparam_names(problem: str) -> str:
+    """A PipelineConfig problem with its field names replaced by the hyperparameters' names."""
+    return _FIELD.sub(lambda m: PIPELINE_FIELD_NAMES[m.group(1)] + "=", problem)
 
 
 def mesh_layout(hp: Any) -> MeshLayout:
@@ -30,8 +55,9 @@ def mesh_axis_sizes(hp: Any) -> dict[str, int]:
     """{axis: ICI x DCN size} from the shapes alone (ICI None puts every device on data, so every
     other axis is its DCN size)."""
     ici = None if hp.ICI_MESH_SHAPE is None else tuple(hp.ICI_MESH_SHAPE)
-    mesh = MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=tuple(hp.DCN_MESH_SHAPE), layout=mesh_layout(hp))
-    return mesh.axis_sizes(1)  # ICI None: data is the devices' (1 here); the other axes are DCN's
+    mesh = MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=tuple(hp.DCN_MESH_SHAPE),
+                      layout=mesh_layout(hp))
+    return mesh.axis_sizes(1)  # ICI None: data is the devices' (1 here); the others are DCN's
 
 
 def num_stages(hp: Any) -> int:
@@ -39,88 +65,118 @@ def num_stages(hp: Any) -> int:
     return hp.NUM_STAGES if hp.NUM_STAGES is not None else mesh_axis_sizes(hp)["pipeline"]
 
 
-def pipeline_config(hp: Any) -> fdl.Config[PipelineConfig] | None:
-    """The model's pipeline, or None when the run has one stage."""
-    stages = num_stages(hp)
-    if stages == 1 and hp.NUM_STAGES is None:
-        return None
-    return fdl.Config(PipelineConfig, num_stages=stages, num_microbatches=hp.NUM_MICROBATCHES,
-                      microbatch_size=hp.MICROBATCH_SIZE, repeats=hp.PIPELINE_REPEATS)
+class ParallelismSettings:
+    """The device mesh, pipeline stages and sequence parallelism of a run."""
 
+    # [data, fsdp, tensor(, expert(, pipeline(, seq)))] within a node / across nodes; None: all on
+    # data. With NUM_STAGES set, a 4-entry shape is Pax's pipelined [pipeline, data, fsdp, tensor].
+    ICI_MESH_SHAPE: list[int] | None = None
+    DCN_MESH_SHAPE: list[int] = [1, 1, 1]
+    # Pipeline parallelism (docs/parallelism.md): the layers run as stages over the `pipeline` mesh
+    # axis, on microbatches of each batch. NUM_STAGES (Pax's): None means the pipeline axis's size;
+    # set, it must be a multiple of it. Microbatches: NUM_MICROBATCHES, or (Pax) rows /
+    # MICROBATCH_SIZE, else NUM_STAGES. PIPELINE_REPEATS > 1: the circular schedule.
+    NUM_STAGES: int | None = None
+    NUM_MICROBATCHES: int | None = None
+    MICROBATCH_SIZE: int | None = None
+    PIPELINE_REPEATS: int = 1
+    # Sequence parallelism over the `seq` mesh axis: how attention reaches other shards' keys, and
+    # whether rows are reordered (MaxText's dual_chunk_swap) so every shard has equal causal work.
+    CONTEXT_PARALLEL_STRATEGY: Literal["all_gather", "ring"] = "all_gather"
+    CONTEXT_PARALLEL_LOAD_BALANCE: bool = True
 
-def context_parallel_strategy(hp: Any) -> ContextParallelStrategy:
-    return ContextParallelStrategy(hp.CONTEXT_PARALLEL_STRATEGY)
+    def hparam_problems(self) -> list[str]:
+        """The settings' own ranges (what they do together: parallelism_problems)."""
+        problems = super().hparam_problems()
+        for name in ("ICI_MESH_SHAPE", "DCN_MESH_SHAPE"):
+            shape = getattr(self, name)
+            if shape is not None and (len(shape) not in range(3, 7) or any(d <= 0 for d in shape)):
+                problems.append(
+                    f"{name} must be 3 to 6 positive sizes [data, fsdp, tensor, expert, pipeline, "
+                    f"seq] (entries after tensor optional; with NUM_STAGES set, 4 entries are "
+                    f"Pax's [pipeline, data, fsdp, tensor]), got {shape}")
+        for name in ("NUM_STAGES", "NUM_MICROBATCHES", "MICROBATCH_SIZE"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name} must be a positive integer or None, got {value}")
+        if self.PIPELINE_REPEATS < 1:
+            problems.append(f"PIPELINE_REPEATS must be >= 1 (1: GPipe), got "
+                            f"{self.PIPELINE_REPEATS}")
+        if self.NUM_MICROBATCHES is not None and self.MICROBATCH_SIZE is not None:
+            problems.append(
+                f"NUM_MICROBATCHES={self.NUM_MICROBATCHES} and MICROBATCH_SIZE="
+                f"{self.MICROBATCH_SIZE} both set: give one (the other follows from the batch)")
+        return problems
 
+    def mesh_config(self) -> fdl.Config[MeshConfig]:
+        ici = None if self.ICI_MESH_SHAPE is None else tuple(self.ICI_MESH_SHAPE)
+        return fdl.Config(MeshConfig, ici_mesh_shape=ici, dcn_mesh_shape=tuple(self.DCN_MESH_SHAPE),
+                          layout=mesh_layout(self))
 
-def load_balance_shards(hp: Any) -> int:
-    """How many `seq` shards the rows are reordered for (1: rows stay in order)."""
-    seq = mesh_axis_sizes(hp)["seq"]
-    return seq if seq > 1 and hp.CONTEXT_PARALLEL_LOAD_BALANCE else 1
+    def pipeline_config(self) -> fdl.Config[PipelineConfig] | None:
+        """The model's pipeline, or None when the run has one stage."""
+        stages = num_stages(self)
+        if stages == 1 and self.NUM_STAGES is None:
+            return None
+        return fdl.Config(PipelineConfig, num_stages=stages, num_microbatches=self.NUM_MICROBATCHES,
+                          microbatch_size=self.MICROBATCH_SIZE, repeats=self.PIPELINE_REPEATS)
 
+    def context_parallel_strategy(self) -> ContextParallelStrategy:
+        return ContextParallelStrategy(self.CONTEXT_PARALLEL_STRATEGY)
 
-def parallelism_problems(hp: Any, *, scan_unit: int, uses_te: bool) -> list[str]:
-    """What the pipeline / seq settings cannot run, one clause each, naming the numbers.
+    def layers_per_scan_unit(self) -> int:
+        """What the model scans (and a pipeline splits) as one unit of layers."""
+        interval = self.moe_layer_interval if self.is_moe() else None
+        return scan_unit_layers(moe_layer_interval=interval)
 
-    ``scan_unit``: layers per scanned unit (GLaM's dense + MoE pair is 2); the pipeline's layer
-    count is in units. ``uses_te``: Transformer Engine's layers (ENABLE_TE) compute the stack.
-    """
-    problems = []
-    given = set(getattr(hp, "overridden", ()))
-    sizes = mesh_axis_sizes(hp)
-    pipe, seq = sizes["pipeline"], sizes["seq"]
-    stages = num_stages(hp)
-    if hp.NUM_STAGES is not None and stages % pipe:
-        problems.append(
-            f"NUM_STAGES={hp.NUM_STAGES} is not a multiple of the pipeline mesh axis "
-            f"({pipe} = ICI {hp.ICI_MESH_SHAPE} x DCN {hp.DCN_MESH_SHAPE}); leave NUM_STAGES "
-            f"unset for {pipe} stages")
-    if stages > 1:
-        units = hp.NUM_LAYERS // scan_unit
-        per = stages * hp.PIPELINE_REPEATS
-        if hp.NUM_LAYERS % scan_unit or units % per:
-            unit_text = f" ({units} units of {scan_unit} layers)" if scan_unit > 1 else ""
+    def parallelism_problems(self) -> list[str]:
+        """What the pipeline / seq settings cannot run, one clause each, naming the numbers."""
+        problems = []
+        given = set(self.overridden)
+        sizes = mesh_axis_sizes(self)
+        pipe, seq = sizes["pipeline"], sizes["seq"]
+        stages = num_stages(self)
+        uses_te = env_flag("ENABLE_TE")  # Transformer Engine's layers compute the stack
+        if self.NUM_STAGES is not None and stages % pipe:
             problems.append(
-                f"NUM_LAYERS={hp.NUM_LAYERS}{unit_text} does not split into {stages} pipeline "
-                f"stages x PIPELINE_REPEATS={hp.PIPELINE_REPEATS}: the layer count must be a "
-                f"multiple of {per * scan_unit}")
-        if (hp.PIPELINE_REPEATS > 1 and hp.NUM_MICROBATCHES is not None
-                and hp.NUM_MICROBATCHES < stages):
-            problems.append(
-                f"PIPELINE_REPEATS={hp.PIPELINE_REPEATS} (the circular schedule) needs at least "
-                f"as many microbatches as stages: NUM_MICROBATCHES={hp.NUM_MICROBATCHES} < "
-                f"{stages} stages")
-        if uses_te:
-            problems.append(
-                "ENABLE_TE=1 with a pipeline: Transformer Engine's layers are not pipelined here; "
-                "unset ENABLE_TE or use a mesh without a pipeline axis")
-    else:
-        unused = sorted(given & set(PIPELINE_SETTINGS))
-        if unused:
-            problems.append(
-                f"{', '.join(unused)} set, but the run has one pipeline stage (pipeline axis of "
-                f"ICI {hp.ICI_MESH_SHAPE} x DCN {hp.DCN_MESH_SHAPE} is 1, NUM_STAGES unset): give "
-                "the mesh a pipeline axis (5th entry), or drop them")
-    if seq > 1:
-        if getattr(hp, "ATTENTION_IMPLEMENTATION", "auto") in ("cudnn", "pallas_triton"):
-            problems.append(
-                f"ATTENTION_IMPLEMENTATION={hp.ATTENTION_IMPLEMENTATION!r} with a seq axis of {seq}: "
-                "sequence-parallel attention runs the XLA implementation (the kernels see one "
-                "shard's keys only); use 'auto' or 'xla'")
-        if uses_te:
-            problems.append(
-                f"ENABLE_TE=1 with a seq axis of {seq}: Transformer Engine's layers mask by slot, "
-                "not by each token's position; unset ENABLE_TE or drop the seq axis")
-        chunks = 2 * seq if hp.CONTEXT_PARALLEL_LOAD_BALANCE else seq
-        if hp.MAX_SEQ_LEN % chunks:
-            why = (f"2 x seq = {chunks} equal chunks (CONTEXT_PARALLEL_LOAD_BALANCE)"
-                   if hp.CONTEXT_PARALLEL_LOAD_BALANCE else f"seq = {seq} equal slices")
-            problems.append(
-                f"MAX_SEQ_LEN={hp.MAX_SEQ_LEN} does not split into {why}: choose a multiple of "
-                f"{chunks}")
-    else:
-        unused = sorted(given & set(SEQ_SETTINGS))
-        if unused:
-            problems.append(
-                f"{', '.join(unused)} set, but the mesh has no seq axis (6th entry of "
-                f"ICI/DCN_MESH_SHAPE is 1): add one, or drop them")
-    return problems
+                f"NUM_STAGES={self.NUM_STAGES} is not a multiple of the pipeline mesh axis "
+                f"({pipe} = ICI {self.ICI_MESH_SHAPE} x DCN {self.DCN_MESH_SHAPE}); leave "
+                f"NUM_STAGES unset for {pipe} stages")
+        if stages > 1:
+            pipeline = fdl.build(self.pipeline_config())
+            problems += [in_hparam_names(p) for p in pipeline.problems(
+                num_layers=self.NUM_LAYERS, layers_per_unit=self.layers_per_scan_unit())]
+            if uses_te:
+                problems.append(
+                    "ENABLE_TE=1 with a pipeline: Transformer Engine's layers are not pipelined "
+                    "here; unset ENABLE_TE or use a mesh without a pipeline axis")
+        else:
+            unused = sorted(given & set(PIPELINE_SETTINGS))
+            if unused:
+                problems.append(
+                    f"{', '.join(unused)} set, but the run has one pipeline stage (pipeline axis "
+                    f"of ICI {self.ICI_MESH_SHAPE} x DCN {self.DCN_MESH_SHAPE} is 1, NUM_STAGES "
+                    "unset): give the mesh a pipeline axis (5th entry), or drop them")
+        if seq > 1:
+            if self.ATTENTION_IMPLEMENTATION in ("cudnn", "pallas_triton"):
+                problems.append(
+                    f"ATTENTION_IMPLEMENTATION={self.ATTENTION_IMPLEMENTATION!r} with a seq axis "
+                    f"of {seq}: sequence-parallel attention runs the XLA implementation (the "
+                    "kernels see one shard's keys only); use 'auto' or 'xla'")
+            if uses_te:
+                problems.append(
+                    f"ENABLE_TE=1 with a seq axis of {seq}: Transformer Engine's layers mask by "
+                    "slot, not by each token's position; unset ENABLE_TE or drop the seq axis")
+            try:
+                check_seq_divides(seq_len=self.MAX_SEQ_LEN, seq_shards=seq,
+                                  load_balance=self.CONTEXT_PARALLEL_LOAD_BALANCE)
+            except SettingError as e:
+                problems.append(f"MAX_SEQ_LEN={self.MAX_SEQ_LEN} (CONTEXT_PARALLEL_LOAD_BALANCE="
+                                f"{self.CONTEXT_PARALLEL_LOAD_BALANCE}): {e}")
+        else:
+            unused = sorted(given & set(SEQ_SETTINGS))
+            if unused:
+                problems.append(
+                    f"{', '.join(unused)} set, but the mesh has no seq axis (6th entry of "
+                    f"ICI/DCN_MESH_SHAPE is 1): add one, or drop them")
+        return problems

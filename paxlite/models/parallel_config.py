@@ -20,6 +20,12 @@ class ContextParallelStrategy(str, enum.Enum):
     RING = "ring"  # pass k/v blocks round the ring, online softmax (memory: one block at a time)
 
 
+def scan_unit_layers(*, moe_layer_interval: int | None) -> int:
+    """Layers in one scanned body, the unit a pipeline splits the stack by: 1 for dense models,
+    the MoE layer interval for MoE ones (GLaM's dense + MoE pair is 2). ``None``: no MoE layers."""
+    return 1 if moe_layer_interval is None else moe_layer_interval
+
+
 def bubble_fraction(*, num_stages: int, repeats: int, num_microbatches: int) -> float:
     """The share of stage-iterations that are bubble: ``(S - 1) / (R*M + S - 1)``."""
     return (num_stages - 1) / (repeats * num_microbatches + num_stages - 1)
@@ -56,12 +62,38 @@ class PipelineConfig:
             raise ValueError(
                 f"give the number of microbatches ({self.num_microbatches}) or their size "
                 f"({self.microbatch_size}), not both")
-        if (self.repeats > 1 and self.num_microbatches is not None
-                and self.num_microbatches < self.num_stages):
-            raise ValueError(
-                f"the circular schedule (repeats={self.repeats}) needs at least as many "
-                f"microbatches as stages: num_microbatches={self.num_microbatches}, "
-                f"num_stages={self.num_stages}")
+
+    def problems(self, *, num_layers: int | None = None, layers_per_unit: int = 1) -> list[str]:
+        """What this pipeline cannot run, one clause each in this config's field names
+        (``num_layers``: the model's, when known; ``layers_per_unit``: ``scan_unit_layers``).
+
+        The one home of these rules: the experiments report them under their hyperparameters'
+        names before anything is built (parallelism_settings.py), ``microbatches`` raises the
+        microbatch rule for the count a batch resolves to, and the layer rule is the model's.
+        """
+        problems = []
+        if num_layers is not None:
+            units = num_layers // layers_per_unit
+            per = self.num_stages * self.repeats
+            if num_layers % layers_per_unit or units % per:
+                unit_text = (f" ({units} units of {layers_per_unit} layers)"
+                             if layers_per_unit > 1 else "")
+                problems.append(
+                    f"num_layers={num_layers}{unit_text} does not split into {self.num_stages} "
+                    f"pipeline stages x repeats={self.repeats}: the layer count must be a "
+                    f"multiple of {per * layers_per_unit}")
+        if self.num_microbatches is not None:
+            problems += self._circular_problems(self.num_microbatches,
+                                                f"num_microbatches={self.num_microbatches}")
+        return problems
+
+    def _circular_problems(self, num_microbatches: int, given: str) -> list[str]:
+        """The circular schedule re-enters stage 0 with item (r, m) at iteration r*M + m, so M must
+        be at least S (models/pipeline.py)."""
+        if self.repeats > 1 and num_microbatches < self.num_stages:
+            return [(f"repeats={self.repeats} (the circular schedule) needs at least as many "
+                    f"microbatches as stages: {given} < {self.num_stages} stages")]
+        return []
 
     def microbatches(self, batch_rows: int) -> int:
         """M for a batch of ``batch_rows`` rows; a ValueError naming the numbers if it does not split."""
@@ -77,10 +109,9 @@ class PipelineConfig:
                 raise ValueError(
                     f"a batch of {batch_rows} rows does not split into {m} pipeline microbatches "
                     f"(NUM_MICROBATCHES, default NUM_STAGES): choose a divisor of {batch_rows}")
-        if self.repeats > 1 and m < self.num_stages:
-            raise ValueError(
-                f"the circular schedule (PIPELINE_REPEATS={self.repeats}) needs at least as many "
-                f"microbatches as stages: {m} microbatches for {self.num_stages} stages")
+        problems = self._circular_problems(m, f"{m} microbatches")
+        if problems:
+            raise ValueError(problems[0])
         return m
 
     def schedule(self, batch_rows: int) -> dict[str, object]:

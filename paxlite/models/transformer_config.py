@@ -19,7 +19,11 @@ from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.linear import Fp8Config
 from paxlite.models.lora import LoraSpec, LoraTargets, check_alpha, check_rank
 from paxlite.models.moe_config import MoeConfig, MoeRouting
-from paxlite.models.parallel_config import ContextParallelStrategy, PipelineConfig
+from paxlite.models.parallel_config import (
+    ContextParallelStrategy,
+    PipelineConfig,
+    scan_unit_layers,
+)
 from paxlite.models.rotary import DEFAULT_THETA
 
 VALID_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
@@ -37,13 +41,15 @@ class PositionEmbedding(str, enum.Enum):
 
     LEARNED = "learned"  # a [max_seq_len, embed] table added to the token embeddings
     ROTARY = "rotary"  # interleaved-pair RoPE on q and k inside attention (models/rotary.py)
-    # T5's bucketed relative position bias added to the attention logits (GLaM; models/relative_position.py)
+    # T5's bucketed relative position bias added to the attention logits (GLaM;
+    # models/relative_position.py)
     RELATIVE_BIAS = "relative_bias"
     NONE = "none"
 
 
 class LayerImplementation(str, enum.Enum):
-    """Whose modules compute each decoder layer; the embeddings, final norm and output stay paxlite's.
+    """Whose modules compute each decoder layer; the embeddings, final norm and output stay
+    paxlite's.
 
     TRANSFORMER_ENGINE builds every layer from NVIDIA Transformer Engine's Flax ``TransformerLayer``
     (models/te_layer.py; GPU only, Pax ``ENABLE_TE=1``). Its parameters have TE's names and layout;
@@ -79,7 +85,8 @@ class TransformerEngineConfig:
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: str = "max"
     fp8_collection: str = "fp8_metas"
-    dp_resource: str | None = "data"  # mesh axis names (parallel/mesh.py) given to TE's MeshResource
+    # mesh axis names (parallel/mesh.py) given to TE's MeshResource
+    dp_resource: str | None = "data"
     fsdp_resource: str | None = "fsdp"
     tp_resource: str | None = "tensor"
 
@@ -87,8 +94,8 @@ class TransformerEngineConfig:
         if not isinstance(self.fp8, bool):
             raise ValueError(f"TransformerEngineConfig.fp8={self.fp8!r} must be True or False")
         if self.fp8_format not in TE_FP8_FORMATS:
-            raise ValueError(f"TransformerEngineConfig.fp8_format={self.fp8_format!r} is not valid; "
-                             f"expected one of {TE_FP8_FORMATS}")
+            raise ValueError(f"TransformerEngineConfig.fp8_format={self.fp8_format!r} is not "
+                             f"valid; expected one of {TE_FP8_FORMATS}")
         if self.fp8_amax_compute_algo not in TE_AMAX_COMPUTE_ALGOS:
             raise ValueError(
                 f"TransformerEngineConfig.fp8_amax_compute_algo={self.fp8_amax_compute_algo!r} is "
@@ -146,9 +153,10 @@ class RematPolicy(str, enum.Enum):
         )
 
 
-# The switches that make a TransformerConfig LLaMA-style (Meta llama/model.py, HF LlamaForCausalLM, Pax BaseLLaMA):
-# RMSNorm, SwiGLU, no biases, RoPE instead of a position table. Every LLaMA builder (the experiments, the HF and
-# Meta converters) takes them from here; sizes, epsilon, RoPE theta and head tying stay with the builder.
+# The switches that make a TransformerConfig LLaMA-style (Meta llama/model.py, HF LlamaForCausalLM,
+# Pax BaseLLaMA): RMSNorm, SwiGLU, no biases, RoPE instead of a position table. Every LLaMA builder
+# (the experiments, the HF and Meta converters) takes them from here; sizes, epsilon, RoPE theta and
+# head tying stay with the builder.
 LLAMA_ARCHITECTURE: Mapping[str, Any] = types.MappingProxyType({
     "norm": NormKind.RMS_NORM,
     "activation": Activation.SILU,
@@ -208,7 +216,8 @@ class TransformerConfig:
     num_kv_heads: int | None = None  # grouped-query attention; None: num_heads (plain MHA)
     gated_mlp: bool = False  # act(x W_gate) * (x W_up) -> W_down; with SILU this is SwiGLU
     attention_kind: AttentionKind = AttentionKind.DOT_PRODUCT  # FLASH: a fused attention kernel
-    # FLASH's kernel: AUTO (cuDNN where it fits, else XLA), XLA, CUDNN, PALLAS_TRITON (docs/attention.md)
+    # FLASH's kernel: AUTO (cuDNN where it fits, else XLA), XLA, CUDNN, PALLAS_TRITON
+    # (docs/attention.md)
     attention_implementation: AttentionImplementation = AttentionImplementation.AUTO
     init_std: float = 0.02  # normal(0, init_std) for every matmul weight and the position table
     softmax_init_std: float | None = None  # token embedding / softmax table; None -> init_std
@@ -351,7 +360,8 @@ class TransformerConfig:
     @property
     def layers_per_scan_unit(self) -> int:
         """Layers in one scanned body: 1 for dense models, moe_layer_interval for MoE ones."""
-        return 1 if self.moe is None else self.moe.moe_layer_interval
+        return scan_unit_layers(
+            moe_layer_interval=None if self.moe is None else self.moe.moe_layer_interval)
 
     @property
     def position_kind(self) -> PositionEmbedding:

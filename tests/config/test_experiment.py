@@ -1,4 +1,5 @@
-"""Experiment: hyperparameter collection over the MRO, type checks, derived values, validation."""
+"""Experiment: hyperparameter collection over the MRO, type checks, derived values, validation
+(on the bare machinery, and on TransformerLmSettings, the generic settings of experiments/)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from paxlite.config.errors import ConfigError, did_you_mean, suggestions
 from paxlite.config.experiment import Derived, Experiment
 from paxlite.config.values import HParamSpec, check_value
+from paxlite.experiments.base import TransformerLmSettings
 
-# Pax TransformerLmSpmdAdam values (pax.md section 1), written out independently of experiment.py.
+# Pax TransformerLmSpmdAdam values, written out independently of paxlite/experiments/.
 PAX_ADAM_DEFAULTS = {
     "NUM_LAYERS": 32, "NUM_HEADS": 16, "MODEL_DIMS": 1024, "HIDDEN_DIMS": 4096,
     "DIMS_PER_HEAD": 64, "VOCAB_SIZE": 32000, "FPROP_DTYPE": "float32", "LEARNING_RATE": 1e-3,
@@ -29,7 +31,7 @@ PAX_ADAM_DEFAULTS = {
 }
 
 
-class Small(Experiment):
+class Small(TransformerLmSettings):
     """A subclass that only changes values (no annotations), like Pax GPU configs."""
 
     NUM_LAYERS = 2
@@ -48,7 +50,7 @@ class WithNew(Small):
     """Adds hyperparameters, including a chain of derived values and a str/Optional/enum kind."""
 
     RUN_NAME: str = "run"
-    VOCAB_PATH: str | None = None
+    TOKENIZER_PATH: str | None = None
     MODE: Mode = Mode.FAST
     TABLE: dict[str, int] = {"a": 1}
     QUARTER_HIDDEN: int = Derived(lambda hp: hp.HIDDEN_DIMS // 4, doc="HIDDEN_DIMS // 4")
@@ -56,7 +58,7 @@ class WithNew(Small):
 
 
 def test_base_defaults_match_pax_transformer_lm_spmd_adam() -> None:
-    hparams = Experiment.resolve().hparams()
+    hparams = TransformerLmSettings.resolve().hparams()
     for name, value in PAX_ADAM_DEFAULTS.items():
         assert hparams[name] == value, name
         assert type(hparams[name]) is type(value), name
@@ -65,7 +67,7 @@ def test_base_defaults_match_pax_transformer_lm_spmd_adam() -> None:
 def test_hparam_specs_are_in_definition_order_with_subclass_additions_last() -> None:
     names = list(WithNew.hparam_specs())
     assert names[:3] == ["NUM_LAYERS", "NUM_HEADS", "MODEL_DIMS"]
-    assert names[-6:] == ["RUN_NAME", "VOCAB_PATH", "MODE", "TABLE", "QUARTER_HIDDEN",
+    assert names[-6:] == ["RUN_NAME", "TOKENIZER_PATH", "MODE", "TABLE", "QUARTER_HIDDEN",
                           "HALF_QUARTER"]
     spec = WithNew.hparam_specs()["NUM_LAYERS"]
     assert spec == HParamSpec(name="NUM_LAYERS", annotation=int, default=2)
@@ -84,7 +86,7 @@ def test_subclass_values_and_coercion() -> None:
 
 
 def test_derived_values_recomputed_after_overrides() -> None:
-    exp = Experiment.resolve({"LR_COS_WARMUP": 500, "MODEL_DIMS": 512, "NUM_HEADS": 8})
+    exp = TransformerLmSettings.resolve({"LR_COS_WARMUP": 500, "MODEL_DIMS": 512, "NUM_HEADS": 8})
     assert exp.LR_COS_DECAY_START == 501
     assert exp.LR_LRED_DECAY_START == 4001
     assert exp.HIDDEN_DIMS == 2048 and exp.DIMS_PER_HEAD == 64
@@ -92,12 +94,12 @@ def test_derived_values_recomputed_after_overrides() -> None:
 
 
 def test_explicit_value_wins_over_derived() -> None:
-    exp = Experiment.resolve({"LR_COS_WARMUP": 500, "LR_COS_DECAY_START": 700})
+    exp = TransformerLmSettings.resolve({"LR_COS_WARMUP": 500, "LR_COS_DECAY_START": 700})
     assert exp.LR_COS_DECAY_START == 700
-    exp = Experiment.resolve({"INIT_STD": 0.5, "SOFTMAX_INIT_STD": 0.25})
+    exp = TransformerLmSettings.resolve({"INIT_STD": 0.5, "SOFTMAX_INIT_STD": 0.25})
     assert (exp.INIT_STD, exp.SOFTMAX_INIT_STD) == (0.5, 0.25)
 
-    class FixedHidden(Experiment):
+    class FixedHidden(TransformerLmSettings):
         HIDDEN_DIMS = 3000  # a plain class value replaces the base Derived
 
     assert FixedHidden.resolve({"MODEL_DIMS": 64}).HIDDEN_DIMS == 3000
@@ -126,15 +128,15 @@ def test_derived_cycle_is_reported_with_names() -> None:
 
 def test_derived_errors_name_the_inputs() -> None:
     with pytest.raises(ConfigError, match=r"DIMS_PER_HEAD .*NUM_HEADS=0.*ZeroDivisionError"):
-        Experiment.resolve({"NUM_HEADS": 0})
+        TransformerLmSettings.resolve({"NUM_HEADS": 0})
 
-    class Typo(Experiment):
+    class Typo(TransformerLmSettings):
         EXTRA: int = Derived(lambda hp: hp.MODEL_DIM * 2)
 
     with pytest.raises(ConfigError, match="MODEL_DIM, which is not a hyperparameter.*MODEL_DIMS"):
         Typo.resolve()
 
-    class WrongType(Experiment):
+    class WrongType(TransformerLmSettings):
         HALF: int = Derived(lambda hp: hp.MODEL_DIMS / 2, doc="MODEL_DIMS / 2")
 
     with pytest.raises(ConfigError, match=r"derived HALF = MODEL_DIMS / 2 = 512.0: expected int"):
@@ -142,7 +144,7 @@ def test_derived_errors_name_the_inputs() -> None:
 
 
 def test_zero_and_false_are_kept() -> None:
-    exp = Experiment.resolve({"ADAM_BETA1": 0, "WEIGHT_DECAY": 0.0, "PACKED_INPUT": False,
+    exp = TransformerLmSettings.resolve({"ADAM_BETA1": 0, "WEIGHT_DECAY": 0.0, "PACKED_INPUT": False,
                               "CLIP_GRADIENT_NORM_TO_VALUE": 0, "MAX_STEPS": 0})
     assert exp.ADAM_BETA1 == 0.0 and type(exp.ADAM_BETA1) is float
     assert exp.WEIGHT_DECAY == 0.0 and exp.CLIP_GRADIENT_NORM_TO_VALUE == 0.0
@@ -170,19 +172,19 @@ def test_zero_and_false_are_kept() -> None:
 )
 def test_wrong_types_are_rejected(name: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        Experiment.resolve({name: value})
+        TransformerLmSettings.resolve({name: value})
     assert message in str(info.value)
 
 
 def test_accepted_types_and_conversions() -> None:
     exp = WithNew.resolve({
         "LEARNING_RATE": 3, "ICI_MESH_SHAPE": (1, 8, 1), "PEAK_TFLOPS": 989,
-        "VOCAB_PATH": "/a/b.model", "MODE": "slow", "TABLE": {"x": 2}, "RUN_NAME": "",
+        "TOKENIZER_PATH": "/a/b.model", "MODE": "slow", "TABLE": {"x": 2}, "RUN_NAME": "",
     })
     assert exp.LEARNING_RATE == 3.0 and type(exp.LEARNING_RATE) is float
     assert exp.ICI_MESH_SHAPE == [1, 8, 1] and type(exp.ICI_MESH_SHAPE) is list
     assert exp.PEAK_TFLOPS == 989.0 and type(exp.PEAK_TFLOPS) is float
-    assert exp.VOCAB_PATH == "/a/b.model" and exp.MODE is Mode.SLOW
+    assert exp.TOKENIZER_PATH == "/a/b.model" and exp.MODE is Mode.SLOW
     assert exp.TABLE == {"x": 2} and exp.RUN_NAME == ""
     with pytest.raises(ConfigError, match=r"expected one of 'fast', 'slow' \(did you mean 'fast'"):
         WithNew.resolve({"MODE": "FAST!"})
@@ -192,20 +194,20 @@ def test_accepted_types_and_conversions() -> None:
 
 def test_unknown_override_names_get_suggestions() -> None:
     with pytest.raises(ConfigError) as info:
-        Experiment.resolve({"NUM_LAYRS": 4, "num_heads": 2})
+        TransformerLmSettings.resolve({"NUM_LAYRS": 4, "num_heads": 2})
     text = str(info.value)
     assert "--fdl.NUM_LAYRS (did you mean 'NUM_LAYERS'" in text
     assert "--fdl.num_heads (did you mean 'NUM_HEADS'" in text
 
 
 def test_bad_class_definitions_are_reported() -> None:
-    class Misspelled(Experiment):
+    class Misspelled(TransformerLmSettings):
         FRPOP_DTYPE = "bfloat16"  # Pax would silently create a new attribute
 
     with pytest.raises(ConfigError, match="FRPOP_DTYPE is not a hyperparameter.*'FPROP_DTYPE'"):
         Misspelled.resolve()
 
-    class BadDefault(Experiment):
+    class BadDefault(TransformerLmSettings):
         NUM_LAYERS = 4.0
 
     with pytest.raises(ConfigError, match=r"BadDefault.NUM_LAYERS = 4.0: expected int"):
@@ -233,16 +235,16 @@ def test_validate_checks_cross_field_constraints() -> None:
     }
     for name, (value, message) in cases.items():
         with pytest.raises(ConfigError) as info:
-            Experiment.resolve({name: value})
+            TransformerLmSettings.resolve({name: value})
         assert message in str(info.value), (name, str(info.value))
     # Boundary values that are valid.
-    exp = Experiment.resolve({"LR_COS_WARMUP": 0, "LR_COS_DECAY_START": 0, "LR_COS_DECAY_END": 0,
+    exp = TransformerLmSettings.resolve({"LR_COS_WARMUP": 0, "LR_COS_DECAY_START": 0, "LR_COS_DECAY_END": 0,
                               "PERCORE_BATCH_SIZE": 0.5, "EVAL_LOOP_NUM_BATCHES": -1})
     assert (exp.LR_COS_DECAY_START, exp.PERCORE_BATCH_SIZE) == (0, 0.5)
 
 
 def test_subclass_validate_hook_runs_after_resolution() -> None:
-    class Even(Experiment):
+    class Even(TransformerLmSettings):
         def validate(self) -> None:
             super().validate()
             if self.HIDDEN_DIMS % 3:
@@ -265,7 +267,7 @@ def test_hparams_are_json_serialisable_and_complete() -> None:
 
 
 def test_resolved_experiment_rejects_later_assignment() -> None:
-    exp = Experiment.resolve()
+    exp = TransformerLmSettings.resolve()
     with pytest.raises(ConfigError, match="derived values would go stale"):
         exp.LR_COS_WARMUP = 10
     exp.note = "lowercase attributes are not hyperparameters"

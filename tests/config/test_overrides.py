@@ -7,12 +7,12 @@ from typing import Literal
 import pytest
 
 from paxlite.config.errors import ConfigError
-from paxlite.config.experiment import Experiment
 from paxlite.config.overrides import parse_assignments, parse_overrides, parse_value
 from paxlite.config.values import HParamSpec
+from paxlite.experiments.base import TransformerLmSettings
 
 
-class Named(Experiment):
+class Named(TransformerLmSettings):
     RUN_NAME: str = "run"
     VOCAB_PATH: str | None = None
     PRECISION: Literal["fp8", "bf16"] | None = None

@@ -1,5 +1,8 @@
 """Pipeline and seq settings: what they resolve to, and one line naming the numbers for what cannot run,
-before anything is compiled (experiments/parallelism_settings.py, train/grad_accum.py)."""
+before anything is compiled (experiments/parallelism_settings.py, train/grad_accum.py).
+
+The rules are the configs' (PipelineConfig.problems, check_seq_divides); the messages name the
+hyperparameters (parallelism_settings.PIPELINE_FIELD_NAMES)."""
 
 import fiddle as fdl
 import pytest
@@ -29,11 +32,15 @@ def _problem(overrides, name="TinySynthetic") -> str:
     (["NUM_STAGES=3", "ICI_MESH_SHAPE=[2,1,1,4]"],
      "NUM_STAGES=3 is not a multiple of the pipeline mesh axis (2 = ICI [2, 1, 1, 4] x DCN [1, 1, 1])"),
     (["NUM_MICROBATCHES=4"], "NUM_MICROBATCHES set, but the run has one pipeline stage"),
+    # the rule is data/context_order.py's check_seq_divides, reported under the settings' names
     (["MAX_SEQ_LEN=24", "ICI_MESH_SHAPE=[1,1,1,1,1,8]"],
-     ("MAX_SEQ_LEN=24 does not split into 2 x seq = 16 equal chunks (CONTEXT_PARALLEL_LOAD_BALANCE): "
-     "choose a multiple of 16")),
+     ("MAX_SEQ_LEN=24 (CONTEXT_PARALLEL_LOAD_BALANCE=True): sequence length 24 does not divide "
+      "over the seq mesh axis of size 8: load balancing (dual_chunk_swap) cuts each row into "
+      "2 * 8 = 16 equal chunks; use a sequence length that is a multiple of 16")),
     (["MAX_SEQ_LEN=20", "ICI_MESH_SHAPE=[1,1,1,1,1,8]", "CONTEXT_PARALLEL_LOAD_BALANCE=false"],
-     "MAX_SEQ_LEN=20 does not split into seq = 8 equal slices: choose a multiple of 8"),
+     ("MAX_SEQ_LEN=20 (CONTEXT_PARALLEL_LOAD_BALANCE=False): sequence length 20 does not divide "
+      "over the seq mesh axis of size 8: each of the 8 shards holds an equal slice of every row; "
+      "use a sequence length that is a multiple of 8")),
     (["CONTEXT_PARALLEL_STRATEGY=ring"], "CONTEXT_PARALLEL_STRATEGY set, but the mesh has no seq axis"),
     (["NUM_MICROBATCHES=2", "MICROBATCH_SIZE=4", "ICI_MESH_SHAPE=[1,1,1,1,2]"],
      "NUM_MICROBATCHES=2 and MICROBATCH_SIZE=4 both set"),
@@ -65,7 +72,7 @@ def test_the_batch_of_each_pass_must_split_into_microbatches_over_the_batch_axes
 
 
 def test_show_reports_the_schedule_and_the_seq_split():
-    from paxlite.__main__ import describe
+    from paxlite.cli.show import describe
 
     info = describe(load_experiment("TinySynthetic", ["NUM_LAYERS=8", "ICI_MESH_SHAPE=[1,1,1,1,4,2]",
                                                       "PIPELINE_REPEATS=2", "NUM_MICROBATCHES=4"]),

@@ -104,8 +104,8 @@ def test_module_with_broken_import_is_reported(tmp_path: Path,
 
 def test_user_module_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_experiments.py").write_text(
-        "from paxlite.config.experiment import Experiment\n"
-        "class Mine(Experiment):\n"
+        "from paxlite.experiments.base import TransformerLmSettings\n"
+        "class Mine(TransformerLmSettings):\n"
         "    NUM_LAYERS = 3\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -18,7 +18,7 @@ import pytest
 from flax import linen as nn
 
 from paxlite.config.errors import ConfigError
-from paxlite.config.experiment import Experiment
+from paxlite.experiments.base import TransformerLmSettings
 from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import (
     RematPolicy,
@@ -123,7 +123,8 @@ def test_policies_differ_in_what_they_save() -> None:
 
 
 def test_every_pax_name_is_a_hyperparameter_value_and_parses() -> None:
-    names = typing.get_args(Experiment.hparam_specs()["CHECKPOINT_POLICY"].annotation)
+    names = typing.get_args(
+        TransformerLmSettings.hparam_specs()["CHECKPOINT_POLICY"].annotation)
     assert sorted(names) == sorted(p.name for p in POLICIES)
     for name in names:
         assert RematPolicy.parse(name) is RematPolicy[name]

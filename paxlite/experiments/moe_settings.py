@@ -1,9 +1,10 @@
 """The mixture-of-experts hyperparameters (Pax's names) and their mapping to ``MoeConfig``, once.
 
-GLaM (glam.py) and Mixtral (mixtral.py) list this mixin before their dense base class; the family
-says only its architecture (which layers are MoE, gated or plain experts, their activation) as
-class attributes, and this mixin checks the settings and builds the ``MoeConfig``. A dense
-experiment given one of these names gets an error saying it is dense (base.py), never a silently
+GLaM (glam.py) and Mixtral (mixtral.py) list `MoeSettings` before their dense base class; the
+family says only its architecture (which layers are MoE, gated or plain experts, their activation)
+as class attributes, and the mixin checks the settings and builds the ``MoeConfig``. Every
+experiment has `ExpertParallelSettings` (base.py): a dense experiment given USE_EXPERT_PARALLEL, an
+expert mesh axis or one of the MoE names gets an error saying it is dense, never a silently
 ignored setting.
 """
 
@@ -33,7 +34,48 @@ def mesh_with_expert_hint(shape: list[int] | None) -> str:
     return "[" + ",".join(str(d) for d in [*base, 4]) + "]"
 
 
-class MoeHParams:
+class ExpertParallelSettings:
+    """Pax's switch for expert parallelism, which every experiment accepts (and a dense one
+    refuses with a reason)."""
+
+    # In paxlite the mesh says it (a 4th entry, `expert`, of ICI_MESH_SHAPE / DCN_MESH_SHAPE);
+    # true asks for it and is checked against the mesh: an MoE experiment with an expert axis > 1
+    # (MoeSettings). A dense model has no experts.
+    USE_EXPERT_PARALLEL: bool = False
+
+    @classmethod
+    def check_names(cls, names) -> None:
+        """An MoE setting (NUM_EXPERTS, ...) on a dense experiment says so, rather than
+        'unknown'."""
+        names = list(names)
+        specs = cls.hparam_specs()
+        moe_only = [n for n in names if n in MOE_HPARAM_NAMES and n not in specs]
+        if moe_only:
+            raise dense_moe_setting_error(cls.__name__, moe_only)
+        super().check_names(names)
+
+    def is_moe(self) -> bool:
+        """Whether the model has expert layers (MoeSettings says True)."""
+        return False
+
+    def dense_mesh_problems(self) -> list[str]:
+        """Expert parallelism asked of a dense model (checked before the mesh's own checks)."""
+        if self.is_moe():
+            return []
+        problems = []
+        if expert_axis_size(self.ICI_MESH_SHAPE, self.DCN_MESH_SHAPE, mesh_layout(self)) > 1:
+            problems.append(
+                f"ICI_MESH_SHAPE={self.ICI_MESH_SHAPE}, DCN_MESH_SHAPE={self.DCN_MESH_SHAPE}: the "
+                f"4th (expert) entry is > 1, and {self.name} is a dense model with no experts to "
+                "split; give 3 entries [data, fsdp, tensor] (or a 4th entry of 1)")
+        if self.USE_EXPERT_PARALLEL:
+            problems.append(
+                f"USE_EXPERT_PARALLEL=true, and {self.name} is a dense model with no experts: drop "
+                "it, or run an MoE experiment (GLaM, Mixtral)")
+        return problems
+
+
+class MoeSettings:
     """Mixin: the MoE knobs of an experiment (list it before the dense family class).
 
     Pax's names where Pax has one (NUM_EXPERTS, CAPACITY_FACTOR, NUM_GROUPS,
@@ -177,7 +219,7 @@ class MoeHParams:
 
 
 MOE_HPARAM_NAMES: tuple[str, ...] = tuple(
-    name for name in MoeHParams.__annotations__ if name.isupper())
+    name for name in MoeSettings.__annotations__ if name.isupper())
 
 
 def dense_moe_setting_error(experiment_name: str, names: list[str]) -> ConfigError:

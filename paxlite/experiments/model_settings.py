@@ -1,0 +1,225 @@
+"""The model's hyperparameters (sizes, dtype, layers, LoRA, FP8), mapped to the model config.
+
+Families (gpt.py, llama.py, glam.py, ...) describe their architecture in `model_config`; the fields
+every family maps the same way come from `transformer_fields` here, so NUM_LAYERS or DROPOUT_PROB is
+declared, defaulted, mapped and checked in this one file. Mixins of ``LanguageModelExperiment``
+(base.py), split where `show` lists other settings between them (base.py says why the order).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import fiddle as fdl
+from absl import logging
+
+from paxlite.config.errors import ConfigError
+from paxlite.config.experiment import Derived
+from paxlite.config.transformer_engine import transformer_engine_fields
+from paxlite.models.attention import AttentionKind
+from paxlite.models.attention_kernels import AttentionImplementation
+from paxlite.models.linear import Fp8Config
+from paxlite.models.lora import LoraTargets
+from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
+from paxlite.train import flops as flops_lib
+
+
+class ModelShapeSettings:
+    """The model's sizes (Pax TransformerLmSpmdAdam's defaults), mapped by transformer_fields."""
+
+    NUM_LAYERS: int = 32
+    NUM_HEADS: int = 16
+    MODEL_DIMS: int = 1024
+    HIDDEN_DIMS: int = Derived(lambda hp: 4 * hp.MODEL_DIMS, doc="4 * MODEL_DIMS")
+    DIMS_PER_HEAD: int = Derived(lambda hp: hp.MODEL_DIMS // hp.NUM_HEADS,
+                                 doc="MODEL_DIMS // NUM_HEADS")
+    VOCAB_SIZE: int = 32000
+    MAX_SEQ_LEN: int = 1024
+
+    def hparam_problems(self) -> list[str]:
+        problems = super().hparam_problems()
+        for name in ("NUM_LAYERS", "NUM_HEADS", "MODEL_DIMS", "HIDDEN_DIMS", "DIMS_PER_HEAD",
+                     "VOCAB_SIZE", "MAX_SEQ_LEN"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.NUM_HEADS * self.DIMS_PER_HEAD <= 0:
+            problems.append(f"NUM_HEADS * DIMS_PER_HEAD must be > 0, got {self.NUM_HEADS} * "
+                            f"{self.DIMS_PER_HEAD}")
+        return problems
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        raise ConfigError(f"{self.name} does not describe a model; subclass a model family")
+
+    def transformer_fields(self) -> dict[str, Any]:
+        """The TransformerConfig fields every family maps the same way (sizes, init, dropout, layer
+        stacking, remat, dtypes); a family's model_config adds only its architecture switches."""
+        return {
+            "vocab_size": self.VOCAB_SIZE,
+            "num_layers": self.NUM_LAYERS,
+            "model_dims": self.MODEL_DIMS,
+            "num_heads": self.NUM_HEADS,
+            "dims_per_head": self.DIMS_PER_HEAD,
+            "hidden_dims": self.HIDDEN_DIMS,
+            "max_seq_len": self.MAX_SEQ_LEN,
+            "norm_epsilon": self.LAYERNORM_EPSILON,
+            "init_std": self.INIT_STD,
+            "softmax_init_std": self.SOFTMAX_INIT_STD,
+            "dropout_prob": self.DROPOUT_PROB,
+            "input_dropout_prob": self.INPUT_DROPOUT_PROB,
+            "scan_layers": self.USE_REPEATED_LAYER,
+            "remat_policy": self.remat_policy(),
+            "attention_kind": AttentionKind(self.ATTENTION_KIND),
+            "attention_implementation": AttentionImplementation(self.ATTENTION_IMPLEMENTATION),
+            "dtype": self.FPROP_DTYPE,
+            "param_dtype": "float32",
+            # Pax's ENABLE_TE / ENABLE_FP8 environment variables (config/transformer_engine.py)
+            **transformer_engine_fields(native_fp8=bool(getattr(self, "USE_FP8", False))),
+            "fp8": (fdl.Config(Fp8Config, amax_history_length=self.FP8_AMAX_HISTORY_LENGTH)
+                    if self.USE_FP8 else None),
+            "pipeline": self.pipeline_config(),
+            "context_parallel_strategy": self.context_parallel_strategy(),
+        }
+
+    def flops_per_token(self) -> int:
+        """MaxText's count, read off the model this experiment builds (so GQA, gated MLPs and the
+        top-k experts of MoE layers follow it).
+
+        With USE_LORA the work actually done: the base weights are frozen (no weight-gradient
+        matmuls) and the adapters train (paxlite/train/flops.py), so MFU is not overstated."""
+        model = fdl.build(self.model_config())
+        moe = model.moe
+        lora_params = None
+        if self.USE_LORA:  # the adapters are what with_lora adds to the base model
+            lora_params = (num_params(fdl.build(self.with_lora(self.model_config())))
+                           - num_params(model))
+        return flops_lib.flops_per_token(
+            num_layers=model.num_layers,
+            model_dims=model.model_dims,
+            num_heads=model.num_heads,
+            num_kv_heads=model.kv_heads,
+            dims_per_head=model.dims_per_head,
+            hidden_dims=model.hidden_dims,
+            vocab_size=model.vocab_size,
+            seq_len=model.max_seq_len,
+            gated_mlp=model.gated_mlp,
+            lora_params=lora_params,
+            num_moe_layers=0 if moe is None else moe.num_moe_layers(model.num_layers),
+            num_experts=None if moe is None else moe.num_experts,
+            experts_per_token=2 if moe is None else moe.experts_per_token,
+            expert_hidden_dims=None if moe is None else moe.expert_hidden_dims,
+            gated_experts=False if moe is None else moe.gated_experts,
+        )
+
+
+class ModelDtypeSettings:
+    """The activations' dtype (the parameters stay float32)."""
+
+    FPROP_DTYPE: Literal["float32", "bfloat16"] = "float32"
+
+
+class ModelLayerSettings:
+    """How the layers are stacked, rematerialised, regularised and initialised."""
+
+    USE_REPEATED_LAYER: bool = False
+    # Pax remat policy of the repeated (scanned) stack; docs/training.md says what each saves.
+    CHECKPOINT_POLICY: Literal[
+        "SAVE_NOTHING", "SAVE_EVERYTHING", "SAVE_DOT_ONLY", "SAVE_DOT_WITH_NO_BATCH_DIM",
+        "SAVE_DOT_FOR_MLPERF_200B", "SAVE_ITERATION_INPUT", "SAVE_QKV_OUT_PROJ", "SAVE_OUT_PROJ",
+        "SAVE_CONTEXT", "SAVE_CONTEXT_AND_OUT_PROJ",
+    ] = "SAVE_NOTHING"
+    DROPOUT_PROB: float = 0.0
+    INPUT_DROPOUT_PROB: float = 0.0
+    INIT_STD: float = 0.02
+    SOFTMAX_INIT_STD: float = Derived(lambda hp: hp.INIT_STD, doc="INIT_STD")
+    LAYERNORM_EPSILON: float = 1e-5
+
+    def hparam_problems(self) -> list[str]:
+        problems = super().hparam_problems()
+        for name in ("DROPOUT_PROB", "INPUT_DROPOUT_PROB"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        return problems
+
+    def remat_policy(self) -> RematPolicy:
+        """Pax applies CHECKPOINT_POLICY to the repeated (scanned) stack only; unrolled layers
+        keep everything."""
+        if not self.USE_REPEATED_LAYER:
+            return RematPolicy.NONE
+        return RematPolicy.parse(self.CHECKPOINT_POLICY)
+
+
+class LoraSettings:
+    """LoRA (Pax LoRAMixin): adapters on the family's base model; only they train."""
+
+    # Adapters of rank LORA_RANK on LORA_TARGET_LAYERS ("attention": q, k, v and the attention
+    # output; "mlp": every MLP matmul; "all": both). The deltas are scaled by LORA_ALPHA /
+    # LORA_RANK; None means LORA_ALPHA = LORA_RANK (scale 1, as Pax).
+    USE_LORA: bool = False
+    LORA_RANK: int = 8
+    LORA_TARGET_LAYERS: Literal["all", "attention", "mlp"] = "all"
+    LORA_ALPHA: float | None = None
+    # USE_LORA freezes the base model, so it needs CHECKPOINT_RESTORE_PATH: adapters on a random
+    # frozen base learn nothing useful. True opts in to exactly that (tests, benchmarks), with a
+    # warning in the log.
+    LORA_RANDOM_BASE: bool = False
+
+    def lora_problems(self) -> list[str]:
+        """LORA_RANK / LORA_ALPHA out of range (raised one at a time, as each stands alone)."""
+        if self.LORA_RANK <= 0:
+            return [f"LORA_RANK={self.LORA_RANK} must be a positive integer (Pax's default is 8)"]
+        if self.LORA_ALPHA is not None and not self.LORA_ALPHA > 0:
+            return [(f"LORA_ALPHA={self.LORA_ALPHA} must be > 0, or None (= LORA_RANK: scale 1, "
+                    "as Pax)")]
+        return []
+
+    def unread_lora_problems(self) -> list[str]:
+        """LoRA settings given where nothing reads them, or LoRA on a random base by accident."""
+        given = set(self.overridden)
+        if not self.USE_LORA:
+            unused = sorted(given & {"LORA_RANK", "LORA_ALPHA", "LORA_TARGET_LAYERS",
+                                     "LORA_RANDOM_BASE"})
+            if unused:
+                return [(f"{', '.join(unused)} set but USE_LORA is false, so a full fine-tune "
+                         "would run and ignore them: add --fdl.USE_LORA=true, or drop them")]
+        elif not self.CHECKPOINT_RESTORE_PATH and not self.LORA_RANDOM_BASE:
+            return [(
+                "USE_LORA=true freezes the base model, and CHECKPOINT_RESTORE_PATH is unset, so "
+                "the adapters would train on a randomly initialised base: pass "
+                "--fdl.CHECKPOINT_RESTORE_PATH=<a job or converted checkpoint>, or "
+                "--fdl.LORA_RANDOM_BASE=true to mean it")]
+        return []
+
+    def with_lora(self, model: fdl.Config[TransformerConfig]) -> fdl.Config[TransformerConfig]:
+        """The family's base model plus USE_LORA's adapters (families describe the base model)."""
+        if self.USE_LORA:
+            if not self.CHECKPOINT_RESTORE_PATH:  # validate() allowed it: LORA_RANDOM_BASE=true
+                logging.warning(
+                    "LORA_RANDOM_BASE=true: the LoRA adapters train on a randomly initialised, "
+                    "frozen base model (no CHECKPOINT_RESTORE_PATH)")
+            model.lora_rank = self.LORA_RANK
+            model.lora_alpha = self.LORA_ALPHA
+            model.lora_targets = LoraTargets(self.LORA_TARGET_LAYERS)
+        return model
+
+
+class Fp8Settings:
+    """Pax's native FP8 (docs/fp8.md), mapped to the model's `fp8` field by transformer_fields."""
+
+    # The QKV, attention-output, MLP and GShard expert matmuls run in FP8 through Flax's
+    # Fp8Einsum (e4m3 forward, e5m2 gradients, delayed per-tensor scaling), each with its own
+    # scales and amax histories of FP8_AMAX_HISTORY_LENGTH steps (Pax 1024; Fuji -fp8: 128). The
+    # embedding, softmax and router stay in FPROP_DTYPE.
+    USE_FP8: bool = False
+    FP8_AMAX_HISTORY_LENGTH: int = 1024
+
+    def fp8_problems(self) -> list[str]:
+        if self.FP8_AMAX_HISTORY_LENGTH < 1:
+            return [(f"FP8_AMAX_HISTORY_LENGTH={self.FP8_AMAX_HISTORY_LENGTH} must be a positive "
+                    "number of steps (Pax's default is 1024)")]
+        return []
+
+    def unread_fp8_problems(self) -> list[str]:
+        if "FP8_AMAX_HISTORY_LENGTH" in self.overridden and not self.USE_FP8:
+            return [("FP8_AMAX_HISTORY_LENGTH set but USE_FP8 is false, so no matmul runs in FP8: "
+                    "add --fdl.USE_FP8=true, or drop it")]
+        return []
