@@ -1,15 +1,22 @@
 """The two kinds of failure a user is shown without a traceback.
 
-`UserError`: something the user can change (a flag, a hyperparameter, a file, a job directory) and the
-message alone says what. The entry points print `paxlite: error: <message>` and exit with status 2.
+`UserError`: something the user can change (a flag, a hyperparameter, a file, a job directory)
+and the message alone says what. The entry points print `paxlite: error: <message>` and exit with
+status 2 (`exit_status`, the one place that prints it; `report_errors` and `exit_usage` call it).
 `RunStoppedError`: the job was set up correctly but could not go on (a diverged loss, an unreachable
 coordinator); one line too, but exit status 1, since nothing on the command line was wrong.
 
 Everything else is a bug in paxlite or a library, and keeps its traceback (exit status 1). So a type
 raised for a user-facing condition must derive from one of these two; the built-in type it also
 derives from (ValueError, FileNotFoundError, ...) keeps Python callers' `except` clauses working.
-This module imports nothing, so every layer of the package can import it (docs/architecture.md).
+This module imports only the standard library, so every layer of the package can import it
+(docs/architecture.md).
 """
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -31,3 +38,47 @@ class NotFoundError(UserError, FileNotFoundError):
 
 class ExistsError(UserError, FileExistsError):
     """Writing here would overwrite something the user saved; nothing is overwritten."""
+
+
+class UsageError(UserError, ValueError):
+    """A bad command line (not a bad hyperparameter)."""
+
+
+def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException], ...] = (),
+                program: str = "paxlite") -> int:
+    """The status a command exits with after `error`, its one line `PROGRAM: error: MESSAGE`
+    printed on stderr: 2 for a user's mistake (a UserError, or one of `user_errors`: what a
+    library raises for a bad value the user gave, e.g. argparse's ValueError), 1 for a run that
+    stopped (a RunStoppedError). Anything else is a bug and is raised again, traceback and all.
+
+    The only place that prints such a line (tests/test_errors.py checks), so that every entry
+    point words and numbers its failures alike. A stopped run is also logged where logging is set
+    up (absl's handler in a training job), so that the job's log says why it ended; with nothing
+    set up Python would print the message a second time."""
+    if isinstance(error, (UserError, *user_errors)):
+        status = 2
+    elif isinstance(error, RunStoppedError):
+        log = logging.getLogger(__name__)
+        if log.hasHandlers():
+            log.error("%s", error)
+        status = 1
+    else:
+        raise error
+    print(f"{program}: error: {error}", file=sys.stderr)
+    return status
+
+
+def report_errors(run: Callable[[], int], *,
+                  user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """`run()`'s status, or exit_status's for the user's mistake or stopped run it raised; a bug
+    keeps its traceback. Every `paxlite` entry point ends this way."""
+    try:
+        return run()
+    except (UserError, RunStoppedError, *user_errors) as error:
+        return exit_status(error, user_errors=user_errors)
+
+
+def exit_usage(error: Exception) -> NoReturn:
+    """A command line that does not parse (absl's flags.Error, a malformed --fdl.X): its message
+    on one line and exit status 2, where absl itself prints a two-line FATAL and exits 1."""
+    sys.exit(exit_status(UsageError(" ".join(str(error).split()))))

@@ -38,7 +38,6 @@ from collections.abc import Sequence
 
 from absl import app, flags, logging
 
-from paxlite.cli.job import exit_usage, report_errors
 from paxlite.cli.launch_plan import (
     BACKENDS,
     CONFIG_MODULES,
@@ -51,6 +50,7 @@ from paxlite.cli.launch_plan import (
     parse_launch,
     split_fdl_args,
 )
+from paxlite.errors import exit_usage, report_errors
 
 FLAGS = flags.FLAGS
 

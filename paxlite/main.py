@@ -15,8 +15,8 @@ import sys
 from absl import app, flags, logging
 from fiddle import absl_flags  # noqa: F401  defines --fdl_config, --fdl_set, ... (parsed in _parse_flags)
 
-from paxlite.cli.job import Mode, exit_usage, report_errors, run_job
-from paxlite.errors import UserError
+from paxlite.cli.job import Mode, run_job
+from paxlite.errors import UsageError, exit_usage, report_errors
 
 FLAGS = flags.FLAGS
 
@@ -52,10 +52,6 @@ class _LibraryInfoFilter(logging_std.Filter):
 
 def quiet_library_logs() -> None:
     logging.get_absl_handler().addFilter(_LibraryInfoFilter())
-
-
-class UsageError(UserError, ValueError):
-    """A bad command line (not a bad hyperparameter)."""
 
 
 def parse_job(argv) -> tuple:

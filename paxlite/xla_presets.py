@@ -40,7 +40,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from paxlite.errors import UserError
+from paxlite.errors import UserError, exit_status
 
 
 def flag_name(token: str) -> str:
@@ -251,8 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env, dropped = environment(preset, base_flags=os.environ.get("BASE_XLA_FLAGS"), environ=os.environ,
                                    probe_jaxlib=not args.no_probe)
     except UserError as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
+        return exit_status(e)
     for flag in dropped:
         print(f"paxlite.xla_presets: {preset.name}: left out {' / '.join(flag.spellings)}: this jaxlib "
               "knows none of these spellings", file=sys.stderr)

@@ -241,3 +241,28 @@ def test_use_fp8_is_pax_s_switch_and_dropless_fp8_exits_2(paxlite_in_process):
     result = paxlite_in_process("show", "--fdl_config=Mixtral8x7B", "--fdl.USE_FP8=true")
     assert result.returncode == 2
     assert "USE_FP8=true with MOE_ROUTING='dropless_topk'" in result.stderr
+
+
+@pytest.mark.parametrize("command, message", [
+    (("list", "--fdl.NUM_LAYERS=2"), "list takes no --fdl.NAME=VALUE overrides"),
+    (("plot", "job", "--fdl.NUM_LAYERS=2"), "unrecognized arguments ['--fdl.NUM_LAYERS=2']"),
+    (("show", "--fdl_config=TinySynthetic", "--num_layers=2"),
+     "unrecognized argument '--num_layers=2'; overrides look like --fdl.NAME=VALUE"),
+])
+def test_an_argument_a_command_does_not_take_is_a_usage_error(paxlite_in_process, command,
+                                                               message):
+    result = paxlite_in_process(*command)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == f"python -m paxlite: error: {message}"
+
+
+def test_every_command_is_a_module_of_cli():
+    """`python -m paxlite COMMAND` runs paxlite/cli/'s module of that command, in `--help`'s
+    order."""
+    from paxlite.cli.app import COMMANDS
+
+    assert [command.name for command in COMMANDS] == [
+        "list", "show", "plan", "plot", "convert", "export_merged", "generate", "lm_eval"]
+    for command in COMMANDS:
+        assert command.module.__name__.startswith("paxlite.cli.")
+        assert callable(command.module.add_arguments) and callable(command.module.run)

@@ -42,7 +42,8 @@ def test_relative_links_resolve():
 
 @pytest.mark.slow
 def test_experiment_catalogue_is_current(capsys):
-    from paxlite.__main__ import CATALOGUE_COMMAND, main
+    from paxlite.__main__ import main
+    from paxlite.cli.catalogue import CATALOGUE_COMMAND
 
     assert main(["list", "--format=markdown"]) == 0  # the command in CATALOGUE_COMMAND, in process
     expected = capsys.readouterr().out

@@ -1,3 +1,4 @@
-"""The command line: one module per `python -m paxlite` subcommand, the job runner they share
-(`job`: the job directory, the compilation cache, the one path that turns errors into exit statuses)
-and what they read a finished model from (`model_source`)."""
+"""The command line: one module per `python -m paxlite` subcommand and the dispatcher that builds
+their parser (`app`), the job runner paxlite.main and launch_trainer_main share (`job`: the job
+directory, the compilation cache) and what they read a finished model from (`model_source`).
+Every entry point reports its errors through paxlite.errors.report_errors."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -464,9 +463,9 @@ def return_freed_buffers() -> None:
     mallopt(_M_MMAP_THRESHOLD, 128 * 2**10)
 
 
-def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
-    from paxlite.errors import UserError
-
+def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
+    """`python -m paxlite convert`; a conversion mistake (paths, formats, experiments) is a
+    UserError, which the command line reports in one line."""
     request = ConvertRequest(
         source=Source(args.source), target=Target(args.target), input=args.input,
         output=args.output, fdl_config=args.fdl_config, assignments=tuple(assignments),
@@ -477,11 +476,7 @@ def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     )
     start = time.perf_counter()
     return_freed_buffers()
-    try:
-        pretrained = convert(request)
-    except UserError as e:  # every conversion mistake (paths, formats, experiments); bugs propagate
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
+    pretrained = convert(request)
     family = getattr(pretrained.family, "value", pretrained.family)
     print(f"converted {family} {request.source.value} -> {request.target.value}: "
           f"{pretrained.num_params:,} parameters, {request.dtype}, "

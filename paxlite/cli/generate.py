@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 from collections.abc import Sequence
 
 from paxlite.cli.model_source import (
@@ -40,7 +39,7 @@ from paxlite.cli.model_source import (
     resolve_model,
     restore_params,
 )
-from paxlite.errors import NotFoundError, SettingError, UserError
+from paxlite.errors import NotFoundError, SettingError
 
 
 class OutputFormat:
@@ -177,11 +176,3 @@ def _continuation(tokenizer, prompt: list[int], ids: list[int]) -> str:
     SentencePiece writes at the start of a word piece (``▁king`` -> ``king``)."""
     head, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + ids)
     return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
-
-
-def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
-    try:
-        return run(args, assignments)
-    except UserError as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2

@@ -13,15 +13,13 @@ import enum
 import json
 import os
 import platform
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
-from typing import NoReturn
 
 from absl import logging
 
 import paxlite
-from paxlite.errors import NotFoundError, RunStoppedError, SettingError, UserError
+from paxlite.errors import NotFoundError, SettingError
 
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
 # Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint committed (train/preemption.py);
@@ -37,28 +35,6 @@ class Mode(str, enum.Enum):
     TRAIN = "train"
     EVAL = "eval"
     DRY_RUN = "dry_run"
-
-
-def report_errors(run: Callable[[], int]) -> int:
-    """``run()``'s status, or 2 with one line for a user's mistake (any UserError), or 1 with one
-    line for a run that stopped (RunStoppedError); any other exception is a bug and keeps its
-    traceback. Both entry points (paxlite.main, launch_trainer_main) end this way."""
-    try:
-        return run()
-    except UserError as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
-    except RunStoppedError as e:
-        logging.error("%s", e)
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 1
-
-
-def exit_usage(error: Exception) -> NoReturn:
-    """A command line that does not parse (absl's flags.Error, a malformed --fdl.X): one line and
-    exit 2, where absl itself prints a two-line FATAL and exits 1."""
-    print(f"paxlite: error: {' '.join(str(error).split())}", file=sys.stderr)
-    sys.exit(2)
 
 
 def package_versions() -> dict[str, str | None]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 
 from paxlite.cli.model_source import (
@@ -33,7 +32,7 @@ from paxlite.cli.model_source import (
     resolve_model,
     restore_params,
 )
-from paxlite.errors import ExistsError, NotFoundError, SettingError, UserError
+from paxlite.errors import ExistsError, NotFoundError, SettingError
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, few-shot sampling
@@ -194,11 +193,3 @@ def _report(results: dict, args: argparse.Namespace) -> None:
     print(results_tables(results), flush=True)
     if args.output_path is not None:
         print(f"results: {args.output_path}", flush=True)
-
-
-def run_cli(args: argparse.Namespace, assignments: Sequence[str]) -> int:
-    try:
-        return run(args, assignments)
-    except UserError as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2

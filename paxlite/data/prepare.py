@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from paxlite.data.inputs import iter_documents
 from paxlite.data.records import DatasetError, DatasetInfo, Kind, shard_paths, write_dataset
 from paxlite.data.tokenizer import Tokenizer, VocabError
+from paxlite.errors import exit_status
 from paxlite.paths import UnsupportedPathError, require_local_path
 
 
@@ -141,8 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=True,
         )
     except (DatasetError, VocabError, FileNotFoundError, UnsupportedPathError) as e:
-        print(f"prepare: error: {e}", file=sys.stderr)
-        return 2
+        return exit_status(e, user_errors=(FileNotFoundError,), program="prepare")
     print(summary(info, seconds=time.perf_counter() - start))
     if VALIDATION_SPLIT not in info.splits:
         print(no_validation_warning(info), file=sys.stderr)

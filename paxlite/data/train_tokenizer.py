@@ -20,6 +20,7 @@ import sentencepiece as spm
 
 from paxlite.data.errors import DatasetError
 from paxlite.data.inputs import Progress, iter_documents
+from paxlite.errors import exit_status
 
 # SentencePiece drops longer sentences (in bytes); sampling skips them so the count is exact.
 MAX_SENTENCE_BYTES = 16384
@@ -186,8 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed, overwrite=args.overwrite,
         )
     except (ValueError, FileExistsError) as e:
-        print(f"train_tokenizer: error: {e}", file=sys.stderr)
-        return 2
+        return exit_status(e, user_errors=(ValueError, FileExistsError), program="train_tokenizer")
     processor = spm.SentencePieceProcessor(model_file=model)
     print(
         f"trained {args.model_type} tokenizer: vocab_size {processor.get_piece_size()}, "

@@ -86,7 +86,7 @@ def test_a_family_that_drops_the_settings_is_refused():
 
 def test_show_counts_a_cudnn_experiment_on_a_cpu_machine():
     """The parameter count traces the model with XLA attention: `show` of a GPU run works here."""
-    from paxlite.__main__ import describe
+    from paxlite.cli.show import describe
 
     plain = describe(load_experiment("Pile126M", []))
     shown = describe(load_experiment("Pile126M", ["USE_CUDNN_FLASH_ATTENTION=True"]))

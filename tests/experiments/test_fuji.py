@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paxlite.__main__ import describe
+from paxlite.cli.show import describe
 from paxlite.config.errors import ConfigError
 from paxlite.experiments import EXPERIMENTS, fuji
 from paxlite.experiments.build import load_experiment

@@ -2,8 +2,8 @@
 per token by hand, Pax's names and settings, and every MoE misconfiguration as one ConfigError.
 
 The counts come from the config (models/moe_params.py) and, once the MoE layer is in the model,
-from the built model (`paxlite.__main__.parameter_counts` counts abstractly when it can); the hand
-formulas here are written out independently of both.
+from the built model (`paxlite.cli.catalogue.parameter_counts` counts abstractly when it can);
+the hand formulas here are written out independently of both.
 """
 
 import json
@@ -14,7 +14,7 @@ import sys
 import fiddle as fdl
 import pytest
 
-from paxlite.__main__ import describe
+from paxlite.cli.show import describe
 from paxlite.config.errors import ConfigError
 from paxlite.config.registry import resolve_experiment
 from paxlite.experiments import EXPERIMENTS, glam, mixtral, tiny

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import pytest
 
-from paxlite.__main__ import parameter_counts
+from paxlite.cli.catalogue import parameter_counts
 from paxlite.experiments import EXPERIMENTS
 from paxlite.experiments.build import load_experiment
 from tests.experiments.traced import traced_num_params, traced_variables

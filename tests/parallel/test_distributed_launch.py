@@ -2,14 +2,14 @@
 
 A one-process launch (--num_processes=1, no coordinator) with a process id other than 0 is refused:
 one line naming the value and the valid range, exit status 2, before JAX starts. Pure parse, in
-this process (paxlite.cli.launch_plan.parse_launch, reported by paxlite.cli.job.report_errors, as
+this process (paxlite.cli.launch_plan.parse_launch, reported by paxlite.errors.report_errors, as
 launch_trainer_main.main does).
 """
 
 import pytest
 
-from paxlite.cli.job import report_errors
 from paxlite.cli.launch_plan import LaunchFlags, parse_launch
+from paxlite.errors import report_errors
 from paxlite.parallel.distributed import DistributedError, Launch, LaunchSource, explicit_launch
 
 BASE = dict(module="text.gpt.c4_trainer", config="fuji-test-v1", data_dir="FAKE",
