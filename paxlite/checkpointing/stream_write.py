@@ -2,13 +2,13 @@
 
 Orbax saves a whole tree in one call, so a converter using it holds every array at once (2.4x the
 float32 model at 1B parameters, docs/performance.md). This writer produces the same checkpoint that
-`paxlite.checkpointing.pretrained.save_params` does, in Orbax's non-OCDBT PyTree layout (which Orbax, and so
-``CHECKPOINT_RESTORE_PATH``, reads sharded onto any mesh): one zarr array per leaf, named by its
-``.``-joined path, written with TensorStore as soon as it is made, plus the item's ``_METADATA``,
-``_sharding`` and ``array_metadatas`` and the step's ``_CHECKPOINT_METADATA`` / commit marker.
-Stacked (``scan_layers``) leaves are chunked one layer per chunk and written layer by layer. Tests
-read every written checkpoint back through `restore_params`, so a change in Orbax's layout fails
-them rather than users.
+`paxlite.checkpointing.pretrained.save_params` does, in Orbax's non-OCDBT PyTree layout (which
+Orbax, and so ``CHECKPOINT_RESTORE_PATH``, reads sharded onto any mesh): one zarr array per leaf,
+named by its ``.``-joined path, written with TensorStore as soon as it is made, plus the item's
+``_METADATA``, ``_sharding`` and ``array_metadatas`` and the step's ``_CHECKPOINT_METADATA`` /
+commit marker. Stacked (``scan_layers``) leaves are chunked one layer per chunk and written layer by
+layer. Tests read every written checkpoint back through `restore_params`, so a change in Orbax's
+layout fails them rather than users.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from paxlite.compat import ORBAX_STANDARD_HANDLER_TYPESTR
 
 if TYPE_CHECKING:
     from paxlite.models.transformer import TransformerConfig
@@ -121,11 +123,10 @@ class CheckpointWriter:
         _dump(os.path.join(self._item, "_sharding"), shardings)
         os.makedirs(os.path.join(self._item, "array_metadatas"))
         _dump(os.path.join(self._item, "array_metadatas", "process_0"), {"array_metadatas": arrays})
-        handler = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
         _dump(os.path.join(self.step_dir, "_CHECKPOINT_METADATA"),
-              {"item_handlers": {ITEM: handler}, "metrics": {}, "performance_metrics": {},
-               "init_timestamp_nsecs": self._started, "commit_timestamp_nsecs": time.time_ns(),
-               "custom_metadata": {}})
+              {"item_handlers": {ITEM: ORBAX_STANDARD_HANDLER_TYPESTR}, "metrics": {},
+               "performance_metrics": {}, "init_timestamp_nsecs": self._started,
+               "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}})
         for directory in (self._item, self.step_dir):
             with open(os.path.join(directory, "commit_success.txt"), "w") as f:
                 f.write(f"Checkpoint commit was successful to {directory}")
@@ -173,8 +174,12 @@ def write_subtrees(subtrees: Iterable[tuple[str, Any]], out_dir: str | os.PathLi
                 keys = tuple(str(k.key) for k in key_path)
                 array = np.asarray(leaf).astype(target, copy=False)
                 if config.scan_layers and top.startswith("layers_"):
-                    writer.write_layer(("params", "layers", *keys), int(top.removeprefix("layers_")),
-                                       array, num_layers=config.num_layers)
+                    writer.write_layer(
+                        ("params", "layers", *keys),
+                        int(top.removeprefix("layers_")),
+                        array,
+                        num_layers=config.num_layers,
+                    )
                 else:
                     writer.write(("params", top, *keys), array)
             del subtree, leaves, leaf

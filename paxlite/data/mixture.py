@@ -14,7 +14,8 @@ Grain resolves weights to integer proportions, the smallest weight becoming 100
 (`_float_to_int_proportions`); they are passed here already as those integers (rounded, not
 truncated), so the interleave is exactly the one `grain_proportions` reports: a source's share is
 its proportion over their sum, within 1/100 of the smallest weight of what was asked. The mixed
-length Grain computes is about sys.maxsize / number of sources rows (6e18 for three), beyond any run.
+length Grain computes is about sys.maxsize / number of sources rows (6e18 for three), beyond any
+run.
 
 Rows are chosen per *global* row (row r of step s is mixture row s x global batch + r), so the
 mixture of a global batch is the same whatever the process count, and a process picks its own rows
@@ -34,13 +35,13 @@ import grain
 import numpy as np
 from absl import logging
 
+from paxlite.compat import GRAIN_SMALLEST_PROPORTION
 from paxlite.data.errors import DatasetError
 from paxlite.data.feeding import local_batch_size
 from paxlite.data.packing import DocumentStream, lm_features
 from paxlite.data.pipeline import TextData, TextDataConfig
 
 _STATE_VERSION = 1
-_SMALLEST_PROPORTION = 100  # what Grain scales the smallest weight to (mix._float_to_int_proportions)
 REWEIGHT_FLAG = "--fdl.DATA_MIXTURE_REWEIGHT=true"
 
 
@@ -77,19 +78,18 @@ class MixtureDataConfig:
             raise ValueError(f"mixture source names must be unique, got {names}")
         for source in self.sources:
             if not source.name or "/" in source.name:
-                raise ValueError(f"mixture source name {source.name!r} must be non-empty and without '/'")
-            weight = source.weight
-            if isinstance(weight, bool) or not isinstance(weight, int | float) or not (
-                    math.isfinite(weight) and weight > 0):
-                raise ValueError(f"mixture source {source.name!r} has weight {weight!r}; weights must be "
-                                 "finite numbers > 0")
+                raise ValueError(f"mixture source name {source.name!r} must be non-empty and "
+                                 "without '/'")
+            for problem in weight_problems(source.name, source.weight):
+                raise ValueError(f"mixture {problem}")
         first = self.sources[0].data
         for source in self.sources[1:]:
             for field in ("seq_len", "packed", "shuffle", "seed", "vocab_size", "train_split"):
                 if getattr(source.data, field) != getattr(first, field):
                     raise ValueError(
-                        f"mixture sources cut rows differently: {self.sources[0].name!r} has {field}="
-                        f"{getattr(first, field)!r}, {source.name!r} has {getattr(source.data, field)!r}")
+                        f"mixture sources cut rows differently: {self.sources[0].name!r} has "
+                        f"{field}={getattr(first, field)!r}, {source.name!r} has "
+                        f"{getattr(source.data, field)!r}")
 
     @property
     def names(self) -> list[str]:
@@ -102,10 +102,20 @@ class MixtureDataConfig:
         return [s.weight / total for s in self.sources]
 
 
+def weight_problems(source: str, weight: Any) -> list[str]:
+    """The rule for one source's weight, for every mixture (these sources, and DATA_MIXTURE's
+    SeqIO form, which the experiments check with it): a finite number > 0."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not (
+            math.isfinite(weight) and weight > 0):
+        return [(f"source {source!r} has weight {weight!r}: weights must be numbers > 0 (finite; "
+                "they are normalised to sum to 1)")]
+    return []
+
+
 def grain_proportions(weights: Sequence[float]) -> tuple[int, ...]:
     """The integer proportions Grain mixes with: the smallest weight is 100, the others in ratio."""
     smallest = min(weights)
-    return tuple(max(1, round(w / smallest * _SMALLEST_PROPORTION)) for w in weights)
+    return tuple(max(1, round(w / smallest * GRAIN_SMALLEST_PROPORTION)) for w in weights)
 
 
 class Selection:
@@ -131,9 +141,12 @@ class Selection:
         self._table = self.from_grain(0, self.period) if self.period <= self._MAX_PERIOD else None
 
     def from_grain(self, start: int, count: int) -> np.ndarray:
-        """int64 [count]: the source index of global rows start .. start + count - 1, asking Grain."""
+        """int64 [count]: the source index of global rows start .. start + count - 1, asking
+        Grain."""
         mixed = self._mixed
-        picks = np.fromiter((mixed[k] for k in range(start, start + count)), dtype=np.int64, count=count)
+        picks = np.fromiter(
+            (mixed[k] for k in range(start, start + count)), dtype=np.int64, count=count
+        )
         return picks % self._n
 
     def sources(self, start: int, count: int) -> np.ndarray:
@@ -151,23 +164,40 @@ class MixtureIterator:
     the names and normalised weights, so a resume with other sources or weights is caught.
     """
 
-    def __init__(self, streams: Sequence[DocumentStream], *, config: MixtureDataConfig, global_batch_size: int,
-                 process_index: int, process_count: int):
+    def __init__(
+        self,
+        streams: Sequence[DocumentStream],
+        *,
+        config: MixtureDataConfig,
+        global_batch_size: int,
+        process_index: int,
+        process_count: int,
+    ):
         self._streams = list(streams)
         self._config = config
         self._names = config.names
         self._weights = config.weights
         self._selection = Selection(self._weights)
         self._global = global_batch_size
-        self._local = local_batch_size(global_batch_size=global_batch_size, process_index=process_index,
-                                       process_count=process_count)
+        self._local = local_batch_size(
+            global_batch_size=global_batch_size,
+            process_index=process_index,
+            process_count=process_count,
+        )
         self._first_row = process_index * self._local
         self._next_row = 0  # global mixture row of the next batch's first row
         self._weighted = [0] * len(self._streams)
         data = config.sources[0].data
-        self._meta = {"split": data.train_split, "packed": data.packed, "shuffle": data.shuffle,
-                      "seed": data.seed, "seq_len": data.seq_len, "global_batch_size": global_batch_size,
-                      "process_index": process_index, "process_count": process_count}
+        self._meta = {
+            "split": data.train_split,
+            "packed": data.packed,
+            "shuffle": data.shuffle,
+            "seed": data.seed,
+            "seq_len": data.seq_len,
+            "global_batch_size": global_batch_size,
+            "process_index": process_index,
+            "process_count": process_count,
+        }
 
     def __iter__(self) -> MixtureIterator:
         return self
@@ -180,7 +210,8 @@ class MixtureIterator:
             rows = np.flatnonzero(picks == index)
             if len(rows):
                 got = stream.take(len(rows), features=False)
-                self._weighted[index] += int(np.count_nonzero(got["segment_ids"]))  # weight 1 where > 0
+                # weight 1 where > 0
+                self._weighted[index] += int(np.count_nonzero(got["segment_ids"]))
                 for key, value in got.items():
                     cut[key][rows] = value
         self._next_row += self._global
@@ -188,10 +219,14 @@ class MixtureIterator:
 
     def get_state(self) -> dict[str, Any]:
         return {
-            "version": _STATE_VERSION, **self._meta,
-            "names": list(self._names), "weights": list(self._weights),
+            "version": _STATE_VERSION,
+            **self._meta,
+            "names": list(self._names),
+            "weights": list(self._weights),
             "selection": self._next_row,
-            "streams": {name: s.get_state() for name, s in zip(self._names, self._streams, strict=True)},
+            "streams": {
+                name: s.get_state() for name, s in zip(self._names, self._streams, strict=True)
+            },
             "weighted_tokens": dict(zip(self._names, self._weighted, strict=True)),
         }
 
@@ -204,28 +239,36 @@ class MixtureIterator:
         row index); the next checkpoint records the new weights."""
         if not isinstance(state, dict) or "names" not in state or "streams" not in state:
             raise DatasetError(
-                f"the checkpoint's data position is not a mixture's (it was saved by a run reading one "
-                f"source, DATA_DIR); this run mixes {self._names}: resume with the same data settings")
+                "the checkpoint's data position is not a mixture's (it was saved by a run reading "
+                f"one source, DATA_DIR); this run mixes {self._names}: resume with the same data "
+                "settings")
         if state.get("version") != _STATE_VERSION:
-            raise DatasetError(f"not a paxlite mixture state (version {_STATE_VERSION}): {str(state)[:200]}")
+            raise DatasetError(f"not a paxlite mixture state (version {_STATE_VERSION}): "
+                               f"{str(state)[:200]}")
         if state["names"] != self._names:
             raise DatasetError(
-                f"the checkpoint was written by a mixture of sources {state['names']} and this run mixes "
-                f"{self._names}: resume with the same DATA_MIXTURE sources")
+                f"the checkpoint was written by a mixture of sources {state['names']} and this run "
+                f"mixes {self._names}: resume with the same DATA_MIXTURE sources")
         for key, expected in self._meta.items():
             if state.get(key) != expected:
                 raise DatasetError(
-                    f"data iterator state was saved with {key}={state.get(key)!r} but this pipeline has "
-                    f"{key}={expected!r}; resume with the same data settings")
+                    f"data iterator state was saved with {key}={state.get(key)!r} but this "
+                    f"pipeline has {key}={expected!r}; resume with the same data settings")
         saved = [float(w) for w in state["weights"]]
         if not np.allclose(saved, self._weights, rtol=1e-9, atol=1e-12):
             if not self._config.reweight:
                 raise DatasetError(
-                    f"the checkpoint's mixture weights {dict(zip(self._names, saved, strict=True))} differ "
-                    f"from this run's {dict(zip(self._names, self._weights, strict=True))}: restore the "
-                    f"weights, or pass {REWEIGHT_FLAG} to re-weight from the checkpoint on")
-            logging.warning("DATA_MIXTURE_REWEIGHT: mixture weights %s -> %s from global row %d on; every "
-                            "source continues from its saved position", saved, self._weights, state["selection"])
+                    "the checkpoint's mixture weights "
+                    f"{dict(zip(self._names, saved, strict=True))} differ from this run's "
+                    f"{dict(zip(self._names, self._weights, strict=True))}: restore the weights, "
+                    f"or pass {REWEIGHT_FLAG} to re-weight from the checkpoint on")
+            logging.warning(
+                "DATA_MIXTURE_REWEIGHT: mixture weights %s -> %s from global row %d "
+                "on; every source continues from its saved position",
+                saved,
+                self._weights,
+                state["selection"],
+            )
         for name, stream in zip(self._names, self._streams, strict=True):
             stream.set_state(state["streams"][name])
         self._next_row = int(state["selection"])
@@ -262,20 +305,22 @@ class MixtureData:
         self._check_same_tokenizer()
 
     def _check_same_tokenizer(self) -> None:
-        """Sources fill the same rows, so their ids must mean the same pieces: equal EOS ids and, for
-        pre-tokenised sources, the same tokenizer sha256 in their manifests."""
+        """Sources fill the same rows, so their ids must mean the same pieces: equal EOS ids and,
+        for pre-tokenised sources, the same tokenizer sha256 in their manifests."""
         named = list(self.sources.items())
         first_name, first = named[0]
         for name, data in named[1:]:
             if data.eos_id != first.eos_id:
-                raise DatasetError(f"mixture sources {first_name!r} and {name!r} have EOS ids {first.eos_id} "
-                                   f"and {data.eos_id}: they must share one tokenizer")
+                raise DatasetError(f"mixture sources {first_name!r} and {name!r} have EOS ids "
+                                   f"{first.eos_id} and {data.eos_id}: they must share one "
+                                   "tokenizer")
         hashed = [(name, data.info.tokenizer["sha256"]) for name, data in named
                   if data.info.kind == "tokens" and data.info.tokenizer]
         for (name_a, sha_a), (name_b, sha_b) in itertools.pairwise(hashed):
             if sha_a != sha_b:
-                raise DatasetError(f"mixture sources {name_a!r} (tokenizer sha256 {sha_a}) and {name_b!r} "
-                                   f"(sha256 {sha_b}) were tokenised differently: they must share one tokenizer")
+                raise DatasetError(f"mixture sources {name_a!r} (tokenizer sha256 {sha_a}) and "
+                                   f"{name_b!r} (sha256 {sha_b}) were tokenised differently: they "
+                                   "must share one tokenizer")
 
     @property
     def has_eval_data(self) -> bool:
@@ -286,9 +331,13 @@ class MixtureData:
         return {name: data for name, data in self.sources.items() if data.has_eval_data}
 
     def train_iterator(self) -> MixtureIterator:
-        return MixtureIterator([data.document_stream() for data in self.sources.values()], config=self.config,
-                               global_batch_size=self.global_batch_size, process_index=self.process_index,
-                               process_count=self.process_count)
+        return MixtureIterator(
+            [data.document_stream() for data in self.sources.values()],
+            config=self.config,
+            global_batch_size=self.global_batch_size,
+            process_index=self.process_index,
+            process_count=self.process_count,
+        )
 
     def num_eval_batches(self) -> int:
         return sum(data.num_eval_batches() for data in self.eval_sources().values())

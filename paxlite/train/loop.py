@@ -1,51 +1,36 @@
 """The train and eval loops: restore or initialise, step, summarise, evaluate, checkpoint.
 
-The loop owns everything impure (time, files, host transfers); the steps stay pure. Host work is kept off the
-critical path: batches are built and put on the devices by a producer thread ahead of the step
-(data/prefetch.py), and each step's metrics stay on the device until a summary, evaluation or checkpoint boundary,
-where they are read in one transfer with a finiteness flag per step (train/device_metrics.py); between
-boundaries the host waits for nothing but a bound on how far it runs ahead. The evaluation loop itself
-is train/eval_loop.py.
+The loop owns everything impure (time, files, host transfers); the steps stay pure. Host work is
+kept off the critical path: batches are built and put on the devices by a producer thread ahead of
+the step (data/prefetch.py), and each step's metrics stay on the device until a summary, evaluation
+or checkpoint boundary, where they are read in one transfer with a finiteness flag per step
+(train/device_metrics.py); between boundaries the host waits for nothing but a bound on how far it
+runs ahead. The evaluation loop itself is train/eval_loop.py; how a run is built, phase by phase,
+train/run_build.py; how its steps are timed, train/step_timer.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
-import time
 from typing import Self
 
 import jax
 import numpy as np
 from absl import logging
-from flax import traverse_util
 
-from paxlite.checkpointing import pretrained
-from paxlite.checkpointing.checkpoint import Checkpointer
-from paxlite.data.context_order import check_seq_divides
-from paxlite.data.errors import DatasetError
-from paxlite.data.feed import make_feed, mixture_summaries, prefetch_train_batches
-from paxlite.data.feeding import plan_feeding
+from paxlite.data.feed import mixture_summaries, prefetch_train_batches
 from paxlite.errors import NotFoundError, RunStoppedError
-from paxlite.models.lora import is_lora_path
-from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
 from paxlite.models.transformer import Transformer
-from paxlite.parallel import mesh as mesh_lib
-from paxlite.parallel import rules as rules_lib
-from paxlite.train import device_metrics
-from paxlite.train import flops as flops_lib
+from paxlite.train import device_metrics, run_build
 from paxlite.train.eval_loop import Evaluator
-from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
-from paxlite.train.lm_eval_hook import LmEvalScorer
-from paxlite.train.metrics import MetricsWriter
-from paxlite.train.optimizer import make_optimizer
 from paxlite.train.preemption import Preemption
 from paxlite.train.profiling import StepProfiler
+from paxlite.train.run_build import RunContext
 from paxlite.train.run_config import RunConfig
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import CompiledSteps, TrainState, compile_steps, join_params
+from paxlite.train.step import CompiledSteps, TrainState, join_params
 from paxlite.train.watchdog import Watchdog
 
 # Steps (and evaluation batches) the host may dispatch beyond the newest one known to be computed:
@@ -65,120 +50,45 @@ class TrainingDivergedError(RunStoppedError, FloatingPointError):
     """A non-finite loss or gradient norm; the bad state is never checkpointed."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunContext:
-    """What a run needs besides its configuration: where it writes and what it may do there."""
-
-    job_dir: str
-    enable_checkpoint_saving: bool = True
-    async_checkpointing: bool = True
-    # False (--mode=eval): the training data is not opened, and the job's checkpoints/ is only
-    # read: nothing there is written, renamed or moved (a damaged step stays where it is).
-    training: bool = True
-
-
 class Run:
-    """One run's mesh, compiled steps, data, checkpointer and metrics writer."""
+    """One run's mesh, compiled steps, data, checkpointer and metrics writer (built in the phases
+    of train/run_build.py, in the order they report mistakes)."""
 
     def __init__(self, config: RunConfig, context: RunContext):
         self.config = config
         self.context = context
-        self.mesh = mesh_lib.build_mesh(config.mesh)
-        num_devices = self.mesh.devices.size
-        self.global_batch_size = mesh_lib.global_batch_size(
-            percore_batch_size=config.loop.percore_batch_size,
-            num_devices=num_devices,
-            batch_split=rules_lib.batch_split(self.mesh),
-            fixed_global_batch_size=config.loop.global_batch_size,
-        )
-        # Each optimizer step's microbatches must split over data x fsdp x expert too; say so before
-        # compiling.
-        microbatch_size(global_batch_size=self.global_batch_size, grad_accum_steps=config.loop.grad_accum_steps,
-                        batch_split=rules_lib.batch_split(self.mesh))
-        if config.model.pipeline is not None:  # and the pipeline's microbatches of each of them
-            pipeline_microbatches(config.model.pipeline, global_batch_size=self.global_batch_size,
-                                  grad_accum_steps=config.loop.grad_accum_steps,
-                                  batch_split=rules_lib.batch_split(self.mesh))
-        seq_len = config.model.max_seq_len
-        # and the sequence over the seq axis (in 2 x seq chunks with load balancing)
-        check_seq_divides(seq_len=seq_len, seq_shards=self.mesh.shape["seq"],
-                          load_balance=config.loop.seq_load_balance)
-        self.tokens_per_step = self.global_batch_size * seq_len
+        layout = run_build.batch_layout(config)
+        self.mesh = layout.mesh
+        self.global_batch_size = layout.global_batch_size
+        self.tokens_per_step = layout.tokens_per_step
         # Data first: a missing dataset or vocabulary is reported before anything is compiled.
-        needs_train_data = context.training or config.eval_task is None
-        if needs_train_data and config.data is None:
-            raise DatasetError(
-                f"{config.experiment} has no training data: pass --fdl.DATA_DIR=<a directory made by "
-                "python -m paxlite.data.prepare> or --fdl.SYNTHETIC_DATA=true"
-            )
-        plan = plan_feeding(rules_lib.batch_sharding(self.mesh), global_batch_size=self.global_batch_size,
-                            seq_len=seq_len)
-        self.data = make_feed(config.data, plan=plan) if needs_train_data else None
-        self.eval_data = (make_feed(config.eval_task, plan=plan)
-                          if config.eval_task is not None else self.data)
-        if self.eval_data is not None and not self.eval_data.has_eval_data:
-            if not context.training:
-                raise DatasetError(
-                    f"--mode=eval: {config.experiment}'s training data has no validation split to "
-                    "evaluate on; prepare it with --validation_fraction > 0, or pick a task with "
-                    "--fdl.EVAL_TASK=lambada|boolq")
-            logging.warning("The training data has no validation split (prepare "
-                            "--validation_fraction 0?): training without evaluation")
-            self.eval_data = None
-        # LM_EVAL_TASKS: the eval extra, the tokenizer and every task name are checked now
-        self.lm_eval = None if config.lm_eval is None else LmEvalScorer(
-            config.lm_eval, model_config=config.model, mesh=self.mesh,
-            batch_size=self.global_batch_size, max_steps=config.loop.max_steps)
+        self.data, self.eval_data = run_build.open_feeds(config, layout=layout,
+                                                         training=context.training)
+        self.lm_eval = run_build.lm_eval_scorer(config, layout=layout)
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
-        deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
-        self.checkpointer = Checkpointer(
-            os.path.join(context.job_dir, "checkpoints"),
-            save_interval_steps=config.loop.checkpoint_every_n_steps,
-            max_to_keep=config.loop.checkpoint_max_to_keep,
-            enable_saving=context.enable_checkpoint_saving and context.training,
-            async_save=context.async_checkpointing,
-        )
+        self.checkpointer = run_build.open_checkpointer(config, context=context)
         try:
-            self._check_data_position()
-            with jax.set_mesh(self.mesh):
-                self.steps: CompiledSteps = compile_steps(
-                    model=self.model,
-                    optimizer=make_optimizer(config.optimizer, self.schedule),
-                    schedule=self.schedule,
-                    mesh=self.mesh,
-                    seq_len=seq_len,
-                    seed=config.loop.seed,
-                    deterministic=deterministic,
-                    grad_accum_steps=config.loop.grad_accum_steps,
-                    z_loss_weight=config.loop.z_loss_weight,
-                    loss_chunk_size=config.loop.loss_chunk_size,
-                    # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
-                    trainable=is_lora_path if config.model.lora_rank is not None else None,
-                    # TE layers (ENABLE_TE) name their parameters TE's way: the table gains them
-                    logical_rules=te_logical_axis_rules(config.model, rules_lib.DEFAULT_RULES),
-                )
+            run_build.check_data_position(self.checkpointer, data=self.data)
+            self.steps: CompiledSteps = run_build.compile_run_steps(
+                config, mesh=self.mesh, model=self.model, schedule=self.schedule)
         except BaseException:
             self.checkpointer.close()
             raise
-        self.peak_flops = flops_lib.peak_flops_per_device(
-            jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops,
-            fp8=config.model.fp8 is not None,  # MFU of an FP8 run against the FP8 peak
-        )
-        self.writer = MetricsWriter(
-            context.job_dir, enabled=jax.process_index() == 0, max_steps=config.loop.max_steps
-        )
-        self._pretrained_plan: tuple[dict, list[str], list[str]] | None = None
+        self._timer = run_build.make_step_timer(config, layout=layout)
+        self.writer = run_build.metrics_writer(config, context=context)
         # The step a SIGTERM/SIGINT stopped training at (None: not stopped), and whether its
         # checkpoint was written and committed (not with --enable_checkpoint_saving=false).
         self.preempted_at: int | None = None
         self.preempted_saved = False
-        # Knows whether the eval step has compiled: the first batch compiles (not timed by the watchdog).
+        # Knows whether the eval step has compiled: the first batch compiles (not timed by the
+        # watchdog).
         self._evaluator = Evaluator(self.steps, self.mesh, num_batches=config.loop.eval_num_batches,
                                     steps_ahead=_STEPS_AHEAD)
+        self._pretrained_plan: run_build.PretrainedPlan | None = None
         if config.loop.checkpoint_restore_path is not None and not self.checkpointer.all_steps():
-            try:
-                self._pretrained_plan = self._check_restore_path(config.loop.checkpoint_restore_path)
+            try:  # checked now, before any state is built
+                self._pretrained_plan = self._plan_pretrained()
             except Exception:
                 self.close()
                 raise
@@ -186,20 +96,6 @@ class Run:
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
-
-    def _check_data_position(self) -> None:
-        """A resume whose saved input position cannot fit this run's data settings (another batch
-        size or process count) fails here, before anything is compiled. The position the run
-        continues from is restored later with the state, from the step the state comes from."""
-        steps = self.checkpointer.all_steps()
-        if self.data is None or not steps:
-            return
-        try:
-            record = self.checkpointer.restore_data(steps[-1])
-        except Exception:  # noqa: BLE001  damage is judged, reported and walked back by the restore
-            return
-        if record is not None:
-            self.data.restore(record, step=steps[-1])
 
     def __enter__(self) -> Self:
         return self
@@ -232,8 +128,12 @@ class Run:
     def _init_state(self) -> TrainState:
         """A fresh state, its parameters overwritten from CHECKPOINT_RESTORE_PATH where one is set
         (read first, so a bad path or shape is reported before anything compiles)."""
-        path = self.config.loop.checkpoint_restore_path
-        loaded = None if path is None else self._read_pretrained(path)
+        loaded = None
+        if self.config.loop.checkpoint_restore_path is not None:
+            # Checked when the run was built; again only if this run had checkpoints of its own
+            # then.
+            plan = self._pretrained_plan or self._plan_pretrained()
+            loaded = run_build.read_pretrained(self.config, plan=plan)
         state = self.steps.init()
         if loaded is None:
             return state
@@ -242,36 +142,9 @@ class Run:
                          "provides parameters only", len(jax.tree.leaves(state.fp8)))
         return state.replace(params=join_params(loaded, state.params))
 
-    def _check_restore_path(self, path: str) -> tuple[dict, list[str], list[str]]:
-        """A missing or unfinished restore path, rules that exclude everything, checkpoint
-        parameters the model lacks: said before any state is built. Returns (parameters to read,
-        model parameters left at their initialisation, checkpoint parameters left unread)."""
-        pretrained.find_checkpoint(path)
-        rules, params = self.config.loop.checkpoint_ignore_rules, self.steps.abstract_state.params
-        wanted, ignored = pretrained.restore_plan(params, rules=rules, path=path)
-        return wanted, ignored, pretrained.unread_checkpoint_params(params, rules=rules, path=path)
-
-    def _read_pretrained(self, path: str) -> dict:
-        """Every parameter that no CHECKPOINT_IGNORE_RULES rule matches, read from `path` with its
-        sharding (a subset of the params tree)."""
-        # Checked when the run was built; again only if this run had checkpoints of its own then.
-        plan = self._pretrained_plan or self._check_restore_path(path)
-        wanted, ignored, unread = plan
-        abstract = traverse_util.unflatten_dict(wanted, sep="/")
-        step, loaded = pretrained.restore_params(path, abstract)
-        logging.info(
-            "Initialised %d of %d parameters from CHECKPOINT_RESTORE_PATH=%s (its step %d); this "
-            "run starts at step 0 with fresh optimizer state",
-            len(wanted), len(wanted) + len(ignored), path, step)
-        rules = list(self.config.loop.checkpoint_ignore_rules)
-        if ignored:
-            logging.warning("CHECKPOINT_IGNORE_RULES=%s: %d of %d model parameters are NOT read from "
-                            "the checkpoint and keep their fresh initialisation: %s", rules,
-                            len(ignored), len(wanted) + len(ignored), ", ".join(ignored))
-        if unread:
-            logging.warning("CHECKPOINT_IGNORE_RULES=%s: %d parameters of the checkpoint are not in "
-                            "this model and were NOT read: %s", rules, len(unread), ", ".join(unread))
-        return loaded
+    def _plan_pretrained(self) -> run_build.PretrainedPlan:
+        return run_build.pretrained_plan(self.config,
+                                         abstract_params=self.steps.abstract_state.params)
 
     # ---------------------------------------------------------------- eval
     def evaluate(self, state: TrainState, *, watchdog: Watchdog | None = None) -> dict[str, float]:
@@ -309,13 +182,15 @@ class Run:
         return metrics
 
     # ---------------------------------------------------------------- train
-    def train(self, *, preemption: Preemption | None = None, watchdog: Watchdog | None = None) -> TrainState:
+    def train(self, *, preemption: Preemption | None = None,
+              watchdog: Watchdog | None = None) -> TrainState:
         """Train to MAX_STEPS, or until SIGTERM/SIGINT (then `preempted_at` is the step it stopped
         after, and `preempted_saved` whether that step's checkpoint was committed).
 
-        `preemption`: handlers the caller installed earlier (job.py does, before the run is built and
-        compiled, from `stop_signals()`); else they are installed here. `watchdog`: a hang watchdog
-        not yet started; by default one with WATCHDOG_TIMEOUT_SECONDS / CRASH_ON_HANG_TIMEOUT_SECONDS."""
+        `preemption`: handlers the caller installed earlier (job.py does, before the run is built
+        and compiled, from `stop_signals()`); else they are installed here. `watchdog`: a hang
+        watchdog not yet started; by default one with WATCHDOG_TIMEOUT_SECONDS /
+        CRASH_ON_HANG_TIMEOUT_SECONDS."""
         loop = self.config.loop
         # From here a stop signal waits for a step and its checkpoint, and a hang is reported.
         with contextlib.ExitStack() as stack:
@@ -327,14 +202,15 @@ class Run:
             stack.enter_context(watchdog)
             state = self._train(preemption, watchdog)
         if self.preempted_at is not None and self.preempted_saved:
-            logging.warning("%s: stopped after step %d with its checkpoint committed in %s; run the same "
-                            "command again to resume", preemption.signal_name, self.preempted_at,
-                            self.checkpointer.directory)
+            logging.warning("%s: stopped after step %d with its checkpoint committed in %s; run "
+                            "the same command again to resume", preemption.signal_name,
+                            self.preempted_at, self.checkpointer.directory)
         elif self.preempted_at is not None:
             saved = self.checkpointer.all_steps()
             logging.warning("%s: stopped after step %d WITHOUT a checkpoint: saving is off "
-                            "(--enable_checkpoint_saving=false), so this run's training is lost; the same "
-                            "command would start again from %s", preemption.signal_name, self.preempted_at,
+                            "(--enable_checkpoint_saving=false), so this run's training is lost; "
+                            "the same command would start again from %s", preemption.signal_name,
+                            self.preempted_at,
                             f"step {saved[-1]} in {self.checkpointer.directory}" if saved
                             else "the beginning (there is no checkpoint)")
         return state
@@ -344,7 +220,8 @@ class Run:
         state = self.restore_or_init()
         start = int(jax.device_get(state.step))
         if start >= loop.max_steps:
-            logging.info("Checkpoint step %d >= MAX_STEPS=%d: nothing to train", start, loop.max_steps)
+            logging.info("Checkpoint step %d >= MAX_STEPS=%d: nothing to train", start,
+                         loop.max_steps)
             return state
         logging.info(
             "Training %s from step %d to %d: global batch %d x %d tokens on mesh %s",
@@ -353,8 +230,8 @@ class Run:
         )
         kept = device_metrics.StepMetrics()  # this window's metrics, still on the device
         position = self.data.position()  # where the consumed batches end (saved with the state)
-        timer_start, timer_steps = time.perf_counter(), 0
-        input_wait = 0.0  # seconds this thread spent in train_batch since timer_start
+        timer = self._timer
+        timer.restart()
         profiler = StepProfiler(
             log_dir=os.path.join(self.context.job_dir, "summaries", "profile"),
             capture_step=loop.profiler_capture_step, num_steps=loop.profiler_num_steps,
@@ -367,22 +244,20 @@ class Run:
             for index in range(start, loop.max_steps):
                 step = index + 1
                 with profiler.step(step):
-                    fetch_start = time.perf_counter()  # waiting for the producer's next batch
-                    batch, position = next(batches)
-                    input_wait += time.perf_counter() - fetch_start
+                    batch, position = timer.next_batch(batches)
                     if preemption.voting:  # the processes' stop flags reduced inside the step
                         state, metrics, vote = self.steps.train_voting(
                             state, batch, preemption.votes(self.steps.vote_sharding))
                     else:
                         (state, metrics), vote = self.steps.train(state, batch), None
                 # Writing the trace takes a while: kept out of step_time_s.
-                timer_start += profiler.after_step(step, (state, metrics))
+                timer.exclude(profiler.after_step(step, (state, metrics)))
                 kept.add(step, metrics)
                 if step == start + 1:  # the compiling step is not timed
                     jax.block_until_ready(metrics)
-                    timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
+                    timer.restart()
                 else:
-                    timer_steps += 1
+                    timer.count_step()
                 boundary = self._boundary(step)
                 # The same answer on every process; on the vote of this step where the loop waits
                 # for it anyway (the first step, a boundary), else of the step _STEPS_AHEAD back.
@@ -393,11 +268,8 @@ class Run:
                     continue
                 host = self._read_checked(kept)
                 if step % loop.summary_interval_steps == 0 or step == loop.max_steps:
-                    elapsed = time.perf_counter() - timer_start
-                    step_time = elapsed / timer_steps if timer_steps else None
-                    wait_fraction = input_wait / elapsed if timer_steps and elapsed > 0 else None
                     # a mixture's data/mixture/<source>: its token share of the consumed batches
-                    self._write_train(step, host, step_time, wait_fraction,
+                    self._write_train(step, host, timing=timer.summary(),
                                       extra=mixture_summaries(self.data, position))
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
@@ -416,7 +288,7 @@ class Run:
                 if stop:
                     self.preempted_at, self.preempted_saved = step, saved
                     break
-                timer_start, timer_steps, input_wait = time.perf_counter(), 0, 0.0
+                timer.restart()
             if len(kept):
                 self._read_checked(kept)
         with watchdog.committing():
@@ -455,17 +327,8 @@ class Run:
                 f"non-finite parameters after step {step}; stopping without saving this state"
             )
 
-    def _write_train(self, step: int, host: dict[str, float], step_time: float | None,
-                     input_wait_fraction: float | None = None, *, extra: dict[str, float] | None = None) -> None:
-        tokens_per_s = self.tokens_per_step / step_time if step_time else None
-        mfu = None
-        if tokens_per_s is not None:
-            mfu = flops_lib.model_flops_utilization(
-                tokens_per_s=tokens_per_s,
-                flops_per_token=self.config.loop.flops_per_token,
-                peak_flops_per_device=self.peak_flops,
-                num_devices=self.mesh.devices.size,
-            )
+    def _write_train(self, step: int, host: dict[str, float], *, timing: dict[str, float | None],
+                     extra: dict[str, float]) -> None:
         self.writer.write_train(
             step,
             {
@@ -473,14 +336,9 @@ class Run:
                 "accuracy": host["accuracy"],
                 "learning_rate": host["learning_rate"],
                 "grad_norm": host["grad_norm"],
-                "step_time_s": step_time,
-                "tokens_per_s": tokens_per_s,
-                "mfu": mfu,
-                # share of the timed window this thread was blocked obtaining batches (input-bound if large)
-                "input_wait_fraction": input_wait_fraction,
+                **timing,  # step_time_s, tokens_per_s, mfu, input_wait_fraction (step_timer.py)
                 # what the model summarised (MoE: moe/aux_loss, moe/dropped_fraction, ...)
                 **{k: v for k, v in host.items() if "/" in k},
-                **(extra or {}),
+                **extra,
             },
         )
-

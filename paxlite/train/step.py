@@ -30,11 +30,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
-from jax._src import (
-    config as jax_config,  # the cache settings as thread-local contexts (no public form)
-)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from paxlite.compat import thread_cache_min_compile_time
 from paxlite.parallel import rules as rules_lib
 from paxlite.train.chunked_loss import check_chunk_size, chunked_row_sums
 from paxlite.train.grad_accum import accumulated_loss_and_grads, check_accum_steps
@@ -214,7 +212,7 @@ class _NotPersistentlyCached:
         self._fn = fn
 
     def __call__(self, *args, **kwargs):
-        with jax_config.persistent_cache_min_compile_time_secs(float("inf")):
+        with thread_cache_min_compile_time(float("inf")):
             return self._fn(*args, **kwargs)
 
     def __getattr__(self, name):

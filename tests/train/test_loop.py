@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import time
 
 import jax
 import numpy as np
@@ -10,9 +11,10 @@ import optax
 import pytest
 
 from paxlite.experiments.build import build_run_config
-from paxlite.train import loop as loop_lib
 from paxlite.train import optimizer as optimizer_lib
+from paxlite.train import run_build
 from paxlite.train.loop import Run, RunContext, TrainingDivergedError
+from paxlite.train.step_timer import StepTimer
 
 N = 4  # steps before the interruption
 
@@ -216,7 +218,7 @@ def test_resume_from_checkpoint_of_the_earlier_optimizer_layout(
     """A job checkpointed by the earlier chain resumes as the earlier code would have resumed it."""
     overrides = COMMON + settings
     with monkeypatch.context() as patch:
-        patch.setattr(loop_lib, "make_optimizer", _earlier_make_optimizer)
+        patch.setattr(run_build, "make_optimizer", _earlier_make_optimizer)
         reference = _run(tmp_path / "reference", overrides + [f"MAX_STEPS={2 * N}"])
         stopped = _run(tmp_path / "job", overrides + [f"MAX_STEPS={N}"])
     assert len(stopped.opt_state) == len(reference.opt_state) == stages  # the earlier layout
@@ -273,3 +275,33 @@ def test_eval_mode_leaves_a_damaged_checkpoint_in_place(tmp_path, straight_run, 
     assert [line["step"] for line in _eval_lines(job)] == [N]
     assert any(f"evaluates step {N}" in r.getMessage() and "left in place" in r.getMessage()
                for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_step_timer_times_counted_steps_and_leaves_out_excluded_host_work():
+    """train/step_timer.py on its own: two steps that each wait WAIT_S for a batch, plus half a
+    second of excluded host work (a profile trace), time as two steps of about WAIT_S, nearly all
+    of it input wait."""
+    wait_s, excluded_s = 0.05, 0.5
+
+    def slow_batches():
+        while True:
+            time.sleep(wait_s)
+            yield "batch"
+
+    timer = StepTimer(tokens_per_step=1000, flops_per_token=6, peak_flops_per_device=1e6,
+                      num_devices=2)
+    batches = slow_batches()
+    for _ in range(2):
+        assert timer.next_batch(batches) == "batch"
+        timer.count_step()
+    time.sleep(excluded_s)
+    timer.exclude(excluded_s)
+    summary = timer.summary()
+    assert list(summary) == ["step_time_s", "tokens_per_s", "mfu", "input_wait_fraction"]
+    # Not excluded, the half second would make each step at least 0.3 s.
+    assert wait_s <= summary["step_time_s"] < (2 * wait_s + excluded_s) / 2, summary
+    assert summary["tokens_per_s"] == 1000 / summary["step_time_s"]
+    assert summary["mfu"] == pytest.approx(summary["tokens_per_s"] * 6 / (1e6 * 2), rel=1e-12)
+    assert 0.5 < summary["input_wait_fraction"] <= 1.0, summary
+    timer.restart()  # a new window has no timed step yet
+    assert timer.summary() == dict.fromkeys(summary)

@@ -15,7 +15,7 @@ from paxlite.data.errors import DatasetError
 from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.experiments.build import build_run_config
-from paxlite.train import loop as loop_lib
+from paxlite.train import run_build
 from paxlite.train.loop import Run, RunContext
 from tests.xla_test_flags import COMPILE_FLAGS
 
@@ -109,7 +109,7 @@ def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset, mo
     def compile_steps(**kwargs):
         raise AssertionError("the train step was compiled before the data position was checked")
 
-    monkeypatch.setattr(loop_lib, "compile_steps", compile_steps)
+    monkeypatch.setattr(run_build, "compile_steps", compile_steps)
     _, config = build_run_config("TinyShakespeare", overrides + ["PERCORE_BATCH_SIZE=2"])
     with pytest.raises(DatasetError, match="global_batch_size=8 but this pipeline has global_batch_size=16"):
         Run(config, RunContext(job_dir=str(job)))

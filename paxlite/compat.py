@@ -1,0 +1,58 @@
+"""Every place paxlite relies on a private API of JAX, Orbax or Grain, in one module.
+
+A private name (a `_src` module, a leading underscore) can move or change in any release without
+notice. Keeping each one here, with what it reaches and why no public API does, means an upgrade
+has one file to re-check, and tests/test_compat.py fails loudly when an installed version no longer
+behaves as relied on. `CHECKED_VERSIONS` are the versions each coupling was last checked against;
+the test keeps them equal to the pins in constraints.txt, so bumping a pin means re-checking here.
+
+The bottom layer: the standard library at import, so that any module may use it; the packages
+themselves are imported only when a coupling is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Final
+
+# (distribution, version) of each package reached privately below, as pinned in constraints.txt.
+CHECKED_VERSIONS: Final = (("jax", "0.12.0.1"), ("orbax-checkpoint", "0.12.8"), ("grain", "0.2.18"))
+
+
+def thread_cache_min_compile_time(seconds: float) -> contextlib.AbstractContextManager[None]:
+    """A context in which this thread's compiles write to JAX's persistent compilation cache only
+    if they take at least `seconds` (`float("inf")`: never); other threads keep the process's
+    setting.
+
+    Reaches `jax._src.config.persistent_cache_min_compile_time_secs`, the config `State` whose call
+    form sets the option for the current thread only. The public `jax.config.update` changes it for
+    the whole process, which would also keep other threads' programs out of the cache for as long
+    as the context lasts. Used by train/step.py to keep programs whose cached form deadlocks on
+    XLA:CPU out of the cache. Checked against jax 0.12.0.1.
+    """
+    from jax._src import config as jax_config
+
+    return jax_config.persistent_cache_min_compile_time_secs(seconds)
+
+
+ORBAX_STANDARD_HANDLER_TYPESTR: Final = (
+    "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler")
+"""The name Orbax records for its StandardCheckpointHandler in a step's `_CHECKPOINT_METADATA`
+(`item_handlers`), and looks the handler up by when the step is restored.
+
+It is the handler class's `typestr()`: its module path, which lies under Orbax's private `_src`
+package. checkpointing/stream_write.py writes a checkpoint's files one array at a time, without
+Orbax's save (which holds the whole tree), so it writes this metadata itself; Orbax documents
+neither the file nor the string. Checked against orbax-checkpoint 0.12.8.
+"""
+
+GRAIN_SMALLEST_PROPORTION: Final = 100
+"""What Grain's `MapDataset.mix` scales the smallest mixing proportion to, ints included (the
+private `grain._src.python.dataset.transformations.mix._float_to_int_proportions`, its default
+`scale_min_to`).
+
+data/mixture.py passes Grain integer proportions whose smallest is already this value, so Grain's
+rescaling leaves them as they are and the interleave is the one the mixture reports (and rounds
+rather than truncates). Grain documents float weights only, not how it turns them into integers.
+Checked against grain 0.2.18.
+"""

@@ -1,0 +1,226 @@
+"""A run's parts, built in phases: the mesh and its batch, the data, the checkpointer, the compiled
+steps, the step timer and metrics writer, the parameters a restore path gives.
+
+`Run` (train/loop.py) builds them in this order, which is the order mistakes are reported in: a
+batch that does not split over the mesh, a missing dataset, vocabulary or evaluation split, a saved
+input position that does not fit this run's data settings, all before anything is compiled; a bad
+restore path before any state is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import optax
+from absl import logging
+from flax import traverse_util
+
+from paxlite.checkpointing import pretrained
+from paxlite.checkpointing.checkpoint import Checkpointer
+from paxlite.data.context_order import check_seq_divides
+from paxlite.data.errors import DatasetError
+from paxlite.data.feed import Feed, make_feed
+from paxlite.data.feeding import plan_feeding
+from paxlite.models.lora import is_lora_path
+from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
+from paxlite.models.transformer import Transformer
+from paxlite.parallel import mesh as mesh_lib
+from paxlite.parallel import rules as rules_lib
+from paxlite.train import flops as flops_lib
+from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
+from paxlite.train.lm_eval_hook import LmEvalScorer
+from paxlite.train.metrics import MetricsWriter
+from paxlite.train.optimizer import make_optimizer
+from paxlite.train.run_config import RunConfig
+from paxlite.train.step import CompiledSteps, compile_steps
+from paxlite.train.step_timer import StepTimer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunContext:
+    """What a run needs besides its configuration: where it writes and what it may do there."""
+
+    job_dir: str
+    enable_checkpoint_saving: bool = True
+    async_checkpointing: bool = True
+    # False (--mode=eval): the training data is not opened, and the job's checkpoints/ is only
+    # read: nothing there is written, renamed or moved (a damaged step stays where it is).
+    training: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchLayout:
+    """The mesh, and the global batch it trains on: checked to split over every axis it meets."""
+
+    mesh: jax.sharding.Mesh
+    global_batch_size: int
+    tokens_per_step: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainedPlan:
+    """What CHECKPOINT_RESTORE_PATH initialises, worked out before any state is built."""
+
+    wanted: dict  # '/'-joined path -> abstract array of each parameter to read
+    ignored: list[str]  # model parameters left at their initialisation (CHECKPOINT_IGNORE_RULES)
+    unread: list[str]  # checkpoint parameters the model lacks (an ignore rule matches each)
+
+
+def batch_layout(config: RunConfig) -> BatchLayout:
+    """The mesh and global batch; a batch that its microbatches, the pipeline's microbatches or
+    the sequence shards cannot split is said here, before compiling."""
+    mesh = mesh_lib.build_mesh(config.mesh)
+    loop = config.loop
+    batch_split = rules_lib.batch_split(mesh)
+    global_batch_size = mesh_lib.global_batch_size(
+        percore_batch_size=loop.percore_batch_size, num_devices=mesh.devices.size,
+        batch_split=batch_split, fixed_global_batch_size=loop.global_batch_size)
+    # Each optimizer step's microbatches split over data x fsdp x expert too
+    microbatch_size(global_batch_size=global_batch_size, grad_accum_steps=loop.grad_accum_steps,
+                    batch_split=batch_split)
+    if config.model.pipeline is not None:  # and the pipeline's microbatches of each of them
+        pipeline_microbatches(config.model.pipeline, global_batch_size=global_batch_size,
+                              grad_accum_steps=loop.grad_accum_steps, batch_split=batch_split)
+    seq_len = config.model.max_seq_len
+    # and the sequence over the seq axis (in 2 x seq chunks with load balancing)
+    check_seq_divides(seq_len=seq_len, seq_shards=mesh.shape["seq"],
+                      load_balance=loop.seq_load_balance)
+    return BatchLayout(mesh=mesh, global_batch_size=global_batch_size,
+                       tokens_per_step=global_batch_size * seq_len)
+
+
+def open_feeds(config: RunConfig, *, layout: BatchLayout,
+               training: bool) -> tuple[Feed | None, Feed | None]:
+    """(training data, evaluation data), each None where the run has none. Opened before anything
+    compiles, so that a missing dataset or vocabulary is reported first."""
+    needs_train_data = training or config.eval_task is None
+    if needs_train_data and config.data is None:
+        raise DatasetError(
+            f"{config.experiment} has no training data: pass --fdl.DATA_DIR=<a directory made by "
+            "python -m paxlite.data.prepare> or --fdl.SYNTHETIC_DATA=true"
+        )
+    plan = plan_feeding(rules_lib.batch_sharding(layout.mesh),
+                        global_batch_size=layout.global_batch_size,
+                        seq_len=config.model.max_seq_len)
+    data = make_feed(config.data, plan=plan) if needs_train_data else None
+    eval_data = make_feed(config.eval_task, plan=plan) if config.eval_task is not None else data
+    if eval_data is not None and not eval_data.has_eval_data:
+        if not training:
+            raise DatasetError(
+                f"--mode=eval: {config.experiment}'s training data has no validation split to "
+                "evaluate on; prepare it with --validation_fraction > 0, or pick a task with "
+                "--fdl.EVAL_TASK=lambada|boolq")
+        logging.warning("The training data has no validation split (prepare "
+                        "--validation_fraction 0?): training without evaluation")
+        eval_data = None
+    return data, eval_data
+
+
+def lm_eval_scorer(config: RunConfig, *, layout: BatchLayout) -> LmEvalScorer | None:
+    """LM_EVAL_TASKS' scorer (None: none asked for); the eval extra, the tokenizer and every task
+    name are checked now."""
+    if config.lm_eval is None:
+        return None
+    return LmEvalScorer(config.lm_eval, model_config=config.model, mesh=layout.mesh,
+                        batch_size=layout.global_batch_size, max_steps=config.loop.max_steps)
+
+
+def open_checkpointer(config: RunConfig, *, context: RunContext) -> Checkpointer:
+    """The job's checkpoints/; written only by a training run with saving enabled."""
+    loop = config.loop
+    return Checkpointer(
+        os.path.join(context.job_dir, "checkpoints"),
+        save_interval_steps=loop.checkpoint_every_n_steps,
+        max_to_keep=loop.checkpoint_max_to_keep,
+        enable_saving=context.enable_checkpoint_saving and context.training,
+        async_save=context.async_checkpointing,
+    )
+
+
+def check_data_position(checkpointer: Checkpointer, *, data: Feed | None) -> None:
+    """A resume whose saved input position cannot fit this run's data settings (another batch
+    size or process count) fails here, before anything is compiled. The position the run
+    continues from is restored later with the state, from the step the state comes from."""
+    steps = checkpointer.all_steps()
+    if data is None or not steps:
+        return
+    try:
+        record = checkpointer.restore_data(steps[-1])
+    except Exception:  # noqa: BLE001  damage is judged, reported and walked back by the restore
+        return
+    if record is not None:
+        data.restore(record, step=steps[-1])
+
+
+def compile_run_steps(config: RunConfig, *, mesh: jax.sharding.Mesh, model: Transformer,
+                      schedule: optax.Schedule) -> CompiledSteps:
+    """The run's train and eval steps, jitted with its shardings (train/step.py)."""
+    deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
+    with jax.set_mesh(mesh):
+        return compile_steps(
+            model=model,
+            optimizer=make_optimizer(config.optimizer, schedule),
+            schedule=schedule,
+            mesh=mesh,
+            seq_len=config.model.max_seq_len,
+            seed=config.loop.seed,
+            deterministic=deterministic,
+            grad_accum_steps=config.loop.grad_accum_steps,
+            z_loss_weight=config.loop.z_loss_weight,
+            loss_chunk_size=config.loop.loss_chunk_size,
+            # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
+            trainable=is_lora_path if config.model.lora_rank is not None else None,
+            # TE layers (ENABLE_TE) name their parameters TE's way: the table gains them
+            logical_rules=te_logical_axis_rules(config.model, rules_lib.DEFAULT_RULES),
+        )
+
+
+def make_step_timer(config: RunConfig, *, layout: BatchLayout) -> StepTimer:
+    """The summaries' clock, with what it needs for tokens/s and MFU."""
+    peak_flops = flops_lib.peak_flops_per_device(
+        jax.devices()[0].device_kind, override_tflops=config.loop.peak_tflops,
+        fp8=config.model.fp8 is not None,  # MFU of an FP8 run against the FP8 peak
+    )
+    return StepTimer(tokens_per_step=layout.tokens_per_step,
+                     flops_per_token=config.loop.flops_per_token,
+                     peak_flops_per_device=peak_flops, num_devices=layout.mesh.devices.size)
+
+
+def metrics_writer(config: RunConfig, *, context: RunContext) -> MetricsWriter:
+    """metrics.jsonl and the summaries, written by the first process only."""
+    return MetricsWriter(context.job_dir, enabled=jax.process_index() == 0,
+                         max_steps=config.loop.max_steps)
+
+
+def pretrained_plan(config: RunConfig, *, abstract_params) -> PretrainedPlan:
+    """A missing or unfinished CHECKPOINT_RESTORE_PATH, rules that exclude everything, checkpoint
+    parameters the model lacks: said before any state is built."""
+    path, rules = config.loop.checkpoint_restore_path, config.loop.checkpoint_ignore_rules
+    pretrained.find_checkpoint(path)
+    wanted, ignored = pretrained.restore_plan(abstract_params, rules=rules, path=path)
+    unread = pretrained.unread_checkpoint_params(abstract_params, rules=rules, path=path)
+    return PretrainedPlan(wanted=wanted, ignored=ignored, unread=unread)
+
+
+def read_pretrained(config: RunConfig, *, plan: PretrainedPlan) -> dict:
+    """Every parameter of `plan` read from CHECKPOINT_RESTORE_PATH with its sharding (a subset of
+    the params tree); what is left out is logged as a warning."""
+    path = config.loop.checkpoint_restore_path
+    wanted, ignored, unread = plan.wanted, plan.ignored, plan.unread
+    abstract = traverse_util.unflatten_dict(wanted, sep="/")
+    step, loaded = pretrained.restore_params(path, abstract)
+    logging.info(
+        "Initialised %d of %d parameters from CHECKPOINT_RESTORE_PATH=%s (its step %d); this "
+        "run starts at step 0 with fresh optimizer state",
+        len(wanted), len(wanted) + len(ignored), path, step)
+    rules = list(config.loop.checkpoint_ignore_rules)
+    if ignored:
+        logging.warning("CHECKPOINT_IGNORE_RULES=%s: %d of %d model parameters are NOT read from "
+                        "the checkpoint and keep their fresh initialisation: %s", rules,
+                        len(ignored), len(wanted) + len(ignored), ", ".join(ignored))
+    if unread:
+        logging.warning("CHECKPOINT_IGNORE_RULES=%s: %d parameters of the checkpoint are not in "
+                        "this model and were NOT read: %s", rules, len(unread), ", ".join(unread))
+    return loaded
