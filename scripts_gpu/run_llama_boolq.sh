@@ -55,7 +55,7 @@ LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/llama}
 CHECKPOINT_RESTORE_PATH=${CHECKPOINT_RESTORE_PATH:-}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.85}
 flag ENABLE_TE "$ENABLE_TE" > /dev/null  # 0/1/true/false, checked before anything starts
-export ENABLE_TE  # read by paxlite's config layer (config/transformer_engine.py)
+export ENABLE_TE  # read by paxlite's experiments (experiments/transformer_engine_settings.py)
 
 # Kept from Pax for the NCCL/TE behaviour its results were measured with.
 export ENABLE_FP8=0 NCCL_IB_SL=0 NCCL_PROTO=LL128

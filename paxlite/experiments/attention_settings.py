@@ -6,8 +6,8 @@ sequence length and logit bias. What depends on the devices (the backend, the GP
 checked when the step is traced (models/attention_kernels.py). docs/attention.md.
 
 With ENABLE_TE=1 the layers are Transformer Engine's, which read neither attention switch nor a
-name-based CHECKPOINT_POLICY: those are refused here first (config/transformer_engine.py), because
-this is where the model config, whose TE fields import TE, is first made.
+name-based CHECKPOINT_POLICY: those are refused here first (transformer_engine_settings.py),
+because this is where the model config, whose TE fields import TE, is first made.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived
-from paxlite.config.transformer_engine import check_settings_te_ignores
+from paxlite.experiments.transformer_engine_settings import check_settings_te_ignores
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import (
     AttentionImplementation,

@@ -53,6 +53,7 @@ import fiddle as fdl
 
 from paxlite.config.experiment import Derived
 from paxlite.experiments.llama import BaseLLaMA
+from paxlite.experiments.optimizer_settings import GPT3Optimizer
 from paxlite.models.transformer import TransformerConfig
 
 _TERA = 1024**4  # AXLearn's "T" of TOTAL_TOKENS
@@ -143,7 +144,7 @@ SIZES: Mapping[str, FujiSize] = MappingProxyType({
 })
 
 
-class BaseFuji(BaseLLaMA):
+class BaseFuji(GPT3Optimizer, BaseLLaMA):
     """Settings every Fuji config shares; not registered (it has no size of its own).
 
     Hyperparameters added to LLaMA's: ROPE_THETA, TIE_EMBEDDINGS, TOTAL_TOKENS, TOKENS_PER_BATCH
@@ -166,20 +167,11 @@ class BaseFuji(BaseLLaMA):
                                 doc="TOKENS_PER_BATCH // MAX_SEQ_LEN")
     MAX_STEPS = Derived(lambda hp: hp.TOTAL_TOKENS // hp.TOKENS_PER_BATCH,
                         doc="TOTAL_TOKENS // TOKENS_PER_BATCH")
-    LR_SCHEDULE = "linear_rampup_cosine_decay"
     LR_COS_WARMUP = 2000
     LR_COS_DECAY_START = Derived(lambda hp: hp.LR_COS_WARMUP, doc="LR_COS_WARMUP")
     # At least the warm-up, so a smoke test with a few MAX_STEPS stays a valid schedule.
     LR_COS_DECAY_END = Derived(lambda hp: max(hp.MAX_STEPS, hp.LR_COS_WARMUP),
                                doc="max(MAX_STEPS, LR_COS_WARMUP)")
-    LR_COS_MIN_RATIO = 0.1
-    LR_COS_MAX = 1.0
-    ADAM_BETA1 = 0.9
-    ADAM_BETA2 = 0.95
-    ADAM_EPSILON = 1e-8
-    ADAM_EPSILON_ROOT = 0.0
-    ADAM_CLIP_THRESHOLD = -1.0
-    CLIP_GRADIENT_NORM_TO_VALUE = 1.0
     WEIGHT_DECAY = Derived(lambda hp: hp.DECOUPLED_WEIGHT_DECAY / hp.LEARNING_RATE,
                            doc="DECOUPLED_WEIGHT_DECAY / LEARNING_RATE")
     INIT_STD = Derived(lambda hp: hp.MODEL_DIMS**-0.5, doc="MODEL_DIMS ** -0.5 (1/sqrt(fan_in))")

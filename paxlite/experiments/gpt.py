@@ -10,10 +10,11 @@ from __future__ import annotations
 import fiddle as fdl
 
 from paxlite.experiments.base import DataSource, LanguageModelExperiment
+from paxlite.experiments.optimizer_settings import GPT3Optimizer
 from paxlite.models.transformer import Activation, NormKind, TransformerConfig
 
 
-class GPT126M(LanguageModelExperiment):
+class GPT126M(GPT3Optimizer, LanguageModelExperiment):
     """Pax GPT126MBase: 12 layers, 12 heads x 64, d_model 768, ffn 3072, 125,262,336 parameters."""
 
     data_source = DataSource.TEXT
@@ -36,18 +37,9 @@ class GPT126M(LanguageModelExperiment):
     LAYERNORM_EPSILON = 1e-5
     DROPOUT_PROB = 0.0
     LEARNING_RATE = 6e-4
-    LR_SCHEDULE = "linear_rampup_cosine_decay"
     LR_COS_WARMUP = 636
     LR_COS_DECAY_END = 500000
-    LR_COS_MIN_RATIO = 0.1
-    LR_COS_MAX = 1.0
-    ADAM_BETA1 = 0.9
-    ADAM_BETA2 = 0.95
-    ADAM_EPSILON = 1e-8
-    ADAM_EPSILON_ROOT = 0.0
-    ADAM_CLIP_THRESHOLD = -1.0
     WEIGHT_DECAY = 0.1
-    CLIP_GRADIENT_NORM_TO_VALUE = 1.0
     CHECKPOINT_EVERY_N_STEPS = 5000
     CHECKPOINT_MAX_TO_KEEP = 10
     SUMMARY_INTERVAL_STEPS = 100

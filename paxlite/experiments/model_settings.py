@@ -15,7 +15,7 @@ from absl import logging
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived
-from paxlite.config.transformer_engine import transformer_engine_fields
+from paxlite.experiments.transformer_engine_settings import transformer_engine_fields
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.linear import Fp8Config
@@ -72,7 +72,7 @@ class ModelShapeSettings:
             "attention_implementation": AttentionImplementation(self.ATTENTION_IMPLEMENTATION),
             "dtype": self.FPROP_DTYPE,
             "param_dtype": "float32",
-            # Pax's ENABLE_TE / ENABLE_FP8 environment variables (config/transformer_engine.py)
+            # Pax's ENABLE_TE / ENABLE_FP8 environment variables (transformer_engine_settings.py)
             **transformer_engine_fields(native_fp8=bool(getattr(self, "USE_FP8", False))),
             "fp8": (fdl.Config(Fp8Config, amax_history_length=self.FP8_AMAX_HISTORY_LENGTH)
                     if self.USE_FP8 else None),

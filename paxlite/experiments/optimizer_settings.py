@@ -14,6 +14,20 @@ from paxlite.config.experiment import Derived
 from paxlite.train.optimizer import OptimizerConfig
 from paxlite.train.schedules import ScheduleConfig, ScheduleKind
 
+# The hyperparameters of each schedule with a warm-up and a decay: their prefix, and each one's
+# suffix by the ScheduleConfig field it sets.
+_SCHEDULE_PREFIXES = {
+    ScheduleKind.LINEAR_RAMPUP_EXPONENTIAL_DECAY: "LR_LRED",
+    ScheduleKind.LINEAR_RAMPUP_COSINE_DECAY: "LR_COS",
+}
+_SCHEDULE_FIELD_SUFFIXES = {
+    "warmup_steps": "WARMUP",
+    "decay_start": "DECAY_START",
+    "decay_end": "DECAY_END",
+    "min_ratio": "MIN_RATIO",
+    "max_multiplier": "MAX",
+}
+
 
 class OptimizerSettings:
     """Adam with decoupled weight decay and global-norm clipping, and its schedule."""
@@ -42,7 +56,7 @@ class OptimizerSettings:
 
     def hparam_problems(self) -> list[str]:
         problems = super().hparam_problems()
-        for prefix in ("LR_LRED", "LR_COS"):
+        for prefix in _SCHEDULE_PREFIXES.values():
             warmup, start, end = (getattr(self, f"{prefix}_{s}") for s in
                                   ("WARMUP", "DECAY_START", "DECAY_END"))
             if warmup < 0:
@@ -74,26 +88,26 @@ class OptimizerSettings:
 
     def schedule_config(self) -> fdl.Config[ScheduleConfig]:
         kind = ScheduleKind(self.LR_SCHEDULE)
-        if kind is ScheduleKind.LINEAR_RAMPUP_COSINE_DECAY:
-            return fdl.Config(
-                ScheduleConfig,
-                kind=kind,
-                learning_rate=self.LEARNING_RATE,
-                warmup_steps=self.LR_COS_WARMUP,
-                decay_start=self.LR_COS_DECAY_START,
-                decay_end=self.LR_COS_DECAY_END,
-                min_ratio=self.LR_COS_MIN_RATIO,
-                max_multiplier=self.LR_COS_MAX,
-            )
-        if kind is ScheduleKind.LINEAR_RAMPUP_EXPONENTIAL_DECAY:
-            return fdl.Config(
-                ScheduleConfig,
-                kind=kind,
-                learning_rate=self.LEARNING_RATE,
-                warmup_steps=self.LR_LRED_WARMUP,
-                decay_start=self.LR_LRED_DECAY_START,
-                decay_end=self.LR_LRED_DECAY_END,
-                min_ratio=self.LR_LRED_MIN_RATIO,
-                max_multiplier=self.LR_LRED_MAX,
-            )
-        return fdl.Config(ScheduleConfig, kind=kind, learning_rate=self.LEARNING_RATE)
+        prefix = _SCHEDULE_PREFIXES.get(kind)
+        warmup_and_decay = {} if prefix is None else {
+            field: getattr(self, f"{prefix}_{suffix}")
+            for field, suffix in _SCHEDULE_FIELD_SUFFIXES.items()}
+        return fdl.Config(ScheduleConfig, kind=kind, learning_rate=self.LEARNING_RATE,
+                          **warmup_and_decay)
+
+
+class GPT3Optimizer:
+    """Mixin: GPT-3's optimizer, which Pax's GPT configs and AXLearn's Fuji both train with: Adam
+    with beta2 0.95, epsilon 1e-8 and no update clipping, gradients clipped to global norm 1, and
+    a cosine decay to a tenth of the peak. The family sets the peak, the warm-up, the end of the
+    decay and the weight decay. Listed before the family's base class, so these values win."""
+
+    LR_SCHEDULE = "linear_rampup_cosine_decay"
+    LR_COS_MIN_RATIO = 0.1
+    LR_COS_MAX = 1.0
+    ADAM_BETA1 = 0.9
+    ADAM_BETA2 = 0.95
+    ADAM_EPSILON = 1e-8
+    ADAM_EPSILON_ROOT = 0.0
+    ADAM_CLIP_THRESHOLD = -1.0
+    CLIP_GRADIENT_NORM_TO_VALUE = 1.0

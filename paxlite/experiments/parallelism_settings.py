@@ -12,14 +12,15 @@ needs the device count) is checked at start-up in train/loop.py through
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Literal
 
 import fiddle as fdl
 
-from paxlite.config.transformer_engine import env_flag
 from paxlite.data.context_order import check_seq_divides
 from paxlite.errors import SettingError
+from paxlite.experiments.transformer_engine_settings import env_flag
 from paxlite.models.parallel_config import (
     ContextParallelStrategy,
     PipelineConfig,
@@ -44,6 +45,12 @@ _FIELD = re.compile(r"\b(" + "|".join(PIPELINE_FIELD_NAMES) + r")=")
 def in_hparam_names(problem: str) -> str:
     """A PipelineConfig problem with its field names replaced by the hyperparameters' names."""
     return _FIELD.sub(lambda m: PIPELINE_FIELD_NAMES[m.group(1)] + "=", problem)
+
+
+def pipeline_counts(hp: Any) -> dict[str, int | None]:
+    """PipelineConfig's fields, each the value of the hyperparameter the table names for it."""
+    return {field.name: getattr(hp, PIPELINE_FIELD_NAMES[field.name])
+            for field in dataclasses.fields(PipelineConfig)}
 
 
 def mesh_layout(hp: Any) -> MeshLayout:
@@ -95,17 +102,10 @@ class ParallelismSettings:
                     f"{name} must be 3 to 6 positive sizes [data, fsdp, tensor, expert, pipeline, "
                     f"seq] (entries after tensor optional; with NUM_STAGES set, 4 entries are "
                     f"Pax's [pipeline, data, fsdp, tensor]), got {shape}")
-        for name in ("NUM_STAGES", "NUM_MICROBATCHES", "MICROBATCH_SIZE"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                problems.append(f"{name} must be a positive integer or None, got {value}")
-        if self.PIPELINE_REPEATS < 1:
-            problems.append(f"PIPELINE_REPEATS must be >= 1 (1: GPipe), got "
-                            f"{self.PIPELINE_REPEATS}")
-        if self.NUM_MICROBATCHES is not None and self.MICROBATCH_SIZE is not None:
-            problems.append(
-                f"NUM_MICROBATCHES={self.NUM_MICROBATCHES} and MICROBATCH_SIZE="
-                f"{self.MICROBATCH_SIZE} both set: give one (the other follows from the batch)")
+        counts = pipeline_counts(self)
+        if self.NUM_STAGES is None:  # the pipeline axis's size: the shapes' rule above covers it
+            del counts["num_stages"]
+        problems += [in_hparam_names(p) for p in PipelineConfig.count_problems(**counts)]
         return problems
 
     def mesh_config(self) -> fdl.Config[MeshConfig]:
@@ -118,8 +118,7 @@ class ParallelismSettings:
         stages = num_stages(self)
         if stages == 1 and self.NUM_STAGES is None:
             return None
-        return fdl.Config(PipelineConfig, num_stages=stages, num_microbatches=self.NUM_MICROBATCHES,
-                          microbatch_size=self.MICROBATCH_SIZE, repeats=self.PIPELINE_REPEATS)
+        return fdl.Config(PipelineConfig, **{**pipeline_counts(self), "num_stages": stages})
 
     def context_parallel_strategy(self) -> ContextParallelStrategy:
         return ContextParallelStrategy(self.CONTEXT_PARALLEL_STRATEGY)

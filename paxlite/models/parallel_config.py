@@ -31,6 +31,11 @@ def bubble_fraction(*, num_stages: int, repeats: int, num_microbatches: int) -> 
     return (num_stages - 1) / (repeats * num_microbatches + num_stages - 1)
 
 
+# The counts that may be None: the number of microbatches follows from their size, or the other
+# way round, or (neither set) from the number of stages.
+_OPTIONAL_COUNTS = ("num_microbatches", "microbatch_size")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     """The layer stack run as ``num_stages`` pipeline stages over microbatches of each batch.
@@ -52,24 +57,39 @@ class PipelineConfig:
     repeats: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "num_microbatches", "microbatch_size", "repeats"):
-            value = getattr(self, name)
-            if value is None and name in ("num_microbatches", "microbatch_size"):
+        problems = self.count_problems(**{f.name: getattr(self, f.name)
+                                          for f in dataclasses.fields(self)})
+        if problems:
+            raise ValueError("PipelineConfig: " + "; ".join(problems))
+
+    @staticmethod
+    def count_problems(**counts: object) -> list[str]:
+        """What the counts given (this config's fields, by name) cannot be, one clause each in the
+        fields' names: the rules a config is refused by when it is made, which an experiment
+        reports for its settings before it builds one (without ``num_stages`` while the mesh has
+        yet to say it)."""
+        problems = []
+        for name, value in counts.items():
+            optional = name in _OPTIONAL_COUNTS
+            if value is None and optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PipelineConfig.{name}={value!r} must be a positive integer")
-        if self.num_microbatches is not None and self.microbatch_size is not None:
-            raise ValueError(
-                f"give the number of microbatches ({self.num_microbatches}) or their size "
-                f"({self.microbatch_size}), not both")
+                problems.append(f"{name}={value!r} must be a positive integer"
+                                + (" or None" if optional else ""))
+        size, number = counts.get("microbatch_size"), counts.get("num_microbatches")
+        if number is not None and size is not None:
+            problems.append(f"num_microbatches={number} and microbatch_size={size} both set: "
+                            "give one (the other follows from the batch)")
+        return problems
 
     def problems(self, *, num_layers: int | None = None, layers_per_unit: int = 1) -> list[str]:
         """What this pipeline cannot run, one clause each in this config's field names
         (``num_layers``: the model's, when known; ``layers_per_unit``: ``scan_unit_layers``).
 
         The one home of these rules: the experiments report them under their hyperparameters'
-        names before anything is built (parallelism_settings.py), ``microbatches`` raises the
-        microbatch rule for the count a batch resolves to, and the layer rule is the model's.
+        names before anything is built (parallelism_settings.py), ``__post_init__`` raises the
+        counts' own (``count_problems``), ``microbatches`` raises the microbatch rule for the
+        count a batch resolves to, and the layer rule is the model's.
         """
         problems = []
         if num_layers is not None:
@@ -96,7 +116,8 @@ class PipelineConfig:
         return []
 
     def microbatches(self, batch_rows: int) -> int:
-        """M for a batch of ``batch_rows`` rows; a ValueError naming the numbers if it does not split."""
+        """M for a batch of ``batch_rows`` rows; a ValueError naming the numbers if it does not
+        split."""
         if self.microbatch_size is not None:
             if batch_rows % self.microbatch_size:
                 raise ValueError(
@@ -116,7 +137,8 @@ class PipelineConfig:
 
     def schedule(self, batch_rows: int) -> dict[str, object]:
         """What a pass over ``batch_rows`` rows runs: stages, repeats, the schedule's name, the
-        microbatches, their rows, the scan's iterations and the bubble (what `show` and `plan` print)."""
+        microbatches, their rows, the scan's iterations and the bubble (what `show` and `plan`
+        print)."""
         micro = self.microbatches(batch_rows)
         return {
             "num_stages": self.num_stages,

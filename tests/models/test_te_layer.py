@@ -20,7 +20,7 @@ import pytest
 from flax import linen as nn
 
 from paxlite.config.errors import ConfigError
-from paxlite.config.transformer_engine import env_flag, transformer_engine_fields
+from paxlite.experiments.transformer_engine_settings import env_flag, transformer_engine_fields
 from paxlite.models import te_layer
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
 from paxlite.models.transformer_config import LayerImplementation

@@ -1,4 +1,5 @@
-"""Pax's ``ENABLE_TE`` / ``ENABLE_FP8`` environment variables, read here (the config layer) only.
+"""Pax's ``ENABLE_TE`` / ``ENABLE_FP8`` environment variables, read here only: settings of the
+model's layers, given by the environment rather than by --fdl.X.
 
 Models never read the environment: this turns the two variables into TransformerConfig fields
 (``layer_implementation``, ``te``) that every experiment family's model config receives. ENABLE_TE
@@ -19,7 +20,8 @@ _TRUE, _FALSE = ("1", "true"), ("0", "false", "")
 
 
 def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """An environment switch as Pax's scripts write it: 1/0/true/false (any case); unset is False."""
+    """An environment switch as Pax's scripts write it: 1/0/true/false (any case); unset is
+    False."""
     environ = os.environ if environ is None else environ
     raw = environ.get(name, "")
     value = raw.strip().lower()
