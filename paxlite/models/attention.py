@@ -1,12 +1,13 @@
 """Causal self-attention: Pax GPT's fused QKV, or separate q/k/v with grouped-query attention.
 
-The softmax(q k^T) v core has two formulations (``AttentionKind``): the explicit einsums below
-(DOT_PRODUCT, Pax's), or a fused attention kernel (FLASH). Which kernel FLASH runs is an
+The softmax(q k^T) v core has two formulations (``AttentionKind``): the explicit einsums
+(DOT_PRODUCT, Pax's), or a fused attention kernel (FLASH), whose kernel is an
 ``AttentionImplementation`` (models/attention_kernels.py): cuDNN flash attention on GPUs where it
 fits (AUTO), XLA's, cuDNN's or Pallas-Triton's by name; docs/attention.md says when each applies.
-All compute the same function; AXLearn's ``-flash`` Fuji variants select FLASH. An optional
-additive logit bias (T5/GLaM relative position bias, models/relative_position.py) enters after the
-1/sqrt(H) query scaling and before the mask and softmax, where Pax adds it.
+All compute the same function; AXLearn's ``-flash`` Fuji variants select FLASH. ``select_core``
+says which core a call runs (``AttentionCore``: decoding and sequence parallelism have their own).
+An optional additive logit bias (T5/GLaM relative position bias, models/relative_position.py)
+enters after the 1/sqrt(H) query scaling and before the mask and softmax, where Pax adds it.
 
 Sequence (context) parallelism: when the current mesh (``jax.set_mesh``) has a ``seq`` axis
 larger than 1, the tokens of each row are sharded over it and the core runs as
@@ -58,8 +59,8 @@ from paxlite.parallel.mesh import BATCH_AXES
 __all__ = [
     "CONTEXT_NAME", "HEAD_ACTIVATION_AXES", "KEY_PROJ_NAME", "KV_HEAD_ACTIVATION_AXES",
     "LARGE_NEGATIVE", "OUT_PROJ_NAME", "QKV_PROJ_NAME", "QUERY_PROJ_NAME", "TENSOR_AXIS",
-    "VALUE_PROJ_NAME", "Attention", "AttentionKind", "check_attention_choice", "einsum_attention",
-    "make_attention_mask",
+    "VALUE_PROJ_NAME", "Attention", "AttentionCore", "AttentionKind", "check_attention_choice",
+    "einsum_attention", "make_attention_mask", "select_core",
 ]
 
 HEAD_ACTIVATION_AXES: tuple[str, ...] = (
@@ -101,6 +102,28 @@ def check_attention_choice(kind: AttentionKind | str,
         raise ValueError(
             f"attention implementation {implementation.value!r} is a fused kernel and attention "
             f"kind 'dot_product' runs einsums: use attention kind 'flash' with it")
+
+
+class AttentionCore(str, enum.Enum):
+    """Which computation of softmax(q k^T) v one call runs (``select_core``); all are exact."""
+
+    EINSUM = "einsum"  # DOT_PRODUCT: Pax's explicit einsums, float32 softmax
+    FUSED = "fused"  # FLASH: a fused kernel, its AttentionImplementation resolved per call
+    CACHED = "cached"  # decoding: einsums over the whole KV cache under the caller's mask
+    SEQUENCE_PARALLEL = "sequence_parallel"  # rows split over `seq`: context_parallel_attention
+
+
+def select_core(*, kind: AttentionKind | str, decode: bool, seq_shards: int) -> AttentionCore:
+    """The core a call runs. The kind decides only where it can: a KV cache is read under the
+    caller's mask over all S_max slots, which the fused kernels (causal, S == T) cannot take, and
+    rows split over a ``seq`` axis (never while decoding) need the context-parallel exchange."""
+    if decode:
+        return AttentionCore.CACHED
+    if seq_shards > 1:
+        return AttentionCore.SEQUENCE_PARALLEL
+    if AttentionKind(kind) is AttentionKind.FLASH:
+        return AttentionCore.FUSED
+    return AttentionCore.EINSUM
 
 
 class Attention(nn.Module):
@@ -192,7 +215,61 @@ class Attention(nn.Module):
         before the mask), e.g. a relative position bias shared by several layers; with
         ``relative_position_buckets`` set too, the two are summed.
         """
-        batch, length, model_dims = x.shape
+        batch, length, _ = x.shape
+        q, k, v, kv_axes = self._project_qkv(x)  # q [B, T, N, H], k, v [B, T, K, H]
+        check_attention_choice(self.attention_kind, self.attention_implementation)
+        seq_shards = 1 if self.decode else mesh_axis_size(SEQ_AXIS)
+        core = select_core(kind=self.attention_kind, decode=self.decode, seq_shards=seq_shards)
+
+        sequence_parallel = core is AttentionCore.SEQUENCE_PARALLEL
+        if positions is None and (self.rope_theta is not None or sequence_parallel):
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        if self.rope_theta is not None:
+            q = apply_rotary(q, positions, theta=self.rope_theta)
+            k = apply_rotary(k, positions, theta=self.rope_theta)
+        if self.scale_query:
+            q = q * jnp.asarray(self.dims_per_head**-0.5, dtype=self.dtype)
+        key_positions = positions
+        if self.decode:  # k, v [B, S_max, K, H] from here on
+            k, v, key_positions = self._extend_cache(k, v, positions, kv_axes=kv_axes)
+        if not sequence_parallel:  # sharded rows take the relative bias by distance, not [T, S]
+            bias = self._logit_bias(bias, positions, key_positions, batch=batch, length=length)
+
+        if core is AttentionCore.SEQUENCE_PARALLEL:
+            out = self._sequence_parallel_core(q, k, v, mask=mask, bias=bias,
+                                               positions=positions, segment_ids=segment_ids,
+                                               seq_shards=seq_shards)
+        elif core is AttentionCore.CACHED:  # the caller's mask over the whole cache
+            out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype)
+        elif core is AttentionCore.FUSED:
+            out = _fused_core(q, k, v, implementation=self.attention_implementation, mask=mask,
+                              bias=bias, segment_ids=segment_ids, vmapped_stages=self.pipelined)
+        else:
+            out = einsum_attention(q, k, v, mask=mask, bias=bias, segment_ids=segment_ids,
+                                   dtype=self.dtype)
+        out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)  # [B, T, N, H]
+        out = checkpoint_name(out, CONTEXT_NAME)
+
+        out = Linear(
+            equation="BTNH,NHD->BTD",
+            kernel_shape=(self.num_heads, self.dims_per_head, x.shape[-1]),
+            kernel_axes=("heads", "kv", "embed"),
+            bias_axes=("norm",) if self.use_bias else None,
+            init_std=self.init_std,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            lora=self.lora,
+            fp8=self.fp8,
+            name="out",
+        )(out)  # [B, T, D]
+        return checkpoint_name(out, OUT_PROJ_NAME)
+
+    def _project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array,
+                                                   tuple[str, ...]]:
+        """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H] and the logical axes of k and v, in
+        Pax's two parameter layouts (the class docstring); grouped kv heads may be repeated to fit
+        the tensor split (``_repeat_kv_heads``)."""
+        model_dims = x.shape[-1]
         n, h = self.num_heads, self.dims_per_head
         kv = n if self.num_kv_heads is None else self.num_kv_heads
         if kv <= 0 or n % kv:
@@ -200,10 +277,7 @@ class Attention(nn.Module):
                 f"num_kv_heads={self.num_kv_heads} must be a positive divisor of "
                 f"num_heads={n}"
             )
-        grouped = kv != n
-        check_attention_choice(self.attention_kind, self.attention_implementation)
-
-        if not grouped:
+        if kv == n:
             qkv = self._linear(
                 equation="BTD,DKNH->BTKNH", shape=(model_dims, 3, n, h),
                 axes=("embed", "qkv", "heads", "kv"), name="qkv", lora_groups=1,
@@ -232,59 +306,7 @@ class Attention(nn.Module):
         q = nn.with_logical_constraint(q, HEAD_ACTIVATION_AXES)
         k = rules_lib.logical_constraint(k, kv_axes)
         v = rules_lib.logical_constraint(v, kv_axes)
-
-        seq_shards = 1 if self.decode else mesh_axis_size(SEQ_AXIS)
-        if positions is None and (self.rope_theta is not None or seq_shards > 1):
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        if self.rope_theta is not None:
-            q = apply_rotary(q, positions, theta=self.rope_theta)
-            k = apply_rotary(k, positions, theta=self.rope_theta)
-        if self.scale_query:
-            q = q * jnp.asarray(h**-0.5, dtype=self.dtype)
-        key_positions = positions
-        if self.decode:
-            k, v, key_positions = self._extend_cache(k, v, positions, kv_axes=kv_axes)
-        if seq_shards == 1:  # sharded rows take the relative bias by distance, never [T, S] whole
-            bias = self._logit_bias(bias, positions, key_positions, batch=batch, length=length)
-
-        if seq_shards > 1:
-            out = self._sequence_parallel_core(q, k, v, mask=mask, bias=bias,
-                                               positions=positions, segment_ids=segment_ids,
-                                               seq_shards=seq_shards)
-        elif self.decode:  # the mask is the caller's over the whole cache; kernels assume S == T
-            out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype)
-        elif AttentionKind(self.attention_kind) is AttentionKind.FLASH:
-            # q is already scaled; k/v keep their K heads (query head i uses kv head i // G, as
-            # below). The kernels are causal; the mask (same-segment for packed rows), when there
-            # is one, is a subset of causal, and the Pallas kernel reads segment_ids instead.
-            implementation = resolve_implementation(
-                self.attention_implementation, dtype=q.dtype, head_dim=h, seq_len=length,
-                dense_bias=mask is not None or bias is not None, has_bias=bias is not None,
-                vmapped_stages=self.pipelined,
-            )
-            out = flash_attention(
-                q, k, v, implementation=implementation, mask=mask, bias=bias,
-                segment_ids=segment_ids,
-            )  # [B, T, N, H]
-        else:
-            out = einsum_attention(q, k, v, mask=mask, bias=bias, segment_ids=segment_ids,
-                                   dtype=self.dtype)
-        out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)  # [B, T, N, H]
-        out = checkpoint_name(out, CONTEXT_NAME)
-
-        out = Linear(
-            equation="BTNH,NHD->BTD",
-            kernel_shape=(n, h, model_dims),
-            kernel_axes=("heads", "kv", "embed"),
-            bias_axes=("norm",) if self.use_bias else None,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            lora=self.lora,
-            fp8=self.fp8,
-            name="out",
-        )(out)  # [B, T, D]
-        return checkpoint_name(out, OUT_PROJ_NAME)
+        return q, k, v, kv_axes
 
     def _sequence_parallel_core(
         self, q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None,
@@ -294,11 +316,9 @@ class Attention(nn.Module):
         """softmax(q k^T) v of rows sharded on T over the ``seq`` axis: prescaled q [B, T, N, H],
         k, v [B, T, K, H] (after RoPE), positions [B, T] -> [B, T, N, H].
 
-        Batch over the mesh's batch axes that divide B (data, fsdp, expert), heads over
-        ``tensor`` when the kv heads divide over it (else whole heads in every shard, still
-        exact). The relative position bias reaches the core as one bias per head and distance.
+        The relative position bias reaches the core as one bias per head and distance; the
+        shards' layout is ``_sequence_parallel_axes``'.
         """
-        n, kv = q.shape[2], k.shape[2]
         where = f"the mesh's {SEQ_AXIS!r} axis has size {seq_shards}"
         if bias is not None:
             raise ValueError(
@@ -322,14 +342,8 @@ class Attention(nn.Module):
         if self.relative_position_buckets is not None:
             distance_bias = self._distance_bias()
         mesh = jax.sharding.get_abstract_mesh()
-        batch_axes: tuple[str, ...] = ()
-        ways = 1
-        for axis in BATCH_AXES:
-            if axis in mesh.axis_names and q.shape[0] % (ways * mesh.shape[axis]) == 0:
-                batch_axes += (axis,)
-                ways *= mesh.shape[axis]
-        tensor = mesh.shape[TENSOR_AXIS] if TENSOR_AXIS in mesh.axis_names else 1
-        head_axes = (TENSOR_AXIS,) if tensor > 1 and kv % tensor == 0 and n % tensor == 0 else ()
+        batch_axes, head_axes = _sequence_parallel_axes(
+            mesh, batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2])
         return context_parallel_attention(
             q, k, v, q_positions=positions, kv_positions=positions, segment_ids=segment_ids,
             distance_bias=distance_bias, strategy=self.context_parallel_strategy, mesh=mesh,
@@ -374,7 +388,8 @@ class Attention(nn.Module):
         initialized = self.has_variable("cache", "cached_key")
         cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
         cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-        cached_pos = self.variable("cache", "cached_positions", jnp.zeros, positions.shape, jnp.int32)
+        cached_pos = self.variable("cache", "cached_positions", jnp.zeros, positions.shape,
+                                   jnp.int32)
         index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
         if not initialized:
             return k, v, positions
@@ -441,6 +456,41 @@ def _repeat_kv_heads(k: jax.Array, v: jax.Array, *, num_heads: int) -> tuple[jax
     k = rules_lib.logical_constraint(k, KV_HEAD_ACTIVATION_AXES)
     v = rules_lib.logical_constraint(v, KV_HEAD_ACTIVATION_AXES)
     return jnp.repeat(k, target // kv, axis=2), jnp.repeat(v, target // kv, axis=2)
+
+
+def _fused_core(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: AttentionImplementation,
+    mask: jax.Array | None, bias: jax.Array | None, segment_ids: jax.Array | None,
+    vmapped_stages: bool,
+) -> jax.Array:
+    """``AttentionCore.FUSED``: prescaled q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
+
+    Causal kernels; a mask (same-segment for packed rows) is a subset of causal, and the Pallas
+    kernel reads segment_ids instead. Resolved per call: what a kernel can run depends on the
+    traced dtype, sizes and bias, and on a pipeline's vmap."""
+    resolved = resolve_implementation(
+        implementation, dtype=q.dtype, head_dim=q.shape[3], seq_len=q.shape[1],
+        dense_bias=mask is not None or bias is not None, has_bias=bias is not None,
+        vmapped_stages=vmapped_stages,
+    )
+    return flash_attention(q, k, v, implementation=resolved, mask=mask, bias=bias,
+                           segment_ids=segment_ids)
+
+
+def _sequence_parallel_axes(mesh: jax.sharding.AbstractMesh, *, batch: int, num_heads: int,
+                            num_kv_heads: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(batch axes, head axes) of the context-parallel core's shards: the batch over the mesh's
+    batch axes that divide B (data, fsdp, expert), the heads over ``tensor`` when the kv heads
+    divide over it (else whole heads in every shard, still exact)."""
+    batch_axes: tuple[str, ...] = ()
+    ways = 1
+    for axis in BATCH_AXES:
+        if axis in mesh.axis_names and batch % (ways * mesh.shape[axis]) == 0:
+            batch_axes += (axis,)
+            ways *= mesh.shape[axis]
+    tensor = mesh.shape[TENSOR_AXIS] if TENSOR_AXIS in mesh.axis_names else 1
+    divides = tensor > 1 and num_kv_heads % tensor == 0 and num_heads % tensor == 0
+    return batch_axes, (TENSOR_AXIS,) if divides else ()
 
 
 @functools.cache

@@ -1,14 +1,15 @@
 """The Transformer's layer stack run as a pipeline (models/pipeline.py): the Flax-facing glue.
 
-``Transformer.__call__`` hands its layers here when ``config.pipeline`` is set and it is not
-decoding. What this module promises:
+models/layer_stacks.py hands the Transformer's layers here when ``config.pipeline`` is set and
+it is neither initializing nor decoding. What this module promises:
 
 - **Same parameters.** The pipeline reads the variables the ordinary stack created: the scanned
   ``params["layers"]`` ([L / unit] leading axis, logical name "layers") or the unscanned
   ``layers_0..layers_{L-1}``, which are stacked here for the forward (grouped into scan units
-  ``layer_{j}`` exactly as ``BlockUnit`` names them when ``config.layers_per_scan_unit`` > 1). Init
-  runs the ordinary stack, so a checkpoint never depends on the pipeline, and decoding (a KV cache)
-  runs the ordinary stack over the same parameters. The pipeline's "layer" is one scan unit.
+  ``layer_{j}`` exactly as ``BlockUnit``, models/block.py, names them when
+  ``config.layers_per_scan_unit`` > 1). Init runs the ordinary stack, so a checkpoint never
+  depends on the pipeline, and decoding (a KV cache) runs the ordinary stack over the same
+  parameters. The pipeline's "layer" is one scan unit.
 - **Microbatches without moving rows.** The batch [B, ...] is split into M strided microbatches
   (microbatch m holds rows m, m + M, ...: as ``train/grad_accum.split_microbatches`` does, so each
   device's rows stay on it) and put back in the original row order.
@@ -103,7 +104,8 @@ def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
 
 
 def merge_microbatches(x: jax.Array) -> jax.Array:
-    """The inverse of ``split_microbatches``: [M, B/M, ...] -> [B, ...] in the original row order."""
+    """The inverse of ``split_microbatches``: [M, B/M, ...] -> [B, ...] in the original row
+    order."""
     num_micro, rows = x.shape[:2]
     return jnp.moveaxis(x, 0, 1).reshape((num_micro * rows,) + x.shape[2:])
 
@@ -113,7 +115,8 @@ def _stack(trees: list[Any]) -> Any:
 
 
 def _stacked_collection(config: TransformerConfig, tree: Mapping[str, Any]) -> Any:
-    """One collection's layer variables with a leading [units] axis, as the scanned model has them."""
+    """One collection's layer variables with a leading [units] axis, as the scanned model has
+    them."""
     if config.scan_layers:
         return tree["layers"]
     unit = config.layers_per_scan_unit
