@@ -74,17 +74,10 @@ def check_pipeline(config: TransformerConfig) -> None:
             "pipeline parallelism (TransformerConfig.pipeline) is not available with "
             "layer_implementation='transformer_engine' (TE's layers are not pipelined): use "
             "layer_implementation='paxlite' or pipeline=None")
-    unit = config.layers_per_scan_unit
-    if config.num_layers % unit:
-        raise ValueError(
-            f"a pipeline runs scan units of {unit} layers (moe_layer_interval={unit}), but "
-            f"num_layers={config.num_layers} is not a multiple of {unit}")
-    units = config.num_layers // unit
-    if units % (pipe.num_stages * pipe.repeats):
-        raise ValueError(
-            f"{units} scan units ({config.num_layers} layers / {unit} per unit) do not split into "
-            f"num_stages={pipe.num_stages} x repeats={pipe.repeats}: the unit count must be a "
-            f"multiple of {pipe.num_stages * pipe.repeats}")
+    problems = pipe.problems(num_layers=config.num_layers,
+                             layers_per_unit=config.layers_per_scan_unit)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:

@@ -333,8 +333,8 @@ def test_decoding_runs_the_plain_stack_on_the_same_params():
 
 def test_bad_settings_are_refused_with_the_numbers():
     tokens = inputs()["tokens"]
-    with pytest.raises(ValueError, match=r"^3 scan units \(3 layers / 1 per unit\) do not split "
-                                         r"into num_stages=2 x repeats=1"):
+    with pytest.raises(ValueError, match=r"^num_layers=3 does not split into 2 pipeline stages "
+                                         r"x repeats=1: the layer count must be a multiple of 2"):
         Transformer(config(stages=2, micro=2, num_layers=3)).init({"params": jax.random.key(0)},
                                                                   tokens)
     cfg = CASES["scan-gpipe"]
