@@ -15,8 +15,8 @@ Before timing, every path's output and dq, dk, dv are checked against ``xla_dens
 script fails if one disagrees). Times are medians over --rounds of --steps jitted calls, compile
 excluded; the ratio column is against ``xla_dense_mask``.
 
-    .venv/bin/python benchmarks/attention_kernels.py                 # GPU: B=4 T=2048 N=16 H=128 bf16
-    .venv/bin/python benchmarks/attention_kernels.py --cpu --tiny    # seconds on CPU (a smoke test)
+    .venv/bin/python benchmarks/attention_kernels.py               # GPU: B=4 T=2048 N=16 H=128 bf16
+    .venv/bin/python benchmarks/attention_kernels.py --cpu --tiny  # seconds on CPU (a smoke test)
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import time
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run on CPU (Pallas interpreted)")
-    parser.add_argument("--tiny", action="store_true", help="B=1 T=32 N=2 K=1 H=16 float32, 1 round")
+    parser.add_argument(
+        "--tiny", action="store_true", help="B=1 T=32 N=2 K=1 H=16 float32, 1 round"
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
@@ -51,7 +53,8 @@ def _parse(argv):
 
 
 def _segments(rng, batch: int, length: int, documents: int):
-    """[B, T] int32 ids 1, 2, ... of documents with random cut points (documents per row on average)."""
+    """[B, T] int32 ids 1, 2, ... of documents with random cut points (documents per row on
+    average)."""
     import numpy as np
 
     rows = []
@@ -81,18 +84,24 @@ def main(argv=None) -> int:
     keys = jax.random.split(jax.random.key(0), 4)
     q = (jax.random.normal(keys[0], (args.batch, args.seq_len, args.heads, args.head_dim))
          * args.head_dim**-0.5).astype(dtype)
-    k, v = (jax.random.normal(key, (args.batch, args.seq_len, kv_heads, args.head_dim)).astype(dtype)
-            for key in keys[1:3])
+    k, v = (
+        jax.random.normal(key, (args.batch, args.seq_len, kv_heads, args.head_dim)).astype(dtype)
+        for key in keys[1:3]
+    )
     dout = jax.random.normal(keys[3], q.shape).astype(dtype)
     segments = jnp.asarray(_segments(rng, args.batch, args.seq_len, args.documents))
     mask = make_attention_mask(seq_len=args.seq_len, segment_ids=segments)
 
     paths = {
-        "xla_dense_mask": lambda q, k, v: flash_attention(q, k, v, implementation=Impl.XLA, mask=mask),
-        "cudnn_dense_mask": lambda q, k, v: flash_attention(q, k, v, implementation=Impl.CUDNN,
-                                                            mask=mask),
-        "pallas_segment_ids": lambda q, k, v: pallas_attention(q, k, v, segment_ids=segments,
-                                                               interpret=backend != "gpu"),
+        "xla_dense_mask": lambda q, k, v: flash_attention(
+            q, k, v, implementation=Impl.XLA, mask=mask
+        ),
+        "cudnn_dense_mask": lambda q, k, v: flash_attention(
+            q, k, v, implementation=Impl.CUDNN, mask=mask
+        ),
+        "pallas_segment_ids": lambda q, k, v: pallas_attention(
+            q, k, v, segment_ids=segments, interpret=backend != "gpu"
+        ),
         "cudnn_unpacked": lambda q, k, v: flash_attention(q, k, v, implementation=Impl.CUDNN),
     }
     capability = getattr(jax.devices()[0], "compute_capability", None) if backend == "gpu" else None

@@ -97,12 +97,16 @@ def compare(a_dir: str, b_dir: str) -> int:
     from safetensors import safe_open
 
     def read(path: str) -> dict[str, np.ndarray]:
-        files = [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+        files = [
+            os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")
+        ]
         out = {}
         for name in files:
             with safe_open(name, framework="pt") as fh:
                 for key in fh.keys():  # noqa: SIM118  safe_open is not iterable
-                    out[key] = fh.get_tensor(key).view(-1).view(dtype=__import__("torch").int16).numpy()
+                    out[key] = (
+                        fh.get_tensor(key).view(-1).view(dtype=__import__("torch").int16).numpy()
+                    )
         return out
 
     a, b = read(a_dir), read(b_dir)
@@ -163,7 +167,11 @@ def write_meta_from_hf(hf_dir: str, meta_dir: str, *, shards: int = 2) -> None:
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
-    d, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    d, heads, kv = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
     head_dim = d // heads
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
 
@@ -171,21 +179,30 @@ def write_meta_from_hf(hf_dir: str, meta_dir: str, *, shards: int = 2) -> None:
         rows = rotate_half_to_interleaved(w.view(torch.int16).numpy(), heads=n, head_dim=head_dim)
         return torch.from_numpy(np.ascontiguousarray(rows)).view(torch.bfloat16)
 
-    meta = {"tok_embeddings.weight": state.pop("model.embed_tokens.weight"),
-            "norm.weight": state.pop("model.norm.weight"), "output.weight": state.pop("lm_head.weight")}
+    meta = {
+        "tok_embeddings.weight": state.pop("model.embed_tokens.weight"),
+        "norm.weight": state.pop("model.norm.weight"),
+        "output.weight": state.pop("lm_head.weight"),
+    }
     for i in range(config["num_hidden_layers"]):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        meta.update({
-            dst + "attention.wq.weight": meta_rows(state.pop(src + "self_attn.q_proj.weight"), heads),
-            dst + "attention.wk.weight": meta_rows(state.pop(src + "self_attn.k_proj.weight"), kv),
-            dst + "attention.wv.weight": state.pop(src + "self_attn.v_proj.weight"),
-            dst + "attention.wo.weight": state.pop(src + "self_attn.o_proj.weight"),
-            dst + "feed_forward.w1.weight": state.pop(src + "mlp.gate_proj.weight"),
-            dst + "feed_forward.w2.weight": state.pop(src + "mlp.down_proj.weight"),
-            dst + "feed_forward.w3.weight": state.pop(src + "mlp.up_proj.weight"),
-            dst + "attention_norm.weight": state.pop(src + "input_layernorm.weight"),
-            dst + "ffn_norm.weight": state.pop(src + "post_attention_layernorm.weight"),
-        })
+        meta.update(
+            {
+                dst + "attention.wq.weight": meta_rows(
+                    state.pop(src + "self_attn.q_proj.weight"), heads
+                ),
+                dst + "attention.wk.weight": meta_rows(
+                    state.pop(src + "self_attn.k_proj.weight"), kv
+                ),
+                dst + "attention.wv.weight": state.pop(src + "self_attn.v_proj.weight"),
+                dst + "attention.wo.weight": state.pop(src + "self_attn.o_proj.weight"),
+                dst + "feed_forward.w1.weight": state.pop(src + "mlp.gate_proj.weight"),
+                dst + "feed_forward.w2.weight": state.pop(src + "mlp.down_proj.weight"),
+                dst + "feed_forward.w3.weight": state.pop(src + "mlp.up_proj.weight"),
+                dst + "attention_norm.weight": state.pop(src + "input_layernorm.weight"),
+                dst + "ffn_norm.weight": state.pop(src + "post_attention_layernorm.weight"),
+            }
+        )
     os.makedirs(meta_dir)
     columns = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "output.weight")
     for k in range(shards):
@@ -233,8 +250,8 @@ def run_child(argv: list[str]) -> tuple[float, float]:
 def export_merged_argv(source: str, output: str) -> list[str]:
     """What `python -m paxlite export_merged` runs, without an experiment to name: the LoRA config
     is the model_config.json beside the checkpoint."""
-    code = ("import sys; from paxlite.cli.convert import return_freed_buffers; return_freed_buffers(); "
-            "from paxlite.train.export import export_merged; "
+    code = ("import sys; from paxlite.cli.convert import return_freed_buffers; "
+            "return_freed_buffers(); from paxlite.train.export import export_merged; "
             "from paxlite.checkpointing.pretrained import load_model_config; "
             "export_merged(sys.argv[1], sys.argv[2], model_config=load_model_config(sys.argv[1]))")
     return ["-c", code, source, output]
@@ -254,21 +271,29 @@ def same_params(a: str, b: str) -> None:
 
 
 def check_merged(lora: str, merged: str, *, layer: int) -> None:
-    """One layer's MLP output kernel of the export is base + (alpha / r) * A @ B (float64 reference)."""
+    """One layer's MLP output kernel of the export is base + (alpha / r) * A @ B (float64
+    reference)."""
     from paxlite.checkpointing.pretrained import find_checkpoint
     from paxlite.checkpointing.stream_read import CheckpointReader
 
     def row(path: str, leaf: tuple[str, ...]) -> np.ndarray:
         _, step_dir = find_checkpoint(path)
         with tempfile.TemporaryDirectory() as scratch:
-            return CheckpointReader(step_dir, scratch_dir=scratch).read(leaf, layer).astype(np.float64)
+            return (
+                CheckpointReader(step_dir, scratch_dir=scratch).read(leaf, layer).astype(np.float64)
+            )
 
     kernel = row(lora, ("layers", "mlp", "wo", "kernel"))
-    a, b = row(lora, ("layers", "mlp", "wo", "lora_a")), row(lora, ("layers", "mlp", "wo", "lora_b"))
+    a, b = (
+        row(lora, ("layers", "mlp", "wo", "lora_a")),
+        row(lora, ("layers", "mlp", "wo", "lora_b")),
+    )
     want = kernel + 16.0 / 8 * a @ b
     have = row(merged, ("layers", "mlp", "wo", "kernel"))
     if not np.allclose(have, want, rtol=1e-5, atol=1e-6) or np.allclose(have, kernel):
-        raise AssertionError(f"export_merged: layer {layer}'s wo kernel is not base + scale * A @ B")
+        raise AssertionError(
+            f"export_merged: layer {layer}'s wo kernel is not base + scale * A @ B"
+        )
 
 
 def main() -> None:
@@ -307,10 +332,14 @@ def main() -> None:
         convert = ["-m", "paxlite", "convert"]
         to_hf = ["--to=hf", "--dtype=bfloat16", f"--max_shard_size={args.max_shard_size}"]
         results[size] = {
-            "hf -> paxlite": run_child(convert + ["--from=hf", "--to=paxlite",
-                                                  f"--input={d['hf_in']}", f"--output={d['paxlite']}"]),
-            "paxlite -> hf": run_child(convert + ["--from=paxlite", *to_hf,
-                                                  f"--input={d['paxlite']}", f"--output={d['hf_out']}"]),
+            "hf -> paxlite": run_child(
+                convert
+                + ["--from=hf", "--to=paxlite", f"--input={d['hf_in']}", f"--output={d['paxlite']}"]
+            ),
+            "paxlite -> hf": run_child(
+                convert
+                + ["--from=paxlite", *to_hf, f"--input={d['paxlite']}", f"--output={d['hf_out']}"]
+            ),
         }
         subprocess.run([sys.executable, me, "--write_orbax", d["paxlite"], d["orbax"], d["lora"]],
                        check=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))

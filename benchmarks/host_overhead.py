@@ -1,4 +1,5 @@
-"""Host overhead of paxlite's training loop: `Run.train()` against the same jitted step in a bare loop.
+"""Host overhead of paxlite's training loop: `Run.train()` against the same jitted step in a bare
+loop.
 
 Why: on a model whose step takes well under a millisecond, everything the loop does on the host per
 step (building the batch, reading metrics back, checking finiteness, bookkeeping) shows up directly
@@ -81,7 +82,8 @@ class PrebuiltFeed:
 
 
 def paxlite_round(run: Run, *, max_steps: int) -> float:
-    """One `Run.train()` from a fresh state; its step_time_s for the window ending at the last step."""
+    """One `Run.train()` from a fresh state; its step_time_s for the window ending at the last
+    step."""
     run.train()
     path = os.path.join(run.context.job_dir, "metrics.jsonl")
     with open(path, encoding="utf-8") as f:

@@ -12,9 +12,9 @@ and, when the `seqio` extra is installed, the SeqIO pipeline Pax used on the sam
 vocabulary (SentencePieceVocabulary, FunctionDataSource, Pax's `the_pile_lm` preprocessing: rekey
 -> tokenize -> reduce_concat_tokens -> split_tokens_to_targets_length -> append_eos_after_trim,
 then DecoderFeatureConverter(pack=True)). Only real tokens (weight 1) count.
-The `mixture` case reads a DATA_MIXTURE of three sources (data/mixture.py: Grain's interleave picks the
-source of every row, each source keeps its own packed stream) over the pre-tokenized dataset, weights
-0.5/0.3/0.2, beside `tokens` (one source, the same data): the cost of mixing per core.
+The `mixture` case reads a DATA_MIXTURE of three sources (data/mixture.py: Grain's interleave picks
+the source of every row, each source keeps its own packed stream) over the pre-tokenized dataset,
+weights 0.5/0.3/0.2, beside `tokens` (one source, the same data): the cost of mixing per core.
 A diagnostic case, `plays`, packs the same pre-tokenized text stored as one document per play
 (~40 long documents instead of ~38,000 paragraphs of ~39 tokens), which separates the pipeline's
 per-document cost from its per-token cost. SentencePiece's own encode rate over the train
@@ -60,9 +60,10 @@ from paxlite.data.tokenizer import Tokenizer
 from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.demo import fetch_texts
 
-# performance reference §3: GPT126M (S 2048) at 100 % MFU on one H200 (989 TFLOP/s BF16).
+# GPT126M (S 2048) at 100 % MFU on one H200 (989 TFLOP/s BF16); docs/training.md, "FLOPs per
+# token and MFU", derives it.
 IDEAL_H200_GPT126M_TOKENS_PER_S = 1_157_192
-# performance reference §3/§4: Rosetta Pax GPT126M, TE BF16, measured per H100.
+# Rosetta's published Pax GPT126M, TE BF16, measured per H100 (the same section of training.md).
 ROSETTA_H100_GPT126M_TOKENS_PER_S = 150_692
 GOAL_FACTOR = 10  # pre-tokenized input should feed >= 10 H200s' worth of GPT126M per core
 VOCAB_SIZE = 8000
@@ -354,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cases = {Pipeline(name.strip()) for name in args.cases.split(",")}
     except ValueError:
-        raise SystemExit(f"--cases {args.cases!r}: each must be one of {[p.value for p in Pipeline]}") from None
+        raise SystemExit(f"--cases {args.cases!r}: each must be one of "
+                         f"{[p.value for p in Pipeline]}") from None
     allowed = sorted(os.sched_getaffinity(0))
     if args.cpu not in allowed:
         raise SystemExit(f"--cpu {args.cpu} is not one of this process's CPUs {allowed}")
@@ -390,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(measure(pipeline, shape, make=make, tokens=budget, rounds=args.rounds))
         by_case = {r.pipeline: r for r in results if r.shape == shape}
         if Pipeline.TOKENS in by_case and Pipeline.MIXTURE in by_case:
-            print(f"       {shape.name:>6}  3-source mixture / one source = "
-                  f"{by_case[Pipeline.MIXTURE].median / by_case[Pipeline.TOKENS].median:.2f}", flush=True)
+            print(
+                f"       {shape.name:>6}  3-source mixture / one source = "
+                f"{by_case[Pipeline.MIXTURE].median / by_case[Pipeline.TOKENS].median:.2f}",
+                flush=True,
+            )
         if have_seqio:
             make = functools.partial(
                 seqio_batches, documents, vocab_path=datasets.vocab_path, shape=shape
@@ -409,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"       {shape.name:>6}  paxlite text / SeqIO = "
                       f"{text.median / seqio.median:.2f}", flush=True)
     if Pipeline.PLAYS in cases:
-        # Diagnostic: the same tokens as ~40 long documents, so per-document overhead nearly vanishes.
+        # Diagnostic: the same tokens as ~40 long documents, so per-document overhead nearly
+        # vanishes.
         make = functools.partial(
             paxlite_batches, datasets.plays_dir, vocab_path=datasets.vocab_path, shape=SHAPES[0]
         )

@@ -115,7 +115,9 @@ def matched_hidden(config: TransformerConfig) -> int:
     moe = config.moe
     n_moe = moe.num_moe_layers(config.num_layers)
     expert = moe.expert_hidden_dims or config.hidden_dims
-    total = n_moe * moe.experts_per_token * expert + (config.num_layers - n_moe) * config.hidden_dims
+    total = (
+        n_moe * moe.experts_per_token * expert + (config.num_layers - n_moe) * config.hidden_dims
+    )
     _require(total % config.num_layers == 0, f"no integer dense hidden size matches {config}")
     return total // config.num_layers
 

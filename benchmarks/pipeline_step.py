@@ -23,14 +23,15 @@ per-round ratios pipelined / twin, the bubble fraction and the ratio it implies.
 What the ratio means on this host. The 8 "devices" are XLA:CPU threads sharing the host's cores
 (2 on the project's machine), so they do not run in parallel and no pipeline speed-up can show. The
 pipelined step computes S*(R*M + S - 1) stage-iterations where S*R*M carry data (bubble iterations
-compute on zeros and are discarded), so its layer work is ``(R*M + S - 1) / (R*M) = 1 / (1 - bubble)``
-times the twin's: that is the expected ratio printed. The measured ratio is that extra work plus the
-schedule's own overhead (stage shifts, per-iteration weight selection, smaller matmuls on
-microbatches). The part of the step outside the layers (embedding, logits and loss) is not inflated by
-the bubble, but on the pipelined mesh its batch is split over the data axis only, so each device
-computes it for S times the rows a twin device does (small here: vocabulary 256). On a GPU cluster, where stages do run at once, the same number
-``1 / (1 - bubble)`` is the time of the pipelined step over a bubble-free one; this benchmark does not
-measure that speed-up.
+compute on zeros and are discarded), so its layer work is
+``(R*M + S - 1) / (R*M) = 1 / (1 - bubble)`` times the twin's: that is the expected ratio printed.
+The measured ratio is that extra work plus the schedule's own overhead (stage shifts, per-iteration
+weight selection, smaller matmuls on microbatches). The part of the step outside the layers
+(embedding, logits and loss) is not inflated by the bubble, but on the pipelined mesh its batch is
+split over the data axis only, so each device computes it for S times the rows a twin device does
+(small here: vocabulary 256). On a GPU cluster, where stages do run at once, the same number
+``1 / (1 - bubble)`` is the time of the pipelined step over a bubble-free one; this benchmark does
+not measure that speed-up.
 
     .venv/bin/python benchmarks/pipeline_step.py --steps 2 --rounds 5   # ~2 min on 2 cores
 
@@ -90,11 +91,17 @@ class Sizes:
 
     def overrides(self) -> list[str]:
         return [
-            "USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_NOTHING", f"NUM_LAYERS={self.layers}",
-            f"MODEL_DIMS={self.model_dims}", f"HIDDEN_DIMS={4 * self.model_dims}",
-            f"NUM_HEADS={self.heads}", f"DIMS_PER_HEAD={self.model_dims // self.heads}",
-            f"MAX_SEQ_LEN={self.seq_len}", f"VOCAB_SIZE={self.vocab}",
-            f"GLOBAL_BATCH_SIZE={self.batch}", "DROPOUT_PROB=0.0",
+            "USE_REPEATED_LAYER=true",
+            "CHECKPOINT_POLICY=SAVE_NOTHING",
+            f"NUM_LAYERS={self.layers}",
+            f"MODEL_DIMS={self.model_dims}",
+            f"HIDDEN_DIMS={4 * self.model_dims}",
+            f"NUM_HEADS={self.heads}",
+            f"DIMS_PER_HEAD={self.model_dims // self.heads}",
+            f"MAX_SEQ_LEN={self.seq_len}",
+            f"VOCAB_SIZE={self.vocab}",
+            f"GLOBAL_BATCH_SIZE={self.batch}",
+            "DROPOUT_PROB=0.0",
         ]
 
 
@@ -117,7 +124,8 @@ class Case:
 
     @property
     def expected_ratio(self) -> float:
-        """(R*M + S - 1) / (R*M) = 1 / (1 - bubble): stage-iterations run over those carrying data."""
+        """(R*M + S - 1) / (R*M) = 1 / (1 - bubble): stage-iterations run over those carrying
+        data."""
         items = self.repeats * self.microbatches
         return (items + self.stages - 1) / items
 
@@ -128,7 +136,8 @@ class Case:
 
 
 def _require(condition: bool, message: str) -> None:
-    """Like `assert`, but kept under `python -O`: a benchmark of two different computations is void."""
+    """Like `assert`, but kept under `python -O`: a benchmark of two different computations is
+    void."""
     if not condition:
         raise AssertionError(message)
 
@@ -179,7 +188,8 @@ def build_side(name: str, overrides: list[str], *, sizes: Sizes, steps: int,
 
 
 def check_same_loss(label: str, *, loss: float, twin_loss: float) -> None:
-    """Fail unless the pipelined first-step loss equals the twin's to ``LOSS_TOLERANCE`` (relative)."""
+    """Fail unless the pipelined first-step loss equals the twin's to ``LOSS_TOLERANCE``
+    (relative)."""
     _require(abs(loss - twin_loss) <= LOSS_TOLERANCE * abs(twin_loss),
              f"{label}: first-step loss {loss:.7f} differs from the unpipelined twin's "
              f"{twin_loss:.7f} by more than {LOSS_TOLERANCE} relative: not the same computation")
@@ -194,7 +204,9 @@ def first_loss(side: Side) -> float:
 def run_case(case: Case, twin: Side, initial_state: Any, *, sizes: Sizes, steps: int, rounds: int,
              twin_loss: float) -> dict[str, Any]:
     label = f"{case.schedule} S={case.stages} R={case.repeats} M={case.microbatches}"
-    pipe = build_side(label, case.overrides(), sizes=sizes, steps=steps, initial_state=initial_state)
+    pipe = build_side(
+        label, case.overrides(), sizes=sizes, steps=steps, initial_state=initial_state
+    )
     loss = first_loss(pipe)
     check_same_loss(label, loss=loss, twin_loss=twin_loss)
     twin.times.clear()
@@ -236,9 +248,10 @@ def table(results: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
-            f"| {r['schedule']} | {r['stages']} x {r['data']} | {r['repeats']} | {r['microbatches']} "
-            f"| {r['bubble_fraction']:.3f} | {r['pipelined_median_ms']:.1f} | {r['twin_median_ms']:.1f} "
-            f"| {r['ratio']:.3f} | {r['expected_ratio']:.3f} | {r['measured_over_expected']:.3f} |")
+            f"| {r['schedule']} | {r['stages']} x {r['data']} | {r['repeats']} | "
+            f"{r['microbatches']} | {r['bubble_fraction']:.3f} | {r['pipelined_median_ms']:.1f} | "
+            f"{r['twin_median_ms']:.1f} | {r['ratio']:.3f} | {r['expected_ratio']:.3f} | "
+            f"{r['measured_over_expected']:.3f} |")
     return "\n".join(lines)
 
 
@@ -256,7 +269,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=32, help="global batch (rows), both sides")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke test: 4 stages, a small model, M = S, one round of one step")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON line last")
+    parser.add_argument(
+        "--json", action="store_true", help="print the report as one JSON line last"
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.steps, args.rounds, args.stages, args.microbatch_factors = 1, 1, 4, "1"
@@ -269,11 +284,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError:
         factors = []
     if not factors or min(factors) < 1:
-        parser.error(f"--microbatch_factors={args.microbatch_factors!r}: expected positive integers "
-                     "separated by commas, e.g. 1,2,4")
+        parser.error(f"--microbatch_factors={args.microbatch_factors!r}: expected positive "
+                     "integers separated by commas, e.g. 1,2,4")
     if args.layers % (2 * args.stages):
-        parser.error(f"--layers={args.layers} must be a multiple of 2 x --stages = {2 * args.stages} "
-                     "(the circular schedule runs 2 repeats of every stage)")
+        parser.error(f"--layers={args.layers} must be a multiple of 2 x --stages = "
+                     f"{2 * args.stages} (the circular schedule runs 2 repeats of every stage)")
     biggest_m = max(factors) * args.stages
     data = _DEVICES // args.stages
     if args.batch % _DEVICES or args.batch % (biggest_m * data):
@@ -281,11 +296,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      f"into {biggest_m} microbatches each a multiple of the pipelined data axis "
                      f"({data}): a multiple of {max(_DEVICES, biggest_m * data)}")
     if args.model_dims % 32:
-        parser.error(f"--model_dims={args.model_dims} must be a multiple of 32 (4 heads of a multiple of 8)")
+        parser.error(f"--model_dims={args.model_dims} must be a multiple of 32 (4 heads of a "
+                     "multiple of 8)")
     if jax.device_count() < _DEVICES:
-        raise SystemExit(f"this benchmark needs {_DEVICES} devices and JAX sees {jax.device_count()}: "
-                         f"run it as a script (it sets XLA_FLAGS=--xla_force_host_platform_device_"
-                         f"count={_DEVICES} before JAX starts), not after JAX was imported")
+        raise SystemExit(f"this benchmark needs {_DEVICES} devices and JAX sees "
+                         f"{jax.device_count()}: run it as a script (it sets "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={_DEVICES} before JAX "
+                         "starts), not after JAX was imported")
 
     sizes = Sizes(layers=args.layers, model_dims=args.model_dims, heads=4, seq_len=args.seq_len,
                   batch=args.batch)
@@ -310,9 +327,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"layers (scanned), d_model {sizes.model_dims}, batch {sizes.batch} x {sizes.seq_len}; "
           f"{args.steps} steps x {args.rounds} rounds; twin: data {_DEVICES}")
     print(table(results))
-    print("ratio = pipelined / twin step time (median of per-round ratios). The 8 devices share the "
-          "host's cores, so this is the extra work of the bubble (expected 1/(1-bubble) for the "
-          "layers) plus schedule overhead, not a parallel speed-up.")
+    print("ratio = pipelined / twin step time (median of per-round ratios). The 8 devices share "
+          "the host's cores, so this is the extra work of the bubble (expected 1/(1-bubble) for "
+          "the layers) plus schedule overhead, not a parallel speed-up.")
     if args.tiny:
         print("--tiny checks the harness only; its numbers mean nothing.")
     if args.json:

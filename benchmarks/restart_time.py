@@ -1,17 +1,20 @@
-"""Time to the first step: a cold start against a warm restart of the same job (the compilation cache).
+"""Time to the first step: a cold start against a warm restart of the same job (the compilation
+cache).
 
-Why: a preempted job is restarted, often many times; each restart that compiles again wastes accelerator time
-that grows with the model. With JAX's persistent compilation cache in the job directory (on by default), a
-restart loads its executables instead. Goal: warm <= 0.6x cold on CPU for the benchmark model of cpu_step.py.
+Why: a preempted job is restarted, often many times; each restart that compiles again wastes
+accelerator time that grows with the model. With JAX's persistent compilation cache in the job
+directory (on by default), a restart loads its executables instead. Goal: warm <= 0.6x cold on CPU
+for the benchmark model of cpu_step.py.
 
 Each round runs, as separate processes of `python -m paxlite.main`:
   cold: a new job directory (no checkpoint, empty cache), trained to STEPS steps and stopped there;
-  restart without the cache: the same command with MAX_STEPS raised and COMPILATION_CACHE=False, so it
-    resumes from that checkpoint and compiles (what a restart cost before the cache);
+  restart without the cache: the same command with MAX_STEPS raised and COMPILATION_CACHE=False,
+    so it resumes from that checkpoint and compiles (what a restart cost before the cache);
   warm: the same again with the cache on, MAX_STEPS raised once more.
 Time to first step = from starting the process to the first new line of metrics.jsonl (every step is
-logged), so it includes Python and JAX start-up, building the run, restoring or initialising, and compiling
-or loading the step. Rounds alternate, and the ratio is taken per round (a shared host drifts).
+logged), so it includes Python and JAX start-up, building the run, restoring or initialising, and
+compiling or loading the step. Rounds alternate, and the ratio is taken per round (a shared host
+drifts).
 
     .venv/bin/python benchmarks/restart_time.py --rounds 3
 """
@@ -41,8 +44,11 @@ def _steps_logged(job: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line)
 
 
-def time_to_first_step(job: Path, *, max_steps: int, extra: tuple[str, ...] = (), timeout: float = 600) -> float:
-    """Seconds from process start until one more step is logged; the process then runs to its end."""
+def time_to_first_step(
+    job: Path, *, max_steps: int, extra: tuple[str, ...] = (), timeout: float = 600
+) -> float:
+    """Seconds from process start until one more step is logged; the process then runs to its
+    end."""
     before = _steps_logged(job)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PAXLITE_"))}
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -51,7 +57,9 @@ def time_to_first_step(job: Path, *, max_steps: int, extra: tuple[str, ...] = ()
                "--fdl.SUMMARY_INTERVAL_STEPS=1", "--fdl.EVAL_INTERVAL_STEPS=100000",
                f"--job_log_dir={job}", *extra]
     start = time.perf_counter()
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     first = None
     while first is None:
         if _steps_logged(job) > before:
@@ -67,7 +75,7 @@ def time_to_first_step(job: Path, *, max_steps: int, extra: tuple[str, ...] = ()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     rows = []
@@ -77,7 +85,9 @@ def main() -> None:
             cold = time_to_first_step(job, max_steps=STEPS)
             cache_entries = len(os.listdir(job / "compilation_cache"))
             # the same restart with the cache off: what is left of the gain is not the cache's
-            uncached = time_to_first_step(job, max_steps=2 * STEPS, extra=("--fdl.COMPILATION_CACHE=False",))
+            uncached = time_to_first_step(
+                job, max_steps=2 * STEPS, extra=("--fdl.COMPILATION_CACHE=False",)
+            )
             warm = time_to_first_step(job, max_steps=3 * STEPS)
             added = len(os.listdir(job / "compilation_cache")) - cache_entries
             rows.append({"cold_s": round(cold, 3), "restart_without_cache_s": round(uncached, 3),

@@ -72,9 +72,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "paxlite_median_ratio": statistics.median(pax_ratios),
     }
     print(json.dumps(summary))
-    print(f"jax {versions['old']} -> {versions['new']}: bare step x{summary['bare_median_ratio']:.3f}, "
-          f"paxlite step x{summary['paxlite_median_ratio']:.3f} (new over old, median of "
-          f"{args.pairs} pairs)")
+    print(f"jax {versions['old']} -> {versions['new']}: bare step "
+          f"x{summary['bare_median_ratio']:.3f}, paxlite step "
+          f"x{summary['paxlite_median_ratio']:.3f} (new over old, median of {args.pairs} pairs)")
     return summary
 
 

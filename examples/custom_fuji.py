@@ -95,8 +95,9 @@ def main(argv: list[str]) -> int:
         print(f"custom_fuji: error: {e}", file=sys.stderr)
         return 2
     print(f"{args.config}: {choice.describe()}: ICI_MESH_SHAPE={experiment.ICI_MESH_SHAPE}, "
-          f"DCN_MESH_SHAPE={experiment.DCN_MESH_SHAPE}, GRAD_ACCUM_STEPS={experiment.GRAD_ACCUM_STEPS}, "
-          f"global batch {experiment.GLOBAL_BATCH_SIZE} x {experiment.MAX_SEQ_LEN}")
+          f"DCN_MESH_SHAPE={experiment.DCN_MESH_SHAPE}, "
+          f"GRAD_ACCUM_STEPS={experiment.GRAD_ACCUM_STEPS}, global batch "
+          f"{experiment.GLOBAL_BATCH_SIZE} x {experiment.MAX_SEQ_LEN}")
     return run_job(experiment, tree, run_config, job_dir=args.trainer_dir, mode=Mode.TRAIN,
                    enable_checkpoint_saving=True, argv=sys.argv)
 

@@ -28,7 +28,8 @@ from paxlite.errors import UserError
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 PARTIAL_SUFFIX = ".partial"
-# Written first into every staging directory: only a directory holding it is ever deleted by a rerun.
+# Written first into every staging directory: only a directory holding it is ever deleted by a
+# rerun.
 PARTIAL_MARKER = ".paxlite-partial"
 
 _log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class OutputExistsError(OutputPathError, FileExistsError):
 
 
 def require_local_path(value: str | os.PathLike, *, setting: str) -> str:
-    """`value` as a string, or UnsupportedPathError naming `setting` when it is a `scheme://` URL."""
+    """`value` as a string, or UnsupportedPathError naming `setting` when it is a `scheme://`
+    URL."""
     text = os.fspath(value)
     match = _SCHEME.match(text)
     if match:

@@ -10,12 +10,12 @@ Robustness rules, because a checkpoint directory holds days of compute:
   aside (Orbax would delete it) rather than lost.
 - Restoring walks back from the latest step, but only past checkpoints that are *damaged*: no
   commit marker, missing or garbled metadata, missing or truncated array files, failed integrity
-  checks (`is_damage`, train/checkpoint_damage.py). Those are reported with a warning; once an
+  checks (`is_damage`, checkpoint_damage.py). Those are reported with a warning; once an
   older one restores, they are moved to `<directory>_corrupted/<name>` - never deleted - so a later
   save of the same step cannot collide with them. Any other failure (a permission or transient I/O
   error) stops with `CheckpointReadError` and moves nothing: an older checkpoint would silently
   discard progress. A checkpoint that is intact but holds another train state (another model
-  shape) stops with `CheckpointMismatchError`, naming the entries (train/checkpoint_match.py); the
+  shape) stops with `CheckpointMismatchError`, naming the entries (checkpoint_match.py); the
   one exception is optimizer state saved in the earlier layout of the optax chain (disabled stages
   left out), which is read into the current one (`opt_state_layout.py`). If none restores, nothing
   is moved and the error lists every checkpoint: silently starting from scratch would discard a run.
@@ -97,7 +97,7 @@ def layer_chunked_save_args(state: PyTree) -> PyTree:
     and the optimizer moments that mirror them) one layer per chunk.
 
     Orbax otherwise makes each device shard one chunk, which spans every layer of the stack, so a
-    reader that wants one layer (``convert --from=paxlite``, ``export_merged``: train/stream_read.py)
+    reader that wants one layer (``convert --from=paxlite``, ``export_merged``: stream_read.py)
     must decode the whole leaf for it. Per-layer chunks change nothing for a restore.
     """
 
@@ -179,9 +179,10 @@ class Checkpointer:
 
         `force` saves off the interval (e.g. the final step) but never when saving is disabled.
         `data_state`, when given, is a JSON-serialisable record of where the input pipelines stand
-        (already gathered from every process), saved beside the state and restored by `restore_data`.
-        Raises CheckpointExistsError if the step is already saved (or being saved), as process 0
-        sees it; CheckpointViewsDifferError (on every process) if another process still lists it.
+        (already gathered from every process), saved beside the state and restored by
+        `restore_data`. Raises CheckpointExistsError if the step is already saved (or being saved),
+        as process 0 sees it; CheckpointViewsDifferError (on every process) if another process still
+        lists it.
         """
         if not self._enable_saving or not (force or self.should_save(step)):
             return False
@@ -226,8 +227,8 @@ class Checkpointer:
                 self._manager.reload()
                 listed = step in self._manager.all_steps()
             except OSError as error:  # the list it had stands: a step still listed stops the save
-                logging.warning("Could not re-read the checkpoints in %s (%s); keeping the list read "
-                                "before", self._directory, error)
+                logging.warning("Could not re-read the checkpoints in %s (%s); keeping the list "
+                                "read before", self._directory, error)
         return multihost.processes_where(listed)
 
     def _decided(self, decide: Callable[[], Any], *, what: str) -> Any:

@@ -1,7 +1,7 @@
 """Whether a checkpoint that failed to restore is damaged, or only unreadable now.
 
-Apart from the checkpointer (train/checkpoint.py) because this judgement decides what happens to a
-user's files, and other readers make it too (train/pretrained.py): a *damaged* checkpoint (no commit
+Apart from the checkpointer (checkpoint.py) because this judgement decides what happens to a
+user's files, and other readers make it too (pretrained.py): a *damaged* checkpoint (no commit
 marker, garbled metadata, missing or truncated array files, failed integrity checks) may be walked
 past and set aside, while any other failure (permissions, a transient I/O error) must stop the run
 and move nothing. With several processes each one classifies its own failure and the worst outcome
@@ -56,11 +56,13 @@ def _causes(error: BaseException) -> list[BaseException]:
 
 
 def is_damage(error: BaseException) -> bool:
-    """Whether `error` proves the checkpoint's bytes are missing or wrong (not merely unreadable now).
+    """Whether `error` proves the checkpoint's bytes are missing or wrong (not merely unreadable
+    now).
 
     Damage: a missing file, garbled JSON metadata, TensorStore's NOT_FOUND / OUT_OF_RANGE (a
     truncated file) / DATA_LOSS (failed checksum), or our own integrity check. Not damage: any other
-    OSError (permissions, EIO, a stale network mount), other TensorStore codes, and anything unknown.
+    OSError (permissions, EIO, a stale network mount), other TensorStore codes, and anything
+    unknown.
     """
     chain = _causes(error)
     if any(isinstance(e, OSError) and not isinstance(e, FileNotFoundError) for e in chain):

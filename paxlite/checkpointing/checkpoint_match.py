@@ -1,9 +1,9 @@
 """Whether a saved train state fits the one this run expects, and how to read it if it does.
 
-Apart from the checkpointer (train/checkpoint.py) because comparing a checkpoint's metadata with the
+Apart from the checkpointer (checkpoint.py) because comparing a checkpoint's metadata with the
 run's abstract state is its own question, asked before any array is read: which entries differ (so
 a mismatch is reported by name, not as an Orbax error), whether the difference is only the earlier
-layout of the optax chain (train/opt_state_layout.py), and which empty fields an older checkpoint
+layout of the optax chain (opt_state_layout.py), and which empty fields an older checkpoint
 may lack.
 """
 

@@ -1,16 +1,17 @@
 """Pax's own checkpoints (paxml's TensorStore layout) read into, and written from, paxlite's params.
 
-Here in train/ rather than interop/ because ``CHECKPOINT_RESTORE_PATH`` must read them directly (so
-Pax's ``run_llama_boolq.sh`` argument keeps working with the checkpoint a user already has), and
-train/ may not import interop/. The mapping is keyed on paxlite's *parameter tree names* (the model
-asks for ``layers_0/attention/qkv/kernel``; this module knows Pax's name for it), so train/ stays
-family-blind: no model family, no experiment.
+Here in checkpointing/ (which train/ and interop/ both import) rather than interop/ because
+``CHECKPOINT_RESTORE_PATH`` must read them directly (so Pax's ``run_llama_boolq.sh`` argument keeps
+working with the checkpoint a user already has), and train/ may not import interop/. The mapping is
+keyed on paxlite's *parameter tree names* (the model asks for ``layers_0/attention/qkv/kernel``;
+this module knows Pax's name for it), so train/ stays family-blind: no model family, no experiment.
 
-Pax's layout (pax.md 14): ``checkpoint_%08d/state/<flattened name>``, one TensorStore zarr array per
-directory, ``.`` separators, ``mdl_vars.params.`` before the model's names; GPT's repeated layers
-are one array per name under ``lm.transformer.repeat.sub.x_layers_0`` with a leading [L] axis.
-Pax LayerNorm scales are zero-centred (praxis applies ``1 + scale``); LLaMA's RMSNorm uses
-``direct_scale`` (the scale as it is): LayerNorm scales move by 1, RMSNorm scales do not.
+Pax's layout (docs/interop.md, "Pax checkpoints"): ``checkpoint_%08d/state/<flattened name>``, one
+TensorStore zarr array per directory, ``.`` separators, ``mdl_vars.params.`` before the model's
+names; GPT's repeated layers are one array per name under ``lm.transformer.repeat.sub.x_layers_0``
+with a leading [L] axis. Pax LayerNorm scales are zero-centred (praxis applies ``1 + scale``);
+LLaMA's RMSNorm uses ``direct_scale`` (the scale as it is): LayerNorm scales move by 1, RMSNorm
+scales do not.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def pax_arrays(step_dir: epath.Path) -> dict[str, PaxArray]:
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """How one paxlite leaf (of one layer) is made of Pax tensors: each piece transposed by
-    ``perm`` (np.transpose order), several pieces stacked on ``stack_axis``, then ``shift`` added."""
+    ``perm`` (np.transpose order), several pieces stacked on ``stack_axis``, then ``shift``
+    added."""
 
     names: tuple[str, ...]
     perm: tuple[int, ...] | None = None
@@ -162,7 +164,11 @@ def _layer_table(*, fused_qkv: bool, layer_norm: bool) -> dict[str, Recipe]:
         table[f"attention/{p}/bias"] = Recipe((f"{att}.{p}.b",))
     table["attention/out/kernel"] = Recipe((f"{att}.post.w",), perm=(1, 2, 0))  # [D,N,H]->[N,H,D]
     table["attention/out/bias"] = Recipe((f"{att}.post.b",))
-    for ours, theirs in (("wi", "ffn_layer1"), ("wi_gate", "ffn_layer1_gate"), ("wo", "ffn_layer2")):
+    for ours, theirs in (
+        ("wi", "ffn_layer1"),
+        ("wi_gate", "ffn_layer1_gate"),
+        ("wo", "ffn_layer2"),
+    ):
         table[f"mlp/{ours}/kernel"] = Recipe((f"ff_layer.{theirs}.linear.w",))
         table[f"mlp/{ours}/bias"] = Recipe((f"ff_layer.{theirs}.bias.b",))
     return table
@@ -179,7 +185,9 @@ def _top_table(*, tied: bool, layer_norm: bool) -> dict[str, Recipe]:
         "output/bias": Recipe(("lm.softmax.logits_ffn.bias.b",)),
         "position_embedding/embedding": Recipe(("lm.position_emb.emb_var",)),
     }
-    table.update({f"final_norm/{k}": r for k, r in _norm("lm.final_ln", layer_norm=layer_norm).items()})
+    table.update(
+        {f"final_norm/{k}": r for k, r in _norm("lm.final_ln", layer_norm=layer_norm).items()}
+    )
     return table
 
 
@@ -340,7 +348,10 @@ class BlockReader:
 
         store = self._stores.get(name)
         if store is None:
-            spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": self._arrays[name].path}}
+            spec = {
+                "driver": "zarr",
+                "kvstore": {"driver": "file", "path": self._arrays[name].path},
+            }
             store = ts.open(spec, open=True, read=True).result()
             self._stores[name] = store
         out = np.asarray(store[index].read().result())
@@ -393,7 +404,8 @@ def read_leaf(plan: LeafPlan, arrays: Mapping[str, PaxArray]) -> np.ndarray:
 
 
 def one_line(step_dir: Any, problems: list[str], *, what: str) -> str:
-    more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])}{' ...' if len(problems) > 4 else ''})"
+    more = (f" (and {len(problems) - 1} more: "
+            f"{'; '.join(problems[1:4])}{' ...' if len(problems) > 4 else ''})")
     return (f"the Pax checkpoint {step_dir} does not fit {what}: {problems[0]}"
             + (more if len(problems) > 1 else ""))
 

@@ -1,15 +1,17 @@
 """Pretrained weights on disk: the one format converters write and `CHECKPOINT_RESTORE_PATH` reads.
 
-A converted (or exported) model is a normal paxlite checkpoint, `DIR/checkpoints/checkpoint_<STEP>/state`,
-whose "state" item holds at least `params` (a training job's checkpoint also holds `step` and `opt_state`).
-So one reader serves both: initialising a fine-tuning run from a converted LLaMA, and from another job's
-training checkpoint, without ever reading optimizer state it does not need. Beside a converted checkpoint,
-`DIR/model_config.json` records the TransformerConfig, so exporting back needs no experiment name.
+A converted (or exported) model is a normal paxlite checkpoint,
+`DIR/checkpoints/checkpoint_<STEP>/state`, whose "state" item holds at least `params` (a training
+job's checkpoint also holds `step` and `opt_state`). So one reader serves both: initialising a
+fine-tuning run from a converted LLaMA, and from another job's training checkpoint, without ever
+reading optimizer state it does not need. Beside a converted checkpoint, `DIR/model_config.json`
+records the TransformerConfig, so exporting back needs no experiment name.
 
-Paths are accepted in the three spellings users have in hand: the job or output directory (`DIR`, as Pax's
-`CHECKPOINT_RESTORE_PATH=<DIR>`), its `checkpoints/` directory (what Pax's run_llama_boolq.sh passes), or
-one `checkpoint_<STEP>` directory. A step directory that is not finished (no commit marker: a save or a copy
-still under way) is skipped with a warning, and a damaged one is reported as such, never as a traceback.
+Paths are accepted in the three spellings users have in hand: the job or output directory (`DIR`, as
+Pax's `CHECKPOINT_RESTORE_PATH=<DIR>`), its `checkpoints/` directory (what Pax's run_llama_boolq.sh
+passes), or one `checkpoint_<STEP>` directory. A step directory that is not finished (no commit
+marker: a save or a copy still under way) is skipped with a warning, and a damaged one is reported
+as such, never as a traceback.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ MODEL_CONFIG_FILE = "model_config.json"
 
 
 class PretrainedCheckpointError(UserError, FileNotFoundError):
-    """A restore path that holds no readable paxlite checkpoint, or one that does not fit the model."""
+    """A restore path that holds no readable paxlite checkpoint, or one that does not fit the
+    model."""
 
 
 def _step_dirs(checkpoints: epath.Path) -> list[tuple[int, epath.Path]]:
@@ -90,9 +93,9 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[int, epath.Path]:
             if steps:
                 return steps[-1]
     raise PretrainedCheckpointError(
-        f"no paxlite checkpoint under {root}: expected {root}/checkpoints/checkpoint_<STEP>/{_ITEM}, "
-        f"{root}/checkpoint_<STEP>/{_ITEM}, or a checkpoint_<STEP> directory itself "
-        "(python -m paxlite convert writes the first layout)"
+        f"no paxlite checkpoint under {root}: expected "
+        f"{root}/checkpoints/checkpoint_<STEP>/{_ITEM}, {root}/checkpoint_<STEP>/{_ITEM}, or a "
+        "checkpoint_<STEP> directory itself (python -m paxlite convert writes the first layout)"
     )
 
 
@@ -103,7 +106,8 @@ def save_params(
     step: int = 0,
     model_config: TransformerConfig | None = None,
 ) -> epath.Path:
-    """Writes `directory/checkpoints/checkpoint_<step>/state` = {"step", "params"}; returns the step dir.
+    """Writes `directory/checkpoints/checkpoint_<step>/state` = {"step", "params"}; returns the step
+    dir.
 
     `directory` must be new or empty: nothing a user saved is overwritten. Everything is written
     into `<directory>.partial` and renamed into place at the end (paxlite/paths.py), so a save that
@@ -112,7 +116,9 @@ def save_params(
     """
     with staged_output(directory, setting="output directory") as staging:  # checks it first
         _save_params_into(epath.Path(staging), params, step=step, model_config=model_config)
-    return epath.Path(os.path.abspath(os.fspath(directory))) / "checkpoints" / f"checkpoint_{step:08d}"
+    return (
+        epath.Path(os.path.abspath(os.fspath(directory))) / "checkpoints" / f"checkpoint_{step:08d}"
+    )
 
 
 def save_state(
@@ -123,9 +129,10 @@ def save_state(
     model_config: TransformerConfig | None = None,
     copy_items_from: epath.Path | None = None,
 ) -> epath.Path:
-    """`save_params` for a whole saved train state ({"step", "params", "opt_state"?}: what a converter
-    that keeps optimizer state writes); the other items of the step directory `copy_items_from`
-    (e.g. the input pipeline's state) are copied beside it. Returns the step dir."""
+    """`save_params` for a whole saved train state ({"step", "params", "opt_state"?}: what a
+    converter that keeps optimizer state writes); the other items of the step directory
+    `copy_items_from` (e.g. the input pipeline's state) are copied beside it. Returns the step
+    dir."""
     import shutil
 
     with staged_output(directory, setting="output directory") as staging:
@@ -136,11 +143,14 @@ def save_state(
             for item in copy_items_from.iterdir():
                 if item.is_dir() and item.name != _ITEM and not (step_dir / item.name).exists():
                     shutil.copytree(os.fspath(item), os.fspath(step_dir / item.name))
-    return epath.Path(os.path.abspath(os.fspath(directory))) / "checkpoints" / f"checkpoint_{step:08d}"
+    return (
+        epath.Path(os.path.abspath(os.fspath(directory))) / "checkpoints" / f"checkpoint_{step:08d}"
+    )
 
 
 def read_state(path: str | os.PathLike) -> tuple[int, epath.Path, PyTree]:
-    """(step, step directory, the whole saved "state" item as NumPy arrays in its saved structure)."""
+    """(step, step directory, the whole saved "state" item as NumPy arrays in its saved
+    structure)."""
     step, step_dir = find_checkpoint(path)
     try:
         # Read as NumPy, said per leaf: left to Orbax, it reads the saved `_sharding` file and
@@ -167,9 +177,12 @@ def _save_state_into(root: epath.Path, state: PyTree, *, step: int,
         step_prefix="checkpoint", step_format_fixed_length=8, enable_async_checkpointing=False,
         create=True,
     )
-    # Orbax writes jax arrays about twice as fast as NumPy ones (measured: 4.4 s vs 8.2 s for 0.67 GB);
-    # on the CPU, device_put of a large aligned NumPy array can share its memory rather than copy it.
-    state = jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, dict(state))
+    # Orbax writes jax arrays about twice as fast as NumPy ones (measured: 4.4 s vs 8.2 s for 0.67
+    # GB); on the CPU, device_put of a large aligned NumPy array can share its memory rather than
+    # copy it.
+    state = jax.tree.map(
+        lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, dict(state)
+    )
     state["step"] = jnp.asarray(step, jnp.int32)
     with ocp.CheckpointManager(checkpoints, options=options, item_names=(_ITEM,)) as manager:
         save = ocp.args.StandardSave(state, save_args=checkpoint.layer_chunked_save_args(state))
@@ -185,11 +198,13 @@ def _path_str(path: tuple) -> str:
 
 def saved_param_shapes(path: str | os.PathLike, *, like: PyTree | None = None
                        ) -> tuple[int, epath.Path, dict[str, tuple[int, ...]]]:
-    """(step, step directory, {'/'-joined parameter name: shape}) of the checkpoint `path` designates.
+    """(step, step directory, {'/'-joined parameter name: shape}) of the checkpoint `path`
+    designates.
 
     A Pax checkpoint (pax_layout.py) has Pax's names; with ``like`` (the model's params tree) each
-    model parameter Pax holds is listed under paxlite's name (with the model's shape: `restore_params`
-    checks the Pax shapes), and the Pax tensors the model does not use under their Pax names."""
+    model parameter Pax holds is listed under paxlite's name (with the model's shape:
+    `restore_params` checks the Pax shapes), and the Pax tensors the model does not use under their
+    Pax names."""
     step, step_dir = find_checkpoint(path)
     if pax_layout.is_pax_step(step_dir):
         return step, step_dir, _pax_names(step_dir, like)
@@ -220,7 +235,8 @@ def item_metadata(state_dir: epath.Path) -> PyTree:
 
 
 def _read_failure(step_dir: epath.Path, error: BaseException) -> Exception:
-    """A damaged checkpoint becomes one clear error; anything else keeps its own (with traceback)."""
+    """A damaged checkpoint becomes one clear error; anything else keeps its own (with
+    traceback)."""
     if not is_damage(error):
         return error
     first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
@@ -232,10 +248,10 @@ def _read_failure(step_dir: epath.Path, error: BaseException) -> Exception:
 def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[int, PyTree]:
     """(step, params) read from the checkpoint at `path` into the structure of `abstract_params`.
 
-    `abstract_params` is a tree of `jax.ShapeDtypeStruct` (with shardings, so each process reads only
-    its shards) and may be a subset of the saved params: leaves left out (e.g. LoRA weights a base
-    checkpoint does not have, or parameters an ignore rule excludes) are simply not read. Any leaf it
-    asks for must exist with the same shape; an error names every one that does not.
+    `abstract_params` is a tree of `jax.ShapeDtypeStruct` (with shardings, so each process reads
+    only its shards) and may be a subset of the saved params: leaves left out (e.g. LoRA weights a
+    base checkpoint does not have, or parameters an ignore rule excludes) are simply not read. Any
+    leaf it asks for must exist with the same shape; an error names every one that does not.
     """
     step, step_dir = find_checkpoint(path)
     if pax_layout.is_pax_step(step_dir):
@@ -267,7 +283,9 @@ def restore_params(path: str | os.PathLike, abstract_params: PyTree) -> tuple[in
         restored = ocp.PyTreeCheckpointer().restore(
             state_dir,
             args=ocp.args.PyTreeRestore(
-                item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True
+                item={"params": abstract_params},
+                restore_args={"params": restore_args},
+                partial_restore=True,
             ),
         )
     except Exception as error:  # TensorStore raises bare Exception; re-raised
@@ -323,7 +341,9 @@ def _restore_pax(step_dir: epath.Path, abstract_params: PyTree, *,
         shape = tuple(leaf.shape)
         bounds = lambda index: tuple(s.indices(n)[:2] for s, n in zip(index, shape))
         ranges = {bounds(i) for i in sharding.addressable_devices_indices_map(shape).values()}
-        blocks = {r: b.astype(leaf.dtype, copy=False) for r, b in reader.shards(plan, ranges).items()}
+        blocks = {
+            r: b.astype(leaf.dtype, copy=False) for r, b in reader.shards(plan, ranges).items()
+        }
         return jax.make_array_from_callback(shape, sharding, lambda index: blocks[bounds(index)])
 
     return jax.tree_util.tree_map_with_path(read, abstract_params)

@@ -121,7 +121,8 @@ class CheckpointReader:
         return any(path[0] == "layers" for path in self.leaves)
 
     def tops(self) -> list[str]:
-        """Top-level names of the unscanned tree: ``embedding``, ``layers_0``, ... in model order."""
+        """Top-level names of the unscanned tree: ``embedding``, ``layers_0``, ... in model
+        order."""
         names = sorted({path[0] for path in self.leaves if path[0] != "layers"})
         if self.scanned:
             num = next(self.shape(p)[0] for p in self.leaves if p[0] == "layers")

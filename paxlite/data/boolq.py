@@ -1,20 +1,21 @@
 """BoolQ's examples and unpacked batches as Pax builds them (scored by `paxlite.eval.boolq`).
 
-Pax (`boolq` SeqIO task, `CustomMetricsLM` with `eval_task='boolq'`) asks the model a yes/no question
-about a passage. The prompt is `passage + '\\nquestion: ' + question + '?\\nanswer:'` and the target is
-`yes` or `no` with no EOS (`paxlite.data.seqio_tasks.boolq_prompt`, the one definition). Each row
-carries the pair of answer tokens, because the score compares the right answer's logit with the
-other answer's only.
+Pax (`boolq` SeqIO task, `CustomMetricsLM` with `eval_task='boolq'`) asks the model a yes/no
+question about a passage. The prompt is `passage + '\\nquestion: ' + question + '?\\nanswer:'` and
+the target is `yes` or `no` with no EOS (`paxlite.data.seqio_tasks.boolq_prompt`, the one
+definition). Each row carries the pair of answer tokens, because the score compares the right
+answer's logit with the other answer's only.
 
 Each example sits alone in one row (`pack=False`), only the target token carries weight, and the
-last batch is filled with all-zero rows whose example weight is 0 so that they never count; the whole
-validation split is read once, in order (`eval_loop_num_batches=-1`, `shuffle=False`).
+last batch is filled with all-zero rows whose example weight is 0 so that they never count; the
+whole validation split is read once, in order (`eval_loop_num_batches=-1`, `shuffle=False`).
 
 Truncation. Pax gives the inputs `MAX_SEQ_LEN - 64` tokens and the target 64, and SeqIO trims an
-over-long feature by keeping its *start*, which would cut off the question and `answer:` of a passage
-longer than the row. paxlite instead keeps the *end* of the inputs (the passage loses its beginning),
-as its Lambada does: the question is what the target answers. At Pax's length (4096) no BoolQ
-passage comes near either limit, so both choices score the same; they differ only on short test rows.
+over-long feature by keeping its *start*, which would cut off the question and `answer:` of a
+passage longer than the row. paxlite instead keeps the *end* of the inputs (the passage loses its
+beginning), as its Lambada does: the question is what the target answers. At Pax's length (4096) no
+BoolQ passage comes near either limit, so both choices score the same; they differ only on short
+test rows.
 
 Pax assumes `yes` and `no` are each one token (`TRUE_TOKEN = spm.encode('yes')`); paxlite checks it
 and says which pieces a tokenizer splits them into when it does not hold.
@@ -83,7 +84,8 @@ def _parse_line(line: str) -> BoolQExample:
 
 
 def read_boolq(path: str) -> list[BoolQExample]:
-    """Examples of a SuperGLUE BoolQ JSONL file (e.g. val.jsonl), in file order; blank lines skipped.
+    """Examples of a SuperGLUE BoolQ JSONL file (e.g. val.jsonl), in file order; blank lines
+    skipped.
 
     A bad line is an error, not a skipped example: a silently smaller set changes the accuracy.
     """
@@ -140,7 +142,9 @@ def yes_no_token_ids(tokenizer: PieceEncoder) -> tuple[int, int]:
     return ids["yes"], ids["no"]
 
 
-def _empty_batch(*, batch_size: int, seq_len: int, yes_no: tuple[int, int]) -> dict[str, np.ndarray]:
+def _empty_batch(
+    *, batch_size: int, seq_len: int, yes_no: tuple[int, int]
+) -> dict[str, np.ndarray]:
     batch = {
         key: np.zeros((batch_size, seq_len), dtype=np.int32)
         for key in ("inputs", "targets", "positions", "segment_ids")

@@ -68,7 +68,8 @@ def dual_chunk_swap_order(seq_len: int, num_shards: int) -> np.ndarray:
     ValueError naming both numbers (the chunks must be equal for the work to balance).
     """
     if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
-        raise ValueError(f"num_shards={num_shards!r}: expected a positive integer (the seq axis size)")
+        raise ValueError(f"num_shards={num_shards!r}: expected a positive integer (the seq axis "
+                         "size)")
     if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r}: expected a positive integer")
     chunks = 2 * num_shards

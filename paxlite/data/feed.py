@@ -1,9 +1,9 @@
 """From host batches to global device batches, for the training loop.
 
-A feed hides where batches come from (synthetic, or a prepared text dataset) behind four calls the loop
-needs: the batch for an optimizer step, the evaluation batches, and saving/restoring its position. Each
-process feeds only the rows its devices hold; `jax.make_array_from_process_local_data` assembles the global
-batch.
+A feed hides where batches come from (synthetic, or a prepared text dataset) behind four calls the
+loop needs: the batch for an optimizer step, the evaluation batches, and saving/restoring its
+position. Each process feeds only the rows its devices hold;
+`jax.make_array_from_process_local_data` assembles the global batch.
 
 Sequence parallelism with load balancing reorders each training batch's tokens where the batch is
 taken from its feed (``prefetch_train_batches(..., balance_seq_shards=C)``, on the devices, in the
@@ -82,7 +82,8 @@ class SyntheticFeed:
 
 
 def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding, plan: FeedPlan) -> Batch:
-    """This process's rows (`plan.rows`) into global arrays; per-example arrays ([B]) use the batch axes only."""
+    """This process's rows (`plan.rows`) into global arrays; per-example arrays ([B]) use the batch
+    axes only."""
     return {
         key: jax.make_array_from_process_local_data(
             NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[: value.ndim])),
@@ -94,8 +95,8 @@ def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding, plan: Feed
 
 
 class TextFeed:
-    """Batches from a prepared dataset, TFDS files, a weighted mixture of those (data/mixture.py), or a Pax
-    SeqIO task; the iterator position is saved in every checkpoint."""
+    """Batches from a prepared dataset, TFDS files, a weighted mixture of those (data/mixture.py),
+    or a Pax SeqIO task; the iterator position is saved in every checkpoint."""
 
     metric_prefix = ""
 
@@ -123,7 +124,8 @@ class TextFeed:
     def train_batch(self, index: int, sharding: Sharding) -> Batch:
         if index != self._next_index:
             raise RuntimeError(
-                f"text batches are read in order: asked for batch {index}, next is {self._next_index}"
+                f"text batches are read in order: asked for batch {index}, next is "
+                f"{self._next_index}"
             )
         self._next_index += 1
         return _to_global(next(self._iterator), sharding, self._plan)
@@ -155,7 +157,10 @@ class TextFeed:
         for one source."""
         if not self._mixture:
             return {}
-        return {name: _SourceEvalFeed(data, plan=self._plan) for name, data in self._data.eval_sources().items()}
+        return {
+            name: _SourceEvalFeed(data, plan=self._plan)
+            for name, data in self._data.eval_sources().items()
+        }
 
     def state(self, position: dict | None = None) -> dict:
         position = self.position() if position is None else position
@@ -167,18 +172,20 @@ class TextFeed:
     def restore(self, record: Any, *, step: int) -> None:
         if record is None:
             raise DatasetError(
-                f"the checkpoint at step {step} has no input-pipeline position, so the batches after it "
-                "cannot be reproduced; it was written for other data (e.g. synthetic)"
+                f"the checkpoint at step {step} has no input-pipeline position, so the batches "
+                "after it cannot be reproduced; it was written for other data (e.g. synthetic)"
             )
         processes = record["processes"]
         if len(processes) != jax.process_count():
             raise DatasetError(
-                f"the checkpoint at step {step} was written by {len(processes)} process(es) and this job has "
-                f"{jax.process_count()}: each process's input position cannot be split or merged"
+                f"the checkpoint at step {step} was written by {len(processes)} process(es) and "
+                f"this job has {jax.process_count()}: each process's input position cannot be "
+                "split or merged"
             )
         if record["batches_consumed"] != step:
             raise DatasetError(
-                f"the checkpoint at step {step} records {record['batches_consumed']} batches consumed"
+                f"the checkpoint at step {step} records {record['batches_consumed']} batches "
+                "consumed"
             )
         self._iterator.set_state(processes[jax.process_index()])
         self._next_index = step
@@ -207,7 +214,10 @@ def mixture_summaries(feed: Feed | None, position: Any) -> dict[str, float]:
     calls it (a collective when there are several)."""
     if not isinstance(feed, TextFeed):
         return {}
-    return {MIXTURE_METRIC_PREFIX + name: value for name, value in feed.mixture_fractions(position).items()}
+    return {
+        MIXTURE_METRIC_PREFIX + name: value
+        for name, value in feed.mixture_fractions(position).items()
+    }
 
 
 def eval_sources(feed: Feed) -> dict[str, Feed]:
@@ -217,8 +227,8 @@ def eval_sources(feed: Feed) -> dict[str, Feed]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LambadaEvalConfig:
-    """Zero-shot Lambada (Pax `lambada_eval`): a JSONL file of passages, or TFDS `my_lambada:1.0.0` in
-    `tfds_data_dir` (exactly one of the two), and the tokenizer."""
+    """Zero-shot Lambada (Pax `lambada_eval`): a JSONL file of passages, or TFDS `my_lambada:1.0.0`
+    in `tfds_data_dir` (exactly one of the two), and the tokenizer."""
 
     vocab_path: str
     seq_len: int
@@ -229,7 +239,8 @@ class LambadaEvalConfig:
     def __post_init__(self):
         if (self.path is None) == (self.tfds_data_dir is None):
             raise ValueError(
-                f"Lambada needs exactly one source: path={self.path!r} or tfds_data_dir={self.tfds_data_dir!r}"
+                f"Lambada needs exactly one source: path={self.path!r} or "
+                f"tfds_data_dir={self.tfds_data_dir!r}"
             )
 
 
@@ -275,13 +286,16 @@ class LambadaFeed:
         for index, batch in enumerate(batches):
             if index == num_batches:
                 break
-            yield _to_global({key: value[plan.rows] for key, value in batch.items()}, sharding, plan)
+            yield _to_global(
+                {key: value[plan.rows] for key, value in batch.items()}, sharding, plan
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BoolQEvalConfig:
-    """Zero-shot BoolQ (Pax `boolq`): a SuperGLUE JSONL file (val.jsonl), or TFDS `super_glue/boolq:1.0.2`
-    in `tfds_data_dir` (exactly one of the two; its `split`), and the tokenizer."""
+    """Zero-shot BoolQ (Pax `boolq`): a SuperGLUE JSONL file (val.jsonl), or TFDS
+    `super_glue/boolq:1.0.2` in `tfds_data_dir` (exactly one of the two; its `split`), and the
+    tokenizer."""
 
     vocab_path: str
     seq_len: int
@@ -292,12 +306,14 @@ class BoolQEvalConfig:
     def __post_init__(self):
         if (self.path is None) == (self.tfds_data_dir is None):
             raise ValueError(
-                f"BoolQ needs exactly one source: path={self.path!r} or tfds_data_dir={self.tfds_data_dir!r}"
+                f"BoolQ needs exactly one source: path={self.path!r} or "
+                f"tfds_data_dir={self.tfds_data_dir!r}"
             )
 
 
 class BoolQFeed:
-    """Evaluation only: every example once, in order, with its yes/no token pair; reported as boolq_acc."""
+    """Evaluation only: every example once, in order, with its yes/no token pair; reported as
+    boolq_acc."""
 
     metric_prefix = "boolq_"
     has_eval_data = True
@@ -332,13 +348,16 @@ class BoolQFeed:
         for index, batch in enumerate(batches):
             if index == num_batches:
                 break
-            yield _to_global({key: value[plan.rows] for key, value in batch.items()}, sharding, plan)
+            yield _to_global(
+                {key: value[plan.rows] for key, value in batch.items()}, sharding, plan
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BoolQTrainConfig:
-    """Supervised fine-tuning on BoolQ's training split (Pax's LLaMA configs train on the `boolq` task): a
-    SuperGLUE JSONL file (train.jsonl) or TFDS `super_glue/boolq:1.0.2` in `tfds_data_dir`, and the tokenizer."""
+    """Supervised fine-tuning on BoolQ's training split (Pax's LLaMA configs train on the `boolq`
+    task): a SuperGLUE JSONL file (train.jsonl) or TFDS `super_glue/boolq:1.0.2` in `tfds_data_dir`,
+    and the tokenizer."""
 
     vocab_path: str
     seq_len: int
@@ -350,18 +369,19 @@ class BoolQTrainConfig:
     def __post_init__(self):
         if (self.path is None) == (self.tfds_data_dir is None):
             raise ValueError(
-                f"BoolQ training needs exactly one source: path={self.path!r} or tfds_data_dir={self.tfds_data_dir!r}"
+                f"BoolQ training needs exactly one source: path={self.path!r} or "
+                f"tfds_data_dir={self.tfds_data_dir!r}"
             )
 
 
 class BoolQTrainFeed:
     """BoolQ examples as training rows: one example per row, loss on the answer token only.
 
-    The batch of step `index` is a pure function of (seed, index): global row r of that step is example
-    `perm_e[k mod N]` with k = index * B + r and perm_e a seeded permutation of the N examples for epoch
-    e = k // N. So nothing needs saving for an exact resume, every process can build just its own rows, and
-    each epoch visits every example once in a fresh order. Evaluation batches are the validation split's
-    (use EVAL_TASK=boolq for boolq_acc).
+    The batch of step `index` is a pure function of (seed, index): global row r of that step is
+    example `perm_e[k mod N]` with k = index * B + r and perm_e a seeded permutation of the N
+    examples for epoch e = k // N. So nothing needs saving for an exact resume, every process can
+    build just its own rows, and each epoch visits every example once in a fresh order. Evaluation
+    batches are the validation split's (use EVAL_TASK=boolq for boolq_acc).
     """
 
     metric_prefix = ""
@@ -377,7 +397,8 @@ class BoolQTrainFeed:
         else:
             self._examples = read_boolq_tfds(config.tfds_data_dir, split=config.split)
         if not self._examples:
-            raise DatasetError(f"BoolQ training data {config.path or config.tfds_data_dir} has no examples")
+            raise DatasetError(f"BoolQ training data {config.path or config.tfds_data_dir} has no "
+                               "examples")
         self._tokenizer = Tokenizer(config.vocab_path)
         self._yes_no = yes_no_token_ids(self._tokenizer)
         self._plan = plan
@@ -412,8 +433,8 @@ class BoolQTrainFeed:
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         raise DatasetError(
-            "BoolQ training has no validation-loss split of its own: evaluate with --fdl.EVAL_TASK=boolq "
-            "(boolq_acc on the validation split)"
+            "BoolQ training has no validation-loss split of its own: evaluate with "
+            "--fdl.EVAL_TASK=boolq (boolq_acc on the validation split)"
         )
 
     def position(self) -> None:

@@ -3,11 +3,12 @@
 Pax feeds `PERCORE_BATCH_SIZE x local devices` rows per process when that is at least one; with a
 fractional PERCORE_BATCH_SIZE (tensor parallelism makes that legal) only `num_infeed_hosts` of the
 processes feed and the others' devices get the same rows. JAX asks more of us: every process must
-supply the rows its own devices hold (`make_array_from_process_local_data`), so a process cannot stay
-silent. The plan therefore reads the batch sharding itself: processes whose devices hold the same
-rows form one feed and read the same slice of the data; distinct row blocks are the feeds, numbered in
-row order. With PERCORE_BATCH_SIZE >= 1 every process is its own feed (Pax's "all processes feed");
-with a tensor axis across processes, processes share a feed (Pax's subset of infeed hosts).
+supply the rows its own devices hold (`make_array_from_process_local_data`), so a process cannot
+stay silent. The plan therefore reads the batch sharding itself: processes whose devices hold the
+same rows form one feed and read the same slice of the data; distinct row blocks are the feeds,
+numbered in row order. With PERCORE_BATCH_SIZE >= 1 every process is its own feed (Pax's "all
+processes feed"); with a tensor axis across processes, processes share a feed (Pax's subset of
+infeed hosts).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class FeedPlan:
 
 
 def local_batch_size(*, global_batch_size: int, process_index: int, process_count: int) -> int:
-    """Rows one of `process_count` feeds supplies; a ValueError naming the numbers when they do not split."""
+    """Rows one of `process_count` feeds supplies; a ValueError naming the numbers when they do not
+    split."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise SettingError(
             f"process_index must be in [0, process_count), got process_index={process_index}, "
@@ -72,7 +74,8 @@ def plan_feeding(
     process_index: int | None = None,
     process_of: Callable[[jax.Device], int] = lambda device: device.process_index,
 ) -> FeedPlan:
-    """The feed plan of `process_index` (default: this process) for [global_batch_size, seq_len] batches.
+    """The feed plan of `process_index` (default: this process) for [global_batch_size, seq_len]
+    batches.
 
     `process_of` maps a device to its process; tests use it to lay out several processes over one
     process's devices.
@@ -87,8 +90,8 @@ def plan_feeding(
         ordered = sorted(ranges)
         if any(a[1] != b[0] for a, b in itertools.pairwise(ordered)):
             raise SettingError(
-                f"process {process} holds non-contiguous batch rows {ordered}: order the mesh so each "
-                "process's devices hold one contiguous block of the batch"
+                f"process {process} holds non-contiguous batch rows {ordered}: order the mesh so "
+                "each process's devices hold one contiguous block of the batch"
             )
         spans[process] = (ordered[0][0], ordered[-1][1])
     if process_index not in spans:
@@ -98,8 +101,8 @@ def plan_feeding(
     covered = sum(stop - start for start, stop in distinct)
     if len(sizes) != 1 or covered != global_batch_size:
         raise SettingError(
-            f"processes hold batch rows {distinct}: these must be equal, non-overlapping blocks that cover "
-            f"all {global_batch_size} rows"
+            f"processes hold batch rows {distinct}: these must be equal, non-overlapping blocks "
+            f"that cover all {global_batch_size} rows"
         )
     start, stop = spans[process_index]
     return FeedPlan(

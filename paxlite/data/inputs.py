@@ -1,7 +1,7 @@
 """Reading raw corpora: text files, JSONL (plain, .gz, .zst) and directories of them, as documents.
 
-In `.txt` files a document is a paragraph (blank-line separated) unless each file is one document; in
-JSONL a document is one line's text field. Also a small progress line for long-running tools.
+In `.txt` files a document is a paragraph (blank-line separated) unless each file is one document;
+in JSONL a document is one line's text field. Also a small progress line for long-running tools.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reading an evaluation set from a JSONL file: every line counts or the read fails.
 
-A bad line is an error naming the file and line, never a skipped example: a silently smaller test set
-changes the reported accuracy without anyone noticing.
+A bad line is an error naming the file and line, never a skipped example: a silently smaller test
+set changes the reported accuracy without anyone noticing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Lambada's examples and unpacked eval batches, as Pax builds them (scored in paxlite.eval.lambada).
+"""Lambada's examples and unpacked eval batches, as Pax builds them (scored in
+paxlite.eval.lambada).
 
 Pax (`lambada_eval`, `CustomMetricsLM` with `eval_task='lambada'`) scores a passage as correct
 only when *every* token of its last word is the model's greedy (argmax) prediction. The target is
@@ -161,7 +162,8 @@ def lambada_token_batches(
     seq_len: int,
     batch_size: int,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Unpacked [batch_size, seq_len] batches of `tokenize_lambada`'s examples, each exactly once."""
+    """Unpacked [batch_size, seq_len] batches of `tokenize_lambada`'s examples, each exactly
+    once."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, targets_len=1)
     batch = _empty_batch(batch_size=batch_size, seq_len=seq_len)
     row = 0

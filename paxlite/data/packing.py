@@ -39,7 +39,8 @@ def lm_features(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def unpacked_row(ids: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-    """One document -> one row of `seq_len`: truncated, right-padded with 0 (segment 0, weight 0)."""
+    """One document -> one row of `seq_len`: truncated, right-padded with 0 (segment 0, weight
+    0)."""
     n = min(ids.shape[0], seq_len)
     targets = np.zeros(seq_len, dtype=np.int32)
     targets[:n] = ids[:n]
@@ -58,7 +59,11 @@ def join_with_eos(docs: Sequence[np.ndarray] | None, *, flat: np.ndarray | None 
     """
     if flat is None:
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-        flat = np.concatenate(docs).astype(np.int32, copy=False) if len(docs) else np.zeros(0, np.int32)
+        flat = (
+            np.concatenate(docs).astype(np.int32, copy=False)
+            if len(docs)
+            else np.zeros(0, np.int32)
+        )
     ends = np.cumsum(lengths + 1)
     out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int32)
     keep = np.ones(out.shape, dtype=bool)
@@ -76,7 +81,9 @@ class ShardedRecords:
     """
 
     def __init__(self, paths: Sequence[str]):
-        self._readers = [array_record_module.ArrayRecordReader(p, "readahead_buffer_size:0") for p in paths]
+        self._readers = [
+            array_record_module.ArrayRecordReader(p, "readahead_buffer_size:0") for p in paths
+        ]
         counts = [reader.num_records() for reader in self._readers]
         self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
@@ -89,7 +96,8 @@ class ShardedRecords:
     def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
-            raise IndexError(f"record indices must be in [0, {len(self)}), got {indices.min()}..{indices.max()}")
+            raise IndexError(f"record indices must be in [0, {len(self)}), got "
+                             f"{indices.min()}..{indices.max()}")
         shards = np.searchsorted(self._offsets[1:], indices, side="right")
         out: list[bytes] = [b""] * len(indices)
         for shard in np.unique(shards):
@@ -126,13 +134,16 @@ class DocumentStream:
     def _order(self, epoch: int) -> np.ndarray:
         if not self._shuffle:
             return self._indices
-        return self._indices[np.random.default_rng([self._seed, epoch]).permutation(len(self._indices))]
+        return self._indices[
+            np.random.default_rng([self._seed, epoch]).permutation(len(self._indices))
+        ]
 
     def _set(self, *, epoch: int, cursor: int, offset: int) -> None:
         self._epoch, self._cursor = epoch, cursor  # the next document to read
         self._order_cache = (epoch, self._order(epoch))
         self._tokens = np.zeros(0, dtype=np.int32)
-        self._starts = np.zeros(0, dtype=np.int64)  # each buffered document's first token in _tokens
+        # each buffered document's first token in _tokens
+        self._starts = np.zeros(0, dtype=np.int64)
         self._keys = np.zeros((0, 2), dtype=np.int64)  # each buffered document's (epoch, cursor)
         self._pos = 0  # tokens of _tokens already emitted
         if offset:
@@ -148,7 +159,11 @@ class DocumentStream:
                 self._order_cache = (self._epoch, self._order(self._epoch))
                 epoch, order = self._order_cache
             take = order[self._cursor : self._cursor + count - wanted]
-            keys.append(np.stack([np.full(len(take), self._epoch), self._cursor + np.arange(len(take))], axis=1))
+            keys.append(
+                np.stack(
+                    [np.full(len(take), self._epoch), self._cursor + np.arange(len(take))], axis=1
+                )
+            )
             records.append(take)
             wanted += len(take)
             self._cursor += len(take)
@@ -167,10 +182,11 @@ class DocumentStream:
 
     @property
     def _chunk(self) -> int:
-        """Documents per read: fixed if given, else about _CHUNK_TOKENS tokens at the mean length so far.
+        """Documents per read: fixed if given, else about _CHUNK_TOKENS tokens at the mean length so
+        far.
 
-        Large reads amortise the per-request cost of ArrayRecord (per shard) and NumPy; the token target
-        keeps memory bounded when documents are long.
+        Large reads amortise the per-request cost of ArrayRecord (per shard) and NumPy; the token
+        target keeps memory bounded when documents are long.
         """
         if self._fixed_chunk is not None:
             return self._fixed_chunk
@@ -178,7 +194,8 @@ class DocumentStream:
         return int(np.clip(_CHUNK_TOKENS / mean, _MIN_CHUNK, _MAX_CHUNK))
 
     def _first_unfinished(self) -> int:
-        """Index of the first buffered document with tokens not yet emitted (len(_starts) if none)."""
+        """Index of the first buffered document with tokens not yet emitted (len(_starts) if
+        none)."""
         return int(np.searchsorted(self._starts, self._pos, side="right")) - 1 if self._pos < len(
             self._tokens) else len(self._starts)
 
@@ -187,10 +204,16 @@ class DocumentStream:
         if first == len(self._starts):
             return {"epoch": self._epoch, "cursor": self._cursor, "offset": 0}
         epoch, cursor = self._keys[first]
-        return {"epoch": int(epoch), "cursor": int(cursor), "offset": int(self._pos - self._starts[first])}
+        return {
+            "epoch": int(epoch),
+            "cursor": int(cursor),
+            "offset": int(self._pos - self._starts[first]),
+        }
 
     def set_state(self, state: dict[str, int]) -> None:
-        self._set(epoch=int(state["epoch"]), cursor=int(state["cursor"]), offset=int(state["offset"]))
+        self._set(
+            epoch=int(state["epoch"]), cursor=int(state["cursor"]), offset=int(state["offset"])
+        )
 
     def __next__(self) -> dict[str, np.ndarray]:
         return self.take(self._rows)
@@ -253,7 +276,8 @@ def token_chunk_encoder(*, eos_id: int) -> ChunkEncoder:
             if len(payload) % 4:
                 from paxlite.data.errors import DatasetError
 
-                raise DatasetError(f"token record has {len(payload)} bytes, not a multiple of 4 (int32 ids)")
+                raise DatasetError(f"token record has {len(payload)} bytes, not a multiple of 4 "
+                                   "(int32 ids)")
         lengths = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads)) // 4
         flat = np.frombuffer(b"".join(payloads), dtype="<i4").astype(np.int32)
         return join_with_eos(None, flat=flat, lengths=lengths, eos_id=eos_id)
@@ -273,7 +297,9 @@ def text_chunk_encoder(tokenizer, *, eos_id: int) -> ChunkEncoder:
             raise DatasetError(f"text record is not valid UTF-8: {e}") from e
         ids = tokenizer.encode_batch(texts)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum())
+        )
         return join_with_eos(None, flat=flat, lengths=lengths, eos_id=eos_id)
 
     return encode

@@ -7,8 +7,9 @@ row is padded); `inputs` are the targets shifted right *within each segment* wit
 segment start, so no token is ever predicted from the previous document. Concat-then-split was
 chosen over first-fit packing because it wastes no tokens on padding (first-fit left ~8% padding
 with 32 bins on 10..1500-token documents), keeps documents longer than `seq_len` without a separate
-chunking step, and was ~20% faster. Training rows are cut by `packing.DocumentStream` (chunked reads,
-numpy packing, a three-number position); evaluation, which reads each document once, goes through Grain.
+chunking step, and was ~20% faster. Training rows are cut by `packing.DocumentStream` (chunked
+reads, numpy packing, a three-number position); evaluation, which reads each document once, goes
+through Grain.
 
 Each process reads only its slice `[process_index::process_count]` of the records, before shuffling,
 so processes never see the same document and need not talk to each other; each returns its own
@@ -183,7 +184,9 @@ class TextData:
         self.config = config
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size(
-            global_batch_size=global_batch_size, process_index=process_index, process_count=process_count
+            global_batch_size=global_batch_size,
+            process_index=process_index,
+            process_count=process_count,
         )
         self.process_index = process_index
         self.process_count = process_count
@@ -244,8 +247,8 @@ class TextData:
         feature = tfds_datasets.LM_TEXT_FEATURES.get(self._tfds.name)
         if feature is None:
             raise records.DatasetError(
-                f"TFDS dataset {self._tfds} has no known text feature to train a language model on; "
-                f"paxlite trains on {sorted(tfds_datasets.LM_TEXT_FEATURES)}"
+                f"TFDS dataset {self._tfds} has no known text feature to train a language model "
+                f"on; paxlite trains on {sorted(tfds_datasets.LM_TEXT_FEATURES)}"
             )
         return tfds_datasets.TextFeatureSource(
             tfds_datasets.open_split(self._tfds, self._data_dir, split), feature=feature
@@ -338,7 +341,8 @@ class TextData:
 
     def document_stream(self) -> DocumentStream:
         """This process's training documents cut into rows (`local_batch_size` per `next`, any
-        number per `take`): what `train_iterator` wraps, and what a mixture draws each source from."""
+        number per `take`): what `train_iterator` wraps, and what a mixture draws each source
+        from."""
         config = self.config
         encode = self._encode
         chunk_encoder = (

@@ -121,8 +121,9 @@ def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-# One record per chunk (group_size:1) for random access. Token ids barely compress (zstd saved 16% on
-# Shakespeare's) while decompressing each tiny chunk cost more than reading it, so they are stored raw.
+# One record per chunk (group_size:1) for random access. Token ids barely compress (zstd saved 16%
+# on Shakespeare's) while decompressing each tiny chunk cost more than reading it, so they are
+# stored raw.
 _SHARD_OPTIONS = {Kind.TOKENS: "group_size:1,uncompressed", Kind.TEXT: "group_size:1"}
 
 

@@ -52,7 +52,8 @@ class SeqIODataConfig:
         task: 'the_pile_lm' or 'c4_lm_v301_gpt'; None when `mixture` is given.
         mixture: instead of `task` (DATA_MIXTURE): the name of a registered SeqIO mixture or task
             (e.g. one the experiment's module registers), or ((registered name, weight), ...), which
-            is registered as a `seqio.Mixture` under a name derived from it (`seqio_tasks.mixture_name`).
+            is registered as a `seqio.Mixture` under a name derived from it
+            (`seqio_tasks.mixture_name`).
         tfds_data_dir: the directory holding the TFDS datasets (Pax's --tfds_data_dir).
         vocab_path: the SentencePiece model (its id 0 is padding and its EOS must be > 0, as SeqIO
             assumes).
@@ -83,7 +84,8 @@ class SeqIODataConfig:
         if isinstance(self.mixture, list | tuple):
             object.__setattr__(self, "mixture", tuple((str(n), float(w)) for n, w in self.mixture))
             if not self.mixture or any(not math.isfinite(w) or w <= 0 for _, w in self.mixture):
-                raise ValueError(f"a SeqIO mixture needs (name, weight > 0) pairs, got {self.mixture}")
+                raise ValueError("a SeqIO mixture needs (name, weight > 0) pairs, got "
+                                 f"{self.mixture}")
         if self.task is not None and self.task not in LM_TASKS:
             close = difflib.get_close_matches(self.task, LM_TASKS + (LAMBADA_TASK, BOOLQ_TASK), n=1)
             hint = f"; did you mean {close[0]!r}?" if close and close[0] in LM_TASKS else ""
@@ -223,7 +225,9 @@ class SeqIOData:
         self.config = config
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size(
-            global_batch_size=global_batch_size, process_index=process_index, process_count=process_count
+            global_batch_size=global_batch_size,
+            process_index=process_index,
+            process_count=process_count,
         )
         self.process_index = process_index
         self.process_count = process_count
@@ -239,8 +243,8 @@ class SeqIOData:
             for split in (config.train_split, config.eval_split):
                 if split is not None and split not in splits:
                     raise DatasetError(
-                        f"TFDS dataset {source.tfds_name} in {tfds_data_dir!r} has no split {split!r}; "
-                        f"it has {splits}"
+                        f"TFDS dataset {source.tfds_name} in {tfds_data_dir!r} has no split "
+                        f"{split!r}; it has {splits}"
                     )
         vocab_path = os.path.abspath(os.path.expanduser(config.vocab_path))
         if not os.path.isfile(vocab_path):

@@ -169,8 +169,8 @@ def register_tasks(*, vocab_path: str, tfds_data_dir: str | None,
     that reason); here a later call replaces the tasks, so the last call's settings always win.
     `tfds_data_dir` becomes SeqIO's global TFDS override, as Pax's `--tfds_data_dir` did (None
     clears a previous override: TFDS's default directory then). The sources are read-only: a
-    missing dataset is an error, never a download. `shuffle_buffer_size` is the LM tasks' own (what a
-    `seqio.Mixture` of them shuffles with; reading a task directly passes its size anyway).
+    missing dataset is an error, never a download. `shuffle_buffer_size` is the LM tasks' own (what
+    a `seqio.Mixture` of them shuffles with; reading a task directly passes its size anyway).
     """
     seqio, tf = import_seqio()
     vocab_path = os.path.abspath(os.path.expanduser(vocab_path))

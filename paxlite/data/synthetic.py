@@ -1,9 +1,10 @@
 """Synthetic token batches: no I/O, deterministic in (seed, step), independent of the mesh.
 
-Every row follows a fixed random permutation of the vocabulary (token t+1 = perm[token t]) from a random start,
-so a model can learn it and the loss must fall, yet the shapes are exactly those of a real run. The global batch
-for a step is a pure function of the seed and the step: one device or many, one process or many, each row is the
-same, and each process computes only the rows its devices hold.
+Every row follows a fixed random permutation of the vocabulary (token t+1 = perm[token t]) from a
+random start, so a model can learn it and the loss must fall, yet the shapes are exactly those of a
+real run. The global batch for a step is a pure function of the seed and the step: one device or
+many, one process or many, each row is the same, and each process computes only the rows its devices
+hold.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class SyntheticData:
         self.config = config
         self.global_batch_size = global_batch_size
         self._perm = np.random.default_rng([config.seed, 7]).permutation(config.vocab_size)
-        self._cycles, self._cycle_start, self._cycle_len, self._cycle_pos = _cycle_tables(self._perm)
+        self._cycles, self._cycle_start, self._cycle_len, self._cycle_pos = _cycle_tables(
+            self._perm
+        )
 
     def _starts(self, stream: int, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.config.seed, stream, index])
@@ -79,10 +82,12 @@ class SyntheticData:
     def rows(self, stream: int, index: int, rows: slice) -> dict[str, np.ndarray]:
         """Host arrays for rows `rows` of batch `index` in `stream`."""
         starts = self._starts(stream, index)[rows]
-        # Token t of a row is perm applied t times to its start: a step of t along the start's cycle.
+        # Token t of a row is perm applied t times to its start: a step of t along the start's
+        # cycle.
         steps = np.arange(self.config.seq_len + 1, dtype=np.int64)  # [T + 1]
         offset = (self._cycle_pos[starts][:, None] + steps) % self._cycle_len[starts][:, None]
-        seq = self._cycles[self._cycle_start[starts][:, None] + offset].astype(np.int32)  # [R, T + 1]
+        # [R, T + 1]
+        seq = self._cycles[self._cycle_start[starts][:, None] + offset].astype(np.int32)
         return {
             "inputs": seq[:, :-1],
             "targets": seq[:, 1:],

@@ -2,8 +2,8 @@
 
 Pax's score does not compare the answer with every word the model could say, only with the other
 answer: at each target position the logit of the right answer must exceed the logit of the wrong
-one (`paxlite.train.losses.choice_correct` counts those positions per row). The examples, prompts and
-batches are built by `paxlite.data.boolq`; this module only scores what the model produced.
+one (`paxlite.train.losses.choice_correct` counts those positions per row). The examples, prompts
+and batches are built by `paxlite.data.boolq`; this module only scores what the model produced.
 """
 
 from __future__ import annotations
@@ -26,5 +26,7 @@ def boolq_acc(*, choice_correct: np.ndarray, example_weights: np.ndarray) -> flo
         )
     total = float(np.sum(example_weights))
     if total <= 0:
-        raise ValueError("boolq_acc needs at least one real example (example_weights > 0), got none")
+        raise ValueError(
+            "boolq_acc needs at least one real example (example_weights > 0), got none"
+        )
     return float(np.sum(choice_correct)) / total

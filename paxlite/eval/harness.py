@@ -142,7 +142,9 @@ class ModelRunner:
     def finish(self) -> None:
         """Tells the other processes that there is nothing more to compute."""
         if jax.process_count() > 1:
-            decided_by_process_0(lambda: {"request": Request.DONE.value}, what="end the lm_eval run")
+            decided_by_process_0(
+                lambda: {"request": Request.DONE.value}, what="end the lm_eval run"
+            )
 
     # -- every other process ---------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """paxlite's model for lm-evaluation-harness (``lm_eval``), and lm_eval's own evaluation around it.
 
-The one module that imports lm_eval (the `eval` extra; pyproject.toml's import contract keeps it so),
-and only inside functions: importing paxlite never loads it, and without the extra the first use
-is one error naming ``pip install -e '.[eval]'``.
+The one module that imports lm_eval (the `eval` extra; pyproject.toml's import contract keeps it
+so), and only inside functions: importing paxlite never loads it, and without the extra the first
+use is one error naming ``pip install -e '.[eval]'``.
 
 The LM reads text as lm_eval's own ``hf`` model (HFLM) reads it, so that the numbers are the ones
 users compare with, and does the arithmetic on paxlite's Transformer (harness.ModelRunner):
@@ -226,7 +226,8 @@ def results_tables(results: dict) -> str:
 
 
 def results_json(results: dict) -> str:
-    """The results dict as lm_eval's own command line writes it (its encoder for what JSON lacks)."""
+    """The results dict as lm_eval's own command line writes it (its encoder for what JSON
+    lacks)."""
     import json
 
     from lm_eval.utils import handle_non_serializable

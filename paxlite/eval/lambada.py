@@ -18,8 +18,9 @@ def acc_strict(
 ) -> float:
     """Fraction of real examples whose every weighted target token is the greedy prediction.
 
-    Inputs are per-example [N] arrays (concatenate `paxlite.train.losses.per_example_scores` over batches). The sums are
-    of 0/1 weights, hence exact small integers in float32, so equality is an exact test.
+    Inputs are per-example [N] arrays (concatenate `paxlite.train.losses.per_example_scores` over
+    batches). The sums are of 0/1 weights, hence exact small integers in float32, so equality is an
+    exact test.
     """
     correct_tokens = np.asarray(correct_tokens, dtype=np.float64)
     target_tokens = np.asarray(target_tokens, dtype=np.float64)

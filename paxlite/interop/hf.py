@@ -73,7 +73,8 @@ class Pretrained:
 
         from paxlite.models.transformer import Transformer
 
-        # fp8=None: converted weights carry no FP8 scaling state (training state), so score in dtype.
+        # fp8=None: converted weights carry no FP8 scaling state (training state), so score in
+        # dtype.
         config = dataclasses.replace(self.config, scan_layers=False, remat_policy=RematPolicy.NONE,
                                      fp8=None)
         tokens = jnp.asarray(tokens, jnp.int32)
@@ -386,8 +387,8 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
     """A paxlite checkpoint (converted model or training job) as a Pretrained.
 
     The model config is ``config`` if given, else ``model_config.json`` beside the checkpoint (what
-    ``convert`` writes). A training job's ``config.json`` names an experiment, which only the registry
-    above interop/ can rebuild: `paxlite.cli.convert.read_paxlite` reads those too.
+    ``convert`` writes). A training job's ``config.json`` names an experiment, which only the
+    registry above interop/ can rebuild: `paxlite.cli.convert.read_paxlite` reads those too.
     """
     import jax
     from flax import linen as nn

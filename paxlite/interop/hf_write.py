@@ -42,8 +42,9 @@ def parse_size(value: int | str, *, setting: str = "--max_shard_size") -> int:
         match = _SIZE.match(str(value))
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
-            raise SettingError(f"{setting}={value!r} is not a size; expected bytes or a number with "
-                               f"one of {', '.join(u for u in _UNITS if u)} (e.g. '5GB', '500MB')")
+            raise SettingError(f"{setting}={value!r} is not a size; expected bytes or a number "
+                               f"with one of {', '.join(u for u in _UNITS if u)} (e.g. '5GB', "
+                               "'500MB')")
         size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
         raise SettingError(f"{setting}={value!r} must be a positive size")
@@ -114,7 +115,8 @@ class ShardWriter:
 
     def add(self, name: str, array: np.ndarray) -> None:
         """Casts ``array`` to the writer's dtype and writes it at its planned place."""
-        import numpy as np  # not at import: `python -m paxlite` builds convert's parser without NumPy
+        # not at import: `python -m paxlite` builds convert's parser without NumPy
+        import numpy as np
 
         if name not in self._where:
             raise ValueError(f"tensor {name} was not planned (a converter bug)")
@@ -172,7 +174,8 @@ def check_tokenizer(path: str, *, vocab_size: int, setting: str = "--vocab_path"
     import sentencepiece as spm
 
     if not os.path.isfile(path):
-        raise NotFoundError(f"{setting}={path} does not exist (expected a SentencePiece .model file)")
+        raise NotFoundError(f"{setting}={path} does not exist (expected a SentencePiece .model "
+                            "file)")
     try:
         processor = spm.SentencePieceProcessor(model_file=path)
     except (RuntimeError, OSError) as e:
@@ -183,8 +186,8 @@ def check_tokenizer(path: str, *, vocab_size: int, setting: str = "--vocab_path"
                            "LlamaTokenizer (what --to=hf ships) reproduces BPE models only, as "
                            "LLaMA's and paxlite's train_tokenizer default are")
     if processor.get_piece_size() > vocab_size:
-        raise SettingError(f"{setting}={path} has {processor.get_piece_size()} pieces but the model's "
-                           f"vocab_size is {vocab_size}: not this model's tokenizer")
+        raise SettingError(f"{setting}={path} has {processor.get_piece_size()} pieces but the "
+                           f"model's vocab_size is {vocab_size}: not this model's tokenizer")
     return path
 
 

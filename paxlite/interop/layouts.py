@@ -54,7 +54,8 @@ class TensorSource:
 
     def __init__(self, tensors: Mapping[str, np.ndarray], *, what: str,
                  ignore: Callable[[str], bool] = lambda name: False) -> None:
-        # Names only: ``tensors`` may read lazily (streaming conversion), so values are fetched on take.
+        # Names only: ``tensors`` may read lazily (streaming conversion), so values are fetched on
+        # take.
         self._tensors = tensors
         self._names = {k for k in tensors if not ignore(k)}
         self._used: set[str] = set()

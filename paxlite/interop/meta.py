@@ -177,7 +177,7 @@ def _split_axis(name: str, part_shape: tuple[int, ...], *, config: TransformerCo
 
 def merge_shards(shards: list[dict[str, np.ndarray]], *, config: TransformerConfig
                  ) -> dict[str, np.ndarray]:
-    """One state dict from model-parallel shards (interop.md section 6)."""
+    """One state dict from model-parallel shards (docs/interop.md, "Layouts", says which axis)."""
     if len(shards) == 1:
         return dict(shards[0])
     names = set(shards[0])
@@ -277,7 +277,8 @@ class MetaShards(Mapping):
         self._paths = list(paths)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._groups: dict[int | str, set[str]] = {}
-        self._open: tuple[int | str, list[Mapping[str, Any]]] | None = None  # (group, mapped shards)
+        # (group, mapped shards)
+        self._open: tuple[int | str, list[Mapping[str, Any]]] | None = None
         self._unread: set[str] = set()
         shapes, replicated = _scan_shard(self._paths[0], config=config)
         parts = {name: [shape] for name, shape in shapes.items()}
@@ -332,7 +333,8 @@ class MetaShards(Mapping):
         self._open = None
 
     def stand_ins(self) -> dict[str, np.ndarray]:
-        """The same names as zero-stride float32 arrays of the merged shapes (no memory, no reads)."""
+        """The same names as zero-stride float32 arrays of the merged shapes (no memory, no
+        reads)."""
         zero = np.zeros(1, np.float32)
         return {name: np.lib.stride_tricks.as_strided(zero, shape, (0,) * len(shape))
                 for name, shape in self._shapes.items()}

@@ -2,11 +2,12 @@
 
 Reads what Pax wrote (a trained GPT, with or without repeated layers) and what saxml's
 ``convert_llama_ckpt.py`` wrote (LLaMA, fused ``combined_qkv`` or separate ``query/key/value``), in
-Pax's per-array TensorStore layout (pax.md 14), into the parameters of the experiment named by
-``--fdl_config``: Pax's files do not say which model they hold, the experiment does. The name table
-and the array reader are `paxlite.checkpointing.pax_layout`'s, shared with ``CHECKPOINT_RESTORE_PATH``
-(which reads these checkpoints directly); this module adds the converter's strictness (a Pax
-tensor the model does not use is an error, not a warning) and the writer.
+Pax's per-array TensorStore layout (docs/interop.md, "Pax checkpoints"), into the parameters of the
+experiment named by ``--fdl_config``: Pax's files do not say which model they hold, the experiment
+does. The name table and the array reader are `paxlite.checkpointing.pax_layout`'s, shared with
+``CHECKPOINT_RESTORE_PATH`` (which reads these checkpoints directly); this module adds the
+converter's strictness (a Pax tensor the model does not use is an error, not a warning) and the
+writer.
 
 Written back (``--to=pax``): ``<DIR>/checkpoints/checkpoint_00000000/`` with ``state/step`` (a
 scalar) and one zarr array per parameter under ``state/mdl_vars.params.<name>`` (the experiment's
@@ -100,7 +101,8 @@ def open_pax(path: str | os.PathLike, *, config: TransformerConfig, experiment: 
     if not pax_layout.is_pax_step(step_dir):
         raise ConversionError(
             f"{step_dir} is not a Pax checkpoint (no {pax_layout.STATE}/"
-            f"{pax_layout.PARAMS_PREFIX}* arrays); a paxlite checkpoint converts with --from=paxlite")
+            f"{pax_layout.PARAMS_PREFIX}* arrays); a paxlite checkpoint converts with "
+            "--from=paxlite")
     config = dataclasses.replace(config, scan_layers=False, remat_policy=RematPolicy.NONE,
                                  dtype=dtype, param_dtype=dtype)
     leaves = {name: tuple(leaf.shape) for name, leaf in layouts.flatten(
@@ -293,7 +295,9 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, repeated: bool,
     with _pax_step(out_dir, step=step) as state:
         for pax_name, array in tensors.items():
             _write_array(os.path.join(state, pax_layout.PARAMS_PREFIX + pax_name), array)
-    return os.path.join(os.path.abspath(os.fspath(out_dir)), "checkpoints", f"checkpoint_{step:08d}")
+    return os.path.join(
+        os.path.abspath(os.fspath(out_dir)), "checkpoints", f"checkpoint_{step:08d}"
+    )
 
 
 def pax_metadata(state: str | os.PathLike) -> dict[str, Any]:

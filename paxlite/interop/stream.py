@@ -54,8 +54,8 @@ class LazySafetensors(Mapping):
             absent = [name for name in files if not os.path.exists(os.path.join(directory, name))]
             if absent:
                 raise ConversionError(
-                    f"{directory}/{INDEX} names {len(absent)} shard(s) that are not in {directory}: "
-                    f"{', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''} "
+                    f"{directory}/{INDEX} names {len(absent)} shard(s) that are not in "
+                    f"{directory}: {', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''} "
                     f"({len(files) - len(absent)} of {len(files)} present); finish the download")
         self._handles: dict[str, Any] = {}
         self._layout: dict[str, tuple[int, dict[str, Any]]] = {}  # file -> (data start, header)
@@ -114,7 +114,8 @@ class LazySafetensors(Mapping):
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
     def stand_ins(self) -> Mapping[str, np.ndarray]:
-        """The same names as zero-stride float32 arrays of the right shapes (no memory, no reads)."""
+        """The same names as zero-stride float32 arrays of the right shapes (no memory, no
+        reads)."""
         return _StandIns(self)
 
 
@@ -127,7 +128,8 @@ def _numpy_dtype(code: str) -> np.dtype:
 
 
 def _read_header(path: str) -> tuple[int, dict[str, Any]]:
-    """(offset of the data, the JSON header) of a safetensors file (already checked by safe_open)."""
+    """(offset of the data, the JSON header) of a safetensors file (already checked by
+    safe_open)."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         return 8 + size, json.loads(f.read(size))

@@ -1,11 +1,13 @@
-"""paxlite <-> Transformer Engine parameter trees (``python -m paxlite convert --from=paxlite --to=te``).
+"""paxlite <-> Transformer Engine parameter trees
+(``python -m paxlite convert --from=paxlite --to=te``).
 
 A TE model (``layer_implementation=TRANSFORMER_ENGINE``, models/te_layer.py) keeps paxlite's
 embeddings, final norm and output, and has TE's ``TransformerLayer`` tree under each
 ``layers_<i>/transformer_layer`` (names and shapes as TE 2.x's Flax modules create them):
 
     paxlite layers_i/...                     TE layers_i/transformer_layer/...
-    pre_attention_norm/scale, bias           attention/qkv/scale, ln_bias  (GQA: attention/query/...)
+    pre_attention_norm/scale, bias           attention/qkv/scale, ln_bias
+                                             (GQA: attention/query/scale, ln_bias)
     attention/qkv/kernel [D, 3, N, H]        attention/qkv/kernel [D, 3, N*H]       (qkv_packed)
     attention/qkv/bias [3, N, H]             attention/qkv/bias [3, N*H]
     attention/query/kernel [D, N, H]         attention/query/kernel [D, N*H]        (kv_packed)
@@ -81,7 +83,8 @@ def _natural_layout(config: TransformerConfig) -> QkvLayout:
 
 
 def resolve_options(config: TransformerConfig, options: TeOptions) -> QkvLayout:
-    """The TE qkv layout for ``config``; every given option that contradicts the model is an error."""
+    """The TE qkv layout for ``config``; every given option that contradicts the model is an
+    error."""
     kv, n = config.kv_heads, config.num_heads
     gqa = kv != n
     if options.num_gqa_groups is not None and options.num_gqa_groups != kv:
@@ -181,9 +184,11 @@ def layer_to_te(layer: Params, *, config: TransformerConfig, kind: Kind = Kind.P
                               kshape=(n * h, d), bshape=(d,))
     mlp_in = layer["mlp"]
     wis = [mlp_in["wi_gate"], mlp_in["wi"]] if config.gated_mlp else [mlp_in["wi"]]
-    mlp: Params = {**_norm_to_te(layer["pre_mlp_norm"], config, kind),
-                   "wi_kernel": np.stack([np.asarray(w["kernel"]).reshape(d, f) for w in wis], axis=1),
-                   "wo_kernel": np.asarray(mlp_in["wo"]["kernel"]).reshape(f, d)}
+    mlp: Params = {
+        **_norm_to_te(layer["pre_mlp_norm"], config, kind),
+        "wi_kernel": np.stack([np.asarray(w["kernel"]).reshape(d, f) for w in wis], axis=1),
+        "wo_kernel": np.asarray(mlp_in["wo"]["kernel"]).reshape(f, d),
+    }
     if bias:
         mlp["wi_bias"] = np.stack([np.asarray(w["bias"]).reshape(f) for w in wis])
         mlp["wo_bias"] = np.asarray(mlp_in["wo"]["bias"]).reshape(d)
@@ -255,7 +260,9 @@ def te_param_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
                    f"{m}/wi_kernel": (d, a, f), f"{m}/wi_bias": (a, f), f"{m}/wo_kernel": (f, d),
                    f"{m}/wo_bias": (d,)})
     if not config.use_bias:
-        shapes = {k: v for k, v in shapes.items() if not k.endswith(("/bias", "wi_bias", "wo_bias"))}
+        shapes = {
+            k: v for k, v in shapes.items() if not k.endswith(("/bias", "wi_bias", "wo_bias"))
+        }
     return shapes
 
 

@@ -13,9 +13,10 @@ be 43 GB on every GPU). Host values enter as global arrays and the sampled token
 replicated, so the loop is one SPMD program that also runs over several processes.
 
 A batch of prompts of different lengths is *left*-padded to the longest one, P: every row's last
-prompt token is at slot P - 1, so all rows write the same cache slot at each step (one shared index),
-while each row's positions count from its own first token (RoPE and learned position embeddings see
-exactly the positions of the prompt run alone) and the padded slots are masked out of attention.
+prompt token is at slot P - 1, so all rows write the same cache slot at each step (one shared
+index), while each row's positions count from its own first token (RoPE and learned position
+embeddings see exactly the positions of the prompt run alone) and the padded slots are masked out of
+attention.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class SamplingConfig:
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: no top-k restriction), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1: no nucleus restriction), got {self.top_p!r}")
+            raise ValueError("top_p must be in (0, 1] (1: no nucleus restriction), got "
+                             f"{self.top_p!r}")
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:

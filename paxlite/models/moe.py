@@ -79,7 +79,12 @@ DISPATCHED_ACTIVATION_AXES: tuple[str, ...] = (
 )
 # [G, E, C, D]: dispatched tokens still where their group is, before and after the exchange.
 GROUP_MAJOR_AXES: tuple[str, ...] = ("activation_batch", None, None, "activation_embed")
-DISPATCHED_HIDDEN_AXES: tuple[str, ...] = ("activation_exp", "activation_group", None, "activation_mlp")
+DISPATCHED_HIDDEN_AXES: tuple[str, ...] = (
+    "activation_exp",
+    "activation_group",
+    None,
+    "activation_mlp",
+)
 
 
 def _mesh_axes(logical: str) -> tuple[str, ...]:
@@ -298,7 +303,9 @@ class MoeMlp(nn.Module):
         tensor_axes = tuple(a for a in _mesh_axes("mlp") if _mesh_size((a,)) > 1)
         ep = _mesh_size(expert_axes)
         if len(expert_axes) > 1:
-            raise ValueError(f"the expert logical axis must map to one mesh axis, got {expert_axes}")
+            raise ValueError(
+                f"the expert logical axis must map to one mesh axis, got {expert_axes}"
+            )
         kernel_fn = (self.grouped_matmul_fn if self.grouped_matmul_fn is not None
                      else grouped_matmul_kernel(cfg.grouped_matmul))
         run = functools.partial(

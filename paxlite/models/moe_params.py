@@ -23,7 +23,8 @@ def _norm_params(config: TransformerConfig) -> int:
 
 
 def expert_hidden_dims(config: TransformerConfig) -> int:
-    """The hidden size of one expert (``moe.expert_hidden_dims``, else the dense ``hidden_dims``)."""
+    """The hidden size of one expert (``moe.expert_hidden_dims``, else the dense
+    ``hidden_dims``)."""
     if config.moe is None:
         raise ValueError("expert_hidden_dims: the config has no MoE layers (moe is None)")
     return config.moe.expert_hidden_dims or config.hidden_dims

@@ -6,7 +6,7 @@ axis computes only its own stage. ``pipeline_apply_with_extras`` is the same sch
 that also read per-microbatch side inputs and return per-layer extras (summed over the valid
 iterations); the Transformer uses it through models/pipelined_stack.py.
 
-The recipe is the one MaxText, AXLearn and Praxis share (reference parallelism.md section 1):
+The recipe MaxText, AXLearn and Praxis share (docs/parallelism.md, "Pipeline parallelism"):
 
 - the layers of all S stages are ``vmap``ped over a leading stage dimension, sharded over the mesh
   axis the logical name ``"stage"`` maps to (``STAGE_RULE = ("stage", "pipeline")`` by default), so

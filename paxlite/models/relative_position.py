@@ -97,7 +97,9 @@ class RelativePositionBias(nn.Module):
                 f"positions must be [batch, length], got query {query_positions.shape} and key "
                 f"{key_positions.shape}"
             )
-        std = (self.num_heads * self.num_buckets) ** -0.5 if self.init_std is None else self.init_std
+        std = (
+            (self.num_heads * self.num_buckets) ** -0.5 if self.init_std is None else self.init_std
+        )
         table = self.param(
             "rel_bias",
             nn.with_logical_partitioning(

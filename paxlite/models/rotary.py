@@ -11,8 +11,9 @@ saxml-converted Pax) checkpoints load with no permutation. Hugging Face checkpoi
 *rotate-half* layout instead, pair j = (x[j], x[j + h/2]); HF's converter permuted the output rows
 of the query and key projections (per head: even rows first, then odd rows) to match it. Loading an
 HF checkpoint into this layout therefore needs the inverse row permutation on q and k at conversion
-time (``meta_row[2j + p] = hf_row[p * h/2 + j]``, reference interop.md section 1); v and the output
-projection are untouched. Skipping it gives a model that runs and produces plausible, wrong logits.
+time (``meta_row[2j + p] = hf_row[p * h/2 + j]``, docs/interop.md "The RoPE permutation"); v and
+the output projection are untouched. Skipping it gives a model that runs and produces plausible,
+wrong logits.
 
 Angles come from the batch's ``positions`` rather than ``arange(T)``, so packed rows whose
 positions restart at 0 for every document rotate each document exactly as if it ran alone.

@@ -1,9 +1,10 @@
-"""Decoder layers built from NVIDIA Transformer Engine's Flax ``TransformerLayer`` (Pax ``ENABLE_TE=1``).
+"""Decoder layers built from NVIDIA Transformer Engine's Flax ``TransformerLayer`` (Pax
+``ENABLE_TE=1``).
 
-Selected by ``TransformerConfig.layer_implementation=TRANSFORMER_ENGINE``; the embeddings, final norm
-and output projection stay paxlite's. TE fuses the norms into the following matmuls, runs cuDNN's
-fused attention and, with ``te.fp8=True`` (``ENABLE_FP8=1``), does the matmuls in FP8 with delayed
-scaling. The layer computes the same function as paxlite's ``Block`` (checked on a GPU in
+Selected by ``TransformerConfig.layer_implementation=TRANSFORMER_ENGINE``; the embeddings, final
+norm and output projection stay paxlite's. TE fuses the norms into the following matmuls, runs
+cuDNN's fused attention and, with ``te.fp8=True`` (``ENABLE_FP8=1``), does the matmuls in FP8 with
+delayed scaling. The layer computes the same function as paxlite's ``Block`` (checked on a GPU in
 tests/models/test_te_layer.py after `paxlite.interop.te` converts the parameters):
 
 - LayerNorm models use TE's ``zero_centered_gamma`` (Pax's setting): TE's ``scale`` is paxlite's
@@ -98,8 +99,8 @@ NAME_BASED_REMAT_POLICIES: frozenset[RematPolicy] = frozenset({
     RematPolicy.SAVE_DOT_FOR_MLPERF_200B, RematPolicy.SAVE_QKV_OUT_PROJ, RematPolicy.SAVE_OUT_PROJ,
     RematPolicy.SAVE_CONTEXT, RematPolicy.SAVE_CONTEXT_AND_OUT_PROJ,
 })
-TE_ATTENTION_REASON = ("TE's TransformerLayer runs its own fused attention, on the backend TE picks "
-                       "from NVTE_FUSED_ATTN, and reads neither attention switch")
+TE_ATTENTION_REASON = ("TE's TransformerLayer runs its own fused attention, on the backend TE "
+                       "picks from NVTE_FUSED_ATTN, and reads neither attention switch")
 TE_REMAT_REASON = ("it keeps tensors by their checkpoint_name tags, and TE's TransformerLayer "
                    "tags none (it would keep nothing and recompute the whole layer)")
 
@@ -143,7 +144,8 @@ def zero_centered_gamma(config: TransformerConfig) -> bool:
 
 
 def transformer_layer_kwargs(config: TransformerConfig) -> dict[str, Any]:
-    """The arguments of ``te.flax.TransformerLayer`` that make it paxlite's Block (module docstring).
+    """The arguments of ``te.flax.TransformerLayer`` that make it paxlite's Block (module
+    docstring).
 
     Plain values, so tests can check them without TE.
     """

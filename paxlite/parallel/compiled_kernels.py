@@ -108,7 +108,8 @@ def fp8_gemms(hlo_text: str) -> dict[str, int]:
 
 
 def _operand_types(instruction: _Instruction, types: dict[tuple[str, str], str]) -> tuple[str, ...]:
-    """The element type of each operand ("f8e4m3fn", "bf16", ...), typed in place or by definition."""
+    """The element type of each operand ("f8e4m3fn", "bf16", ...), typed in place or by
+    definition."""
     typed = re.findall(r"\b([a-z]\w*)\[[^\]]*\](?:\{[^}]*\})?\s+%", instruction.operands)
     if typed:
         return tuple(typed)

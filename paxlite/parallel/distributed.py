@@ -244,7 +244,8 @@ def detect_launch(
     ]
     if given:
         raise DistributedError(
-            f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --multiprocess_gpu; add it (as in Pax)"
+            f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with "
+            "--multiprocess_gpu; add it (as in Pax)"
         )
     if env.get("PAXLITE_COORDINATOR_ADDRESS") or env.get("PAXLITE_NUM_PROCESSES"):
         return _from_paxlite_env(env)

@@ -30,8 +30,8 @@ from typing import Any
 
 from paxlite.errors import UserError
 
-# The plugin JAX loads for CUDA 12 GPUs (`pip install 'jax[cuda12]'` brings it and the CUDA, cuDNN and
-# ptxas wheels it compiles with).
+# The plugin JAX loads for CUDA 12 GPUs (`pip install 'jax[cuda12]'` brings it and the CUDA, cuDNN
+# and ptxas wheels it compiles with).
 PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 CUDNN_DISTRIBUTION = "nvidia-cudnn-cu12"
 CUDA_RUNTIME_DISTRIBUTION = "nvidia-cuda-runtime-cu12"
@@ -47,7 +47,8 @@ class GpuCompileUnavailableError(UserError):
 
 
 class CompileTarget(str, enum.Enum):
-    """What the planner compiles for: this process's CPU devices (fake ones, `cpu`) or a GPU model."""
+    """What the planner compiles for: this process's CPU devices (fake ones, `cpu`) or a GPU
+    model."""
 
     CPU = "cpu"
     H100 = "h100"
@@ -241,8 +242,8 @@ def plugin_problem() -> str | None:
     import jax
 
     if not plugin_installed():
-        return ("compiling for a GPU without one needs JAX's CUDA plugin (XLA's GPU compiler, no GPU "
-                f"or driver needed, ~5 GB): pip install 'jax[cuda12]=={jax.__version__}'")
+        return ("compiling for a GPU without one needs JAX's CUDA plugin (XLA's GPU compiler, no "
+                f"GPU or driver needed, ~5 GB): pip install 'jax[cuda12]=={jax.__version__}'")
     return None
 
 

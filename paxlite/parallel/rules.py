@@ -1,10 +1,10 @@
 """The one table that maps logical axis names (in models) to mesh axes (in parallel/).
 
-Models name every parameter and large activation dimension; only this table knows the mesh. Parameters are
-sharded FSDP-style over `fsdp` on their embed dimension and tensor-parallel over `tensor` on heads/mlp/vocab;
-activations split their batch over data x fsdp x expert and their sequence over `seq`. MoE expert weights and
-expert-major activations split over `expert`; the layer stack over `pipeline`. Optimizer state follows the
-parameters.
+Models name every parameter and large activation dimension; only this table knows the mesh.
+Parameters are sharded FSDP-style over `fsdp` on their embed dimension and tensor-parallel over
+`tensor` on heads/mlp/vocab; activations split their batch over data x fsdp x expert and their
+sequence over `seq`. MoE expert weights and expert-major activations split over `expert`; the layer
+stack over `pipeline`. Optimizer state follows the parameters.
 """
 
 from __future__ import annotations
@@ -155,10 +155,13 @@ def batch_split(mesh: Mesh) -> int:
 
 
 def check_divisible(abstract_tree, shardings, mesh: Mesh, *, what: str = "parameter") -> None:
-    """Every sharded dimension must split evenly over its mesh axes; say which ones do not, before compiling."""
+    """Every sharded dimension must split evenly over its mesh axes; say which ones do not, before
+    compiling."""
     problems = []
     flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-    for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract_tree), flat_shardings):
+    for (path, leaf), sharding in zip(
+        jax.tree_util.tree_leaves_with_path(abstract_tree), flat_shardings
+    ):
         for dim, axes in zip(leaf.shape, sharding.spec):
             if axes is None:
                 continue
@@ -172,8 +175,11 @@ def check_divisible(abstract_tree, shardings, mesh: Mesh, *, what: str = "parame
                     f"{'x'.join(axes)}={ways}"
                 )
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        shown = "; ".join(problems[:5]) + (
+            f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        )
         raise MeshError(
             f"mesh {dict(mesh.shape)} does not divide every {what} evenly: {shown}. Choose mesh "
-            "sizes that divide these dimensions (e.g. a tensor axis that divides NUM_HEADS and HIDDEN_DIMS)"
+            "sizes that divide these dimensions (e.g. a tensor axis that divides NUM_HEADS and "
+            "HIDDEN_DIMS)"
         )

@@ -105,4 +105,6 @@ def eval_totals_add(totals: dict[str, tuple[jax.Array, jax.Array]],
 
 def eval_totals_value(host_totals: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
     """Fetched totals as Python floats (high + low in float64)."""
-    return {key: float(np.float64(high) + np.float64(low)) for key, (high, low) in host_totals.items()}
+    return {
+        key: float(np.float64(high) + np.float64(low)) for key, (high, low) in host_totals.items()
+    }

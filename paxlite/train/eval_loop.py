@@ -64,8 +64,14 @@ class Evaluator:
               watchdog: Watchdog | None) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """(the eval sums, the per-example scores) of `num_batches` batches of `data`."""
         totals = device_metrics.eval_totals_init()
-        per_example: dict[str, list[jax.Array]] = {"correct": [], "targets": [], "weights": [], "choice": []}
-        dispatched: collections.deque[dict] = collections.deque()  # totals of batches maybe not computed
+        per_example: dict[str, list[jax.Array]] = {
+            "correct": [],
+            "targets": [],
+            "weights": [],
+            "choice": [],
+        }
+        # totals of batches maybe not computed
+        dispatched: collections.deque[dict] = collections.deque()
         with jax.set_mesh(self._mesh), contextlib.closing(prefetch_eval_batches(
                 data, num_batches=self._num_batches,
                 sharding=self._steps.batch_sharding)) as batches:

@@ -3,7 +3,7 @@
 `python -m paxlite export_merged --input=JOB_DIR --output=DIR` reads the latest checkpoint of a LoRA
 job (or a `checkpoints/` or `checkpoint_<STEP>` directory), computes `kernel + (alpha / r) * A @ B`
 for every adapted projection (models/lora_merge.py:merge_lora) and writes an ordinary pretrained
-checkpoint (train/pretrained.py: `DIR/checkpoints/checkpoint_<STEP>/state`, and
+checkpoint (checkpointing/pretrained.py: `DIR/checkpoints/checkpoint_<STEP>/state`, and
 `DIR/model_config.json` with the base model's config, no LoRA). That is what the Hugging Face
 converter and CHECKPOINT_RESTORE_PATH read, and it runs at the base model's speed.
 """
@@ -81,7 +81,9 @@ def _check_fits(reader: CheckpointReader, *, config: TransformerConfig, step_dir
     have = traverse_util.flatten_dict(
         {top: reader.subtree(top, stand_ins=True) for top in reader.tops()}, sep="/")
     problems = [f"  {name}: missing from the checkpoint" for name in sorted(set(want) - set(have))]
-    problems += [f"  {name}: not a parameter of the LoRA model" for name in sorted(set(have) - set(want))]
+    problems += [
+        f"  {name}: not a parameter of the LoRA model" for name in sorted(set(have) - set(want))
+    ]
     problems += [f"  {name}: checkpoint shape {have[name].shape}, model shape {want[name].shape}"
                  for name in sorted(set(want) & set(have)) if have[name].shape != want[name].shape]
     if problems:

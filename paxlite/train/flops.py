@@ -100,16 +100,19 @@ def flops_per_token(
     if isinstance(num_moe_layers, bool) or not isinstance(num_moe_layers, int) or not (
             0 <= num_moe_layers <= num_layers):
         raise ValueError(
-            f"num_moe_layers must be an integer in [0, num_layers={num_layers}], got {num_moe_layers!r}.")
+            f"num_moe_layers must be an integer in [0, num_layers={num_layers}], got "
+            f"{num_moe_layers!r}.")
     moe_mlp = 0
     if num_moe_layers:
         expert_f = hidden_dims if expert_hidden_dims is None else expert_hidden_dims
         for name, value in (("num_experts", num_experts), ("experts_per_token", experts_per_token),
                             ("expert_hidden_dims", expert_f)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer with MoE layers, got {value!r}.")
+                raise ValueError(f"{name} must be a positive integer with MoE layers, got "
+                                 f"{value!r}.")
         if experts_per_token > num_experts:
-            raise ValueError(f"experts_per_token={experts_per_token} exceeds num_experts={num_experts}.")
+            raise ValueError(f"experts_per_token={experts_per_token} exceeds "
+                             f"num_experts={num_experts}.")
         router = 2 * model_dims * num_experts
         expert = 2 * model_dims * expert_f * (3 if gated_experts else 2)
         moe_mlp = router + experts_per_token * expert

@@ -4,7 +4,7 @@ Apart from the step (train/step.py) because how a batch is cut into microbatches
 devices and summed back into the one-batch gradient is its own set of rules (token-weighted sums, a
 strided split that moves no rows between devices, FP8 state merged by max), and a microbatch
 schedule (pipeline parallelism) belongs with it. `microbatch_size` also checks the setting before
-anything compiles (train/loop.py, plan_search.py).
+anything compiles (train/loop.py, planner/search.py).
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def pipeline_microbatches(pipeline: Any, *, global_batch_size: int, grad_accum_s
                            f"{grad_accum_steps})") from None
     if (rows // micro) % batch_split:
         raise SettingError(
-            f"pipeline microbatches of {rows // micro} rows ({rows} rows / {micro} microbatches) do "
-            f"not divide over data x fsdp x expert = {batch_split} ways: choose fewer microbatches "
-            f"(NUM_MICROBATCHES) or a larger batch")
+            f"pipeline microbatches of {rows // micro} rows ({rows} rows / {micro} microbatches) "
+            f"do not divide over data x fsdp x expert = {batch_split} ways: choose fewer "
+            "microbatches (NUM_MICROBATCHES) or a larger batch")
     return micro
 
 

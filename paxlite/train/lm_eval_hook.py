@@ -1,4 +1,5 @@
-"""LM_EVAL_TASKS: lm-evaluation-harness tasks scored on the live train state at evaluation boundaries.
+"""LM_EVAL_TASKS: lm-evaluation-harness tasks scored on the live train state at evaluation
+boundaries.
 
 Apart from the loop because scoring is its own conversation: lm_eval runs on process 0 and asks for
 log-likelihoods and continuations, which every process computes together on the run's mesh with the

@@ -61,7 +61,8 @@ def apply_model(model: nn.Module, params, batch: Batch, *, dropout_rng, determin
 
 
 def projection(model: nn.Module) -> Callable[[PyTree, jax.Array], jax.Array]:
-    """The model's final projection, hidden states -> logits (a chunked loss applies it per block)."""
+    """The model's final projection, hidden states -> logits (a chunked loss applies it per
+    block)."""
     return lambda params, hidden: model.apply({"params": params}, hidden, method="project")
 
 
@@ -162,9 +163,9 @@ def per_example_scores(logits: jax.Array, batch: Batch) -> dict[str, jax.Array]:
 def choice_correct(logits: jax.Array, batch: Batch) -> jax.Array:
     """Per-row weighted count [B] of target positions where the label beats the other choice.
 
-    Pax's BoolQ score (`CustomMetricsLM`, eval_task='boolq'): each row names its two answer tokens in
-    `yn_tokens` [B, 2]; at a target position holding one of them, the other is their sum minus the
-    label, and the position counts when logit[label] - logit[other] > 0 (a tie loses).
+    Pax's BoolQ score (`CustomMetricsLM`, eval_task='boolq'): each row names its two answer tokens
+    in `yn_tokens` [B, 2]; at a target position holding one of them, the other is their sum minus
+    the label, and the position counts when logit[label] - logit[other] > 0 (a tie loses).
     """
     logits = logits.astype(jnp.float32)  # [B, T, V]
     targets = batch["targets"]  # [B, T]

@@ -1,9 +1,9 @@
 """Training and evaluation metrics: metrics.jsonl, TensorBoard event files and a log line.
 
-`metrics.jsonl` is the machine-readable record (docs/training.md lists its keys): one JSON object per call,
-appended so a resumed run keeps its history, flushed per line so a crash loses nothing already
-logged, and strictly valid JSON (NaN/inf become null, because `json` would otherwise write the
-non-standard `NaN` token that most readers reject).
+`metrics.jsonl` is the machine-readable record (docs/training.md lists its keys): one JSON object
+per call, appended so a resumed run keeps its history, flushed per line so a crash loses nothing
+already logged, and strictly valid JSON (NaN/inf become null, because `json` would otherwise write
+the non-standard `NaN` token that most readers reject).
 
 TensorBoard files go to `summaries/train` and `summaries/eval` with the same tag names (eval keys
 without the `eval/` prefix), so TensorBoard overlays train and eval curves as Pax's did. They are

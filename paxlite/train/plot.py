@@ -9,7 +9,8 @@ from paxlite.errors import NotFoundError, SettingError
 
 
 def read_metrics(job_dir: str) -> tuple[list[dict], list[dict]]:
-    """(train lines, eval lines) of `job_dir/metrics.jsonl`; a resumed run's repeated steps keep the last value."""
+    """(train lines, eval lines) of `job_dir/metrics.jsonl`; a resumed run's repeated steps keep the
+    last value."""
     path = os.path.join(job_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise NotFoundError(f"{path} does not exist: is {job_dir} a paxlite job directory?")
@@ -26,7 +27,8 @@ def read_metrics(job_dir: str) -> tuple[list[dict], list[dict]]:
 
 
 def plot_losses(job_dir: str, output: str | None = None) -> str:
-    """Writes the loss curves (train loss per summary, eval loss per evaluation) and returns the PNG path."""
+    """Writes the loss curves (train loss per summary, eval loss per evaluation) and returns the PNG
+    path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,8 +42,13 @@ def plot_losses(job_dir: str, output: str | None = None) -> str:
     if train:
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.5)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval/loss"] for r in evals], "o-", label="validation loss",
-                lw=1.5)
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval/loss"] for r in evals],
+            "o-",
+            label="validation loss",
+            lw=1.5,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats/token)")
     ax.set_title(os.path.basename(os.path.normpath(job_dir)))

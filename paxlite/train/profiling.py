@@ -1,9 +1,9 @@
 """Pax's PROFILER_* settings: one JAX profiler trace of a few training steps, on process 0.
 
 Pax's open-source Profiler is a stub (traces come from a profiler server there), so the semantics
-here follow Pax's documented ones: the trace starts right before step `capture_step` (steps count from
-1, as metrics.jsonl does), covers `num_steps` steps, and is extended over further steps until at
-least `min_duration_sec` have been captured (Pax: "used when the estimated step duration times
+here follow Pax's documented ones: the trace starts right before step `capture_step` (steps count
+from 1, as metrics.jsonl does), covers `num_steps` steps, and is extended over further steps until
+at least `min_duration_sec` have been captured (Pax: "used when the estimated step duration times
 profiler_num_steps is smaller than this value"), never past the run's last step. Device work is
 asynchronous, so the duration is judged after blocking on the last traced step's outputs, which
 must be finished before the trace stops anyway.
@@ -39,8 +39,9 @@ class StepProfiler:
             enabled = jax.process_index() == 0
         self.capture_step: int | None = capture_step if enabled else None
         if capture_step is not None and capture_step < first_step:
-            logging.info("PROFILER_CAPTURE_STEP=%d: this run starts at step %d (a resume), past it, "
-                         "so nothing is profiled; the trace, if the earlier run made one, is in %s",
+            logging.info("PROFILER_CAPTURE_STEP=%d: this run starts at step %d (a resume), past "
+                         "it, so nothing is profiled; the trace, if the earlier run made one, is "
+                         "in %s",
                          capture_step, first_step, log_dir)
             self.capture_step = None
         self._started_at: float | None = None

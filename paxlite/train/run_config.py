@@ -34,7 +34,7 @@ class LoopConfig:
     grad_accum_steps: int = 1  # microbatches per optimizer step; the global batch is unchanged
     global_batch_size: int | None = None  # GLOBAL_BATCH_SIZE; None: percore_batch_size x devices
     # Parameters to initialise a run without checkpoints from (Pax CHECKPOINT_RESTORE_PATH; what
-    # train/pretrained.py reads), except those a CHECKPOINT_IGNORE_RULES regex matches.
+    # checkpointing/pretrained.py reads), except those a CHECKPOINT_IGNORE_RULES regex matches.
     checkpoint_restore_path: str | None = None
     checkpoint_ignore_rules: tuple[str, ...] = ()
     # Pax's z-loss on the output logits: z_loss_weight x the weighted mean of logsumexp(logits)^2
@@ -79,7 +79,8 @@ class RunConfig:
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
     mesh: MeshConfig
-    data: SyntheticDataConfig | TextDataConfig | BoolQTrainConfig | None  # None: evaluation-only (no training data given)
+    # None: evaluation-only (no training data given)
+    data: SyntheticDataConfig | TextDataConfig | BoolQTrainConfig | None
     # None: evaluate on the training data's eval split
     eval_task: LambadaEvalConfig | BoolQEvalConfig | None = None
     loop: LoopConfig

@@ -1,20 +1,23 @@
-"""A hang watchdog: when no step completes for a while, say where every thread is; later, end the process.
+"""A hang watchdog: when no step completes for a while, say where every thread is; later, end the
+process.
 
-A hung collective (a dead peer, a network partition) or a stuck input pipeline leaves a job holding its
-accelerators forever, silently. After WATCHDOG_TIMEOUT_SECONDS without progress the watchdog logs every
-thread's stack, which is usually enough to tell a stuck input thread from a stuck collective; after
-CRASH_ON_HANG_TIMEOUT_SECONDS it exits with HANG_EXIT_CODE so the scheduler can restart the job, which then
-resumes from its last checkpoint. The clock starts when the first step completes: that step compiles,
-which takes as long as it takes, and a restarted job would only compile again. (AXLearn's --trainer_watchdog_timeout_seconds and
+A hung collective (a dead peer, a network partition) or a stuck input pipeline leaves a job holding
+its accelerators forever, silently. After WATCHDOG_TIMEOUT_SECONDS without progress the watchdog
+logs every thread's stack, which is usually enough to tell a stuck input thread from a stuck
+collective; after CRASH_ON_HANG_TIMEOUT_SECONDS it exits with HANG_EXIT_CODE so the scheduler can
+restart the job, which then resumes from its last checkpoint. The clock starts when the first step
+completes: that step compiles, which takes as long as it takes, and a restarted job would only
+compile again. (AXLearn's --trainer_watchdog_timeout_seconds and
 --trainer_crash_on_hang_timeout_seconds.) The loop's cost is one clock read per step.
 
-Progress is not only steps: the loop beats after every evaluation batch too, so a long evaluation is not a hang.
-Two stretches are judged differently. While something compiles (`compiling()`: the first evaluation batch)
-nothing is reported: a compile takes as long as it takes. While a checkpoint commits (`committing()`: a save that
-waits for the previous one, the wait for the last one) a stall is still reported, but the process is never ended:
-killing a commit in progress throws away the very step a restart would resume from, and a slow network
-filesystem is not a hang. (A commit that never ends is then only reported; a dead peer still ends the
-job through JAX's distributed heartbeat.) Either stretch counts as progress when it ends.
+Progress is not only steps: the loop beats after every evaluation batch too, so a long evaluation is
+not a hang. Two stretches are judged differently. While something compiles (`compiling()`: the first
+evaluation batch) nothing is reported: a compile takes as long as it takes. While a checkpoint
+commits (`committing()`: a save that waits for the previous one, the wait for the last one) a stall
+is still reported, but the process is never ended: killing a commit in progress throws away the very
+step a restart would resume from, and a slow network filesystem is not a hang. (A commit that never
+ends is then only reported; a dead peer still ends the job through JAX's distributed heartbeat.)
+Either stretch counts as progress when it ends.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ def _exit_process(code: int) -> None:
 
 
 class Watchdog:
-    """Started by the training loop; `beat()` marks progress (a context manager; None timeouts: off)."""
+    """Started by the training loop; `beat()` marks progress (a context manager; None timeouts:
+    off)."""
 
     def __init__(self, *, timeout_s: float | None, crash_timeout_s: float | None,
                  exit_process: Callable[[int], None] = _exit_process,
@@ -97,7 +101,8 @@ class Watchdog:
         return self._in_phase(Phase.COMPILING)
 
     def committing(self) -> contextlib.AbstractContextManager[None]:
-        """A checkpoint commits inside: a stall is logged with every stack, never ends the process."""
+        """A checkpoint commits inside: a stall is logged with every stack, never ends the
+        process."""
         return self._in_phase(Phase.COMMITTING)
 
     def __enter__(self) -> Self:
@@ -121,24 +126,32 @@ class Watchdog:
             stalled = self._clock() - last
             if (phase is Phase.STEPPING and self._crash_timeout is not None
                     and stalled >= self._crash_timeout):
-                logging.error("No training step completed in %.0f s (CRASH_ON_HANG_TIMEOUT_SECONDS=%g): "
-                              "exiting with status %d so that the job can be restarted; it resumes from "
-                              "its last checkpoint. Where each thread is:\n%s", stalled,
+                logging.error("No training step completed in %.0f s "
+                              "(CRASH_ON_HANG_TIMEOUT_SECONDS=%g): exiting with status %d so that "
+                              "the job can be restarted; it resumes from its last checkpoint. "
+                              "Where each thread is:\n%s", stalled,
                               self._crash_timeout, HANG_EXIT_CODE, thread_stacks())
                 logging.flush()
                 self._exit_process(HANG_EXIT_CODE)
                 return
             # In a commit the crash timeout only makes the report due (when the first is off).
-            report_after = min(t for t in (self._timeout, self._crash_timeout, math.inf) if t is not None)
+            report_after = min(
+                t for t in (self._timeout, self._crash_timeout, math.inf) if t is not None
+            )
             if stalled >= report_after:
                 if self._reported_at != last:
                     self._reported_at = last
-                    during = (" while a checkpoint commits (the process is not ended during a commit)"
+                    during = (" while a checkpoint commits (the process is not ended during a "
+                              "commit)"
                               if phase is Phase.COMMITTING else "")
-                    logging.warning("No training step completed in %.0f s%s (WATCHDOG_TIMEOUT_SECONDS=%s); "
-                                    "where each thread is:\n%s", stalled, during,
-                                    "None" if self._timeout is None else f"{self._timeout:g}",
-                                    thread_stacks())
+                    logging.warning(
+                        "No training step completed in %.0f s%s "
+                        "(WATCHDOG_TIMEOUT_SECONDS=%s); where each thread is:\n%s",
+                        stalled,
+                        during,
+                        "None" if self._timeout is None else f"{self._timeout:g}",
+                        thread_stacks(),
+                    )
             elif self._reported_at is not None and self._reported_at != last:
                 logging.info("Training steps complete again")
                 self._reported_at = None
