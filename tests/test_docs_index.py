@@ -11,8 +11,6 @@ import pytest
 from tests.docs_blocks import REPO, doc_files, prose
 
 DOCS = REPO / "docs"
-# Pages other branches of issue 14 are writing at the same time; links to them are checked once they exist.
-# Remove each name when its page lands.
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 

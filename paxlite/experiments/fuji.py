@@ -61,7 +61,7 @@ _TERA = 1024**4  # AXLearn's "T" of TOTAL_TOKENS
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FujiVersion:
-    """What changes between Fuji v1, v2, v3 and v3-tiktoken (axlearn.md section 1)."""
+    """What changes between Fuji v1, v2, v3 and v3-tiktoken (docs/training.md's versions table)."""
 
     vocab_size: int
     max_seq_len: int
@@ -102,7 +102,7 @@ SINGLE_HOST_SIZES: tuple[str, ...] = ("1B", "3B", "7B", "8B")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FujiSize:
-    """One row of AXLearn's `get_trainer_kwargs` (axlearn.md section 2)."""
+    """One row of AXLearn's `get_trainer_kwargs` (docs/training.md's Fuji sizes table)."""
 
     num_layers: int
     model_dims: int

@@ -1,4 +1,4 @@
-"""AXLearn's Fuji mesh rules (axlearn.md section 5), chosen by the launcher's `--mesh_selector`.
+"""AXLearn's Fuji mesh rules (docs/migrating_from_axlearn.md), chosen by `--mesh_selector`.
 
 AXLearn attaches to each Fuji model a list of (regex, mesh or modifier) rules; the launcher's
 `--mesh_selector` (an instance type such as `gpu-p5.48xlarge-256` or `tpu-v5p-512`) picks the first

@@ -28,7 +28,7 @@ from tests.experiments.traced import traced_num_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 1024**4
-# AXLearn's table, written out by hand (axlearn.md sections 1-2; the test model's ffn 32 is from
+# AXLearn's table, written out by hand (docs/training.md's tables; the test model's ffn 32 is from
 # fuji-test-v1_init.txt). (size, version): (layers, d, heads, head_dim, kv heads, ffn, vocab, tied,
 # seq, theta, total tokens)
 TABLE = {
@@ -52,7 +52,7 @@ TABLE = {
     ("405B", "3-tiktoken"): (126, 16384, 128, 128, 8, 53248, 128256, False, 8192, 5e5, 15 * T),
 }
 SINGLE_HOST_SIZES = ("1B", "3B", "7B", "8B")
-# axlearn.md's derived column, in billions as printed there (3 or 4 significant digits).
+# The parameter counts AXLearn's shapes give, in billions (3 or 4 significant digits).
 DERIVED_BILLIONS = {("1B", "3"): "1.242", ("3B", "3"): "3.221", ("7B", "1"): "6.610",
                     ("7B", "2"): "6.610", ("7B", "3"): "6.208", ("70B", "1"): "78.38",
                     ("70B", "2"): "68.99", ("70B", "3"): "70.60", ("8B", "3-tiktoken"): "8.030",
@@ -60,7 +60,7 @@ DERIVED_BILLIONS = {("1B", "3"): "1.242", ("3B", "3"): "3.221", ("7B", "1"): "6.
 
 
 def _variants():
-    """(size, version, flash, single_host, fp8): -fp8 for every size but test (axlearn.md 4)."""
+    """(size, version, flash, single_host, fp8): -fp8 for every size but test."""
     for (size, version) in TABLE:
         for fp8 in (False, True) if size != "test" else (False,):
             for single_host in (False, True) if size in SINGLE_HOST_SIZES else (False,):
@@ -84,7 +84,8 @@ def _experiment(name):
 
 
 def _count(size, version):
-    """interop.md section 5's LLaMA formula, with one V x D table where Fuji ties the head."""
+    """The LLaMA parameter formula (docs/migrating_from_pax.md), one V x D table where Fuji ties
+    the head."""
     layers, d, heads, h, kv, f, v, tied, *_ = TABLE[size, version]
     per_layer = 2 * d * heads * h + 2 * d * kv * h + 3 * d * f + 2 * d
     return (1 if tied else 2) * v * d + layers * per_layer + d
@@ -97,7 +98,7 @@ def test_registered_pairs_and_variants_are_exactly_axlearns():
     assert len(fuji.FUJI_EXPERIMENTS) == len(VARIANTS) == 52 + 44
     assert set(fuji.TOTAL_TOKENS) == {(v, s) for s, v in TABLE}
     assert fuji.SINGLE_HOST_SIZES == SINGLE_HOST_SIZES
-    tiktoken = fuji.VERSIONS["3-tiktoken"]  # Llama 3's tokenizer (axlearn.md section 1)
+    tiktoken = fuji.VERSIONS["3-tiktoken"]  # Llama 3's tokenizer
     assert (tiktoken.vocab_size, tiktoken.pad_id, tiktoken.eos_id) == (128_256, 128_004, 128_001)
 
 

@@ -24,7 +24,7 @@ from paxlite.train.losses import loss_fn
 from tests.experiments.traced import traced_num_params, traced_variables
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# name: (D, F, L, H, KV, published parameter count), reference interop.md section 5
+# name: (D, F, L, H, KV, parameter count), as docs/migrating_from_pax.md's LLaMA table has them
 SIZES = {
     "LLaMA7B": (4096, 11008, 32, 32, 32, 6_738_415_616),
     "LLaMA13B": (5120, 13824, 40, 40, 40, 13_015_864_320),
@@ -45,7 +45,7 @@ def test_exact_parameter_counts(name: str) -> None:
 
 
 def test_pax_llama_hyperparameters() -> None:
-    """pax.md section 5, written out by hand."""
+    """Pax's LLaMA settings (docs/migrating_from_pax.md), written out by hand."""
     table = {"LLaMA7B": (32, 32, 4096, 11008, 32, 16, [1, 8, 1], [1, 1, 1]),
              "LLaMA13B": (40, 40, 5120, 13824, 40, 8, [1, 8, 1], [1, 1, 1]),
              "LLaMA70B": (80, 64, 8192, 28672, 8, 4, [1, 8, 1], [1, 2, 1])}

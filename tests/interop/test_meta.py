@@ -26,7 +26,7 @@ def _hf_to_meta_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_meta(directory, model, *, permute: bool, shards: int = 2, dtype=None,
                embedding_axis: int = 1) -> None:
-    """consolidated.NN.pth shards split as Meta's model-parallel code splits them (interop.md 6),
+    """consolidated.NN.pth shards split as Meta's model-parallel code splits them (docs/interop.md),
     stored in ``dtype`` (a torch dtype; None: the model's float32); the token embedding split along
     model dims (``embedding_axis=1``, LLaMA-1/2) or the vocabulary (0, LLaMA-3)."""
     import torch

@@ -66,7 +66,7 @@ def test_a_killed_save_leaves_partial_which_a_rerun_replaces(tmp_path, caplog):
     # Killed (os._exit: no cleanup runs) while Orbax writes the checkpoint.
     script = (
         "import os, numpy as np, orbax.checkpoint as ocp\n"
-        "from paxlite.train import pretrained\n"
+        "from paxlite.checkpointing import pretrained\n"
         "def killed(self, *a, **k):\n"
         "    os.makedirs(os.path.join(str(self.directory), 'checkpoint_00000000.orbax-checkpoint-tmp-1'))\n"
         "    os._exit(9)\n"

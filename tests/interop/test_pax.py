@@ -1,6 +1,6 @@
-"""Pax's own checkpoints: built here with TensorStore from pax.md 14's description (names, shapes,
-zero-centred LayerNorm scales, ``repeat.sub``), read by ``convert --from=pax`` and directly as
-CHECKPOINT_RESTORE_PATH, written back by ``--to=pax``.
+"""Pax's own checkpoints: built here with TensorStore as docs/interop.md ("Pax checkpoints")
+describes them (names, shapes, zero-centred LayerNorm scales, ``repeat.sub``), read by
+``convert --from=pax`` and directly as CHECKPOINT_RESTORE_PATH, written back by ``--to=pax``.
 
 The reference model is paxlite's Transformer with the same random numbers placed by the hand-written
 table `_reference_params` below (independent of paxlite/checkpointing/pax_layout.py's table): a wrong name,
@@ -39,7 +39,7 @@ def _write(path, array):
 
 
 def _pax_tensors(config, rng, *, separate_qkv):
-    """{Pax name: array} per layer ('L.' prefix = one layer) and at the top, as pax.md 14 names them."""
+    """{Pax name: array} per layer ('L.' prefix = one layer) and at the top, as Pax names them."""
     d, n, k, h, f, v = (config.model_dims, config.num_heads, config.kv_heads, config.dims_per_head,
                         config.hidden_dims, config.vocab_size)
     r = lambda *s: rng.normal(0, 0.3, s).astype(np.float32)

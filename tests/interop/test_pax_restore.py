@@ -2,7 +2,7 @@
 (issue 23 item 2): values on a sharded 8-device mesh equal the source arrays, and TensorStore
 reads each chunk of the files once, each read covering only a device's index range.
 
-The Pax checkpoints are test_pax.py's (built with TensorStore from pax.md 14), their repeated
+The Pax checkpoints are test_pax.py's (built with TensorStore in Pax's layout), their repeated
 arrays re-chunked as Pax chunks them (by device shard, every chunk spanning all layers), so that a
 read of one layer decodes a chunk holding all of them.
 """

@@ -1,7 +1,7 @@
 """GPU: an FP8 train step really runs cuBLASLt FP8 GEMMs (run with JAX_PLATFORMS=cuda,cpu).
 
 XLA turns a dot into the FP8 GEMM only when its operands trace straight back to f8 values through
-the ops its pattern allows (gpu_speed.md §1); anything else silently leaves a BF16 GEMM. So the
+the ops its pattern allows (docs/fp8.md); anything else silently leaves a BF16 GEMM. So the
 check counts the FP8 custom calls in the optimised HLO of the whole train step: one forward and two
 backward GEMMs for each of the 4 FP8 matmuls (qkv, attention output, wi, wo) of every layer.
 """

@@ -4,7 +4,7 @@ Loss and every gradient leaf of a tiny GLaM (GShard top-2: dispatch/combine eins
 resharding GSPMD turns into an all-to-all) and a tiny Mixtral (dropless top-2: the shard_map
 exchange over the expert axis, tensor-split expert matmuls) on 8 CPU devices, against the same
 parameters and batch on one device. XLA:CPU has computed wrong gradients on some meshes before
-(reference/stack.md), so every gradient is compared, not only the loss.
+(tests/train/test_sharded_equivalence.py), so every gradient is compared, not only the loss.
 """
 
 import functools

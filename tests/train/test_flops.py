@@ -177,7 +177,7 @@ def test_override_wins_and_is_in_tflops() -> None:
 
 
 def test_mfu() -> None:
-    # 1,157,192 tokens/s is the ideal GPT126M rate on one H200 (performance.md section 3).
+    # 1,157,192 tokens/s: GPT126M on one H200 at 100% MFU (docs/training.md derives it).
     mfu = model_flops_utilization(
         tokens_per_s=1_157_192 * 8 * 0.4,
         flops_per_token=854_654_976,

@@ -1,7 +1,8 @@
 """Losses and gradients on every supported mesh layout equal the one-device run.
 
-XLA:CPU has silently computed wrong gradients for FSDP x tensor sharded matmul chains on a (2,2,2) mesh
-(reference/stack.md); this test is the guard against that class of bug, on the real model and train step.
+XLA:CPU has silently computed wrong gradients for FSDP x tensor sharded matmul chains on a
+(2,2,2) mesh; this test is the guard against that class of bug, on the real model and train
+step.
 """
 
 import functools
