@@ -60,7 +60,8 @@ def _has_gpu() -> bool:
 
 
 # Seconds each test took (setup, call and teardown) in the last recorded run on 2 cores, written by
-# `make test-durations` (pytest --record-durations). Tests missing from it (new ones) count as 0 s.
+# `make test-durations` (pytest --record-durations, which updates the entries of the files it
+# runs). Tests missing from it (new ones) count as 0 s.
 DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "durations.json")
 # A test measured above this is `slow` (left out of `make test-quick`) even without its own marker;
 # the ones of tens of seconds carry @pytest.mark.slow in their file, with the reason.
@@ -69,8 +70,9 @@ QUICK_LIMIT_S = 2.0
 
 def pytest_addoption(parser):
     parser.addoption("--record-durations", metavar="PATH", default=None,
-                     help="write each test's seconds (setup + call + teardown) to PATH as JSON "
-                          "(tests/durations.json orders the suite and marks the slow tests)")
+                     help="record each test's seconds (setup + call + teardown) in PATH, a JSON "
+                          "file updated with the tests run (tests/durations.json orders the suite "
+                          "and marks the slow tests)")
 
 
 def _recorded_durations() -> dict[str, float]:
@@ -161,21 +163,47 @@ def _shared_fixtures(item) -> set:
 
 class _DurationRecorder:
     """Sums each test's phases as the reports arrive (in the controlling process under xdist) and
-    writes them at the end of the session, rounded to 0.1 s, sorted by name."""
+    writes them at the end of the session, rounded to 0.1 s, sorted by name.
 
-    def __init__(self, path: str):
-        self.path, self.seconds = path, {}
+    The file is updated, not replaced: the tests this session ran get their new entries, and the
+    other entries are kept, but for those of test files that no longer exist. So a few files
+    re-measured (`pytest FILES --record-durations=tests/durations.json`) and the gpu_compile
+    session (a session of its own: see the Makefile) each add their part. A skipped test is not
+    measured: it keeps its entry (the gpu_compile tests are skipped in a session without the
+    plugin). An entry of a test renamed within its file stays behind unused: only the collected
+    tests are looked up."""
+
+    def __init__(self, path: str, *, rootdir: str):
+        self.path, self.rootdir, self.seconds, self.skipped = path, rootdir, {}, set()
 
     def pytest_runtest_logreport(self, report):
+        if report.skipped:
+            self.skipped.add(report.nodeid)
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
 
     def pytest_sessionfinish(self, session):
+        measured = {k: v for k, v in self.seconds.items() if k not in self.skipped}
+        try:
+            with open(self.path) as f:
+                recorded = json.load(f)
+        except FileNotFoundError:
+            recorded = {}
+        kept = {k: v for k, v in recorded.items()
+                if os.path.exists(os.path.join(self.rootdir, k.split("::")[0]))}
         with open(self.path, "w") as f:
-            json.dump({k: round(v, 1) for k, v in sorted(self.seconds.items())}, f, indent=0)
+            json.dump({k: round(v, 1) for k, v in sorted({**kept, **measured}.items())}, f,
+                      indent=0)
             f.write("\n")
 
 
 def pytest_configure(config):
+    # xdist's --dist loadscope/loadfile hands out files by their number of tests, most first, unless
+    # told not to: that would undo the longest-first order of pytest_collection_modifyitems and
+    # leave a long file with few tests (the GPU benchmark's, the docs' commands) for the end, with
+    # the other worker idle while it runs.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     path = config.getoption("--record-durations")
     if path and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(_DurationRecorder(path), "paxlite-duration-recorder")
+        config.pluginmanager.register(_DurationRecorder(path, rootdir=str(config.rootpath)),
+                                      "paxlite-duration-recorder")

@@ -140,7 +140,7 @@ def test_planned_peaks_are_the_planners_for_each_runs_recorded_experiment(bench)
     config = json.loads((log_dir / "synthetic126m_bf16_dot_product" / "config.json").read_text())
     experiment = load_recorded_experiment(config["experiment"],
                                           {name: config["hparams"][name] for name in config["overridden"]})
-    expected = compile_train_step(experiment, num_devices=1, target="cpu")["memory"]["peak_bytes"]
+    expected = compile_train_step(experiment, num_devices=1, target="cpu").memory.peak_bytes
     assert runs[PLANNED]["planned_peak_bytes"] == expected
     assert "planned peak: the train step compiled before the runs, for cpu (--cpu: no GPU model), 1 device: " \
            "1 of 12 cases" in stdout

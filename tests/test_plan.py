@@ -13,10 +13,20 @@ import pytest
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import num_params
+from paxlite.parallel.gpu_target import CompileTarget
 from paxlite.parallel.mesh import MeshError
 from paxlite.planner import levers as plan_levers
+from paxlite.planner import longest_seq as plan_longest_seq
 from paxlite.planner import plan as plan_lib
 from paxlite.planner import search as plan_search
+from paxlite.planner.results import (
+    DeviceMemory,
+    LongestSeqFound,
+    MeshSizes,
+    Plan,
+    StepMeasurement,
+)
+from tests.in_process import paxlite_command
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -29,7 +39,7 @@ TINY = ("NUM_LAYERS=1", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1")
 REPLICATED = (2 * 2 * 64 + 3 * 8 * 8 + 64 + 256 + 64) + 2 * 64
 
 
-def _tiny_plan(*mesh: str, num_devices: int, **kwargs) -> dict:
+def _tiny_plan(*mesh: str, num_devices: int, **kwargs) -> Plan:
     experiment = load_experiment("TinySynthetic", (*TINY, *mesh))
     return plan_lib.plan_experiment(experiment, num_devices=num_devices, **kwargs)
 
@@ -43,7 +53,7 @@ def _hand_count(*, layers=1, d=64, heads=8, head=8, mlp=256, vocab=256, seq=64) 
 
 
 @pytest.fixture(scope="module")
-def fsdp_plans() -> dict[int, dict]:
+def fsdp_plans() -> dict[int, Plan]:
     return {f: _tiny_plan(f"ICI_MESH_SHAPE=[{8 // f},{f},1]", num_devices=8) for f in (1, 2, 4, 8)}
 
 
@@ -52,85 +62,86 @@ def test_parameter_bytes_are_an_exact_hand_count_over_fsdp(fsdp_plans):
     count = _hand_count(seq=32)
     assert num_params(config) == count
     for fsdp, p in fsdp_plans.items():
-        m = p["memory_per_device"]
+        m = p.memory_per_device
         # Every parameter has one embed dimension (64, divisible by 8) sharded over fsdp, except
         # the norm scales/biases and the biases without an embed dimension, which are replicated.
         sharded = count - REPLICATED
-        assert m["parameter_bytes"] == 4 * (sharded // fsdp + REPLICATED), fsdp
-        assert m["gradient_bytes"] == m["parameter_bytes"]
-        assert p["num_params"] == count
+        assert m.parameter_bytes == 4 * (sharded // fsdp + REPLICATED), fsdp
+        assert m.gradient_bytes == m.parameter_bytes
+        assert p.num_params == count
 
 
 def test_sharded_state_falls_as_one_over_fsdp(fsdp_plans):
-    full = fsdp_plans[1]["memory_per_device"]
+    full = fsdp_plans[1].memory_per_device
     replicated_bytes = 4 * REPLICATED
     for fsdp in (2, 4, 8):
-        m = fsdp_plans[fsdp]["memory_per_device"]
-        sharded = m["parameter_bytes"] - replicated_bytes
-        assert sharded * fsdp == full["parameter_bytes"] - replicated_bytes
+        m = fsdp_plans[fsdp].memory_per_device
+        sharded = m.parameter_bytes - replicated_bytes
+        assert sharded * fsdp == full.parameter_bytes - replicated_bytes
         # Adam: mu and nu shaped and sharded like the parameters, plus replicated scalars.
-        scalars = full["optimizer_state_bytes"] - 2 * full["parameter_bytes"]
+        scalars = full.optimizer_state_bytes - 2 * full.parameter_bytes
         assert 0 <= scalars <= 64
-        assert m["optimizer_state_bytes"] == 2 * m["parameter_bytes"] + scalars
-        assert m["argument_bytes"] < full["argument_bytes"]
-    assert [fsdp_plans[f]["mesh"]["fsdp"] for f in (1, 2, 4, 8)] == [1, 2, 4, 8]
+        assert m.optimizer_state_bytes == 2 * m.parameter_bytes + scalars
+        assert m.argument_bytes < full.argument_bytes
+    assert [fsdp_plans[f].mesh.fsdp for f in (1, 2, 4, 8)] == [1, 2, 4, 8]
 
 
 def test_plan_fields_and_flops(fsdp_plans):
     p = fsdp_plans[2]
+    as_json = p.to_json()
     for key in ("experiment", "num_devices", "mesh", "global_batch_size", "tokens_per_step",
                 "num_params", "memory_per_device", "peak_formula", "device_memory_bytes", "fits",
                 "margin_bytes", "flops_per_step", "step_time_at_100pct_mfu_s", "levers",
                 "compile_s"):
-        assert key in p, key
-    m = p["memory_per_device"]
-    assert m["peak_bytes"] == (m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"]
-                               + m["temp_bytes"] + m["generated_code_bytes"])
-    assert m["alias_bytes"] > 0  # the donated state is updated in place
-    assert p["global_batch_size"] == 8 and p["tokens_per_step"] == 8 * 32
+        assert key in as_json, key
+    m = p.memory_per_device
+    assert m.peak_bytes == (m.argument_bytes + m.output_bytes - m.alias_bytes
+                            + m.temp_bytes + m.generated_code_bytes)
+    assert m.alias_bytes > 0  # the donated state is updated in place
+    assert p.global_batch_size == 8 and p.tokens_per_step == 8 * 32
     # 6 N_matmul + 6 L S H h per token (paxlite/train/flops.py), by hand.
     n_matmul = (64 * 3 * 64 + 64 * 64 + 2 * 64 * 256) + 64 * 256
-    assert p["flops_per_step"]["analytic"] == (6 * n_matmul + 6 * 1 * 32 * 64) * 256
+    assert p.flops_per_step.analytic == (6 * n_matmul + 6 * 1 * 32 * 64) * 256
     # The compiler counts the same matmuls (plus elementwise work), split over 8 devices.
-    ratio = p["flops_per_step"]["compiler_total"] / p["flops_per_step"]["analytic"]
+    ratio = p.flops_per_step.compiler_total / p.flops_per_step.analytic
     assert 0.9 < ratio < 2.0, ratio
-    assert p["step_time_at_100pct_mfu_s"] == pytest.approx(
-        p["flops_per_step"]["analytic"] / (8 * 989e12))
-    assert p["fits"] and p["levers"] == []
+    assert p.step_time_at_100pct_mfu_s == pytest.approx(p.flops_per_step.analytic / (8 * 989e12))
+    assert p.verdict.fits and p.levers == ()
     # f32 logits [B/(data x fsdp), N/tensor, T, S] = [1, 8, 32, 32]
-    assert p["attention_logits_bytes_per_layer"] == 4 * 8 * 32 * 32
-    json.dumps(p)
+    assert p.attention_logits_bytes_per_layer == 4 * 8 * 32 * 32
+    # the JSON is the plan's, read back to the same plan
+    assert Plan.from_json(json.loads(json.dumps(as_json))) == p
 
 
 def test_fits_flips_and_levers_are_computed(fsdp_plans):
     fits = fsdp_plans[2]  # mesh data 4 x fsdp 2
-    peak = fits["memory_per_device"]["peak_bytes"]
+    peak = fits.memory_per_device.peak_bytes
     tight = _tiny_plan("ICI_MESH_SHAPE=[4,2,1]", num_devices=8, device_memory_gib=peak / 2**30 / 2)
-    assert fits["fits"] and not tight["fits"]
-    assert tight["memory_per_device"] == fits["memory_per_device"]
-    assert tight["margin_bytes"] == tight["device_memory_bytes"] - peak < 0
-    levers = {lever["lever"]: lever for lever in tight["levers"]}
+    assert fits.verdict.fits and not tight.verdict.fits
+    assert tight.memory_per_device == fits.memory_per_device
+    assert tight.verdict.margin_bytes == tight.device_memory_bytes - peak < 0
+    levers = {lever.lever: lever for lever in tight.levers}
     all_fsdp = levers["fsdp 2 -> 8 (all of data moved to fsdp)"]
-    assert all_fsdp["method"] == "compiled" and all_fsdp["peak_bytes"] < peak
+    assert all_fsdp.method == "compiled" and all_fsdp.peak_bytes < peak
     # The analytic step in between: only the sharded state shrinks (exactly 1/fsdp).
-    state = sum(fits["memory_per_device"][k] for k in
-                ("parameter_bytes", "optimizer_state_bytes", "gradient_bytes"))
-    assert levers["fsdp 2 -> 4 (data 4 -> 2)"]["peak_bytes"] == peak - state + math.ceil(state / 2)
+    m = fits.memory_per_device
+    state = m.parameter_bytes + m.optimizer_state_bytes + m.gradient_bytes
+    assert levers["fsdp 2 -> 4 (data 4 -> 2)"].peak_bytes == peak - state + math.ceil(state / 2)
     remat = levers["USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)"]
     # Compiled (on this one-layer model recomputation saves nothing; the LLaMA70B plan in
     # docs/parallelism.md shows the lever at scale).
-    assert remat["method"] == "compiled" and remat["overrides"]["USE_REPEATED_LAYER"] is True
-    assert remat["peak_bytes"] > 0 and "fits" in remat
+    assert remat.method == "compiled" and remat.overrides["USE_REPEATED_LAYER"] is True
+    assert remat.peak_bytes > 0 and remat.verdict is not None
     half = levers["PERCORE_BATCH_SIZE 1 -> 0.5"]
     # Half of 8 rows over data x fsdp = 8 ways is not a whole number of rows per device.
-    assert half["applicable"] is False and "does not divide" in half["reason"]
+    assert half.applicable is False and "does not divide" in half.reason
     # Two microbatches of 4 rows cannot be spread over 8 devices either: refused, with the reason.
     accum = levers["GRAD_ACCUM_STEPS 1 -> 2 (same global batch, same training)"]
-    assert accum["applicable"] is False and "GRAD_ACCUM_STEPS" in accum["reason"]
+    assert accum.applicable is False and "GRAD_ACCUM_STEPS" in accum.reason
 
 
 @pytest.fixture(scope="module")
-def lever_plan() -> dict:
+def lever_plan() -> Plan:
     """Nothing fits: four levers (one on another mesh) compiled at once, then all together."""
     return _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
 
@@ -140,46 +151,49 @@ def lever_plan() -> dict:
 def test_levers_compiled_at_once_measure_what_one_at_a_time_measures(lever_plan, monkeypatch):
     """The levers compile in threads (plan_search.compile_variants), each under its own mesh: a mesh or rules
     context leaking between threads would change some lever's bytes."""
-    assert sum(lever.get("method") == "compiled" for lever in lever_plan["levers"]) >= 3
+    assert sum(lever.method == "compiled" for lever in lever_plan.levers) >= 3
     monkeypatch.setattr(plan_lib.os, "cpu_count", lambda: 1)  # one worker: one lever after another
     serial = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
-    assert serial["levers"] == lever_plan["levers"]
+    assert serial.levers == lever_plan.levers
 
 
 @pytest.mark.slow  # compiles the step with and without accumulation (~29 s on 2 cores)
 def test_gradient_accumulation_lever_lowers_the_peak(lever_plan):
     plan = lever_plan
-    accum = {lever["lever"]: lever for lever in plan["levers"]}["GRAD_ACCUM_STEPS 1 -> 2 (same global batch, "
-                                                                  "same training)"]
-    assert accum["method"] == "compiled" and accum["peak_bytes"] < plan["memory_per_device"]["peak_bytes"]
-    # Nothing fits alone, so the same-training levers are also compiled together (batch halving is not among them).
-    together = plan["levers"][-1]
-    singles = [lever for lever in plan["levers"][:-1] if lever.get("method") == "compiled" and "peak_bytes" in lever
-               and "PERCORE_BATCH_SIZE" not in lever["overrides"]]
-    assert len(singles) >= 2 and together["lever"].startswith("together: ")
-    # Levers that set the same hyperparameter do not combine; the earlier one is taken: here the seq lever (mesh
-    # and GRAD_ACCUM_STEPS) gives way to the fsdp move and the accumulation lever.
-    by_name = {lever["lever"].split(" (")[0]: lever for lever in singles}
+    accum = {lever.lever: lever for lever in plan.levers}[
+        "GRAD_ACCUM_STEPS 1 -> 2 (same global batch, same training)"]
+    assert accum.method == "compiled" and accum.peak_bytes < plan.memory_per_device.peak_bytes
+    # Nothing fits alone, so the same-training levers are also compiled together (batch halving
+    # is not among them).
+    together = plan.levers[-1]
+    singles = [lever for lever in plan.levers[:-1]
+               if lever.method == "compiled" and lever.peak_bytes is not None
+               and "PERCORE_BATCH_SIZE" not in lever.overrides]
+    assert len(singles) >= 2 and together.lever.startswith("together: ")
+    # Levers that set the same hyperparameter do not combine; the earlier one is taken: here the
+    # seq lever (mesh and GRAD_ACCUM_STEPS) gives way to the fsdp move and the accumulation lever.
+    by_name = {lever.lever.split(" (")[0]: lever for lever in singles}
     seq = by_name["seq 1 -> 2"]
-    assert set(seq["overrides"]) == {"ICI_MESH_SHAPE", "DCN_MESH_SHAPE", "GRAD_ACCUM_STEPS"}
-    want = {**by_name["fsdp 1 -> 2"]["overrides"], **by_name["USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING"][
-        "overrides"], **accum["overrides"]}
-    assert together["overrides"] == want and "PERCORE_BATCH_SIZE" not in together["overrides"]
-    assert seq["lever"] not in together["lever"]
-    assert together["peak_bytes"] < min(lever["peak_bytes"] for lever in singles if lever is not seq)
+    assert set(seq.overrides) == {"ICI_MESH_SHAPE", "DCN_MESH_SHAPE", "GRAD_ACCUM_STEPS"}
+    want = {**by_name["fsdp 1 -> 2"].overrides,
+            **by_name["USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING"].overrides,
+            **accum.overrides}
+    assert together.overrides == want and "PERCORE_BATCH_SIZE" not in together.overrides
+    assert seq.lever not in together.lever
+    assert together.peak_bytes < min(lever.peak_bytes for lever in singles if lever is not seq)
 
 
 def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(monkeypatch):
     monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # only the fsdp move: one more compile
     plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1,1]", "DCN_MESH_SHAPE=[1,1,1]", num_devices=2,
                       device_memory_gib=1e-4)
-    assert plan["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}
-    assert plan["ici_mesh_shape"] == [2, 1, 1, 1] and plan["dcn_mesh_shape"] == [1, 1, 1]
-    assert plan["attention_logits_bytes_per_layer"] == 4 * (2 // 2) * 8 * 32 * 32
-    move = {lever["lever"]: lever for lever in plan["levers"]}["fsdp 1 -> 2 (all of data moved to fsdp)"]
+    assert plan.mesh == MeshSizes(pipeline=1, data=2, fsdp=1, seq=1, tensor=1, expert=1)
+    assert plan.ici_mesh_shape == (2, 1, 1, 1) and plan.dcn_mesh_shape == (1, 1, 1)
+    assert plan.attention_logits_bytes_per_layer == 4 * (2 // 2) * 8 * 32 * 32
+    move = {lever.lever: lever for lever in plan.levers}["fsdp 1 -> 2 (all of data moved to fsdp)"]
     # Each shape keeps its own length: the expert entry stays where the user put it.
-    assert move["overrides"] == {"ICI_MESH_SHAPE": [1, 2, 1, 1], "DCN_MESH_SHAPE": [1, 1, 1]}
-    assert move["method"] == "compiled" and move["peak_bytes"] > 0
+    assert move.overrides == {"ICI_MESH_SHAPE": [1, 2, 1, 1], "DCN_MESH_SHAPE": [1, 1, 1]}
+    assert move.method == "compiled" and move.peak_bytes > 0
     assert ("mesh pipeline 1 x data 2 x fsdp 1 x seq 1 x tensor 1 x expert 1 (ICI [2, 1, 1, 1] x DCN [1, 1, 1])"
             in plan_lib.format_text(plan))
 
@@ -213,8 +227,9 @@ def test_the_quick_code_generation_plans_the_same_bytes_and_flops():
     level3 = json.loads(result.stdout)
     level0 = _tiny_plan(*mesh, num_devices=2)
     assert level3["memory_per_device"]["peak_bytes"] > 0
-    assert level3["memory_per_device"] == level0["memory_per_device"]
-    assert level3["flops_per_step"]["compiler_per_device"] == level0["flops_per_step"]["compiler_per_device"] > 0
+    assert level3["memory_per_device"] == level0.memory_per_device.to_json()
+    assert level3["flops_per_step"]["compiler_per_device"] == \
+        level0.flops_per_step.compiler_per_device > 0
 
 
 def test_a_process_with_fewer_devices_plans_in_a_subprocess():
@@ -239,8 +254,9 @@ def _run(*args, cwd=None, env=None):
      "needs 4 devices, but the plan is for --devices=8"),
     (["--fdl_config=TinySynthetic", "--devices=0"], "--devices=0"),
 ])
-def test_cli_errors_exit_2_with_one_message(flags, message):
-    result = _run("-m", "paxlite", "plan", *flags)
+def test_cli_errors_exit_2_with_one_message(flags, message, monkeypatch, capfd):
+    # in this process (tests/in_process.py): each mistake is found before JAX plans anything
+    result = paxlite_command(monkeypatch, capfd)("plan", *flags)
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("paxlite: error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
@@ -266,7 +282,7 @@ def test_a_fresh_process_plans_itself_without_a_second_jax_start():
     """`python -m paxlite plan` sets the fake devices before JAX starts, so it never re-executes itself."""
     code = (
         "import subprocess, sys\n"
-        "from paxlite import plan\n"
+        "from paxlite.planner import plan\n"
         "spawned = []\n"
         "plan.subprocess.run = lambda *a, **k: spawned.append(a) or subprocess.CompletedProcess(a, 1)\n"
         f"request = plan.PlanRequest(name='TinySynthetic', assignments={TINY + ('ICI_MESH_SHAPE=[2,1,1]',)!r}, "
@@ -284,29 +300,30 @@ def test_a_fresh_process_plans_itself_without_a_second_jax_start():
 def test_glam64b64e_on_512_devices_has_a_verdict_moe_memory_and_expert_levers():
     """The issue's case: Pax's GLaM 64B/64E mesh (FSDP 64 x tensor 8) planned for 512 devices."""
     p = plan_lib.plan(plan_lib.PlanRequest(name="GLaM64B64E", num_devices=512))
-    assert p["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 64, "seq": 1, "tensor": 8, "expert": 1}
-    assert isinstance(p["fits"], bool)
-    moe = p["moe"]
+    assert p.mesh == MeshSizes(pipeline=1, data=1, fsdp=64, seq=1, tensor=8, expert=1)
+    assert isinstance(p.verdict.fits, bool)
+    moe, gshard = p.moe, p.moe.gshard
     # by hand: 64 groups (the batch shards: fsdp 64), S = 2048 x 1024 / 64 = 32768 tokens,
     # C = int(32768 x 2.0 / 64) = 1024 (a multiple of 4), one group per device, bf16 dispatch
-    assert (moe["groups"], moe["group_size"], moe["capacity"]) == (64, 32768, 1024)
-    assert moe["dispatch_combine_bytes_per_device"] == 32768 * 64 * 1024 * (4 + 2)
-    assert moe["experts_per_device"] == 64 and moe["moe_layers"] == 32
+    assert (gshard.groups, gshard.group_size, gshard.capacity) == (64, 32768, 1024)
+    assert gshard.dispatch_combine_bytes_per_device == 32768 * 64 * 1024 * (4 + 2)
+    assert moe.experts_per_device == 64 and moe.moe_layers == 32
     text = plan_lib.format_text(p)
     assert "dispatch + combine of one MoE layer" in text and "12.00 GiB per device" in text
-    if not p["fits"]:
-        levers = {lever["lever"].split(" (")[0]: lever for lever in p["levers"]}
+    if not p.verdict.fits:
+        levers = {lever.lever.split(" (")[0]: lever for lever in p.levers}
         expert = levers["expert 1 -> 8"]
-        assert expert["overrides"]["DCN_MESH_SHAPE"] == [1, 8, 1, 8]
-        assert "peak_bytes" in expert and "peak_bytes" in levers["NUM_GROUPS 64 -> 128"]
+        assert expert.overrides["DCN_MESH_SHAPE"] == [1, 8, 1, 8]
+        assert expert.peak_bytes is not None
+        assert levers["NUM_GROUPS 64 -> 128"].peak_bytes is not None
 
 
 def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so():
     """The CPU compiler has no Triton or cuDNN kernels: the plan compiles XLA's attention instead."""
     plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "ATTENTION_IMPLEMENTATION=pallas_triton", num_devices=2)
-    assert plan["attention_note"].startswith("attention planned with 'xla': the CPU compiler cannot "
-                                             "compile 'pallas_triton'")
-    assert _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", num_devices=2)["attention_note"] is None
+    assert plan.attention_note.startswith("attention planned with 'xla': the CPU compiler cannot "
+                                          "compile 'pallas_triton'")
+    assert _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", num_devices=2).attention_note is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,45 +334,46 @@ STACK = ("NUM_LAYERS=4", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=2", "USE_REPEATED
 
 
 @pytest.fixture(scope="module")
-def pipelined_plan() -> dict:
+def pipelined_plan() -> Plan:
     """Circular schedule: 2 stages x 2 repeats over 2 devices, 4 microbatches of the 4-row batch."""
     return plan_lib.plan_experiment(load_experiment("TinySynthetic", (
         *STACK, "ICI_MESH_SHAPE=[1,1,1,1,2]", "NUM_MICROBATCHES=4", "PIPELINE_REPEATS=2")), num_devices=2)
 
 
 def test_a_pipelined_plan_reports_its_schedule_and_the_bubble_formula(pipelined_plan):
-    pipe = pipelined_plan["pipeline"]
-    assert pipelined_plan["mesh"]["pipeline"] == 2 and pipelined_plan["global_batch_size"] == 4
-    assert (pipe["num_stages"], pipe["repeats"], pipe["schedule"]) == (2, 2, "circular")
-    assert (pipe["num_microbatches"], pipe["microbatch_rows"], pipe["iterations"]) == (4, 1, 2 * 4 + 2 - 1)
-    assert pipe["microbatch_rows_per_device"] == 1  # the batch axes are 1: each device runs whole rows
+    pipe = pipelined_plan.pipeline
+    assert pipelined_plan.mesh.pipeline == 2 and pipelined_plan.global_batch_size == 4
+    assert (pipe.num_stages, pipe.repeats, pipe.schedule) == (2, 2, "circular")
+    assert (pipe.num_microbatches, pipe.microbatch_rows, pipe.iterations) == (4, 1, 2 * 4 + 2 - 1)
+    assert pipe.microbatch_rows_per_device == 1  # the batch axes are 1: each device runs whole rows
     # (S - 1) / (R*M + S - 1) by hand: 1 / 9
-    assert pipe["bubble_fraction"] == pytest.approx(1 / 9, abs=1e-15)
-    assert pipelined_plan["sequence_parallel"] is None and pipelined_plan["longest_seq"] is None
+    assert pipe.bubble_fraction == pytest.approx(1 / 9, abs=1e-15)
+    assert pipelined_plan.sequence_parallel is None and pipelined_plan.longest_seq is None
     text = plan_lib.format_text(pipelined_plan)
     assert "circular schedule (repeats 2), 4 microbatches of 1 rows, 9 iterations" in text
     assert "bubble fraction 0.1111 = (S - 1) / (R*M + S - 1) with S = 2, R = 2, M = 4" in text
     assert "The memory above is PER STAGE" in text
-    json.dumps(pipelined_plan)
+    json.dumps(pipelined_plan.to_json())
 
 
 def test_a_stage_holds_its_half_of_the_layers(pipelined_plan):
     """Per-device (= per-stage) parameters against a hand count and against the same stack unpipelined."""
     block = _hand_count(layers=1, seq=32) - _hand_count(layers=0, seq=32)
     rest = _hand_count(layers=0, seq=32)  # embedding, positions, final norm: on every stage
-    pipe = pipelined_plan["pipeline"]
-    assert pipe["stage_layer_parameter_bytes"] == 4 * 2 * block and pipe["layers_split_over_stages"]
-    assert pipe["parameter_bytes_on_every_stage"] == 4 * rest
-    staged = pipelined_plan["memory_per_device"]["parameter_bytes"]
+    pipe = pipelined_plan.pipeline
+    assert pipe.stage_layer_parameter_bytes == 4 * 2 * block and pipe.layers_split_over_stages
+    assert pipe.parameter_bytes_on_every_stage == 4 * rest
+    staged = pipelined_plan.memory_per_device.parameter_bytes
     assert staged == 4 * (2 * block + rest)
-    whole = _tiny_plan_of(STACK, "ICI_MESH_SHAPE=[2,1,1]", num_devices=2)  # data 2: the same global batch
-    assert whole["global_batch_size"] == pipelined_plan["global_batch_size"] and whole["pipeline"] is None
-    assert whole["memory_per_device"]["parameter_bytes"] == 4 * (4 * block + rest) > staged
-    assert pipelined_plan["memory_per_device"]["optimizer_state_bytes"] < whole["memory_per_device"][
-        "optimizer_state_bytes"]
+    # data 2: the same global batch
+    whole = _tiny_plan_of(STACK, "ICI_MESH_SHAPE=[2,1,1]", num_devices=2)
+    assert whole.global_batch_size == pipelined_plan.global_batch_size and whole.pipeline is None
+    assert whole.memory_per_device.parameter_bytes == 4 * (4 * block + rest) > staged
+    assert pipelined_plan.memory_per_device.optimizer_state_bytes < \
+        whole.memory_per_device.optimizer_state_bytes
 
 
-def _tiny_plan_of(base: tuple[str, ...], *more: str, num_devices: int, **kwargs) -> dict:
+def _tiny_plan_of(base: tuple[str, ...], *more: str, num_devices: int, **kwargs) -> Plan:
     return plan_lib.plan_experiment(load_experiment("TinySynthetic", (*base, *more)), num_devices=num_devices,
                                     **kwargs)
 
@@ -366,38 +384,55 @@ def test_the_longest_sequence_fits_and_the_next_step_does_not():
     step = 16
     p = _tiny_plan_of(TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]", num_devices=2,
                       device_memory_gib=memory_gib, seq_step=step)
-    assert p["sequence_parallel"] == {"seq": 2, "strategy": "all_gather", "load_balance": True,
-                                      "tokens_per_shard": 16, "rows_per_device": 1, "tokens_per_device": 16}
-    found = p["longest_seq"]  # a seq run: searched without being asked
-    assert found["pinned"] and found["step"] == 16  # lcm(16, 2 x seq chunks)
-    length = found["seq_len"]
-    assert length % 16 == 0 and found["tokens_per_shard"] == length // 2
-    assert found["method"].startswith("peak(T) = a + b*T + c*T^2 fitted to compiles at T = 32, 64, 128")
-    assert found["compiles"] <= plan_levers.MAX_SEQ_SEARCH_COMPILES
+    assert p.sequence_parallel.to_json() == {
+        "seq": 2, "strategy": "all_gather", "load_balance": True, "tokens_per_shard": 16,
+        "rows_per_device": 1, "tokens_per_device": 16}
+    found = p.longest_seq  # a seq run: searched without being asked
+    assert found.pinned and found.step == 16  # lcm(16, 2 x seq chunks)
+    length = found.seq_len
+    assert length % 16 == 0 and found.tokens_per_shard == length // 2
+    assert found.method.startswith(
+        "peak(T) = a + b*T + c*T^2 fitted to compiles at T = 32, 64, 128")
+    assert found.compiles <= plan_longest_seq.MAX_SEQ_SEARCH_COMPILES
     device_bytes = int(memory_gib * 2**30)
     experiment = load_experiment("TinySynthetic", (*TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]"))
     at, above = plan_search.compile_variants(experiment, [{"MAX_SEQ_LEN": length}, {"MAX_SEQ_LEN": length + step}],
                                              num_devices=2)
-    assert at["memory"]["peak_bytes"] == found["peak_bytes"] <= device_bytes
-    assert above["memory"]["peak_bytes"] == found["next_peak_bytes"] > device_bytes
+    assert at.memory.peak_bytes == found.peak_bytes <= device_bytes
+    assert above.memory.peak_bytes == found.next_peak_bytes > device_bytes
     assert f"Longest sequence that fits 10.24 MiB at 1 row(s) per device, seq 2: {length:,} tokens" in \
         plan_lib.format_text(p)
 
 
-def _search_with(peak_of, *, device_bytes: int, step: int = 128, seq_len: int = 1024, monkeypatch) -> dict:
-    """The search against a memory curve given as a function, with no compiler: what it decides alone."""
+def _measured(*, seq_len: int, peak_bytes: int) -> StepMeasurement:
+    """A stand-in compile on data 8 whose peak is `peak_bytes` (what the search reads)."""
+    return StepMeasurement(
+        compiled_for=CompileTarget.CPU,
+        mesh=MeshSizes(pipeline=1, data=8, fsdp=1, seq=1, tensor=1, expert=1),
+        ici_mesh_shape=(8, 1, 1), dcn_mesh_shape=(1, 1, 1), global_batch_size=8, seq_len=seq_len,
+        memory=DeviceMemory(parameter_bytes=0, optimizer_state_bytes=0, gradient_bytes=0,
+                            argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=peak_bytes,
+                            generated_code_bytes=0, peak_bytes=peak_bytes),
+        pipeline_split_parameter_bytes=0, compiler_flops_per_device=None, compile_s=0.0)
+
+
+def _search_with(peak_of, *, device_bytes: int, step: int = 128, seq_len: int = 1024,
+                 monkeypatch) -> tuple[LongestSeqFound, list[list[int]]]:
+    """The search against a memory curve given as a function, with no compiler: what it decides
+    alone, and the lengths it compiled, call by call."""
     calls = []
 
     def fake_compile(experiment, variants, *, num_devices):
         calls.append([changes["MAX_SEQ_LEN"] for changes in variants])
-        return [{"memory": {"peak_bytes": int(peak_of(changes["MAX_SEQ_LEN"]))}} for changes in variants]
+        return [_measured(seq_len=changes["MAX_SEQ_LEN"],
+                          peak_bytes=int(peak_of(changes["MAX_SEQ_LEN"]))) for changes in variants]
 
-    monkeypatch.setattr(plan_levers, "compile_variants", fake_compile)
+    monkeypatch.setattr(plan_longest_seq, "compile_variants", fake_compile)
     experiment = load_experiment("TinySynthetic", ())
-    base = {"seq_len": seq_len, "memory": {"peak_bytes": int(peak_of(seq_len))}, "global_batch_size": 8,
-            "mesh": {"pipeline": 1, "data": 8, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}}
-    found = plan_levers.find_longest_seq(experiment, base, num_devices=8, device_bytes=device_bytes, step=step)
-    return {**found, "calls": calls}
+    base = _measured(seq_len=seq_len, peak_bytes=int(peak_of(seq_len)))
+    found = plan_longest_seq.find_longest_seq(experiment, base, num_devices=8,
+                                              device_bytes=device_bytes, step=step)
+    return found, calls
 
 
 @pytest.mark.parametrize("peak_of", [
@@ -408,29 +443,31 @@ def _search_with(peak_of, *, device_bytes: int, step: int = 128, seq_len: int = 
 def test_the_length_search_finds_the_last_fitting_step_of_any_rising_curve(peak_of, monkeypatch):
     device_bytes = 80 * 2**30
     want = max(t for t in range(128, 10**6, 128) if peak_of(t) <= device_bytes)  # by brute force
-    found = _search_with(peak_of, device_bytes=device_bytes, monkeypatch=monkeypatch)
-    assert found["pinned"] and found["seq_len"] == want, found["compiled"]
-    assert found["peak_bytes"] <= device_bytes < found["next_peak_bytes"]
-    assert found["calls"][0] == [2048, 4096] and found["compiles"] <= plan_levers.MAX_SEQ_SEARCH_COMPILES
+    found, calls = _search_with(peak_of, device_bytes=device_bytes, monkeypatch=monkeypatch)
+    assert found.pinned and found.seq_len == want, found.compiled
+    assert found.peak_bytes <= device_bytes < found.next_peak_bytes
+    assert calls[0] == [2048, 4096] and found.compiles <= plan_longest_seq.MAX_SEQ_SEARCH_COMPILES
 
 
 def test_the_length_search_stops_at_its_compile_budget_and_says_where(monkeypatch):
     device_bytes = 80 * 2**30
-    found = _search_with(lambda t: 1e3 * t, device_bytes=device_bytes, step=1, monkeypatch=monkeypatch)
+    found, _ = _search_with(lambda t: 1e3 * t, device_bytes=device_bytes, step=1,
+                            monkeypatch=monkeypatch)
     # a line fitted exactly: found in the first refinement
-    assert found["pinned"] and found["seq_len"] == device_bytes // 1000
+    assert found.pinned and found.seq_len == device_bytes // 1000
     # nothing fits: said so after compiling the shortest step
-    nothing = _search_with(lambda t: 100 * 2**30 + t, device_bytes=device_bytes, monkeypatch=monkeypatch)
-    assert not nothing["pinned"] and nothing["seq_len"] is None and nothing["bracket"][0] is None
+    nothing, _ = _search_with(lambda t: 100 * 2**30 + t, device_bytes=device_bytes,
+                              monkeypatch=monkeypatch)
+    assert not nothing.pinned and nothing.seq_len is None and nothing.bracket[0] is None
     def wiggly(t):
         return 7e10 + 3e6 * t * (1 + 0.5 * math.sin(t))
 
-    found = _search_with(wiggly, device_bytes=device_bytes, step=1, monkeypatch=monkeypatch)
-    assert found["compiles"] <= plan_levers.MAX_SEQ_SEARCH_COMPILES
-    lo, hi = found["bracket"]
+    found, _ = _search_with(wiggly, device_bytes=device_bytes, step=1, monkeypatch=monkeypatch)
+    assert found.compiles <= plan_longest_seq.MAX_SEQ_SEARCH_COMPILES
+    lo, hi = found.bracket
     assert wiggly(lo) <= device_bytes < wiggly(hi)  # what it reports is what it compiled
-    if found["pinned"]:
-        assert hi == lo + 1 and found["seq_len"] == lo
+    if found.pinned:
+        assert hi == lo + 1 and found.seq_len == lo
 
 
 def test_the_pipeline_lever_appears_when_fsdp_alone_does_not_fit(monkeypatch):
@@ -438,15 +475,15 @@ def test_the_pipeline_lever_appears_when_fsdp_alone_does_not_fit(monkeypatch):
     monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # the pipeline lever only
     p = _tiny_plan_of(("NUM_LAYERS=4", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1"), "ICI_MESH_SHAPE=[2,1,1]",
                       num_devices=2, device_memory_gib=1e-4)
-    assert not p["fits"] and p["pipeline"] is None
-    lever = next(lever for lever in p["levers"] if lever["lever"].startswith("pipeline"))
-    assert lever["lever"].startswith("pipeline 1 -> 2 stages (2 from data in ICI), NUM_MICROBATCHES=2 + "
-                                     "USE_REPEATED_LAYER=true")
-    assert "bubble 33.3%" in lever["lever"]  # (2 - 1) / (2 + 2 - 1)
-    assert lever["overrides"] == {"ICI_MESH_SHAPE": [1, 1, 1, 1, 2], "DCN_MESH_SHAPE": [1, 1, 1],
-                                  "NUM_MICROBATCHES": 2, "USE_REPEATED_LAYER": True}
-    assert lever["method"] == "compiled" and lever["peak_bytes"] < p["memory_per_device"]["peak_bytes"]
-    assert any("not compiled" in lever.get("method", "") for lever in p["levers"])
+    assert not p.verdict.fits and p.pipeline is None
+    lever = next(lever for lever in p.levers if lever.lever.startswith("pipeline"))
+    assert lever.lever.startswith("pipeline 1 -> 2 stages (2 from data in ICI), "
+                                  "NUM_MICROBATCHES=2 + USE_REPEATED_LAYER=true")
+    assert "bubble 33.3%" in lever.lever  # (2 - 1) / (2 + 2 - 1)
+    assert lever.overrides == {"ICI_MESH_SHAPE": [1, 1, 1, 1, 2], "DCN_MESH_SHAPE": [1, 1, 1],
+                               "NUM_MICROBATCHES": 2, "USE_REPEATED_LAYER": True}
+    assert lever.method == "compiled" and lever.peak_bytes < p.memory_per_device.peak_bytes
+    assert any("not compiled" in (lever.method or "") for lever in p.levers)
     assert "not compiled (the planner compiles at most 1 levers per plan)" in plan_lib.format_text(p)
 
 

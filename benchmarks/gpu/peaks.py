@@ -165,11 +165,12 @@ def _plan_child(cases_path: str, out_path: str, target: str, num_devices: int) -
                 first = (str(error).strip().splitlines() or [""])[0]
                 record = {"name": case["name"], "error": f"{type(error).__name__}: {first}"[:300]}
             else:
-                record = {"name": case["name"], "peak_bytes": result["memory"]["peak_bytes"],
-                          "compiled_for": result["compiled_for"], "memory": result["memory"],
-                          "compile_s": result["compile_s"],
-                          **{key: result[key] for key in ("attention_note", "kernels", "xla_preset")
-                             if key in result}}
+                present = result.to_json()  # attention_note, kernels, xla_preset: where present
+                record = {"name": case["name"], "peak_bytes": result.memory.peak_bytes,
+                          "compiled_for": result.compiled_for.value,
+                          "memory": result.memory.to_json(), "compile_s": result.compile_s,
+                          **{key: present[key] for key in ("attention_note", "kernels",
+                                                           "xla_preset") if key in present}}
             record["wall_s"] = round(time.perf_counter() - started, 2)
             out.write(json.dumps(record) + "\n")
             out.flush()

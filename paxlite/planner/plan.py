@@ -10,10 +10,11 @@ without autotuning, and no FLOPs (its cost analysis is empty). Parameter, optimi
 gradient bytes are exact either way (they follow from shapes and shardings alone).
 
 This module finds the devices and puts the plan together: one compile and its reading
-(paxlite/planner/search.py), then, when the run does not fit, the levers, and when asked (always for a
-run with a seq axis) the longest sequence that fits (both paxlite/planner/levers.py); the result is a
-JSON-friendly dict that paxlite/planner/report.py prints. For `cpu` the planner needs as many JAX
-devices as the mesh has: fake CPU devices are set by
+(paxlite/planner/search.py, base_plan.py), then, when the run does not fit, the levers
+(levers.py), and when asked (always for a run with a seq axis) the longest sequence that fits
+(longest_seq.py); the result is a Plan (results.py) that paxlite/planner/report.py prints, and
+whose JSON (`Plan.to_json`) is `--format=json`'s and plan.json's. For `cpu` the planner needs as
+many JAX devices as the mesh has: fake CPU devices are set by
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX starts; a process whose JAX
 already started with fewer devices (pytest has 8, `python -m paxlite.main` has its real ones) plans
 in a fresh `python -m paxlite plan` subprocess instead. A GPU target needs only JAX started on the
@@ -33,32 +34,33 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
-from paxlite.errors import UserError
+from paxlite.errors import UserError, exit_status
 from paxlite.parallel.gpu_target import CompileTarget, GpuCompileUnavailableError, plugin_problem
-from paxlite.planner.levers import DEFAULT_SEQ_STEP, find_longest_seq, levers
+from paxlite.planner.base_plan import plan_base
+from paxlite.planner.levers import levers
+from paxlite.planner.longest_seq import DEFAULT_SEQ_STEP, find_longest_seq
 from paxlite.planner.report import format_text
+from paxlite.planner.results import GIB, Plan
 from paxlite.planner.search import (
     DEFAULT_DEVICE_MEMORY_GIB,
     DEFAULT_PEAK_TFLOPS,
-    GIB,
     PlanError,
     compile_train_step,
-    plan_base,
     target_defaults,
 )
 
 __all__ = ["DEFAULT_DEVICE_MEMORY_GIB", "DEFAULT_PEAK_TFLOPS", "DEFAULT_SEQ_STEP", "GIB",
-           "CompileTarget", "LongestSeq", "OutputFormat", "PlanError", "PlanRequest",
+           "CompileTarget", "LongestSeq", "OutputFormat", "Plan", "PlanError", "PlanRequest",
            "compile_train_step", "dry_run", "emit", "fake_device_env", "format_text", "plan",
            "plan_command_line", "plan_experiment", "prepare_this_process", "run_plan_command",
            "target_defaults"]
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-# The planner compiles to read XLA's buffer assignment and cost analysis, both decided before LLVM turns the
-# program into CPU code that is never run: LLVM at level 0 gives the same bytes and FLOPs sooner (LLaMA70B on
-# 16 devices, its 80-layer step: 87.9 s -> 70.7 s; with 8 layers 18.3 s -> 9.0 s; every memory figure equal).
+# The planner compiles to read XLA's buffer assignment and cost analysis, both decided before LLVM
+# turns the program into CPU code that is never run: LLVM at level 0 gives the same bytes and FLOPs
+# sooner (LLaMA70B on 16 devices, its 80-layer step: 87.9 s -> 70.7 s; with 8 layers 18.3 s ->
+# 9.0 s; every memory figure equal).
 _CODEGEN_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
@@ -114,8 +116,8 @@ class PlanRequest:
 
 def fake_device_env(num_devices: int, base: dict[str, str] | None = None, *,
                     target: CompileTarget | str = CompileTarget.CPU) -> dict[str, str]:
-    """`base` (default os.environ) with XLA_FLAGS asking for exactly `num_devices` CPU devices, and for
-    LLVM's quickest code generation (_CODEGEN_LEVEL_FLAG) unless XLA_FLAGS already sets a level.
+    """`base` (default os.environ) with XLA_FLAGS asking for exactly `num_devices` CPU devices, and
+    for LLVM's quickest code generation (_CODEGEN_LEVEL_FLAG) unless XLA_FLAGS already sets a level.
     A GPU target compiles on compile-only GPUs: it needs JAX on the CPU platform only (the CUDA
     plugin registers its compiler without initialising CUDA), and XLA_FLAGS is left as it is."""
     env = dict(os.environ if base is None else base)
@@ -162,8 +164,9 @@ def plan_command_line(request: PlanRequest, *, output_format: OutputFormat) -> l
     ]
 
 
-def plan_in_subprocess(request: PlanRequest) -> dict[str, Any]:
-    """Plan in a fresh process; its error message (one line on stderr) becomes a PlanError."""
+def plan_in_subprocess(request: PlanRequest) -> Plan:
+    """Plan in a fresh process, read back from its JSON; its error message (one line on stderr)
+    becomes a PlanError."""
     result = subprocess.run(
         plan_command_line(request, output_format=OutputFormat.JSON),
         capture_output=True, text=True, check=False,
@@ -173,10 +176,10 @@ def plan_in_subprocess(request: PlanRequest) -> dict[str, Any]:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         raise PlanError(lines[-1].removeprefix("paxlite: error: ") if lines
                         else f"the planner exited with {result.returncode}")
-    return json.loads(result.stdout)
+    return Plan.from_json(json.loads(result.stdout))
 
 
-def plan(request: PlanRequest) -> dict[str, Any]:
+def plan(request: PlanRequest) -> Plan:
     """The plan of `request`, in this process when its devices allow, else in a subprocess. A GPU
     target without JAX's CUDA plugin is a GpuCompileUnavailableError saying how to install it."""
     if not prepare_this_process(request.num_devices, target=request.target):
@@ -202,33 +205,32 @@ def plan_experiment(experiment, *, num_devices: int,
                     device_memory_gib: float | None = None,
                     peak_tflops: float | None = None,
                     longest_seq: LongestSeq = LongestSeq.AUTO,
-                    seq_step: int = DEFAULT_SEQ_STEP) -> dict[str, Any]:
-    """The plan (a JSON-friendly dict) of `experiment` on `num_devices` devices of `target` (this
-    process's CPU devices, or compile-only GPUs): the compiled step, levers when it does not fit,
-    the longest sequence when `longest_seq` asks, every re-plan compiled for the same target."""
+                    seq_step: int = DEFAULT_SEQ_STEP) -> Plan:
+    """The plan of `experiment` on `num_devices` devices of `target` (this process's CPU devices,
+    or compile-only GPUs): the compiled step, levers when it does not fit, the longest sequence
+    when `longest_seq` asks, every re-plan compiled for the same target."""
     started = time.perf_counter()
     target = CompileTarget.parse(target)
     result, base = plan_base(experiment, num_devices=num_devices, target=target,
                              device_memory_gib=device_memory_gib, peak_tflops=peak_tflops)
-    device_bytes = result["device_memory_bytes"]
-    if not result["fits"]:
-        result["levers"] = levers(experiment, base, num_devices=num_devices,
-                                  device_bytes=device_bytes, target=target)
-    result["longest_seq"] = None
-    if LongestSeq(longest_seq).wanted(seq=base["mesh"]["seq"]):
-        result["longest_seq"] = find_longest_seq(
+    device_bytes = result.device_memory_bytes
+    if not result.verdict.fits:
+        result = dataclasses.replace(result, levers=tuple(levers(
+            experiment, base, num_devices=num_devices, device_bytes=device_bytes, target=target)))
+    if LongestSeq(longest_seq).wanted(seq=base.mesh.seq):
+        result = dataclasses.replace(result, longest_seq=find_longest_seq(
             experiment, base, num_devices=num_devices, device_bytes=device_bytes, step=seq_step,
-            target=target)
-    result["plan_s"] = round(time.perf_counter() - started, 2)
-    return result
+            target=target))
+    return dataclasses.replace(result, plan_s=round(time.perf_counter() - started, 2))
 
 
 # ------------------------------------------------------------------------------------------------
 # Entry points
 
 
-def emit(p: dict[str, Any], output_format: OutputFormat) -> str:
-    return json.dumps(p, indent=2) if output_format is OutputFormat.JSON else format_text(p)
+def emit(p: Plan, output_format: OutputFormat) -> str:
+    return (json.dumps(p.to_json(), indent=2) if output_format is OutputFormat.JSON
+            else format_text(p))
 
 
 def run_plan_command(request: PlanRequest, *, output_format: OutputFormat) -> int:
@@ -241,8 +243,7 @@ def run_plan_command(request: PlanRequest, *, output_format: OutputFormat) -> in
     try:
         print(emit(plan(request), output_format))
     except (UserError, PlanError, ValueError) as e:  # ConfigError, MeshError, no CUDA plugin
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
+        return exit_status(e, user_errors=(PlanError, ValueError))
     return 0
 
 
@@ -273,11 +274,9 @@ def dry_run(experiment, *, job_log_dir: str, peak_tflops: float | None = None,
     try:
         result = plan(request)
     except (ConfigError, MeshError, PlanError) as e:
-        print(f"paxlite: error: {e}", file=sys.stderr)
-        return 2
-    result["command_line"] = list(argv)
+        return exit_status(e, user_errors=(PlanError,))
     os.makedirs(job_log_dir, exist_ok=True)
     with open(os.path.join(job_log_dir, "plan.json"), "w") as f:
-        f.write(json.dumps(result, indent=2) + "\n")
+        f.write(json.dumps({**result.to_json(), "command_line": list(argv)}, indent=2) + "\n")
     print(format_text(result))
     return 0

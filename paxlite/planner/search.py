@@ -7,9 +7,10 @@ Nothing is allocated: the state and the batch are ShapeDtypeStructs carrying the
 `jit(...).lower(...).compile()` runs XLA's SPMD partitioner and buffer assignment for one device's
 program. For `cpu` the temporaries are the CPU compiler's estimate (GPU kernels and fusion differ);
 for a GPU target they are the GPU compiler's own, without autotuning. Parameter, optimizer-state and
-gradient bytes are exact either way (they follow from shapes and shardings alone). paxlite/planner/plan.py
-finds the devices and puts the plan together, paxlite/planner/levers.py re-plans variants of the run
-(the levers, the longest sequence), and paxlite/planner/report.py prints the result.
+gradient bytes are exact either way (they follow from shapes and shardings alone). The result is
+a StepMeasurement (paxlite/planner/results.py); paxlite/planner/base_plan.py makes the plan of one
+compile, paxlite/planner/levers.py and longest_seq.py re-plan variants of the run, and
+paxlite/planner/plan.py finds the devices and puts the plan together.
 
 With a pipeline, one device's program is one pipeline rank's: it holds the layers of its stage(s)
 (the scanned stack's [L, ...] parameters split over the `pipeline` axis), so the per-device peak
@@ -27,12 +28,10 @@ from typing import Any
 from paxlite.parallel import gpu_target
 from paxlite.parallel.compiled_kernels import custom_calls, fp8_gemms
 from paxlite.parallel.gpu_target import CompileTarget, GpuTopology, gpu_devices
+from paxlite.planner.results import GIB, DeviceMemory, GpuProgram, MeshSizes, StepMeasurement
 
 DEFAULT_DEVICE_MEMORY_GIB = 80.0  # H100 80GB
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 dense BF16 (docs/performance.md)
-GIB = 2**30
-# A fused attention kernel's custom call in a GPU program (prefix -> attention implementation)
-_FUSED_ATTENTION_CALLS = (("__cudnn$fmha", "cudnn"), ("__gpu$xla.gpu.triton", "pallas_triton"))
 
 
 class PlanError(RuntimeError):
@@ -108,7 +107,8 @@ class _Setup:
 
 def target_devices(experiment, *, num_devices: int, target: CompileTarget) -> list[Any]:
     """The devices to compile for: this process's CPU devices, or compile-only GPUs of `target`
-    laid out as the run's nodes (DCN_MESH_SHAPE's product hosts, the rest of the devices on each)."""
+    laid out as the run's nodes (DCN_MESH_SHAPE's product hosts, the rest of the devices on
+    each)."""
     import jax
 
     if target.is_gpu:
@@ -119,9 +119,8 @@ def target_devices(experiment, *, num_devices: int, target: CompileTarget) -> li
     if devices[0].platform != "cpu" or len(devices) < num_devices:
         raise PlanError(
             f"planning for {num_devices} devices needs that many CPU devices in this process, "
-            "which "
-            f"has {len(devices)} {devices[0].platform} device(s); use paxlite.planner.plan.plan(), which "
-            "starts a subprocess when needed"
+            f"which has {len(devices)} {devices[0].platform} device(s); use "
+            "paxlite.planner.plan.plan(), which starts a subprocess when needed"
         )
     return devices[:num_devices]
 
@@ -192,7 +191,7 @@ def gpu_compile_options(experiment) -> tuple[str, dict[str, str]]:
 
 def compile_train_step(experiment, *, num_devices: int,
                        target: CompileTarget | str = CompileTarget.CPU,
-                       compiler_options: dict[str, str] | None = None) -> dict[str, Any]:
+                       compiler_options: dict[str, str] | None = None) -> StepMeasurement:
     """Compile the experiment's train step for `num_devices` devices of `target` (fake CPU devices,
     or compile-only GPUs with the run's XLA preset as compile options unless `compiler_options`
     says otherwise) and measure one device. A GPU target adds the kernels of the optimized HLO."""
@@ -227,7 +226,8 @@ def compile_train_step(experiment, *, num_devices: int,
     started = time.perf_counter()
     # A compile-only GPU mesh cannot hold arrays: eager work while building the steps (an
     # optimizer's init on placeholders) runs under its abstract mesh, which is what tracing reads.
-    context = jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if target.is_gpu else jax.set_mesh(mesh)
+    context = (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if target.is_gpu
+               else jax.set_mesh(mesh))
     with context:
         steps = compile_steps(
             model=Transformer(model_config),
@@ -248,10 +248,8 @@ def compile_train_step(experiment, *, num_devices: int,
         compiled = steps.train.lower(steps.abstract_state, batch).compile(compiler_options)
     compile_s = time.perf_counter() - started
     stats = compiled.memory_analysis()
-    memory = {
-        "parameter_bytes": _shard_bytes(steps.abstract_state.params),
-        "optimizer_state_bytes": _shard_bytes(steps.abstract_state.opt_state),
-        "gradient_bytes": _shard_bytes(steps.abstract_state.params),  # grads: the params' dtype
+    parameter_bytes = _shard_bytes(steps.abstract_state.params)
+    on_device = {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
         "alias_bytes": int(stats.alias_size_in_bytes),
@@ -260,31 +258,36 @@ def compile_train_step(experiment, *, num_devices: int,
     }
     # Donated state: outputs reuse argument buffers, counted once. Temporaries (activations kept
     # for the backward pass, gradients, gathered FSDP weights) are the peak of the scratch space.
-    memory["peak_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
-                            - memory["alias_bytes"] + memory["temp_bytes"]
-                            + memory["generated_code_bytes"])
-    compiler_flops = _flops_of(compiled)
-    hlo = {}
+    memory = DeviceMemory(
+        parameter_bytes=parameter_bytes,
+        optimizer_state_bytes=_shard_bytes(steps.abstract_state.opt_state),
+        gradient_bytes=parameter_bytes,  # grads: the params' dtype and sharding
+        **on_device,
+        peak_bytes=(on_device["argument_bytes"] + on_device["output_bytes"]
+                    - on_device["alias_bytes"] + on_device["temp_bytes"]
+                    + on_device["generated_code_bytes"]),
+    )
+    gpu_program = None
     if target.is_gpu:
         text = compiled.as_text()
-        hlo = {"kernels": custom_calls(text), "fp8_gemms": fp8_gemms(text),
-               "xla_preset": preset, "compiler_options": dict(compiler_options or {})}
-    return {
-        "compiled_for": target.value,
-        "mesh": dict(mesh.shape),
-        "ici_mesh_shape": setup.ici,
-        "dcn_mesh_shape": setup.dcn,
-        "global_batch_size": global_batch,
-        "seq_len": seq_len,
-        "memory": memory,
-        # This device's share of the parameters split over the pipeline axis (its stage's layers).
-        "pipeline_split_parameter_bytes": _shard_bytes(steps.abstract_state.params,
-                                                       over_axis=PIPELINE_AXIS),
-        "compiler_flops_per_device": compiler_flops,
-        "compile_s": round(compile_s, 2),
-        **({"attention_note": setup.attention_note} if setup.attention_note else {}),
-        **hlo,
-    }
+        gpu_program = GpuProgram(kernels=custom_calls(text), fp8_gemms=fp8_gemms(text),
+                                 xla_preset=preset,
+                                 compiler_options=dict(compiler_options or {}))
+    return StepMeasurement(
+        compiled_for=target,
+        mesh=MeshSizes.from_shape(mesh.shape),
+        ici_mesh_shape=tuple(setup.ici),
+        dcn_mesh_shape=tuple(setup.dcn),
+        global_batch_size=global_batch,
+        seq_len=seq_len,
+        memory=memory,
+        pipeline_split_parameter_bytes=_shard_bytes(steps.abstract_state.params,
+                                                    over_axis=PIPELINE_AXIS),
+        compiler_flops_per_device=_flops_of(compiled),
+        compile_s=round(compile_s, 2),
+        attention_note=setup.attention_note,
+        gpu_program=gpu_program,
+    )
 
 
 def variant(experiment, changes: dict[str, Any]):
@@ -293,13 +296,9 @@ def variant(experiment, changes: dict[str, Any]):
     return type(experiment).resolve({**overrides, **changes})
 
 
-def verdict(peak_bytes: int, device_bytes: int) -> dict[str, Any]:
-    return {"fits": peak_bytes <= device_bytes, "margin_bytes": device_bytes - peak_bytes,
-            "margin_gib": round((device_bytes - peak_bytes) / GIB, 3)}
-
-
 def compile_variants(experiment, variants: list[dict[str, Any]], *, num_devices: int,
-                     target: CompileTarget = CompileTarget.CPU) -> list[dict[str, Any] | Exception]:
+                     target: CompileTarget = CompileTarget.CPU,
+                     ) -> list[StepMeasurement | Exception]:
     """compile_train_step of each variant (in order), several at once: XLA's compile of one program
     runs its passes on one core, and the variants are independent, so with N cores N of them compile
     in about the time of one (LLaMA70B on 16 devices: three of its four levers are the 80-layer
@@ -309,7 +308,7 @@ def compile_variants(experiment, variants: list[dict[str, Any]], *, num_devices:
     from paxlite.config.errors import ConfigError
     from paxlite.parallel.mesh import MeshError
 
-    def measure(changes: dict[str, Any]) -> dict[str, Any] | Exception:
+    def measure(changes: dict[str, Any]) -> StepMeasurement | Exception:
         try:
             return compile_train_step(variant(experiment, changes), num_devices=num_devices,
                                       target=target)
@@ -322,176 +321,9 @@ def compile_variants(experiment, variants: list[dict[str, Any]], *, num_devices:
         return list(pool.map(measure, variants))
 
 
-# ------------------------------------------------------------------------------------------------
-# The plan of one compile: memory, verdict, FLOPs, the pipeline schedule and the seq shards
-
-
 def target_defaults(target: CompileTarget | str) -> tuple[int, float]:
     """(device bytes, dense BF16 TFLOP/s) a plan for `target` assumes unless told: the GPU's own
     description (GpuSpec), or for `cpu` an H100's 80 GiB and peak (the planner's defaults)."""
     target = CompileTarget.parse(target)
     return ((target.spec.memory_bytes, target.spec.dense_bf16_tflops) if target.is_gpu
             else (int(DEFAULT_DEVICE_MEMORY_GIB * GIB), DEFAULT_PEAK_TFLOPS))
-
-
-def _compiler_notes(base: dict[str, Any]) -> tuple[str, str | None]:
-    """(where the memory figures come from, why there are no compiler FLOPs or None): the reader is
-    told which compiler measured, and a missing number is never filled with another compiler's."""
-    target = base["compiled_for"]
-    memory = ("XLA's CPU compiler: parameter, optimizer and gradient bytes are exact; GPU kernels, "
-              "fusion and buffer assignment differ, so the temporaries are an estimate")
-    if target != CompileTarget.CPU.value:
-        memory = (f"XLA's GPU compiler for {target} (compile-only devices, XLA preset "
-                  f"{base.get('xla_preset')!r}): the run's kernels and buffer assignment, without "
-                  "autotuning (default GEMM configurations); temporaries include cuBLAS workspaces")
-    flops = ("XLA's CPU compiler gave no cost analysis" if target == CompileTarget.CPU.value else
-             f"XLA's GPU compiler gives no cost analysis for a compile-only {target}: the analytic "
-             "count stands, and no CPU compile's count is put in its place")
-    return memory, None if base["compiler_flops_per_device"] is not None else flops
-
-
-def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None = None,
-              peak_tflops: float | None = None, target: CompileTarget | str = CompileTarget.CPU,
-              ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the plan without levers, as a JSON-friendly dict; compile_train_step's measurement).
-    Memory and peak not given are the target's (target_defaults)."""
-    import fiddle as fdl
-
-    from paxlite.models.transformer import num_params
-    from paxlite.parallel.mesh import BATCH_AXES
-
-    target = CompileTarget.parse(target)
-    default_bytes, default_tflops = target_defaults(target)
-    device_bytes = default_bytes if device_memory_gib is None else int(device_memory_gib * GIB)
-    peak_tflops = default_tflops if peak_tflops is None else peak_tflops
-    base = compile_train_step(experiment, num_devices=num_devices, target=target)
-    model = fdl.build(experiment.model_config())
-    tokens = base["global_batch_size"] * base["seq_len"]
-    analytic = experiment.flops_per_token() * tokens
-    compiler = base["compiler_flops_per_device"]
-    ideal_step_s = analytic / (num_devices * peak_tflops * 1e12)
-    batch_ways = math.prod(base["mesh"][axis] for axis in BATCH_AXES)
-    memory_note, flops_note = _compiler_notes(base)
-    kernels = base.get("kernels") or {}
-    attention = next((name for prefix, name in _FUSED_ATTENTION_CALLS
-                      if any(call.startswith(prefix) for call in kernels)), "xla")
-    result = {
-        "experiment": experiment.name,
-        "class": f"{type(experiment).__module__}.{type(experiment).__qualname__}",
-        "overrides": {name: experiment.hparams()[name] for name in sorted(experiment.overridden)},
-        "num_devices": num_devices,
-        "compiled_for": base["compiled_for"],
-        "memory_note": memory_note,
-        **{key: base[key] for key in ("mesh", "ici_mesh_shape", "dcn_mesh_shape",
-                                      "global_batch_size", "seq_len")},
-        "tokens_per_step": tokens,
-        # traced with XLA's attention (the same parameters): AUTO resolved here, off the target's
-        # mesh, would log a fall-back to XLA that a GPU program does not make
-        "num_params": num_params(dataclasses.replace(model, attention_implementation="xla")),
-        "memory_per_device": base["memory"],
-        "peak_formula": "argument + output - alias + temp + generated_code",
-        "device_memory_bytes": device_bytes,
-        **verdict(base["memory"]["peak_bytes"], device_bytes),
-        "attention_kernel": attention,
-        # a fused kernel (cuDNN, Pallas-Triton) holds no [B, N, T, S] logits: None
-        "attention_logits_bytes_per_layer": _attention_logits_bytes(
-            experiment, model, base, batch_ways=batch_ways) if attention == "xla" else None,
-        "pipeline": _pipeline_plan(model, base, grad_accum_steps=experiment.GRAD_ACCUM_STEPS,
-                                   batch_ways=batch_ways),
-        "sequence_parallel": _seq_plan(experiment, model, base, batch_ways=batch_ways),
-        "moe": moe_plan(experiment, base),
-        # A cuDNN / Pallas-Triton run is compiled for cpu with XLA's attention (compile_train_step).
-        "attention_note": base.get("attention_note"),
-        # GPU targets: every custom call of the optimized HLO (call sites: a scanned stack's body
-        # once), the FP8 GEMMs, and the XLA preset compiled with; None for cpu.
-        **{key: base.get(key) for key in ("kernels", "fp8_gemms", "xla_preset", "compiler_options")},
-        "flops_per_step": {
-            "analytic": analytic,
-            "analytic_per_token": experiment.flops_per_token(),
-            "compiler_per_device": compiler,
-            "compiler_total": None if compiler is None else compiler * num_devices,
-            "compiler_note": flops_note,
-            # XLA's cost analysis counts a while loop's body once: with a scanned layer stack (or a
-            # pipeline's loop) the compiler figure is about one iteration's work plus the rest.
-            "compiler_counts_scanned_layers_once": bool(experiment.USE_REPEATED_LAYER
-                                                        or model.pipeline is not None),
-        },
-        "peak_tflops_per_device": peak_tflops,
-        "step_time_at_100pct_mfu_s": ideal_step_s,
-        "tokens_per_s_at_100pct_mfu": tokens / ideal_step_s,
-        "levers": [],
-        "compile_s": base["compile_s"],
-    }
-    return result, base
-
-
-def _attention_logits_bytes(experiment, model, base: dict[str, Any], *, batch_ways: int) -> int:
-    """The attention logits and probabilities [B, N, T, S] of one layer on one device: the model
-    materialises them in float32, and under remat they are rebuilt layer by layer. With a seq axis
-    a device holds T / seq queries against the whole row (all-gather) or one block (ring)."""
-    from paxlite.models.parallel_config import ContextParallelStrategy
-
-    mesh, seq_len = base["mesh"], base["seq_len"]
-    queries, keys = seq_len // mesh["seq"], seq_len
-    if mesh["seq"] > 1 and model.context_parallel_strategy is ContextParallelStrategy.RING:
-        keys = seq_len // mesh["seq"]
-    rows = base["global_batch_size"] // batch_ways // experiment.GRAD_ACCUM_STEPS
-    if model.pipeline is not None:
-        rows //= model.pipeline.microbatches(base["global_batch_size"] // experiment.GRAD_ACCUM_STEPS)
-    return 4 * max(rows, 1) * experiment.NUM_HEADS // mesh["tensor"] * queries * keys
-
-
-def _pipeline_plan(model, base: dict[str, Any], *, grad_accum_steps: int,
-                   batch_ways: int) -> dict[str, Any] | None:
-    """Stages, schedule, microbatches and bubble of a pipelined run, and what one stage holds.
-
-    ``microbatch_rows_per_device``: each microbatch's rows over data x fsdp x expert (a whole
-    number: the run, and `_setup` here, refuse others before compiling)."""
-    pipe = model.pipeline
-    if pipe is None:
-        return None
-    schedule = pipe.schedule(base["global_batch_size"] // grad_accum_steps)
-    axis = base["mesh"]["pipeline"]
-    split = base["pipeline_split_parameter_bytes"]
-    return {
-        **schedule,
-        "pipeline_axis": axis,
-        "stages_per_device": pipe.num_stages // axis,
-        "microbatch_rows_per_device": schedule["microbatch_rows"] // batch_ways,
-        "bubble_formula": "(S - 1) / (R*M + S - 1)",
-        "layers_per_stage": model.num_layers // pipe.num_stages,
-        # Per device: its stage's share of the layer stack; the rest (embedding, final norm, and an
-        # unscanned stack's layers, which have no [L] axis to split) is held by every stage.
-        "stage_layer_parameter_bytes": split,
-        "parameter_bytes_on_every_stage": base["memory"]["parameter_bytes"] - split,
-        "layers_split_over_stages": split > 0,
-        "memory_is_per_stage": axis > 1,
-    }
-
-
-def _seq_plan(experiment, model, base: dict[str, Any], *, batch_ways: int) -> dict[str, Any] | None:
-    """The seq axis: how many shards a row's tokens are split into and what one device holds."""
-    seq = base["mesh"]["seq"]
-    if seq == 1:
-        return None
-    rows = base["global_batch_size"] // batch_ways
-    return {"seq": seq, "strategy": model.context_parallel_strategy.value,
-            "load_balance": bool(experiment.CONTEXT_PARALLEL_LOAD_BALANCE),
-            "tokens_per_shard": base["seq_len"] // seq, "rows_per_device": rows,
-            "tokens_per_device": rows * base["seq_len"] // seq}
-
-
-def moe_plan(experiment, base: dict[str, Any]) -> dict[str, Any] | None:
-    """Experts per device and the routing tensors of one MoE layer per device; None when dense."""
-    import fiddle as fdl
-
-    from paxlite.models.moe_params import num_moe_layers, routing_memory
-
-    model = fdl.build(experiment.model_config())
-    if model.moe is None:
-        return None
-    memory = routing_memory(model, global_tokens=base["global_batch_size"] * base["seq_len"],
-                            mesh=base["mesh"])
-    return {"num_experts": model.moe.num_experts, "experts_per_token": model.moe.experts_per_token,
-            "moe_layers": num_moe_layers(model), "expert_axis": base["mesh"]["expert"],
-            "experts_per_device": model.moe.num_experts // base["mesh"]["expert"], **memory}

@@ -69,5 +69,6 @@ def test_pallas_triton_attention_compiles_with_rows_split_over_data():
         "ATTENTION_KIND='flash'", "ATTENTION_IMPLEMENTATION='pallas_triton'",
         "ICI_MESH_SHAPE=[8,1,1]"))
     result = compile_train_step(experiment, num_devices=8, target="h100")
-    assert result["mesh"]["data"] == 8
-    assert any("triton" in name for name in result["kernels"]), result["kernels"]
+    kernels = result.gpu_program.kernels
+    assert result.mesh.data == 8
+    assert any("triton" in name for name in kernels), kernels

@@ -34,6 +34,7 @@ from paxlite.parallel.compiled_kernels import (
     fp8_gemms,
 )
 from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
+from paxlite.planner.results import StepMeasurement
 from paxlite.planner.search import compile_train_step, gpu_compile_options
 
 gpu_compile = pytest.mark.gpu_compile  # each test that compiles (the refusals need no plugin)
@@ -52,7 +53,8 @@ CUDNN_BACKWARD = "__cudnn$fmhaScaleBiasSoftmaxBackward"
 H100_BYTES = GPU_SPECS[CompileTarget.H100].memory_bytes
 
 
-def _compile(*overrides: str, compiler_options: dict[str, str] | None = None) -> dict:
+def _compile(*overrides: str,
+             compiler_options: dict[str, str] | None = None) -> StepMeasurement:
     return compile_train_step(load_experiment(LLAMA, overrides), num_devices=8, target="h100",
                               compiler_options=compiler_options)
 
@@ -96,29 +98,29 @@ def seq():
     return _compile(*BF16, "ATTENTION_KIND=flash", "ICI_MESH_SHAPE=[2,1,1,1,1,4]")
 
 
-def _cudnn_calls(result: dict) -> dict[str, int]:
-    return {name: n for name, n in result["kernels"].items() if name.startswith("__cudnn$")}
+def _cudnn_calls(result: StepMeasurement) -> dict[str, int]:
+    return {name: n for name, n in result.gpu_program.kernels.items()
+            if name.startswith("__cudnn$")}
 
 
 @gpu_compile
 @pytest.mark.parametrize("case", ["data", "fsdp_fp8", "gqa_tensor", "gqa_tensor4"])
 def test_cudnn_flash_attention_is_cudnns_fused_kernel_forward_and_backward(case, request):
     result = request.getfixturevalue(case)
-    assert result["compiled_for"] == "h100" and result["xla_preset"] == "llama"
+    assert result.compiled_for == "h100" and result.gpu_program.xla_preset == "llama"
     # one forward and one backward call per layer, with the packed rows' mask as cuDNN's bias
     assert _cudnn_calls(result) == {CUDNN_FORWARD: NUM_LAYERS, CUDNN_BACKWARD: NUM_LAYERS}
-    assert result["kernels"]["__cublas$lt$matmul"] > 0
-    assert 0 < result["memory"]["peak_bytes"] < H100_BYTES
+    assert result.gpu_program.kernels["__cublas$lt$matmul"] > 0
+    assert 0 < result.memory.peak_bytes < H100_BYTES
 
 
 @gpu_compile
 def test_fsdp_and_tensor_split_the_parameters_of_the_gpu_program(data, fsdp_fp8, gqa_tensor):
-    assert data["mesh"]["data"] == 8 and fsdp_fp8["mesh"]["fsdp"] == 8
-    assert (gqa_tensor["mesh"]["data"], gqa_tensor["mesh"]["fsdp"],
-            gqa_tensor["mesh"]["tensor"]) == (2, 2, 2)
+    assert data.mesh.data == 8 and fsdp_fp8.mesh.fsdp == 8
+    assert (gqa_tensor.mesh.data, gqa_tensor.mesh.fsdp, gqa_tensor.mesh.tensor) == (2, 2, 2)
     # FSDP 8 and fsdp 2 x tensor 2 split the parameters 8 and 4 ways (all but the norms' scales),
     # data parallelism not at all
-    params = {case: r["memory"]["parameter_bytes"] for case, r in
+    params = {case: r.memory.parameter_bytes for case, r in
               (("data", data), ("fsdp", fsdp_fp8), ("tensor", gqa_tensor))}
     assert params["data"] / params["fsdp"] == pytest.approx(8, rel=0.01), params
     assert params["data"] / params["tensor"] == pytest.approx(4, rel=0.01), params
@@ -133,29 +135,31 @@ def test_cudnn_on_a_seq_axis_is_one_line_naming_the_alternatives():
 
 @gpu_compile
 def test_a_seq_axis_compiles_xlas_attention_for_the_gpu(seq):
-    assert seq["mesh"]["seq"] == 4 and seq["mesh"]["data"] == 2
+    assert seq.mesh.seq == 4 and seq.mesh.data == 2
     assert _cudnn_calls(seq) == {}  # each device's attention sees one shard of the queries
-    assert seq["kernels"]["__cublas$lt$matmul"] > 0 and seq["fp8_gemms"]["total"] == 0
-    assert 0 < seq["memory"]["peak_bytes"] < H100_BYTES
+    program = seq.gpu_program
+    assert program.kernels["__cublas$lt$matmul"] > 0 and program.fp8_gemms["total"] == 0
+    assert 0 < seq.memory.peak_bytes < H100_BYTES
 
 
 @gpu_compile
 def test_fp8_projections_are_cublaslt_fp8_gemms_forward_and_backward(fsdp_fp8):
-    assert fsdp_fp8["compiler_options"]["xla_gpu_enable_triton_gemm"] == "False"
-    assert fsdp_fp8["fp8_gemms"] == {"cublaslt": FP8_GEMMS, "cublas": 0, "triton": 0,
-                                     "total": FP8_GEMMS}
-    assert fsdp_fp8["kernels"]["__cublas$lt$matmul$f8"] == FP8_GEMMS
+    program = fsdp_fp8.gpu_program
+    assert program.compiler_options["xla_gpu_enable_triton_gemm"] == "False"
+    assert program.fp8_gemms == {"cublaslt": FP8_GEMMS, "cublas": 0, "triton": 0,
+                                 "total": FP8_GEMMS}
+    assert program.kernels["__cublas$lt$matmul$f8"] == FP8_GEMMS
     # the rest stays BF16 (docs/fp8.md): the softmax's matmuls
-    assert fsdp_fp8["kernels"]["__cublas$lt$matmul"] > 0
+    assert program.kernels["__cublas$lt$matmul"] > 0
 
 
 @gpu_compile
 def test_without_the_preset_fp8_projections_are_triton_fp8_gemms(fp8_triton):
-    assert fp8_triton["compiler_options"] == {} and fp8_triton["xla_preset"] is None
+    program = fp8_triton.gpu_program
+    assert program.compiler_options == {} and program.xla_preset is None
     gemms = PROJECTIONS_PER_LAYER * GEMMS_PER_FP8_PROJECTION  # one layer
-    assert fp8_triton["fp8_gemms"] == {"cublaslt": 0, "cublas": 0, "triton": gemms,
-                                       "total": gemms}
-    assert not any(name.startswith("__cublas") for name in fp8_triton["kernels"])
+    assert program.fp8_gemms == {"cublaslt": 0, "cublas": 0, "triton": gemms, "total": gemms}
+    assert not any(name.startswith("__cublas") for name in program.kernels)
 
 
 def _bare_einsum_programs(compiler_options: dict[str, str]) -> dict[str, str]:
@@ -210,9 +214,9 @@ def test_a_bare_flax_fp8_einsum_is_the_models_three_gemms_and_a_bf16_dot_of_fp8_
 @gpu_compile
 @pytest.mark.parametrize("case", ["data", "gqa_tensor", "gqa_tensor4", "seq"])
 def test_without_use_fp8_there_is_no_fp8_gemm(case, request):
-    result = request.getfixturevalue(case)
-    assert result["fp8_gemms"]["total"] == 0
-    assert not any("f8" in name for name in result["kernels"])
+    program = request.getfixturevalue(case).gpu_program
+    assert program.fp8_gemms["total"] == 0
+    assert not any("f8" in name for name in program.kernels)
 
 
 def test_enable_te_without_transformer_engine_is_one_line_before_any_compile(monkeypatch):

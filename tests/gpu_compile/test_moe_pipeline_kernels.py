@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
+from paxlite.planner.results import StepMeasurement
 from paxlite.planner.search import compile_train_step
 
 pytestmark = pytest.mark.gpu_compile
@@ -32,7 +33,7 @@ PIPELINE = ("FPROP_DTYPE='bfloat16'", "USE_REPEATED_LAYER=True", "NUM_MICROBATCH
             "ICI_MESH_SHAPE=[4,1,1,1,2]")
 
 
-def _compile(name: str, *overrides: str) -> dict:
+def _compile(name: str, *overrides: str) -> StepMeasurement:
     return compile_train_step(load_experiment(TINY + name, overrides), num_devices=8, target="h100")
 
 
@@ -60,44 +61,45 @@ def circular():
     return _compile("TinyLLaMA", *PIPELINE, "NUM_LAYERS=4", "PIPELINE_REPEATS=2")
 
 
-def _the_gpu_holds_the_state(result: dict) -> None:
-    memory = result["memory"]
+def _the_gpu_holds_the_state(result: StepMeasurement) -> None:
+    memory = result.memory
     # the GPU program's arguments are the state (params, Adam's two moments) and the batch
-    assert memory["argument_bytes"] >= memory["parameter_bytes"] + memory["optimizer_state_bytes"]
-    assert memory["alias_bytes"] > 0  # the donated state is updated in place
-    assert 0 < memory["peak_bytes"] < H100_BYTES
+    assert memory.argument_bytes >= memory.parameter_bytes + memory.optimizer_state_bytes
+    assert memory.alias_bytes > 0  # the donated state is updated in place
+    assert 0 < memory.peak_bytes < H100_BYTES
 
 
 @pytest.mark.parametrize("case", ["glam", "mixtral"])
 def test_moe_steps_compile_with_cudnn_attention_and_cublaslt_experts(case, request):
     result = request.getfixturevalue(case)
-    assert result["compiled_for"] == "h100" and result["xla_preset"] == "moe"
-    assert result["mesh"]["expert"] == 4 and result["mesh"]["data"] == 2
-    assert {k: v for k, v in result["kernels"].items() if k.startswith("__cudnn$")} == {
+    program = result.gpu_program
+    assert result.compiled_for == "h100" and program.xla_preset == "moe"
+    assert result.mesh.expert == 4 and result.mesh.data == 2
+    assert {k: v for k, v in program.kernels.items() if k.startswith("__cudnn$")} == {
         CUDNN_FORWARD: 2, CUDNN_BACKWARD: 2}  # one attention per layer, forward and backward
     # every matmul (the routed experts', GShard's dispatch and combine, the grouped matmul's
     # expansion) is a library GEMM: the MoE preset turns Triton GEMMs off
-    assert result["compiler_options"]["xla_gpu_enable_triton_gemm"] == "False"
-    assert result["kernels"]["__cublas$lt$matmul"] >= 2 * 3 * 3  # >= 2 layers x 3 matmuls x 3
-    assert result["fp8_gemms"]["total"] == 0
+    assert program.compiler_options["xla_gpu_enable_triton_gemm"] == "False"
+    assert program.kernels["__cublas$lt$matmul"] >= 2 * 3 * 3  # >= 2 layers x 3 matmuls x 3
+    assert program.fp8_gemms["total"] == 0
     _the_gpu_holds_the_state(result)
 
 
 @pytest.mark.parametrize("case", ["gpipe", "circular"])
 def test_pipelined_steps_compile_with_each_stages_layers(case, request):
     result = request.getfixturevalue(case)
-    assert result["compiled_for"] == "h100" and result["xla_preset"] == "llama"
-    assert result["mesh"]["pipeline"] == 2 and result["mesh"]["data"] == 4
-    assert result["kernels"]["__cublas$lt$matmul"] > 0
-    assert not any(k.startswith("__cudnn$") for k in result["kernels"])
+    assert result.compiled_for == "h100" and result.gpu_program.xla_preset == "llama"
+    assert result.mesh.pipeline == 2 and result.mesh.data == 4
+    assert result.gpu_program.kernels["__cublas$lt$matmul"] > 0
+    assert not any(k.startswith("__cudnn$") for k in result.gpu_program.kernels)
     # the scanned stack's [L, ...] parameters are split over the stages
-    assert 0 < result["pipeline_split_parameter_bytes"] < result["memory"]["parameter_bytes"]
+    assert 0 < result.pipeline_split_parameter_bytes < result.memory.parameter_bytes
     _the_gpu_holds_the_state(result)
 
 
 def test_the_circular_stage_holds_twice_the_gpipe_stages_layers(gpipe, circular):
     # 4 layers over 2 stages against 2 layers over 2 stages: each device holds 2 layers, not 1
-    assert circular["pipeline_split_parameter_bytes"] == 2 * gpipe["pipeline_split_parameter_bytes"]
+    assert circular.pipeline_split_parameter_bytes == 2 * gpipe.pipeline_split_parameter_bytes
 
 
 def test_jaxs_cudnn_attention_still_refuses_a_head_broadcast_mask_under_vmap():
@@ -125,5 +127,6 @@ def test_a_pipeline_refuses_cudnn_on_packed_rows_and_auto_runs_xla_there():
     # AUTO (flash kind) on the same packed batch: XLA's attention inside the stages, no cuDNN call
     auto = _compile("TinyLLaMA", *PIPELINE, "NUM_LAYERS=2", "ATTENTION_KIND='flash'",
                     "DIMS_PER_HEAD=64", "MODEL_DIMS=256")
-    assert not [name for name in auto["kernels"] if name.startswith("__cudnn")], auto["kernels"]
-    assert auto["kernels"]["__cublas$lt$matmul"] > 0
+    kernels = auto.gpu_program.kernels
+    assert not [name for name in kernels if name.startswith("__cudnn")], kernels
+    assert kernels["__cublas$lt$matmul"] > 0

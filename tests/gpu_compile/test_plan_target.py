@@ -22,6 +22,7 @@ from paxlite.experiments.build import load_experiment
 from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget
 from paxlite.planner import levers as plan_levers
 from paxlite.planner import plan as plan_lib
+from paxlite.planner.results import Plan
 
 gpu_compile = pytest.mark.gpu_compile  # each test that compiles for a GPU (the last ones need none)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,7 +34,7 @@ CUDNN = ("NUM_LAYERS=1", "FPROP_DTYPE='bfloat16'", "DIMS_PER_HEAD=64", "NUM_HEAD
 H100 = GPU_SPECS[CompileTarget.H100]
 
 
-def _plan(seq_len: int, **kwargs) -> dict:
+def _plan(seq_len: int, **kwargs) -> Plan:
     experiment = load_experiment(EXPERIMENT, (*CUDNN, f"MAX_SEQ_LEN={seq_len}"))
     return plan_lib.plan_experiment(experiment, num_devices=2, **kwargs)
 
@@ -44,78 +45,81 @@ def _logits_bytes(seq_len: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def h100() -> dict:
+def h100() -> Plan:
     return _plan(2048, target="h100", longest_seq="off")
 
 
 @pytest.fixture(scope="module")
-def cpu() -> dict:
+def cpu() -> Plan:
     return _plan(2048, longest_seq="off")
 
 
 @pytest.fixture(scope="module")
-def tight(h100) -> dict:
+def tight(h100) -> Plan:
     """The run at 4096 tokens on an H100 with the 2048-token step's peak + 1 MiB: it does not
     fit, so levers (one compiled) and the longest sequence (steps of 2048: one compile) are
     planned."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)
         return _plan(4096, target="h100", longest_seq="on", seq_step=2048,
-                     device_memory_gib=(h100["memory_per_device"]["peak_bytes"] + 2**20) / 2**30)
+                     device_memory_gib=(h100.memory_per_device.peak_bytes + 2**20) / 2**30)
 
 
 @gpu_compile
 def test_the_plan_says_which_compiler_and_takes_the_gpus_memory_and_peak(h100, cpu):
-    assert (h100["compiled_for"], cpu["compiled_for"]) == ("h100", "cpu")
-    assert h100["device_memory_bytes"] == H100.memory_bytes
-    assert cpu["device_memory_bytes"] == 80 * 2**30
-    assert h100["peak_tflops_per_device"] == H100.dense_bf16_tflops
-    assert h100["xla_preset"] == "llama" and cpu["kernels"] is None
+    assert (h100.compiled_for, cpu.compiled_for) == ("h100", "cpu")
+    assert h100.device_memory_bytes == H100.memory_bytes
+    assert cpu.device_memory_bytes == 80 * 2**30
+    assert h100.peak_tflops_per_device == H100.dense_bf16_tflops
+    assert h100.gpu_program.xla_preset == "llama" and cpu.gpu_program is None
     # the state's bytes follow from shapes and shardings: the same whichever compiler
-    for key in ("parameter_bytes", "optimizer_state_bytes", "argument_bytes"):
-        assert h100["memory_per_device"][key] == cpu["memory_per_device"][key] > 0
+    gpu_memory, cpu_memory = h100.memory_per_device, cpu.memory_per_device
+    assert gpu_memory.parameter_bytes == cpu_memory.parameter_bytes > 0
+    assert gpu_memory.optimizer_state_bytes == cpu_memory.optimizer_state_bytes > 0
+    assert gpu_memory.argument_bytes == cpu_memory.argument_bytes > 0
 
 
 @gpu_compile
 def test_cudnn_attention_is_compiled_and_its_temporaries_hold_no_logits(h100, cpu):
-    assert any(name.startswith("__cudnn$fmha") for name in h100["kernels"]), h100["kernels"]
-    assert h100["kernels"]["__cublas$lt$matmul"] > 0 and h100["fp8_gemms"]["total"] == 0
-    assert h100["attention_kernel"] == "cudnn" and h100["attention_logits_bytes_per_layer"] is None
-    assert h100["attention_note"] is None  # the CPU's stand-in note: cuDNN is compiled here
-    assert cpu["attention_note"].startswith("attention planned with 'xla'")
-    assert cpu["attention_logits_bytes_per_layer"] == _logits_bytes(2048)
+    kernels = h100.gpu_program.kernels
+    assert any(name.startswith("__cudnn$fmha") for name in kernels), kernels
+    assert kernels["__cublas$lt$matmul"] > 0 and h100.gpu_program.fp8_gemms["total"] == 0
+    assert h100.attention_kernel == "cudnn" and h100.attention_logits_bytes_per_layer is None
+    assert h100.attention_note is None  # the CPU's stand-in note: cuDNN is compiled here
+    assert cpu.attention_note.startswith("attention planned with 'xla'")
+    assert cpu.attention_logits_bytes_per_layer == _logits_bytes(2048)
     # XLA's attention on the CPU holds the logits; cuDNN's kernel does not: more than a layer's
     # logits apart (27 MB against 108 MB when measured)
-    gpu_temp, cpu_temp = (p["memory_per_device"]["temp_bytes"] for p in (h100, cpu))
+    gpu_temp, cpu_temp = (p.memory_per_device.temp_bytes for p in (h100, cpu))
     assert gpu_temp < cpu_temp - _logits_bytes(2048), (gpu_temp, cpu_temp)
 
 
 @gpu_compile
 def test_no_gpu_flops_are_reported_and_none_are_borrowed_from_the_cpu(h100, cpu):
-    gpu, host = h100["flops_per_step"], cpu["flops_per_step"]
-    assert gpu["compiler_per_device"] is None and gpu["compiler_total"] is None
-    assert "no cost analysis" in gpu["compiler_note"] and host["compiler_note"] is None
-    assert host["compiler_per_device"] > 0 and gpu["analytic"] == host["analytic"] > 0
+    gpu, host = h100.flops_per_step, cpu.flops_per_step
+    assert gpu.compiler_per_device is None and gpu.compiler_total is None
+    assert "no cost analysis" in gpu.compiler_note and host.compiler_note is None
+    assert host.compiler_per_device > 0 and gpu.analytic == host.analytic > 0
     text = plan_lib.format_text(h100)
     assert "compiled for h100 by XLA's GPU compiler" in text and "__cudnn$fmha" in text
     assert "compiler not available (XLA's GPU compiler gives no cost analysis" in text
-    assert f"{host['compiler_total']:.4g}" not in text
+    assert f"{host.compiler_total:.4g}" not in text
     assert "attention planned with 'xla'" not in text
 
 
 @gpu_compile
 def test_levers_and_the_longest_sequence_are_compiled_for_the_gpu(h100, tight):
-    assert tight["compiled_for"] == "h100" and not tight["fits"]
-    compiled = [lever for lever in tight["levers"]
-                if "peak_bytes" in lever and lever["method"] == "compiled"]
-    assert [lever["lever"] for lever in compiled] == ["fsdp 1 -> 2 (all of data moved to fsdp)"]
+    assert tight.compiled_for == "h100" and not tight.verdict.fits
+    compiled = [lever for lever in tight.levers
+                if lever.peak_bytes is not None and lever.method == "compiled"]
+    assert [lever.lever for lever in compiled] == ["fsdp 1 -> 2 (all of data moved to fsdp)"]
     # one layer's float32 [B, N, T, S] logits alone, which any XLA-attention (CPU) compile holds,
     # exceed this lever's whole peak: it was compiled with cuDNN's attention
-    assert 0 < compiled[0]["peak_bytes"] < _logits_bytes(4096)
-    found = tight["longest_seq"]
-    assert found["pinned"] and found["seq_len"] == 2048 and found["compiles"] == 1
+    assert 0 < compiled[0].peak_bytes < _logits_bytes(4096)
+    found = tight.longest_seq
+    assert found.pinned and found.seq_len == 2048 and found.compiles == 1
     # the search's compile at 2048 is the independently planned 2048-token step's, byte for byte
-    assert found["peak_bytes"] == h100["memory_per_device"]["peak_bytes"]
+    assert found.peak_bytes == h100.memory_per_device.peak_bytes
     assert "Longest sequence that fits" in plan_lib.format_text(tight)
 
 

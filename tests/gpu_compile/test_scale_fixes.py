@@ -25,6 +25,7 @@ import pytest
 
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import abstract_variables
+from paxlite.planner.results import StepMeasurement
 from paxlite.planner.search import compile_train_step
 
 pytestmark = pytest.mark.gpu_compile
@@ -40,23 +41,23 @@ LOGITS = ("NUM_LAYERS=4", "VOCAB_SIZE=16384", "MAX_SEQ_LEN=128", "ICI_MESH_SHAPE
           "NUM_MICROBATCHES=4", "USE_REPEATED_LAYER=True", "PERCORE_BATCH_SIZE=2")
 
 
-def _compile(name: str, *overrides: str) -> tuple[dict, object]:
+def _compile(name: str, *overrides: str) -> tuple[StepMeasurement, object]:
     experiment = load_experiment(TINY + name, overrides)
     return compile_train_step(experiment, num_devices=8, target="h100"), experiment
 
 
 def test_the_circular_schedule_holds_no_copy_of_the_whole_stack():
     result, experiment = _compile("TinySynthetic", *CIRCULAR)
-    assert result["mesh"]["pipeline"] == 8
+    assert result.mesh.pipeline == 8
     layers = nn.meta.unbox(abstract_variables(fdl.build(experiment.model_config())))["params"]
     stack = sum(math.prod(leaf.shape) * leaf.dtype.itemsize
                 for leaf in jax.tree.leaves(layers["layers"]))
-    assert result["memory"]["temp_bytes"] < stack / 2, (result["memory"]["temp_bytes"], stack)
+    assert result.memory.temp_bytes < stack / 2, (result.memory.temp_bytes, stack)
 
 
 def test_each_stage_computes_its_share_of_the_logits():
     result, _ = _compile("TinySynthetic", *LOGITS)
-    batch, seq = result["global_batch_size"], result["seq_len"]
+    batch, seq = result.global_batch_size, result.seq_len
     # float32 logits of one data shard's rows: what every stage held before (and their gradient)
-    data_shard_logits = batch // result["mesh"]["data"] * seq * 16384 * 4
-    assert result["memory"]["temp_bytes"] < data_shard_logits, result["memory"]
+    data_shard_logits = batch // result.mesh.data * seq * 16384 * 4
+    assert result.memory.temp_bytes < data_shard_logits, result.memory

@@ -21,7 +21,7 @@ def test_each_stage_holds_a_quarter_of_its_data_shards_logits():
     stage), 37.5 MiB now."""
     experiment = load_experiment("paxlite.experiments.tiny.TinySynthetic", LOGITS)
     result = compile_train_step(experiment, num_devices=8, target="cpu")
-    assert (result["mesh"]["data"], result["mesh"]["pipeline"]) == (2, 4)
-    rows = result["global_batch_size"] // result["mesh"]["data"]
-    data_shard_logits = rows * result["seq_len"] * VOCAB * 4
-    assert result["memory"]["temp_bytes"] < data_shard_logits, result["memory"]
+    assert (result.mesh.data, result.mesh.pipeline) == (2, 4)
+    rows = result.global_batch_size // result.mesh.data
+    data_shard_logits = rows * result.seq_len * VOCAB * 4
+    assert result.memory.temp_bytes < data_shard_logits, result.memory

@@ -225,7 +225,7 @@ def test_the_planner_compiles_the_chunked_step():
             "NUM_LAYERS=1", "MAX_SEQ_LEN=256", "VOCAB_SIZE=16384", "PERCORE_BATCH_SIZE=1",
             "ICI_MESH_SHAPE=[1,1,1]", *overrides))
         plan = plan_lib.plan_experiment(experiment, num_devices=1, device_memory_gib=1000.0)
-        return plan["memory_per_device"]["peak_bytes"]
+        return plan.memory_per_device.peak_bytes
 
     logits_bytes = 256 * 16384 * 4
     assert peak() - peak("LOSS_CHUNK_SIZE=32") >= logits_bytes // 2

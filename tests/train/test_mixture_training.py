@@ -25,6 +25,7 @@ from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.experiments.build import build_run_config
 from paxlite.train.loop import Run, RunContext
+from tests.in_process import paxlite_main
 from tests.xla_test_flags import COMPILE_FLAGS
 
 WORDS = {"a": "the king and queen of a far land rode out at dawn to see the sea".split(),
@@ -201,13 +202,12 @@ def test_configuration_errors_are_one_line(sources, tmp_path, monkeypatch):
     assert a in message and str(other) in message and message.count("sha256") == 2
 
 
-def test_cli_exit_2_with_one_line(sources, tmp_path):
+def test_cli_exit_2_with_one_line(sources, tmp_path, monkeypatch, capfd):
+    # in this process (tests/in_process.py): the weight is refused before any data is read
     a, _, _ = sources
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COMPILE_FLAGS}
-    result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinyShakespeare",
-         f"--fdl.DATA_MIXTURE=[[{a!r}, 0]]", f"--job_log_dir={tmp_path / 'job'}"],
-        capture_output=True, text=True, env=env, timeout=120, check=False)
+    with paxlite_main(monkeypatch, capfd) as run:
+        result = run("--fdl_config=TinyShakespeare", f"--fdl.DATA_MIXTURE=[[{a!r}, 0]]",
+                     f"--job_log_dir={tmp_path / 'job'}")
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("paxlite: error:")]
     assert len(errors) == 1 and "weight 0" in errors[0] and "Traceback" not in result.stderr

@@ -3,8 +3,6 @@
 import glob
 import logging
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +13,8 @@ from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import build_run_config, load_experiment
 from paxlite.train.loop import Run, RunContext
 from paxlite.train.profiling import StepProfiler
-from tests.xla_test_flags import COMPILE_FLAGS
+from tests.in_process import paxlite_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["SUMMARY_INTERVAL_STEPS=1", "CHECKPOINT_EVERY_N_STEPS=100", "EVAL_INTERVAL_STEPS=1000",
          "EVAL_LOOP_NUM_BATCHES=1", "LR_COS_WARMUP=2", "LR_COS_DECAY_END=8"]
 
@@ -116,14 +113,12 @@ def test_bad_profiler_settings_are_refused(settings, message):
         load_experiment("TinySynthetic", settings)  # MAX_STEPS=100
 
 
-def test_bad_profiler_setting_exits_2_through_the_cli(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    env["XLA_FLAGS"] = COMPILE_FLAGS
+def test_bad_profiler_setting_exits_2_through_the_cli(tmp_path, monkeypatch, capfd):
+    # in this process (tests/in_process.py): the setting is refused before JAX starts any work
     job = tmp_path / "job"
-    result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic",
-         "--fdl.PROFILER_NUM_STEPS=4", f"--job_log_dir={job}"],
-        capture_output=True, text=True, env=env, timeout=300, check=False)
+    with paxlite_main(monkeypatch, capfd) as run:
+        result = run("--fdl_config=TinySynthetic", "--fdl.PROFILER_NUM_STEPS=4",
+                     f"--job_log_dir={job}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "PROFILER_NUM_STEPS set but PROFILER_CAPTURE_STEP is None" in result.stderr
     assert "Traceback" not in result.stderr
