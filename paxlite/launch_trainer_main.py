@@ -54,7 +54,8 @@ from paxlite.errors import exit_usage, report_errors
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("module", DEFAULTS["module"], f"AXLearn's config module: {', '.join(CONFIG_MODULES)}.")
+flags.DEFINE_string("module", DEFAULTS["module"], "AXLearn's config module: "
+                                                  f"{', '.join(CONFIG_MODULES)}.")
 flags.DEFINE_alias("config_module", "module")
 flags.DEFINE_string("config", DEFAULTS["config"], "AXLearn config name, e.g. fuji-7B-v2-flash.")
 flags.DEFINE_string("trainer_dir", DEFAULTS["trainer_dir"],
@@ -70,9 +71,11 @@ flags.DEFINE_string("distributed_coordinator", DEFAULTS["distributed_coordinator
                     "HOST:PORT of process 0 (default $DISTRIBUTED_COORDINATOR).")
 flags.DEFINE_integer("num_processes", DEFAULTS["num_processes"],
                      "Processes in the job (default $NUM_PROCESSES).")
-flags.DEFINE_integer("process_id", DEFAULTS["process_id"], "This process's index (default $PROCESS_ID).")
+flags.DEFINE_integer("process_id", DEFAULTS["process_id"], "This process's index (default "
+                                                           "$PROCESS_ID).")
 flags.DEFINE_integer("initialization_timeout", DEFAULTS["initialization_timeout"],
-                     "Seconds to wait for every process to join (default PAXLITE_INIT_TIMEOUT_S, 300).")
+                     "Seconds to wait for every process to join (default PAXLITE_INIT_TIMEOUT_S, "
+                     "300).")
 flags.DEFINE_integer("trainer_prng_seed", DEFAULTS["trainer_prng_seed"], "Seed of the run (SEED).")
 flags.DEFINE_list("trace_at_steps", DEFAULTS["trace_at_steps"],
                   "Step at which to start a profiler trace (one step).")
@@ -98,7 +101,8 @@ def _absl_flags(fdl) -> LaunchFlags:
 
 
 def _write_trainer_files(plan: LaunchPlan, experiment, tree) -> None:
-    """DIR/trainer_config (readable) and DIR/launch_trainer_flags (JSON), as AXLearn's run_trainer."""
+    """DIR/trainer_config (readable) and DIR/launch_trainer_flags (JSON), as AXLearn's
+    run_trainer."""
     from fiddle import printing
 
     os.makedirs(plan.trainer_dir, exist_ok=True)

@@ -1,9 +1,10 @@
-"""Pax-compatible entry point: `python -m paxlite.main --fdl_config=NAME --fdl.X=V --job_log_dir=DIR`.
+"""Pax-compatible entry point:
+`python -m paxlite.main --fdl_config=NAME --fdl.X=V --job_log_dir=DIR`.
 
-Flags follow paxml/main.py. Fiddle's absl integration defines `--fdl_config` and `--fdl_set` and rewrites
-`--fdl.X=V` into `--fdl_set=X=V`; paxlite reads those two flags itself so that every name and value is validated
-(Fiddle's own override path silently accepts misspelled names). Configuration mistakes are reported before JAX
-touches a device.
+Flags follow paxml/main.py. Fiddle's absl integration defines `--fdl_config` and `--fdl_set` and
+rewrites `--fdl.X=V` into `--fdl_set=X=V`; paxlite reads those two flags itself so that every name
+and value is validated (Fiddle's own override path silently accepts misspelled names). Configuration
+mistakes are reported before JAX touches a device.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from paxlite.errors import UsageError, exit_usage, report_errors
 FLAGS = flags.FLAGS
 
 
-flags.DEFINE_string("job_log_dir", None, "Directory for checkpoints, summaries, metrics and configs.")
+flags.DEFINE_string("job_log_dir", None, "Directory for checkpoints, summaries, metrics and "
+                                         "configs.")
 flags.DEFINE_enum("mode", Mode.TRAIN.value, [m.value for m in Mode], "What to run.")
-flags.DEFINE_bool("enable_checkpoint_saving", True, "Write checkpoints (restoring works either way).")
+flags.DEFINE_bool("enable_checkpoint_saving", True, "Write checkpoints (restoring works either "
+                                                    "way).")
 flags.DEFINE_string("tfds_data_dir", None,
-                    "TFDS data directory (Pax's flag): sets --fdl.TFDS_DATA_DIR unless that is given.")
+                    "TFDS data directory (Pax's flag): sets --fdl.TFDS_DATA_DIR unless that is "
+                    "given.")
 flags.DEFINE_bool("multiprocess_gpu", False,
                   "Join a multi-process job (as in Pax) with --server_addr, --num_hosts and "
                   "--host_idx. Without it SLURM (SLURM_NTASKS > 1) and "
@@ -40,7 +44,8 @@ flags.DEFINE_integer("host_idx", None,
                      "(--multiprocess_gpu).")
 
 class _LibraryInfoFilter(logging_std.Filter):
-    """Orbax logs dozens of INFO lines per checkpoint; keep its warnings, drop its chatter from the job log."""
+    """Orbax logs dozens of INFO lines per checkpoint; keep its warnings, drop its chatter from the
+    job log."""
 
     _QUIET = (f"{os.sep}orbax{os.sep}", f"{os.sep}jax{os.sep}_src{os.sep}")
 
@@ -55,26 +60,32 @@ def quiet_library_logs() -> None:
 
 
 def parse_job(argv) -> tuple:
-    """Validate everything that can be validated without devices; returns (experiment, tree, run_config)."""
+    """Validate everything that can be validated without devices; returns (experiment, tree,
+    run_config)."""
 
     from paxlite.experiments.build import build_tree, load_experiment, run_tree
 
     if len(argv) > 1:
-        raise UsageError(f"unexpected positional arguments {argv[1:]}; flags look like --name=value")
+        raise UsageError(
+            f"unexpected positional arguments {argv[1:]}; flags look like --name=value"
+        )
     unsupported = [f"--{name}" for name in ("fdl_config_file", "fiddler", "fdl_tags_set")
                    if FLAGS[name].present]
     if unsupported:
         raise UsageError(
-            f"{', '.join(unsupported)} are Fiddle flags paxlite does not apply; select the experiment with "
-            "--fdl_config=NAME and set hyperparameters with --fdl.NAME=VALUE"
+            f"{', '.join(unsupported)} are Fiddle flags paxlite does not apply; select the "
+            "experiment with --fdl_config=NAME and set hyperparameters with --fdl.NAME=VALUE"
         )
     if not FLAGS.job_log_dir:
-        raise UsageError("--job_log_dir is required (checkpoints, summaries and metrics are written there)")
+        raise UsageError("--job_log_dir is required (checkpoints, summaries and metrics are "
+                         "written there)")
     from paxlite.paths import require_local_path
 
     require_local_path(FLAGS.job_log_dir, setting="--job_log_dir")  # a ValueError: exit 2, as above
     assignments = list(FLAGS.fdl_set or [])
-    if FLAGS.tfds_data_dir and not any(a.split("=", 1)[0].strip() == "TFDS_DATA_DIR" for a in assignments):
+    if FLAGS.tfds_data_dir and not any(
+        a.split("=", 1)[0].strip() == "TFDS_DATA_DIR" for a in assignments
+    ):
         assignments.append(f"TFDS_DATA_DIR={FLAGS.tfds_data_dir!r}")
     if Mode(FLAGS.mode) is Mode.DRY_RUN and not any(a.split("=", 1)[0].strip() == "SYNTHETIC_DATA"
                                                     for a in assignments):
@@ -85,10 +96,11 @@ def parse_job(argv) -> tuple:
         # Pax's evaluation-only configs (the LLaMA ones) have MAX_STEPS=0: zero means "no training",
         # so say so here, before a checkpoint is read, a step compiled or the job directory made.
         where = ("--fdl.MAX_STEPS=0" if "MAX_STEPS" in experiment.overridden
-                 else f"MAX_STEPS=0 ({experiment.name}'s value, as in Pax's evaluation-only configs)")
+                 else f"MAX_STEPS=0 ({experiment.name}'s value, as in Pax's evaluation-only "
+                      "configs)")
         raise UsageError(
-            f"{where} with --mode=train trains nothing; pass --fdl.MAX_STEPS=N (N >= 1) to train, or "
-            "--mode=eval to evaluate the job's latest checkpoint (or CHECKPOINT_RESTORE_PATH)")
+            f"{where} with --mode=train trains nothing; pass --fdl.MAX_STEPS=N (N >= 1) to train, "
+            "or --mode=eval to evaluate the job's latest checkpoint (or CHECKPOINT_RESTORE_PATH)")
     tree = run_tree(experiment)
     run_config = build_tree(tree)
     return experiment, tree, run_config

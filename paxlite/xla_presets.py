@@ -1,27 +1,30 @@
-"""Per-model XLA flag presets, as Pax's `xla_flags/*.env` files had them, in spellings today's jaxlib accepts.
+"""Per-model XLA flag presets, as Pax's `xla_flags/*.env` files had them, in today's spellings.
 
-Pax shipped one env file per model family (common.env for GLaM, GPT-5B/175B and LLaMA-70B; gpt-126m.env;
-llama-7b*.env; grok-proxy.env for large MoE). Several of their flags were renamed or dropped since, and
-XLA aborts the whole process on a flag it does not know ("Unknown flag in XLA_FLAGS"), so a preset here is
-not a fixed string: each entry lists its spellings, newest first, and `resolve` asks the installed jaxlib
-which one it parses (a subprocess that starts JAX on the CPU with the candidate flags: XLA's flag table
-is one for every backend, so the CPU client parses GPU-only flags too, as checked with jaxlib 0.10.2 and 0.12.0.1; the
-CUDA plugin of the same release carries the same table). An entry no spelling of which is
-known is dropped and reported, never passed on to abort a training job.
+Pax shipped one env file per model family (common.env for GLaM, GPT-5B/175B and LLaMA-70B;
+gpt-126m.env; llama-7b*.env; grok-proxy.env for large MoE). Several of their flags were renamed or
+dropped since, and XLA aborts the whole process on a flag it does not know ("Unknown flag in
+XLA_FLAGS"), so a preset here is not a fixed string: each entry lists its spellings, newest first,
+and `resolve` asks the installed jaxlib which one it parses (a subprocess that starts JAX on the CPU
+with the candidate flags: XLA's flag table is one for every backend, so the CPU client parses
+GPU-only flags too, as checked with jaxlib 0.10.2 and 0.12.0.1; the CUDA plugin of the same release
+carries the same table). An entry no spelling of which is known is dropped and reported, never
+passed on to abort a training job.
 
 What changed from Pax's files (docs/performance.md, "XLA flag presets"):
-- `--xla_gpu_enable_latency_hiding_scheduler=true` -> `JAX_OPTIMIZATION_LEVEL=O1`, which turns on the
-  latency-hiding scheduler (and, per JAX-Toolbox, collective pipelining and while-loop double buffering).
+- `--xla_gpu_enable_latency_hiding_scheduler=true` -> `JAX_OPTIMIZATION_LEVEL=O1`, which turns on
+  the latency-hiding scheduler (and, per JAX-Toolbox, collective pipelining and while-loop double
+  buffering).
 - `--xla_gpu_enable_pipelined_{all_gather,all_reduce,reduce_scatter}=true` -> the enums
   `--xla_gpu_pipeline_*=on` where the jaxlib knows them; older jaxlibs get the booleans.
 - `--xla_gpu_enable_highest_priority_async_stream` is left out: XLA made it the default.
-- `--xla_gpu_enable_custom_fusions=true` (grok-proxy.env) is left out: XLA removed the flag (its name is
-  a reserved field of DebugOptions now, and the jaxlib rejects it).
-- `--xla_gpu_enable_cudnn_fmha=false` (gpt-126m.env) is left out: it steered XLA's automatic attention
-  rewrite, and paxlite chooses the attention kernel itself (ATTENTION_KIND / USE_CUDNN_FLASH_ATTENTION).
+- `--xla_gpu_enable_custom_fusions=true` (grok-proxy.env) is left out: XLA removed the flag (its
+  name is a reserved field of DebugOptions now, and the jaxlib rejects it).
+- `--xla_gpu_enable_cudnn_fmha=false` (gpt-126m.env) is left out: it steered XLA's automatic
+  attention rewrite, and paxlite chooses the attention kernel itself (ATTENTION_KIND /
+  USE_CUDNN_FLASH_ATTENTION).
 
-The user's XLA_FLAGS win flag by flag: a flag the user sets replaces the preset's flag of the same name,
-the rest of the preset stays. An environment variable the user has set is likewise kept.
+The user's XLA_FLAGS win flag by flag: a flag the user sets replaces the preset's flag of the same
+name, the rest of the preset stays. An environment variable the user has set is likewise kept.
 
     python -m paxlite.xla_presets --model=gpt126m                 # the XLA_FLAGS string
     python -m paxlite.xla_presets --experiment=Pile126M --format=shell   # export lines for a script
@@ -73,7 +76,9 @@ def _flag(*spellings: str) -> Flag:
 
 def _pipelined(collective: str) -> Flag:
     # The enum (openxla/xla PR #45836, 2026-07) replaced the boolean; `on` is the old `true`.
-    return _flag(f"--xla_gpu_pipeline_{collective}=on", f"--xla_gpu_enable_pipelined_{collective}=true")
+    return _flag(
+        f"--xla_gpu_pipeline_{collective}=on", f"--xla_gpu_enable_pipelined_{collective}=true"
+    )
 
 
 def _with(base: Sequence[Flag], *changes: Flag) -> tuple[Flag, ...]:
@@ -84,8 +89,8 @@ def _with(base: Sequence[Flag], *changes: Flag) -> tuple[Flag, ...]:
     return tuple(by_name.values())
 
 
-# Pax's common.env (and its scripts' defaults), 2026 spellings. The combine threshold of 51200 bytes is
-# Pax's; it is small on purpose for data parallelism over many small gradients.
+# Pax's common.env (and its scripts' defaults), 2026 spellings. The combine threshold of 51200 bytes
+# is Pax's; it is small on purpose for data parallelism over many small gradients.
 _COMMON = (
     _flag("--xla_allow_excess_precision=true"),
     _flag("--xla_gpu_enable_triton_gemm=false"),
@@ -97,32 +102,54 @@ _COMMON_ENV = (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTIO
 PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in (
-        Preset("common", "Pax common.env: the defaults of every other preset", _COMMON, _COMMON_ENV),
-        Preset("gpt126m", "Pax gpt-126m.env: all-reduce combine threshold 32 MiB (Pile126M, Synthetic126M)",
-               _with(_COMMON, _flag("--xla_gpu_all_reduce_combine_threshold_bytes=33554432")), _COMMON_ENV),
+        Preset(
+            "common", "Pax common.env: the defaults of every other preset", _COMMON, _COMMON_ENV
+        ),
+        Preset(
+            "gpt126m",
+            "Pax gpt-126m.env: all-reduce combine threshold 32 MiB (Pile126M, Synthetic126M)",
+            _with(_COMMON, _flag("--xla_gpu_all_reduce_combine_threshold_bytes=33554432")),
+            _COMMON_ENV,
+        ),
         Preset("gpt5b", "Pax common.env, as Pax used for GPT-5B", _COMMON, _COMMON_ENV),
         Preset("gpt175b", "Pax common.env, as Pax used for GPT-175B", _COMMON, _COMMON_ENV),
         Preset("llama", "Pax llama-7b.env / common.env (LLaMA, Fuji)", _COMMON, _COMMON_ENV),
-        Preset("llama-lora", "Pax llama-7b-lora.env: memory fraction 0.85", _COMMON,
-               (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85"))),
-        Preset("moe", "Pax common.env, as Pax used for GLaM-126M/64E and GLaM-64B/64E (GLaM, Mixtral)",
-               _COMMON, _COMMON_ENV),
-        Preset("moe-large", "Pax grok-proxy.env: large combine thresholds, pipelined collectives, "
-               "while-loop double buffering, no rematerialization pass",
-               _with(_COMMON,
-                     _flag("--xla_gpu_all_reduce_combine_threshold_bytes=3221225472"),
-                     _flag("--xla_gpu_all_gather_combine_threshold_bytes=3221225472"),
-                     _flag("--xla_gpu_reduce_scatter_combine_threshold_bytes=402653184"),
-                     _pipelined("all_reduce"), _pipelined("all_gather"), _pipelined("reduce_scatter"),
-                     _flag("--xla_gpu_enable_while_loop_double_buffering=true"),
-                     _flag("--xla_gpu_enable_all_gather_combine_by_dim=false"),
-                     _flag("--xla_gpu_enable_reduce_scatter_combine_by_dim=false"),
-                     _flag("--xla_disable_hlo_passes=rematerialization")),
-               (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"))),
+        Preset(
+            "llama-lora",
+            "Pax llama-7b-lora.env: memory fraction 0.85",
+            _COMMON,
+            (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")),
+        ),
+        Preset(
+            "moe",
+            "Pax common.env, as Pax used for GLaM-126M/64E and GLaM-64B/64E (GLaM, Mixtral)",
+            _COMMON,
+            _COMMON_ENV,
+        ),
+        Preset(
+            "moe-large",
+            "Pax grok-proxy.env: large combine thresholds, pipelined collectives, "
+            "while-loop double buffering, no rematerialization pass",
+            _with(
+                _COMMON,
+                _flag("--xla_gpu_all_reduce_combine_threshold_bytes=3221225472"),
+                _flag("--xla_gpu_all_gather_combine_threshold_bytes=3221225472"),
+                _flag("--xla_gpu_reduce_scatter_combine_threshold_bytes=402653184"),
+                _pipelined("all_reduce"),
+                _pipelined("all_gather"),
+                _pipelined("reduce_scatter"),
+                _flag("--xla_gpu_enable_while_loop_double_buffering=true"),
+                _flag("--xla_gpu_enable_all_gather_combine_by_dim=false"),
+                _flag("--xla_gpu_enable_reduce_scatter_combine_by_dim=false"),
+                _flag("--xla_disable_hlo_passes=rematerialization"),
+            ),
+            (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")),
+        ),
     )
 }
 
-# Experiment name -> preset, first match wins (case-insensitive search); MoE before sizes: GLaM126M64E.
+# Experiment name -> preset, first match wins (case-insensitive search); MoE before sizes:
+# GLaM126M64E.
 _EXPERIMENT_PATTERNS = (
     (r"grok", "moe-large"),
     (r"glam|mixtral|moe", "moe"),
@@ -153,16 +180,25 @@ def get_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-def probe(flags: Sequence[str], *, python: str = sys.executable, timeout_s: float = 120.0) -> str | None:
-    """The first flag of `flags` the installed jaxlib rejects as unknown, or None if it takes them all.
+def probe(
+    flags: Sequence[str], *, python: str = sys.executable, timeout_s: float = 120.0
+) -> str | None:
+    """The first flag of `flags` the installed jaxlib rejects as unknown, or None if it takes them
+    all.
 
-    Starts JAX's CPU backend in a subprocess with XLA_FLAGS set to exactly `flags`: XLA parses XLA_FLAGS
-    when its first client starts, and aborts naming the first unknown flag.
+    Starts JAX's CPU backend in a subprocess with XLA_FLAGS set to exactly `flags`: XLA parses
+    XLA_FLAGS when its first client starts, and aborts naming the first unknown flag.
     """
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
-    result = subprocess.run([python, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
-                            text=True, timeout=timeout_s, check=False)
+    result = subprocess.run(
+        [python, "-c", "import jax; jax.devices()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
     if result.returncode == 0:
         return None
     match = _UNKNOWN_FLAG.search(result.stderr)
@@ -179,7 +215,8 @@ class Resolved:
 
 
 def resolve(preset: Preset, *, python: str = sys.executable) -> Resolved:
-    """Each entry's first spelling the installed jaxlib accepts (one probe, plus one per unknown flag)."""
+    """Each entry's first spelling the installed jaxlib accepts (one probe, plus one per unknown
+    flag)."""
     choice = {flag.name: 0 for flag in preset.flags}
     dropped: list[Flag] = []
     live = list(preset.flags)
@@ -188,7 +225,9 @@ def resolve(preset: Preset, *, python: str = sys.executable) -> Resolved:
         unknown = probe(current, python=python)
         if unknown is None:
             return Resolved(tuple(current), tuple(dropped))
-        index = next((i for i, token in enumerate(current) if flag_name(token) == flag_name(unknown)), None)
+        index = next(
+            (i for i, token in enumerate(current) if flag_name(token) == flag_name(unknown)), None
+        )
         if index is None:
             raise RuntimeError(f"the jaxlib rejected {unknown!r}, which is not among {current}")
         flag = live[index]
@@ -200,7 +239,8 @@ def resolve(preset: Preset, *, python: str = sys.executable) -> Resolved:
 
 
 def merge(preset_flags: Sequence[str], user_flags: str) -> str:
-    """The preset's flags, less those the user's XLA_FLAGS name, then the user's flags (the user wins)."""
+    """The preset's flags, less those the user's XLA_FLAGS name, then the user's flags (the user
+    wins)."""
     user = shlex.split(user_flags)
     overridden = {flag_name(token) for token in user if token.startswith("-")}
     kept = [token for token in preset_flags if flag_name(token) not in overridden]
@@ -229,10 +269,13 @@ def environment(preset: Preset, *, base_flags: str | None, environ: Mapping[str,
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m paxlite.xla_presets", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m paxlite.xla_presets", description=__doc__.split("\n")[0]
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--model", help=f"preset name: {', '.join(PRESETS)}")
-    which.add_argument("--experiment", help="an experiment name (Pile126M, LLaMA7B, ...): its family's preset")
+    which.add_argument("--experiment", help="an experiment name (Pile126M, LLaMA7B, ...): its "
+                                            "family's preset")
     which.add_argument("--list", action="store_true", help="print the presets and their flags")
     parser.add_argument("--format", default="flags", choices=("flags", "shell", "json"),
                         help="flags: the XLA_FLAGS string; shell: export lines; json: everything")
@@ -246,15 +289,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("    " + " ".join(" | ".join(f.spellings) for f in preset.flags))
                 print("    " + " ".join(f"{k}={v}" for k, v in preset.env))
             return 0
-        name = preset_for_experiment(args.experiment) if args.experiment else (args.model or "common")
+        name = (
+            preset_for_experiment(args.experiment) if args.experiment else (args.model or "common")
+        )
         preset = get_preset(name)
-        env, dropped = environment(preset, base_flags=os.environ.get("BASE_XLA_FLAGS"), environ=os.environ,
-                                   probe_jaxlib=not args.no_probe)
+        env, dropped = environment(
+            preset,
+            base_flags=os.environ.get("BASE_XLA_FLAGS"),
+            environ=os.environ,
+            probe_jaxlib=not args.no_probe,
+        )
     except UserError as e:
         return exit_status(e)
     for flag in dropped:
-        print(f"paxlite.xla_presets: {preset.name}: left out {' / '.join(flag.spellings)}: this jaxlib "
-              "knows none of these spellings", file=sys.stderr)
+        print(f"paxlite.xla_presets: {preset.name}: left out {' / '.join(flag.spellings)}: this "
+              "jaxlib knows none of these spellings", file=sys.stderr)
     if args.format == "flags":
         print(env["XLA_FLAGS"])
     elif args.format == "shell":

@@ -1,8 +1,8 @@
 """What a conversion is, apart from running it: its request (`ConvertRequest`: the formats, the
 paths, the options of ``python -m paxlite convert``), the checks of a converted model against an
 experiment's (`adopted_config`), where a paxlite checkpoint's model config and tokenizer come from
-(``model_config.json``, the experiment, a training job's ``config.json``), and which existing outputs
-``--overwrite`` may replace. `paxlite.cli.convert` runs conversions and is the command line.
+(``model_config.json``, the experiment, a training job's ``config.json``), and which existing
+outputs ``--overwrite`` may replace. `paxlite.cli.convert` runs conversions and is the command line.
 
 Above interop/ because ``--fdl_config`` and a job's ``config.json`` need the registry of
 experiments. Only the standard library is imported at the top, so ``python -m paxlite`` stays fast.
@@ -178,8 +178,8 @@ class ConvertRequest:
 def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = None,
                  dtype: str = "float32") -> Pretrained:
     """`hf.from_paxlite`, and also a training job that has no ``model_config.json``: its model is
-    rebuilt from the job's ``config.json`` through the registry. ``config``, when given, is used only
-    if no ``model_config.json`` lies beside the checkpoint."""
+    rebuilt from the job's ``config.json`` through the registry. ``config``, when given, is used
+    only if no ``model_config.json`` lies beside the checkpoint."""
     from paxlite.checkpointing.pretrained import find_checkpoint
     from paxlite.interop import hf
 
@@ -215,8 +215,12 @@ def find_tokenizer(request: ConvertRequest) -> str | None:
 
 def _job_vocab_paths(directory: str) -> list[str]:
     """VOCAB_PATH recorded in the config.json of the training job holding ``directory``."""
-    for parent in (directory, os.path.dirname(directory), os.path.dirname(os.path.dirname(directory)),
-                   os.path.dirname(os.path.dirname(os.path.dirname(directory)))):
+    for parent in (
+        directory,
+        os.path.dirname(directory),
+        os.path.dirname(os.path.dirname(directory)),
+        os.path.dirname(os.path.dirname(os.path.dirname(directory))),
+    ):
         path = os.path.join(parent, "config.json")
         if os.path.isfile(path):
             try:
@@ -261,8 +265,9 @@ def replaceable(output: str, *, inputs: Sequence[str]) -> str | None:
                      and not (n.endswith(".safetensors") and n.startswith("model")))
     if foreign:
         raise OutputExistsError(
-            f"--output={path!r} holds {foreign[0]!r}{f' (and {len(foreign) - 1} more)' if len(foreign) > 1 else ''}, "
-            "which no conversion writes: --overwrite replaces an earlier conversion's output only; "
+            f"--output={path!r} holds "
+            f"{foreign[0]!r}{f' (and {len(foreign) - 1} more)' if len(foreign) > 1 else ''}, which "
+            "no conversion writes: --overwrite replaces an earlier conversion's output only; "
             "choose a new or empty directory")
     return path
 

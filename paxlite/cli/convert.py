@@ -146,23 +146,26 @@ def _convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
         return convert_te(request)
     if request.te_options:
         flags = [flag for flag, dest in TE_OPTION_FLAGS if dest in request.te_options]
-        raise ConversionError(f"{', '.join(flags)} only {'applies' if len(flags) == 1 else 'apply'} to --to=te or --from=te "
-                              f"(here --from={request.source.value} --to={request.target.value})")
+        raise ConversionError(f"{', '.join(flags)} only "
+                              f"{'applies' if len(flags) == 1 else 'apply'} to --to=te or "
+                              f"--from=te (here --from={request.source.value} "
+                              f"--to={request.target.value})")
     if request.assignments and not request.fdl_config:
         raise ConversionError(f"--fdl.X overrides {list(request.assignments)} need --fdl_config")
     if request.vocab_size is not None and request.source is not Source.META:
         raise ConversionError("--vocab_size is only for --from=meta (params.json vocab_size -1)")
     if request.source is Source.PAX and not request.fdl_config:
-        raise ConversionError("--from=pax needs --fdl_config=NAME: a Pax checkpoint does not record "
-                              "its model, the experiment that trained it does (e.g. "
+        raise ConversionError("--from=pax needs --fdl_config=NAME: a Pax checkpoint does not "
+                              "record its model, the experiment that trained it does (e.g. "
                               "--fdl_config=LLaMA7B, or GPT126M with its --fdl.X overrides)")
     if request.source is Source.PAX and request.target is Target.PAX:
         raise ConversionError("--from=pax --to=pax: the input already is in Pax's layout")
     hf_only = [f for f, v in (("--max_shard_size", request.max_shard_size),
                               ("--vocab_path", request.vocab_path)) if v is not None]
     if hf_only and request.target is not Target.HF:
-        raise ConversionError(f"{', '.join(hf_only)} only {'applies' if len(hf_only) == 1 else 'apply'} "
-                              f"to --to=hf (here --to={request.target.value})")
+        raise ConversionError(f"{', '.join(hf_only)} only "
+                              f"{'applies' if len(hf_only) == 1 else 'apply'} to --to=hf (here "
+                              f"--to={request.target.value})")
     if request.max_shard_size is not None:
         hf_write.parse_size(request.max_shard_size)
     # Every output precondition before the first byte of a (possibly 140 GB) input is read.
@@ -375,8 +378,9 @@ def convert_te(request: ConvertRequest) -> ConvertSummary:
             "checkpoints convert to and from paxlite only (--from=paxlite --to=te, --from=te "
             "--to=paxlite); convert other formats to paxlite first")
     if request.fdl_config or request.assignments:
-        raise ConversionError("--fdl_config/--fdl.X are not read by TE conversions: the model comes "
-                              "from model_config.json beside the checkpoint or the job's config.json")
+        raise ConversionError("--fdl_config/--fdl.X are not read by TE conversions: the model "
+                              "comes from model_config.json beside the checkpoint or the job's "
+                              "config.json")
     given = dict(request.te_options or {})
     layout = given.pop("te_qkv_layout", None)
     options = te.TeOptions(te_qkv_layout=None if layout is None else te.QkvLayout(layout), **given)
@@ -417,7 +421,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the written weights")
     parser.add_argument("--max_shard_size", default=None,
                         help="--to=hf: largest safetensors shard, e.g. 5GB, 500MB, 2GiB or bytes "
-                        f"(default {hf_write.DEFAULT_MAX_SHARD_SIZE}, as transformers' save_pretrained)")
+                        f"(default {hf_write.DEFAULT_MAX_SHARD_SIZE}, as transformers' "
+                        "save_pretrained)")
     parser.add_argument("--vocab_path", default=None,
                         help="--to=hf: SentencePiece model to ship as the tokenizer (default: the "
                         "input's tokenizer.model, or a training job's VOCAB_PATH)")
@@ -425,7 +430,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Meta only: vocabulary size when params.json says -1 and there is no "
                         "tokenizer.model beside the checkpoint")
     te_group = parser.add_argument_group(
-        "Transformer Engine (--to=te / --from=te; Pax converter options, checked against the model)")
+        "Transformer Engine (--to=te / --from=te; Pax converter options, checked against the model)"
+    )
     te_group.add_argument("--num-gqa-groups", dest="num_gqa_groups", type=int, default=None,
                           help="key/value heads (must be the model's)")
     te_group.add_argument("--te-qkv-layout", dest="te_qkv_layout", default=None,

@@ -1,6 +1,7 @@
 """`python -m paxlite generate`: text (or token ids) from a trained job or any paxlite checkpoint.
 
-    python -m paxlite generate --job_log_dir=DIR | --checkpoint=PATH | --fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH
+    python -m paxlite generate --job_log_dir=DIR | --checkpoint=PATH
+        | --fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH
         [--fdl_config=NAME --fdl.X=V]
         --prompt=TEXT ... | --prompt_file=F | --prompt_ids=1,2,3 ...
         [--max_new_tokens=N --temperature=T --top_k=K --top_p=P --seed=S --format=text|json]
@@ -11,7 +12,8 @@ The model comes from the job's config.json (its experiment and overrides), or fr
 model_config.json that `convert` writes beside a checkpoint, or from --fdl_config; the parameters
 from the latest complete checkpoint, read as CHECKPOINT_RESTORE_PATH reads them. The tokenizer is
 the experiment's VOCAB_PATH (or the VOCAB_PATH environment variable, as Pax; for a converted
-model, the tokenizer.model `convert` copied beside it), and its EOS ends a sample. Every user mistake is one line and exit 2, found before any parameter is read.
+model, the tokenizer.model `convert` copied beside it), and its EOS ends a sample. Every user
+mistake is one line and exit 2, found before any parameter is read.
 
 Text prompts start with the tokenizer's BOS where the model family was trained so (BosChoice);
 token-id prompts are used as given. Several processes (Pax's flags, SLURM, Kubernetes, as training)
@@ -52,11 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument("--prompt_file", default=None, help="one text prompt per non-empty line")
     parser.add_argument("--prompt_ids", action="append", default=[],
-                        help="a prompt as comma-separated token ids (repeatable; no tokenizer needed)")
+                        help="a prompt as comma-separated token ids (repeatable; no tokenizer "
+                             "needed)")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top_k", type=int, default=0, help="0: no top-k restriction")
-    parser.add_argument("--top_p", type=float, default=1.0, help="in (0, 1]; 1: no nucleus restriction")
+    parser.add_argument("--top_p", type=float, default=1.0, help="in (0, 1]; 1: no nucleus "
+                                                                 "restriction")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--format", choices=(OutputFormat.TEXT, OutputFormat.JSON),
                         default=OutputFormat.TEXT,

@@ -1,9 +1,11 @@
-"""Running one parsed job: what `paxlite.main` and `paxlite.launch_trainer_main` share after their flags.
+"""Running one parsed job: what `paxlite.main` and `paxlite.launch_trainer_main` share after their
+flags.
 
-Each entry point parses its own command line into an experiment (validated before any device is touched), joins
-the multi-process runtime, and hands over here: the compilation cache is switched on, the job directory gets its
-config files, and the run trains or evaluates. Kept free of absl flag definitions so that importing it defines no
-flags an entry point did not ask for (a flag defined but unused would be a setting silently ignored).
+Each entry point parses its own command line into an experiment (validated before any device is
+touched), joins the multi-process runtime, and hands over here: the compilation cache is switched
+on, the job directory gets its config files, and the run trains or evaluates. Kept free of absl flag
+definitions so that importing it defines no flags an entry point did not ask for (a flag defined but
+unused would be a setting silently ignored).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import paxlite
 from paxlite.errors import NotFoundError, SettingError
 
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
-# Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint committed (train/preemption.py);
-# schedulers that count a 0 as "finished" (Kubernetes Indexed Jobs) set another, e.g. 143.
+# Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint committed
+# (train/preemption.py); schedulers that count a 0 as "finished" (Kubernetes Indexed Jobs) set
+# another, e.g. 143.
 PREEMPTION_EXIT_CODE_ENV = "PAXLITE_PREEMPTION_EXIT_CODE"
-# Exit status of a run stopped by SIGTERM/SIGINT with nothing saved (--enable_checkpoint_saving=false):
-# never PAXLITE_PREEMPTION_EXIT_CODE, which tells a scheduler to rerun the job to resume; a rerun of this
-# one would resume nothing. Not 0 (it did not finish), 1 (it did not fail), 2 (no mistake) nor 128 + N.
+# Exit status of a run stopped by SIGTERM/SIGINT with nothing saved
+# (--enable_checkpoint_saving=false): never PAXLITE_PREEMPTION_EXIT_CODE, which tells a scheduler to
+# rerun the job to resume; a rerun of this one would resume nothing. Not 0 (it did not finish), 1
+# (it did not fail), 2 (no mistake) nor 128 + N.
 PREEMPTED_UNSAVED_EXIT_CODE = 3
 
 
@@ -38,7 +42,10 @@ class Mode(str, enum.Enum):
 
 
 def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"paxlite": paxlite.__version__, "python": platform.python_version()}
+    versions: dict[str, str | None] = {
+        "paxlite": paxlite.__version__,
+        "python": platform.python_version(),
+    }
     for name in _VERSIONED:
         try:
             versions[name] = metadata.version(name)
@@ -61,27 +68,31 @@ def preemption_exit_code(env: Mapping[str, str] | None = None) -> int:
         raise SettingError(f"{PREEMPTION_EXIT_CODE_ENV}={raw!r} must be an exit status 0..255 "
                            "(e.g. 143, what a process killed by SIGTERM reports)")
     if code == PREEMPTED_UNSAVED_EXIT_CODE:
-        raise SettingError(f"{PREEMPTION_EXIT_CODE_ENV}={raw!r}: {PREEMPTED_UNSAVED_EXIT_CODE} is the status of a "
-                           "run stopped without a checkpoint; pick another status 0..255 (e.g. 143)")
+        raise SettingError(f"{PREEMPTION_EXIT_CODE_ENV}={raw!r}: {PREEMPTED_UNSAVED_EXIT_CODE} is "
+                           "the status of a run stopped without a checkpoint; pick another status "
+                           "0..255 (e.g. 143)")
     return code
 
 
 def _write_keeping_history(path: str, text: str, *, same_run: bool) -> None:
-    """A config from an earlier run with other hyperparameters is kept beside the new one, never overwritten."""
+    """A config from an earlier run with other hyperparameters is kept beside the new one, never
+    overwritten."""
     if os.path.exists(path) and not same_run:
         stem, ext = os.path.splitext(path)
         n = 1
         while os.path.exists(f"{stem}.previous-{n}{ext}"):
             n += 1
         os.replace(path, f"{stem}.previous-{n}{ext}")
-        logging.warning("Hyperparameters differ from the previous run in this directory; kept %s as %s",
+        logging.warning("Hyperparameters differ from the previous run in this directory; kept %s "
+                        "as %s",
                         path, f"{stem}.previous-{n}{ext}")
     with open(path, "w") as f:
         f.write(text)
 
 
 def write_job_configs(job_dir: str, *, experiment, tree, run, argv) -> None:
-    """config.json (hyperparameters, command line, versions, devices) and config.txt (the Fiddle tree)."""
+    """config.json (hyperparameters, command line, versions, devices) and config.txt (the Fiddle
+    tree)."""
     import jax
     from fiddle import printing
 
@@ -120,7 +131,8 @@ def write_job_configs(job_dir: str, *, experiment, tree, run, argv) -> None:
 
 @contextlib.contextmanager
 def compilation_cache(run_config, *, job_dir: str) -> Iterator[str | None]:
-    """JAX's persistent compilation cache for the run, so that a restarted job does not compile again.
+    """JAX's persistent compilation cache for the run, so that a restarted job does not compile
+    again.
 
     The directory is COMPILATION_CACHE_DIR, else JAX's own JAX_COMPILATION_CACHE_DIR, else
     DIR/compilation_cache (shared by every restart of the job). Every compile is cached, however
@@ -139,7 +151,8 @@ def compilation_cache(run_config, *, job_dir: str) -> Iterator[str | None]:
                  or os.path.join(job_dir, "compilation_cache"))
     from paxlite.paths import require_local_path
 
-    require_local_path(directory, setting="COMPILATION_CACHE_DIR")  # JAX makes it at the first compile
+    # JAX makes it at the first compile
+    require_local_path(directory, setting="COMPILATION_CACHE_DIR")
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     previous = {name: getattr(jax.config, name) for name in names}
@@ -158,15 +171,26 @@ def compilation_cache(run_config, *, job_dir: str) -> Iterator[str | None]:
 def _require_checkpoints(job_dir: str) -> None:
     directory = os.path.join(job_dir, "checkpoints")
     names = os.listdir(directory) if os.path.isdir(directory) else []
-    if not any(name.startswith("checkpoint_") and name[len("checkpoint_"):].isdigit() for name in names):
+    if not any(
+        name.startswith("checkpoint_") and name[len("checkpoint_") :].isdigit() for name in names
+    ):
         raise NotFoundError(
             f"--mode=eval needs a checkpoint, and {directory} has none; train first, point "
             "--job_log_dir at a training job's directory, or give --fdl.CHECKPOINT_RESTORE_PATH")
 
 
-def run_job(experiment, tree, run_config, *, job_dir: str, mode: Mode, enable_checkpoint_saving: bool,
-            argv: Sequence[str]) -> int:
-    """Train or evaluate a parsed job (after the multi-process runtime is joined); the exit status."""
+def run_job(
+    experiment,
+    tree,
+    run_config,
+    *,
+    job_dir: str,
+    mode: Mode,
+    enable_checkpoint_saving: bool,
+    argv: Sequence[str],
+) -> int:
+    """Train or evaluate a parsed job (after the multi-process runtime is joined); the exit
+    status."""
     import jax
 
     from paxlite.train.loop import Run, RunContext, stop_signals
@@ -178,9 +202,10 @@ def run_job(experiment, tree, run_config, *, job_dir: str, mode: Mode, enable_ch
         _require_checkpoints(job_dir)  # before the run is built and anything written
     os.makedirs(job_dir, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        # Stop signals are caught from before the run is built: one that comes while the step compiles
-        # or the checkpoint is read stops the run after its first step, with a checkpoint; with several
-        # processes too, whichever of them got it (the first step's vote is read once it is computed).
+        # Stop signals are caught from before the run is built: one that comes while the step
+        # compiles or the checkpoint is read stops the run after its first step, with a checkpoint;
+        # with several processes too, whichever of them got it (the first step's vote is read once
+        # it is computed).
         preemption = stack.enter_context(stop_signals()) if training else None
         stack.enter_context(compilation_cache(run_config, job_dir=job_dir))
         run = stack.enter_context(Run(run_config, RunContext(

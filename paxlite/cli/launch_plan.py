@@ -106,7 +106,9 @@ def split_fdl_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return rest, fdl
 
 
-def _with_counts(modifier: ConfigModifier, *, num_devices: int, num_processes: int) -> ConfigModifier:
+def _with_counts(
+    modifier: ConfigModifier, *, num_devices: int, num_processes: int
+) -> ConfigModifier:
     """`modifier` with the job's device and process counts filled in (no JAX call needed)."""
     if isinstance(modifier, GlobalMeshShapeModifier):
         return dataclasses.replace(modifier, num_devices=num_devices, num_processes=num_processes)
@@ -114,8 +116,12 @@ def _with_counts(modifier: ConfigModifier, *, num_devices: int, num_processes: i
         return dataclasses.replace(modifier, num_local_devices=num_devices // num_processes,
                                    num_processes=num_processes)
     if isinstance(modifier, ChainConfigModifier):
-        return ChainConfigModifier([_with_counts(m, num_devices=num_devices, num_processes=num_processes)
-                                    for m in modifier.config_modifiers])
+        return ChainConfigModifier(
+            [
+                _with_counts(m, num_devices=num_devices, num_processes=num_processes)
+                for m in modifier.config_modifiers
+            ]
+        )
     return modifier
 
 
@@ -134,7 +140,8 @@ class LaunchPlan:
     flags: LaunchFlags
 
     def experiment(self, *, num_devices: int, num_processes: int) -> fuji.BaseFuji:
-        """The resolved experiment on a job of `num_devices` devices over `num_processes` processes."""
+        """The resolved experiment on a job of `num_devices` devices over `num_processes`
+        processes."""
         modifiers = [] if self.mesh is None else [
             _with_counts(self.mesh.modifier, num_devices=num_devices, num_processes=num_processes)]
         return configure(self.experiment_class, *modifiers, **self.overrides)
@@ -171,7 +178,8 @@ def _choice(name: str, value: Any, valid: Sequence[str]) -> str:
     if not value:
         raise LaunchError(f"--{name} is required: one of {', '.join(valid)}")
     if value not in valid:
-        raise LaunchError(f"--{name}={value}: not one of {', '.join(valid)}{did_you_mean(value, valid)}")
+        raise LaunchError(f"--{name}={value}: not one of "
+                          f"{', '.join(valid)}{did_you_mean(value, valid)}")
     return value
 
 
@@ -182,7 +190,8 @@ def _config_class(name: str | None) -> type[fuji.BaseFuji]:
                           "fuji-test-v1 (python -m paxlite list shows them all)")
     if name not in fuji.AXLEARN_NAMES:
         raise LaunchError(f"--config={name}: not a config of text.gpt.c4_trainer"
-                          f"{did_you_mean(name, list(names))}; python -m paxlite list shows them all")
+                          f"{did_you_mean(name, list(names))}; python -m paxlite list shows them "
+                          "all")
     return getattr(fuji, fuji.AXLEARN_NAMES[name])
 
 
@@ -208,8 +217,10 @@ def _launch(flags: LaunchFlags, env: Mapping[str, str]) -> distributed.Launch:
         raise LaunchError(f"{have}: --num_processes and --process_id (NUM_PROCESSES, PROCESS_ID) "
                           "come together, as in AXLearn")
     if "num_processes" not in given:  # a coordinator alone
-        raise LaunchError(f"{given['distributed_coordinator'][0]}={given['distributed_coordinator'][1]} "
-                          "also needs --num_processes and --process_id")
+        raise LaunchError(
+            f"{given['distributed_coordinator'][0]}={given['distributed_coordinator'][1]} "
+            "also needs --num_processes and --process_id"
+        )
     names = tuple(given.get(n, (f"--{n}", None))[0] for n in _ENV)
     num = given["num_processes"][1]
     if "distributed_coordinator" not in given:
@@ -231,8 +242,8 @@ def _trace_overrides(flags: LaunchFlags) -> dict[str, Any]:
                               "add it, or drop --n_steps_for_each_trace")
         return {}
     if len(steps) > 1:
-        raise LaunchError(f"--trace_at_steps={','.join(steps)}: paxlite traces one window of steps; "
-                          "give one step (with --n_steps_for_each_trace=N steps)")
+        raise LaunchError(f"--trace_at_steps={','.join(steps)}: paxlite traces one window of "
+                          "steps; give one step (with --n_steps_for_each_trace=N steps)")
     try:
         step = int(steps[0])
     except ValueError:
@@ -245,7 +256,8 @@ def _data_overrides(flags: LaunchFlags, cls: type[fuji.BaseFuji], fdl_values: Ma
     given = [n for n in _DATA_HPARAMS if n in fdl_values]
     if given:
         if "data_dir" in flags.present:
-            raise LaunchError(f"--data_dir and --fdl.{given[0]} both say where the data is; give one")
+            raise LaunchError(f"--data_dir and --fdl.{given[0]} both say where the data is; give "
+                              "one")
         return {}  # the --fdl values say it
     raw, source = flags["data_dir"], "--data_dir"
     if raw is None and env.get("DATA_DIR"):
@@ -270,12 +282,12 @@ def _data_overrides(flags: LaunchFlags, cls: type[fuji.BaseFuji], fdl_values: Ma
     tfds_dir = TfdsName.parse(dataset).directory(path)
     if not os.path.isfile(os.path.join(tfds_dir, "dataset_info.json")):
         raise LaunchError(
-            f"{where}: holds neither the TFDS dataset {dataset} ({tfds_dir}/dataset_info.json) nor a "
-            f"dataset made by python -m paxlite.data.prepare ({path}/{MANIFEST}){fake}")
+            f"{where}: holds neither the TFDS dataset {dataset} ({tfds_dir}/dataset_info.json) nor "
+            f"a dataset made by python -m paxlite.data.prepare ({path}/{MANIFEST}){fake}")
     if cls.fuji_version == "3-tiktoken":
         raise LaunchError(
-            f"{cls.axlearn_name} reads text with Llama 3's tiktoken tokenizer, which paxlite cannot "
-            "run (SentencePiece models only): use --data_dir=FAKE (synthetic tokens), or a "
+            f"{cls.axlearn_name} reads text with Llama 3's tiktoken tokenizer, which paxlite "
+            "cannot run (SentencePiece models only): use --data_dir=FAKE (synthetic tokens), or a "
             "tokenized dataset directory (paxlite_dataset.json)")
     if not (fdl_values.get("VOCAB_PATH") or env.get("VOCAB_PATH")):
         vocab = "bpe_128k_c4.model" if cls.fuji_version == "3" else "bpe_32k_c4.model"
@@ -319,8 +331,8 @@ def parse_launch(flags: LaunchFlags, env: Mapping[str, str]) -> LaunchPlan:
     overrides.update(fdl_values)
     mesh_given = [n for n in _MESH_HPARAMS if n in fdl_values]
     if mesh_given and flags["mesh_selector"]:
-        raise LaunchError(f"--mesh_selector={flags['mesh_selector']} and --fdl.{mesh_given[0]} both "
-                          "set the mesh; give one")
+        raise LaunchError(f"--mesh_selector={flags['mesh_selector']} and --fdl.{mesh_given[0]} "
+                          "both set the mesh; give one")
     mesh = None if mesh_given else fuji_mesh.select_mesh(cls.fuji_size, flags["mesh_selector"])
     configure(cls, **overrides)  # every hyperparameter checked now, before any device
     timeouts = distributed.timeouts_from_env(env)

@@ -1,6 +1,8 @@
-"""`python -m paxlite lm_eval`: lm-evaluation-harness scores of a trained job or any paxlite checkpoint.
+"""`python -m paxlite lm_eval`: lm-evaluation-harness scores of a trained job or any paxlite
+checkpoint.
 
-    python -m paxlite lm_eval --job_log_dir=DIR | --checkpoint=PATH | --fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH
+    python -m paxlite lm_eval --job_log_dir=DIR | --checkpoint=PATH
+        | --fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH
         [--fdl_config=NAME --fdl.X=V]
         --tasks=T1,T2 [--num_fewshot=N --limit=N --batch_size=N --include_path=DIR]
         [--output_path=FILE.json --log_samples --seed=R,N,T,F --gen_kwargs=K=V,...]

@@ -1,8 +1,9 @@
 """Where a command that runs a finished model (`generate`, `lm_eval`) gets it from.
 
 One answer for every such command, so that a model scored by `python -m paxlite lm_eval` is the very
-model `python -m paxlite generate` samples: the model config from a job's config.json (its experiment
-and overrides), from the model_config.json that `convert` writes beside a checkpoint, or from
+model `python -m paxlite generate` samples: the model config from a job's config.json (its
+experiment and overrides), from the model_config.json that `convert` writes beside a checkpoint, or
+from
 --fdl_config; the parameters from the latest complete checkpoint, read as CHECKPOINT_RESTORE_PATH
 reads them, sharded over the experiment's mesh; the tokenizer the experiment names (VOCAB_PATH) or
 the one `convert` copied beside the checkpoint; and BOS as the model family was trained.
@@ -30,11 +31,12 @@ class BosChoice(str, enum.Enum):
     """Whether text starts with the tokenizer's BOS id.
 
     AUTO follows how the model family was trained: LLaMA, Mistral/Mixtral and Fuji experiments
-    (BaseLLaMA's subclasses, whose family_adds_bos says so) start every sequence with BOS; GPT, GLaM and the tiny Pax-style models
-    have none. A converted checkpoint alone follows its tokenizer: ``add_bos_token`` of a
-    tokenizer_config.json beside the tokenizer file when there is one (what transformers reads),
-    else BOS whenever the SentencePiece model defines one (LLaMA's and Mistral's do; Pax's c4 and
-    T5 vocabularies do not). A tokenizer without BOS never gets one under AUTO.
+    (BaseLLaMA's subclasses, whose family_adds_bos says so) start every sequence with BOS; GPT, GLaM
+    and the tiny Pax-style models have none. A converted checkpoint alone follows its tokenizer:
+    ``add_bos_token`` of a tokenizer_config.json beside the tokenizer file when there is one (what
+    transformers reads), else BOS whenever the SentencePiece model defines one (LLaMA's and
+    Mistral's do; Pax's c4 and T5 vocabularies do not). A tokenizer without BOS never gets one under
+    AUTO.
     """
 
     AUTO = "auto"
@@ -50,19 +52,21 @@ class ModelSource:
     checkpoint: str
     vocab_path: str | None
     source: str  # where the config came from, for messages
-    mesh_config: Any = None  # the experiment's MeshConfig; None (a converted model alone): one device
+    # the experiment's MeshConfig; None (a converted model alone): one device
+    mesh_config: Any = None
     # BosChoice.AUTO's answer where the experiment decides it (True: LLaMA family); None: the
     # tokenizer decides (a converted model alone)
     family_adds_bos: bool | None = None
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--job_log_dir | --checkpoint, and --fdl_config: the flags every model-running command takes."""
+    """--job_log_dir | --checkpoint, and --fdl_config: the flags every model-running command
+    takes."""
     source = parser.add_argument_group("model (one of)")
     source.add_argument("--job_log_dir", default=None, help="a training job's directory")
     source.add_argument("--checkpoint", default=None,
-                        help="anything CHECKPOINT_RESTORE_PATH reads: a converted model's directory, "
-                             "a job's checkpoints/ or one checkpoint_<STEP> directory")
+                        help="anything CHECKPOINT_RESTORE_PATH reads: a converted model's "
+                             "directory, a job's checkpoints/ or one checkpoint_<STEP> directory")
     parser.add_argument("--fdl_config", default=None,
                         help="the experiment, when no config.json or model_config.json says it")
 
@@ -112,8 +116,8 @@ def resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> Model
 
     path = args.job_log_dir or args.checkpoint
     if path is not None and any(a.startswith("CHECKPOINT_RESTORE_PATH=") for a in assignments):
-        raise SettingError("--fdl.CHECKPOINT_RESTORE_PATH and --job_log_dir / --checkpoint both name "
-                           "the parameters: give one of them")
+        raise SettingError("--fdl.CHECKPOINT_RESTORE_PATH and --job_log_dir / --checkpoint both "
+                           "name the parameters: give one of them")
     experiment = None
     if path is None:
         experiment, path = _restore_path_experiment(args, assignments)

@@ -170,8 +170,8 @@ def cudnn_problems(
     if dense_bias and vmapped_stages:
         problems.append(
             "with a mask (packed rows) or a logit bias cuDNN cannot run inside a pipeline's stages "
-            "(JAX's cuDNN batching rule cannot take the mask under the stages' vmap); unpacked rows "
-            "(PACKED_INPUT=False) can")
+            "(JAX's cuDNN batching rule cannot take the mask under the stages' vmap); unpacked "
+            "rows (PACKED_INPUT=False) can")
     return problems
 
 
@@ -259,7 +259,8 @@ def flash_attention(
     """
     implementation = AttentionImplementation(implementation)
     if implementation is AttentionImplementation.AUTO:
-        raise ValueError("flash_attention needs a resolved implementation; see resolve_implementation")
+        raise ValueError("flash_attention needs a resolved implementation; see "
+                         "resolve_implementation")
     if implementation is AttentionImplementation.PALLAS_TRITON:
         if bias is not None:
             raise SettingError(pallas_problems(has_bias=True)[0])

@@ -66,7 +66,8 @@ __all__ = ["STAGE", "STAGE_RULE", "LayerCall", "bubble_fraction", "pipeline_appl
            "pipeline_apply_with_extras", "stage_mesh_axis"]
 
 STAGE = "stage"  # the logical name of the stage dimension
-STAGE_RULE = (STAGE, "pipeline")  # the logical-axis rule it needs; the default when no rule names it
+# the logical-axis rule it needs; the default when no rule names it
+STAGE_RULE = (STAGE, "pipeline")
 
 
 def stage_mesh_axis(num_stages: int) -> str | None:
@@ -103,14 +104,16 @@ def _check(stacked_params, microbatches: jax.Array, *, num_stages: int, repeats:
         raise ValueError("stacked_params has no arrays: nothing to pipeline")
     counts = sorted({leaf.shape[0] if leaf.ndim else 0 for leaf in leaves})
     if len(counts) != 1:
-        raise ValueError(f"stacked_params leaves disagree on their leading layer axis: sizes {counts}")
+        raise ValueError("stacked_params leaves disagree on their leading layer axis: sizes "
+                         f"{counts}")
     num_layers = counts[0]
     if num_layers == 0 or num_layers % (num_stages * repeats):
         raise ValueError(
             f"{num_layers} layers do not split into {num_stages} stages x {repeats} repeats: "
             f"the layer count must be a positive multiple of {num_stages * repeats}")
     if microbatches.ndim < 2 or microbatches.shape[0] < 1:
-        raise ValueError(f"microbatches must be [M, mb, ...] with M >= 1, got shape {microbatches.shape}")
+        raise ValueError("microbatches must be [M, mb, ...] with M >= 1, got shape "
+                         f"{microbatches.shape}")
     num_micro = microbatches.shape[0]
     if repeats > 1 and num_micro < num_stages:
         # Item (r, m) re-enters stage 0 at iteration r*M + m; its previous pass left the last stage
@@ -122,7 +125,8 @@ def _check(stacked_params, microbatches: jax.Array, *, num_stages: int, repeats:
 
 
 def _constrain_stage(x: jax.Array, axis: str | None) -> jax.Array:
-    """Shard the leading stage dimension over ``axis``; leave the other dimensions to the partitioner."""
+    """Shard the leading stage dimension over ``axis``; leave the other dimensions to the
+    partitioner."""
     if axis is None:
         return x
     spec = PartitionSpec(axis, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
@@ -365,9 +369,12 @@ def pipeline_apply(
 
 
 def _check_side(side: Any, num_micro: int) -> None:
-    bad = [leaf.shape for leaf in jax.tree.leaves(side) if leaf.ndim < 1 or leaf.shape[0] != num_micro]
+    bad = [
+        leaf.shape for leaf in jax.tree.leaves(side) if leaf.ndim < 1 or leaf.shape[0] != num_micro
+    ]
     if bad:
-        raise ValueError(f"side inputs must be [M={num_micro}, ...] like the microbatches, got shapes {bad}")
+        raise ValueError(f"side inputs must be [M={num_micro}, ...] like the microbatches, got "
+                         f"shapes {bad}")
 
 
 def pipeline_apply_with_extras(
@@ -400,8 +407,8 @@ def pipeline_apply_with_extras(
       nor their gradients.
     """
     if remat_policy is not None and not remat:
-        raise ValueError("remat_policy is used only with remat=True (it chooses what an iteration under "
-                         "jax.checkpoint saves); pass remat=True or leave remat_policy out")
+        raise ValueError("remat_policy is used only with remat=True (it chooses what an iteration "
+                         "under jax.checkpoint saves); pass remat=True or leave remat_policy out")
     S, R = num_stages, repeats
     K = _check(stacked_params, microbatches, num_stages=S, repeats=R)
     M = microbatches.shape[0]
@@ -454,7 +461,8 @@ def pipeline_apply_with_extras(
         first = lax.dynamic_index_in_dim(microbatches, slot, 0, keepdims=False)  # [mb, ...]
         if R > 1:  # repeats after the first re-enter stage 0 from the circular buffer
             first = _select(t < M, first, lax.dynamic_index_in_dim(circ, slot, 0, keepdims=False))
-        shifted = _constrain_stage(jnp.roll(state, 1, axis=0), axis)  # stage s gets stage s-1's output
+        # stage s gets stage s-1's output
+        shifted = _constrain_stage(jnp.roll(state, 1, axis=0), axis)
         x = _select(stage_ids == 0, jnp.broadcast_to(first[None], shifted.shape), shifted)
         item = t - stage_ids  # [S]
         valid = (item >= 0) & (item < items)

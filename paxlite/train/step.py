@@ -1,8 +1,9 @@
 """Pure train and eval steps, and their jitted, sharded forms.
 
-`train_step` and `eval_step` are plain functions of (state, batch); `compile_steps` jits them once with explicit
-input/output shardings (parameters and optimizer state by the logical-axis rules, batches over data x fsdp x
-expert, metrics replicated) and donates the train state, so a step updates parameters in place.
+`train_step` and `eval_step` are plain functions of (state, batch); `compile_steps` jits them once
+with explicit input/output shardings (parameters and optimizer state by the logical-axis rules,
+batches over data x fsdp x expert, metrics replicated) and donates the train state, so a step
+updates parameters in place.
 
 With a `trainable` predicate over parameter paths (LoRA: only the adapters, Pax's
 `bprop_variable_inclusion`), the step differentiates with respect to the trainable subtree only
@@ -102,11 +103,11 @@ def train_step(
     """One optimizer step on a global batch.
 
     With `grad_accum_steps` = K > 1 the batch is processed as K microbatches of B/K rows (see
-    `grad_accum.split_microbatches`); the update and the metrics are still the whole batch's. With `trainable`,
-    only those parameters are differentiated and updated (`state.opt_state` covers only them); the
-    others are returned as they came, and `grad_norm` is the norm of the trainable gradients.
-    `loss` is the cross entropy (what eval/loss measures); the gradient is that of the whole
-    objective (plus z-loss and the model's auxiliary losses), and the model's summaries are
+    `grad_accum.split_microbatches`); the update and the metrics are still the whole batch's. With
+    `trainable`, only those parameters are differentiated and updated (`state.opt_state` covers only
+    them); the others are returned as they came, and `grad_norm` is the norm of the trainable
+    gradients. `loss` is the cross entropy (what eval/loss measures); the gradient is that of the
+    whole objective (plus z-loss and the model's auxiliary losses), and the model's summaries are
     returned as metrics beside it (``moe/aux_loss``, ...). The FP8 state is overwritten with its
     "gradient" (the updated scales and histories) and enters neither the optimizer nor the norm.
     """
@@ -157,12 +158,20 @@ def train_step(
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8=new_fp8), metrics
 
 
-def eval_step(params: PyTree, batch: Batch, *, model: nn.Module,
-              loss_chunk_size: int | None = None, fp8: PyTree | None = None) -> dict[str, jax.Array]:
+def eval_step(
+    params: PyTree,
+    batch: Batch,
+    *,
+    model: nn.Module,
+    loss_chunk_size: int | None = None,
+    fp8: PyTree | None = None,
+) -> dict[str, jax.Array]:
     def row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
         scores = per_example_scores(logits, pos)
         if "yn_tokens" in batch:  # a two-way choice per row (BoolQ): Pax's boolq_acc numerator
-            scores["choice_correct"] = choice_correct(logits, {**pos, "yn_tokens": batch["yn_tokens"]})
+            scores["choice_correct"] = choice_correct(
+                logits, {**pos, "yn_tokens": batch["yn_tokens"]}
+            )
         return scores
 
     head = apply_model(model, params, batch, dropout_rng=None, deterministic=True,
@@ -185,15 +194,19 @@ class CompiledSteps:
     init: Callable[[], TrainState]
     train: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
     # train_voting(state, batch, votes) -> (state, metrics, stop): `train` that also reduces the
-    # processes' stop flags (int32 [devices], laid out by vote_sharding) to their maximum, inside the
-    # same program; a multi-process loop runs it instead of `train` (train/preemption.py).
-    train_voting: Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array], jax.Array]]
+    # processes' stop flags (int32 [devices], laid out by vote_sharding) to their maximum, inside
+    # the same program; a multi-process loop runs it instead of `train` (train/preemption.py).
+    train_voting: Callable[
+        [TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array], jax.Array]
+    ]
     vote_sharding: jax.sharding.NamedSharding
     # eval(params, batch, fp8=state.fp8): an FP8 model needs its scaling state to run forward.
     eval: Callable[..., dict[str, jax.Array]]
-    all_finite: Callable[[PyTree], jax.Array]  # True when every parameter is finite (checked before saving)
+    # True when every parameter is finite (checked before saving)
+    all_finite: Callable[[PyTree], jax.Array]
     state_shardings: TrainState
-    abstract_state: TrainState  # ShapeDtypeStructs carrying the shardings (checkpoint restore target)
+    # ShapeDtypeStructs carrying the shardings (checkpoint restore target)
+    abstract_state: TrainState
     batch_sharding: jax.sharding.NamedSharding
 
 
@@ -366,12 +379,17 @@ def compile_steps(
                                  "eval(params, batch, fp8=state.fp8)")
             fp8 = {}
         return evaluate_jit(params, batch, fp8)
+
     all_finite = jax.jit(
-        lambda params: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)])),
+        lambda params: jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)])
+        ),
         in_shardings=(param_shardings,),
         out_shardings=replicated,
     )
-    train, train_voting, evaluate_jit = (_cache_safe(f, mesh) for f in (train, train_voting, evaluate_jit))
+    train, train_voting, evaluate_jit = (
+        _cache_safe(f, mesh) for f in (train, train_voting, evaluate_jit)
+    )
     return CompiledSteps(
         init=init,
         train=train,
