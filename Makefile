@@ -78,7 +78,7 @@ demo: $(STAMP)
 # the shell scripts users launch (shellcheck; -x follows the scripts' `source common.sh`), the container
 # (hadolint: static, no Docker daemon) and the Kubernetes manifests (yamllint --strict with .yamllint's rules).
 lint: $(STAMP)
-	$(BIN)/ruff check paxlite tests benchmarks
+	$(BIN)/ruff check paxlite tests benchmarks examples
 	$(BIN)/lint-imports
 	$(BIN)/shellcheck -x scripts_gpu/*.sh slurm/*.sub benchmarks/gpu/*.sh
 	$(BIN)/hadolint docker/Dockerfile

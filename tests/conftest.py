@@ -18,9 +18,10 @@ import tempfile
 
 from tests.xla_test_flags import COMPILE_FLAGS
 
-# Must happen before JAX is imported anywhere. The compile flags: see tests/xla_test_flags.py (CPU only:
-# not in the GPU pass, tests/gpu_pass.py, whose GPU kernels compile as in a run). A flag already set (by
-# the developer, or by the controlling process for an xdist worker) is kept as it is.
+# Must happen before JAX is imported anywhere. The compile flags: see tests/xla_test_flags.py (CPU
+# only: not in the GPU pass, tests/gpu_pass.py, whose GPU kernels compile as in a run). A flag
+# already set (by the developer, or by the controlling process for an xdist worker) is kept as it
+# is.
 GPU_PASS = os.environ.get("PAXLITE_TEST_GPU_PASS") == "1"
 _flags = os.environ.get("XLA_FLAGS", "").split()
 for _flag in (() if GPU_PASS else (COMPILE_FLAGS,)) + ("--xla_force_host_platform_device_count=8",):
@@ -91,8 +92,8 @@ def pytest_collection_modifyitems(config, items):
     # end. Within a file the order is the file's own. Unmeasured tests marked slow or multiprocess
     # count as 30 s.
     if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _has_gpu():
-        reason = ("needs an NVIDIA GPU: `make test` runs the gpu tests in a second pass on a machine with one "
-                  "(tests/gpu_pass.py)")
+        reason = ("needs an NVIDIA GPU: `make test` runs the gpu tests in a second pass on a "
+                  "machine with one (tests/gpu_pass.py)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
@@ -100,7 +101,8 @@ def pytest_collection_modifyitems(config, items):
     if GPU_PASS:
         return  # tests/gpu_pass.py gives the files most telling first: a timeout cuts the rest
     durations = _recorded_durations()
-    slow = pytest.mark.slow(reason=f"measured over {QUICK_LIMIT_S:.0f} s on 2 cores (tests/durations.json)")
+    slow = pytest.mark.slow(reason=f"measured over {QUICK_LIMIT_S:.0f} s on 2 cores "
+                                   "(tests/durations.json)")
     def file_of(item) -> str:
         return item.nodeid.split("::")[0]
 
@@ -110,7 +112,8 @@ def pytest_collection_modifyitems(config, items):
         if seconds is None and ("slow" in item.keywords or "multiprocess" in item.keywords):
             seconds = 30.0
         file_seconds[file_of(item)] = file_seconds.get(file_of(item), 0.0) + (seconds or 0.0)
-    items.sort(key=lambda item: (-file_seconds[file_of(item)], file_of(item)))  # stable: a file keeps its order
+    # stable: a file keeps its order
+    items.sort(key=lambda item: (-file_seconds[file_of(item)], file_of(item)))
     for item in items:
         if durations.get(item.nodeid, 0.0) > QUICK_LIMIT_S and "slow" not in item.keywords:
             item.add_marker(slow)
@@ -140,7 +143,8 @@ def _mark_gpu_compile(items) -> None:
         return
     if REQUIRE_GPU_COMPILE:
         raise pytest.UsageError(f"PAXLITE_REQUIRE_GPU_COMPILE=1 but {problem}")
-    skip = pytest.mark.skip(reason=f"gpu_compile: {problem} (make test installs it in .venv/gpu_compile)")
+    skip = pytest.mark.skip(reason=f"gpu_compile: {problem} (make test installs it in "
+                                   ".venv/gpu_compile)")
     for item in items:
         if "gpu_compile" in item.keywords:
             item.add_marker(skip)

@@ -55,7 +55,8 @@ def blocks(path: pathlib.Path) -> list[Block]:
 
 
 def prose(path: pathlib.Path) -> str:
-    """The file with every fenced block (fences included) blanked out: the text a reader sees as prose."""
+    """The file with every fenced block (fences included) blanked out: the text a reader sees as
+    prose."""
     return "\n".join(_parse(path)[1])
 
 

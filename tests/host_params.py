@@ -5,10 +5,10 @@ import numpy as np
 
 
 def random_host_params(abstract_params, seed: int = 0):
-    """Host parameters of the abstract tree's shapes and dtypes: normal noise of scale 0.1, around 1 for
-    norm scales. A sharded-vs-one-device test that starts both sides from these compares the loss and
-    gradients without a real init, whose threefry sampler costs more to compile on the CPU than the
-    sharded steps it would feed."""
+    """Host parameters of the abstract tree's shapes and dtypes: normal noise of scale 0.1, around 1
+    for norm scales. A sharded-vs-one-device test that starts both sides from these compares the
+    loss and gradients without a real init, whose threefry sampler costs more to compile on the CPU
+    than the sharded steps it would feed."""
     rng = np.random.default_rng(seed)
 
     def leaf(path, s):

@@ -1,4 +1,5 @@
-"""The command line as users type it: `python -m paxlite.main ...` and `python -m paxlite list|show`."""
+"""The command line as users type it: `python -m paxlite.main ...` and
+`python -m paxlite list|show`."""
 
 import json
 import os
@@ -16,7 +17,13 @@ ENV["XLA_FLAGS"] = COMPILE_FLAGS  # one CPU device, as on a plain machine
 
 def _run(*args, timeout=300, cwd=None):
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=timeout, cwd=cwd, check=False
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+        cwd=cwd,
+        check=False,
     )
 
 
@@ -113,7 +120,8 @@ def test_eval_without_checkpoint_is_an_error_before_anything_is_written(tmp_path
                              f"--job_log_dir={tmp_path / 'job'}")
     assert result.returncode == 2 and "needs a checkpoint" in result.stderr
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "job").exists()  # no config.json, metrics.jsonl or compile cache left behind
+    # no config.json, metrics.jsonl or compile cache left behind
+    assert not (tmp_path / "job").exists()
 
 
 @pytest.mark.parametrize("flag, message", [
@@ -130,9 +138,13 @@ def test_an_unknown_or_malformed_flag_is_one_line_and_exit_2(tmp_path, main_in_p
 
 
 def test_listing_into_a_reader_that_stops_early_is_quiet():
-    out = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m paxlite list | head -n 1"],
+    out = subprocess.run(["bash", "-c", (f"set -o pipefail; {sys.executable} -m paxlite list "
+                                         "| head "
+                                        "-n 1")],
                          capture_output=True, text=True, env=ENV, timeout=120, check=False)
-    assert out.returncode == 0 and out.stdout.startswith("experiment") and out.stderr == "", out.stderr
+    assert out.returncode == 0 and out.stdout.startswith("experiment") and out.stderr == "", (
+        out.stderr
+    )
 
 
 @pytest.mark.parametrize("mode", ["train", "dry_run"])
@@ -147,9 +159,9 @@ def test_max_steps_zero_trains_nothing_so_it_is_refused_before_any_work(tmp_path
         return
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines() == [
-        ("paxlite: error: --fdl.MAX_STEPS=0 with --mode=train trains nothing; pass --fdl.MAX_STEPS=N "
-         "(N >= 1) to train, or --mode=eval to evaluate the job's latest checkpoint (or "
-         "CHECKPOINT_RESTORE_PATH)")]
+        ("paxlite: error: --fdl.MAX_STEPS=0 with --mode=train trains nothing; pass "
+         "--fdl.MAX_STEPS=N (N >= 1) to train, or --mode=eval to evaluate the job's latest "
+         "checkpoint (or CHECKPOINT_RESTORE_PATH)")]
     assert not job.exists()  # no checkpoint read, nothing compiled, no job directory made
 
 
@@ -184,7 +196,9 @@ def test_a_bug_while_tracing_keeps_its_traceback(tmp_path):
     result = _run("-c", _BROKEN_MODEL, "--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=2",
                   f"--job_log_dir={tmp_path / 'job'}")
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" in result.stderr and "an internal bug while tracing the model" in result.stderr
+    assert (
+        "Traceback" in result.stderr and "an internal bug while tracing the model" in result.stderr
+    )
     assert "paxlite: error:" not in result.stderr
 
 
@@ -197,8 +211,8 @@ def test_list_prints_every_experiment_with_its_size(paxlite_in_process):
 
 
 def test_list_and_show_trace_no_model(paxlite_in_process, monkeypatch):
-    """Counts come from the configs in closed form: a model traced by `list` (dozens of them) or `show`
-    would cost seconds each. Any trace of a Transformer calls its __call__."""
+    """Counts come from the configs in closed form: a model traced by `list` (dozens of them) or
+    `show` would cost seconds each. Any trace of a Transformer calls its __call__."""
     from paxlite.models.transformer import Transformer
 
     traced = []
@@ -208,7 +222,11 @@ def test_list_and_show_trace_no_model(paxlite_in_process, monkeypatch):
         raise AssertionError("`list`/`show` traced a model")
 
     monkeypatch.setattr(Transformer, "__call__", refuse)
-    for command in (("list",), ("show", "--fdl_config=LLaMA70B"), ("show", "--fdl_config=GLaM64B64E")):
+    for command in (
+        ("list",),
+        ("show", "--fdl_config=LLaMA70B"),
+        ("show", "--fdl_config=GLaM64B64E"),
+    ):
         result = paxlite_in_process(*command)
         assert result.returncode == 0 and not traced, (command, result.stderr[-2000:])
 
@@ -222,7 +240,14 @@ def test_show_json(paxlite_in_process):
     assert info["experiment"] == "Synthetic126M"
     assert info["num_params"] == 125_262_336
     assert info["flops_per_token"] == 854_654_976
-    assert info["mesh"] == {"pipeline": 1, "data": 1, "fsdp": 16, "seq": 1, "tensor": 1, "expert": 1}
+    assert info["mesh"] == {
+        "pipeline": 1,
+        "data": 1,
+        "fsdp": 16,
+        "seq": 1,
+        "tensor": 1,
+        "expert": 1,
+    }
     assert info["global_batch_size"] == 4 * 16
     assert info["hparams"]["LR_COS_DECAY_START"] == 501
     assert len(info["hparams"]) > 40
@@ -234,7 +259,9 @@ def test_show_rejects_unknown_override(paxlite_in_process):
 
 
 def test_use_fp8_is_pax_s_switch_and_dropless_fp8_exits_2(paxlite_in_process):
-    result = paxlite_in_process("show", "--fdl_config=Pile126M", "--fdl.USE_FP8=True", "--format=json")
+    result = paxlite_in_process(
+        "show", "--fdl_config=Pile126M", "--fdl.USE_FP8=True", "--format=json"
+    )
     assert result.returncode == 0, result.stderr
     hparams = json.loads(result.stdout)["hparams"]
     assert hparams["USE_FP8"] is True and hparams["FP8_AMAX_HISTORY_LENGTH"] == 1024

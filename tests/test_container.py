@@ -1,4 +1,5 @@
-"""docker/Dockerfile, .dockerignore and docker/pin_image_stack.py, checked without a Docker daemon (CI has none)."""
+"""docker/Dockerfile, .dockerignore and docker/pin_image_stack.py, checked without a Docker daemon
+(CI has none)."""
 
 import importlib.util
 import os
@@ -12,7 +13,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # docker/ is not a package: the image runs the script by its path, so the tests load it the same way
-_SPEC = importlib.util.spec_from_file_location("pin_image_stack", ROOT / "docker" / "pin_image_stack.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "pin_image_stack", ROOT / "docker" / "pin_image_stack.py"
+)
 pins = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(pins)
 
@@ -89,8 +92,12 @@ def test_install_keeps_the_images_jax_and_uses_our_constraints(dockerfile):
     assert "--no-cache-dir" in argv
     target = argv[-1]
     path, extras = re.fullmatch(r"(/[\w/]+)\[([\w,]+)\]", target).groups()
-    assert path == _all(dockerfile, "WORKDIR")[0] and argv[argv.index(path + f"[{extras}]") - 1] == "-e"
-    # seqio and eval from setup.cfg; not `gpu` (jax[cuda12]): the image's CUDA JAX is what that extra provides
+    assert (
+        path == _all(dockerfile, "WORKDIR")[0]
+        and argv[argv.index(path + f"[{extras}]") - 1] == "-e"
+    )
+    # seqio and eval from setup.cfg; not `gpu` (jax[cuda12]): the image's CUDA JAX is what that
+    # extra provides
     assert set(extras.split(",")) == {"seqio", "eval"}
     assert re.search(r"^seqio =", (ROOT / "setup.cfg").read_text(), re.MULTILINE)
     assert re.search(r"^eval =\n    lm_eval", (ROOT / "setup.cfg").read_text(), re.MULTILINE)
@@ -99,12 +106,16 @@ def test_install_keeps_the_images_jax_and_uses_our_constraints(dockerfile):
 
 # ------------------------------------------------------------------------------ .dockerignore
 def _ignored(path: str, patterns: list[str]) -> bool:
-    """Docker's rule, enough for our file: a pattern excludes a path or any directory above it; `*` stays
-    within one path element, `**` spans any number; a later `!pattern` re-includes."""
+    """Docker's rule, enough for our file: a pattern excludes a path or any directory above it; `*`
+    stays within one path element, `**` spans any number; a later `!pattern` re-includes."""
     excluded = False
     for pattern in patterns:
         negate = pattern.startswith("!")
-        regex = re.escape(pattern.lstrip("!").strip("/")).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*")
+        regex = (
+            re.escape(pattern.lstrip("!").strip("/"))
+            .replace(r"\*\*/", "(.*/)?")
+            .replace(r"\*\*", ".*")
+        )
         regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
         parts = path.split("/")
         if any(re.fullmatch(regex, "/".join(parts[:n])) for n in range(1, len(parts) + 1)):
@@ -125,17 +136,38 @@ def test_ignore_matcher_follows_dockers_rules():
     assert not _ignored("keep", ["*", "!keep"])
 
 
-@pytest.mark.parametrize("path", [".venv/bin/python", ".git/HEAD", "build/lib/paxlite/main.py",
-                                  "demo_job/20261201-000000/config.json", "job_pile/checkpoints/x",
-                                  "workspace/log_dir/metrics.jsonl", "output/output-1-n-0.txt",
-                                  "paxlite/__pycache__/main.cpython-312.pyc", "paxlite.egg-info/PKG-INFO"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".venv/bin/python",
+        ".git/HEAD",
+        "build/lib/paxlite/main.py",
+        "demo_job/20261201-000000/config.json",
+        "job_pile/checkpoints/x",
+        "workspace/log_dir/metrics.jsonl",
+        "output/output-1-n-0.txt",
+        "paxlite/__pycache__/main.cpython-312.pyc",
+        "paxlite.egg-info/PKG-INFO",
+    ],
+)
 def test_dockerignore_leaves_out_environments_and_job_directories(ignore_patterns, path):
     assert _ignored(path, ignore_patterns)
 
 
-@pytest.mark.parametrize("path", ["constraints.txt", "setup.cfg", "pyproject.toml", "README.md",
-                                  "docker/pin_image_stack.py", "paxlite/main.py", "scripts_gpu/common.sh",
-                                  "slurm/example_slurm_pile.sub", "k8s/indexed-job.yaml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "constraints.txt",
+        "setup.cfg",
+        "pyproject.toml",
+        "README.md",
+        "docker/pin_image_stack.py",
+        "paxlite/main.py",
+        "scripts_gpu/common.sh",
+        "slurm/example_slurm_pile.sub",
+        "k8s/indexed-job.yaml",
+    ],
+)
 def test_dockerignore_keeps_what_the_image_needs(ignore_patterns, path):
     assert (ROOT / path).exists() and not _ignored(path, ignore_patterns)
 
@@ -149,7 +181,8 @@ NGC = {"jax": "0.12.1.dev20261103+ngc", "jaxlib": "0.12.1.dev20261103+ngc",
 @pytest.mark.parametrize("change, python, message", [
     ({}, (3, 11), "Python 3.11; paxlite needs >= 3.12"),
     ({"jax": "0.11.2"}, (3, 12), "jax 0.11.2; paxlite needs jax >= 0.12"),
-    ({"jax": "0.12.0.dev20260901"}, (3, 12), "jax 0.12.0.dev20260901; paxlite needs jax >= 0.12"),  # PEP 440
+    # PEP 440
+    ({"jax": "0.12.0.dev20260901"}, (3, 12), "jax 0.12.0.dev20260901; paxlite needs jax >= 0.12"),
     ({"jax-cuda13-plugin": None}, (3, 12), "no CUDA plugin"),
     ({"transformer-engine": None}, (3, 12), "no Transformer Engine"),
     ({"jaxlib": None}, (3, 12), "not a JAX image"),
@@ -174,7 +207,8 @@ def test_merged_constraints_pin_the_images_stack_and_keep_the_rest():
     assert "jax==0.12.1.dev20261103+ngc" in lines and "transformer-engine==2.21.0+0a1b2c3" in lines
     assert "jax==0.12.0.1" in ours.splitlines() and "jax==0.12.0.1" not in lines
     assert not any(line.startswith("jaxlib==0.12.0.1") for line in lines)
-    # every other line of ours is kept, in order; flax/numpy stay at our pins (not TE-compiled parts)
+    # every other line of ours is kept, in order; flax/numpy stay at our pins (not TE-compiled
+    # parts)
     expected = [line for line in ours.splitlines() if not re.match(r"^(jax|jaxlib)==", line)]
     assert lines[:len(expected)] == expected and "flax==0.12.12" in lines
     assert pins.read_pins(merged) == stack
@@ -198,14 +232,21 @@ def _fake_site(root: pathlib.Path, versions: dict[str, str]) -> str:
 
 
 def test_script_writes_then_verifies_in_an_image_like_environment(tmp_path):
-    """The two commands the Dockerfile runs, with distributions that shadow this venv's as the image's would."""
+    """The two commands the Dockerfile runs, with distributions that shadow this venv's as the
+    image's would."""
     script = str(ROOT / "docker" / "pin_image_stack.py")
     stack = {k: v for k, v in NGC.items() if k not in ("flax", "numpy")}
 
     def run(*args, site):
         env = {**os.environ, "PYTHONPATH": site}
-        return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env,
-                              timeout=60, check=False)
+        return subprocess.run(
+            [sys.executable, script, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
 
     site = _fake_site(tmp_path / "site", stack)
     out = tmp_path / "image-constraints.txt"
@@ -221,7 +262,11 @@ def test_script_writes_then_verifies_in_an_image_like_environment(tmp_path):
 
     old = _fake_site(tmp_path / "old", {**stack, "jax": "0.11.2"})
     refused = run("write", str(ROOT / "constraints.txt"), str(tmp_path / "x.txt"), site=old)
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "jax 0.11.2" in refused.stderr
+    assert (
+        refused.returncode == 2
+        and refused.stderr.count("\n") == 1
+        and "jax 0.11.2" in refused.stderr
+    )
 
 
 def test_docs_name_the_dockerfiles_base_and_environment(dockerfile):

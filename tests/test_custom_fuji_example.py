@@ -22,9 +22,19 @@ def test_custom_fuji_example_trains_with_its_settings(tmp_path):
             "DCN_MESH_SHAPE=[1, 1, 1], GRAD_ACCUM_STEPS=2, global batch 16 x 32") in result.stdout
     recorded = json.loads((trainer_dir / "config.json").read_text())
     hp = recorded["hparams"]
-    assert (recorded["mesh"]["fsdp"], recorded["mesh"]["data"], recorded["global_batch_size"]) == (8, 1, 16)
-    assert (hp["MAX_STEPS"], hp["MAX_SEQ_LEN"], hp["GRAD_ACCUM_STEPS"], hp["CHECKPOINT_EVERY_N_STEPS"],
-            hp["SUMMARY_INTERVAL_STEPS"], hp["SYNTHETIC_DATA"]) == (3, 32, 2, 2, 1, True)
+    assert (recorded["mesh"]["fsdp"], recorded["mesh"]["data"], recorded["global_batch_size"]) == (
+        8,
+        1,
+        16,
+    )
+    assert (
+        hp["MAX_STEPS"],
+        hp["MAX_SEQ_LEN"],
+        hp["GRAD_ACCUM_STEPS"],
+        hp["CHECKPOINT_EVERY_N_STEPS"],
+        hp["SUMMARY_INTERVAL_STEPS"],
+        hp["SYNTHETIC_DATA"],
+    ) == (3, 32, 2, 2, 1, True)
     lines = [json.loads(line) for line in (trainer_dir / "metrics.jsonl").read_text().splitlines()]
     train = [line for line in lines if "loss" in line]
     assert [line["step"] for line in train] == [1, 2, 3]  # a summary every step

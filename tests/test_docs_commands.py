@@ -1,11 +1,13 @@
-"""Every command in the docs that can run on CPU is run here, so the docs cannot drift from the code.
+"""Every command in the docs that can run on CPU is run here, so the docs cannot drift from the
+code.
 
 The convention is in tests/docs_blocks.py: ```bash / ```sh / ```shell blocks are commands and run
-unless marked `gpu`, `cluster` or `long`; output and synopses are ```text. One test per doc file runs
-its command blocks in order, each with bash (`set -euo pipefail`), in one fresh temporary directory
-(a later block may use what an earlier one wrote), with `python` on PATH being this interpreter,
-`$PAXLITE_REPO` the repository root and JAX_PLATFORMS=cpu. The simulated devices of
-tests/conftest.py are taken out of the environment: a reader's CPU has one device.
+unless marked `gpu`, `cluster` or `long`; output and synopses are
+```text. One test per doc file runs its command blocks in order, each with bash (`set -euo
+pipefail`), in one fresh temporary directory (a later block may use what an earlier one wrote), with
+`python` on PATH being this interpreter, `$PAXLITE_REPO` the repository root and JAX_PLATFORMS=cpu.
+The simulated devices of tests/conftest.py are taken out of the environment: a reader's CPU has one
+device.
 
 Error transcripts in ```text blocks (a `$ python -m paxlite...` line followed by `paxlite: error:`
 lines) are run too: the command must exit 2 and print the documented message, where `...` in the
@@ -51,8 +53,15 @@ def _environment() -> dict[str, str]:
 
 
 def _run(script: str, *, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=cwd, env=_environment(),
-                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False)
+    return subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + script],
+        cwd=cwd,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+        check=False,
+    )
 
 
 def _tail(text: str, lines: int = 25) -> str:
@@ -66,8 +75,9 @@ def test_every_fence_names_its_language_and_command_markers_are_known():
             problems.append(f"{block.where}: fence without a language (```bash for commands, "
                             "```text for output and synopses)")
         elif block.is_command and (len(block.words) > 1 or not set(block.words) <= MARKERS):
-            problems.append(f"{block.where}: ```{block.language} {' '.join(block.words)}: a command "
-                            f"block takes at most one marker, one of {', '.join(sorted(MARKERS))}")
+            problems.append(f"{block.where}: ```{block.language} {' '.join(block.words)}: a "
+                            "command block takes at most one marker, one of "
+                            f"{', '.join(sorted(MARKERS))}")
     assert not problems, "\n".join(problems)
 
 
@@ -115,7 +125,8 @@ def test_documented_commands_run(path: pathlib.Path, tmp_path: pathlib.Path):
         timings.append(f"{block.where} {time.monotonic() - start:.1f} s")
         assert done.returncode == 0, (
             f"{block.where}: the documented command block exits {done.returncode}:\n{block.body}\n"
-            f"--- stdout (end) ---\n{_tail(done.stdout)}\n--- stderr (end) ---\n{_tail(done.stderr)}")
+            f"--- stdout (end) ---\n{_tail(done.stdout)}\n--- stderr (end) "
+            f"---\n{_tail(done.stderr)}")
     print("\n".join(timings))
 
 
@@ -157,7 +168,8 @@ def _fragments_in_order(documented: str, actual: str) -> bool:
 _OWN_PROCESS = {
     "python -m paxlite.main --fdl_config=Synthetic126M --job_log_dir=job":
         "counts the devices: a reader's CPU has one, this process the eight of tests/conftest.py",
-    "python -m paxlite.main --fdl_config=TinySynthetic --fdl.PERCORE_BATCH_SIZE=0.5 --job_log_dir=job":
+    "python -m paxlite.main --fdl_config=TinySynthetic --fdl.PERCORE_BATCH_SIZE=0.5 "
+    "--job_log_dir=job":
         "counts the devices: 0.5 x 8 devices is a whole batch, so this process would see no error",
     "python -m paxlite.main --exp=Pile126M --job_log_dir=job":
         "absl's 'Did you mean' after the documented line names the near flags of every module "

@@ -22,7 +22,9 @@ def _relative_links(path) -> list[str]:
 def test_every_page_is_in_the_index():
     index = DOCS / "README.md"
     listed = {link.split("#", 1)[0] for link in _relative_links(index)}
-    missing = sorted(p.name for p in DOCS.glob("*.md") if p.name != "README.md" and p.name not in listed)
+    missing = sorted(
+        p.name for p in DOCS.glob("*.md") if p.name != "README.md" and p.name not in listed
+    )
     assert not missing, f"docs/README.md does not list {missing}: add a line for each page"
 
 
@@ -53,8 +55,9 @@ def test_experiment_catalogue_is_current(capsys):
 
 
 def test_catalogue_names_every_experiment_and_alias_with_pax_s_numbers():
-    """Independent of the generator: the registry's names, and GPT-126M as Pax states it (125M parameters,
-    ICI [8,1,1] x DCN [8,1,1] = 64 GPUs, PERCORE_BATCH_SIZE 4 -> a global batch of 256, 2048 tokens)."""
+    """Independent of the generator: the registry's names, and GPT-126M as Pax states it (125M
+    parameters, ICI [8,1,1] x DCN [8,1,1] = 64 GPUs, PERCORE_BATCH_SIZE 4 -> a global batch of 256,
+    2048 tokens)."""
     from paxlite.experiments import EXPERIMENTS
 
     text = (DOCS / "experiments.md").read_text()
@@ -62,8 +65,12 @@ def test_catalogue_names_every_experiment_and_alias_with_pax_s_numbers():
     assert not missing, f"docs/experiments.md lacks {missing}"
     row = next(line for line in text.splitlines() if line.startswith("| `GPT126M` |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2:7] == ["125,262,336", "", "`[8, 1, 1]` x `[8, 1, 1]` (64)", "2,048", "256"], cells
+    assert cells[2:7] == ["125,262,336", "", "`[8, 1, 1]` x `[8, 1, 1]` (64)", "2,048", "256"], (
+        cells
+    )
     glam = next(line for line in text.splitlines() if line.startswith("| `GLaM126M64E` |"))
-    assert "`GLaM126M64EBase`" in glam and "| 166,354,176 |" in glam  # the active parameters, for MoE
+    # the active parameters, for MoE
+    assert "`GLaM126M64EBase`" in glam and "| 166,354,176 |" in glam
     tiny = next(line for line in text.splitlines() if line.startswith("| `TinySynthetic` |"))
-    assert "| `None` (data: all devices) x `[1, 1, 1]` | 64 | 2 x devices |" in tiny  # ICI_MESH_SHAPE=None
+    # ICI_MESH_SHAPE=None
+    assert "| `None` (data: all devices) x `[1, 1, 1]` | 64 | 2 x devices |" in tiny

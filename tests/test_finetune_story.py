@@ -1,9 +1,11 @@
-"""The fine-tuning story end to end: a Hugging Face LLaMA -> paxlite -> LoRA on BoolQ -> merged -> Hugging Face.
+"""The fine-tuning story end to end: a Hugging Face LLaMA -> paxlite -> LoRA on BoolQ -> merged ->
+Hugging Face.
 
-Each step is tested on its own elsewhere; this test checks that they fit together the way a user chains them:
-`python -m paxlite convert` writes what CHECKPOINT_RESTORE_PATH reads, a LoRA run on TRAIN_TASK=boolq starts
-from it and scores eval/boolq_acc, `export_merged` folds the adapters in, and transformers, loading the
-exported model, computes the same logits as the trained LoRA model in paxlite.
+Each step is tested on its own elsewhere; this test checks that they fit together the way a user
+chains them: `python -m paxlite convert` writes what CHECKPOINT_RESTORE_PATH reads, a LoRA run on
+TRAIN_TASK=boolq starts from it and scores eval/boolq_acc, `export_merged` folds the adapters in,
+and transformers, loading the exported model, computes the same logits as the trained LoRA model in
+paxlite.
 """
 
 from __future__ import annotations
@@ -44,9 +46,18 @@ def _hf_llama(directory):
 
     torch.manual_seed(0)
     # TinyLLaMA's shape: 2 layers, 4 query / 2 key-value heads x 8, d_model 32, ffn 64, eps 1e-5.
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                         max_position_embeddings=64, initializer_range=0.1, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory, safe_serialization=True)
 
@@ -59,10 +70,10 @@ def _flat(tree) -> dict[str, np.ndarray]:
 def _boolq_by_hand(params, model_config, *, vocab_path: str, seq_len: int, val_path: str):
     """(accuracy, yes-predictions) of `params` on `val_path`, apart from the loop's eval step.
 
-    The rows are the product's (`boolq_batches`: the prompt, then the answer as the row's last token);
-    the labels come from the file, the yes/no ids from the tokenizer, and Pax's pairwise rule is
-    written out in NumPy: an example counts when the right answer's logit beats the wrong answer's at
-    the answer position (a tie loses).
+    The rows are the product's (`boolq_batches`: the prompt, then the answer as the row's last
+    token); the labels come from the file, the yes/no ids from the tokenizer, and Pax's pairwise
+    rule is written out in NumPy: an example counts when the right answer's logit beats the wrong
+    answer's at the answer position (a tie loses).
     """
     examples = read_boolq(val_path)
     tokenizer = Tokenizer(vocab_path)
@@ -70,8 +81,15 @@ def _boolq_by_hand(params, model_config, *, vocab_path: str, seq_len: int, val_p
     model = Transformer(model_config)
     says_yes = []
     for batch in boolq_batches(examples, tokenizer, seq_len=seq_len, batch_size=4):
-        logits = np.asarray(model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
-                                        segment_ids=batch["segment_ids"]), dtype=np.float64)  # [B, T, V]
+        logits = np.asarray(
+            model.apply(
+                {"params": params},
+                batch["inputs"],
+                positions=batch["positions"],
+                segment_ids=batch["segment_ids"],
+            ),
+            dtype=np.float64,
+        )  # [B, T, V]
         for row in range(logits.shape[0]):
             if len(says_yes) == len(examples):
                 break  # the zero rows that fill the last batch
@@ -91,7 +109,8 @@ def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
 
     vocab = _train_spm(str(tmp_path / "spm"), single_yes_no=True)
     train = _write_jsonl(tmp_path / "train.jsonl", _examples(24, seed=1))
-    val = _write_jsonl(tmp_path / "val.jsonl", _examples(13, seed=2))  # the last batch is part padding
+    # the last batch is part padding
+    val = _write_jsonl(tmp_path / "val.jsonl", _examples(13, seed=2))
     _hf_llama(tmp_path / "hf_in")
 
     # 1. Convert with the CLI, checked against the experiment the fine-tuning run will use.
@@ -100,39 +119,80 @@ def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
            "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite", "convert", "--from=hf", "--to=paxlite", f"--input={tmp_path / 'hf_in'}",
-         f"--output={converted}", f"--fdl_config={TINY_LLAMA}", f"--fdl.VOCAB_SIZE={VOCAB}"],
-        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT, check=False)
+        [
+            sys.executable,
+            "-m",
+            "paxlite",
+            "convert",
+            "--from=hf",
+            "--to=paxlite",
+            f"--input={tmp_path / 'hf_in'}",
+            f"--output={converted}",
+            f"--fdl_config={TINY_LLAMA}",
+            f"--fdl.VOCAB_SIZE={VOCAB}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
     # 2. LoRA on BoolQ's train split, initialised from the converted checkpoint, scored on BoolQ.
     job = tmp_path / "job"
-    _, config = build_run_config(TINY_LLAMA, [
-        f"VOCAB_SIZE={VOCAB}", f"VOCAB_PATH={vocab!r}", f"CHECKPOINT_RESTORE_PATH={str(converted)!r}",
-        "USE_LORA=True", "LORA_RANK=4", "TRAIN_TASK='boolq'", f"BOOLQ_TRAIN_PATH={train!r}",
-        "EVAL_TASK='boolq'", f"BOOLQ_PATH={val!r}", "MAX_STEPS=3", "LEARNING_RATE=3e-2"])
+    _, config = build_run_config(
+        TINY_LLAMA,
+        [
+            f"VOCAB_SIZE={VOCAB}",
+            f"VOCAB_PATH={vocab!r}",
+            f"CHECKPOINT_RESTORE_PATH={str(converted)!r}",
+            "USE_LORA=True",
+            "LORA_RANK=4",
+            "TRAIN_TASK='boolq'",
+            f"BOOLQ_TRAIN_PATH={train!r}",
+            "EVAL_TASK='boolq'",
+            f"BOOLQ_PATH={val!r}",
+            "MAX_STEPS=3",
+            "LEARNING_RATE=3e-2",
+        ],
+    )
     with Run(config, RunContext(job_dir=str(job), async_checkpointing=False)) as run:
         trained = jax.device_get(run.train().params)
-    evals = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if "eval/boolq_acc" in line]
+    evals = [
+        json.loads(line)
+        for line in (job / "metrics.jsonl").read_text().splitlines()
+        if "eval/boolq_acc" in line
+    ]
     assert [line["step"] for line in evals] == [3]
     # The logged score is the one the trained parameters earn on val.jsonl, recomputed here by hand.
-    by_hand = functools.partial(_boolq_by_hand, vocab_path=vocab, seq_len=config.eval_task.seq_len, val_path=val)
+    by_hand = functools.partial(
+        _boolq_by_hand, vocab_path=vocab, seq_len=config.eval_task.seq_len, val_path=val
+    )
     acc, _ = by_hand(trained, config.model)
     assert evals[0]["eval/boolq_acc"] == pytest.approx(acc, abs=1e-6)
 
     start = hf.from_paxlite(converted)
-    # Zero-shot BoolQ of the converted model (--mode=eval, Pax's EVAL_ONLY): its answers are mixed, so
-    # the by-hand score checks which example is which, not only a constant answer against the labels.
+    # Zero-shot BoolQ of the converted model (--mode=eval, Pax's EVAL_ONLY): its answers are mixed,
+    # so the by-hand score checks which example is which, not only a constant answer against the
+    # labels.
     with Run(config, RunContext(job_dir=str(tmp_path / "zero_shot"), training=False)) as run:
         zero_shot = run.run_eval()
-    acc, says_yes = by_hand(start.params, dataclasses.replace(config.model, lora_rank=None, lora_alpha=None))
+    acc, says_yes = by_hand(
+        start.params, dataclasses.replace(config.model, lora_rank=None, lora_alpha=None)
+    )
     assert 0 < sum(says_yes) < len(says_yes), says_yes
     assert zero_shot["boolq_acc"] == pytest.approx(acc, abs=1e-6)
     flat_trained, flat_start = _flat(trained), _flat(start.params)
     assert {k for k in flat_trained if not is_lora_path(k)} == set(flat_start)
-    for name, value in flat_start.items():  # the base model is frozen: bit for bit what was converted
+    # the base model is frozen: bit for bit what was converted
+    for name, value in flat_start.items():
         np.testing.assert_array_equal(flat_trained[name], value, err_msg=name)
-    assert any(is_lora_path(k) and k.endswith("lora_b") and np.abs(v).max() > 0 for k, v in flat_trained.items())
+    assert any(
+        is_lora_path(k) and k.endswith("lora_b") and np.abs(v).max() > 0
+        for k, v in flat_trained.items()
+    )
 
     # 3. Fold the adapters in, export to Hugging Face, and compare transformers with the LoRA model.
     export_merged(job, tmp_path / "merged", model_config=config.model)
@@ -144,5 +204,6 @@ def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
     ours = np.asarray(Transformer(config.model).apply({"params": trained}, tokens))
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
     before = start.logits(tokens)
-    assert np.abs(before - ours).max() > 1e-3  # the fine-tuning changed the model the export carries
+    # the fine-tuning changed the model the export carries
+    assert np.abs(before - ours).max() > 1e-3
     assert pretrained.load_model_config(tmp_path / "merged").lora_rank is None

@@ -1,4 +1,5 @@
-"""`python -m paxlite generate` end to end on a job trained for 2 steps, and its bad-input errors."""
+"""`python -m paxlite generate` end to end on a job trained for 2 steps, and its bad-input
+errors."""
 
 import json
 import os
@@ -94,30 +95,43 @@ def test_text_prompts_with_a_tokenizer_and_seeded_sampling(job, vocab, capsys):
         assert 1 <= len(record["ids"]) <= 4 and all(0 <= i < 60 for i in record["ids"])
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--prompt_ids=1"], "give exactly one of --job_log_dir=DIR and --checkpoint=PATH"),
-    (["--job_log_dir={job}", "--checkpoint={job}", "--prompt_ids=1"], "not both"),
-    (["--job_log_dir={job}", "--prompt=hello"], "text prompts need a tokenizer"),
-    (["--job_log_dir={job}", "--prompt_ids=1", "--top_p=0"], "top_p must be in (0, 1]"),
-    (["--job_log_dir={job}", "--prompt_ids=1", "--top_p=1.5"], "top_p must be in (0, 1]"),
-    (["--job_log_dir={job}", "--prompt_ids=1", "--temperature=-1"], "temperature must be >= 0"),
-    (["--job_log_dir={job}", "--prompt_ids=1,x"], "not a comma-separated list of integers"),
-    (["--job_log_dir={job}", "--prompt_ids=1", "--prompt=hi"], "not both"),
-    (["--job_log_dir={job}"], "no prompt"),
-    (["--job_log_dir={job}", "--prompt_ids=1,2", "--max_new_tokens=63"], "max_seq_len=64"),
-    (["--job_log_dir={job}", "--prompt_ids=256"], "outside the vocabulary [0, 256)"),
-    (["--checkpoint=/absent/dir", "--prompt_ids=1"], "does not exist"),
-    (["--job_log_dir={job}", "--prompt_file=/absent/prompts.txt"], "does not exist"),
-    (["--job_log_dir={job}", "--prompt_ids=1", "--max_new_tokens=0"], "must be at least 1"),
-    (["--job_log_dir={job}", "--prompt_ids=1", "--add_bos=true"],
-     "--add_bos=true applies to text prompts; --prompt_ids are used as given"),
-    (["--job_log_dir={job}", "--prompt_ids=1", "--multiprocess_gpu"],
-     "--multiprocess_gpu needs --server_addr"),
-    (["--fdl_config=TinySynthetic", "--prompt_ids=1"],
-     "--fdl_config=TinySynthetic alone names no parameters: add --fdl.CHECKPOINT_RESTORE_PATH=PATH"),
-    (["--job_log_dir={job}", "--fdl.CHECKPOINT_RESTORE_PATH={job}", "--prompt_ids=1"],
-     "--fdl.CHECKPOINT_RESTORE_PATH and --job_log_dir / --checkpoint both name the parameters"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompt_ids=1"], "give exactly one of --job_log_dir=DIR and --checkpoint=PATH"),
+        (["--job_log_dir={job}", "--checkpoint={job}", "--prompt_ids=1"], "not both"),
+        (["--job_log_dir={job}", "--prompt=hello"], "text prompts need a tokenizer"),
+        (["--job_log_dir={job}", "--prompt_ids=1", "--top_p=0"], "top_p must be in (0, 1]"),
+        (["--job_log_dir={job}", "--prompt_ids=1", "--top_p=1.5"], "top_p must be in (0, 1]"),
+        (["--job_log_dir={job}", "--prompt_ids=1", "--temperature=-1"], "temperature must be >= 0"),
+        (["--job_log_dir={job}", "--prompt_ids=1,x"], "not a comma-separated list of integers"),
+        (["--job_log_dir={job}", "--prompt_ids=1", "--prompt=hi"], "not both"),
+        (["--job_log_dir={job}"], "no prompt"),
+        (["--job_log_dir={job}", "--prompt_ids=1,2", "--max_new_tokens=63"], "max_seq_len=64"),
+        (["--job_log_dir={job}", "--prompt_ids=256"], "outside the vocabulary [0, 256)"),
+        (["--checkpoint=/absent/dir", "--prompt_ids=1"], "does not exist"),
+        (["--job_log_dir={job}", "--prompt_file=/absent/prompts.txt"], "does not exist"),
+        (["--job_log_dir={job}", "--prompt_ids=1", "--max_new_tokens=0"], "must be at least 1"),
+        (
+            ["--job_log_dir={job}", "--prompt_ids=1", "--add_bos=true"],
+            "--add_bos=true applies to text prompts; --prompt_ids are used as given",
+        ),
+        (
+            ["--job_log_dir={job}", "--prompt_ids=1", "--multiprocess_gpu"],
+            "--multiprocess_gpu needs --server_addr",
+        ),
+        (
+            ["--fdl_config=TinySynthetic", "--prompt_ids=1"],
+            ("--fdl_config=TinySynthetic alone names no parameters: add "
+            "--fdl.CHECKPOINT_RESTORE_PATH=PATH"),
+        ),
+        (
+            ["--job_log_dir={job}", "--fdl.CHECKPOINT_RESTORE_PATH={job}", "--prompt_ids=1"],
+            ("--fdl.CHECKPOINT_RESTORE_PATH and --job_log_dir / --checkpoint both name the "
+            "parameters"),
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(job, capsys, flags, message):
     assert main(["generate", *[f.format(job=job) for f in flags]]) == 2
     err = capsys.readouterr().err.strip()
@@ -125,12 +139,15 @@ def test_bad_input_is_one_line_and_exit_2(job, capsys, flags, message):
 
 
 def test_fdl_config_with_checkpoint_restore_path_reads_the_jobs_parameters(job, capsys):
-    """--fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH (as a training run restores) decodes what
+    """--fdl_config=NAME --fdl.CHECKPOINT_RESTORE_PATH=PATH (as a training run restores) decodes
+    what
     --job_log_dir decodes from the same checkpoint."""
     flags = ["--prompt_ids=3,1,4", "--max_new_tokens=3", "--format=json"]
     outputs = []
-    for source in ([f"--job_log_dir={job}"],
-                   ["--fdl_config=TinySynthetic", f"--fdl.CHECKPOINT_RESTORE_PATH={job}/checkpoints"]):
+    for source in (
+        [f"--job_log_dir={job}"],
+        ["--fdl_config=TinySynthetic", f"--fdl.CHECKPOINT_RESTORE_PATH={job}/checkpoints"],
+    ):
         assert main(["generate", *source, *flags]) == 0
         outputs.append(json.loads(capsys.readouterr().out)["ids"])
     assert outputs[0] == outputs[1] == _greedy_reference(job, [3, 1, 4], 3)
@@ -175,8 +192,18 @@ def test_bos_on_the_command_line_and_a_tokenizer_without_one(job, vocab, tmp_pat
         assert main([*flags, *extra]) == 0
         ids[len(extra)] = json.loads(capsys.readouterr().out)["prompt_ids"]
     assert ids == {0: sp.encode("the quick brown fox"), 1: [1, *sp.encode("the quick brown fox")]}
-    assert main(["generate", f"--job_log_dir={job}", f"--fdl.VOCAB_PATH={vocab}", "--prompt=the king",
-                 "--add_bos=true"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                f"--job_log_dir={job}",
+                f"--fdl.VOCAB_PATH={vocab}",
+                "--prompt=the king",
+                "--add_bos=true",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert "--add_bos=true but the tokenizer" in err and "defines no BOS" in err, err
     assert len(err.splitlines()) == 1

@@ -1,9 +1,11 @@
-"""GPU checks (run with JAX_PLATFORMS=cuda,cpu on a GPU machine; the `gpu` tests are skipped elsewhere).
+"""GPU checks (run with JAX_PLATFORMS=cuda,cpu on a GPU machine; the `gpu` tests are skipped
+elsewhere).
 
-The GPU test trains TinySynthetic for NUM_STEPS steps at a real learning rate on one GPU and compares
-the losses *and the trained parameters* with the same training on the CPU backend (same seed, same
-initialisation, same batches). At a learning rate near zero, or on losses alone, wrong gradients go
-unnoticed; 20 Adam steps at 1e-2 move every parameter by about 0.1, far beyond the tolerances below.
+The GPU test trains TinySynthetic for NUM_STEPS steps at a real learning rate on one GPU and
+compares the losses *and the trained parameters* with the same training on the CPU backend (same
+seed, same initialisation, same batches). At a learning rate near zero, or on losses alone, wrong
+gradients go unnoticed; 20 Adam steps at 1e-2 move every parameter by about 0.1, far beyond the
+tolerances below.
 
 `train_tiny` and `assert_same_training` are the whole check; the CPU test at the end runs them on
 this machine's fake CPU devices (one device against a (2,2,2) sharded mesh), so the GPU test's code
@@ -32,10 +34,11 @@ NUM_STEPS = 20
 GLOBAL_BATCH = 8
 # A real schedule: warm-up over 2 steps to 1e-2, then cosine decay past the end of the run.
 OVERRIDES = ("LEARNING_RATE=1e-2", "LR_COS_WARMUP=2", "LR_COS_DECAY_END=100", "FPROP_DTYPE=float32")
-# The key projection's bias has a zero gradient in exact arithmetic (softmax ignores a constant added to
-# every score of a query), so its computed gradient is round-off, and Adam normalises round-off into
-# steps of the full learning rate whose sign the backend decides. It does not change the model's
-# outputs, so it is left out of the parameter comparison (and checked to be the only leaf left out).
+# The key projection's bias has a zero gradient in exact arithmetic (softmax ignores a constant
+# added to every score of a query), so its computed gradient is round-off, and Adam normalises
+# round-off into steps of the full learning rate whose sign the backend decides. It does not change
+# the model's outputs, so it is left out of the parameter comparison (and checked to be the only
+# leaf left out).
 KEY_BIAS = (1,)  # index of the key in qkv/bias [3, heads, dims_per_head]
 
 
@@ -58,9 +61,15 @@ def train_tiny(devices: Sequence[jax.Device], *, mesh_shape=(1, 1, 1), num_steps
     schedule = make_schedule(run.schedule)
     data = SyntheticData(run.data, global_batch_size=GLOBAL_BATCH)
     with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-        steps = compile_steps(model=Transformer(run.model), optimizer=make_optimizer(run.optimizer, schedule),
-                              schedule=schedule, mesh=mesh, seq_len=run.data.seq_len, seed=0,
-                              deterministic=True)
+        steps = compile_steps(
+            model=Transformer(run.model),
+            optimizer=make_optimizer(run.optimizer, schedule),
+            schedule=schedule,
+            mesh=mesh,
+            seq_len=run.data.seq_len,
+            seed=0,
+            deterministic=True,
+        )
         state = steps.init()
         params0 = jax.device_get(state.params)
         losses = []
@@ -75,13 +84,16 @@ def _flat(tree) -> dict[str, np.ndarray]:
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def assert_same_training(got: Training, want: Training, *, loss_rtol: float, param_rtol: float) -> None:
+def assert_same_training(
+    got: Training, want: Training, *, loss_rtol: float, param_rtol: float
+) -> None:
     """Same initialisation, the same losses, the same trained parameters (leaf by leaf, relative
     to how far training moved the leaf), and a loss that fell."""
     for name, value in _flat(got.params0).items():  # the start is a function of the seed only
         np.testing.assert_array_equal(value, _flat(want.params0)[name], err_msg=name)
     np.testing.assert_allclose(got.losses, want.losses, rtol=loss_rtol)
-    assert want.losses[-1] < want.losses[0] - 1.0, want.losses  # it learned (ln 256 = 5.5 at the start)
+    # it learned (ln 256 = 5.5 at the start)
+    assert want.losses[-1] < want.losses[0] - 1.0, want.losses
     start, trained, reference = _flat(want.params0), _flat(got.params), _flat(want.params)
     assert len(reference) > 10 and set(trained) == set(reference)
     skipped = []
@@ -93,19 +105,20 @@ def assert_same_training(got: Training, want: Training, *, loss_rtol: float, par
         # Relative to the update: an error as large as the step itself would pass an absolute test
         # on parameters of size ~1 but is what a wrong gradient produces.
         error = np.linalg.norm(value - ref) / np.linalg.norm(moved)
-        assert np.linalg.norm(moved) > 0 and error < param_rtol, f"{name}: relative error {error:.2e}"
+        assert np.linalg.norm(moved) > 0 and error < param_rtol, (f"{name}: relative error "
+                                                                  f"{error:.2e}")
     assert len(skipped) == 2, skipped  # one per layer
 
 
 @pytest.mark.gpu
 def test_gpu_training_matches_cpu_parameters_and_losses():
-    # Tolerances: at "highest" precision both backends compute in float32 and differ only in the order
-    # of their sums (cuBLAS and XLA:GPU's reductions vs XLA:CPU's), ~1e-7 relative per operation, which
-    # 20 Adam steps grow (Adam divides by the root of small second moments). One CPU device against a
-    # (2,2,2) mesh, which also reorders every sum, agrees to 3e-6 in parameters and 6e-7 in losses (the
-    # CPU test, measured);
-    # 1e-3 of the distance each parameter travelled leaves room for the GPU's different kernels and is
-    # still 1000 times smaller than what a wrong gradient of one leaf does.
+    # Tolerances: at "highest" precision both backends compute in float32 and differ only in the
+    # order of their sums (cuBLAS and XLA:GPU's reductions vs XLA:CPU's), ~1e-7 relative per
+    # operation, which 20 Adam steps grow (Adam divides by the root of small second moments). One
+    # CPU device against a (2,2,2) mesh, which also reorders every sum, agrees to 3e-6 in parameters
+    # and 6e-7 in losses (the CPU test, measured);
+    # 1e-3 of the distance each parameter travelled leaves room for the GPU's different kernels and
+    # is still 1000 times smaller than what a wrong gradient of one leaf does.
     gpu = train_tiny(jax.devices("gpu")[:1])
     cpu = train_tiny(jax.devices("cpu")[:1])
     assert_same_training(gpu, cpu, loss_rtol=1e-4, param_rtol=1e-3)
@@ -114,7 +127,8 @@ def test_gpu_training_matches_cpu_parameters_and_losses():
 @pytest.mark.gpu
 def test_gpu_bfloat16_losses_follow_float32_cpu():
     # bfloat16 activations (8 mantissa bits, ~4e-3 relative per rounding) cannot match float32
-    # parameters leaf by leaf after 20 steps; the losses, averages over 512 tokens, stay within 3e-2.
+    # parameters leaf by leaf after 20 steps; the losses, averages over 512 tokens, stay within
+    # 3e-2.
     overrides = [*OVERRIDES[:-1], "FPROP_DTYPE=bfloat16"]
     gpu = train_tiny(jax.devices("gpu")[:1], overrides=overrides)
     cpu = train_tiny(jax.devices("cpu")[:1], overrides=overrides)
@@ -128,8 +142,12 @@ def test_gpu_moe_losses_follow_cpu(experiment):
     # Routing is discontinuous (a near-tie between two experts may break the other way on another
     # backend), so parameters are not compared leaf by leaf; 10 float32 steps' losses agree to 1e-3.
     overrides = ("LEARNING_RATE=3e-3", "FPROP_DTYPE=float32")
-    gpu = train_tiny(jax.devices("gpu")[:1], num_steps=10, overrides=overrides, experiment=experiment)
-    cpu = train_tiny(jax.devices("cpu")[:1], num_steps=10, overrides=overrides, experiment=experiment)
+    gpu = train_tiny(
+        jax.devices("gpu")[:1], num_steps=10, overrides=overrides, experiment=experiment
+    )
+    cpu = train_tiny(
+        jax.devices("cpu")[:1], num_steps=10, overrides=overrides, experiment=experiment
+    )
     np.testing.assert_allclose(gpu.losses, cpu.losses, rtol=1e-3)
 
 

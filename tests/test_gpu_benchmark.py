@@ -1,6 +1,6 @@
-"""benchmarks/gpu/bench.py --cpu --tiny: every part of the one-call GPU benchmark runs, and its table (printed
-last) has every row, with numbers that follow from the runs' own metrics.jsonl and config.json, and planned
-peaks that are the planner's for the experiment each run recorded."""
+"""benchmarks/gpu/bench.py --cpu --tiny: every part of the one-call GPU benchmark runs, and its
+table (printed last) has every row, with numbers that follow from the runs' own metrics.jsonl and
+config.json, and planned peaks that are the planner's for the experiment each run recorded."""
 
 import json
 import os
@@ -20,10 +20,12 @@ from tests.xla_test_flags import COMPILE_FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "gpu", "bench.py")
 MODELS = ("Synthetic126M", "LLaMA-1B (fuji-1B-v3)", "GLaM126M64E")
-PEAKS = (2.0, 4.0)  # --peak_tflops: a known spec peak, so the "MFU spec" column is a number on the CPU
+# --peak_tflops: a known spec peak, so the "MFU spec" column is a number on the CPU
+PEAKS = (2.0, 4.0)
 # Parameters another part of paxlite may not have yet: rows that use them may say "failed: <error>".
 PENDING = ("USE_FP8", "USE_CUDNN_FLASH_ATTENTION")
-PLANNED = ("Synthetic126M", "bf16", "dot_product")  # --tiny plans the first case of the run order only
+# --tiny plans the first case of the run order only
+PLANNED = ("Synthetic126M", "bf16", "dot_product")
 NOTE = 11  # the note column, last
 
 
@@ -33,9 +35,22 @@ def bench(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("BASE_XLA_FLAGS", "XLA_PRESET")}
     env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
-        [sys.executable, BENCH, "--cpu", "--tiny", f"--log_dir={log_dir}", f"--deadline_s={time.time() + 3000}",
-         f"--peak_tflops={PEAKS[0]},{PEAKS[1]}", "--plan_s=600"],  # the cap is not under test here
-        env=env, capture_output=True, text=True, timeout=3000, check=False)
+        [
+            sys.executable,
+            BENCH,
+            "--cpu",
+            "--tiny",
+            f"--log_dir={log_dir}",
+            f"--deadline_s={time.time() + 3000}",
+            f"--peak_tflops={PEAKS[0]},{PEAKS[1]}",
+            "--plan_s=600",
+        ],  # the cap is not under test here
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return log_dir, result.stdout
 
@@ -56,20 +71,36 @@ def _number(cell):
     return float(cell.rstrip("%").replace(",", ""))
 
 
-# slow: the shared fixture runs twelve training processes, the matmul part and the planner (one tiny compile)
-# (90-130 s on 2 cores, with the load)
+# slow: the shared fixture runs twelve training processes, the matmul part and the planner (one tiny
+# compile) (90-130 s on 2 cores, with the load)
 @pytest.mark.slow
 def test_table_is_last_and_has_every_row(bench):
     _, stdout = bench
     header, rows = _table(stdout)
-    assert header == ["model", "precision", "attention", "tokens/s", "TFLOP/s/dev", "MFU spec", "MFU measured",
-                      "input wait", "planned peak GiB", "measured peak GiB", "measured/planned", "note"]
+    assert header == [
+        "model",
+        "precision",
+        "attention",
+        "tokens/s",
+        "TFLOP/s/dev",
+        "MFU spec",
+        "MFU measured",
+        "input wait",
+        "planned peak GiB",
+        "measured peak GiB",
+        "measured/planned",
+        "note",
+    ]
     assert [r[0].split(" ")[:2] for r in rows[:2]] == [["matmul", "bf16"], ["matmul", "fp8"]]
     for row in rows[:2]:
         assert _number(row[4]) > 0 and row[6] == "100.0%" and row[8:11] == ["-"] * 3
-        assert _number(row[5]) == pytest.approx(100 * _number(row[4]) / PEAKS[row[1] == "fp8"], abs=0.06)
+        assert _number(row[5]) == pytest.approx(
+            100 * _number(row[4]) / PEAKS[row[1] == "fp8"], abs=0.06
+        )
     combos = [(r[0], r[1], r[2]) for r in rows[2:]]
-    assert combos == [(m, p, a) for m in MODELS for p in ("bf16", "fp8") for a in ("flash", "dot_product")]
+    assert combos == [
+        (m, p, a) for m in MODELS for p in ("bf16", "fp8") for a in ("flash", "dot_product")
+    ]
 
 
 @pytest.mark.slow  # the same fixture as the table test
@@ -88,9 +119,12 @@ def test_numbers_follow_from_each_runs_metrics(bench):
             assert row[NOTE][len("failed: "):] in log
             assert row[3:8] == ["-"] * 5 and row[9:11] == ["-"] * 2  # no run, no measured peak
             continue
-        assert row[NOTE] == "steps 3-3"  # step 1 compiles, the window of step 2 is the first: dropped
+        # step 1 compiles, the window of step 2 is the first: dropped
+        assert row[NOTE] == "steps 3-3"
         numeric.add((model, precision, attention))
-        lines = [json.loads(line) for line in (log_dir / name / "metrics.jsonl").read_text().splitlines()]
+        lines = [
+            json.loads(line) for line in (log_dir / name / "metrics.jsonl").read_text().splitlines()
+        ]
         steady = [line for line in lines if "loss" in line and line["tokens_per_s"]][1:]
         config = json.loads((log_dir / name / "config.json").read_text())
         tokens = statistics.median(line["tokens_per_s"] for line in steady)
@@ -104,7 +138,9 @@ def test_numbers_follow_from_each_runs_metrics(bench):
         assert _number(row[7]) == pytest.approx(100 * wait, abs=0.06)
         assert 0 <= wait <= 1
     # everything that needs no pending parameter ran: bf16 dot-product everywhere, flash on LLaMA
-    assert numeric >= {(m, "bf16", "dot_product") for m in MODELS} | {("LLaMA-1B (fuji-1B-v3)", "bf16", "flash")}
+    assert numeric >= {(m, "bf16", "dot_product") for m in MODELS} | {
+        ("LLaMA-1B (fuji-1B-v3)", "bf16", "flash")
+    }
 
 
 @pytest.mark.slow  # the same fixture as the table test
@@ -134,16 +170,20 @@ def test_planned_peaks_are_the_planners_for_each_runs_recorded_experiment(bench)
             assert _number(row[9]) == pytest.approx(measured / 2**30, rel=0.01)
         else:
             assert row[9] == "n/a" and measured is None
-        assert row[10] == ("n/a" if planned is None or measured is None else f"{measured / planned:.2f}")
+        assert row[10] == (
+            "n/a" if planned is None or measured is None else f"{measured / planned:.2f}"
+        )
     # One compile here, apart from the benchmark's planner: the experiment the run recorded in its
-    # config.json (what it trained, flags and all), planned for one CPU device, gives the same bytes.
+    # config.json (what it trained, flags and all), planned for one CPU device, gives the same
+    # bytes.
     config = json.loads((log_dir / "synthetic126m_bf16_dot_product" / "config.json").read_text())
-    experiment = load_recorded_experiment(config["experiment"],
-                                          {name: config["hparams"][name] for name in config["overridden"]})
+    experiment = load_recorded_experiment(
+        config["experiment"], {name: config["hparams"][name] for name in config["overridden"]}
+    )
     expected = compile_train_step(experiment, num_devices=1, target="cpu").memory.peak_bytes
     assert runs[PLANNED]["planned_peak_bytes"] == expected
-    assert "planned peak: the train step compiled before the runs, for cpu (--cpu: no GPU model), 1 device: " \
-           "1 of 12 cases" in stdout
+    assert ("planned peak: the train step compiled before the runs, for cpu (--cpu: no GPU model), "
+            "1 device: 1 of 12 cases") in stdout
 
 
 def _config(label):
@@ -154,8 +194,21 @@ def _config(label):
 def test_past_the_deadline_nothing_starts_and_every_row_still_prints(tmp_path):
     env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS}
     result = subprocess.run(
-        [sys.executable, BENCH, "--cpu", "--tiny", f"--log_dir={tmp_path}", f"--deadline_s={time.time()}",
-         "--only=Synthetic126M"], env=env, capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            BENCH,
+            "--cpu",
+            "--tiny",
+            f"--log_dir={tmp_path}",
+            f"--deadline_s={time.time()}",
+            "--only=Synthetic126M",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     _, rows = _table(result.stdout)
     assert [r[NOTE] for r in rows[:2]] == ["skipped: time budget"] * 2
@@ -164,7 +217,10 @@ def test_past_the_deadline_nothing_starts_and_every_row_still_prints(tmp_path):
         for p in ("bf16", "fp8") for a in ("flash", "dot_product")]
     assert not any(tmp_path.glob("synthetic126m_*"))  # no run was started
     assert not any(tmp_path.glob("plan*"))  # nor the planner
-    assert "planned peak: the train step compiled before the runs, not planned: time budget" in result.stdout
+    assert (
+        "planned peak: the train step compiled before the runs, not planned: time budget"
+        in result.stdout
+    )
 
 
 def test_unknown_model_is_one_line_exit_2(tmp_path):
@@ -172,7 +228,8 @@ def test_unknown_model_is_one_line_exit_2(tmp_path):
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "bench: error: --only='GPT9000' names no model; valid: Synthetic126M, fuji-1B-v3-flash, SyntheticGLaM126M64E"]
+        ("bench: error: --only='GPT9000' names no model; valid: Synthetic126M, fuji-1B-v3-flash, "
+        "SyntheticGLaM126M64E")]
 
 
 def test_unknown_plan_target_is_one_line_exit_2(tmp_path):

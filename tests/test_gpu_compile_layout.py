@@ -1,6 +1,6 @@
-"""The gpu_compile tests run in a pytest session of their own (`make test`'s second session, with JAX's
-CUDA plugin on PYTHONPATH and tests/gpu_compile as its only path): a gpu_compile test written anywhere
-else would be skipped by both sessions and never run."""
+"""The gpu_compile tests run in a pytest session of their own (`make test`'s second session, with
+JAX's CUDA plugin on PYTHONPATH and tests/gpu_compile as its only path): a gpu_compile test written
+anywhere else would be skipped by both sessions and never run."""
 
 import os
 import re
@@ -28,6 +28,7 @@ def test_the_makefile_runs_tests_gpu_compile_with_the_plugin_required():
         makefile = f.read()
     assert "--ignore=tests/gpu_compile" in makefile
     # absolute: the docs' gpu_compile blocks run from a temporary directory
-    assert re.search(r"PYTHONPATH=\$\(abspath \$\(GPU_COMPILE\)\) PAXLITE_REQUIRE_GPU_COMPILE=1 .*pytest",
+    assert re.search(r"PYTHONPATH=\$\(abspath \$\(GPU_COMPILE\)\) PAXLITE_REQUIRE_GPU_COMPILE=1 "
+                     r".*pytest",
                      makefile)
     assert re.search(r"--durations=10 tests/gpu_compile", makefile)

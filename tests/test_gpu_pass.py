@@ -1,5 +1,6 @@
-"""tests/gpu_pass.py, the GPU pass of `make test` and of benchmarks/gpu/run.sh: it names every file that
-has a `gpu` test, both callers run it, and its pytest keeps the files in the order it gives them."""
+"""tests/gpu_pass.py, the GPU pass of `make test` and of benchmarks/gpu/run.sh: it names every file
+that has a `gpu` test, both callers run it, and its pytest keeps the files in the order it gives
+them."""
 
 from __future__ import annotations
 
@@ -53,9 +54,17 @@ def test_the_pass_keeps_its_order_and_compiles_without_the_cpu_only_flags():
     env = gpu_pass.environment({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     env["JAX_PLATFORMS"] = "cpu"  # collection only: no GPU needed
     code = ("import os, sys; import tests.conftest; "
-            "sys.exit(pytest.main(['--collect-only', '-q', '-m', 'gpu', '-p', 'no:cacheprovider', *sys.argv[1:]]))")
-    done = subprocess.run([sys.executable, "-c", "import pytest; " + code, *gpu_pass.GPU_TEST_FILES],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+            "sys.exit(pytest.main(['--collect-only', '-q', '-m', 'gpu', '-p', 'no:cacheprovider', "
+            "*sys.argv[1:]]))")
+    done = subprocess.run(
+        [sys.executable, "-c", "import pytest; " + code, *gpu_pass.GPU_TEST_FILES],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     files = []
     for line in done.stdout.splitlines():
@@ -64,6 +73,13 @@ def test_the_pass_keeps_its_order_and_compiles_without_the_cpu_only_flags():
             if not files or files[-1] != name:
                 files.append(name)
     assert files == list(gpu_pass.GPU_TEST_FILES)
-    flags = subprocess.run([sys.executable, "-c", "import tests.conftest, os; print(os.environ['XLA_FLAGS'])"],
-                           env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout
+    flags = subprocess.run(
+        [sys.executable, "-c", "import tests.conftest, os; print(os.environ['XLA_FLAGS'])"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     assert "xla_backend_optimization_level" not in flags, flags

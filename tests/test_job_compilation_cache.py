@@ -1,5 +1,5 @@
-"""The compilation cache a run switches on is switched back off after it: a process that runs several
-jobs (tests, notebooks) gets its own JAX cache settings back, also when the run fails."""
+"""The compilation cache a run switches on is switched back off after it: a process that runs
+several jobs (tests, notebooks) gets its own JAX cache settings back, also when the run fails."""
 
 import types
 

@@ -1,5 +1,6 @@
-"""Every manifest under k8s/, parsed as Kubernetes would read it and checked against what paxlite reads:
-image and command, the coordinator wiring, volumes, GPUs, and the preemption and restart settings."""
+"""Every manifest under k8s/, parsed as Kubernetes would read it and checked against what paxlite
+reads: image and command, the coordinator wiring, volumes, GPUs, and the preemption and restart
+settings."""
 
 import math
 import pathlib
@@ -19,15 +20,35 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "k8s").glob("*.yaml"))
 WORKSPACE = "/opt/paxlite/workspace"  # docker/Dockerfile's mount point
 PREEMPTED = 143
-# AXLearn's launcher flags (launch.py and launch_trainer.py), which paxlite.launch_trainer_main takes
-AXLEARN_FLAGS = {"module", "config_module", "config", "trainer_dir", "data_dir", "jax_backend", "mesh_selector",
-                 "distributed_coordinator", "num_processes", "process_id", "initialization_timeout",
-                 "trainer_prng_seed", "trace_at_steps", "trainer_watchdog_timeout_seconds",
-                 "trainer_crash_on_hang_timeout_seconds", "trainer_log_every_n_steps"}
+# AXLearn's launcher flags (launch.py and launch_trainer.py), which paxlite.launch_trainer_main
+# takes
+AXLEARN_FLAGS = {
+    "module",
+    "config_module",
+    "config",
+    "trainer_dir",
+    "data_dir",
+    "jax_backend",
+    "mesh_selector",
+    "distributed_coordinator",
+    "num_processes",
+    "process_id",
+    "initialization_timeout",
+    "trainer_prng_seed",
+    "trace_at_steps",
+    "trainer_watchdog_timeout_seconds",
+    "trainer_crash_on_hang_timeout_seconds",
+    "trainer_log_every_n_steps",
+}
 
 
 def _documents():
-    return [(path.name, doc) for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [
+        (path.name, doc)
+        for path in MANIFESTS
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
 
 
 def _jobs():
@@ -62,14 +83,16 @@ def _job_dir(container):
 
 
 def _experiment(container):
-    """The experiment the pod would run, through the checks paxlite.main's parse_job makes before any device."""
+    """The experiment the pod would run, through the checks paxlite.main's parse_job makes before
+    any device."""
     module = container["command"][2]
     flags = _flags(container["args"])
     if module == "paxlite.main":
         assignments = [f"{k[4:]}={v}" for k, v in flags.items() if k.startswith("fdl.")]
         assignments.append(f"TFDS_DATA_DIR={flags['tfds_data_dir']!r}")
         name = flags["fdl_config"]
-    else:  # the AXLearn-style launcher, through its own flag parsing (the data directory is the cluster's)
+    # the AXLearn-style launcher, through its own flag parsing (the data directory is the cluster's)
+    else:
         assert set(flags) <= AXLEARN_FLAGS, set(flags) - AXLEARN_FLAGS
         assert flags["module"] == "text.gpt.c4_trainer" and flags["jax_backend"] == "gpu"
         from paxlite.cli.launch_plan import LaunchFlags, parse_launch
@@ -101,7 +124,9 @@ def test_image_and_command(name, job):
     if module == "paxlite.main":
         from paxlite import main  # its absl flags: every flag in the manifest must be one of them
 
-        assert all(flag in main.FLAGS or flag.startswith("fdl.") for flag in _flags(container["args"]))
+        assert all(
+            flag in main.FLAGS or flag.startswith("fdl.") for flag in _flags(container["args"])
+        )
 
 
 @pytest.mark.parametrize("name, job", JOBS, ids=[n for n, _ in JOBS])
@@ -109,10 +134,12 @@ def test_experiment_resolves_and_fits_the_pods_gpus(name, job):
     container = _container(job)
     experiment = _experiment(container)
     gpus = container["resources"]["limits"]["nvidia.com/gpu"]
-    assert gpus == 8 and math.prod(experiment.ICI_MESH_SHAPE) == gpus  # one process owns its node's GPUs
+    # one process owns its node's GPUs
+    assert gpus == 8 and math.prod(experiment.ICI_MESH_SHAPE) == gpus
     pods = job["spec"].get("completions", 1)
     assert math.prod(experiment.DCN_MESH_SHAPE) == pods  # one process per pod: DCN covers the pods
-    # TE's layers (the image's default) refuse packed rows: a manifest that runs a packed experiment says 0
+    # TE's layers (the image's default) refuse packed rows: a manifest that runs a packed experiment
+    # says 0
     te = _env(container).get("ENABLE_TE", "1")
     assert te == "0" or not experiment.PACKED_INPUT
 
@@ -136,10 +163,16 @@ def test_indexed_job_env_gives_each_pod_its_process_index():
     env = _env(_container(job))
     pods = spec["completions"]
     assert spec["parallelism"] == pods == int(env["PAXLITE_NUM_PROCESSES"])
-    pod0 = f"{job['metadata']['name']}-0.{service['metadata']['name']}"  # Indexed pods: <job>-<index>
+    # Indexed pods: <job>-<index>
+    pod0 = f"{job['metadata']['name']}-0.{service['metadata']['name']}"
     for index in range(pods):
-        launch = detect_launch(multiprocess_gpu=False, server_addr=None, num_hosts=None, host_idx=None,
-                               env={**env, "JOB_COMPLETION_INDEX": str(index)})
+        launch = detect_launch(
+            multiprocess_gpu=False,
+            server_addr=None,
+            num_hosts=None,
+            host_idx=None,
+            env={**env, "JOB_COMPLETION_INDEX": str(index)},
+        )
         assert (launch.num_processes, launch.process_id) == (pods, index)
         assert launch.coordinator_address == f"{pod0}:{port}"
 
@@ -151,12 +184,19 @@ def test_volumes_and_mounts(name, job):
     mounts = {m["mountPath"]: m["name"] for m in _container(job)["volumeMounts"]}
     assert set(mounts.values()) <= set(volumes)  # every mount names a volume
     assert set(volumes) <= set(mounts.values())  # and no volume is left unmounted
-    assert "persistentVolumeClaim" in volumes[mounts[WORKSPACE]]  # outlives the pod: checkpoints survive
-    assert volumes[mounts["/dev/shm"]] == {"name": mounts["/dev/shm"], "emptyDir": {"medium": "Memory"}}
+    # outlives the pod: checkpoints survive
+    assert "persistentVolumeClaim" in volumes[mounts[WORKSPACE]]
+    assert volumes[mounts["/dev/shm"]] == {
+        "name": mounts["/dev/shm"],
+        "emptyDir": {"medium": "Memory"},
+    }
     container = _container(job)
     flags = _flags(container["args"])
-    paths = [_job_dir(container)] + [v for k, v in flags.items() if k in ("tfds_data_dir", "fdl.VOCAB_PATH",
-                                                                           "data_dir") and v != "FAKE"]
+    paths = [_job_dir(container)] + [
+        v
+        for k, v in flags.items()
+        if k in ("tfds_data_dir", "fdl.VOCAB_PATH", "data_dir") and v != "FAKE"
+    ]
     for path in paths:  # every path the run reads or writes lies on a mounted volume
         assert any(path.startswith(mount + "/") for mount in mounts), path
 
@@ -169,18 +209,22 @@ def test_preemption_exits_with_a_status_the_job_ignores(name, job):
     assert pod["restartPolicy"] == "Never"  # podFailurePolicy needs it
     # long enough to finish a step and commit a checkpoint (the manifests' comments give the sum)
     assert 300 <= pod["terminationGracePeriodSeconds"] <= 3600
-    assert spec["backoffLimit"] >= spec.get("completions", 1)  # at least one whole-job crash is retried
+    # at least one whole-job crash is retried
+    assert spec["backoffLimit"] >= spec.get("completions", 1)
     # the same job directory on every restart: no per-pod or per-attempt part in it
     job_dir = _job_dir(container)
     assert job_dir.startswith(WORKSPACE + "/") and "$(" not in job_dir
 
 
 def _decide(rules, *, exit_code, conditions=()):
-    """Kubernetes' podFailurePolicy for one failed pod with one container: the first matching rule's action,
-    else Count (the default: the failure uses up backoffLimit)."""
+    """Kubernetes' podFailurePolicy for one failed pod with one container: the first matching rule's
+    action, else Count (the default: the failure uses up backoffLimit)."""
     for rule in rules:
         if "onPodConditions" in rule:
-            if any(c["type"] in conditions and c.get("status", "True") == "True" for c in rule["onPodConditions"]):
+            if any(
+                c["type"] in conditions and c.get("status", "True") == "True"
+                for c in rule["onPodConditions"]
+            ):
                 return rule["action"]
             continue
         on = rule["onExitCodes"]

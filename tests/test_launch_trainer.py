@@ -23,8 +23,11 @@ BASE = dict(module="text.gpt.c4_trainer", config="fuji-test-v1", data_dir="FAKE"
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "PAXLITE_", "DISTRIBUTED_", "NUM_PROCESSES", "PROCESS_ID"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "PAXLITE_", "DISTRIBUTED_", "NUM_PROCESSES", "PROCESS_ID"))
+    }
     return {**env, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **extra}
 
 
@@ -38,17 +41,28 @@ def _launcher(args, *, env=None, timeout=300):
 def trained(tmp_path_factory):
     """AXLearn's CPU smoke test, two steps (8 fake CPU devices from conftest's XLA_FLAGS)."""
     trainer_dir = tmp_path_factory.mktemp("launch") / "trainer"
-    result = _launcher([
-        "--config_module=text.gpt.c4_trainer", "--config=fuji-test-v1", f"--trainer_dir={trainer_dir}",
-        "--data_dir=FAKE", "--jax_backend=cpu", "--trainer_log_every_n_steps=1",
-        "--trainer_prng_seed=7", "--fdl.MAX_STEPS=2", "--fdl.EVAL_LOOP_NUM_BATCHES=1"])
+    result = _launcher(
+        [
+            "--config_module=text.gpt.c4_trainer",
+            "--config=fuji-test-v1",
+            f"--trainer_dir={trainer_dir}",
+            "--data_dir=FAKE",
+            "--jax_backend=cpu",
+            "--trainer_log_every_n_steps=1",
+            "--trainer_prng_seed=7",
+            "--fdl.MAX_STEPS=2",
+            "--fdl.EVAL_LOOP_NUM_BATCHES=1",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return trainer_dir
 
 
 def _plan(env=None, fdl=(), **flags):
-    return parse_launch(LaunchFlags.of(fdl=fdl, **{**BASE, "trainer_dir": "/tmp/never-made", **flags}),
-                        {} if env is None else env)
+    return parse_launch(
+        LaunchFlags.of(fdl=fdl, **{**BASE, "trainer_dir": "/tmp/never-made", **flags}),
+        {} if env is None else env,
+    )
 
 
 def _hparams(env=None, fdl=(), num_devices=8, num_processes=1, **flags):
@@ -74,8 +88,11 @@ def test_cpu_run_writes_trainer_config_and_flags(trained):
         "fuji-test-v1", "text.gpt.c4_trainer", "FAKE")
     assert flags["fdl"] == ["MAX_STEPS=2", "EVAL_LOOP_NUM_BATCHES=1"]
     recorded = json.loads((trained / "config.json").read_text())
-    assert (recorded["hparams"]["SEED"], recorded["global_batch_size"], recorded["mesh"]["data"]) == (
-        7, 64, 8)
+    assert (
+        recorded["hparams"]["SEED"],
+        recorded["global_batch_size"],
+        recorded["mesh"]["data"],
+    ) == (7, 64, 8)
 
 
 # ---------------------------------------------------------------------------- flag mappings
@@ -111,18 +128,23 @@ def test_data_dir_mapping(tmp_path, monkeypatch):
     vocab = {"VOCAB_PATH": str(tmp_path / "bpe_32k_c4.model")}
     assert _plan(vocab, data_dir=str(tfds)).overrides["TFDS_DATA_DIR"] == str(tfds)
     assert _plan(data_dir=str(prepared)).overrides["DATA_DIR"] == str(prepared)
-    assert _plan({"DATA_DIR": str(prepared), **vocab}, data_dir=None).overrides["DATA_DIR"] == str(prepared)
+    assert _plan({"DATA_DIR": str(prepared), **vocab}, data_dir=None).overrides["DATA_DIR"] == str(
+        prepared
+    )
     assert _plan({"DATA_DIR": "FAKE"}, data_dir=None).overrides["SYNTHETIC_DATA"] is True
     with pytest.raises(LaunchError, match=r"--data_dir=/nope: no such directory; --data_dir=FAKE"):
         _plan(data_dir="/nope")
-    with pytest.raises(LaunchError, match=r"holds neither the TFDS dataset c4/en:3.0.1 .* nor a dataset made"):
+    with pytest.raises(LaunchError, match=r"holds neither the TFDS dataset c4/en:3.0.1 .* nor a "
+                                          r"dataset made"):
         _plan(data_dir=str(tmp_path))
-    with pytest.raises(LaunchError, match="needs a SentencePiece tokenizer \\(AXLearn's bpe_32k_c4.model"):
+    with pytest.raises(LaunchError, match="needs a SentencePiece tokenizer \\(AXLearn's "
+                                          "bpe_32k_c4.model"):
         _plan(data_dir=str(tfds))
     with pytest.raises(LaunchError, match="tiktoken tokenizer, which paxlite cannot run"):
         _plan(vocab, data_dir=str(tfds), config="fuji-8B-v3-tiktoken")
     monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(LaunchError, match=r"the default \(no --data_dir, no \$DATA_DIR\): ~/tensorflow_datasets"):
+    with pytest.raises(LaunchError, match=r"the default \(no --data_dir, no \$DATA_DIR\): "
+                                          r"~/tensorflow_datasets"):
         _plan(data_dir=None)
     with pytest.raises(LaunchError, match="--data_dir and --fdl.SYNTHETIC_DATA both say"):
         _plan(fdl=["SYNTHETIC_DATA=true"])
@@ -140,7 +162,8 @@ def test_distributed_flags_and_environment():
     assert _plan(env, process_id=1).launch.process_id == 1  # a flag beats its variable
     assert _plan(num_processes=1, process_id=0).launch.is_distributed is False
     slurm = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "n[1-2]"}
-    assert _plan(slurm).launch.source is LaunchSource.SLURM  # none of the three: paxlite's detection
+    # none of the three: paxlite's detection
+    assert _plan(slurm).launch.source is LaunchSource.SLURM
     with pytest.raises(LaunchError, match="--num_processes and --process_id .* come together"):
         _plan(num_processes=2)
     with pytest.raises(LaunchError, match="--num_processes and --process_id .* come together"):
@@ -158,7 +181,8 @@ def test_distributed_flags_and_environment():
 
 
 @pytest.mark.parametrize("flags, fdl, message", [
-    (dict(module="text.gpt.pile_trainer"), (), "--module=text.gpt.pile_trainer: not one of text.gpt.c4_trainer"),
+    (dict(module="text.gpt.pile_trainer"), (), ("--module=text.gpt.pile_trainer: not one of "
+                                               "text.gpt.c4_trainer")),
     (dict(module=None), (), "--module is required: one of text.gpt.c4_trainer"),
     (dict(config="fuji-7b-v2"), (), ("--config=fuji-7b-v2: not a config of text.gpt.c4_trainer "
                                      r"\(did you mean 'fuji-7B-v2'")),
@@ -173,13 +197,17 @@ def test_distributed_flags_and_environment():
     (dict(host_tracer_level=2), (), "--host_tracer_level: paxlite's profiler trace has no tracer"),
     (dict(trace_at_steps=["3", "9"]), (), "--trace_at_steps=3,9: paxlite traces one window"),
     (dict(trace_at_steps=["x"]), (), "--trace_at_steps=x: not a step number"),
-    (dict(n_steps_for_each_trace=5), (), "--n_steps_for_each_trace is read only with --trace_at_steps"),
+    (dict(n_steps_for_each_trace=5), (), ("--n_steps_for_each_trace is read only with "
+                                         "--trace_at_steps")),
     (dict(trainer_prng_seed=1), ("SEED=2",), "--trainer_prng_seed and --fdl.SEED set the same"),
-    (dict(trace_at_steps=["3"]), ("PROFILER_NUM_STEPS=2",), "--trace_at_steps and --fdl.PROFILER_NUM_STEPS"),
-    (dict(mesh_selector="tpu-v5p-512"), ("ICI_MESH_SHAPE=[8,1,1]",), ("--mesh_selector=tpu-v5p-512 and "
-                                                                     "--fdl.ICI_MESH_SHAPE both set")),
+    (dict(trace_at_steps=["3"]), ("PROFILER_NUM_STEPS=2",), ("--trace_at_steps and "
+                                                            "--fdl.PROFILER_NUM_STEPS")),
+    (dict(mesh_selector="tpu-v5p-512"), ("ICI_MESH_SHAPE=[8,1,1]",), ("--mesh_selector=tpu-v5p-512 "
+                                                                     "and --fdl.ICI_MESH_SHAPE "
+                                                                     "both set")),
     (dict(), ("MAX_STEP=3",), r"did you mean 'MAX_STEPS'"),
-    (dict(trace_at_steps=["5000"]), (), "PROFILER_CAPTURE_STEP must be a step from 1 to MAX_STEPS=3000"),
+    (dict(trace_at_steps=["5000"]), (), ("PROFILER_CAPTURE_STEP must be a step from 1 to "
+                                        "MAX_STEPS=3000")),
 ])
 def test_bad_input_is_one_clear_error(flags, fdl, message):
     with pytest.raises((LaunchError, ConfigError, ValueError), match=message):
@@ -210,7 +238,9 @@ def test_cli_mistakes_exit_2_with_one_line_before_jax(tmp_path):
 
 # ---------------------------------------------------------------------------- mesh rules
 def _mesh(config, selector, *, devices, processes):
-    e = _hparams(config=config, mesh_selector=selector, num_devices=devices, num_processes=processes)
+    e = _hparams(
+        config=config, mesh_selector=selector, num_devices=devices, num_processes=processes
+    )
     return e.ICI_MESH_SHAPE, e.DCN_MESH_SHAPE, e.GRAD_ACCUM_STEPS, e.CHECKPOINT_POLICY
 
 
@@ -221,13 +251,19 @@ def test_mesh_rules_of_axlearns_table():
     # v5litepod-256 (64 hosts x 4 chips): fsdp 256 split over the hosts, gradient accumulation 4
     assert _mesh("fuji-7B-v2", "tpu-v5litepod-256", devices=256, processes=64)[:3] == (
         [1, 4, 1], [1, 64, 1], 4)
-    assert _mesh("fuji-7B-v3", "tpu-v5litepod-256-4", devices=1024, processes=256)[3] == "SAVE_DOT_ONLY"
+    assert (
+        _mesh("fuji-7B-v3", "tpu-v5litepod-256-4", devices=1024, processes=256)[3]
+        == "SAVE_DOT_ONLY"
+    )
     assert _mesh("fuji-70B-v3", "gpu-a3-megagpu-8g-512", devices=512, processes=64)[:2] == (
         [1, 8, 1], [8, 8, 1])  # data 8 x fsdp 64: the 64 processes go on data 8 x fsdp 8
     assert _mesh("fuji-405B-v3", "tpu-v5p-1024", devices=512, processes=128)[:2] == (
         [1, 4, 1], [1, 128, 1])  # fsdp -1
     # no rule matches: AXLearn's defaults (1B-8B data -1 fsdp 8; 70B/405B fsdp -1)
-    assert _mesh("fuji-7B-v2", "gpu-p5.48xlarge-8", devices=8, processes=1)[:2] == ([1, 8, 1], [1, 1, 1])
+    assert _mesh("fuji-7B-v2", "gpu-p5.48xlarge-8", devices=8, processes=1)[:2] == (
+        [1, 8, 1],
+        [1, 1, 1],
+    )
     assert _mesh("fuji-70B-v2", None, devices=16, processes=2)[:2] == ([1, 8, 1], [1, 2, 1])
     assert _mesh("fuji-8B-v3-tiktoken", None, devices=16, processes=2)[:2] == ([1, 8, 1], [2, 1, 1])
     plan = _plan(config="fuji-7B-v2", mesh_selector="gpu-p5.48xlarge-8")
@@ -266,15 +302,34 @@ def test_two_processes_from_axlearns_environment_variables(tmp_path):
     env = {k: v for k, v in _env().items() if not k.startswith("XLA_")}
     procs = []
     for index in range(2):
-        process_env = dict(env, JAX_NUM_CPU_DEVICES="4", DISTRIBUTED_COORDINATOR=f"127.0.0.1:{port}",
-                           NUM_PROCESSES="2", PROCESS_ID=str(index), PAXLITE_HEARTBEAT_TIMEOUT_S="10",
-                           PAXLITE_SHUTDOWN_TIMEOUT_S="10")
+        process_env = dict(
+            env,
+            JAX_NUM_CPU_DEVICES="4",
+            DISTRIBUTED_COORDINATOR=f"127.0.0.1:{port}",
+            NUM_PROCESSES="2",
+            PROCESS_ID=str(index),
+            PAXLITE_HEARTBEAT_TIMEOUT_S="10",
+            PAXLITE_SHUTDOWN_TIMEOUT_S="10",
+        )
         with open(tmp_path / f"p{index}.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "paxlite.launch_trainer_main", *[f"--{k}={v}" for k, v in BASE.items()],
-                 f"--trainer_dir={trainer_dir}", "--initialization_timeout=60", "--fdl.MAX_STEPS=2",
-                 "--fdl.EVAL_LOOP_NUM_BATCHES=1", "--trainer_log_every_n_steps=1"],
-                env=process_env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "paxlite.launch_trainer_main",
+                        *[f"--{k}={v}" for k, v in BASE.items()],
+                        f"--trainer_dir={trainer_dir}",
+                        "--initialization_timeout=60",
+                        "--fdl.MAX_STEPS=2",
+                        "--fdl.EVAL_LOOP_NUM_BATCHES=1",
+                        "--trainer_log_every_n_steps=1",
+                    ],
+                    env=process_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     try:
         codes = [p.wait(timeout=300) for p in procs]
     finally:
@@ -288,7 +343,10 @@ def test_two_processes_from_axlearns_environment_variables(tmp_path):
     recorded = json.loads((trainer_dir / "config.json").read_text())
     assert (recorded["devices"]["process_count"], recorded["devices"]["count"]) == (2, 8)
     # the test model's data=-1 over 8 devices in two processes: ICI data 4, DCN data 2
-    assert "ICI_MESH_SHAPE=[4, 1, 1], DCN_MESH_SHAPE=[2, 1, 1]" in (trainer_dir / "trainer_config").read_text()
+    assert (
+        "ICI_MESH_SHAPE=[4, 1, 1], DCN_MESH_SHAPE=[2, 1, 1]"
+        in (trainer_dir / "trainer_config").read_text()
+    )
     flags = json.loads((trainer_dir / "launch_trainer_flags").read_text())
     assert (flags["num_processes_resolved"], flags["process_id_resolved"]) == (2, 0)
     assert sorted(os.listdir(trainer_dir / "checkpoints")) == ["checkpoint_00000002"]

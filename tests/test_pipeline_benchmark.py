@@ -1,5 +1,6 @@
-"""benchmarks/pipeline_step.py --tiny: both schedules run against the unpipelined twin on 8 CPU devices,
-after checking that both compute the same first loss; the bubble and the expected ratio are the formula's.
+"""benchmarks/pipeline_step.py --tiny: both schedules run against the unpipelined twin on 8 CPU
+devices, after checking that both compute the same first loss; the bubble and the expected ratio are
+the formula's.
 
 The formula is recomputed here from S, R and M, not read from paxlite, so a wrong
 ``bubble_fraction`` or a wrong expected ratio in the report fails."""
@@ -52,14 +53,16 @@ def test_tiny_run_reports_both_schedules_against_the_bubble_formula(bench, capsy
         assert case["ratio"] == pytest.approx(
             case["pipelined_ms"][0] / case["twin_ms"][0], rel=0.01)
     assert (cases["gpipe"]["repeats"], cases["circular"]["repeats"]) == (1, 2)
-    assert "| gpipe | 4 x 2 | 1 | 4 | 0.429 |" in out and "| circular | 4 x 2 | 2 | 4 | 0.273 |" in out
+    assert (
+        "| gpipe | 4 x 2 | 1 | 4 | 0.429 |" in out and "| circular | 4 x 2 | 2 | 4 | 0.273 |" in out
+    )
     assert "not a parallel speed-up" in out
 
 
 def test_a_pipelined_loss_unlike_the_twins_is_refused(bench):
-    """The guard alone, not a second tiny run: that would read its pipelined steps back from the test
-    session's persistent compilation cache, and such a step has deadlocked in its collectives on the
-    8 CPU devices (jax 0.12.0.1, 3 runs in 4)."""
+    """The guard alone, not a second tiny run: that would read its pipelined steps back from the
+    test session's persistent compilation cache, and such a step has deadlocked in its collectives
+    on the 8 CPU devices (jax 0.12.0.1, 3 runs in 4)."""
     bench.check_same_loss("ok", loss=5.0 * (1 + 5e-5), twin_loss=5.0)
     with pytest.raises(AssertionError, match="differs from the unpipelined twin"):
         bench.check_same_loss("bad", loss=5.0 * (1 + 2e-4), twin_loss=5.0)

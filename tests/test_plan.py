@@ -1,5 +1,6 @@
-"""The dry-run planner: exact per-device state bytes, the verdict, the CLI and --mode=dry_run; per-stage memory
-and the bubble of a pipelined run, the longest sequence that fits, the pipeline lever."""
+"""The dry-run planner: exact per-device state bytes, the verdict, the CLI and --mode=dry_run;
+per-stage memory and the bubble of a pipelined run, the longest sequence that fits, the pipeline
+lever."""
 
 import json
 import math
@@ -127,7 +128,9 @@ def test_fits_flips_and_levers_are_computed(fsdp_plans):
     m = fits.memory_per_device
     state = m.parameter_bytes + m.optimizer_state_bytes + m.gradient_bytes
     assert levers["fsdp 2 -> 4 (data 4 -> 2)"].peak_bytes == peak - state + math.ceil(state / 2)
-    remat = levers["USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)"]
+    remat = levers[
+        "USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)"
+    ]
     # Compiled (on this one-layer model recomputation saves nothing; the LLaMA70B plan in
     # docs/parallelism.md shows the lever at scale).
     assert remat.method == "compiled" and remat.overrides["USE_REPEATED_LAYER"] is True
@@ -143,17 +146,21 @@ def test_fits_flips_and_levers_are_computed(fsdp_plans):
 @pytest.fixture(scope="module")
 def lever_plan() -> Plan:
     """Nothing fits: four levers (one on another mesh) compiled at once, then all together."""
-    return _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
+    return _tiny_plan(
+        "ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4
+    )
 
 
 # slow: the levers compiled one at a time, for comparison (~15 s on 2 cores)
 @pytest.mark.slow
 def test_levers_compiled_at_once_measure_what_one_at_a_time_measures(lever_plan, monkeypatch):
-    """The levers compile in threads (plan_search.compile_variants), each under its own mesh: a mesh or rules
-    context leaking between threads would change some lever's bytes."""
+    """The levers compile in threads (plan_search.compile_variants), each under its own mesh: a mesh
+    or rules context leaking between threads would change some lever's bytes."""
     assert sum(lever.method == "compiled" for lever in lever_plan.levers) >= 3
     monkeypatch.setattr(plan_lib.os, "cpu_count", lambda: 1)  # one worker: one lever after another
-    serial = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4)
+    serial = _tiny_plan(
+        "ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4
+    )
     assert serial.levers == lever_plan.levers
 
 
@@ -184,7 +191,8 @@ def test_gradient_accumulation_lever_lowers_the_peak(lever_plan):
 
 
 def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(monkeypatch):
-    monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # only the fsdp move: one more compile
+    # only the fsdp move: one more compile
+    monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)
     plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1,1]", "DCN_MESH_SHAPE=[1,1,1]", num_devices=2,
                       device_memory_gib=1e-4)
     assert plan.mesh == MeshSizes(pipeline=1, data=2, fsdp=1, seq=1, tensor=1, expert=1)
@@ -194,7 +202,8 @@ def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(monke
     # Each shape keeps its own length: the expert entry stays where the user put it.
     assert move.overrides == {"ICI_MESH_SHAPE": [1, 2, 1, 1], "DCN_MESH_SHAPE": [1, 1, 1]}
     assert move.method == "compiled" and move.peak_bytes > 0
-    assert ("mesh pipeline 1 x data 2 x fsdp 1 x seq 1 x tensor 1 x expert 1 (ICI [2, 1, 1, 1] x DCN [1, 1, 1])"
+    assert ("mesh pipeline 1 x data 2 x fsdp 1 x seq 1 x tensor 1 x expert 1 (ICI [2, 1, 1, 1] x "
+            "DCN [1, 1, 1])"
             in plan_lib.format_text(plan))
 
 
@@ -213,16 +222,27 @@ def test_fake_device_env_replaces_the_device_count():
     assert env["XLA_FLAGS"] == ("--a=1 --xla_backend_optimization_level=0 "
                                 "--xla_force_host_platform_device_count=256")
     assert env["JAX_PLATFORMS"] == "cpu"
-    mine = plan_lib.fake_device_env(4, {"XLA_FLAGS": "--xla_backend_optimization_level=2"})["XLA_FLAGS"]
+    mine = plan_lib.fake_device_env(4, {"XLA_FLAGS": "--xla_backend_optimization_level=2"})[
+        "XLA_FLAGS"
+    ]
     assert mine == "--xla_backend_optimization_level=2 --xla_force_host_platform_device_count=4"
 
 
 def test_the_quick_code_generation_plans_the_same_bytes_and_flops():
-    """This process compiles at LLVM level 0 (tests/xla_test_flags.py); a planner process given level 3
-    must measure the same memory and FLOPs, or the planner's own level 0 would change its answers."""
+    """This process compiles at LLVM level 0 (tests/xla_test_flags.py); a planner process given
+    level 3 must measure the same memory and FLOPs, or the planner's own level 0 would change its
+    answers."""
     mesh = ("ICI_MESH_SHAPE=[1,2,1]",)
-    result = _run("-m", "paxlite", "plan", "--fdl_config=TinySynthetic", *(f"--fdl.{a}" for a in TINY + mesh),
-                  "--devices=2", "--format=json", env={**ENV, "XLA_FLAGS": "--xla_backend_optimization_level=3"})
+    result = _run(
+        "-m",
+        "paxlite",
+        "plan",
+        "--fdl_config=TinySynthetic",
+        *(f"--fdl.{a}" for a in TINY + mesh),
+        "--devices=2",
+        "--format=json",
+        env={**ENV, "XLA_FLAGS": "--xla_backend_optimization_level=3"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     level3 = json.loads(result.stdout)
     level0 = _tiny_plan(*mesh, num_devices=2)
@@ -244,8 +264,15 @@ def test_a_process_with_fewer_devices_plans_in_a_subprocess():
 
 
 def _run(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV if env is None else env,
-                          timeout=300, cwd=cwd, check=False)
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env=ENV if env is None else env,
+        timeout=300,
+        cwd=cwd,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -271,7 +298,14 @@ def test_dry_run_mode_writes_plan_json_and_allocates_nothing(tmp_path):
                   f"--job_log_dir={job}")
     assert result.returncode == 0, result.stderr[-2000:]
     p = json.loads((job / "plan.json").read_text())
-    assert p["num_devices"] == 4 and p["mesh"] == {"pipeline": 1, "data": 2, "fsdp": 2, "seq": 1, "tensor": 1, "expert": 1}
+    assert p["num_devices"] == 4 and p["mesh"] == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 2,
+        "seq": 1,
+        "tensor": 1,
+        "expert": 1,
+    }
     assert p["overrides"]["ICI_MESH_SHAPE"] == [2, 2, 1]
     assert "Verdict: fits" in result.stdout
     assert sorted(os.listdir(job)) == ["plan.json"]  # no checkpoints, metrics or summaries
@@ -279,14 +313,15 @@ def test_dry_run_mode_writes_plan_json_and_allocates_nothing(tmp_path):
 
 
 def test_a_fresh_process_plans_itself_without_a_second_jax_start():
-    """`python -m paxlite plan` sets the fake devices before JAX starts, so it never re-executes itself."""
+    """`python -m paxlite plan` sets the fake devices before JAX starts, so it never re-executes
+    itself."""
     code = (
         "import subprocess, sys\n"
         "from paxlite.planner import plan\n"
         "spawned = []\n"
-        "plan.subprocess.run = lambda *a, **k: spawned.append(a) or subprocess.CompletedProcess(a, 1)\n"
-        f"request = plan.PlanRequest(name='TinySynthetic', assignments={TINY + ('ICI_MESH_SHAPE=[2,1,1]',)!r}, "
-        "num_devices=2)\n"
+        "plan.subprocess.run = lambda *a, **k: spawned.append(a) or subprocess.CompletedProcess(a, "
+        "1)\nrequest = plan.PlanRequest(name='TinySynthetic', "
+        f"assignments={TINY + ('ICI_MESH_SHAPE=[2,1,1]',)!r}, num_devices=2)\n"
         "code = plan.run_plan_command(request, output_format=plan.OutputFormat.JSON)\n"
         "print('RESULT', code, len(spawned))\n"
     )
@@ -319,8 +354,11 @@ def test_glam64b64e_on_512_devices_has_a_verdict_moe_memory_and_expert_levers():
 
 
 def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so():
-    """The CPU compiler has no Triton or cuDNN kernels: the plan compiles XLA's attention instead."""
-    plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", "ATTENTION_IMPLEMENTATION=pallas_triton", num_devices=2)
+    """The CPU compiler has no Triton or cuDNN kernels: the plan compiles XLA's attention
+    instead."""
+    plan = _tiny_plan(
+        "ICI_MESH_SHAPE=[2,1,1]", "ATTENTION_IMPLEMENTATION=pallas_triton", num_devices=2
+    )
     assert plan.attention_note.startswith("attention planned with 'xla': the CPU compiler cannot "
                                           "compile 'pallas_triton'")
     assert _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", num_devices=2).attention_note is None
@@ -336,8 +374,13 @@ STACK = ("NUM_LAYERS=4", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=2", "USE_REPEATED
 @pytest.fixture(scope="module")
 def pipelined_plan() -> Plan:
     """Circular schedule: 2 stages x 2 repeats over 2 devices, 4 microbatches of the 4-row batch."""
-    return plan_lib.plan_experiment(load_experiment("TinySynthetic", (
-        *STACK, "ICI_MESH_SHAPE=[1,1,1,1,2]", "NUM_MICROBATCHES=4", "PIPELINE_REPEATS=2")), num_devices=2)
+    return plan_lib.plan_experiment(
+        load_experiment(
+            "TinySynthetic",
+            (*STACK, "ICI_MESH_SHAPE=[1,1,1,1,2]", "NUM_MICROBATCHES=4", "PIPELINE_REPEATS=2"),
+        ),
+        num_devices=2,
+    )
 
 
 def test_a_pipelined_plan_reports_its_schedule_and_the_bubble_formula(pipelined_plan):
@@ -357,7 +400,8 @@ def test_a_pipelined_plan_reports_its_schedule_and_the_bubble_formula(pipelined_
 
 
 def test_a_stage_holds_its_half_of_the_layers(pipelined_plan):
-    """Per-device (= per-stage) parameters against a hand count and against the same stack unpipelined."""
+    """Per-device (= per-stage) parameters against a hand count and against the same stack
+    unpipelined."""
     block = _hand_count(layers=1, seq=32) - _hand_count(layers=0, seq=32)
     rest = _hand_count(layers=0, seq=32)  # embedding, positions, final norm: on every stage
     pipe = pipelined_plan.pipeline
@@ -374,8 +418,9 @@ def test_a_stage_holds_its_half_of_the_layers(pipelined_plan):
 
 
 def _tiny_plan_of(base: tuple[str, ...], *more: str, num_devices: int, **kwargs) -> Plan:
-    return plan_lib.plan_experiment(load_experiment("TinySynthetic", (*base, *more)), num_devices=num_devices,
-                                    **kwargs)
+    return plan_lib.plan_experiment(
+        load_experiment("TinySynthetic", (*base, *more)), num_devices=num_devices, **kwargs
+    )
 
 
 def test_the_longest_sequence_fits_and_the_next_step_does_not():
@@ -395,13 +440,18 @@ def test_the_longest_sequence_fits_and_the_next_step_does_not():
         "peak(T) = a + b*T + c*T^2 fitted to compiles at T = 32, 64, 128")
     assert found.compiles <= plan_longest_seq.MAX_SEQ_SEARCH_COMPILES
     device_bytes = int(memory_gib * 2**30)
-    experiment = load_experiment("TinySynthetic", (*TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]"))
-    at, above = plan_search.compile_variants(experiment, [{"MAX_SEQ_LEN": length}, {"MAX_SEQ_LEN": length + step}],
-                                             num_devices=2)
+    experiment = load_experiment(
+        "TinySynthetic", (*TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]")
+    )
+    at, above = plan_search.compile_variants(
+        experiment, [{"MAX_SEQ_LEN": length}, {"MAX_SEQ_LEN": length + step}], num_devices=2
+    )
     assert at.memory.peak_bytes == found.peak_bytes <= device_bytes
     assert above.memory.peak_bytes == found.next_peak_bytes > device_bytes
-    assert f"Longest sequence that fits 10.24 MiB at 1 row(s) per device, seq 2: {length:,} tokens" in \
-        plan_lib.format_text(p)
+    assert (
+        f"Longest sequence that fits 10.24 MiB at 1 row(s) per device, seq 2: {length:,} tokens"
+        in plan_lib.format_text(p)
+    )
 
 
 def _measured(*, seq_len: int, peak_bytes: int) -> StepMeasurement:
@@ -471,10 +521,15 @@ def test_the_length_search_stops_at_its_compile_budget_and_says_where(monkeypatc
 
 
 def test_the_pipeline_lever_appears_when_fsdp_alone_does_not_fit(monkeypatch):
-    """Memory that not even all-FSDP state fits: pipelining (stages from data) is offered first and compiled."""
+    """Memory that not even all-FSDP state fits: pipelining (stages from data) is offered first and
+    compiled."""
     monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # the pipeline lever only
-    p = _tiny_plan_of(("NUM_LAYERS=4", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1"), "ICI_MESH_SHAPE=[2,1,1]",
-                      num_devices=2, device_memory_gib=1e-4)
+    p = _tiny_plan_of(
+        ("NUM_LAYERS=4", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1"),
+        "ICI_MESH_SHAPE=[2,1,1]",
+        num_devices=2,
+        device_memory_gib=1e-4,
+    )
     assert not p.verdict.fits and p.pipeline is None
     lever = next(lever for lever in p.levers if lever.lever.startswith("pipeline"))
     assert lever.lever.startswith("pipeline 1 -> 2 stages (2 from data in ICI), "
@@ -484,11 +539,15 @@ def test_the_pipeline_lever_appears_when_fsdp_alone_does_not_fit(monkeypatch):
                                "NUM_MICROBATCHES": 2, "USE_REPEATED_LAYER": True}
     assert lever.method == "compiled" and lever.peak_bytes < p.memory_per_device.peak_bytes
     assert any("not compiled" in (lever.method or "") for lever in p.levers)
-    assert "not compiled (the planner compiles at most 1 levers per plan)" in plan_lib.format_text(p)
+    assert "not compiled (the planner compiles at most 1 levers per plan)" in plan_lib.format_text(
+        p
+    )
 
 
 def test_the_longest_sequence_request_travels_to_a_subprocess_and_bad_values_are_named():
-    request = plan_lib.PlanRequest(name="TinySynthetic", num_devices=16, longest_seq="on", seq_step=64)
+    request = plan_lib.PlanRequest(
+        name="TinySynthetic", num_devices=16, longest_seq="on", seq_step=64
+    )
     assert request.longest_seq is plan_lib.LongestSeq.ON
     command = plan_lib.plan_command_line(request, output_format=plan_lib.OutputFormat.JSON)
     assert "--longest_seq=on" in command and "--seq_step=64" in command

@@ -40,11 +40,22 @@ def test_plot_errors(tmp_path):
 
 
 def test_unigram_entropy_matches_a_hand_count(tmp_path):
-    docs = ["to be or not to be", "that is the question", "the rest is silence", "be all and end all"] * 5
+    docs = [
+        "to be or not to be",
+        "that is the question",
+        "the rest is silence",
+        "be all and end all",
+    ] * 5
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n\n".join(docs) + "\n")
     vocab = train_tokenizer([str(corpus)], str(tmp_path / "spm"), vocab_size=280)
-    prepare([str(corpus)], str(tmp_path / "data"), vocab_path=vocab, validation_fraction=0.0, num_shards=2)
+    prepare(
+        [str(corpus)],
+        str(tmp_path / "data"),
+        vocab_path=vocab,
+        validation_fraction=0.0,
+        num_shards=2,
+    )
     tokenizer = Tokenizer(vocab)
     counts = Counter(token for doc in docs for token in tokenizer.encode(doc))
     total = sum(counts.values())

@@ -1,5 +1,6 @@
-"""paxlite.xla_presets: every preset flag is one the installed jaxlib parses, the user's flags win flag by flag,
-and the scripts export the preset. The jaxlib itself is the reference: XLA aborts on a flag it does not know."""
+"""paxlite.xla_presets: every preset flag is one the installed jaxlib parses, the user's flags win
+flag by flag, and the scripts export the preset. The jaxlib itself is the reference: XLA aborts on a
+flag it does not know."""
 
 import os
 import subprocess
@@ -14,8 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "BASE_XLA_FLAGS", "XLA_PRESET",
-                                                              "JAX_OPTIMIZATION_LEVEL")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XLA_FLAGS", "BASE_XLA_FLAGS", "XLA_PRESET", "JAX_OPTIMIZATION_LEVEL")
+    }
     env["PATH"] = os.path.dirname(sys.executable) + ":" + env["PATH"]
     env["PYTHONPATH"] = ROOT
     return {**env, **extra}
@@ -34,7 +38,8 @@ def resolved():
 
 
 def test_probe_tells_an_unknown_flag_and_knows_gpu_flags_on_the_cpu():
-    assert xp.probe(["--xla_gpu_enable_latency_hiding_scheduler=true"]) is None  # GPU-only, CPU jaxlib
+    # GPU-only, CPU jaxlib
+    assert xp.probe(["--xla_gpu_enable_latency_hiding_scheduler=true"]) is None
     assert xp.probe(["--xla_gpu_enable_command_buffer=", "--xla_paxlite_no_such_flag=1"]) == (
         "--xla_paxlite_no_such_flag=1")
 
@@ -55,7 +60,11 @@ def test_pipelining_uses_the_enum_exactly_where_the_jaxlib_has_it(resolved):
     enum_known = xp.probe(["--xla_gpu_pipeline_all_reduce=on"]) is None
     chosen = [f for f in resolved["moe-large"].flags if "pipeline" in f]
     assert len(chosen) == 3
-    expected = "--xla_gpu_pipeline_all_reduce=on" if enum_known else "--xla_gpu_enable_pipelined_all_reduce=true"
+    expected = (
+        "--xla_gpu_pipeline_all_reduce=on"
+        if enum_known
+        else "--xla_gpu_enable_pipelined_all_reduce=true"
+    )
     assert expected in chosen
 
 
@@ -64,18 +73,34 @@ def test_user_flags_win_flag_by_flag():
     assert merged.split() == ["--xla_a=1", "--xla_c=", "--xla_b=9", "--xla_d"]
 
 
-@pytest.mark.parametrize("experiment,preset", [
-    ("Pile126M", "gpt126m"), ("Synthetic126M", "gpt126m"), ("paxlite.experiments.gpt.Lambada126M", "gpt126m"),
-    ("GLaM126M64E", "moe"), ("SyntheticGLaM126M64E", "moe"), ("TinyMixtral", "moe"), ("LLaMA7B", "llama"),
-    ("fuji-1B-v3-flash", "llama"), ("Synthetic5B", "gpt5b"), ("GPT175B", "gpt175b"), ("TinySynthetic", "common"),
-])
+@pytest.mark.parametrize(
+    "experiment,preset",
+    [
+        ("Pile126M", "gpt126m"),
+        ("Synthetic126M", "gpt126m"),
+        ("paxlite.experiments.gpt.Lambada126M", "gpt126m"),
+        ("GLaM126M64E", "moe"),
+        ("SyntheticGLaM126M64E", "moe"),
+        ("TinyMixtral", "moe"),
+        ("LLaMA7B", "llama"),
+        ("fuji-1B-v3-flash", "llama"),
+        ("Synthetic5B", "gpt5b"),
+        ("GPT175B", "gpt175b"),
+        ("TinySynthetic", "common"),
+    ],
+)
 def test_experiment_to_preset(experiment, preset):
     assert xp.preset_for_experiment(experiment) == preset
 
 
 def test_cli_unknown_preset_is_one_line_exit_2():
-    result = subprocess.run([sys.executable, "-m", "paxlite.xla_presets", "--model=gtp126m"], env=_env(),
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "paxlite.xla_presets", "--model=gtp126m"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "paxlite: error: unknown XLA preset 'gtp126m' (did you mean 'gpt126m'?); valid: "
@@ -84,16 +109,25 @@ def test_cli_unknown_preset_is_one_line_exit_2():
 
 def test_script_exports_the_preset_and_keeps_the_users_settings():
     script = ('source scripts_gpu/common.sh; paxlite_set_xla_flags --experiment=Pile126M; '
-              'echo "$XLA_FLAGS"; echo "$JAX_OPTIMIZATION_LEVEL"; echo "$XLA_PYTHON_CLIENT_MEM_FRACTION"')
+              'echo "$XLA_FLAGS"; echo "$JAX_OPTIMIZATION_LEVEL"; echo '
+              '"$XLA_PYTHON_CLIENT_MEM_FRACTION"')
     env = _env(XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION --xla_dump_to=/tmp/x",
                XLA_PYTHON_CLIENT_MEM_FRACTION="0.5")
-    result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
     flags, level, fraction = result.stdout.splitlines()
-    assert flags.split() == ["--xla_allow_excess_precision=true", "--xla_gpu_enable_triton_gemm=false",
-                             "--xla_gpu_all_reduce_combine_threshold_bytes=33554432",
-                             "--xla_gpu_enable_command_buffer=FUSION", "--xla_dump_to=/tmp/x"]
+    assert flags.split() == [
+        "--xla_allow_excess_precision=true",
+        "--xla_gpu_enable_triton_gemm=false",
+        "--xla_gpu_all_reduce_combine_threshold_bytes=33554432",
+        "--xla_gpu_enable_command_buffer=FUSION",
+        "--xla_dump_to=/tmp/x",
+    ]
     assert (level, fraction) == ("O1", "0.5")
     # Pax's BASE_XLA_FLAGS replaces the preset's flags; XLA_PRESET picks another preset
     env = _env(BASE_XLA_FLAGS="--xla_gpu_enable_triton_gemm=true", XLA_PRESET="moe-large")
-    result = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
     assert result.stdout.splitlines() == ["--xla_gpu_enable_triton_gemm=true", "O1", "0.9"]

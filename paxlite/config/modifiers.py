@@ -1,17 +1,20 @@
-"""Configuring in Python: named-axis mesh shapes, a hybrid (ICI x DCN) shape, and composable modifiers.
+"""Configuring in Python: named-axis mesh shapes, a hybrid (ICI x DCN) shape, and composable
+modifiers.
 
-The command line sets hyperparameters one flag at a time; code that builds many variants (sweeps, per-cluster
-launch scripts) wants to say "this mesh, four microbatches" as values it can name, combine and reuse. This mirrors
-AXLearn's seed (`mesh_shape_from_axes`, `HybridMeshShape`, `GradientAccumulationModifier`, `MeshShapeModifier`,
-`ChainConfigModifier`) on paxlite's hyperparameters: a modifier turns one set of overrides into another, and
+The command line sets hyperparameters one flag at a time; code that builds many variants (sweeps,
+per-cluster launch scripts) wants to say "this mesh, four microbatches" as values it can name,
+combine and reuse. This mirrors AXLearn's seed (`mesh_shape_from_axes`, `HybridMeshShape`,
+`GradientAccumulationModifier`, `MeshShapeModifier`, `ChainConfigModifier`) on paxlite's
+hyperparameters: a modifier turns one set of overrides into another, and
 `paxlite.experiments.build.configure` resolves an experiment with them, through exactly the checks
 `--fdl.X=V` goes through.
 
-    from paxlite.config.modifiers import (ChainConfigModifier, GradientAccumulationModifier, HybridMeshShape,
-                                          MeshShapeModifier, mesh_shape_from_axes)
+    from paxlite.config.modifiers import (ChainConfigModifier, GradientAccumulationModifier,
+                                          HybridMeshShape, MeshShapeModifier, mesh_shape_from_axes)
     from paxlite.experiments.build import configure
     experiment = configure("Pile5B", ChainConfigModifier([
-        MeshShapeModifier(HybridMeshShape(ici=mesh_shape_from_axes(fsdp=8), dcn=mesh_shape_from_axes(data=16))),
+        MeshShapeModifier(HybridMeshShape(ici=mesh_shape_from_axes(fsdp=8),
+                                          dcn=mesh_shape_from_axes(data=16))),
         GradientAccumulationModifier(4),
     ]), MAX_STEPS=1000)
 """
@@ -44,7 +47,9 @@ class MeshShape:
     def __post_init__(self):
         sizes = self._all()
         if any(not isinstance(s, int) or isinstance(s, bool) or (s < 1 and s != -1) for s in sizes):
-            raise ConfigError(f"mesh axis sizes must be positive integers or -1, got {self.named()}")
+            raise ConfigError(
+                f"mesh axis sizes must be positive integers or -1, got {self.named()}"
+            )
         if sizes.count(-1) > 1:
             raise ConfigError(f"at most one mesh axis may be -1, got {self.named()}")
 
@@ -63,7 +68,8 @@ class MeshShape:
         return sizes[:length]
 
     def resolve(self, num_devices: int) -> list[int]:
-        """The sizes with a -1 replaced so that the product is `num_devices` (an error if it cannot be)."""
+        """The sizes with a -1 replaced so that the product is `num_devices` (an error if it cannot
+        be)."""
         sizes = self.as_list()
         named = dict(zip(MESH_AXES, sizes))
         known = math.prod(s for s in sizes if s != -1)
@@ -92,14 +98,16 @@ def mesh_shape_from_axes(
     """
     if model is not None:
         if tensor != 1:
-            raise ConfigError(f"give tensor={tensor} or model={model}, not both (model is AXLearn's name for tensor)")
+            raise ConfigError(f"give tensor={tensor} or model={model}, not both (model is "
+                              "AXLearn's name for tensor)")
         tensor = model
     return MeshShape(data=data, fsdp=fsdp, tensor=tensor, expert=expert, pipeline=pipeline, seq=seq)
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridMeshShape:
-    """ICI (within a node, fast links) and DCN (across nodes) shapes; the device mesh is their product."""
+    """ICI (within a node, fast links) and DCN (across nodes) shapes; the device mesh is their
+    product."""
 
     ici: MeshShape
     dcn: MeshShape = MeshShape()
@@ -113,13 +121,16 @@ class ConfigModifier(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class GradientAccumulationModifier:
-    """K microbatches per optimizer step; the global batch (PERCORE_BATCH_SIZE x devices) is unchanged."""
+    """K microbatches per optimizer step; the global batch (PERCORE_BATCH_SIZE x devices) is
+    unchanged."""
 
     grad_acc_steps: int
 
     def __post_init__(self):
         if not isinstance(self.grad_acc_steps, int) or self.grad_acc_steps < 1:
-            raise ConfigError(f"grad_acc_steps must be an integer >= 1, got {self.grad_acc_steps!r}")
+            raise ConfigError(
+                f"grad_acc_steps must be an integer >= 1, got {self.grad_acc_steps!r}"
+            )
 
     def __call__(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         return {**overrides, "GRAD_ACCUM_STEPS": self.grad_acc_steps}
@@ -129,8 +140,9 @@ class GradientAccumulationModifier:
 class MeshShapeModifier:
     """Sets ICI_MESH_SHAPE / DCN_MESH_SHAPE; a plain MeshShape is ICI with DCN all 1s.
 
-    A -1 is resolved when the modifier is applied: against `num_local_devices` for ICI and `num_processes` for
-    DCN, which default to this process's `jax.local_device_count()` and `jax.process_count()`.
+    A -1 is resolved when the modifier is applied: against `num_local_devices` for ICI and
+    `num_processes` for DCN, which default to this process's `jax.local_device_count()` and
+    `jax.process_count()`.
     """
 
     mesh_shape: MeshShape | HybridMeshShape
@@ -166,9 +178,9 @@ def split_over_processes(sizes: Sequence[int], num_processes: int) -> tuple[list
     """(ICI, DCN) of a whole-job mesh: the processes go on DCN from the first axes, as AXLearn
     splits a plain mesh shape over granules (its first axis larger than 1 takes them).
 
-    E.g. [2, 8, 1] on 2 processes (two 8-GPU nodes, data 2 x fsdp 8) -> ICI [1, 8, 1], DCN [2, 1, 1].
-    A pipeline axis (5th entry) takes processes before the others: [1, 8, 1, 1, 2] on 2 processes
-    puts one stage per node (DCN [1, 1, 1, 1, 2]).
+    E.g. [2, 8, 1] on 2 processes (two 8-GPU nodes, data 2 x fsdp 8) -> ICI [1, 8, 1], DCN [2, 1,
+    1]. A pipeline axis (5th entry) takes processes before the others: [1, 8, 1, 1, 2] on 2
+    processes puts one stage per node (DCN [1, 1, 1, 1, 2]).
     Where that axis is not a multiple of the process count, AXLearn's hybrid mesh fails (its PR #80
     falls back to a plain mesh); here each axis in turn takes the largest common factor of its size
     and the processes still to place ([8, 64, 1] on 64 processes -> DCN [8, 8, 1], ICI [1, 8, 1]:
@@ -218,7 +230,8 @@ class GlobalMeshShapeModifier:
 
 @dataclasses.dataclass(frozen=True)
 class RematPolicyModifier:
-    """Scans the layer stack (USE_REPEATED_LAYER) and rematerialises it with one of Pax's CHECKPOINT_POLICY names."""
+    """Scans the layer stack (USE_REPEATED_LAYER) and rematerialises it with one of Pax's
+    CHECKPOINT_POLICY names."""
 
     policy: str
 

@@ -1,8 +1,10 @@
 """The registry: every experiment a user can name with --fdl_config, by its short name.
 
-An explicit dict (no import-time registration side effects). Dotted paths (`paxlite.experiments.gpt.GPT126M`),
-legacy Pax names (`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) and aliases (AXLearn's `fuji-7B-v2` for
-`Fuji7BV2`, Pax's `GLaM126M64EBase` for `GLaM126M64E`) resolve through `paxlite.config.registry.resolve_experiment`.
+An explicit dict (no import-time registration side effects). Dotted paths
+(`paxlite.experiments.gpt.GPT126M`), legacy Pax names
+(`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) and aliases (AXLearn's `fuji-7B-v2` for
+`Fuji7BV2`, Pax's `GLaM126M64EBase` for `GLaM126M64E`) resolve through
+`paxlite.config.registry.resolve_experiment`.
 """
 
 from __future__ import annotations

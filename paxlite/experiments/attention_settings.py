@@ -48,9 +48,10 @@ class AttentionSettings:
 
 
 def check_attention_settings(experiment) -> None:
-    """A LanguageModelExperiment's attention settings agree with each other, the model uses them, and a kernel asked
-    for by name fits the model's dtype and head dims (the backend is checked when the step is
-    traced, where it is known): one error naming every reason, before anything is built."""
+    """A LanguageModelExperiment's attention settings agree with each other, the model uses them,
+    and a kernel asked for by name fits the model's dtype and head dims (the backend is checked when
+    the step is traced, where it is known): one error naming every reason, before anything is
+    built."""
     check_settings_te_ignores(experiment)
     implementation = AttentionImplementation(experiment.ATTENTION_IMPLEMENTATION)
     problems = []
@@ -62,7 +63,8 @@ def check_attention_settings(experiment) -> None:
     if fused and experiment.ATTENTION_KIND == AttentionKind.DOT_PRODUCT.value:
         problems.append(
             f"ATTENTION_IMPLEMENTATION={implementation.value!r} is a fused kernel and "
-            "ATTENTION_KIND='dot_product' runs einsums: set ATTENTION_KIND='flash' (or leave it unset)")
+            "ATTENTION_KIND='dot_product' runs einsums: set ATTENTION_KIND='flash' (or leave it "
+            "unset)")
     if problems:
         raise ConfigError(f"invalid {experiment.name} attention settings: " + "; ".join(problems))
     model = experiment.model_config()  # not built: a family's own checks (NUM_KV_HEADS) come later
@@ -72,7 +74,8 @@ def check_attention_settings(experiment) -> None:
         # A family whose model_config drops the switch would silently run something else.
         raise ConfigError(
             f"ATTENTION_KIND={experiment.ATTENTION_KIND!r}, ATTENTION_IMPLEMENTATION="
-            f"{implementation.value!r}: {experiment.name}'s model does not use them (it builds {built})")
+            f"{implementation.value!r}: {experiment.name}'s model does not use them (it builds "
+            f"{built})")
     relative_bias = model.position_embedding == PositionEmbedding.RELATIVE_BIAS
     if implementation is AttentionImplementation.CUDNN:
         problems = cudnn_problems(dtype=experiment.FPROP_DTYPE, head_dim=experiment.DIMS_PER_HEAD,
@@ -84,11 +87,12 @@ def check_attention_settings(experiment) -> None:
         if problems:
             raise ConfigError(
                 f"{setting} cannot run {experiment.name}: " + "; ".join(problems) + " (FPROP_DTYPE="
-                f"{experiment.FPROP_DTYPE!r}, DIMS_PER_HEAD={experiment.DIMS_PER_HEAD}, MAX_SEQ_LEN="
-                f"{experiment.MAX_SEQ_LEN}); or use ATTENTION_IMPLEMENTATION='auto' (cuDNN where it "
-                "fits, else XLA)")
+                f"{experiment.FPROP_DTYPE!r}, DIMS_PER_HEAD={experiment.DIMS_PER_HEAD}, "
+                f"MAX_SEQ_LEN={experiment.MAX_SEQ_LEN}); or use ATTENTION_IMPLEMENTATION='auto' "
+                "(cuDNN where it fits, else XLA)")
     if implementation is AttentionImplementation.PALLAS_TRITON:
         problems = pallas_problems(has_bias=relative_bias)
         if problems:
-            raise ConfigError(f"ATTENTION_IMPLEMENTATION='pallas_triton' cannot run {experiment.name}: "
+            raise ConfigError("ATTENTION_IMPLEMENTATION='pallas_triton' cannot run "
+                              f"{experiment.name}: "
                               + "; ".join(problems))

@@ -26,7 +26,8 @@ def load_experiment(
     *,
     registry: Mapping[str, type[Experiment]] | None = None,
 ) -> Experiment:
-    """Resolve --fdl_config, validate and apply --fdl.X assignments ("NAME=VALUE"), compute derived values."""
+    """Resolve --fdl_config, validate and apply --fdl.X assignments ("NAME=VALUE"), compute derived
+    values."""
     cls = resolve_experiment(name, EXPERIMENTS if registry is None else registry)
     return cls.resolve(parse_overrides(cls, assignments))
 
@@ -39,7 +40,8 @@ def load_recorded_experiment(
     source: str = "the job's config.json",
     fdl_config: str | None = None,
 ) -> Experiment:
-    """The experiment a job ran, from its config.json's record (name, overridden values), with further
+    """The experiment a job ran, from its config.json's record (name, overridden values), with
+    further
     --fdl.X assignments on top.
 
     The recorded `name` resolves against the registry only (never imported: see
@@ -84,12 +86,15 @@ def configure(
 ) -> Experiment:
     """The resolved experiment: `modifiers` applied in order, then `overrides` (NAME=value) on top.
 
-    `experiment` is a registered name, a dotted path, or an Experiment subclass. Names and values are checked
-    exactly as on the command line (unknown names get "did you mean").
+    `experiment` is a registered name, a dotted path, or an Experiment subclass. Names and values
+    are checked exactly as on the command line (unknown names get "did you mean").
     """
-    cls = experiment if isinstance(experiment, type) else resolve_experiment(experiment, EXPERIMENTS)
+    cls = (
+        experiment if isinstance(experiment, type) else resolve_experiment(experiment, EXPERIMENTS)
+    )
     if not (isinstance(cls, type) and issubclass(cls, Experiment)):
-        raise ConfigError(f"configure() needs an experiment name or an Experiment subclass, got {experiment!r}")
+        raise ConfigError("configure() needs an experiment name or an Experiment subclass, got "
+                          f"{experiment!r}")
     values: dict[str, Any] = {}
     for modifier in modifiers:
         values = modifier(values)

@@ -23,12 +23,14 @@ from paxlite.data.mixture import MixtureDataConfig, MixtureSource, weight_proble
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 
-_MIXTURE_FORM = ('a list of [source, weight] pairs, e.g. --fdl.DATA_MIXTURE=\'[["/data/pile", 0.7], '
-                 '["/data/code", 0.3]]\' (each source a prepared directory or a TFDS name[/config]:version)')
+_MIXTURE_FORM = ('a list of [source, weight] pairs, e.g. --fdl.DATA_MIXTURE=\'[["/data/pile", '
+                 '0.7], ["/data/code", 0.3]]\' (each source a prepared directory or a TFDS '
+                 'name[/config]:version)')
 
 
 class DataSource(str, enum.Enum):
-    """Where an experiment's training tokens come from (SYNTHETIC_DATA=true replaces any of them)."""
+    """Where an experiment's training tokens come from (SYNTHETIC_DATA=true replaces any of
+    them)."""
 
     SYNTHETIC = "synthetic"
     TEXT = "text"  # DATA_DIR (python -m paxlite.data.prepare) or TFDS_DATASET under TFDS_DATA_DIR
@@ -98,28 +100,40 @@ class DataSettings:
     def tfds_data_dir(self) -> str | None:
         return self.TFDS_DATA_DIR or os.environ.get("TFDS_DATA_DIR") or None
 
-    def eval_task_config(self) -> fdl.Config[LambadaEvalConfig] | fdl.Config[BoolQEvalConfig] | None:
+    def eval_task_config(
+        self,
+    ) -> fdl.Config[LambadaEvalConfig] | fdl.Config[BoolQEvalConfig] | None:
         if self.EVAL_TASK == "validation":
             return None
         if self.EVAL_TASK == "boolq":
             return self.boolq_config()
-        source = {"path": self.LAMBADA_PATH} if self.LAMBADA_PATH else {"tfds_data_dir": self.tfds_data_dir()}
+        source = (
+            {"path": self.LAMBADA_PATH}
+            if self.LAMBADA_PATH
+            else {"tfds_data_dir": self.tfds_data_dir()}
+        )
         if not any(source.values()) or self.vocab_path() is None:
             raise ConfigError(
-                f"EVAL_TASK=lambada needs Lambada (--fdl.LAMBADA_PATH=<lambada_test.jsonl>, or --tfds_data_dir "
-                f"holding my_lambada:1.0.0 from scripts_gpu/download_lambada.py) and a tokenizer (--fdl.VOCAB_PATH "
-                f"or the VOCAB_PATH environment variable); got LAMBADA_PATH={self.LAMBADA_PATH}, "
-                f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
+                "EVAL_TASK=lambada needs Lambada (--fdl.LAMBADA_PATH=<lambada_test.jsonl>, or "
+                "--tfds_data_dir holding my_lambada:1.0.0 from scripts_gpu/download_lambada.py) "
+                "and a tokenizer (--fdl.VOCAB_PATH or the VOCAB_PATH environment variable); got "
+                f"LAMBADA_PATH={self.LAMBADA_PATH}, TFDS_DATA_DIR={self.tfds_data_dir()}, "
+                f"VOCAB_PATH={self.vocab_path()}"
             )
         return fdl.Config(LambadaEvalConfig, **source, **self.row_fields(LambadaEvalConfig))
 
     def boolq_config(self) -> fdl.Config[BoolQEvalConfig]:
-        source = {"path": self.BOOLQ_PATH} if self.BOOLQ_PATH else {"tfds_data_dir": self.tfds_data_dir()}
+        source = (
+            {"path": self.BOOLQ_PATH}
+            if self.BOOLQ_PATH
+            else {"tfds_data_dir": self.tfds_data_dir()}
+        )
         if not any(source.values()) or self.vocab_path() is None:
             raise ConfigError(
-                "EVAL_TASK=boolq needs BoolQ (--fdl.BOOLQ_PATH=<SuperGLUE val.jsonl>, or --tfds_data_dir holding "
-                "super_glue/boolq:1.0.2 from scripts_gpu/download_boolq.py) and a tokenizer (--fdl.VOCAB_PATH or "
-                "the VOCAB_PATH environment variable); or evaluate on the training data with "
+                "EVAL_TASK=boolq needs BoolQ (--fdl.BOOLQ_PATH=<SuperGLUE val.jsonl>, or "
+                "--tfds_data_dir holding super_glue/boolq:1.0.2 from "
+                "scripts_gpu/download_boolq.py) and a tokenizer (--fdl.VOCAB_PATH or the "
+                "VOCAB_PATH environment variable); or evaluate on the training data with "
                 f"--fdl.EVAL_TASK=validation. Got BOOLQ_PATH={self.BOOLQ_PATH}, "
                 f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
             )
@@ -130,18 +144,25 @@ class DataSettings:
 
         if self.EVAL_TASK == "validation":
             raise ConfigError(
-                "TRAIN_TASK=boolq has no validation-loss split: evaluate with --fdl.EVAL_TASK=boolq (boolq_acc)"
+                "TRAIN_TASK=boolq has no validation-loss split: evaluate with "
+                "--fdl.EVAL_TASK=boolq (boolq_acc)"
             )
         if self.DATA_DIR is not None:
             raise ConfigError(
-                f"TRAIN_TASK=boolq trains on BoolQ, but DATA_DIR={self.DATA_DIR!r} is set too: drop one of them"
+                f"TRAIN_TASK=boolq trains on BoolQ, but DATA_DIR={self.DATA_DIR!r} is set too: "
+                "drop one of them"
             )
-        source = {"path": self.BOOLQ_TRAIN_PATH} if self.BOOLQ_TRAIN_PATH else {"tfds_data_dir": self.tfds_data_dir()}
+        source = (
+            {"path": self.BOOLQ_TRAIN_PATH}
+            if self.BOOLQ_TRAIN_PATH
+            else {"tfds_data_dir": self.tfds_data_dir()}
+        )
         if not any(source.values()) or self.vocab_path() is None:
             raise ConfigError(
-                "TRAIN_TASK=boolq needs BoolQ's train split (--fdl.BOOLQ_TRAIN_PATH=<SuperGLUE train.jsonl>, or "
-                "--tfds_data_dir holding super_glue/boolq:1.0.2 from scripts_gpu/download_boolq.py) and a tokenizer "
-                f"(--fdl.VOCAB_PATH or VOCAB_PATH); got BOOLQ_TRAIN_PATH={self.BOOLQ_TRAIN_PATH}, "
+                "TRAIN_TASK=boolq needs BoolQ's train split (--fdl.BOOLQ_TRAIN_PATH=<SuperGLUE "
+                "train.jsonl>, or --tfds_data_dir holding super_glue/boolq:1.0.2 from "
+                "scripts_gpu/download_boolq.py) and a tokenizer (--fdl.VOCAB_PATH or VOCAB_PATH); "
+                f"got BOOLQ_TRAIN_PATH={self.BOOLQ_TRAIN_PATH}, "
                 f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
             )
         return fdl.Config(BoolQTrainConfig, **source, **self.row_fields(BoolQTrainConfig))
@@ -159,17 +180,17 @@ class DataSettings:
         if self.DATA_DIR is None and tfds_dir is None:
             raise ConfigError(
                 f"{self.name} trains on text and neither DATA_DIR nor TFDS_DATA_DIR is set: pass "
-                "--fdl.DATA_DIR=<a directory made by python -m paxlite.data.prepare>, or --tfds_data_dir=<a TFDS "
-                f"directory holding {self.TFDS_DATASET}> (scripts_gpu/download_the_pile.py makes one from The "
-                "Pile's *.jsonl.zst shards), or run on synthetic tokens of the same shapes with "
-                "--fdl.SYNTHETIC_DATA=true"
+                "--fdl.DATA_DIR=<a directory made by python -m paxlite.data.prepare>, or "
+                f"--tfds_data_dir=<a TFDS directory holding {self.TFDS_DATASET}> "
+                "(scripts_gpu/download_the_pile.py makes one from The Pile's *.jsonl.zst shards), "
+                "or run on synthetic tokens of the same shapes with --fdl.SYNTHETIC_DATA=true"
             )
         if tfds_dir is not None and self.INPUT_PIPELINE == "seqio":
             return self.seqio_data_config(tfds_dir)
         if self.INPUT_PIPELINE == "seqio":
             raise ConfigError(
-                "INPUT_PIPELINE=seqio reads TFDS datasets: give --tfds_data_dir (DATA_DIR is paxlite's own format, "
-                "read by INPUT_PIPELINE=grain)"
+                "INPUT_PIPELINE=seqio reads TFDS datasets: give --tfds_data_dir (DATA_DIR is "
+                "paxlite's own format, read by INPUT_PIPELINE=grain)"
             )
         return fdl.Config(
             TextDataConfig,
@@ -179,12 +200,14 @@ class DataSettings:
         )
 
     def seqio_data_config(self, tfds_dir: str):
-        """Pax's SeqIO task for TFDS_DATASET (the_pile_lm or c4_lm_v301_gpt), read through TensorFlow."""
+        """Pax's SeqIO task for TFDS_DATASET (the_pile_lm or c4_lm_v301_gpt), read through
+        TensorFlow."""
         from paxlite.data.seqio_pipeline import SeqIODataConfig
         from paxlite.data.seqio_tasks import task_for_dataset
 
         if self.vocab_path() is None:
-            raise ConfigError("INPUT_PIPELINE=seqio needs a tokenizer: --fdl.VOCAB_PATH or the VOCAB_PATH environment variable")
+            raise ConfigError("INPUT_PIPELINE=seqio needs a tokenizer: --fdl.VOCAB_PATH or the "
+                              "VOCAB_PATH environment variable")
         return fdl.Config(
             SeqIODataConfig,
             task=task_for_dataset(self.TFDS_DATASET),
@@ -193,36 +216,53 @@ class DataSettings:
         )
 
     def mixture_config(self):
-        """DATA_MIXTURE: the grain path's weighted sources (data/mixture.py), or a SeqIO mixture or task.
+        """DATA_MIXTURE: the grain path's weighted sources (data/mixture.py), or a SeqIO mixture or
+        task.
 
         Everything checkable from the file system is checked here, each in one line: the form of the
         list, the weights, every source's directory and manifest, and that they share one tokenizer.
         """
         if self.DATA_DIR is not None:
-            raise ConfigError(f"DATA_MIXTURE and DATA_DIR={self.DATA_DIR!r} are both set: DATA_DIR is the "
-                              "one-source form of DATA_MIXTURE; drop one of them")
+            raise ConfigError(f"DATA_MIXTURE and DATA_DIR={self.DATA_DIR!r} are both set: DATA_DIR "
+                              "is the one-source form of DATA_MIXTURE; drop one of them")
         if isinstance(self.DATA_MIXTURE, str) and self.DATA_MIXTURE.lstrip().startswith(("[", "(")):
             # a list the parser could not read as [[source, weight], ...] arrives as its text
-            raise ConfigError(f"DATA_MIXTURE={self.DATA_MIXTURE} is not a list of [source, weight] pairs: it "
-                              f"must be {_MIXTURE_FORM}")
+            raise ConfigError(f"DATA_MIXTURE={self.DATA_MIXTURE} is not a list of [source, weight] "
+                              f"pairs: it must be {_MIXTURE_FORM}")
         if self.INPUT_PIPELINE == "seqio":
             return self.seqio_mixture_config()
         if isinstance(self.DATA_MIXTURE, str):
-            raise ConfigError(f"DATA_MIXTURE={self.DATA_MIXTURE!r} names a SeqIO mixture, which needs "
-                              f"--fdl.INPUT_PIPELINE=seqio; on the default input pipeline it is {_MIXTURE_FORM}")
+            raise ConfigError(f"DATA_MIXTURE={self.DATA_MIXTURE!r} names a SeqIO mixture, which "
+                              "needs --fdl.INPUT_PIPELINE=seqio; on the default input pipeline it "
+                              f"is {_MIXTURE_FORM}")
         pairs = _mixture_pairs(self.DATA_MIXTURE)
         sources = [self._mixture_source(source) for source, _ in pairs]
         _check_one_tokenizer(sources, vocab_path=self.vocab_path())
         names = _unique_names([name for name, _, _ in sources])
-        return fdl.Config(MixtureDataConfig, reweight=self.DATA_MIXTURE_REWEIGHT, sources=[
-            fdl.Config(MixtureSource, name=name, weight=float(weight), data=fdl.Config(
-                TextDataConfig, data_dir=data_dir, tfds_name=tfds_name,
-                **self.row_fields(TextDataConfig)))
-            for name, (_, weight), (_, data_dir, tfds_name) in zip(names, pairs, sources, strict=True)])
+        return fdl.Config(
+            MixtureDataConfig,
+            reweight=self.DATA_MIXTURE_REWEIGHT,
+            sources=[
+                fdl.Config(
+                    MixtureSource,
+                    name=name,
+                    weight=float(weight),
+                    data=fdl.Config(
+                        TextDataConfig,
+                        data_dir=data_dir,
+                        tfds_name=tfds_name,
+                        **self.row_fields(TextDataConfig),
+                    ),
+                )
+                for name, (_, weight), (_, data_dir, tfds_name) in zip(
+                    names, pairs, sources, strict=True
+                )
+            ],
+        )
 
     def _mixture_source(self, source: str) -> tuple[str, str, str | None]:
-        """(base name, data directory, TFDS name or None) of one DATA_MIXTURE source: an existing path
-        is a prepared directory (its manifest read now); else `name[/config]:version` under
+        """(base name, data directory, TFDS name or None) of one DATA_MIXTURE source: an existing
+        path is a prepared directory (its manifest read now); else `name[/config]:version` under
         TFDS_DATA_DIR."""
         from paxlite.data import records, tfds_datasets
 
@@ -237,15 +277,21 @@ class DataSettings:
         try:
             spec = tfds_datasets.TfdsName.parse(source)
             if tfds_dir is None:
-                raise DatasetError("it is read from TFDS_DATA_DIR, which is not set (--tfds_data_dir=DIR)")
+                raise DatasetError("it is read from TFDS_DATA_DIR, which is not set "
+                                   "(--tfds_data_dir=DIR)")
             tfds_datasets.check_prepared(spec, os.path.abspath(os.path.expanduser(tfds_dir)))
         except DatasetError as e:
-            raise ConfigError(f"DATA_MIXTURE source {source!r} is neither an existing directory nor a "
-                              f"prepared TFDS dataset: {e}") from None
+            raise ConfigError(f"DATA_MIXTURE source {source!r} is neither an existing directory "
+                              f"nor a prepared TFDS dataset: {e}") from None
         if self.vocab_path() is None:
-            raise ConfigError(f"DATA_MIXTURE source {source!r} holds raw text: set --fdl.VOCAB_PATH (or the "
-                              "VOCAB_PATH environment variable) to the SentencePiece model that tokenises it")
-        return spec.name.replace("/", "_") + (f"_{spec.config}" if spec.config else ""), tfds_dir, str(spec)
+            raise ConfigError(f"DATA_MIXTURE source {source!r} holds raw text: set "
+                              "--fdl.VOCAB_PATH (or the VOCAB_PATH environment variable) to the "
+                              "SentencePiece model that tokenises it")
+        return (
+            spec.name.replace("/", "_") + (f"_{spec.config}" if spec.config else ""),
+            tfds_dir,
+            str(spec),
+        )
 
     def seqio_mixture_config(self):
         """A SeqIO mixture or task by its registered name, or [[registered name, weight], ...] mixed
@@ -254,16 +300,17 @@ class DataSettings:
         from paxlite.data.seqio_pipeline import SeqIODataConfig
 
         if self.vocab_path() is None:
-            raise ConfigError("INPUT_PIPELINE=seqio needs a tokenizer: --fdl.VOCAB_PATH or the VOCAB_PATH "
-                              "environment variable")
+            raise ConfigError("INPUT_PIPELINE=seqio needs a tokenizer: --fdl.VOCAB_PATH or the "
+                              "VOCAB_PATH environment variable")
         tfds_dir = self.tfds_data_dir()
         if tfds_dir is None:
             raise ConfigError("INPUT_PIPELINE=seqio reads TFDS datasets: give --tfds_data_dir")
         if isinstance(self.DATA_MIXTURE, str):
             mixture = self.DATA_MIXTURE
         else:
-            pairs = _mixture_pairs(self.DATA_MIXTURE, form="a list of [registered SeqIO task or mixture, weight] "
-                                   "pairs, or the name of a registered SeqIO mixture")
+            pairs = _mixture_pairs(self.DATA_MIXTURE, form="a list of [registered SeqIO task or "
+                                   "mixture, weight] pairs, or the name of a registered SeqIO "
+                                   "mixture")
             mixture = tuple((name, float(weight)) for name, weight in pairs)
         return fdl.Config(SeqIODataConfig, task=None, mixture=mixture, tfds_data_dir=tfds_dir,
                           **self.row_fields(SeqIODataConfig))
@@ -272,21 +319,28 @@ class DataSettings:
 def _mixture_pairs(value, *, form: str = _MIXTURE_FORM) -> list[tuple[str, float]]:
     """DATA_MIXTURE's [source, weight] pairs, each weight a finite number > 0, no source twice."""
     if not isinstance(value, list | tuple) or not value:
-        raise ConfigError(f"DATA_MIXTURE={value!r} must be {form}" + (" (it is empty)" if value == [] else ""))
+        raise ConfigError(
+            f"DATA_MIXTURE={value!r} must be {form}" + (" (it is empty)" if value == [] else "")
+        )
     pairs = []
     for item in value:
         if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise ConfigError(f"DATA_MIXTURE entry {item!r} is not a [source, weight] pair: DATA_MIXTURE must be {form}")
+            raise ConfigError(f"DATA_MIXTURE entry {item!r} is not a [source, weight] pair: "
+                              f"DATA_MIXTURE must be {form}")
         source, weight = item
         for problem in weight_problems(source, weight):  # data/mixture.py's rule
             raise ConfigError(f"DATA_MIXTURE {problem}")
         pairs.append((source, weight))
     seen: dict[str, str] = {}
     for source, _ in pairs:
-        key = os.path.abspath(os.path.expanduser(source)) if os.path.exists(os.path.expanduser(source)) else source
+        key = (
+            os.path.abspath(os.path.expanduser(source))
+            if os.path.exists(os.path.expanduser(source))
+            else source
+        )
         if key in seen:
-            raise ConfigError(f"DATA_MIXTURE lists the same source twice ({seen[key]!r} and {source!r}): give each "
-                              "source once, with the sum of its weights")
+            raise ConfigError(f"DATA_MIXTURE lists the same source twice ({seen[key]!r} and "
+                              f"{source!r}): give each source once, with the sum of its weights")
         seen[key] = source
     return pairs
 
@@ -303,9 +357,11 @@ def _unique_names(names: list[str]) -> list[str]:
     return out
 
 
-def _check_one_tokenizer(sources: list[tuple[str, str, str | None]], *, vocab_path: str | None) -> None:
-    """Pre-tokenised sources' manifests agree on the tokenizer's sha256, and with VOCAB_PATH when it is
-    given; raw-text sources need VOCAB_PATH."""
+def _check_one_tokenizer(
+    sources: list[tuple[str, str, str | None]], *, vocab_path: str | None
+) -> None:
+    """Pre-tokenised sources' manifests agree on the tokenizer's sha256, and with VOCAB_PATH when it
+    is given; raw-text sources need VOCAB_PATH."""
     from paxlite.data import records
 
     want = None  # (who, sha256)
@@ -321,15 +377,17 @@ def _check_one_tokenizer(sources: list[tuple[str, str, str | None]], *, vocab_pa
         info = records.read_info(data_dir)
         if info.kind != records.Kind.TOKENS.value:
             if vocab_path is None:
-                raise ConfigError(f"DATA_MIXTURE source {data_dir!r} holds raw text: set --fdl.VOCAB_PATH (or the "
-                                  "VOCAB_PATH environment variable) to the SentencePiece model that tokenises it")
+                raise ConfigError(f"DATA_MIXTURE source {data_dir!r} holds raw text: set "
+                                  "--fdl.VOCAB_PATH (or the VOCAB_PATH environment variable) to "
+                                  "the SentencePiece model that tokenises it")
             continue
         sha = (info.tokenizer or {}).get("sha256")
         if want is None:
             want = (f"source {data_dir!r}", sha)
         elif sha != want[1]:
-            raise ConfigError(f"DATA_MIXTURE sources must share one tokenizer: {want[0]} has sha256 {want[1]} but "
-                              f"source {data_dir!r} was tokenised with sha256 {sha}")
+            raise ConfigError(f"DATA_MIXTURE sources must share one tokenizer: {want[0]} has "
+                              f"sha256 {want[1]} but source {data_dir!r} was tokenised with sha256 "
+                              f"{sha}")
 
 
 class TfdsSettings:

@@ -11,7 +11,8 @@ AXLearn's registry lookup ({AXLearn name: config function}) for Python callers.
 
 What is AXLearn's and how it maps:
 - Batch: AXLearn fixes the *global* batch (tokens per batch / sequence length: v1 2048 x 2048,
-  v2 1024 x 4096, v3 and v3-tiktoken 2048 x 8192), so GLOBAL_BATCH_SIZE is set and PERCORE_BATCH_SIZE is unused.
+  v2 1024 x 4096, v3 and v3-tiktoken 2048 x 8192), so GLOBAL_BATCH_SIZE is set and
+  PERCORE_BATCH_SIZE is unused.
 - Steps: MAX_STEPS = TOTAL_TOKENS // TOKENS_PER_BATCH (v1 7B 262,144; v1 70B 367,001; v2 524,288;
   v3 983,040). The single-host variants keep it, as AXLearn's clone does.
 - Learner (AXLearn `adamw_decoupled_learner_config`): global-norm clipping to 1.0, then Adam
@@ -32,8 +33,8 @@ What is AXLearn's and how it maps:
 - Not reproduced: AXLearn's rotate-half RoPE layout (paxlite rotates interleaved pairs; the same
   function up to a fixed permutation of q/k, which training from scratch does not see). Its
   per-hardware mesh rules are in fuji_mesh.py, chosen by the AXLearn-style launcher's
-  --mesh_selector; `paxlite.main` uses ICI/DCN_MESH_SHAPE as given. Text is packed with segment masks
-  (PACKED_INPUT), which is stricter than AXLearn's window packing.
+  --mesh_selector; `paxlite.main` uses ICI/DCN_MESH_SHAPE as given. Text is packed with segment
+  masks (PACKED_INPUT), which is stricter than AXLearn's window packing.
 - `-fp8` (every size but test; `-flash-fp8`, `-fp8-single-host`, `-flash-fp8-single-host` too):
   AXLearn appends `FP8ConfigModifier(fp8_amax_history_length=128)` to its FP8-capable GPU mesh
   rules; intended for all of them, but a bug leaves the p5.48xlarge/p4de rule without FP8. Here
@@ -187,7 +188,8 @@ class BaseFuji(GPT3Optimizer, BaseLLaMA):
     CHECKPOINT_MAX_TO_KEEP = 3
     SUMMARY_INTERVAL_STEPS = 100
     EVAL_INTERVAL_STEPS = 5000
-    # AXLearn evaluates Fuji on its training corpus's validation split, not on BoolQ (LLaMA's default here).
+    # AXLearn evaluates Fuji on its training corpus's validation split, not on BoolQ (LLaMA's
+    # default here).
     EVAL_TASK = "validation"
     EVAL_LOOP_NUM_BATCHES = 10
 
@@ -210,8 +212,10 @@ def axlearn_name(size: str, version: str, *, flash: bool = False,
 
 def class_name(size: str, version: str, *, flash: bool = False, single_host: bool = False,
                fp8: bool = False) -> str:
-    """The paxlite class name, e.g. 'Fuji3BV3FlashFp8SingleHost', 'FujiTestV1', 'Fuji8BV3Tiktoken'."""
-    spelled = "".join(part.capitalize() for part in version.split("-"))  # "3-tiktoken" -> "3Tiktoken"
+    """The paxlite class name, e.g. 'Fuji3BV3FlashFp8SingleHost', 'FujiTestV1',
+    'Fuji8BV3Tiktoken'."""
+    # "3-tiktoken" -> "3Tiktoken"
+    spelled = "".join(part.capitalize() for part in version.split("-"))
     return (f"Fuji{'Test' if size == 'test' else size}V{spelled}" + ("Flash" if flash else "")
             + ("Fp8" if fp8 else "") + ("SingleHost" if single_host else ""))
 
@@ -272,10 +276,11 @@ def _fuji(size: str, version: str, *, flash: bool = False,
     if single_host:
         doc += (
             f"\n\n    Single host: the batch is divided by {v.single_host_divisor}, as AXLearn "
-            "intends (128 for v3 and v3-tiktoken, 32 for v1/v2). AXLearn's code divides by 128 for every version "
-            "(a late-binding loop closure over `version`), so its fuji-7B-v1-single-host trains "
-            "16 x 2048 and its v2 ones 8 x 4096; here they are 64 x 2048 and 32 x 4096 (128K "
-            "tokens, what its docstring timings refer to). MAX_STEPS is unchanged, as in AXLearn."
+            "intends (128 for v3 and v3-tiktoken, 32 for v1/v2). AXLearn's code divides by 128 for "
+            "every version (a late-binding loop closure over `version`), so its "
+            "fuji-7B-v1-single-host trains 16 x 2048 and its v2 ones 8 x 4096; here they are 64 x "
+            "2048 and 32 x 4096 (128K tokens, what its docstring timings refer to). MAX_STEPS is "
+            "unchanged, as in AXLearn."
         )
     namespace = dict(hparams, __doc__=doc, __module__=__name__, __qualname__=name,
                      axlearn_name=axlearn, fuji_size=size, fuji_version=version)
@@ -307,7 +312,8 @@ AXLEARN_NAMES: Mapping[str, str] = MappingProxyType(
 
 def _trainer_config_fn(cls: type[BaseFuji]) -> Callable[..., BaseFuji]:
     """AXLearn's TrainerConfigFn for `cls`: called with nothing, the experiment as registered;
-    with modifiers and NAME=value overrides, `configure`'s result (checked as on the command line)."""
+    with modifiers and NAME=value overrides, `configure`'s result (checked as on the command
+    line)."""
 
     def config_fn(*modifiers: Any, **overrides: Any) -> BaseFuji:
         # Imported here: build.py imports the registry, which imports this module.

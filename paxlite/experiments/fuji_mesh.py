@@ -56,7 +56,9 @@ class MeshRule:
 
 def _mesh(*, data: int = 1, fsdp: int = 1, grad_acc_steps: int = 1,
           remat: str | None = None) -> ConfigModifier:
-    modifiers: list[ConfigModifier] = [GlobalMeshShapeModifier(mesh_shape_from_axes(data=data, fsdp=fsdp))]
+    modifiers: list[ConfigModifier] = [
+        GlobalMeshShapeModifier(mesh_shape_from_axes(data=data, fsdp=fsdp))
+    ]
     if grad_acc_steps > 1:
         modifiers.append(GradientAccumulationModifier(grad_acc_steps))
     if remat is not None:
@@ -66,7 +68,8 @@ def _mesh(*, data: int = 1, fsdp: int = 1, grad_acc_steps: int = 1,
 
 _A3 = r"gpu-a3-(high|mega|ultra)gpu-8g-.*"
 _A4 = r"gpu-a4-highgpu-8g-.*"
-_B200_BLOCK = "FlashBlockSizeModifier(gpu_block_size=64) (paxlite's flash attention has no block size setting)"
+_B200_BLOCK = ("FlashBlockSizeModifier(gpu_block_size=64) (paxlite's flash attention has no block "
+               "size setting)")
 
 RULES: dict[str, tuple[MeshRule, ...]] = {
     "7B": (
@@ -88,7 +91,8 @@ RULES: dict[str, tuple[MeshRule, ...]] = {
         MeshRule(_A4, _mesh(data=-1, fsdp=16), not_reproduced=_B200_BLOCK),
     ),
     "405B": (
-        MeshRule(r"tpu-v5p-.*", _mesh(fsdp=-1), not_reproduced="offloading the layer inputs to host memory"),
+        MeshRule(r"tpu-v5p-.*", _mesh(fsdp=-1), not_reproduced="offloading the layer inputs to "
+                                                               "host memory"),
         MeshRule(r"tpu-7x-.*", _mesh(data=-1, fsdp=256),
                  not_reproduced="the splash-attention block-size overrides"),
     ),
@@ -122,7 +126,8 @@ class MeshChoice:
 def select_mesh(size: str, selector: str | None, *,
                 extra_rules: Sequence[MeshRule] = ()) -> MeshChoice:
     """The first rule of `size` (then `extra_rules`) that matches `selector` in full, else the
-    default mesh. `extra_rules` are a caller's own, e.g. a "custom" rule (examples/custom_fuji.py)."""
+    default mesh. `extra_rules` are a caller's own, e.g. a "custom" rule
+    (examples/custom_fuji.py)."""
     rules = (*RULES.get(size, ()), *extra_rules)
     if selector:
         for rule in rules:

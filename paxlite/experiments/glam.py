@@ -70,11 +70,12 @@ class GLaM126M64E(MoeSettings, GPT126M):
 
 class GLaM64B64E(GLaM126M64E):
     """Pax GLaM64B64EBase: 64 layers, 64 heads x 128, d_model 8192, ffn 32768, 64 experts on the 32
-    even layers; 1,142,891,356,160 parameters ("1.14T"), 77,739,466,752 active per token. Pax runs it
-    on 512 GPUs, FSDP 64 x tensor 8 (ICI [1,1,8], DCN [1,64,1]).
+    even layers; 1,142,891,356,160 parameters ("1.14T"), 77,739,466,752 active per token. Pax runs
+    it on 512 GPUs, FSDP 64 x tensor 8 (ICI [1,1,8], DCN [1,64,1]).
 
     Pax sets ADAM_BETA1 = 0, which its optimizer's `X if X else default` turns into 0.9: 0.9 is what
-    Pax trains with, so it is 0.9 here. Its README says sequence length 2048; the config 1024 (kept).
+    Pax trains with, so it is 0.9 here. Its README says sequence length 2048; the config 1024
+    (kept).
     """
 
     NUM_LAYERS = 64

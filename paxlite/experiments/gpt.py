@@ -1,8 +1,10 @@
-"""GPT-3 style experiments with exactly the dimensions and training hyperparameters of Pax's GPU configs.
+"""GPT-3 style experiments with exactly the dimensions and training hyperparameters of Pax's GPU
+configs.
 
-Architecture (Pax `configure_gpt3_task`): pre-LayerNorm with float32 reductions, tanh-approximated GELU, learned
-absolute position embeddings, embedding table tied with the softmax (no softmax bias), fused biased QKV, Adam
-with decoupled weight decay, global-norm clipping and a linear-rampup cosine-decay schedule.
+Architecture (Pax `configure_gpt3_task`): pre-LayerNorm with float32 reductions, tanh-approximated
+GELU, learned absolute position embeddings, embedding table tied with the softmax (no softmax bias),
+fused biased QKV, Adam with decoupled weight decay, global-norm clipping and a linear-rampup
+cosine-decay schedule.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class GPT126M(GPT3Optimizer, LanguageModelExperiment):
 
 
 class GPT5B(GPT126M):
-    """Pax GPT5BBase: 24 layers, 32 heads x 128, d_model 4096, ffn 16384; input dropout 0.1 as Pax's task() sets."""
+    """Pax GPT5BBase: 24 layers, 32 heads x 128, d_model 4096, ffn 16384; input dropout 0.1 as Pax's
+    task() sets."""
 
     NUM_LAYERS = 24
     NUM_HEADS = 32
@@ -106,7 +109,8 @@ class GPT175B(GPT126M):
 
 
 class SyntheticTokens:
-    """Mixin: synthetic tokens of the experiment's shapes (no I/O), 100 steps, as Pax's synthetic GPU configs."""
+    """Mixin: synthetic tokens of the experiment's shapes (no I/O), 100 steps, as Pax's synthetic
+    GPU configs."""
 
     data_source = DataSource.SYNTHETIC
     SYNTHETIC_DATA = True
@@ -138,8 +142,8 @@ class Pile175B(GPT175B):
 
 
 class Lambada126M(GPT126M):
-    """Zero-shot Lambada (acc_strict, perplexity) of GPT126M: `--mode=eval` on a pretraining job directory, or
-    interleaved with training on DATA_DIR (Pax: ICI [8,1,1])."""
+    """Zero-shot Lambada (acc_strict, perplexity) of GPT126M: `--mode=eval` on a pretraining job
+    directory, or interleaved with training on DATA_DIR (Pax: ICI [8,1,1])."""
 
     EVAL_TASK = "lambada"
     EVAL_LOOP_NUM_BATCHES = -1  # the whole set, as Pax

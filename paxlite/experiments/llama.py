@@ -1,14 +1,17 @@
-"""LLaMA-2 experiments with the dimensions and settings of Pax's GPU configs (`BaseLLaMA`, `LLaMA7B/13B/70B`).
+"""LLaMA-2 experiments with the dimensions and settings of Pax's GPU configs (`BaseLLaMA`,
+`LLaMA7B/13B/70B`).
 
-Architecture (Pax `BaseLLaMA`, Meta `llama/model.py`): pre-RMSNorm (eps 1e-5, float32 reductions, no bias),
-interleaved-pair rotary position embeddings (no absolute positions), no biases anywhere, gated SiLU MLP (SwiGLU),
-an untied output head without bias, query scaling 1/sqrt(head_dim), and grouped-query attention for 70B
-(Pax `USE_MQA` with `NUM_KV_HEADS=8`; here NUM_KV_HEADS alone says it). The optimizer keeps Pax's c4 Adam defaults
-(the base Experiment's values), which fine-tuning runs override on the command line as Pax's scripts do.
+Architecture (Pax `BaseLLaMA`, Meta `llama/model.py`): pre-RMSNorm (eps 1e-5, float32 reductions, no
+bias), interleaved-pair rotary position embeddings (no absolute positions), no biases anywhere,
+gated SiLU MLP (SwiGLU), an untied output head without bias, query scaling 1/sqrt(head_dim), and
+grouped-query attention for 70B (Pax `USE_MQA` with `NUM_KV_HEADS=8`; here NUM_KV_HEADS alone says
+it). The optimizer keeps Pax's c4 Adam defaults (the base Experiment's values), which fine-tuning
+runs override on the command line as Pax's scripts do.
 
-The weights are meant to come from a converted Meta or Hugging Face checkpoint (HF needs the q/k row permutation of
-paxlite/models/rotary.py at conversion); the training text is given by the user (DATA_DIR / --tfds_data_dir), and
-`--fdl.SYNTHETIC_DATA=true` runs any of them on synthetic tokens of the same shapes.
+The weights are meant to come from a converted Meta or Hugging Face checkpoint (HF needs the q/k row
+permutation of paxlite/models/rotary.py at conversion); the training text is given by the user
+(DATA_DIR / --tfds_data_dir), and `--fdl.SYNTHETIC_DATA=true` runs any of them on synthetic tokens
+of the same shapes.
 """
 
 from __future__ import annotations
@@ -18,28 +21,34 @@ import fiddle as fdl
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived
 from paxlite.experiments.base import DataSource, LanguageModelExperiment
+from paxlite.experiments.field_names import in_hparam_names
+from paxlite.experiments.model_settings import MODEL_FIELD_NAMES
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
+from paxlite.models.transformer_config import shape_problems
 
 
 class BaseLLaMA(LanguageModelExperiment):
     """Pax BaseLLaMA's settings shared by every size; not registered (it has no size of its own).
 
-    MAX_STEPS is 0 as in Pax, whose LLaMA configs say "only eval supported currently": training needs an explicit
-    --fdl.MAX_STEPS (Pax's run_llama_boolq.sh passes 600 for LoRA, 1000 for SFT). Pax's packed_input=False is
-    PACKED_INPUT=False.
+    MAX_STEPS is 0 as in Pax, whose LLaMA configs say "only eval supported currently": training
+    needs an explicit
+    --fdl.MAX_STEPS (Pax's run_llama_boolq.sh passes 600 for LoRA, 1000 for SFT). Pax's
+    packed_input=False is PACKED_INPUT=False.
 
-    Evaluation is zero-shot BoolQ (Pax eval_task='boolq', the whole validation split), which needs BoolQ data and a
-    tokenizer. `--fdl.SYNTHETIC_DATA=true` asks for a run without data files or tokenizer (benchmarks, smoke tests),
-    so there EVAL_TASK derives to "validation" (synthetic batches, EVAL_LOOP_NUM_BATCHES=10); an explicit
-    `--fdl.EVAL_TASK=boolq` still scores BoolQ after synthetic training. `paxlite show` prints the resolved values.
+    Evaluation is zero-shot BoolQ (Pax eval_task='boolq', the whole validation split), which needs
+    BoolQ data and a tokenizer. `--fdl.SYNTHETIC_DATA=true` asks for a run without data files or
+    tokenizer (benchmarks, smoke tests), so there EVAL_TASK derives to "validation" (synthetic
+    batches, EVAL_LOOP_NUM_BATCHES=10); an explicit `--fdl.EVAL_TASK=boolq` still scores BoolQ after
+    synthetic training. `paxlite show` prints the resolved values.
     """
 
     family_adds_bos = True  # LLaMA, Mistral/Mixtral and Fuji start every sequence with BOS
 
     data_source = DataSource.TEXT
 
-    # Key/value heads of grouped-query attention; equal to NUM_HEADS means plain multi-head attention with Pax's
-    # combined QKV projection, fewer means separate q/k/v projections (Pax USE_MQA=True, NUM_KV_HEADS=K).
+    # Key/value heads of grouped-query attention; equal to NUM_HEADS means plain multi-head
+    # attention with Pax's combined QKV projection, fewer means separate q/k/v projections (Pax
+    # USE_MQA=True, NUM_KV_HEADS=K).
     NUM_KV_HEADS: int = Derived(lambda hp: hp.NUM_HEADS, doc="NUM_HEADS")
     DIMS_PER_HEAD = 128
     VOCAB_SIZE = 32000
@@ -56,15 +65,11 @@ class BaseLLaMA(LanguageModelExperiment):
 
     def validate(self) -> None:
         super().validate()
-        if self.NUM_KV_HEADS <= 0 or self.NUM_HEADS % self.NUM_KV_HEADS:
-            raise ConfigError(
-                f"NUM_KV_HEADS={self.NUM_KV_HEADS} must be a positive divisor of NUM_HEADS={self.NUM_HEADS} "
-                "(query head i uses key/value head i // (NUM_HEADS / NUM_KV_HEADS))"
-            )
-        if self.DIMS_PER_HEAD % 2:
-            raise ConfigError(
-                f"DIMS_PER_HEAD={self.DIMS_PER_HEAD} must be even: rotary embeddings rotate pairs of dimensions"
-            )
+        names = {**MODEL_FIELD_NAMES, "num_kv_heads": "NUM_KV_HEADS"}
+        problems = shape_problems(**self.model_sizes(), num_kv_heads=self.NUM_KV_HEADS,
+                                  position_embedding=LLAMA_ARCHITECTURE["position_embedding"])
+        if problems:
+            raise ConfigError("; ".join(in_hparam_names(problems, names=names)))
 
     def model_config(self) -> fdl.Config[TransformerConfig]:
         return fdl.Config(
@@ -89,7 +94,8 @@ class LLaMA7B(BaseLLaMA):
 
 
 class LLaMA13B(LLaMA7B):
-    """LLaMA-2 13B: 40 layers, 40 heads x 128, d_model 5120, ffn 13824; 13,015,864,320 parameters."""
+    """LLaMA-2 13B: 40 layers, 40 heads x 128, d_model 5120, ffn 13824; 13,015,864,320
+    parameters."""
 
     NUM_LAYERS = 40
     NUM_HEADS = 40

@@ -17,7 +17,12 @@ import fiddle as fdl
 
 from paxlite.train.run_config import LmEvalConfig
 
-_DEPENDENT = ("LM_EVAL_INTERVAL_STEPS", "LM_EVAL_NUM_FEWSHOT", "LM_EVAL_LIMIT", "LM_EVAL_INCLUDE_PATH")
+_DEPENDENT = (
+    "LM_EVAL_INTERVAL_STEPS",
+    "LM_EVAL_NUM_FEWSHOT",
+    "LM_EVAL_LIMIT",
+    "LM_EVAL_INCLUDE_PATH",
+)
 
 
 class LmEvalSettings:
@@ -43,9 +48,9 @@ class LmEvalSettings:
                 return [("LM_EVAL_TASKS=[] names no task: give task names (e.g. "
                         "--fdl.LM_EVAL_TASKS='[\"hellaswag\"]') or leave it unset")]
             given = [n for n in _DEPENDENT if n in self.overridden]
-            return [(f"{', '.join(given)} set without LM_EVAL_TASKS: name the lm-evaluation-harness "
-                    "tasks to score (--fdl.LM_EVAL_TASKS='[\"TASK\"]'), or drop "
-                    f"{'it' if len(given) == 1 else 'them'}")] if given else []
+            return [(f"{', '.join(given)} set without LM_EVAL_TASKS: name the "
+                    "lm-evaluation-harness tasks to score (--fdl.LM_EVAL_TASKS='[\"TASK\"]'), or "
+                    f"drop {'it' if len(given) == 1 else 'them'}")] if given else []
         problems = []
         if any(not t.strip() for t in self.LM_EVAL_TASKS):
             problems.append(f"LM_EVAL_TASKS={self.LM_EVAL_TASKS} holds an empty task name")
@@ -67,8 +72,8 @@ class LmEvalSettings:
         if path is not None and not os.path.isdir(os.path.expanduser(path)):
             problems.append(f"LM_EVAL_INCLUDE_PATH={path!r} is not a directory (of task YAMLs)")
         if self.vocab_path() is None:
-            problems.append("LM_EVAL_TASKS scores text and needs the tokenizer: --fdl.VOCAB_PATH or "
-                            "the VOCAB_PATH environment variable")
+            problems.append("LM_EVAL_TASKS scores text and needs the tokenizer: --fdl.VOCAB_PATH "
+                            "or the VOCAB_PATH environment variable")
         return problems
 
     def lm_eval_config(self) -> fdl.Config[LmEvalConfig] | None:

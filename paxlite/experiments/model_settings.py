@@ -15,13 +15,32 @@ from absl import logging
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived
+from paxlite.experiments.field_names import in_hparam_names
 from paxlite.experiments.transformer_engine_settings import transformer_engine_fields
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import AttentionImplementation
-from paxlite.models.linear import Fp8Config
-from paxlite.models.lora import LoraTargets
+from paxlite.models.linear import Fp8Config, fp8_config_problems
+from paxlite.models.lora import LoraTargets, alpha_problems, rank_problems
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
+from paxlite.models.transformer_config import shape_problems
 from paxlite.train import flops as flops_lib
+
+# TransformerConfig's sizes -> the hyperparameters that set them (transformer_fields maps them,
+# and shape_problems' clauses are reported in these names). NUM_KV_HEADS is the families' that
+# have it (llama.py).
+MODEL_FIELD_NAMES = {
+    "vocab_size": "VOCAB_SIZE",
+    "num_layers": "NUM_LAYERS",
+    "model_dims": "MODEL_DIMS",
+    "num_heads": "NUM_HEADS",
+    "dims_per_head": "DIMS_PER_HEAD",
+    "hidden_dims": "HIDDEN_DIMS",
+    "max_seq_len": "MAX_SEQ_LEN",
+}
+# The same for the LoRA fields with_lora sets, and for Fp8Config's.
+LORA_FIELD_NAMES = {"lora_rank": "LORA_RANK", "lora_alpha": "LORA_ALPHA",
+                    "lora_targets": "LORA_TARGET_LAYERS"}
+FP8_FIELD_NAMES = {"amax_history_length": "FP8_AMAX_HISTORY_LENGTH"}
 
 
 class ModelShapeSettings:
@@ -38,14 +57,12 @@ class ModelShapeSettings:
 
     def hparam_problems(self) -> list[str]:
         problems = super().hparam_problems()
-        for name in ("NUM_LAYERS", "NUM_HEADS", "MODEL_DIMS", "HIDDEN_DIMS", "DIMS_PER_HEAD",
-                     "VOCAB_SIZE", "MAX_SEQ_LEN"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
-        if self.NUM_HEADS * self.DIMS_PER_HEAD <= 0:
-            problems.append(f"NUM_HEADS * DIMS_PER_HEAD must be > 0, got {self.NUM_HEADS} * "
-                            f"{self.DIMS_PER_HEAD}")
-        return problems
+        return problems + in_hparam_names(shape_problems(**self.model_sizes()),
+                                          names=MODEL_FIELD_NAMES)
+
+    def model_sizes(self) -> dict[str, int]:
+        """TransformerConfig's size fields, from the hyperparameters MODEL_FIELD_NAMES names."""
+        return {field: getattr(self, name) for field, name in MODEL_FIELD_NAMES.items()}
 
     def model_config(self) -> fdl.Config[TransformerConfig]:
         raise ConfigError(f"{self.name} does not describe a model; subclass a model family")
@@ -54,13 +71,7 @@ class ModelShapeSettings:
         """The TransformerConfig fields every family maps the same way (sizes, init, dropout, layer
         stacking, remat, dtypes); a family's model_config adds only its architecture switches."""
         return {
-            "vocab_size": self.VOCAB_SIZE,
-            "num_layers": self.NUM_LAYERS,
-            "model_dims": self.MODEL_DIMS,
-            "num_heads": self.NUM_HEADS,
-            "dims_per_head": self.DIMS_PER_HEAD,
-            "hidden_dims": self.HIDDEN_DIMS,
-            "max_seq_len": self.MAX_SEQ_LEN,
+            **self.model_sizes(),
             "norm_epsilon": self.LAYERNORM_EPSILON,
             "init_std": self.INIT_STD,
             "softmax_init_std": self.SOFTMAX_INIT_STD,
@@ -74,8 +85,7 @@ class ModelShapeSettings:
             "param_dtype": "float32",
             # Pax's ENABLE_TE / ENABLE_FP8 environment variables (transformer_engine_settings.py)
             **transformer_engine_fields(native_fp8=bool(getattr(self, "USE_FP8", False))),
-            "fp8": (fdl.Config(Fp8Config, amax_history_length=self.FP8_AMAX_HISTORY_LENGTH)
-                    if self.USE_FP8 else None),
+            "fp8": fdl.Config(Fp8Config, **self.fp8_fields()) if self.USE_FP8 else None,
             "pipeline": self.pipeline_config(),
             "context_parallel_strategy": self.context_parallel_strategy(),
         }
@@ -164,13 +174,9 @@ class LoraSettings:
     LORA_RANDOM_BASE: bool = False
 
     def lora_problems(self) -> list[str]:
-        """LORA_RANK / LORA_ALPHA out of range (raised one at a time, as each stands alone)."""
-        if self.LORA_RANK <= 0:
-            return [f"LORA_RANK={self.LORA_RANK} must be a positive integer (Pax's default is 8)"]
-        if self.LORA_ALPHA is not None and not self.LORA_ALPHA > 0:
-            return [(f"LORA_ALPHA={self.LORA_ALPHA} must be > 0, or None (= LORA_RANK: scale 1, "
-                    "as Pax)")]
-        return []
+        """LORA_RANK / LORA_ALPHA out of range (the first is raised: each stands alone)."""
+        problems = rank_problems(self.LORA_RANK) + alpha_problems(self.LORA_ALPHA)
+        return in_hparam_names(problems, names=LORA_FIELD_NAMES)
 
     def unread_lora_problems(self) -> list[str]:
         """LoRA settings given where nothing reads them, or LoRA on a random base by accident."""
@@ -196,9 +202,9 @@ class LoraSettings:
                 logging.warning(
                     "LORA_RANDOM_BASE=true: the LoRA adapters train on a randomly initialised, "
                     "frozen base model (no CHECKPOINT_RESTORE_PATH)")
-            model.lora_rank = self.LORA_RANK
-            model.lora_alpha = self.LORA_ALPHA
-            model.lora_targets = LoraTargets(self.LORA_TARGET_LAYERS)
+            for field, name in LORA_FIELD_NAMES.items():
+                setattr(model, field, getattr(self, name))
+            model.lora_targets = LoraTargets(model.lora_targets)
         return model
 
 
@@ -212,11 +218,12 @@ class Fp8Settings:
     USE_FP8: bool = False
     FP8_AMAX_HISTORY_LENGTH: int = 1024
 
+    def fp8_fields(self) -> dict[str, int]:
+        """Fp8Config's fields, from the hyperparameters FP8_FIELD_NAMES names."""
+        return {field: getattr(self, name) for field, name in FP8_FIELD_NAMES.items()}
+
     def fp8_problems(self) -> list[str]:
-        if self.FP8_AMAX_HISTORY_LENGTH < 1:
-            return [(f"FP8_AMAX_HISTORY_LENGTH={self.FP8_AMAX_HISTORY_LENGTH} must be a positive "
-                    "number of steps (Pax's default is 1024)")]
-        return []
+        return in_hparam_names(fp8_config_problems(**self.fp8_fields()), names=FP8_FIELD_NAMES)
 
     def unread_fp8_problems(self) -> list[str]:
         if "FP8_AMAX_HISTORY_LENGTH" in self.overridden and not self.USE_FP8:

@@ -15,10 +15,26 @@ from typing import Any, ClassVar, Literal
 import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
+from paxlite.experiments.field_names import in_hparam_names
 from paxlite.experiments.parallelism_settings import mesh_layout
 from paxlite.models.activations import Activation
-from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
+from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting, moe_problems
 from paxlite.parallel.mesh import MeshLayout, named_sizes
+
+# MoeConfig's fields set by hyperparameters -> their names (the mapping and the names its problems
+# are reported in); the family's architecture (moe_layer_interval, gated_experts,
+# expert_activation) comes from class attributes.
+MOE_FIELD_NAMES = {
+    "num_experts": "NUM_EXPERTS",
+    "experts_per_token": "NUM_EXPERTS_PER_TOKEN",
+    "routing": "MOE_ROUTING",
+    "capacity_factor": "CAPACITY_FACTOR",
+    "num_groups": "NUM_GROUPS",
+    "expert_hidden_dims": "EXPERT_HIDDEN_DIMS",
+    "load_balancing_weight": "LOAD_BALANCING_WEIGHT",
+    "router_z_loss_weight": "ROUTER_Z_LOSS_WEIGHT",
+    "grouped_matmul": "MOE_GROUPED_MATMUL",
+}
 
 
 def expert_axis_size(ici: list[int] | None, dcn: list[int],
@@ -121,34 +137,19 @@ class MoeSettings:
     def moe_problems(self) -> list[str]:
         """Every MoE setting that cannot work, each saying what would (checked before the base
         checks, so a 4-entry mesh is judged here first)."""
-        problems = []
         routing = MoeRouting(self.MOE_ROUTING)
         given = set(self.overridden)
         expert = expert_axis_size(self.ICI_MESH_SHAPE, self.DCN_MESH_SHAPE, mesh_layout(self))
-        if self.NUM_EXPERTS < 1:
-            problems.append(f"NUM_EXPERTS={self.NUM_EXPERTS} must be a positive number of experts")
-        elif expert >= 1 and self.NUM_EXPERTS % expert:
+        # MoeConfig's own rules (LOAD_BALANCING_WEIGHT as given: the model gets it per layer)
+        settings = {field: getattr(self, name) for field, name in MOE_FIELD_NAMES.items()}
+        problems = in_hparam_names(moe_problems(**settings), names=MOE_FIELD_NAMES)
+        if self.NUM_EXPERTS >= 1 and expert >= 1 and self.NUM_EXPERTS % expert:
             divisors = [d for d in range(1, self.NUM_EXPERTS + 1) if self.NUM_EXPERTS % d == 0]
             problems.append(
                 f"NUM_EXPERTS={self.NUM_EXPERTS} does not split over the expert mesh axis of size "
                 f"{expert} (4th entry of ICI_MESH_SHAPE x DCN_MESH_SHAPE): each device must hold "
                 f"whole experts; valid expert axis sizes: {divisors}")
-        if self.NUM_EXPERTS_PER_TOKEN < 1:
-            problems.append(f"NUM_EXPERTS_PER_TOKEN={self.NUM_EXPERTS_PER_TOKEN} must be >= 1")
-        elif self.NUM_EXPERTS_PER_TOKEN > self.NUM_EXPERTS >= 1:
-            problems.append(
-                f"NUM_EXPERTS_PER_TOKEN={self.NUM_EXPERTS_PER_TOKEN} is larger than NUM_EXPERTS="
-                f"{self.NUM_EXPERTS}: a token cannot pick more experts than there are (valid: 1.."
-                f"{self.NUM_EXPERTS})")
         if routing is MoeRouting.GSHARD_TOP2:
-            if self.NUM_EXPERTS_PER_TOKEN != 2 and self.NUM_EXPERTS_PER_TOKEN <= self.NUM_EXPERTS:
-                problems.append(
-                    f"NUM_EXPERTS_PER_TOKEN={self.NUM_EXPERTS_PER_TOKEN}: MOE_ROUTING='gshard_top2' "
-                    "is top-2; use --fdl.MOE_ROUTING=dropless_topk for another k")
-            if not self.CAPACITY_FACTOR > 0:
-                problems.append(
-                    f"CAPACITY_FACTOR={self.CAPACITY_FACTOR} must be > 0 with MOE_ROUTING="
-                    "'gshard_top2' (GLaM: 2.0, room for both choices of every token)")
             if "MOE_GROUPED_MATMUL" in given:
                 problems.append(
                     "MOE_GROUPED_MATMUL is read only with MOE_ROUTING='dropless_topk' (GShard "
@@ -156,8 +157,8 @@ class MoeSettings:
         else:
             if self.USE_FP8:
                 problems.append(
-                    "USE_FP8=true with MOE_ROUTING='dropless_topk': the dropless grouped matmul has "
-                    "no FP8 form, and its experts would silently stay in "
+                    "USE_FP8=true with MOE_ROUTING='dropless_topk': the dropless grouped matmul "
+                    "has no FP8 form, and its experts would silently stay in "
                     f"{self.FPROP_DTYPE}; use --fdl.MOE_ROUTING=gshard_top2 for FP8 experts, or "
                     "--fdl.USE_FP8=false")
             unused = sorted(given & {"CAPACITY_FACTOR", "NUM_GROUPS"})
@@ -166,15 +167,8 @@ class MoeSettings:
                     f"{', '.join(unused)} read only with MOE_ROUTING='gshard_top2' (dropless "
                     "routing has no capacity and no groups): drop them, or add "
                     "--fdl.MOE_ROUTING=gshard_top2")
-        if self.NUM_GROUPS is not None and self.NUM_GROUPS < 1:
-            problems.append(f"NUM_GROUPS={self.NUM_GROUPS} must be a positive integer or None "
-                            "(one group per batch shard)")
-        for name in ("LOAD_BALANCING_WEIGHT", "Z_LOSS_WEIGHT", "ROUTER_Z_LOSS_WEIGHT"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)} must be >= 0 (0: off)")
-        if self.EXPERT_HIDDEN_DIMS is not None and self.EXPERT_HIDDEN_DIMS < 1:
-            problems.append(f"EXPERT_HIDDEN_DIMS={self.EXPERT_HIDDEN_DIMS} must be positive or "
-                            "None (= HIDDEN_DIMS)")
+        if self.Z_LOSS_WEIGHT < 0:  # the loop's (Pax's z-loss on the logits), not MoeConfig's
+            problems.append(f"Z_LOSS_WEIGHT={self.Z_LOSS_WEIGHT} must be >= 0 (0: off)")
         if self.USE_EXPERT_PARALLEL and expert == 1:
             problems.append(
                 "USE_EXPERT_PARALLEL=true needs an expert mesh axis > 1: give ICI_MESH_SHAPE (or "
@@ -189,28 +183,24 @@ class MoeSettings:
         super().validate()
 
     def moe_fields(self) -> dict[str, Any]:
+        fields = {field: getattr(self, name) for field, name in MOE_FIELD_NAMES.items()}
         return {
-            "num_experts": self.NUM_EXPERTS,
-            "experts_per_token": self.NUM_EXPERTS_PER_TOKEN,
-            "routing": MoeRouting(self.MOE_ROUTING),
-            "capacity_factor": self.CAPACITY_FACTOR,
-            "num_groups": self.NUM_GROUPS,
+            "num_experts": fields["num_experts"],
+            "experts_per_token": fields["experts_per_token"],
+            "routing": MoeRouting(fields["routing"]),
+            "capacity_factor": fields["capacity_factor"],
+            "num_groups": fields["num_groups"],
             "moe_layer_interval": self.moe_layer_interval,
-            "expert_hidden_dims": self.EXPERT_HIDDEN_DIMS,
+            "expert_hidden_dims": fields["expert_hidden_dims"],
             "gated_experts": self.gated_experts,
             "expert_activation": self.expert_activation,
-            "load_balancing_weight": self.LOAD_BALANCING_WEIGHT / self.num_moe_layers(),
-            "router_z_loss_weight": self.ROUTER_Z_LOSS_WEIGHT,
-            "grouped_matmul": GroupedMatmul(self.MOE_GROUPED_MATMUL),
+            "load_balancing_weight": fields["load_balancing_weight"] / self.num_moe_layers(),
+            "router_z_loss_weight": fields["router_z_loss_weight"],
+            "grouped_matmul": GroupedMatmul(fields["grouped_matmul"]),
         }
 
     def moe_config(self) -> fdl.Config[MoeConfig]:
-        fields = self.moe_fields()
-        try:  # a combination the checks above do not know of: one line, not a traceback
-            MoeConfig(**fields)
-        except ValueError as e:
-            raise ConfigError(f"invalid {self.name} MoE hyperparameters: {e}") from e
-        return fdl.Config(MoeConfig, **fields)
+        return fdl.Config(MoeConfig, **self.moe_fields())
 
     def loop_config(self):
         loop = super().loop_config()

@@ -11,8 +11,9 @@ from typing import Literal
 import fiddle as fdl
 
 from paxlite.config.experiment import Derived
-from paxlite.train.optimizer import OptimizerConfig
-from paxlite.train.schedules import ScheduleConfig, ScheduleKind
+from paxlite.experiments.field_names import in_hparam_names
+from paxlite.train.optimizer import OptimizerConfig, optimizer_problems
+from paxlite.train.schedules import ScheduleConfig, ScheduleKind, schedule_problems
 
 # The hyperparameters of each schedule with a warm-up and a decay: their prefix, and each one's
 # suffix by the ScheduleConfig field it sets.
@@ -27,6 +28,31 @@ _SCHEDULE_FIELD_SUFFIXES = {
     "min_ratio": "MIN_RATIO",
     "max_multiplier": "MAX",
 }
+# OptimizerConfig's fields -> the hyperparameters that set them (the mapping and the names its
+# problems are reported in).
+OPTIMIZER_FIELD_NAMES = {
+    "beta1": "ADAM_BETA1",
+    "beta2": "ADAM_BETA2",
+    "epsilon": "ADAM_EPSILON",
+    "epsilon_root": "ADAM_EPSILON_ROOT",
+    "weight_decay": "WEIGHT_DECAY",
+    "clip_gradient_norm_to_value": "CLIP_GRADIENT_NORM_TO_VALUE",
+    "clip_threshold": "ADAM_CLIP_THRESHOLD",
+}
+
+
+# The schedule fields whose settings are checked when an experiment is resolved.
+_RESOLVE_TIME_SCHEDULE_FIELDS = ("warmup_steps", "decay_start", "decay_end", "max_multiplier")
+
+
+def schedule_field_names(prefix: str | None) -> dict[str, str]:
+    """ScheduleConfig's fields -> the hyperparameters that set them, for the schedule whose
+    warm-up and decay settings start with ``prefix`` (None: a schedule without them)."""
+    names = {"learning_rate": "LEARNING_RATE"}
+    if prefix is not None:
+        names.update({field: f"{prefix}_{suffix}"
+                      for field, suffix in _SCHEDULE_FIELD_SUFFIXES.items()})
+    return names
 
 
 class OptimizerSettings:
@@ -55,45 +81,31 @@ class OptimizerSettings:
     CLIP_GRADIENT_NORM_TO_VALUE: float = 5.0
 
     def hparam_problems(self) -> list[str]:
+        """ScheduleConfig's and OptimizerConfig's rules for the settings checked at resolve time:
+        the warm-up and decay of every schedule (not only LR_SCHEDULE's, so a typo in the other is
+        caught too) and the Adam betas. The other values (LEARNING_RATE, WEIGHT_DECAY, ...) the
+        configs refuse when the run is built, which reports them in one line too."""
         problems = super().hparam_problems()
         for prefix in _SCHEDULE_PREFIXES.values():
-            warmup, start, end = (getattr(self, f"{prefix}_{s}") for s in
-                                  ("WARMUP", "DECAY_START", "DECAY_END"))
-            if warmup < 0:
-                problems.append(f"{prefix}_WARMUP must be >= 0, got {warmup}")
-            if start < warmup:
-                problems.append(f"{prefix}_DECAY_START ({start}) must be >= {prefix}_WARMUP "
-                                f"({warmup})")
-            if end < start:
-                problems.append(f"{prefix}_DECAY_END ({end}) must be >= {prefix}_DECAY_START "
-                                f"({start})")
-            if getattr(self, f"{prefix}_MAX") <= 0:
-                problems.append(f"{prefix}_MAX must be > 0, got {getattr(self, f'{prefix}_MAX')}")
-        for name in ("ADAM_BETA1", "ADAM_BETA2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+            names = {field: name for field, name in schedule_field_names(prefix).items()
+                     if field in _RESOLVE_TIME_SCHEDULE_FIELDS}
+            problems += in_hparam_names(schedule_problems(**self._settings_for(names)),
+                                        names=names)
+        names = {field: OPTIMIZER_FIELD_NAMES[field] for field in ("beta1", "beta2")}
+        problems += in_hparam_names(optimizer_problems(**self._settings_for(names)), names=names)
         return problems
 
+    def _settings_for(self, names: dict[str, str]) -> dict[str, object]:
+        """{field: the value of the hyperparameter ``names`` maps it to}."""
+        return {field: getattr(self, name) for field, name in names.items()}
+
     def optimizer_config(self) -> fdl.Config[OptimizerConfig]:
-        return fdl.Config(
-            OptimizerConfig,
-            beta1=self.ADAM_BETA1,
-            beta2=self.ADAM_BETA2,
-            epsilon=self.ADAM_EPSILON,
-            epsilon_root=self.ADAM_EPSILON_ROOT,
-            weight_decay=self.WEIGHT_DECAY,
-            clip_gradient_norm_to_value=self.CLIP_GRADIENT_NORM_TO_VALUE,
-            clip_threshold=self.ADAM_CLIP_THRESHOLD,
-        )
+        return fdl.Config(OptimizerConfig, **self._settings_for(OPTIMIZER_FIELD_NAMES))
 
     def schedule_config(self) -> fdl.Config[ScheduleConfig]:
         kind = ScheduleKind(self.LR_SCHEDULE)
-        prefix = _SCHEDULE_PREFIXES.get(kind)
-        warmup_and_decay = {} if prefix is None else {
-            field: getattr(self, f"{prefix}_{suffix}")
-            for field, suffix in _SCHEDULE_FIELD_SUFFIXES.items()}
-        return fdl.Config(ScheduleConfig, kind=kind, learning_rate=self.LEARNING_RATE,
-                          **warmup_and_decay)
+        names = schedule_field_names(_SCHEDULE_PREFIXES.get(kind))
+        return fdl.Config(ScheduleConfig, kind=kind, **self._settings_for(names))
 
 
 class GPT3Optimizer:

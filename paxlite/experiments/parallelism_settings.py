@@ -13,20 +13,20 @@ needs the device count) is checked at start-up in train/loop.py through
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Literal
 
 import fiddle as fdl
 
 from paxlite.data.context_order import check_seq_divides
 from paxlite.errors import SettingError
+from paxlite.experiments.field_names import in_hparam_names
 from paxlite.experiments.transformer_engine_settings import env_flag
 from paxlite.models.parallel_config import (
     ContextParallelStrategy,
     PipelineConfig,
     scan_unit_layers,
 )
-from paxlite.parallel.mesh import MeshConfig, MeshLayout
+from paxlite.parallel.mesh import MeshConfig, MeshLayout, mesh_shape_problems
 
 PIPELINE_SETTINGS = ("NUM_MICROBATCHES", "MICROBATCH_SIZE", "PIPELINE_REPEATS")
 SEQ_SETTINGS = ("CONTEXT_PARALLEL_STRATEGY", "CONTEXT_PARALLEL_LOAD_BALANCE")
@@ -39,12 +39,8 @@ PIPELINE_FIELD_NAMES = {
     "microbatch_size": "MICROBATCH_SIZE",
     "repeats": "PIPELINE_REPEATS",
 }
-_FIELD = re.compile(r"\b(" + "|".join(PIPELINE_FIELD_NAMES) + r")=")
-
-
-def in_hparam_names(problem: str) -> str:
-    """A PipelineConfig problem with its field names replaced by the hyperparameters' names."""
-    return _FIELD.sub(lambda m: PIPELINE_FIELD_NAMES[m.group(1)] + "=", problem)
+# The same for MeshConfig's shapes (its layout follows NUM_STAGES: mesh_layout).
+MESH_FIELD_NAMES = {"ici_mesh_shape": "ICI_MESH_SHAPE", "dcn_mesh_shape": "DCN_MESH_SHAPE"}
 
 
 def pipeline_counts(hp: Any) -> dict[str, int | None]:
@@ -58,13 +54,18 @@ def mesh_layout(hp: Any) -> MeshLayout:
     return MeshLayout.PAX_PIPELINED if hp.NUM_STAGES is not None else MeshLayout.PAXLITE
 
 
+def mesh_fields(hp: Any) -> dict[str, Any]:
+    """MeshConfig's fields, the shapes from the hyperparameters MESH_FIELD_NAMES names."""
+    shapes = {field: None if getattr(hp, name) is None else tuple(getattr(hp, name))
+              for field, name in MESH_FIELD_NAMES.items()}
+    return {**shapes, "layout": mesh_layout(hp)}
+
+
 def mesh_axis_sizes(hp: Any) -> dict[str, int]:
     """{axis: ICI x DCN size} from the shapes alone (ICI None puts every device on data, so every
     other axis is its DCN size)."""
-    ici = None if hp.ICI_MESH_SHAPE is None else tuple(hp.ICI_MESH_SHAPE)
-    mesh = MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=tuple(hp.DCN_MESH_SHAPE),
-                      layout=mesh_layout(hp))
-    return mesh.axis_sizes(1)  # ICI None: data is the devices' (1 here); the others are DCN's
+    # ICI None: data is the devices' (1 here); the others are DCN's
+    return MeshConfig(**mesh_fields(hp)).axis_sizes(1)
 
 
 def num_stages(hp: Any) -> int:
@@ -95,23 +96,17 @@ class ParallelismSettings:
     def hparam_problems(self) -> list[str]:
         """The settings' own ranges (what they do together: parallelism_problems)."""
         problems = super().hparam_problems()
-        for name in ("ICI_MESH_SHAPE", "DCN_MESH_SHAPE"):
-            shape = getattr(self, name)
-            if shape is not None and (len(shape) not in range(3, 7) or any(d <= 0 for d in shape)):
-                problems.append(
-                    f"{name} must be 3 to 6 positive sizes [data, fsdp, tensor, expert, pipeline, "
-                    f"seq] (entries after tensor optional; with NUM_STAGES set, 4 entries are "
-                    f"Pax's [pipeline, data, fsdp, tensor]), got {shape}")
+        problems += in_hparam_names(mesh_shape_problems(**mesh_fields(self)),
+                                    names=MESH_FIELD_NAMES)
         counts = pipeline_counts(self)
         if self.NUM_STAGES is None:  # the pipeline axis's size: the shapes' rule above covers it
             del counts["num_stages"]
-        problems += [in_hparam_names(p) for p in PipelineConfig.count_problems(**counts)]
+        problems += in_hparam_names(PipelineConfig.count_problems(**counts),
+                                    names=PIPELINE_FIELD_NAMES)
         return problems
 
     def mesh_config(self) -> fdl.Config[MeshConfig]:
-        ici = None if self.ICI_MESH_SHAPE is None else tuple(self.ICI_MESH_SHAPE)
-        return fdl.Config(MeshConfig, ici_mesh_shape=ici, dcn_mesh_shape=tuple(self.DCN_MESH_SHAPE),
-                          layout=mesh_layout(self))
+        return fdl.Config(MeshConfig, **mesh_fields(self))
 
     def pipeline_config(self) -> fdl.Config[PipelineConfig] | None:
         """The model's pipeline, or None when the run has one stage."""
@@ -143,8 +138,9 @@ class ParallelismSettings:
                 f"NUM_STAGES unset for {pipe} stages")
         if stages > 1:
             pipeline = fdl.build(self.pipeline_config())
-            problems += [in_hparam_names(p) for p in pipeline.problems(
-                num_layers=self.NUM_LAYERS, layers_per_unit=self.layers_per_scan_unit())]
+            problems += in_hparam_names(pipeline.problems(
+                num_layers=self.NUM_LAYERS, layers_per_unit=self.layers_per_scan_unit()),
+                names=PIPELINE_FIELD_NAMES)
             if uses_te:
                 problems.append(
                     "ENABLE_TE=1 with a pipeline: Transformer Engine's layers are not pipelined "

@@ -42,14 +42,25 @@ class Fp8Config:
     amax_history_length: int = DEFAULT_AMAX_HISTORY_LENGTH
 
     def __post_init__(self) -> None:
-        n = self.amax_history_length
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"Fp8Config.amax_history_length={n!r} must be a positive integer "
-                             f"(Pax's default is {DEFAULT_AMAX_HISTORY_LENGTH})")
+        problems = fp8_config_problems(amax_history_length=self.amax_history_length)
+        if problems:
+            raise ValueError("Fp8Config: " + "; ".join(problems))
+
+
+def fp8_config_problems(*, amax_history_length: object) -> list[str]:
+    """What Fp8Config's fields cannot be, one clause each in its field names: the rule a config is
+    refused by when it is made, which an experiment reports for its settings before it builds
+    one."""
+    n = amax_history_length
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return [(f"amax_history_length={n!r} must be a positive number of steps (Pax's default "
+                 f"is {DEFAULT_AMAX_HISTORY_LENGTH})")]
+    return []
 
 
 def _fp8_einsum(module: nn.Module) -> nn.Module | None:
-    """The matmul's own ``nn.Fp8Einsum`` (its scales and histories under ``<module>/fp8_einsum``)."""
+    """The matmul's own ``nn.Fp8Einsum`` (its scales and histories under
+    ``<module>/fp8_einsum``)."""
     if module.fp8 is None:
         return None
     return nn.Fp8Einsum(amax_history_length=module.fp8.amax_history_length)
@@ -136,7 +147,8 @@ class Linear(nn.Module):
 
 
 class ExpertLinear(nn.Module):
-    """The expert twin of :class:`Linear`: one kernel ``[E, in, out]`` holding every expert's matrix.
+    """The expert twin of :class:`Linear`: one kernel ``[E, in, out]`` holding every expert's
+    matrix.
 
     Expert matmuls go through here (and :func:`grouped_matmul`) for the reason Linear exists: one
     place to swap the matmul (FP8 gives each expert matmul its own scaling state here). Two ways

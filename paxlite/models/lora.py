@@ -16,8 +16,8 @@ the layer's. At initialisation ``B = 0``, so the output is bit-identical to the 
 Layouts carry logical axis names so the adapters shard like their kernel: for a kernel
 ``[*inputs, *groups, *outputs]`` (e.g. the fused QKV ``[embed, 3, heads, kv]``, inputs ``embed``,
 groups the ``3`` of q/k/v, outputs ``heads, kv``), ``lora_a`` is ``[*inputs, *groups, rank]`` and
-``lora_b`` is ``[*groups, rank, *outputs]``; the rank axis is ``lora_rank`` (the rules table keeps it
-whole). A group axis gives each slice of the kernel its own adapter pair: q, k and v get
+``lora_b`` is ``[*groups, rank, *outputs]``; the rank axis is ``lora_rank`` (the rules table keeps
+it whole). A group axis gives each slice of the kernel its own adapter pair: q, k and v get
 separate LoRA, as Pax's ``LoraCombinedQKVProjection`` (``[3, D, r]`` / ``[3, N*H, r]``).
 """
 
@@ -62,17 +62,33 @@ class LoraTargets(str, enum.Enum):
         return self in (LoraTargets.ALL, LoraTargets.MLP)
 
 
-def check_rank(rank: object, *, name: str = "lora_rank") -> int:
+def rank_problems(rank: object, *, name: str = "lora_rank") -> list[str]:
+    """What ``rank`` cannot be, in the words of the field ``name`` (TransformerConfig's by
+    default: the experiments report it under LORA_RANK before a model is built)."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ValueError(f"{name}={rank!r} must be a positive integer (Pax's default is 8)")
+        return [f"{name}={rank!r} must be a positive integer (Pax's default is 8)"]
+    return []
+
+
+def alpha_problems(alpha: object, *, name: str = "lora_alpha") -> list[str]:
+    """What ``alpha`` cannot be, in the words of the field ``name`` (as ``rank_problems``)."""
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not alpha > 0):
+        return [f"{name}={alpha!r} must be > 0, or None (= the rank: scale 1, as Pax)"]
+    return []
+
+
+def check_rank(rank: object, *, name: str = "lora_rank") -> int:
+    problems = rank_problems(rank, name=name)
+    if problems:
+        raise ValueError(problems[0])
     return rank
 
 
 def check_alpha(alpha: object, *, name: str = "lora_alpha") -> None:
-    if alpha is None:
-        return
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"{name}={alpha!r} must be None (alpha = rank, Pax) or a positive number")
+    problems = alpha_problems(alpha, name=name)
+    if problems:
+        raise ValueError(problems[0])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

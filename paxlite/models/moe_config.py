@@ -45,7 +45,9 @@ def _enum(value: object, enum_cls: type[enum.Enum], *, field: str) -> enum.Enum:
         return enum_cls(value)
     except ValueError:
         valid = ", ".join(repr(m.value) for m in enum_cls)
-        raise ValueError(f"MoeConfig.{field}={value!r} is not valid; expected one of {valid}") from None
+        raise ValueError(
+            f"MoeConfig.{field}={value!r} is not valid; expected one of {valid}"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,43 +95,56 @@ class MoeConfig:
         for field, enum_cls in (("routing", MoeRouting), ("expert_activation", Activation),
                                 ("grouped_matmul", GroupedMatmul)):
             object.__setattr__(self, field, _enum(getattr(self, field), enum_cls, field=field))
-        for name in ("num_experts", "experts_per_token", "moe_layer_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MoeConfig.{name}={value!r} must be a positive integer")
-        for name in ("num_groups", "expert_hidden_dims"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"MoeConfig.{name}={value!r} must be None or a positive integer")
-        if self.experts_per_token > self.num_experts:
-            raise ValueError(
-                f"MoeConfig.experts_per_token={self.experts_per_token} is larger than "
-                f"num_experts={self.num_experts}: a token cannot pick more experts than there are"
-            )
-        if self.routing is MoeRouting.GSHARD_TOP2:
-            if self.experts_per_token != 2:
-                raise ValueError(
-                    f"MoeConfig.experts_per_token={self.experts_per_token}: GShard routing "
-                    "(gshard_top2) is top-2; use routing='dropless_topk' for other k"
-                )
-            if self.num_experts < 2:
-                raise ValueError("GShard top-2 routing needs at least 2 experts")
-            cf = self.capacity_factor
-            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0:
-                raise ValueError(
-                    f"MoeConfig.capacity_factor={cf!r} must be > 0 with GShard routing "
-                    "(GLaM: 2.0, room for both choices of every token)"
-                )
-        for name in ("load_balancing_weight", "router_z_loss_weight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"MoeConfig.{name}={value!r} must be a number >= 0")
-        if not isinstance(self.gated_experts, bool):
-            raise ValueError(f"MoeConfig.gated_experts={self.gated_experts!r} must be True or False")
+        problems = moe_problems(**{f.name: getattr(self, f.name)
+                                   for f in dataclasses.fields(self)})
+        if problems:
+            raise ValueError("MoeConfig: " + "; ".join(problems))
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer % self.moe_layer_interval == 0
 
     def num_moe_layers(self, num_layers: int) -> int:
         return sum(1 for i in range(num_layers) if self.is_moe_layer(i))
+
+
+def _is_count(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def moe_problems(**fields: object) -> list[str]:
+    """What the values given cannot be, one clause each in MoeConfig's field names: the rules a
+    config is refused by when it is made, which an experiment reports for its settings before it
+    builds one. Only the fields given are checked; ``routing`` as a value or its name."""
+    problems = []
+    for name in ("num_experts", "experts_per_token", "moe_layer_interval"):
+        if name in fields and not _is_count(fields[name]):
+            problems.append(f"{name}={fields[name]!r} must be a positive integer")
+    for name, none_means in (("num_groups", "one group per batch shard"),
+                             ("expert_hidden_dims", "the dense MLP's hidden size")):
+        value = fields.get(name)
+        if value is not None and not _is_count(value):
+            problems.append(f"{name}={value!r} must be a positive integer or None ({none_means})")
+    experts, k = fields.get("num_experts"), fields.get("experts_per_token")
+    counts_valid = _is_count(experts) and _is_count(k)
+    if counts_valid and k > experts:
+        problems.append(
+            f"experts_per_token={k} is larger than num_experts={experts}: a token cannot pick "
+            f"more experts than there are (valid: 1..{experts})")
+    routing = fields.get("routing")
+    if routing in tuple(MoeRouting) and MoeRouting(routing) is MoeRouting.GSHARD_TOP2:
+        # (top-2 and at most num_experts per token: at least 2 experts)
+        if _is_count(k) and k != 2 and not (counts_valid and k > experts):
+            problems.append(f"experts_per_token={k}: routing='gshard_top2' is top-2; use "
+                            "routing='dropless_topk' for another k")
+        cf = fields.get("capacity_factor")
+        if "capacity_factor" in fields and not (
+                not isinstance(cf, bool) and isinstance(cf, (int, float)) and cf > 0):
+            problems.append(f"capacity_factor={cf!r} must be > 0 with routing='gshard_top2' "
+                            "(GLaM: 2.0, room for both choices of every token)")
+    for name in ("load_balancing_weight", "router_z_loss_weight"):
+        value = fields.get(name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            problems.append(f"{name}={value!r} must be >= 0 (0: off)")
+    if "gated_experts" in fields and not isinstance(fields["gated_experts"], bool):
+        problems.append(f"gated_experts={fields['gated_experts']!r} must be True or False")
+    return problems

@@ -181,6 +181,36 @@ def _coerce_enum(config: Any, field: str, enum_cls: type[enum.Enum]) -> None:
         ) from None
 
 
+# The sizes that must be positive integers.
+_SIZE_FIELDS = ("vocab_size", "num_layers", "model_dims", "num_heads", "dims_per_head",
+                "hidden_dims", "max_seq_len", "relative_position_buckets",
+                "relative_position_max_distance")
+
+
+def _is_size(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value > 0
+
+
+def shape_problems(**fields: object) -> list[str]:
+    """What the sizes given cannot be, one clause each in TransformerConfig's field names: the
+    rules a config is refused by when it is made, which an experiment reports for its settings
+    before it builds one. Only the fields given are checked; ``position_embedding`` (the
+    resolved kind) says whether rotary embeddings need an even ``dims_per_head``."""
+    problems = [f"{name}={fields[name]!r} must be a positive integer"
+                for name in _SIZE_FIELDS if name in fields and not _is_size(fields[name])]
+    kv_heads, heads = fields.get("num_kv_heads"), fields.get("num_heads")
+    if kv_heads is not None and _is_size(heads) and (not _is_size(kv_heads) or heads % kv_heads):
+        problems.append(
+            f"num_kv_heads={kv_heads!r} must be a positive divisor of num_heads={heads} (query "
+            "head i uses key/value head i // (num_heads / num_kv_heads))")
+    dims = fields.get("dims_per_head")
+    rotary = fields.get("position_embedding") == PositionEmbedding.ROTARY
+    if rotary and _is_size(dims) and dims % 2:
+        problems.append(f"dims_per_head={dims} must be even for rotary position embeddings "
+                        "(they rotate pairs of dimensions)")
+    return problems
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
     """Every size and switch of a decoder; defaults follow Pax GPT126M.
@@ -283,27 +313,11 @@ class TransformerConfig:
         check_attention_choice(self.attention_kind, self.attention_implementation)
         if self.position_embedding is not None:
             _coerce_enum(self, "position_embedding", PositionEmbedding)
-        for name in ("vocab_size", "num_layers", "model_dims", "num_heads", "dims_per_head",
-                     "hidden_dims", "max_seq_len", "relative_position_buckets",
-                     "relative_position_max_distance"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"TransformerConfig.{name}={value!r} must be a positive integer"
-                )
-        if self.num_kv_heads is not None and (
-            isinstance(self.num_kv_heads, bool) or not isinstance(self.num_kv_heads, int)
-            or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads
-        ):
-            raise ValueError(
-                f"TransformerConfig.num_kv_heads={self.num_kv_heads!r} must be None or a positive "
-                f"divisor of num_heads={self.num_heads}"
-            )
-        if self.position_kind is PositionEmbedding.ROTARY and self.dims_per_head % 2:
-            raise ValueError(
-                f"TransformerConfig.dims_per_head={self.dims_per_head} must be even for rotary "
-                "position embeddings (they rotate pairs of dimensions)"
-            )
+        problems = shape_problems(
+            **{name: getattr(self, name) for name in (*_SIZE_FIELDS, "num_kv_heads")},
+            position_embedding=self.position_kind)
+        if problems:
+            raise ValueError("TransformerConfig: " + "; ".join(problems))
         for name in ("use_bias", "tie_embeddings", "learned_position_embedding", "scan_layers",
                      "gated_mlp", "scale_query"):
             if not isinstance(getattr(self, name), bool):

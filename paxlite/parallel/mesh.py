@@ -50,7 +50,8 @@ class MeshLayout(str, enum.Enum):
     """What the entries of ICI_MESH_SHAPE / DCN_MESH_SHAPE mean."""
 
     PAXLITE = "paxlite"  # [data, fsdp, tensor(, expert(, pipeline(, seq)))]
-    PAX_PIPELINED = "pax_pipelined"  # 4 entries are Pax's [pipeline, data, fsdp, tensor]; others as ever
+    # 4 entries are Pax's [pipeline, data, fsdp, tensor]; others as ever
+    PAX_PIPELINED = "pax_pipelined"
 
     def axes_for(self, length: int) -> tuple[str, ...]:
         """The axis of each of `length` entries."""
@@ -65,8 +66,8 @@ class MeshLayout(str, enum.Enum):
         text = (f"{_SHORT_LEN} to {len(SHAPE_AXES)} positive integers "
                 f"[{', '.join(SHAPE_AXES)}] (entries after tensor are optional, 1 when left out)")
         if self is MeshLayout.PAX_PIPELINED:
-            text += ("; 4 entries are Pax's pipelined [pipeline, data, fsdp, tensor] (NUM_STAGES is "
-                     "set)")
+            text += ("; 4 entries are Pax's pipelined [pipeline, data, fsdp, tensor] (NUM_STAGES "
+                     "is set)")
         return text
 
 
@@ -74,8 +75,11 @@ class MeshError(UserError, ValueError):
     """A mesh that cannot be built on the devices at hand."""
 
 
-def named_sizes(shape: Sequence[int] | None, layout: MeshLayout = MeshLayout.PAXLITE) -> dict[str, int]:
-    """{axis: size} for every MESH_AXES axis of one ICI or DCN shape as the user wrote it (None: all 1)."""
+def named_sizes(
+    shape: Sequence[int] | None, layout: MeshLayout = MeshLayout.PAXLITE
+) -> dict[str, int]:
+    """{axis: size} for every MESH_AXES axis of one ICI or DCN shape as the user wrote it (None: all
+    1)."""
     sizes = dict.fromkeys(MESH_AXES, 1)
     if shape is not None:
         sizes.update(zip(MeshLayout(layout).axes_for(len(shape)), shape))
@@ -101,19 +105,13 @@ class MeshConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "layout", MeshLayout(self.layout))
-        lengths = self.layout.lengths()
         for field in ("ici_mesh_shape", "dcn_mesh_shape"):
-            shape = getattr(self, field)
-            if shape is None:
-                continue
-            shape = tuple(shape)
-            object.__setattr__(self, field, shape)
-            if len(shape) not in lengths or any(
-                not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape
-            ):
-                raise MeshError(
-                    f"{field.upper()}={list(shape)}: expected {self.layout.describe()}"
-                )
+            if getattr(self, field) is not None:
+                object.__setattr__(self, field, tuple(getattr(self, field)))
+        problems = mesh_shape_problems(ici_mesh_shape=self.ici_mesh_shape,
+                                       dcn_mesh_shape=self.dcn_mesh_shape, layout=self.layout)
+        if problems:
+            raise MeshError("; ".join(problems))
 
     def resolved_ici(self, num_local_devices: int) -> tuple[int, ...]:
         """The ICI shape in MESH_AXES order; None: every local device on data."""
@@ -132,6 +130,24 @@ class MeshConfig:
 
     def axis_sizes(self, num_local_devices: int) -> dict[str, int]:
         return dict(zip(MESH_AXES, self.shape(num_local_devices), strict=True))
+
+
+def mesh_shape_problems(*, ici_mesh_shape: Sequence[int] | None,
+                        dcn_mesh_shape: Sequence[int] | None,
+                        layout: MeshLayout = MeshLayout.PAXLITE) -> list[str]:
+    """What the shapes cannot be, one clause each in MeshConfig's field names: the rule the config
+    is refused by when it is made, which an experiment reports for its settings before it builds
+    one (None: every local device on data, always valid)."""
+    layout = MeshLayout(layout)
+    problems = []
+    for field, shape in (("ici_mesh_shape", ici_mesh_shape), ("dcn_mesh_shape", dcn_mesh_shape)):
+        if shape is None:
+            continue
+        if len(shape) not in layout.lengths() or any(
+            not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape
+        ):
+            problems.append(f"{field}={list(shape)}: expected {layout.describe()}")
+    return problems
 
 
 def full_shape(shape: Sequence[int], layout: MeshLayout = MeshLayout.PAXLITE) -> tuple[int, ...]:

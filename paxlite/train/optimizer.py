@@ -60,18 +60,26 @@ class OptimizerConfig:
     clip_threshold: float = -1.0
 
     def __post_init__(self) -> None:
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {value!r}.")
-        for name in ("epsilon", "epsilon_root", "weight_decay"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0.0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
-        for name in ("clip_gradient_norm_to_value", "clip_threshold"):
-            value = getattr(self, name)
-            if math.isnan(value):
-                raise ValueError(f"{name} must be a number (<= 0 disables it), got {value!r}.")
+        problems = optimizer_problems(**{f.name: getattr(self, f.name)
+                                         for f in dataclasses.fields(self)})
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
+
+
+def optimizer_problems(**fields: float) -> list[str]:
+    """What the values given cannot be, one clause each in OptimizerConfig's field names: the
+    rules a config is refused by when it is made, which an experiment reports for its settings
+    before it builds one."""
+    problems = []
+    for name, value in fields.items():
+        if name in ("beta1", "beta2") and not 0.0 <= value < 1.0:
+            problems.append(f"{name} must be in [0, 1), got {value!r}")
+        elif (name in ("epsilon", "epsilon_root", "weight_decay")
+              and not (math.isfinite(value) and value >= 0.0)):
+            problems.append(f"{name} must be a finite number >= 0, got {value!r}")
+        elif name in ("clip_gradient_norm_to_value", "clip_threshold") and math.isnan(value):
+            problems.append(f"{name} must be a number (<= 0 disables it), got {value!r}")
+    return problems
 
 
 def global_norm(tree: PyTree) -> jax.Array:
@@ -108,7 +116,8 @@ def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def _cap_update_rms(clip_threshold: float) -> optax.GradientTransformation:
-    """Pax ADAM_CLIP_THRESHOLD: u / max(1, rms(u) / clip_threshold), tensor by tensor; <= 0: identity."""
+    """Pax ADAM_CLIP_THRESHOLD: u / max(1, rms(u) / clip_threshold), tensor by tensor; <= 0:
+    identity."""
 
     def cap(u: jax.Array) -> jax.Array:
         rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))

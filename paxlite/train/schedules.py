@@ -67,34 +67,46 @@ class ScheduleConfig:
                     f"Unknown schedule kind {self.kind!r}; valid kinds are: {valid}."
                 ) from None
             object.__setattr__(self, "kind", kind)
-        _validate(self)
+        problems = schedule_problems(**{f.name: getattr(self, f.name)
+                                        for f in dataclasses.fields(self) if f.name != "kind"})
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
 
 
-def _validate(config: ScheduleConfig) -> None:
-    """Reject values that Pax would either assert on or silently misuse."""
-    if not (math.isfinite(config.learning_rate) and config.learning_rate >= 0):
-        raise ValueError(
-            f"learning_rate must be a finite number >= 0, got {config.learning_rate!r}."
-        )
+def schedule_problems(**fields: object) -> list[str]:
+    """Values Pax would either assert on or silently misuse, one clause each in ScheduleConfig's
+    field names: the rules a config is refused by when it is made, which an experiment reports for
+    its settings before it builds one. Only the fields given are checked (an experiment checks the
+    warm-up and decay of each schedule it has settings for)."""
+    problems = []
+    rate = fields.get("learning_rate")
+    if "learning_rate" in fields and not _is_number(rate, minimum=0.0):
+        problems.append(f"learning_rate must be a finite number >= 0, got {rate!r}")
+    steps = {}
     for name in ("warmup_steps", "decay_start", "decay_end"):
-        value = getattr(config, name)
+        if name not in fields:
+            continue
+        value = fields[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
-    if config.decay_start < config.warmup_steps:
-        raise ValueError(
-            f"decay_start ({config.decay_start}) must be >= warmup_steps "
-            f"({config.warmup_steps})."
-        )
-    if config.decay_end < config.decay_start:
-        raise ValueError(
-            f"decay_end ({config.decay_end}) must be >= decay_start ({config.decay_start})."
-        )
-    if not (math.isfinite(config.max_multiplier) and config.max_multiplier > 0):
-        raise ValueError(
-            f"max_multiplier must be a finite number > 0, got {config.max_multiplier!r}."
-        )
-    if not 0.0 <= config.min_ratio <= 1.0:
-        raise ValueError(f"min_ratio must be in [0, 1], got {config.min_ratio!r}.")
+            problems.append(f"{name} must be an integer >= 0, got {value!r}")
+        else:
+            steps[name] = value
+    for later, earlier in (("decay_start", "warmup_steps"), ("decay_end", "decay_start")):
+        if later in steps and earlier in steps and steps[later] < steps[earlier]:
+            problems.append(f"{later} ({steps[later]}) must be >= {earlier} ({steps[earlier]})")
+    peak = fields.get("max_multiplier")
+    if "max_multiplier" in fields and not (_is_number(peak, minimum=0.0) and peak > 0):
+        problems.append(f"max_multiplier must be a finite number > 0, got {peak!r}")
+    ratio = fields.get("min_ratio")
+    if "min_ratio" in fields and not (_is_number(ratio, minimum=0.0) and ratio <= 1.0):
+        problems.append(f"min_ratio must be in [0, 1], got {ratio!r}")
+    return problems
+
+
+def _is_number(value: object, *, minimum: float) -> bool:
+    """A finite int or float (not a bool) of at least ``minimum``."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value) and value >= minimum)
 
 
 def _ramp_then_hold(count: jax.Array, config: ScheduleConfig) -> jax.Array:

@@ -144,8 +144,15 @@ def test_derived_errors_name_the_inputs() -> None:
 
 
 def test_zero_and_false_are_kept() -> None:
-    exp = TransformerLmSettings.resolve({"ADAM_BETA1": 0, "WEIGHT_DECAY": 0.0, "PACKED_INPUT": False,
-                              "CLIP_GRADIENT_NORM_TO_VALUE": 0, "MAX_STEPS": 0})
+    exp = TransformerLmSettings.resolve(
+        {
+            "ADAM_BETA1": 0,
+            "WEIGHT_DECAY": 0.0,
+            "PACKED_INPUT": False,
+            "CLIP_GRADIENT_NORM_TO_VALUE": 0,
+            "MAX_STEPS": 0,
+        }
+    )
     assert exp.ADAM_BETA1 == 0.0 and type(exp.ADAM_BETA1) is float
     assert exp.WEIGHT_DECAY == 0.0 and exp.CLIP_GRADIENT_NORM_TO_VALUE == 0.0
     assert exp.PACKED_INPUT is False and exp.MAX_STEPS == 0
@@ -222,24 +229,32 @@ def test_bad_class_definitions_are_reported() -> None:
 
 def test_validate_checks_cross_field_constraints() -> None:
     cases = {
-        "NUM_LAYERS": (0, "NUM_LAYERS must be positive, got 0"),
+        "NUM_LAYERS": (0, "NUM_LAYERS=0 must be a positive integer"),
         "MAX_STEPS": (-1, "MAX_STEPS must be >= 0, got -1"),
         "SUMMARY_INTERVAL_STEPS": (0, "SUMMARY_INTERVAL_STEPS must be >= 1, got 0"),
-        "DCN_MESH_SHAPE": ([1, 1], "DCN_MESH_SHAPE must be 3 to 6 positive sizes"),
-        "ICI_MESH_SHAPE": ([1, 0, 1], "ICI_MESH_SHAPE must be 3 to 6 positive sizes"),
+        "DCN_MESH_SHAPE": ([1, 1], "DCN_MESH_SHAPE=[1, 1]: expected 3 to 6 positive integers"),
+        "ICI_MESH_SHAPE": ([1, 0, 1],
+                           "ICI_MESH_SHAPE=[1, 0, 1]: expected 3 to 6 positive integers"),
         "PERCORE_BATCH_SIZE": (0, "PERCORE_BATCH_SIZE must be > 0, got 0.0"),
         "LR_COS_DECAY_START": (10, "LR_COS_DECAY_START (10) must be >= LR_COS_WARMUP (4000)"),
         "LR_LRED_DECAY_END": (5, "LR_LRED_DECAY_END (5) must be >= LR_LRED_DECAY_START (4001)"),
         "DROPOUT_PROB": (1.0, "DROPOUT_PROB must be in [0, 1), got 1.0"),
-        "HIDDEN_DIMS": (0, "HIDDEN_DIMS must be positive, got 0"),
+        "HIDDEN_DIMS": (0, "HIDDEN_DIMS=0 must be a positive integer"),
     }
     for name, (value, message) in cases.items():
         with pytest.raises(ConfigError) as info:
             TransformerLmSettings.resolve({name: value})
         assert message in str(info.value), (name, str(info.value))
     # Boundary values that are valid.
-    exp = TransformerLmSettings.resolve({"LR_COS_WARMUP": 0, "LR_COS_DECAY_START": 0, "LR_COS_DECAY_END": 0,
-                              "PERCORE_BATCH_SIZE": 0.5, "EVAL_LOOP_NUM_BATCHES": -1})
+    exp = TransformerLmSettings.resolve(
+        {
+            "LR_COS_WARMUP": 0,
+            "LR_COS_DECAY_START": 0,
+            "LR_COS_DECAY_END": 0,
+            "PERCORE_BATCH_SIZE": 0.5,
+            "EVAL_LOOP_NUM_BATCHES": -1,
+        }
+    )
     assert (exp.LR_COS_DECAY_START, exp.PERCORE_BATCH_SIZE) == (0, 0.5)
 
 

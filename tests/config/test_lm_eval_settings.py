@@ -25,7 +25,8 @@ def _problem(overrides, name="TinyShakespeare") -> str:
      "LM_EVAL_INTERVAL_STEPS=15 must be a positive multiple of EVAL_INTERVAL_STEPS=10"),
     (['LM_EVAL_TASKS=["a"]', "LM_EVAL_NUM_FEWSHOT=-1"], "LM_EVAL_NUM_FEWSHOT=-1 must be >= 0"),
     (['LM_EVAL_TASKS=["a"]', "LM_EVAL_LIMIT=0"], "LM_EVAL_LIMIT=0.0 must be > 0"),
-    (['LM_EVAL_TASKS=["a"]', "LM_EVAL_LIMIT=2.5"], "LM_EVAL_LIMIT=2.5: a count of examples is a whole number"),
+    (['LM_EVAL_TASKS=["a"]', "LM_EVAL_LIMIT=2.5"], ("LM_EVAL_LIMIT=2.5: a count of examples is a "
+                                                   "whole number")),
     (['LM_EVAL_TASKS=["a"]', "LM_EVAL_INCLUDE_PATH=/no/such/dir"],
      "LM_EVAL_INCLUDE_PATH='/no/such/dir' is not a directory"),
 ])
@@ -52,4 +53,9 @@ def test_settings_resolve_to_the_run_config(tmp_path):
     llama = load_experiment("LLaMA7B", ["VOCAB_PATH=/spm.model", 'LM_EVAL_TASKS=["a"]'])
     built = fdl.build(llama.lm_eval_config())
     assert (built.interval_steps, built.add_bos) == (llama.EVAL_INTERVAL_STEPS, True)
-    assert fdl.build(load_experiment("TinyShakespeare", ["VOCAB_PATH=/s", "DATA_DIR=/d"]).run_config()).lm_eval is None
+    assert (
+        fdl.build(
+            load_experiment("TinyShakespeare", ["VOCAB_PATH=/s", "DATA_DIR=/d"]).run_config()
+        ).lm_eval
+        is None
+    )

@@ -28,7 +28,8 @@ def test_registered_names_resolve_without_imports():
 @pytest.fixture
 def planted(tmp_path):
     """A working directory holding evil.py (which would leave a marker file when imported) and a
-    job directory whose config.json names it, with an (empty, committed) checkpoint step directory."""
+    job directory whose config.json names it, with an (empty, committed) checkpoint step
+    directory."""
     marker = tmp_path / "IMPORTED"
     (tmp_path / "evil.py").write_text(
         f"open({str(marker)!r}, 'w').close()\n"

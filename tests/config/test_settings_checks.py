@@ -19,25 +19,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                                      "LORA_RANDOM_BASE=true"])
 def test_lora_settings_without_use_lora_are_refused(setting):
     name = setting.split("=")[0]
-    with pytest.raises(ConfigError, match=rf"{name} set but USE_LORA is false.*--fdl.USE_LORA=true"):
+    with pytest.raises(
+        ConfigError, match=rf"{name} set but USE_LORA is false.*--fdl.USE_LORA=true"
+    ):
         load_experiment("TinySynthetic", [setting])
 
 
 def test_use_lora_needs_a_restore_path_or_an_explicit_random_base(tmp_path):
-    with pytest.raises(ConfigError, match="CHECKPOINT_RESTORE_PATH is unset.*LORA_RANDOM_BASE=true"):
+    with pytest.raises(
+        ConfigError, match="CHECKPOINT_RESTORE_PATH is unset.*LORA_RANDOM_BASE=true"
+    ):
         load_experiment("TinySynthetic", ["USE_LORA=true"])
     for extra in (["LORA_RANDOM_BASE=true"], [f"CHECKPOINT_RESTORE_PATH={str(tmp_path)!r}"]):
-        model = fdl.build(load_experiment("TinySynthetic", ["USE_LORA=true", *extra]).run_config()).model
+        model = fdl.build(
+            load_experiment("TinySynthetic", ["USE_LORA=true", *extra]).run_config()
+        ).model
         assert model.lora_rank == 8  # adapters are really added
 
 
-@pytest.mark.parametrize("settings, message", [
-    (["LAMBADA_PATH='/x/lambada.jsonl'"], "LAMBADA_PATH is read only with EVAL_TASK='lambada'"),
-    (["BOOLQ_PATH='/x/val.jsonl'"], "BOOLQ_PATH is read only with EVAL_TASK='boolq'"),
-    (["BOOLQ_TRAIN_PATH='/x/train.jsonl'"], "BOOLQ_TRAIN_PATH is read only with TRAIN_TASK='boolq'"),
-    (["DATA_DIR='/x'", "TFDS_DATASET='c4/en:3.0.1'"], "TFDS_DATASET='c4/en:3.0.1' is read only without"),
-    (["CHECKPOINT_IGNORE_RULES=['^x$']"], "CHECKPOINT_IGNORE_RULES set but CHECKPOINT_RESTORE_PATH"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (["LAMBADA_PATH='/x/lambada.jsonl'"], "LAMBADA_PATH is read only with EVAL_TASK='lambada'"),
+        (["BOOLQ_PATH='/x/val.jsonl'"], "BOOLQ_PATH is read only with EVAL_TASK='boolq'"),
+        (
+            ["BOOLQ_TRAIN_PATH='/x/train.jsonl'"],
+            "BOOLQ_TRAIN_PATH is read only with TRAIN_TASK='boolq'",
+        ),
+        (
+            ["DATA_DIR='/x'", "TFDS_DATASET='c4/en:3.0.1'"],
+            "TFDS_DATASET='c4/en:3.0.1' is read only without",
+        ),
+        (
+            ["CHECKPOINT_IGNORE_RULES=['^x$']"],
+            "CHECKPOINT_IGNORE_RULES set but CHECKPOINT_RESTORE_PATH",
+        ),
+    ],
+)
 def test_settings_nothing_reads_are_refused(settings, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_experiment("TinyShakespeare", settings)
@@ -48,13 +66,16 @@ def test_settings_nothing_reads_are_refused(settings, message):
 def test_object_store_paths_are_refused_by_setting(name):
     task = {"LAMBADA_PATH": ["EVAL_TASK='lambada'"], "BOOLQ_PATH": ["EVAL_TASK='boolq'"],
             "BOOLQ_TRAIN_PATH": ["TRAIN_TASK='boolq'", "EVAL_TASK='boolq'"]}.get(name, [])
-    with pytest.raises(ConfigError, match=rf"{name}='gs://bucket/x': gs:// paths are not supported"):
+    with pytest.raises(
+        ConfigError, match=rf"{name}='gs://bucket/x': gs:// paths are not supported"
+    ):
         load_experiment("TinyShakespeare", [f"{name}='gs://bucket/x'", *task])
 
 
 def test_object_store_path_in_the_environment_is_refused(monkeypatch):
     monkeypatch.setenv("VOCAB_PATH", "s3://bucket/spm.model")
-    with pytest.raises(ConfigError, match="the VOCAB_PATH environment variable='s3://bucket/spm.model'"):
+    with pytest.raises(ConfigError, match="the VOCAB_PATH environment "
+                                          "variable='s3://bucket/spm.model'"):
         load_experiment("TinyShakespeare", ["DATA_DIR='/x'"])
 
 
@@ -74,5 +95,7 @@ def test_prepare_refuses_urls(tmp_path, capsys):
     corpus = tmp_path / "c.txt"
     corpus.write_text("a b c\n\nd e f\n")
     assert prepare.main(["--input", str(corpus), "--output_dir", "s3://bucket/data"]) == 2
-    assert "--output_dir='s3://bucket/data': s3:// paths are not supported" in capsys.readouterr().err
+    assert (
+        "--output_dir='s3://bucket/data': s3:// paths are not supported" in capsys.readouterr().err
+    )
     assert sorted(os.listdir(tmp_path)) == ["c.txt"]

@@ -1,5 +1,5 @@
-"""dual_chunk_swap order (data/context_order.py): the permutation, its inverse, equal causal work per
-shard, a batch reordered field by field so every token keeps its true position (positions added
+"""dual_chunk_swap order (data/context_order.py): the permutation, its inverse, equal causal work
+per shard, a batch reordered field by field so every token keeps its true position (positions added
 where a batch has none), the divisibility check, and the reorder applied to every training batch
 where the loop takes it from its feed (data/feed.py)."""
 
@@ -23,7 +23,8 @@ from paxlite.parallel.rules import batch_sharding
 
 
 def test_order_gives_shard_i_chunks_i_and_mirror() -> None:
-    # 8 tokens, 2 shards: chunks [0 1] [2 3] [4 5] [6 7]; shard 0 gets chunks 0 and 3, shard 1 1 and 2.
+    # 8 tokens, 2 shards: chunks [0 1] [2 3] [4 5] [6 7]; shard 0 gets chunks 0 and 3, shard 1 1
+    # and 2.
     np.testing.assert_array_equal(dual_chunk_swap_order(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
     # 16 tokens, 4 shards: chunks of 2; shard i holds chunks i and 7 - i.
     np.testing.assert_array_equal(
@@ -73,8 +74,12 @@ def test_reorder_batch_moves_every_per_token_field_together() -> None:
     positions = np.array([[0, 1, 2, 0, 1, 2, 3, 0], np.arange(8)], np.int32)
     targets = np.arange(16, dtype=np.int32).reshape(2, 8) + 100
     batch = {
-        "inputs": targets - 100, "targets": targets, "weights": (segment_ids > 0).astype(np.float32),
-        "positions": positions, "segment_ids": segment_ids, "row_id": np.array([7, 9]),
+        "inputs": targets - 100,
+        "targets": targets,
+        "weights": (segment_ids > 0).astype(np.float32),
+        "positions": positions,
+        "segment_ids": segment_ids,
+        "row_id": np.array([7, 9]),
     }
     got = reorder_batch(batch, order)
     assert set(got) == set(batch)
@@ -179,8 +184,11 @@ def test_check_seq_divides_refuses_a_bad_count() -> None:
 def test_train_batches_come_balanced_and_keep_their_sharding() -> None:
     """prefetch_train_batches(balance_seq_shards=C): every training batch is the feed's batch in
     dual_chunk_swap order with positions added, each field sharded as the feed sharded it."""
-    mesh = jax.make_mesh((1, 2, 1, 4, 1, 1), ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
-                         axis_types=(AxisType.Auto,) * 6)
+    mesh = jax.make_mesh(
+        (1, 2, 1, 4, 1, 1),
+        ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
+        axis_types=(AxisType.Auto,) * 6,
+    )
     sharding = batch_sharding(mesh)
     feed = SyntheticFeed(SyntheticDataConfig(vocab_size=97, seq_len=16, seed=2),
                          global_batch_size=4)

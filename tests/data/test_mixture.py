@@ -42,9 +42,16 @@ def _text_config(directory: str, **kwargs) -> TextDataConfig:
     return TextDataConfig(data_dir=directory, vocab_path=None, vocab_size=64, seq_len=SEQ, **kwargs)
 
 
-def _config(dirs, weights: dict[str, float], *, reweight: bool = False, **kwargs) -> MixtureDataConfig:
-    return MixtureDataConfig(reweight=reweight, sources=[
-        MixtureSource(name=name, weight=w, data=_text_config(dirs[name], **kwargs)) for name, w in weights.items()])
+def _config(
+    dirs, weights: dict[str, float], *, reweight: bool = False, **kwargs
+) -> MixtureDataConfig:
+    return MixtureDataConfig(
+        reweight=reweight,
+        sources=[
+            MixtureSource(name=name, weight=w, data=_text_config(dirs[name], **kwargs))
+            for name, w in weights.items()
+        ],
+    )
 
 
 def _source_of_rows(batch: dict[str, np.ndarray]) -> list[str]:
@@ -61,12 +68,16 @@ def _source_of_rows(batch: dict[str, np.ndarray]) -> list[str]:
 def _grain_sources(weights: list[float], rows: range) -> list[int]:
     """Grain's own mix over disjoint index ranges (source = value // M), read at `rows`."""
     m = sys.maxsize // 4
-    mixed = grain.MapDataset.mix([grain.MapDataset.range(i * m, (i + 1) * m) for i in range(len(weights))],
-                                 list(grain_proportions(weights)))
+    mixed = grain.MapDataset.mix(
+        [grain.MapDataset.range(i * m, (i + 1) * m) for i in range(len(weights))],
+        list(grain_proportions(weights)),
+    )
     return [mixed[k] // m for k in rows]
 
 
-def _alone(directory: str, count: int, *, process_index=0, process_count=1, **kwargs) -> dict[str, np.ndarray]:
+def _alone(
+    directory: str, count: int, *, process_index=0, process_count=1, **kwargs
+) -> dict[str, np.ndarray]:
     """The first `count` rows of one source read alone (one row per call)."""
     data = TextData(_text_config(directory, **kwargs), global_batch_size=process_count,
                     process_index=process_index, process_count=process_count)
@@ -90,12 +101,20 @@ def test_rows_follow_grains_mix_and_each_sources_own_stream(dirs, packed, proces
         names = list(weights)
         assert got == [names[i] for i in _grain_sources(list(weights.values()), rows)]
         for name in names:  # the rows of each source are its own stream's, in order
-            mine = [(b, r) for b, x in enumerate(batches) for r, n in enumerate(_source_of_rows(x)) if n == name]
+            mine = [
+                (b, r)
+                for b, x in enumerate(batches)
+                for r, n in enumerate(_source_of_rows(x))
+                if n == name
+            ]
             alone = _alone(dirs[name], len(mine), packed=packed, process_index=process,
                            process_count=process_count)
             for key in alone:
-                np.testing.assert_array_equal(np.stack([batches[b][key][r] for b, r in mine]), alone[key],
-                                              err_msg=f"{name} {key}")
+                np.testing.assert_array_equal(
+                    np.stack([batches[b][key][r] for b, r in mine]),
+                    alone[key],
+                    err_msg=f"{name} {key}",
+                )
 
 
 def test_shares_stay_within_one_row_of_the_weights(dirs):
@@ -114,7 +133,12 @@ def test_a_small_source_re_epochs_alone(dirs):
     batches = [next(it) for _ in range(12)]
     state = it.get_state()["streams"]
     assert state["books"]["epoch"] >= 5 and state["web"]["epoch"] == 0, state
-    mine = [(b, r) for b, x in enumerate(batches) for r, n in enumerate(_source_of_rows(x)) if n == "books"]
+    mine = [
+        (b, r)
+        for b, x in enumerate(batches)
+        for r, n in enumerate(_source_of_rows(x))
+        if n == "books"
+    ]
     np.testing.assert_array_equal(np.stack([batches[b]["targets"][r] for b, r in mine]),
                                   _alone(dirs["books"], len(mine))["targets"])
 
@@ -144,14 +168,20 @@ def test_resume_mid_document_continues_bit_for_bit(dirs, process_count):
 
 
 def test_other_weights_or_sources_are_errors_naming_both(dirs):
-    old = MixtureData(_config(dirs, {"web": 0.7, "code": 0.3}), global_batch_size=4).train_iterator()
+    old = MixtureData(
+        _config(dirs, {"web": 0.7, "code": 0.3}), global_batch_size=4
+    ).train_iterator()
     for _ in range(3):
         next(old)
     state = old.get_state()
-    other = MixtureData(_config(dirs, {"web": 0.5, "code": 0.5}), global_batch_size=4).train_iterator()
+    other = MixtureData(
+        _config(dirs, {"web": 0.5, "code": 0.5}), global_batch_size=4
+    ).train_iterator()
     with pytest.raises(DatasetError, match=r"0\.7.*0\.5.*DATA_MIXTURE_REWEIGHT=true"):
         other.set_state(state)
-    renamed = MixtureData(_config(dirs, {"web": 0.7, "books": 0.3}), global_batch_size=4).train_iterator()
+    renamed = MixtureData(
+        _config(dirs, {"web": 0.7, "books": 0.3}), global_batch_size=4
+    ).train_iterator()
     with pytest.raises(DatasetError, match=r"\['web', 'code'\].*\['web', 'books'\]"):
         renamed.set_state(state)
     single = TextData(_text_config(dirs["web"]), global_batch_size=4).train_iterator()
@@ -162,17 +192,26 @@ def test_other_weights_or_sources_are_errors_naming_both(dirs):
 
 
 def test_reweight_keeps_positions_and_mixes_with_the_new_weights_from_the_resume_row(dirs):
-    old = MixtureData(_config(dirs, {"web": 0.7, "code": 0.3}), global_batch_size=4).train_iterator()
+    old = MixtureData(
+        _config(dirs, {"web": 0.7, "code": 0.3}), global_batch_size=4
+    ).train_iterator()
     before = [next(old) for _ in range(5)]
     state = old.get_state()
     new_weights = {"web": 0.2, "code": 0.8}
-    it = MixtureData(_config(dirs, new_weights, reweight=True), global_batch_size=4).train_iterator()
+    it = MixtureData(
+        _config(dirs, new_weights, reweight=True), global_batch_size=4
+    ).train_iterator()
     it.set_state(state)
     after = [next(it) for _ in range(6)]
     got = [name for b in after for name in _source_of_rows(b)]
     assert got == [["web", "code"][i] for i in _grain_sources([0.2, 0.8], range(20, 44))]
     for name in new_weights:  # each source continues its own stream: nothing repeated or skipped
-        rows = [b["targets"][r] for b in before + after for r, n in enumerate(_source_of_rows(b)) if n == name]
+        rows = [
+            b["targets"][r]
+            for b in before + after
+            for r, n in enumerate(_source_of_rows(b))
+            if n == name
+        ]
         np.testing.assert_array_equal(np.stack(rows), _alone(dirs[name], len(rows))["targets"])
     saved = it.get_state()
     assert saved["weights"] == [0.2, 0.8] and saved["selection"] == 44
@@ -183,8 +222,11 @@ def test_eval_batches_are_each_sources_own(dirs):
     data = MixtureData(_config(dirs, {"web": 1.0, "books": 3.0}), global_batch_size=4)
     assert list(data.eval_sources()) == ["web", "books"]
     pooled = list(data.eval_batches(2))
-    alone = [b for name in ("web", "books") for b in TextData(_text_config(dirs[name]), global_batch_size=4)
-             .eval_batches(2)]
+    alone = [
+        b
+        for name in ("web", "books")
+        for b in TextData(_text_config(dirs[name]), global_batch_size=4).eval_batches(2)
+    ]
     assert len(pooled) == len(alone) == 4
     for got, want in zip(pooled, alone, strict=True):
         for key in want:
@@ -200,9 +242,18 @@ def test_config_checks(dirs):
     with pytest.raises(ValueError, match="weight -1"):
         MixtureDataConfig(sources=[MixtureSource(name="a", weight=-1, data=web)])
     with pytest.raises(ValueError, match="seq_len"):
-        MixtureDataConfig(sources=[MixtureSource(name="a", weight=1, data=web), MixtureSource(
-            name="b", weight=1, data=TextDataConfig(data_dir=dirs["code"], vocab_path=None, vocab_size=64,
-                                                    seq_len=4))])
+        MixtureDataConfig(
+            sources=[
+                MixtureSource(name="a", weight=1, data=web),
+                MixtureSource(
+                    name="b",
+                    weight=1,
+                    data=TextDataConfig(
+                        data_dir=dirs["code"], vocab_path=None, vocab_size=64, seq_len=4
+                    ),
+                ),
+            ]
+        )
 
 
 def test_fractions_count_weighted_tokens_over_all_processes(dirs):
@@ -213,8 +264,12 @@ def test_fractions_count_weighted_tokens_over_all_processes(dirs):
     weights = {"web": 1.0, "code": 1.0, "books": 2.0}
     states, counts = [], dict.fromkeys(weights, 0.0)
     for process in range(2):
-        it = MixtureData(_config(dirs, weights, packed=False), global_batch_size=8, process_index=process,
-                         process_count=2).train_iterator()
+        it = MixtureData(
+            _config(dirs, weights, packed=False),
+            global_batch_size=8,
+            process_index=process,
+            process_count=2,
+        ).train_iterator()
         for _ in range(7):
             batch = next(it)
             for row, name in enumerate(_source_of_rows(batch)):
@@ -223,9 +278,17 @@ def test_fractions_count_weighted_tokens_over_all_processes(dirs):
     total = sum(counts.values())
     got = mixture_fractions(states + [states[1]])  # a second process of feed 1 is not counted twice
     assert got == pytest.approx({name: c / total for name, c in counts.items()}, abs=1e-12)
-    rows = {name: sum(1 for s in range(7) for k in range(8) if _grain_sources([1.0, 1.0, 2.0], [s * 8 + k])[0]
-                      == i) for i, name in enumerate(weights)}
-    assert got != pytest.approx({name: r / 56 for name, r in rows.items()}, abs=1e-3)  # not a row share
+    rows = {
+        name: sum(
+            1
+            for s in range(7)
+            for k in range(8)
+            if _grain_sources([1.0, 1.0, 2.0], [s * 8 + k])[0] == i
+        )
+        for i, name in enumerate(weights)
+    }
+    # not a row share
+    assert got != pytest.approx({name: r / 56 for name, r in rows.items()}, abs=1e-3)
 
 
 @pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [0.7, 0.3], [1.0], [0.013, 1.0, 0.4, 2.5]])
@@ -236,5 +299,9 @@ def test_selection_table_is_grains_choice_anywhere(weights):
     selection = Selection(weights)
     assert selection.period == sum(grain_proportions(weights))
     for start in (0, 7, selection.period * 3 + 5, 10**12 + 3, 2**61 + 11):
-        np.testing.assert_array_equal(selection.sources(start, 300), selection.from_grain(start, 300))
-        np.testing.assert_array_equal(selection.sources(start, 300), _grain_sources(weights, range(start, start + 300)))
+        np.testing.assert_array_equal(
+            selection.sources(start, 300), selection.from_grain(start, 300)
+        )
+        np.testing.assert_array_equal(
+            selection.sources(start, 300), _grain_sources(weights, range(start, start + 300))
+        )

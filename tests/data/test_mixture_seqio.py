@@ -1,4 +1,5 @@
-"""DATA_MIXTURE on the SeqIO path: a registered mixture by name, [name, weight] pairs, unknown names.
+"""DATA_MIXTURE on the SeqIO path: a registered mixture by name, [name, weight] pairs, unknown
+names.
 
 Reuses test_seqio_pipeline's tiny TFDS datasets and tokenizer (the `seqio` extra, as there).
 """
@@ -18,7 +19,9 @@ from tests.data.test_seqio_pipeline import assert_same, config, take, tfds_dir, 
 
 
 def _mixture(tfds_dir, vocab, mixture, **overrides):  # noqa: F811
-    return sp.SeqIODataConfig(**(dict(config(tfds_dir, vocab).__dict__, task=None, mixture=mixture) | overrides))
+    return sp.SeqIODataConfig(
+        **(dict(config(tfds_dir, vocab).__dict__, task=None, mixture=mixture) | overrides)
+    )
 
 
 def test_one_task_mixture_reads_that_task(tfds_dir, vocab):  # noqa: F811
@@ -51,7 +54,8 @@ def test_pairs_are_registered_as_the_mixture_a_user_would_register(tfds_dir, voc
 
 
 def test_unknown_name_lists_what_is_registered(tfds_dir, vocab):  # noqa: F811
-    with pytest.raises(DatasetError, match=r"'the_pile_lmm'.*did you mean 'the_pile_lm'.*registered: \[") as info:
+    with pytest.raises(DatasetError, match=r"'the_pile_lmm'.*did you mean "
+                                           r"'the_pile_lm'.*registered: \[") as info:
         sp.SeqIOData(_mixture(tfds_dir, vocab, [["the_pile_lmm", 1.0]]), global_batch_size=4)
     assert "\n" not in str(info.value)
 
@@ -60,7 +64,8 @@ def test_experiment_maps_data_mixture_to_seqio(tfds_dir, vocab):  # noqa: F811
     base = [f"VOCAB_PATH={vocab}", f"TFDS_DATA_DIR={tfds_dir}", "INPUT_PIPELINE='seqio'"]
     _, run = build_run_config("TinyShakespeare", [*base, "DATA_MIXTURE='user_mix'"])
     assert run.data.mixture == "user_mix" and run.data.task is None
-    _, run = build_run_config("TinyShakespeare", [*base, "DATA_MIXTURE=[['the_pile_lm', 2], ['c4_lm_v301_gpt', 1]]"])
+    _, run = build_run_config("TinyShakespeare", [*base, ("DATA_MIXTURE=[['the_pile_lm', 2], "
+                                                         "['c4_lm_v301_gpt', 1]]")])
     assert run.data.mixture == (("the_pile_lm", 2.0), ("c4_lm_v301_gpt", 1.0))
     with pytest.raises(ConfigError, match="weights must be numbers > 0"):
         build_run_config("TinyShakespeare", [*base, "DATA_MIXTURE=[['the_pile_lm', 0]]"])

@@ -31,7 +31,9 @@ def test_sharded_records_read_any_indices_in_request_order(tmp_path):
     paths = []
     for shard, (start, stop) in enumerate([(0, 7), (7, 8), (8, 23)]):
         path = str(tmp_path / f"s{shard}.array_record")
-        writer = array_record_module.ArrayRecordWriter(path, "group_size:1,uncompressed" if shard else "group_size:1")
+        writer = array_record_module.ArrayRecordWriter(
+            path, "group_size:1,uncompressed" if shard else "group_size:1"
+        )
         for record in records[start:stop]:
             writer.write(record)
         writer.close()
@@ -54,7 +56,8 @@ def test_join_with_eos_matches_a_loop():
 
 
 def _reference_rows(docs, order, *, seq_len, rows, count):
-    """Concat-then-split by hand: per token, its document and its position in that document's piece."""
+    """Concat-then-split by hand: per token, its document and its position in that document's
+    piece."""
     stream = [(t, k) for k in order for t in [*docs[k].tolist(), EOS]]
     out = []
     for b in range(count):
@@ -79,8 +82,16 @@ def test_packed_rows_and_resume_from_every_step(chunk):
     docs = _docs(60, seed=1)
     seq_len, rows = 16, 3
     make = lambda: DocumentStream(
-        source=ListSource(docs), indices=np.arange(60), encode=token_chunk_encoder(eos_id=EOS), shuffle=False,
-        seed=0, seq_len=seq_len, rows=rows, packed=True, chunk=chunk)
+        source=ListSource(docs),
+        indices=np.arange(60),
+        encode=token_chunk_encoder(eos_id=EOS),
+        shuffle=False,
+        seed=0,
+        seq_len=seq_len,
+        rows=rows,
+        packed=True,
+        chunk=chunk,
+    )
     total = sum(len(d) + 1 for d in docs)
     count = total // (seq_len * rows)
     expected = _reference_rows(docs, range(60), seq_len=seq_len, rows=rows, count=count)
@@ -99,8 +110,17 @@ def test_packed_rows_and_resume_from_every_step(chunk):
 
 def test_unpacked_rows_truncate_and_pad():
     docs = _docs(10, seed=2)
-    stream = DocumentStream(source=ListSource(docs), indices=np.arange(10), encode=token_chunk_encoder(eos_id=EOS),
-                            shuffle=False, seed=0, seq_len=20, rows=4, packed=False, chunk=3)
+    stream = DocumentStream(
+        source=ListSource(docs),
+        indices=np.arange(10),
+        encode=token_chunk_encoder(eos_id=EOS),
+        shuffle=False,
+        seed=0,
+        seq_len=20,
+        rows=4,
+        packed=False,
+        chunk=3,
+    )
     batch = next(stream)
     for r in range(4):
         ids = [*docs[r].tolist(), EOS][:20]
@@ -110,14 +130,25 @@ def test_unpacked_rows_truncate_and_pad():
 
 
 def test_the_stream_reads_only_a_chunk_ahead():
-    """Reading ahead is bounded: one chunk past what the rows need (a wasteful read is invisible in the rows)."""
+    """Reading ahead is bounded: one chunk past what the rows need (a wasteful read is invisible in
+    the rows)."""
     docs = _docs(400, seed=3)
     source = ListSource(docs)
     fetched = []
     original = source.__getitems__
     source.__getitems__ = lambda indices: (fetched.append(len(indices)), original(indices))[1]
-    stream = DocumentStream(source=source, indices=np.arange(400), encode=token_chunk_encoder(eos_id=EOS),
-                            shuffle=True, seed=0, seq_len=16, rows=2, packed=True, chunk=10)
+    stream = DocumentStream(
+        source=source,
+        indices=np.arange(400),
+        encode=token_chunk_encoder(eos_id=EOS),
+        shuffle=True,
+        seed=0,
+        seq_len=16,
+        rows=2,
+        packed=True,
+        chunk=10,
+    )
     next(stream)
-    needed = int(np.searchsorted(np.cumsum([len(d) + 1 for d in docs]), 32)) + 1  # upper bound, any order
+    # upper bound, any order
+    needed = int(np.searchsorted(np.cumsum([len(d) + 1 for d in docs]), 32)) + 1
     assert fetched and all(n == 10 for n in fetched) and sum(fetched) < needed + 40

@@ -126,7 +126,9 @@ def test_prepare_user_errors_exit_2_with_one_line(tmp_path, case):
 
 @pytest.mark.parametrize("documents, fraction, why", [
     (3, "0", "--validation_fraction is 0"), (1, "0.01", "the corpus has a single document")])
-def test_prepare_warns_when_it_writes_no_validation_split(tmp_path, capsys, documents, fraction, why):
+def test_prepare_warns_when_it_writes_no_validation_split(
+    tmp_path, capsys, documents, fraction, why
+):
     from paxlite.data import prepare
 
     corpus = tmp_path / "c.txt"

@@ -1,4 +1,5 @@
-"""Synthetic batches are a function of (seed, step) only: the same numbers on 1 device or 8, any mesh."""
+"""Synthetic batches are a function of (seed, step) only: the same numbers on 1 device or 8, any
+mesh."""
 
 import os
 
@@ -49,8 +50,9 @@ def test_rows_follow_the_permutation_and_differ_by_step():
 
 def test_seed_changes_the_data():
     a = SyntheticData(CONFIG, global_batch_size=4).rows(0, 0, slice(0, 4))
-    b = SyntheticData(SyntheticDataConfig(vocab_size=97, seq_len=16, seed=4), global_batch_size=4).rows(
-        0, 0, slice(0, 4))
+    b = SyntheticData(
+        SyntheticDataConfig(vocab_size=97, seq_len=16, seed=4), global_batch_size=4
+    ).rows(0, 0, slice(0, 4))
     assert not np.array_equal(a["inputs"], b["inputs"])
 
 

@@ -1,5 +1,6 @@
-"""BoolQ: the reader, Pax's prompt in unpacked answer-only batches, the pairwise score and boolq_acc,
-and `python -m paxlite.main --mode=eval --fdl.EVAL_TASK=boolq` end to end (JSONL and TFDS)."""
+"""BoolQ: the reader, Pax's prompt in unpacked answer-only batches, the pairwise score and
+boolq_acc, and `python -m paxlite.main --mode=eval --fdl.EVAL_TASK=boolq` end to end (JSONL and
+TFDS)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ _WORDS = (
 
 
 def _train_spm(prefix: str, *, single_yes_no: bool) -> str:
-    """A real BPE model (pad 0 / eos 1 / unk 2, no BOS); '▁yes' and '▁no' are pieces only if asked."""
+    """A real BPE model (pad 0 / eos 1 / unk 2, no BOS); '▁yes' and '▁no' are pieces only if
+    asked."""
     rng = random.Random(0)
     # Without the answer words in the text BPE learns no piece for them, and 'yes' falls apart.
     ending = "?\nanswer: yes no" if single_yes_no else "?\nanswer:"
@@ -77,7 +79,8 @@ def _write_jsonl(path, examples: list[BoolQExample]) -> str:
 
 
 def _numpy_choice_correct(logits, targets, weights, yn) -> np.ndarray:
-    """Pax's formula position by position in float64: s = yes + no; won iff l[label] - l[s - label] > 0."""
+    """Pax's formula position by position in float64: s = yes + no; won iff l[label] - l[s -
+    label] > 0."""
     out = np.zeros(targets.shape[0])
     for b in range(targets.shape[0]):
         s = int(yn[b].sum())
@@ -213,7 +216,9 @@ def test_batch_rows_hold_pax_prompt_and_answer_only_weights(tok) -> None:
 
 def test_long_prompt_keeps_its_end(tok) -> None:
     example = BoolQExample(passage=" ".join(_WORDS * 3), question="does it rain", label=False)
-    prompt = tok.encode(boolq_prompt(passage=example.passage, question=example.question, label=0)[0])
+    prompt = tok.encode(
+        boolq_prompt(passage=example.passage, question=example.question, label=0)[0]
+    )
     assert len(prompt) > 15
     (batch,) = list(boolq_batches([example], tok, seq_len=16, batch_size=1))
     np.testing.assert_array_equal(batch["targets"][0], prompt[-15:] + [yes_no_token_ids(tok)[1]])
@@ -233,7 +238,8 @@ def test_batches_bad_arguments(tok) -> None:
 
 def _reference_acc(params, run_config, examples, tok) -> tuple[float, float]:
     """boolq_acc from Transformer.apply's logits on the same rows, scored in float64 NumPy; and the
-    smallest |logit[yes] - logit[no]| (a near-tie could flip between differently compiled forwards)."""
+    smallest |logit[yes] - logit[no]| (a near-tie could flip between differently compiled
+    forwards)."""
     model = Transformer(run_config.model)
     forward = jax.jit(lambda p, b: model.apply({"params": p}, b["inputs"], positions=b["positions"],
                                                segment_ids=b["segment_ids"]))
@@ -255,23 +261,37 @@ def _eval_lines(job_dir) -> list[dict]:
 
 
 def _main(*flags) -> subprocess.CompletedProcess:
-    """One CPU device (compiles faster than the tests' eight; the checkpoint was written on eight)."""
+    """One CPU device (compiles faster than the tests' eight; the checkpoint was written on
+    eight)."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "JAX_PLATFORMS": "cpu"}
     for name in ("TFDS_DATA_DIR", "VOCAB_PATH"):
         env.pop(name, None)
     env["XLA_FLAGS"] = COMPILE_FLAGS
-    return subprocess.run([sys.executable, "-m", "paxlite.main", *flags], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=ROOT, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "paxlite.main", *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 def test_end_to_end_eval_matches_an_independent_computation(tmp_path, vocab, tok) -> None:
     examples = _examples(20, seed=3)
     val = _write_jsonl(tmp_path / "val.jsonl", examples)
     job = tmp_path / "job"
-    # Train two steps on synthetic tokens; an explicit EVAL_TASK=boolq scores BoolQ at the last step.
-    overrides = ["SYNTHETIC_DATA=true", "EVAL_TASK='boolq'", f"BOOLQ_PATH={val!r}", f"VOCAB_PATH={vocab!r}",
-                 "MAX_STEPS=2"]
+    # Train two steps on synthetic tokens; an explicit EVAL_TASK=boolq scores BoolQ at the last
+    # step.
+    overrides = [
+        "SYNTHETIC_DATA=true",
+        "EVAL_TASK='boolq'",
+        f"BOOLQ_PATH={val!r}",
+        f"VOCAB_PATH={vocab!r}",
+        "MAX_STEPS=2",
+    ]
     _, config = build_run_config(TINY_LLAMA, overrides)
     with Run(config, RunContext(job_dir=str(job), async_checkpointing=False)) as run:
         assert run.global_batch_size == 16  # 20 examples: a full batch and one with 12 padding rows
@@ -283,8 +303,13 @@ def test_end_to_end_eval_matches_an_independent_computation(tmp_path, vocab, tok
     assert during_training["eval/boolq_acc"] == pytest.approx(want, abs=1e-12)
 
     # --mode=eval from the command line, on the same checkpoint: once from the JSONL file ...
-    flags = [f"--fdl_config={TINY_LLAMA}", "--mode=eval", f"--job_log_dir={job}", "--fdl.EVAL_TASK=boolq",
-             f"--fdl.VOCAB_PATH={vocab}"]
+    flags = [
+        f"--fdl_config={TINY_LLAMA}",
+        "--mode=eval",
+        f"--job_log_dir={job}",
+        "--fdl.EVAL_TASK=boolq",
+        f"--fdl.VOCAB_PATH={vocab}",
+    ]
     result = _main(*flags, f"--fdl.BOOLQ_PATH={val}")
     assert result.returncode == 0, result.stderr[-3000:]
     # ... and once from TFDS super_glue/boolq:1.0.2 written by the download script (ArrayRecord).
@@ -310,7 +335,9 @@ def test_end_to_end_eval_matches_an_independent_computation(tmp_path, vocab, tok
 def test_missing_boolq_data_or_vocab_names_what_to_pass(monkeypatch, vocab) -> None:
     monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
     monkeypatch.delenv("VOCAB_PATH", raising=False)
-    with pytest.raises(ConfigError, match=r"--fdl.BOOLQ_PATH=.*download_boolq.py.*--fdl.VOCAB_PATH"):
+    with pytest.raises(
+        ConfigError, match=r"--fdl.BOOLQ_PATH=.*download_boolq.py.*--fdl.VOCAB_PATH"
+    ):
         build_run_config(TINY_LLAMA, [])
     with pytest.raises(ConfigError, match=r"VOCAB_PATH=None"):
         build_run_config(TINY_LLAMA, ["BOOLQ_PATH='val.jsonl'"])
@@ -321,7 +348,8 @@ def test_missing_boolq_data_or_vocab_names_what_to_pass(monkeypatch, vocab) -> N
     assert config.eval_task.path == "val.jsonl" and config.loop.eval_num_batches == -1
 
 
-# ---------------------------------------------------------------- BoolQ as training data (TRAIN_TASK=boolq)
+# ---------------------------------------------------------------- BoolQ as training data
+# (TRAIN_TASK=boolq)
 
 
 def _train_feed(path: str, vocab: str, *, rows: slice, global_batch: int, seed: int = 7):
@@ -330,14 +358,17 @@ def _train_feed(path: str, vocab: str, *, rows: slice, global_batch: int, seed: 
 
     plan = FeedPlan(feed_index=0, num_feeds=1, row_start=rows.start, row_stop=rows.stop,
                     global_batch_size=global_batch)
-    return BoolQTrainFeed(BoolQTrainConfig(vocab_path=vocab, seq_len=64, seed=seed, path=path), plan=plan)
+    return BoolQTrainFeed(
+        BoolQTrainConfig(vocab_path=vocab, seq_len=64, seed=seed, path=path), plan=plan
+    )
 
 
 def test_training_feed_epochs_order_rows_and_weights(tmp_path, vocab, tok) -> None:
     examples = _examples(10, seed=5)
     path = _write_jsonl(tmp_path / "train.jsonl", examples)
     feed = _train_feed(path, vocab, rows=slice(0, 4), global_batch=4)
-    # 10 examples, 4 rows per step: steps 0..4 cover two epochs; each epoch visits every example exactly once.
+    # 10 examples, 4 rows per step: steps 0..4 cover two epochs; each epoch visits every example
+    # exactly once.
     order = np.concatenate([feed.example_indices(i) for i in range(5)])
     assert sorted(order[:10]) == list(range(10)) and sorted(order[10:20]) == list(range(10))
     assert list(order[:10]) != list(order[10:20])  # a fresh permutation per epoch
@@ -345,7 +376,9 @@ def test_training_feed_epochs_order_rows_and_weights(tmp_path, vocab, tok) -> No
     again = _train_feed(path, vocab, rows=slice(0, 4), global_batch=4)
     assert np.array_equal(again.example_indices(3), feed.example_indices(3))
     other = _train_feed(path, vocab, rows=slice(0, 4), global_batch=4, seed=8)
-    assert not np.array_equal(np.concatenate([other.example_indices(i) for i in range(3)]), order[:12])
+    assert not np.array_equal(
+        np.concatenate([other.example_indices(i) for i in range(3)]), order[:12]
+    )
     # A process that owns rows 2..4 of the same global batch gets exactly those rows.
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -355,7 +388,8 @@ def test_training_feed_epochs_order_rows_and_weights(tmp_path, vocab, tok) -> No
     for row, example_index in enumerate(feed.example_indices(1)):
         example = examples[example_index]
         (weighted,) = np.nonzero(whole["weights"][row])
-        assert whole["targets"][row, weighted[0]] == (yes if example.label else no)  # loss on the answer only
+        # loss on the answer only
+        assert whole["targets"][row, weighted[0]] == (yes if example.label else no)
         prompt = tok.encode(boolq_prompt(passage=example.passage, question=example.question,
                                          label=int(example.label))[0])
         assert list(whole["targets"][row, :weighted[0]]) == list(prompt)
@@ -365,9 +399,13 @@ def test_train_task_boolq_needs_data_and_a_boolq_eval(tmp_path, vocab) -> None:
     path = _write_jsonl(tmp_path / "train.jsonl", _examples(4))
     base = [f"VOCAB_PATH={vocab!r}", "TRAIN_TASK='boolq'"]
     with pytest.raises(ConfigError, match="EVAL_TASK=boolq"):
-        build_run_config(TINY_LLAMA, base + [f"BOOLQ_TRAIN_PATH={path!r}", "EVAL_TASK='validation'"])
+        build_run_config(
+            TINY_LLAMA, base + [f"BOOLQ_TRAIN_PATH={path!r}", "EVAL_TASK='validation'"]
+        )
     with pytest.raises(ConfigError, match="BOOLQ_TRAIN_PATH"):
         build_run_config(TINY_LLAMA, base + ["EVAL_TASK='boolq'", f"BOOLQ_PATH={path!r}"])
-    _, config = build_run_config(TINY_LLAMA, base + [f"BOOLQ_TRAIN_PATH={path!r}", "EVAL_TASK='boolq'",
-                                                      f"BOOLQ_PATH={path!r}"])
+    _, config = build_run_config(
+        TINY_LLAMA,
+        base + [f"BOOLQ_TRAIN_PATH={path!r}", "EVAL_TASK='boolq'", f"BOOLQ_PATH={path!r}"],
+    )
     assert type(config.data).__name__ == "BoolQTrainConfig" and config.data.path == path

@@ -4,8 +4,8 @@ One tiny Hugging Face LLaMA with a SentencePiece tokenizer (BOS 1, EOS 2), its v
 the tokenizer's 200 pieces and MAX_SEQ_LEN 32, converted to paxlite with `convert`. The three local
 tasks of tests/testdata/lm_eval (multiple choice, rolling log-likelihood over documents longer than
 32 tokens, generate_until) are scored by HFLM on the original directory and by paxlite's LM on the
-converted checkpoint: every per-sample log-likelihood agrees to 1e-4, every greedy flag and generated
-string is the same, and so are the accuracies; then batch size and mesh change nothing.
+converted checkpoint: every per-sample log-likelihood agrees to 1e-4, every greedy flag and
+generated string is the same, and so are the accuracies; then batch size and mesh change nothing.
 """
 
 import argparse
@@ -69,9 +69,15 @@ def _paxlite(pax, *, batch_size, add_bos=True, mesh_shape=None, tasks=TASKS):
     bos = model_source.bos_id(model_source.BosChoice.AUTO, source, tokenizer)
     assert bos == 1  # the converted tokenizer_config.json says add_bos_token
     mesh, _ = model_source.build_mesh(source)
-    runner = ModelRunner(model_config=source.config, params=model_source.restore_params(source, mesh),
-                         mesh=mesh, batch_size=batch_size, vocab_limit=tokenizer.vocab_size,
-                         eos_id=tokenizer.eos_id, decode=tokenizer.decode)
+    runner = ModelRunner(
+        model_config=source.config,
+        params=model_source.restore_params(source, mesh),
+        mesh=mesh,
+        batch_size=batch_size,
+        vocab_limit=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        decode=tokenizer.decode,
+    )
     results = evaluate(runner=runner, tokenizer=tokenizer, bos_id=bos if add_bos else None,
                        tasks=tasks, include_path=str(TASKS_DIR), log_samples=True,
                        bootstrap_iters=0)
@@ -181,7 +187,10 @@ def test_score_tasks_returns_flat_metrics(runs, converted):
                        mesh=None, tokenizer=tokenizer, bos_id=1, tasks=["paxlite_mc"],
                        include_path=str(TASKS_DIR), batch_size=4)
     want = runs["paxlite"][0]["results"]["paxlite_mc"]
-    assert flat == {"paxlite_mc/acc": want["acc,none"], "paxlite_mc/acc_norm": want["acc_norm,none"]}
+    assert flat == {
+        "paxlite_mc/acc": want["acc,none"],
+        "paxlite_mc/acc_norm": want["acc_norm,none"],
+    }
     assert flatten_results({"results": {"gsm8k": {
         "exact_match,strict-match": 0.25, "exact_match_stderr,strict-match": 0.1,
         "alias": "gsm8k"}}}) == {"gsm8k/exact_match_strict-match": 0.25}
@@ -218,9 +227,16 @@ def test_seed_and_gen_kwargs_are_lm_evals(runs, converted, tmp_path, capsys):
     """--gen_kwargs overrides the task's generation settings (max_gen_toks=1: one token each);
     --num_fewshot=1 puts another document of the task before each question, picked by the
     few-shot seed (the 4th --seed value, as lm_eval reads it); bad values are one line, exit 2."""
-    flags = ["lm_eval", f"--checkpoint={converted[1]}", "--tasks=paxlite_gen",
-             f"--include_path={TASKS_DIR}", "--bootstrap_iters=0", "--log_samples", "--num_fewshot=1",
-             "--gen_kwargs=max_gen_toks=1"]
+    flags = [
+        "lm_eval",
+        f"--checkpoint={converted[1]}",
+        "--tasks=paxlite_gen",
+        f"--include_path={TASKS_DIR}",
+        "--bootstrap_iters=0",
+        "--log_samples",
+        "--num_fewshot=1",
+        "--gen_kwargs=max_gen_toks=1",
+    ]
     contexts = {}
     for seed in ("0,1234,1234,1", "0,1234,1234,2"):
         output = tmp_path / f"{seed[-1]}.json"

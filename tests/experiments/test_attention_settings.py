@@ -37,9 +37,15 @@ def test_settings_reach_the_model(assignments, kind, implementation):
 
 def test_fuji_flash_keeps_auto_and_takes_pax_switch():
     _, model = _model("fuji-7B-v2-flash", [])
-    assert (model.attention_kind, model.attention_implementation) == (AttentionKind.FLASH, Impl.AUTO)
+    assert (model.attention_kind, model.attention_implementation) == (
+        AttentionKind.FLASH,
+        Impl.AUTO,
+    )
     _, model = _model("fuji-7B-v2", ["USE_CUDNN_FLASH_ATTENTION=true"])
-    assert (model.attention_kind, model.attention_implementation) == (AttentionKind.FLASH, Impl.CUDNN)
+    assert (model.attention_kind, model.attention_implementation) == (
+        AttentionKind.FLASH,
+        Impl.CUDNN,
+    )
 
 
 @pytest.mark.parametrize("assignments, message", [
@@ -62,7 +68,9 @@ def test_a_kernel_that_cannot_run_is_one_error(assignments, message):
 
 
 def test_pallas_refuses_a_relative_position_bias_model():
-    with pytest.raises(ConfigError, match="'pallas_triton' cannot run GLaM126M64E: .*no logit bias"):
+    with pytest.raises(
+        ConfigError, match="'pallas_triton' cannot run GLaM126M64E: .*no logit bias"
+    ):
         load_experiment("GLaM126M64E", ["ATTENTION_IMPLEMENTATION=pallas_triton"])
     _, model = _model("GLaM126M64E", ["USE_CUDNN_FLASH_ATTENTION=true"])  # cuDNN takes the bias
     assert model.attention_implementation is Impl.CUDNN
@@ -112,8 +120,8 @@ def test_cudnn_on_a_cpu_job_stops_with_one_line_and_exit_2(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("paxlite: error:")]
     assert errors == [
         ("paxlite: error: attention implementation 'cudnn' (USE_CUDNN_FLASH_ATTENTION) cannot run: "
-        "cuDNN flash attention runs on NVIDIA GPUs, and this job's JAX backend is 'cpu'; use 'auto' "
-        "(cuDNN where it fits, else XLA) or 'xla'")]
+        "cuDNN flash attention runs on NVIDIA GPUs, and this job's JAX backend is 'cpu'; use "
+        "'auto' (cuDNN where it fits, else XLA) or 'xla'")]
     assert "Traceback" not in result.stderr
 
 
@@ -142,7 +150,7 @@ def test_auto_says_once_which_kernel_it_runs_and_why(caplog):
     assert records[0].getMessage() == (
         "ATTENTION_IMPLEMENTATION='auto' runs XLA attention (jax.nn.dot_product_attention "
         "implementation='xla'), not cuDNN flash attention: cuDNN flash attention runs on NVIDIA "
-        "GPUs, and this job's JAX backend is 'cpu'; cuDNN flash attention takes bfloat16 or float16 "
-        "activations, and the compute dtype is float32")
+        "GPUs, and this job's JAX backend is 'cpu'; cuDNN flash attention takes bfloat16 or "
+        "float16 activations, and the compute dtype is float32")
     assert attention_kernels.auto_choice_message([]) == (
         "ATTENTION_IMPLEMENTATION='auto' runs cuDNN flash attention")

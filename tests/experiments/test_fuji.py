@@ -344,6 +344,10 @@ def test_named_trainer_configs_is_axlearns_registry_lookup():
     assert set(configs) == {_name(*v) for v in VARIANTS}
     assert type(configs["fuji-8B-v3-tiktoken"]()) is fuji.Fuji8BV3Tiktoken
     e = configs["fuji-test-v1"](GradientAccumulationModifier(2), MAX_STEPS=10)
-    assert (e.GRAD_ACCUM_STEPS, e.MAX_STEPS, e.overridden) == (2, 10, {"GRAD_ACCUM_STEPS", "MAX_STEPS"})
+    assert (e.GRAD_ACCUM_STEPS, e.MAX_STEPS, e.overridden) == (
+        2,
+        10,
+        {"GRAD_ACCUM_STEPS", "MAX_STEPS"},
+    )
     with pytest.raises(ConfigError, match="did you mean 'MAX_STEPS'"):
         configs["fuji-test-v1"](MAX_STEP=10)

@@ -32,7 +32,9 @@ SIZES = {
 }
 
 
-def _formula(d: int, f: int, layers: int, heads: int, kv: int, *, v: int = 32000, h: int = 128) -> int:
+def _formula(
+    d: int, f: int, layers: int, heads: int, kv: int, *, v: int = 32000, h: int = 128
+) -> int:
     return 2 * v * d + layers * (2 * d * heads * h + 2 * d * kv * h + 3 * d * f + 2 * d) + d
 
 
@@ -53,8 +55,18 @@ def test_pax_llama_hyperparameters() -> None:
         e = EXPERIMENTS[name].resolve({})
         assert (e.NUM_LAYERS, e.NUM_HEADS, e.MODEL_DIMS, e.HIDDEN_DIMS, e.NUM_KV_HEADS,
                 e.PERCORE_BATCH_SIZE, e.ICI_MESH_SHAPE, e.DCN_MESH_SHAPE) == want, name
-        assert (e.DIMS_PER_HEAD, e.VOCAB_SIZE, e.MAX_SEQ_LEN, e.LAYERNORM_EPSILON) == (128, 32000, 4096, 1e-5)
-        assert (e.FPROP_DTYPE, e.MAX_STEPS, e.USE_REPEATED_LAYER, e.PACKED_INPUT) == ("bfloat16", 0, False, False)
+        assert (e.DIMS_PER_HEAD, e.VOCAB_SIZE, e.MAX_SEQ_LEN, e.LAYERNORM_EPSILON) == (
+            128,
+            32000,
+            4096,
+            1e-5,
+        )
+        assert (e.FPROP_DTYPE, e.MAX_STEPS, e.USE_REPEATED_LAYER, e.PACKED_INPUT) == (
+            "bfloat16",
+            0,
+            False,
+            False,
+        )
         model = fdl.build(e.model_config())
         assert (model.norm.value, model.activation.value, model.gated_mlp, model.use_bias,
                 model.tie_embeddings, model.position_kind, model.rope_theta) == (
@@ -67,7 +79,11 @@ def test_70b_layout_and_logical_axes() -> None:
     params, specs = nn.meta.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
     attention = params["layers_0"]["attention"]
     assert {k: v["kernel"].shape for k, v in attention.items()} == {
-        "query": (8192, 64, 128), "key": (8192, 8, 128), "value": (8192, 8, 128), "out": (64, 128, 8192)}
+        "query": (8192, 64, 128),
+        "key": (8192, 8, 128),
+        "value": (8192, 8, 128),
+        "out": (64, 128, 8192),
+    }
     assert tuple(specs["layers_0"]["attention"]["key"]["kernel"]) == ("embed", "kv_heads", "kv")
     assert params["output"]["kernel"].shape == (8192, 32000)
     assert tuple(specs["output"]["kernel"]) == ("embed", "vocab")
@@ -79,7 +95,8 @@ def test_flops_per_token_is_maxtext_formula_with_gqa_and_gated_mlp(name: str) ->
     d, f, layers, heads, kv, _ = SIZES[name]
     h, v, s = 128, 32000, 4096
     matmul_params = layers * (d * heads * h + 2 * d * kv * h + heads * h * d + 3 * d * f) + d * v
-    want = 6 * matmul_params + 6 * layers * s * heads * h  # causal attention: half of 12 * L * S * H * h
+    # causal attention: half of 12 * L * S * H * h
+    want = 6 * matmul_params + 6 * layers * s * heads * h
     assert EXPERIMENTS[name].resolve({}).flops_per_token() == want
 
 
@@ -96,26 +113,44 @@ def test_show_reports_the_exact_count() -> None:
 
 
 def test_bad_kv_heads_is_a_clear_error() -> None:
-    with pytest.raises(ConfigError, match="NUM_KV_HEADS=5 must be a positive divisor of NUM_HEADS=32"):
+    with pytest.raises(ConfigError, match="NUM_KV_HEADS=5 must be a positive divisor of "
+                                          "NUM_HEADS=32"):
         load_experiment("LLaMA7B", ["NUM_KV_HEADS=5"])
 
 
 def test_text_experiment_runs_on_synthetic_tokens() -> None:
-    run = fdl.build(load_experiment("LLaMA7B", ["SYNTHETIC_DATA=true", "MAX_STEPS=10"]).run_config())
+    run = fdl.build(
+        load_experiment("LLaMA7B", ["SYNTHETIC_DATA=true", "MAX_STEPS=10"]).run_config()
+    )
     assert (run.data.vocab_size, run.data.seq_len, run.loop.max_steps) == (32000, 4096, 10)
 
 
-# --------------------------------------------------------------- sharded equivalence on a tiny LLaMA
-TINY = ["SYNTHETIC_DATA=true", "NUM_LAYERS=2", "NUM_HEADS=4", "NUM_KV_HEADS=2", "DIMS_PER_HEAD=8",
-        "MODEL_DIMS=32", "HIDDEN_DIMS=64", "VOCAB_SIZE=128", "MAX_SEQ_LEN=16", "FPROP_DTYPE=float32",
-        "ICI_MESH_SHAPE=None", "DCN_MESH_SHAPE=[1,1,1]", "PERCORE_BATCH_SIZE=1", "MAX_STEPS=2"]
+# --------------------------------------------------------------- sharded equivalence on a tiny
+# LLaMA
+TINY = [
+    "SYNTHETIC_DATA=true",
+    "NUM_LAYERS=2",
+    "NUM_HEADS=4",
+    "NUM_KV_HEADS=2",
+    "DIMS_PER_HEAD=8",
+    "MODEL_DIMS=32",
+    "HIDDEN_DIMS=64",
+    "VOCAB_SIZE=128",
+    "MAX_SEQ_LEN=16",
+    "FPROP_DTYPE=float32",
+    "ICI_MESH_SHAPE=None",
+    "DCN_MESH_SHAPE=[1,1,1]",
+    "PERCORE_BATCH_SIZE=1",
+    "MAX_STEPS=2",
+]
 GLOBAL_BATCH = 8
 
 
 def _loss_and_grads(run, mesh):
-    """Loss and gradients of the train step's loss_fn at fixed random parameters, with parameters and batch sharded
-    by the rules table (mirrors tests/train/test_sharded_equivalence.py, which also covers the optimizer update).
-    Parameters come from NumPy rather than the model's init, whose random sampler is slow to compile on CPU."""
+    """Loss and gradients of the train step's loss_fn at fixed random parameters, with parameters
+    and batch sharded by the rules table (mirrors tests/train/test_sharded_equivalence.py, which
+    also covers the optimizer update). Parameters come from NumPy rather than the model's init,
+    whose random sampler is slow to compile on CPU."""
     model = Transformer(run.model)
     abstract = traced_variables(run.model)["params"]
     rng = np.random.default_rng(0)
@@ -131,7 +166,9 @@ def _loss_and_grads(run, mesh):
 
         def value_and_grad(params, batch):
             with nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
-                return jax.value_and_grad(functools.partial(loss_fn, model=model), has_aux=True)(params, batch)
+                return jax.value_and_grad(functools.partial(loss_fn, model=model), has_aux=True)(
+                    params, batch
+                )
 
         (loss, _), grads = jax.jit(
             value_and_grad, out_shardings=((rules_lib.replicated(mesh), None), shardings),

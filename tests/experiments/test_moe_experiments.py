@@ -174,17 +174,32 @@ def test_glam_architecture_and_pax_settings():
         2, False, Activation.RELU)
     assert moe.capacity_factor == 2.0 and moe.num_groups is None
     assert moe.load_balancing_weight == pytest.approx(0.01 / (12 / 2))
-    assert (exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE, exp.PERCORE_BATCH_SIZE) == ([1, 64, 1], [1, 1, 1], 4)
-    assert (exp.USE_REPEATED_LAYER, exp.Z_LOSS_WEIGHT, exp.USE_EXPERT_PARALLEL) == (False, 0.0, False)
+    assert (exp.ICI_MESH_SHAPE, exp.DCN_MESH_SHAPE, exp.PERCORE_BATCH_SIZE) == (
+        [1, 64, 1],
+        [1, 1, 1],
+        4,
+    )
+    assert (exp.USE_REPEATED_LAYER, exp.Z_LOSS_WEIGHT, exp.USE_EXPERT_PARALLEL) == (
+        False,
+        0.0,
+        False,
+    )
     big = load_experiment("GLaM64B64E")
     assert (big.NUM_LAYERS, big.NUM_HEADS, big.DIMS_PER_HEAD, big.MODEL_DIMS, big.HIDDEN_DIMS) == (
         64, 64, 128, 8192, 32768)
-    assert (big.MAX_SEQ_LEN, big.ICI_MESH_SHAPE, big.DCN_MESH_SHAPE) == (1024, [1, 1, 8], [1, 64, 1])
+    assert (big.MAX_SEQ_LEN, big.ICI_MESH_SHAPE, big.DCN_MESH_SHAPE) == (
+        1024,
+        [1, 1, 8],
+        [1, 64, 1],
+    )
     assert (big.ADAM_BETA1, big.ADAM_BETA2, big.CLIP_GRADIENT_NORM_TO_VALUE) == (0.9, 0.99, 1.0)
     assert (big.LEARNING_RATE, big.LR_COS_WARMUP, big.LR_COS_DECAY_START, big.LR_COS_DECAY_END) == (
         2e-5, 398, 399, 162900)
-    assert (big.CHECKPOINT_EVERY_N_STEPS, big.CHECKPOINT_MAX_TO_KEEP, big.SUMMARY_INTERVAL_STEPS) == (
-        100, 2, 10)
+    assert (
+        big.CHECKPOINT_EVERY_N_STEPS,
+        big.CHECKPOINT_MAX_TO_KEEP,
+        big.SUMMARY_INTERVAL_STEPS,
+    ) == (100, 2, 10)
     assert big.USE_REPEATED_LAYER
     assert load_experiment("LambadaGLaM126M64E").EVAL_TASK == "lambada"
     assert load_experiment("SyntheticGLaM126M64E").uses_synthetic_data()
@@ -213,31 +228,64 @@ def test_z_loss_weight_reaches_the_loop_and_the_router_settings_the_model():
 
 
 # --------------------------------------------------------------------- validation
-@pytest.mark.parametrize("name, assignments, message", [
-    ("TinyGLaM", ["ICI_MESH_SHAPE=[1,1,1,3]"],
-     "NUM_EXPERTS=8 does not split over the expert mesh axis of size 3"),
-    ("TinyGLaM", ["DCN_MESH_SHAPE=[1,1,1,16]"], "valid expert axis sizes: [1, 2, 4, 8]"),
-    ("TinyMixtral", ["NUM_EXPERTS_PER_TOKEN=9"],
-     "NUM_EXPERTS_PER_TOKEN=9 is larger than NUM_EXPERTS=8"),
-    ("TinyGLaM", ["NUM_EXPERTS_PER_TOKEN=3"], "use --fdl.MOE_ROUTING=dropless_topk"),
-    ("TinyGLaM", ["CAPACITY_FACTOR=0.0"], "CAPACITY_FACTOR=0.0 must be > 0 with MOE_ROUTING='gshard_top2'"),
-    ("TinyGLaM", ["CAPACITY_FACTOR=-1.0"], "CAPACITY_FACTOR=-1.0 must be > 0"),
-    ("TinyMixtral", ["CAPACITY_FACTOR=1.5"], "CAPACITY_FACTOR read only with MOE_ROUTING='gshard_top2'"),
-    ("TinyGLaM", ["MOE_GROUPED_MATMUL=ragged_dot"], "MOE_GROUPED_MATMUL is read only with"),
-    ("TinyMixtral", ["MOE_GROUPED_MATMUL=pallas_triton"], "one of 'ragged_dot'"),
-    ("TinyGLaM", ["USE_EXPERT_PARALLEL=true"],
-     "USE_EXPERT_PARALLEL=true needs an expert mesh axis > 1: give ICI_MESH_SHAPE"),
-    ("GLaM126M64E", ["USE_EXPERT_PARALLEL=true"], "--fdl.ICI_MESH_SHAPE=[1,64,1,4]"),
-    ("TinySynthetic", ["ICI_MESH_SHAPE=[1,1,1,2]"], "TinySynthetic is a dense model with no experts"),
-    ("TinySynthetic", ["USE_EXPERT_PARALLEL=true"],
-     "USE_EXPERT_PARALLEL=true, and TinySynthetic is a dense model"),
-    ("TinySynthetic", ["NUM_EXPERTS=8"],
-     "--fdl.NUM_EXPERTS: mixture-of-experts setting(s), and TinySynthetic is a dense model"),
-    ("LLaMA7B", ["CAPACITY_FACTOR=2.0", "Z_LOSS_WEIGHT=1e-4"],
-     "--fdl.CAPACITY_FACTOR, --fdl.Z_LOSS_WEIGHT: mixture-of-experts"),
-    ("TinyGLaM", ["NUM_GROUPS=0"], "NUM_GROUPS=0 must be a positive integer or None"),
-    ("TinyGLaM", ["LOAD_BALANCING_WEIGHT=-0.1"], "LOAD_BALANCING_WEIGHT=-0.1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "name, assignments, message",
+    [
+        (
+            "TinyGLaM",
+            ["ICI_MESH_SHAPE=[1,1,1,3]"],
+            "NUM_EXPERTS=8 does not split over the expert mesh axis of size 3",
+        ),
+        ("TinyGLaM", ["DCN_MESH_SHAPE=[1,1,1,16]"], "valid expert axis sizes: [1, 2, 4, 8]"),
+        (
+            "TinyMixtral",
+            ["NUM_EXPERTS_PER_TOKEN=9"],
+            "NUM_EXPERTS_PER_TOKEN=9 is larger than NUM_EXPERTS=8",
+        ),
+        ("TinyGLaM", ["NUM_EXPERTS_PER_TOKEN=3"], "use MOE_ROUTING='dropless_topk'"),
+        (
+            "TinyGLaM",
+            ["CAPACITY_FACTOR=0.0"],
+            "CAPACITY_FACTOR=0.0 must be > 0 with MOE_ROUTING='gshard_top2'",
+        ),
+        ("TinyGLaM", ["CAPACITY_FACTOR=-1.0"], "CAPACITY_FACTOR=-1.0 must be > 0"),
+        (
+            "TinyMixtral",
+            ["CAPACITY_FACTOR=1.5"],
+            "CAPACITY_FACTOR read only with MOE_ROUTING='gshard_top2'",
+        ),
+        ("TinyGLaM", ["MOE_GROUPED_MATMUL=ragged_dot"], "MOE_GROUPED_MATMUL is read only with"),
+        ("TinyMixtral", ["MOE_GROUPED_MATMUL=pallas_triton"], "one of 'ragged_dot'"),
+        (
+            "TinyGLaM",
+            ["USE_EXPERT_PARALLEL=true"],
+            "USE_EXPERT_PARALLEL=true needs an expert mesh axis > 1: give ICI_MESH_SHAPE",
+        ),
+        ("GLaM126M64E", ["USE_EXPERT_PARALLEL=true"], "--fdl.ICI_MESH_SHAPE=[1,64,1,4]"),
+        (
+            "TinySynthetic",
+            ["ICI_MESH_SHAPE=[1,1,1,2]"],
+            "TinySynthetic is a dense model with no experts",
+        ),
+        (
+            "TinySynthetic",
+            ["USE_EXPERT_PARALLEL=true"],
+            "USE_EXPERT_PARALLEL=true, and TinySynthetic is a dense model",
+        ),
+        (
+            "TinySynthetic",
+            ["NUM_EXPERTS=8"],
+            "--fdl.NUM_EXPERTS: mixture-of-experts setting(s), and TinySynthetic is a dense model",
+        ),
+        (
+            "LLaMA7B",
+            ["CAPACITY_FACTOR=2.0", "Z_LOSS_WEIGHT=1e-4"],
+            "--fdl.CAPACITY_FACTOR, --fdl.Z_LOSS_WEIGHT: mixture-of-experts",
+        ),
+        ("TinyGLaM", ["NUM_GROUPS=0"], "NUM_GROUPS=0 must be a positive integer or None"),
+        ("TinyGLaM", ["LOAD_BALANCING_WEIGHT=-0.1"], "LOAD_BALANCING_WEIGHT=-0.1 must be >= 0"),
+    ],
+)
 def test_moe_misconfiguration_is_one_config_error(name, assignments, message):
     with pytest.raises(ConfigError) as info:
         load_experiment(name, assignments)
@@ -275,5 +323,6 @@ def test_closed_form_equals_the_built_moe_model(name):
 
     model = model_of(name)
     paths = jax.tree_util.tree_leaves_with_path(traced_variables(model)["params"])
-    assert any("moe" in jax.tree_util.keystr(path) for path, _ in paths)  # the built model has experts
+    # the built model has experts
+    assert any("moe" in jax.tree_util.keystr(path) for path, _ in paths)
     assert moe_params.closed_form_num_params(model) == traced_num_params(model)

@@ -1,7 +1,8 @@
-"""Every registered experiment: exact Pax dimensions, parameter counts, and a golden dump of its configuration.
+"""Every registered experiment: exact Pax dimensions, parameter counts, and a golden dump of its
+configuration.
 
-The golden files make any change to an experiment's hyperparameters or parameter layout a reviewable diff.
-Regenerate with `UPDATE_GOLDEN=1 pytest tests/experiments`.
+The golden files make any change to an experiment's hyperparameters or parameter layout a reviewable
+diff. Regenerate with `UPDATE_GOLDEN=1 pytest tests/experiments`.
 """
 
 import math
@@ -22,7 +23,10 @@ GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "testdata", "golden")
 
 def golden_text(name: str) -> str:
     experiment = EXPERIMENTS[name].resolve({})
-    lines = [f"# {name}: {type(experiment).__module__}.{type(experiment).__qualname__}", "[hparams]"]
+    lines = [
+        f"# {name}: {type(experiment).__module__}.{type(experiment).__qualname__}",
+        "[hparams]",
+    ]
     lines += [f"{key} = {value!r}" for key, value in experiment.hparams().items()]
     model = fdl.build(experiment.model_config())
     variables = traced_variables(model)["params"]  # shared with the other tests tracing this model
@@ -53,7 +57,8 @@ def test_golden(name):
             f.write(text)
     with open(path) as f:
         expected = f.read()
-    assert text == expected, f"{name} differs from {path}; if intended, regenerate with UPDATE_GOLDEN=1"
+    assert text == expected, (f"{name} differs from {path}; if intended, regenerate with "
+                              "UPDATE_GOLDEN=1")
 
 
 def test_every_golden_file_has_an_experiment():
@@ -81,7 +86,12 @@ def test_exact_parameter_counts(name, expected):
 def test_pax_gpt_hyperparameters():
     """Values from Pax's GPT126MBase / GPT5BBase / GPT175BBase, written out here by hand."""
     gpt126m = EXPERIMENTS["Synthetic126M"].resolve({})
-    assert (gpt126m.NUM_LAYERS, gpt126m.NUM_HEADS, gpt126m.MODEL_DIMS, gpt126m.HIDDEN_DIMS) == (12, 12, 768, 3072)
+    assert (gpt126m.NUM_LAYERS, gpt126m.NUM_HEADS, gpt126m.MODEL_DIMS, gpt126m.HIDDEN_DIMS) == (
+        12,
+        12,
+        768,
+        3072,
+    )
     assert (gpt126m.VOCAB_SIZE, gpt126m.MAX_SEQ_LEN, gpt126m.PERCORE_BATCH_SIZE) == (50304, 2048, 4)
     assert (gpt126m.ICI_MESH_SHAPE, gpt126m.DCN_MESH_SHAPE) == ([8, 1, 1], [8, 1, 1])
     assert (gpt126m.LEARNING_RATE, gpt126m.LR_COS_WARMUP, gpt126m.LR_COS_DECAY_START,
@@ -89,16 +99,39 @@ def test_pax_gpt_hyperparameters():
     assert (gpt126m.ADAM_BETA1, gpt126m.ADAM_BETA2, gpt126m.ADAM_EPSILON, gpt126m.WEIGHT_DECAY) == (
         0.9, 0.95, 1e-8, 0.1)
     assert (gpt126m.CLIP_GRADIENT_NORM_TO_VALUE, gpt126m.ADAM_CLIP_THRESHOLD) == (1.0, -1.0)
-    assert (gpt126m.INIT_STD, gpt126m.SOFTMAX_INIT_STD, gpt126m.FPROP_DTYPE) == (0.023, 0.023, "bfloat16")
+    assert (gpt126m.INIT_STD, gpt126m.SOFTMAX_INIT_STD, gpt126m.FPROP_DTYPE) == (
+        0.023,
+        0.023,
+        "bfloat16",
+    )
     gpt5b = EXPERIMENTS["Synthetic5B"].resolve({})
-    assert (gpt5b.LEARNING_RATE, gpt5b.LR_COS_WARMUP, gpt5b.LR_COS_DECAY_START, gpt5b.LR_COS_DECAY_END) == (
-        1.6e-4, 115, 116, 62500)
-    assert (gpt5b.ICI_MESH_SHAPE, gpt5b.DCN_MESH_SHAPE, gpt5b.PERCORE_BATCH_SIZE) == ([1, 8, 1], [1, 32, 1], 8)
-    assert (gpt5b.USE_REPEATED_LAYER, gpt5b.CHECKPOINT_POLICY) == (True, "SAVE_DOT_WITH_NO_BATCH_DIM")
-    assert (gpt5b.CHECKPOINT_EVERY_N_STEPS, gpt5b.SUMMARY_INTERVAL_STEPS, gpt5b.INPUT_DROPOUT_PROB) == (250, 10, 0.1)
+    assert (
+        gpt5b.LEARNING_RATE,
+        gpt5b.LR_COS_WARMUP,
+        gpt5b.LR_COS_DECAY_START,
+        gpt5b.LR_COS_DECAY_END,
+    ) == (1.6e-4, 115, 116, 62500)
+    assert (gpt5b.ICI_MESH_SHAPE, gpt5b.DCN_MESH_SHAPE, gpt5b.PERCORE_BATCH_SIZE) == (
+        [1, 8, 1],
+        [1, 32, 1],
+        8,
+    )
+    assert (gpt5b.USE_REPEATED_LAYER, gpt5b.CHECKPOINT_POLICY) == (
+        True,
+        "SAVE_DOT_WITH_NO_BATCH_DIM",
+    )
+    assert (
+        gpt5b.CHECKPOINT_EVERY_N_STEPS,
+        gpt5b.SUMMARY_INTERVAL_STEPS,
+        gpt5b.INPUT_DROPOUT_PROB,
+    ) == (250, 10, 0.1)
     gpt175b = EXPERIMENTS["Synthetic175B"].resolve({})
     assert (gpt175b.VOCAB_SIZE, gpt175b.PERCORE_BATCH_SIZE, gpt175b.INIT_STD) == (50257, 6, 0.023)
-    assert (gpt175b.LEARNING_RATE, gpt175b.LR_COS_WARMUP, gpt175b.LR_COS_DECAY_END) == (2e-5, 265, 108600)
+    assert (gpt175b.LEARNING_RATE, gpt175b.LR_COS_WARMUP, gpt175b.LR_COS_DECAY_END) == (
+        2e-5,
+        265,
+        108600,
+    )
     assert gpt175b.CHECKPOINT_EVERY_N_STEPS == 100
 
 
@@ -107,7 +140,8 @@ def test_model_config_follows_overrides():
                                                    "FPROP_DTYPE=float32", "LR_COS_WARMUP=500"])
     model = fdl.build(experiment.model_config())
     assert (model.num_layers, model.scan_layers, model.dtype) == (2, True, "float32")
-    assert model.remat_policy.value == "save_nothing"  # Pax applies CHECKPOINT_POLICY to repeated layers
+    # Pax applies CHECKPOINT_POLICY to repeated layers
+    assert model.remat_policy.value == "save_nothing"
     schedule = fdl.build(experiment.schedule_config())
     assert (schedule.warmup_steps, schedule.decay_start) == (500, 501)  # derived after the override
 
@@ -117,10 +151,18 @@ def test_pile_without_data_dir_is_a_clear_error(monkeypatch):
 
     monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
     experiment = load_experiment("Pile126M")
-    with pytest.raises(ConfigError, match=r"neither DATA_DIR nor TFDS_DATA_DIR.*--fdl.SYNTHETIC_DATA=true"):
+    with pytest.raises(ConfigError, match=r"neither DATA_DIR nor "
+                                          r"TFDS_DATA_DIR.*--fdl.SYNTHETIC_DATA=true"):
         experiment.run_config()
-    text = fdl.build(load_experiment("Pile126M", ["DATA_DIR=/data/pile", "VOCAB_PATH=/v.model"]).data_config())
-    assert (text.data_dir, text.vocab_path, text.seq_len, text.packed) == ("/data/pile", "/v.model", 2048, True)
+    text = fdl.build(
+        load_experiment("Pile126M", ["DATA_DIR=/data/pile", "VOCAB_PATH=/v.model"]).data_config()
+    )
+    assert (text.data_dir, text.vocab_path, text.seq_len, text.packed) == (
+        "/data/pile",
+        "/v.model",
+        2048,
+        True,
+    )
     assert load_experiment("Pile126M", ["SYNTHETIC_DATA=true"]).run_config() is not None
 
 
@@ -128,7 +170,9 @@ def test_pile_reads_pax_tfds_data_dir_from_the_flag_or_the_environment(monkeypat
     from paxlite.config.errors import ConfigError
 
     monkeypatch.delenv("TFDS_DATA_DIR", raising=False)
-    text = fdl.build(load_experiment("Pile126M", ["TFDS_DATA_DIR='/tfds'", "VOCAB_PATH=/v.model"]).data_config())
+    text = fdl.build(
+        load_experiment("Pile126M", ["TFDS_DATA_DIR='/tfds'", "VOCAB_PATH=/v.model"]).data_config()
+    )
     assert (text.data_dir, text.tfds_name) == ("/tfds", "the_pile:1.0.0")
     monkeypatch.setenv("TFDS_DATA_DIR", "/env/tfds")
     text = fdl.build(load_experiment("Pile126M", ["TFDS_DATASET='c4/en:3.0.1'"]).data_config())

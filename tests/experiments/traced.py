@@ -6,10 +6,10 @@ for an unscanned 80-layer one such as LLaMA70B, whose configuration several test
 files, which may share a process) trace. The tests here that only read the traced tree (its shapes,
 partition specs or parameter count) take it from this module, which traces each configuration once.
 
-The key is the built ``TransformerConfig`` itself: a frozen dataclass, so equal configurations (every
-field equal) hash alike, and a configuration that differs in anything (attention kind, FP8, MoE,
-scanning) is traced on its own. The results are still traces of the model, never a closed form, so a
-test comparing a closed-form count with the traced one keeps an independent reference.
+The key is the built ``TransformerConfig`` itself: a frozen dataclass, so equal configurations
+(every field equal) hash alike, and a configuration that differs in anything (attention kind, FP8,
+MoE, scanning) is traced on its own. The results are still traces of the model, never a closed form,
+so a test comparing a closed-form count with the traced one keeps an independent reference.
 
 The returned trees are shared between tests: read them, never change them in place.
 """
@@ -30,7 +30,8 @@ from paxlite.models.transformer import TransformerConfig, abstract_variables
 def traced_variables(config: TransformerConfig) -> Any:
     """``abstract_variables(config)`` (boxed ShapeDtypeStructs), traced once per configuration."""
     if not isinstance(config, TransformerConfig):  # a Fiddle config would hash by identity
-        raise TypeError(f"traced_variables takes a built TransformerConfig, got {type(config).__name__}")
+        raise TypeError("traced_variables takes a built TransformerConfig, got "
+                        f"{type(config).__name__}")
     return abstract_variables(config)
 
 

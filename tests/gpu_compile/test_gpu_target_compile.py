@@ -1,5 +1,5 @@
-"""Compile-only GPUs from JAX's CUDA plugin (paxlite/parallel/gpu_target.py): what they are, and that the
-models' kernel choices see the target's platform, not this process's CPU backend."""
+"""Compile-only GPUs from JAX's CUDA plugin (paxlite/parallel/gpu_target.py): what they are, and
+that the models' kernel choices see the target's platform, not this process's CPU backend."""
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,10 @@ def test_the_kernel_choice_reads_the_targets_platform(target, capability, head_d
 
 
 def test_cudnn_attention_compiles_to_cudnns_fused_kernels():
-    mesh = Mesh(np.array(gpu_devices(CompileTarget.H200, GpuTopology(gpus_per_host=8))).reshape(4, 2),
-                ("data", "heads"))
+    mesh = Mesh(
+        np.array(gpu_devices(CompileTarget.H200, GpuTopology(gpus_per_host=8))).reshape(4, 2),
+        ("data", "heads"),
+    )
     spec = jax.ShapeDtypeStruct((8, 512, 8, 128), jnp.bfloat16,
                                 sharding=NamedSharding(mesh, PartitionSpec("data", None, "heads")))
 

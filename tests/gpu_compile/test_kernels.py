@@ -168,7 +168,9 @@ def _bare_einsum_programs(compiler_options: dict[str, str]) -> dict[str, str]:
     mesh = Mesh(np.array(gpu_devices(CompileTarget.H100, GpuTopology(gpus_per_host=8))), ("data",))
     x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16,
                              sharding=NamedSharding(mesh, PartitionSpec("data")))
-    w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
+    w = jax.ShapeDtypeStruct(
+        (256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec())
+    )
     einsum = nn.Fp8Einsum(amax_history_length=4)
 
     def flax_loss(state, x, w):

@@ -105,7 +105,8 @@ def test_the_circular_stage_holds_twice_the_gpipe_stages_layers(gpipe, circular)
 def test_jaxs_cudnn_attention_still_refuses_a_head_broadcast_mask_under_vmap():
     """JAX 0.12's cuDNN attention batching rule reshapes a vmapped mask to [B, N, T, S] and fails on
     a [B, 1, T, S] mask (broadcast over heads), as a pipeline's stages give it (jax-ml/jax#34920).
-    When this test fails, JAX compiles it: paxlite's refusal (cudnn_problems' vmapped_stages) can go."""
+    When this test fails, JAX compiles it: paxlite's refusal (cudnn_problems' vmapped_stages) can
+    go."""
     mesh = Mesh(np.array(gpu_devices(CompileTarget.H100, GpuTopology(gpus_per_host=1))), ("data",))
     qkv = jax.ShapeDtypeStruct((2, 4, 256, 4, 64), jnp.bfloat16)  # [stages, B, T, N, H]
     mask = jax.ShapeDtypeStruct((2, 4, 1, 256, 256), jnp.bool_)  # [stages, B, 1, T, S]

@@ -126,11 +126,17 @@ def test_parse_size(text, size):
     assert hf_write.parse_size(text) == size
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"max_shard_size": "5 parsecs"}, r"--max_shard_size='5 parsecs' is not a size"),
-    ({"max_shard_size": "0"}, "must be a positive size"),
-    ({"vocab_path": "/nonexistent/tok.model"}, "--vocab_path=/nonexistent/tok.model does not exist"),
-])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"max_shard_size": "5 parsecs"}, r"--max_shard_size='5 parsecs' is not a size"),
+        ({"max_shard_size": "0"}, "must be a positive size"),
+        (
+            {"vocab_path": "/nonexistent/tok.model"},
+            "--vocab_path=/nonexistent/tok.model does not exist",
+        ),
+    ],
+)
 def test_bad_flags_refused_before_writing(llama_gqa, tmp_path, kw, match):
     with pytest.raises(UserError, match=match):
         _convert(llama_gqa[0], tmp_path / "never", **kw)
@@ -148,8 +154,13 @@ def test_tokenizer_larger_than_model_vocab_refused(llama_gqa, tmp_path):
 
     lines = [f"w{i} x{i * 3} y{i * 7} zz{i}" for i in range(2000)]
     (tmp_path / "c.txt").write_text("\n".join(lines))
-    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "big"),
-                                   vocab_size=400, model_type="bpe", minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "c.txt"),
+        model_prefix=str(tmp_path / "big"),
+        vocab_size=400,
+        model_type="bpe",
+        minloglevel=2,
+    )
     with pytest.raises(UserError, match="has 400 pieces but the model's vocab_size is 256"):
         _convert(llama_gqa[0], tmp_path / "never", vocab_path=str(tmp_path / "big.model"))
     assert not os.path.exists(tmp_path / "never")

@@ -68,8 +68,8 @@ def test_a_killed_save_leaves_partial_which_a_rerun_replaces(tmp_path, caplog):
         "import os, numpy as np, orbax.checkpoint as ocp\n"
         "from paxlite.checkpointing import pretrained\n"
         "def killed(self, *a, **k):\n"
-        "    os.makedirs(os.path.join(str(self.directory), 'checkpoint_00000000.orbax-checkpoint-tmp-1'))\n"
-        "    os._exit(9)\n"
+        "    os.makedirs(os.path.join(str(self.directory), "
+        "'checkpoint_00000000.orbax-checkpoint-tmp-1'))\n    os._exit(9)\n"
         "ocp.CheckpointManager.save = killed\n"
         f"pretrained.save_params({str(out)!r}, {{'w': np.ones((2, 2), np.float32)}})\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
@@ -83,7 +83,9 @@ def test_a_killed_save_leaves_partial_which_a_rerun_replaces(tmp_path, caplog):
     assert not (tmp_path / "out.partial").exists()
     assert any("left by an interrupted run" in m for m in caplog.messages)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = {"embedding": {"embedding": jax.ShapeDtypeStruct((4, 8), np.float32, sharding=sharding)}}
+    abstract = {
+        "embedding": {"embedding": jax.ShapeDtypeStruct((4, 8), np.float32, sharding=sharding)}
+    }
     step, restored = pretrained.restore_params(out, abstract)
     assert step == 3
     np.testing.assert_array_equal(np.asarray(restored["embedding"]["embedding"]),
@@ -128,7 +130,9 @@ def test_overwrite_replaces_an_earlier_conversion_only_once_the_new_one_is_compl
     from paxlite.interop import stream
 
     out = tmp_path / "out"
-    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={gpt2[0]}", f"--output={out}"]) == 0
+    assert (
+        main(["convert", "--from=hf", "--to=paxlite", f"--input={gpt2[0]}", f"--output={out}"]) == 0
+    )
     before = hf.from_paxlite(out).num_params
     with pytest.raises(OutputExistsError, match="pass --overwrite"):
         convert(_request(llama_gqa[0], out))

@@ -3,8 +3,8 @@ describes them (names, shapes, zero-centred LayerNorm scales, ``repeat.sub``), r
 ``convert --from=pax`` and directly as CHECKPOINT_RESTORE_PATH, written back by ``--to=pax``.
 
 The reference model is paxlite's Transformer with the same random numbers placed by the hand-written
-table `_reference_params` below (independent of paxlite/checkpointing/pax_layout.py's table): a wrong name,
-axis order or scale shift in the product changes the logits.
+table `_reference_params` below (independent of paxlite/checkpointing/pax_layout.py's table): a
+wrong name, axis order or scale shift in the product changes the logits.
 """
 
 import dataclasses
@@ -84,7 +84,9 @@ def _reference_params(config, top, layers):
     for i, t in enumerate(layers):
         att = {"out": {"kernel": np.einsum("dnh->nhd", t["self_attention.post.w"])}}
         if "self_attention.query.w" in t and config.kv_heads != config.num_heads:
-            att.update({p: {"kernel": t[f"self_attention.{p}.w"]} for p in ("query", "key", "value")})
+            att.update(
+                {p: {"kernel": t[f"self_attention.{p}.w"]} for p in ("query", "key", "value")}
+            )
         elif "self_attention.query.w" in t:
             att["qkv"] = {"kernel": np.stack([t[f"self_attention.{p}.w"]
                                               for p in ("query", "key", "value")], axis=1)}
@@ -268,7 +270,9 @@ def test_more_layers_than_the_model_are_refused_and_named(capsys, tmp_path, gpt_
     rc, err = _cli(capsys, "--from=pax", "--to=paxlite", f"--input={directory}",
                    f"--output={tmp_path / 'out'}", "--fdl_config=TinySynthetic",
                    "--fdl.NUM_LAYERS=1")
-    assert rc == 2 and "lm.transformer.x_layers_1." in err and "not a parameter of this model" in err
+    assert (
+        rc == 2 and "lm.transformer.x_layers_1." in err and "not a parameter of this model" in err
+    )
 
 
 def test_missing_tensor_is_named(capsys, tmp_path):
@@ -277,7 +281,8 @@ def test_missing_tensor_is_named(capsys, tmp_path):
     rc, err = _cli(capsys, "--from=pax", "--to=paxlite", f"--input={directory}",
                    f"--output={tmp_path / 'out'}", "--fdl_config=TinySynthetic")
     assert rc == 2
-    assert f"{P}{name} is missing (expected shape (64, 8, 8), for paxlite's layers_1/attention/out/kernel)" in err
+    assert (f"{P}{name} is missing (expected shape (64, 8, 8), for paxlite's "
+            "layers_1/attention/out/kernel)") in err
 
 
 def test_restore_path_of_a_different_size_names_the_tensor(llama_pax_separate):

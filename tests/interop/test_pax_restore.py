@@ -56,7 +56,9 @@ def _want(reference, scanned):
     if not scanned:
         return flat
     out = {n: v for n, v in flat.items() if not n.startswith("layers_")}
-    layers = sorted({int(n.split("/")[0][len("layers_"):]) for n in flat if n.startswith("layers_")})
+    layers = sorted(
+        {int(n.split("/")[0][len("layers_") :]) for n in flat if n.startswith("layers_")}
+    )
     for name in {n.split("/", 1)[1] for n in flat if n.startswith("layers_0/")}:
         out[f"layers/{name}"] = np.stack([flat[f"layers_{i}/{name}"] for i in layers])
     return out

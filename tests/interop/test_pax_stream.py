@@ -1,7 +1,7 @@
 """Pax conversions made one layer at a time (interop/pax.py) give exactly what the whole-model
-functions give: ``--from=pax --to=paxlite`` what `pax.load` + `hf.to_paxlite` wrote, ``--to=hf`` what
-`hf.save` wrote, ``--from=paxlite --to=pax`` what `pax.save` wrote; compared array by array, bit for
-bit, on the Pax checkpoints test_pax.py builds with TensorStore.
+functions give: ``--from=pax --to=paxlite`` what `pax.load` + `hf.to_paxlite` wrote, ``--to=hf``
+what `hf.save` wrote, ``--from=paxlite --to=pax`` what `pax.save` wrote; compared array by array,
+bit for bit, on the Pax checkpoints test_pax.py builds with TensorStore.
 """
 
 import json

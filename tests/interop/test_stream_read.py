@@ -22,7 +22,8 @@ from tests.interop.conftest import TOKENS, hf_logits
 
 
 def _read_safetensors(directory) -> dict[str, np.ndarray]:
-    """Every tensor of an HF directory, through safetensors' own reader (which checks the format)."""
+    """Every tensor of an HF directory, through safetensors' own reader (which checks the
+    format)."""
     from safetensors import safe_open
 
     out = {}

@@ -31,7 +31,9 @@ LLAMA = TransformerConfig(vocab_size=32, num_layers=2, model_dims=16, num_heads=
 
 def _params(config, seed=0):
     tokens = jnp.zeros((1, 4), jnp.int32)
-    params = nn.meta.unbox(Transformer(config).init({"params": jax.random.key(seed)}, tokens)["params"])
+    params = nn.meta.unbox(
+        Transformer(config).init({"params": jax.random.key(seed)}, tokens)["params"]
+    )
     # random norm scales and biases, so that a dropped shift or bias would show
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
@@ -100,7 +102,9 @@ def test_norm_scale_shift_and_gate_order(model):
     shift = 1.0 if config is GPT else 0.0  # LayerNorm: zero-centred gamma; RMSNorm: as stored
     np.testing.assert_array_equal(norm_at["scale"], src["pre_attention_norm"]["scale"] - shift)
     if config is LLAMA:  # the activated half first (TE: act(x W[:, 0]) * (x W[:, 1]))
-        np.testing.assert_array_equal(layer["mlp"]["wi_kernel"][:, 0], src["mlp"]["wi_gate"]["kernel"])
+        np.testing.assert_array_equal(
+            layer["mlp"]["wi_kernel"][:, 0], src["mlp"]["wi_gate"]["kernel"]
+        )
         np.testing.assert_array_equal(layer["mlp"]["wi_kernel"][:, 1], src["mlp"]["wi"]["kernel"])
 
 
@@ -113,7 +117,8 @@ def _te_norm(x, p, config):
     return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + config.norm_epsilon) * p["scale"]
 
 
-def _rope_consecutive(x, theta):  # TE rotary_pos_emb, group_method='consecutive', windows (1, theta)
+# TE rotary_pos_emb, group_method='consecutive', windows (1, theta)
+def _rope_consecutive(x, theta):
     t, h = x.shape[1], x.shape[-1]
     scales = theta ** (2 * np.arange(h // 2) / h)
     ang = np.arange(t)[None, :, None, None] / np.repeat(scales, 2)[None, None, None, :]
@@ -194,7 +199,9 @@ def test_state_conversion_and_weight_only(model):
     back = te.convert_state(full, config=config, to_te=False)
     np.testing.assert_array_equal(back["opt_state"][1]["nu"]["layers_1"]["mlp"]["wo"]["kernel"],
                                   params["layers_1"]["mlp"]["wo"]["kernel"])
-    light = te.convert_state(state, config=config, to_te=True, options=te.TeOptions(weight_only=True))
+    light = te.convert_state(
+        state, config=config, to_te=True, options=te.TeOptions(weight_only=True)
+    )
     assert "opt_state" not in light and int(light["step"]) == 7
 
 

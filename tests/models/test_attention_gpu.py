@@ -45,9 +45,15 @@ def _fwd_bwd(fn, q, k, v, dout):
     return jax.jit(both)
 
 
-@pytest.mark.parametrize("implementation, packed", [
-    (Impl.CUDNN, False), (Impl.CUDNN, True), (Impl.PALLAS_TRITON, True), (Impl.PALLAS_TRITON, False),
-])
+@pytest.mark.parametrize(
+    "implementation, packed",
+    [
+        (Impl.CUDNN, False),
+        (Impl.CUDNN, True),
+        (Impl.PALLAS_TRITON, True),
+        (Impl.PALLAS_TRITON, False),
+    ],
+)
 def test_fused_kernel_matches_xla_in_bf16(inputs, implementation, packed):
     q, k, v, dout, segments = inputs
     segments = segments if packed else None
@@ -66,7 +72,12 @@ def test_fused_kernel_matches_xla_in_bf16(inputs, implementation, packed):
 def test_compiled_step_holds_the_kernel(inputs, implementation, marker):
     q, k, v, dout, segments = inputs
     segments = segments if implementation is Impl.PALLAS_TRITON else None
-    hlo = _fwd_bwd(_fn(implementation, segments), q, k, v, dout).lower(q, k, v, dout).compile().as_text()
+    hlo = (
+        _fwd_bwd(_fn(implementation, segments), q, k, v, dout)
+        .lower(q, k, v, dout)
+        .compile()
+        .as_text()
+    )
     if marker is None:
         assert "__cudnn$fmha" not in hlo
     else:

@@ -61,10 +61,18 @@ def _inputs(*, batch=2, length=16, heads=4, kv_heads=2, dims=8, packed=True, see
         row = [1] * cut1 + [2] * (cut2 - cut1) + [0] * (length - cut2)
         segments = np.array([row] + [[5] * length] * (batch - 1), np.int32)
     causal = np.tril(np.ones((length, length), bool))[None]
-    allowed = causal if segments is None else causal & (segments[:, :, None] == segments[:, None, :])
+    allowed = (
+        causal if segments is None else causal & (segments[:, :, None] == segments[:, None, :])
+    )
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    return (f32(q), f32(k), f32(v), f32(dout),
-            None if segments is None else jnp.asarray(segments), np.broadcast_to(allowed, (batch, length, length)))
+    return (
+        f32(q),
+        f32(k),
+        f32(v),
+        f32(dout),
+        None if segments is None else jnp.asarray(segments),
+        np.broadcast_to(allowed, (batch, length, length)),
+    )
 
 
 def _run(fn, q, k, v, dout):
@@ -94,8 +102,12 @@ CASES = {  # (packed, kv_heads, length); 12 is not a whole number of Pallas bloc
 
 
 # Pallas in interpret mode is slow: it runs the GQA cases only, which cover the same kernel code.
-PATH_CASES = [(path, case) for case in CASES for path in ("einsum", "jax_nn_xla", "pallas_interpret")
-              if not (path == "pallas_interpret" and case in ("unpacked-mha", "packed-mha"))]
+PATH_CASES = [
+    (path, case)
+    for case in CASES
+    for path in ("einsum", "jax_nn_xla", "pallas_interpret")
+    if not (path == "pallas_interpret" and case in ("unpacked-mha", "packed-mha"))
+]
 
 
 @pytest.mark.parametrize(("path", "case"), PATH_CASES)
@@ -121,8 +133,11 @@ def test_pallas_blocks_are_powers_of_two_and_the_length_is_padded_to_whole_block
 
 @pytest.fixture(scope="module")
 def mesh():
-    return jax.make_mesh((1, 2, 2, 1, 2, 1), ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    return jax.make_mesh(
+        (1, 2, 2, 1, 2, 1),
+        ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 6,
+    )
 
 
 @pytest.mark.parametrize("path", ["pallas_interpret", "jax_nn_xla"])
@@ -207,6 +222,7 @@ def test_a_named_kernel_the_backend_cannot_run_fails_while_tracing(implementatio
 
 
 def test_named_kernel_with_dot_product_kind_is_refused():
-    with pytest.raises(ValueError, match="'cudnn' is a fused kernel and attention kind 'dot_product'"):
+    with pytest.raises(ValueError, match="'cudnn' is a fused kernel and attention kind "
+                                         "'dot_product'"):
         TransformerConfig(vocab_size=16, num_layers=1, model_dims=16, num_heads=2, dims_per_head=8,
                           hidden_dims=16, max_seq_len=8, attention_implementation="cudnn")

@@ -24,7 +24,8 @@ PACKED = np.array([[1] * 5 + [2] * 7 + [3] * 4,  # three documents
 
 
 def _reference(q, k, v, segment_ids, cotangent):
-    """float64 causal (slot order) masked GQA attention and the gradients of sum(out * cotangent)."""
+    """float64 causal (slot order) masked GQA attention and the gradients of sum(out *
+    cotangent)."""
     q, k, v, g_out = (np.asarray(a, np.float64) for a in (q, k, v, cotangent))
     out, dq, dk, dv = (np.zeros_like(a) for a in (q, q, k, v))
     allowed = np.tril(np.ones((T, T), bool))[None]  # [1, T, S]

@@ -154,22 +154,35 @@ BATCH = ("data", "fsdp", "expert")
 SHARDED_CASES = {
     # GQA keys/values have their own head axis name, over tensor in DEFAULT_RULES as here
     "llama_gqa_kv_heads_over_tensor": (
-        dict(cfg="llama", batch_multiple=4), (("activation_kv_heads", "tensor"),),
-        {"cached_key": P(BATCH, None, "tensor", None), "cached_value": P(BATCH, None, "tensor", None),
-         "cached_positions": P(BATCH, None), "cache_index": P()}),
+        dict(cfg="llama", batch_multiple=4),
+        (("activation_kv_heads", "tensor"),),
+        {
+            "cached_key": P(BATCH, None, "tensor", None),
+            "cached_value": P(BATCH, None, "tensor", None),
+            "cached_positions": P(BATCH, None),
+            "cache_index": P(),
+        },
+    ),
     # multi-head attention: the cache has training's head axis, over tensor in DEFAULT_RULES; a
     # scanned stack puts the layers first
     "gpt_scanned": (
         # no batch_multiple: generate pads the 3 rows to the batch split (4) itself
-        dict(cfg="gpt_scanned", batch_multiple=1), (),
-        {"cached_key": P(None, BATCH, None, "tensor", None),
-         "cached_value": P(None, BATCH, None, "tensor", None),
-         "cached_positions": P(None, BATCH, None), "cache_index": P(None)}),
+        dict(cfg="gpt_scanned", batch_multiple=1),
+        (),
+        {
+            "cached_key": P(None, BATCH, None, "tensor", None),
+            "cached_value": P(None, BATCH, None, "tensor", None),
+            "cached_positions": P(None, BATCH, None),
+            "cache_index": P(None),
+        },
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(SHARDED_CASES))
-def test_sharded_generation_equals_one_device_with_the_cache_sharded_by_the_rules(case: str) -> None:
+def test_sharded_generation_equals_one_device_with_the_cache_sharded_by_the_rules(
+    case: str,
+) -> None:
     """(2,2,2,1) mesh under the trainer's rules: params FSDP x tensor sharded, the batch and the
     cache over the batch axes and the kv heads over tensor (the cache's logical axes are the k/v
     activations'), each device holding only its shard of it; same tokens as one device."""
@@ -186,8 +199,11 @@ def test_sharded_generation_equals_one_device_with_the_cache_sharded_by_the_rule
     params = _params(cfg)
     prompts = PROMPTS  # 3 rows, made 4 for the batch axes (data x fsdp)
     want = generate(cfg, params, prompts, max_new_tokens=NEW)
-    mesh = jax.make_mesh((1, 2, 2, 1, 2, 1), ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
-                         axis_types=(AxisType.Auto,) * 6)
+    mesh = jax.make_mesh(
+        (1, 2, 2, 1, 2, 1),
+        ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
+        axis_types=(AxisType.Auto,) * 6,
+    )
     shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, rules)
     sharded = jax.device_put(params, shardings)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):

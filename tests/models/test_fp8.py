@@ -89,7 +89,9 @@ def test_delayed_scaling_after_three_steps_matches_a_hand_computation():
     np.testing.assert_allclose(state["output_grad_scale"], [max(b[0], b[1]) / E5M2_MAX], rtol=1e-6)
     # the forward of step 3: float64 matmul of the operands quantised with those scales
     kernel = np.asarray(params["kernel"], np.float64)
-    want = _np_qdq(xs[2].astype(np.float64), max(a[0], a[1]) / E4M3_MAX) @ _np_qdq(kernel, k / E4M3_MAX)
+    want = _np_qdq(xs[2].astype(np.float64), max(a[0], a[1]) / E4M3_MAX) @ _np_qdq(
+        kernel, k / E4M3_MAX
+    )
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(y) - xs[2] @ kernel).max() > 1e-3  # really quantised
 
@@ -157,8 +159,12 @@ def test_lora_adapters_stay_in_the_compute_dtype():
     params = dict(variables["params"])
     params["lora_b"] = jnp.asarray(rng.normal(size=params["lora_b"].shape), jnp.float32)
     with_delta = lin.apply({**variables, "params": params}, x)
-    base = lin.apply({**variables, "params": {**params, "lora_b": jnp.zeros_like(params["lora_b"])}}, x)
+    base = lin.apply(
+        {**variables, "params": {**params, "lora_b": jnp.zeros_like(params["lora_b"])}}, x
+    )
     a, b = (np.asarray(params[n], np.float64) for n in ("lora_a", "lora_b"))
     want = (spec.alpha / spec.rank) * (np.asarray(x, np.float64) @ a) @ b
-    np.testing.assert_allclose(np.asarray(with_delta - base, np.float64), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(with_delta - base, np.float64), want, rtol=1e-4, atol=1e-5
+    )
     assert FP8_COLLECTION in variables

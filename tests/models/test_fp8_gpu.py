@@ -23,8 +23,17 @@ from paxlite.train.step import compile_steps
 
 NUM_LAYERS = 2
 # cuBLASLt FP8 needs the GEMM dimensions in multiples of 16: every size here is.
-OVERRIDES = ("USE_FP8=true", "FPROP_DTYPE=bfloat16", f"NUM_LAYERS={NUM_LAYERS}", "MODEL_DIMS=128",
-             "HIDDEN_DIMS=512", "NUM_HEADS=4", "DIMS_PER_HEAD=32", "VOCAB_SIZE=256", "MAX_SEQ_LEN=64")
+OVERRIDES = (
+    "USE_FP8=true",
+    "FPROP_DTYPE=bfloat16",
+    f"NUM_LAYERS={NUM_LAYERS}",
+    "MODEL_DIMS=128",
+    "HIDDEN_DIMS=512",
+    "NUM_HEADS=4",
+    "DIMS_PER_HEAD=32",
+    "VOCAB_SIZE=256",
+    "MAX_SEQ_LEN=64",
+)
 
 
 @pytest.mark.gpu
@@ -39,7 +48,8 @@ def test_fp8_train_step_compiles_to_cublaslt_fp8_gemms():
         batch = SyntheticData(run.data, global_batch_size=8).train_batch(0, steps.batch_sharding)
         hlo = steps.train.lower(steps.abstract_state, batch).compile().as_text()
     matmuls = 4 * NUM_LAYERS
-    fp8_gemms = cublaslt_fp8_operand_types(hlo)  # operands' types, wherever the HLO text prints them
+    # operands' types, wherever the HLO text prints them
+    fp8_gemms = cublaslt_fp8_operand_types(hlo)
     forward = [types for types in fp8_gemms if types == ("f8e4m3fn", "f8e4m3fn")]
     assert len(forward) >= matmuls, (
         f"{len(forward)} e4m3 x e4m3 FP8 GEMMs for {matmuls} FP8 matmuls: some forward matmul "

@@ -65,7 +65,9 @@ def test_dropless_matches_numpy_top_k(gated):
         top = np.argsort(-probs)[:2]
         w = probs[top] / probs[top].sum()
         for weight, e in zip(w, top):
-            want[n] += weight * _np_expert(tok, params, e, gated=gated, act=_silu if gated else _relu)
+            want[n] += weight * _np_expert(
+                tok, params, e, gated=gated, act=_silu if gated else _relu
+            )
     np.testing.assert_allclose(y.reshape(-1, D), want, rtol=2e-5, atol=2e-6)
 
 

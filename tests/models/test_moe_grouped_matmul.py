@@ -116,7 +116,9 @@ def _assert_same(got, want, *, rtol):
         name = jax.tree_util.keystr(path)
         assert np.isfinite(value).all(), f"{name} is not finite"
         assert np.abs(ref).max() > 0, f"{name} is zero: nothing compared"
-        np.testing.assert_allclose(value, ref, rtol=rtol, atol=rtol * np.abs(ref).max(), err_msg=name)
+        np.testing.assert_allclose(
+            value, ref, rtol=rtol, atol=rtol * np.abs(ref).max(), err_msg=name
+        )
 
 
 def test_one_device_ignores_the_rows_past_the_groups(one_device):

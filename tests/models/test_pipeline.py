@@ -184,24 +184,31 @@ def test_no_pipeline_axis_means_replicated_stages(references):
 
 def test_bad_counts_are_refused_with_the_numbers():
     params, x, _ = make(6, 4)
-    with pytest.raises(ValueError, match=r"^6 layers do not split into 4 stages x 1 repeats: .* multiple of 4$"):
+    with pytest.raises(ValueError, match=r"^6 layers do not split into 4 stages x 1 repeats: .* "
+                                         r"multiple of 4$"):
         pipeline_apply(layer, params, x, num_stages=4)
     with pytest.raises(ValueError, match=r"^6 layers do not split into 2 stages x 2 repeats"):
         pipeline_apply(layer, params, x, num_stages=2, repeats=2)
     params, x, _ = make(8, 2)
-    with pytest.raises(ValueError, match=r"circular schedule \(2 repeats\) needs at least as many "
-                                         r"microbatches as stages: got 2 microbatches for 4 stages"):
+    with pytest.raises(
+        ValueError,
+        match=r"circular schedule \(2 repeats\) needs at least as many "
+        r"microbatches as stages: got 2 microbatches for 4 stages",
+    ):
         pipeline_apply(layer, params, x, num_stages=4, repeats=2)
     with pytest.raises(ValueError, match=r"num_stages=0 and repeats=1 must both be >= 1"):
         pipeline_apply(layer, params, x, num_stages=0)
     with pytest.raises(ValueError, match=r"remat_policy is used only with remat=True"):
-        pipeline_apply(layer, params, x, num_stages=2, remat_policy=jax.checkpoint_policies.everything_saveable)
+        pipeline_apply(
+            layer, params, x, num_stages=2, remat_policy=jax.checkpoint_policies.everything_saveable
+        )
     bad = {"w": params["w"], "b": params["b"][:4]}
     with pytest.raises(ValueError, match=r"disagree on their leading layer axis: sizes \[4, 8\]"):
         pipeline_apply(layer, bad, x, num_stages=2)
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("pipeline", "data"))
     with jax.set_mesh(mesh), pytest.raises(
-            ValueError, match=r"^2 pipeline stages do not divide over the 'pipeline' mesh axis of size 4"):
+            ValueError, match=r"^2 pipeline stages do not divide over the 'pipeline' mesh axis of "
+                              r"size 4"):
         pipeline_apply(layer, params, x, num_stages=2)
 
 

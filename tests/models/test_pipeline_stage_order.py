@@ -41,7 +41,9 @@ def test_rounds_deliver_each_stage_its_layers(stages: int, repeats: int, devices
             held[d][dst[d]] = p * per + src[p]
     q = stages // devices
     for d in range(devices):
-        assert held[d] == [r * stages + s for s in range(d * q, (d + 1) * q) for r in range(repeats)]
+        assert held[d] == [
+            r * stages + s for s in range(d * q, (d + 1) * q) for r in range(repeats)
+        ]
 
 
 MESH_CASES = [  # (stages, repeats, microbatches, layers per stage, pipeline devices)
@@ -60,7 +62,10 @@ def test_circular_schedules_on_a_mesh_equal_the_layer_loop(case) -> None:
     want = value_and_grads(sequential, params, x, ct)
     mesh = jax.make_mesh((devices, 8 // devices), ("pipeline", "fsdp"),
                          axis_types=(AxisType.Auto,) * 2)
-    split = {"w": NamedSharding(mesh, P("pipeline", "fsdp")), "b": NamedSharding(mesh, P("pipeline"))}
+    split = {
+        "w": NamedSharding(mesh, P("pipeline", "fsdp")),
+        "b": NamedSharding(mesh, P("pipeline")),
+    }
     with jax.set_mesh(mesh):
         got = value_and_grads(
             lambda p, xs: pipeline_apply(layer, p, xs, num_stages=s, repeats=r,

@@ -165,7 +165,9 @@ def assert_same(got, want, *, atol=1e-5):
     np.testing.assert_allclose(aux, ref_aux, rtol=0, atol=atol)
     assert summaries.keys() == ref_summaries.keys()
     for key in summaries:
-        np.testing.assert_allclose(summaries[key], ref_summaries[key], rtol=0, atol=atol, err_msg=key)
+        np.testing.assert_allclose(
+            summaries[key], ref_summaries[key], rtol=0, atol=atol, err_msg=key
+        )
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     for (path, g), r in zip(flat, jax.tree.leaves(ref_grads), strict=True):
@@ -274,7 +276,9 @@ def test_fp8_new_state_is_the_max_over_microbatches():
     pipelined model (on a (pipeline, fsdp, tensor) = (2, 2, 2) mesh) is the elementwise max of the
     unpipelined model's new states over the same microbatches on one device, not their sum (which
     autodiff would give a layer used M times)."""
-    cfg = config(stages=2, micro=4, repeats=2, scan_layers=True, fp8=Fp8Config(amax_history_length=3))
+    cfg = config(
+        stages=2, micro=4, repeats=2, scan_layers=True, fp8=Fp8Config(amax_history_length=3)
+    )
     data = inputs()
     params, fp8 = params_of(cfg)["params"], _fp8_state(cfg)
 
@@ -339,7 +343,8 @@ def test_bad_settings_are_refused_with_the_numbers():
                                                                   tokens)
     cfg = CASES["scan-gpipe"]
     bad_batch = dataclasses.replace(cfg, pipeline=PipelineConfig(num_stages=2, num_microbatches=3))
-    with pytest.raises(ValueError, match=r"a batch of 8 rows does not split into 3 pipeline microbatches"):
+    with pytest.raises(ValueError, match=r"a batch of 8 rows does not split into 3 pipeline "
+                                         r"microbatches"):
         Transformer(bad_batch).apply(params_of(cfg), tokens)
     te = config(stages=2, micro=2, layer_implementation=LayerImplementation.TRANSFORMER_ENGINE,
                 dims_per_head=8, num_heads=2)

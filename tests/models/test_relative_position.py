@@ -157,7 +157,9 @@ def test_attention_adds_a_given_bias_before_the_softmax(kind: AttentionKind,
 
 def test_attention_rejects_a_bias_of_the_wrong_shape() -> None:
     module = Attention(num_heads=_N, dims_per_head=_H)
-    with pytest.raises(ValueError, match=r"attention bias must have shape \[1 or 2, 1 or 4, 7, 7\]"):
+    with pytest.raises(
+        ValueError, match=r"attention bias must have shape \[1 or 2, 1 or 4, 7, 7\]"
+    ):
         jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((_B, _T, _D)),
                        make_attention_mask(seq_len=_T, segment_ids=None),
                        bias=jnp.zeros((1, 3, _T, _T)))

@@ -160,8 +160,14 @@ def test_te_layer_refuses_what_it_would_ignore(changes, message):
                        + message):
         jax.eval_shape(lambda: Transformer(config).init({"params": jax.random.key(0)},
                                                         jnp.zeros((1, 16), jnp.int32)))
-    assert te_layer.settings_te_ignores(attention_kind="dot_product", attention_implementation="auto",
-                                        remat_policy="save_dot_with_no_batch_dim") == []
+    assert (
+        te_layer.settings_te_ignores(
+            attention_kind="dot_product",
+            attention_implementation="auto",
+            remat_policy="save_dot_with_no_batch_dim",
+        )
+        == []
+    )
 
 
 # ---------------------------------------------------------------- GPU, with TE
@@ -176,7 +182,9 @@ def test_te_model_computes_paxlites_model(config):
     from paxlite.models.transformer import Transformer
 
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
-    params = nn.meta.unbox(Transformer(config).init({"params": jax.random.key(0)}, tokens)["params"])
+    params = nn.meta.unbox(
+        Transformer(config).init({"params": jax.random.key(0)}, tokens)["params"]
+    )
     te_config = dataclasses.replace(config, layer_implementation="transformer_engine")
     te_init = nn.meta.unbox(Transformer(te_config).init({"params": jax.random.key(0)}, tokens))
     layer = te_init["params"]["layers_0"]

@@ -364,16 +364,19 @@ def test_dropout_only_acts_when_not_deterministic() -> None:
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_sharded_grads_equal_single_device_grads(
         reference: Callable[[bool], dict[str, Any]], scan_layers: bool) -> None:
-    """(2,2,2,1) mesh, FSDP x tensor sharded weights, batch over (data, fsdp, expert), under the rules
-    and mesh context the trainer uses: loss and every gradient match one device.
+    """(2,2,2,1) mesh, FSDP x tensor sharded weights, batch over (data, fsdp, expert), under the
+    rules and mesh context the trainer uses: loss and every gradient match one device.
 
     The rules are the product's table (`paxlite.parallel.rules.DEFAULT_RULES`, what
     `compile_steps` traces under), not a copy: a change to the table is tested here too."""
     ref = reference(scan_layers)
     cfg = ref["cfg"]
     # The trainer's mesh always has the expert axis (size 1 here): the rules name it for the batch.
-    mesh = jax.make_mesh((1, 2, 2, 1, 2, 1), ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
-                         axis_types=(AxisType.Auto,) * 6)
+    mesh = jax.make_mesh(
+        (1, 2, 2, 1, 2, 1),
+        ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
+        axis_types=(AxisType.Auto,) * 6,
+    )
     shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, DEFAULT_RULES)
     params = jax.device_put(ref["params"], shardings)
     assert params["embedding"]["embedding"].sharding.spec == PartitionSpec("tensor", "fsdp")

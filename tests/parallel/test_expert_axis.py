@@ -44,7 +44,8 @@ def _rel_err(a, b) -> float:
 def _hybrid_ids(ici, dcn) -> np.ndarray:
     """The hybrid rule written out index by index, independently of the code under test: granule g
     (devices g*G .. g*G+G-1, G = prod(ici)) sits at DCN position unravel(g, dcn); along every axis
-    mesh index = dcn_index * ici_size + ici_index; inside a granule devices go in row-major order."""
+    mesh index = dcn_index * ici_size + ici_index; inside a granule devices go in row-major
+    order."""
     ici, dcn = tuple(ici), tuple(dcn)
     per_granule = int(np.prod(ici))
     shape = tuple(i * d for i, d in zip(ici, dcn))
@@ -65,12 +66,33 @@ def test_mesh_always_has_the_four_axes():
     assert BATCH_AXES == ("data", "fsdp", "expert")
     three = build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2)))
     assert three.axis_names == MESH_AXES
-    assert dict(three.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "seq": 1, "tensor": 2, "expert": 1}
+    assert dict(three.shape) == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 2,
+        "seq": 1,
+        "tensor": 2,
+        "expert": 1,
+    }
     four = build_mesh(MeshConfig(ici_mesh_shape=(2, 1, 1, 4)))
-    assert dict(four.shape) == {"pipeline": 1, "data": 2, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 4}
+    assert dict(four.shape) == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 1,
+        "seq": 1,
+        "tensor": 1,
+        "expert": 4,
+    }
     assert _ids(four) == np.arange(8).reshape(2, 1, 1, 4).tolist()
     default = build_mesh(MeshConfig())
-    assert dict(default.shape) == {"pipeline": 1, "data": 8, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}
+    assert dict(default.shape) == {
+        "pipeline": 1,
+        "data": 8,
+        "fsdp": 1,
+        "seq": 1,
+        "tensor": 1,
+        "expert": 1,
+    }
 
 
 def test_shapes_are_kept_as_given():
@@ -81,7 +103,14 @@ def test_shapes_are_kept_as_given():
     assert config.resolved_ici(4) == (1, 2, 1, 1, 1, 2)
     assert config.resolved_dcn() == (1, 2, 1, 1, 1, 1)
     assert config.shape(4) == (1, 4, 1, 1, 1, 2)
-    assert config.axis_sizes(4) == {"pipeline": 1, "data": 4, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 2}
+    assert config.axis_sizes(4) == {
+        "pipeline": 1,
+        "data": 4,
+        "fsdp": 1,
+        "seq": 1,
+        "tensor": 1,
+        "expert": 2,
+    }
     assert MeshConfig(ici_mesh_shape=(1, 8, 1)).ici_mesh_shape == (1, 8, 1)
     assert MeshConfig().resolved_ici(8) == (1, 8, 1, 1, 1, 1)
 
@@ -137,13 +166,13 @@ def test_bad_shapes_are_one_clear_error(field, shape):
         MeshConfig(**{field: shape})
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"{field.upper()}={list(shape)}: expected 3 to 6 positive integers")
+    assert message.startswith(f"{field}={list(shape)}: expected 3 to 6 positive integers")
     assert "[data, fsdp, tensor, expert, pipeline, seq]" in message
 
 
 def test_device_count_errors_count_the_expert_axis():
-    with pytest.raises(MeshError, match=r"ICI_MESH_SHAPE=\[2, 1, 1, 8\] x DCN_MESH_SHAPE=\[1, 1, 1\] "
-                                        r"needs 16 devices, but this job has 8"):
+    with pytest.raises(MeshError, match=r"ICI_MESH_SHAPE=\[2, 1, 1, 8\] x DCN_MESH_SHAPE=\[1, 1, "
+                                        r"1\] needs 16 devices, but this job has 8"):
         build_mesh(MeshConfig(ici_mesh_shape=(2, 1, 1, 8)))
     with pytest.raises(MeshError, match=r"DCN_MESH_SHAPE=\[1, 1, 1, 4\] covers 4 processes but "
                                         r"there are 2"):
@@ -174,7 +203,8 @@ def test_logical_expert_names_map_to_the_expert_axis():
 
 
 @pytest.mark.parametrize(
-    ("ici", "dcn"), [((2, 1, 1, 4), (1, 1, 1)), ((2, 1, 1, 2), (1, 1, 1, 2)), ((1, 2, 2, 2), (1, 1, 1))]
+    ("ici", "dcn"),
+    [((2, 1, 1, 4), (1, 1, 1)), ((2, 1, 1, 2), (1, 1, 1, 2)), ((1, 2, 2, 2), (1, 1, 1))],
 )
 def test_batch_rows_land_on_the_expected_devices(ici, dcn):
     mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))

@@ -1,5 +1,5 @@
-"""GPU compile targets without the plugin: topologies, the device descriptions and the compile options
-(tests/gpu_compile/test_gpu_target_compile.py compiles with them)."""
+"""GPU compile targets without the plugin: topologies, the device descriptions and the compile
+options (tests/gpu_compile/test_gpu_target_compile.py compiles with them)."""
 
 import pytest
 

@@ -65,7 +65,8 @@ def test_every_parameter_and_cache_axis_has_a_rule(name: str) -> None:
         assert "lora_rank" in params
     if name in ("llama_gqa", "mixtral"):
         assert {"kv_heads", "activation_kv_heads"} <= params | cached
-    assert not (params | cached) - RULE_NAMES, f"logical axes without a rule: {(params | cached) - RULE_NAMES}"
+    assert not (params | cached) - RULE_NAMES, ("logical axes without a rule: "
+                                                f"{(params | cached) - RULE_NAMES}")
 
 
 def test_every_activation_name_in_the_models_has_a_rule() -> None:
@@ -97,8 +98,12 @@ def test_fitted_names_keep_only_the_mesh_axes_that_divide() -> None:
 def test_kv_kernels_split_over_tensor_when_their_heads_divide_it() -> None:
     """The rule itself: 2 kv heads on tensor 2 hold one head per device (half the bytes)."""
     cfg = llama(num_heads=4, num_kv_heads=2)
-    mesh = jax.make_mesh((1, 1, 1, 1, 2, 1), ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
-                         devices=jax.devices()[:2], axis_types=(AxisType.Auto,) * 6)
+    mesh = jax.make_mesh(
+        (1, 1, 1, 1, 2, 1),
+        ("pipeline", "data", "fsdp", "seq", "tensor", "expert"),
+        devices=jax.devices()[:2],
+        axis_types=(AxisType.Auto,) * 6,
+    )
     abstract = nn.meta.unbox(abstract_variables(cfg))["params"]
     shardings = rules_lib.logical_to_shardings(logical_param_axes(cfg), mesh, shapes=abstract)
     for kernel in ("key", "value"):
@@ -139,7 +144,9 @@ def _train(cfg, mesh, optimizer, schedule):
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa_2_kv_heads", "mqa"])
 def test_training_with_fewer_kv_heads_than_tensor_equals_one_device(kv_heads: int) -> None:
-    experiment = load_experiment("paxlite.experiments.tiny.TinyLLaMA", (f"NUM_KV_HEADS={kv_heads}",))
+    experiment = load_experiment(
+        "paxlite.experiments.tiny.TinyLLaMA", (f"NUM_KV_HEADS={kv_heads}",)
+    )
     cfg = fdl.build(experiment.model_config())
     schedule = make_schedule(fdl.build(experiment.schedule_config()))
     optimizer = make_optimizer(fdl.build(experiment.optimizer_config()), schedule)

@@ -18,13 +18,27 @@ from paxlite.parallel.mesh import (
 
 def test_mesh_is_ici_times_dcn():
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 2), dcn_mesh_shape=(2, 1, 1)))
-    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "seq": 1, "tensor": 2, "expert": 1}
+    assert dict(mesh.shape) == {
+        "pipeline": 1,
+        "data": 2,
+        "fsdp": 2,
+        "seq": 1,
+        "tensor": 2,
+        "expert": 1,
+    }
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
 
 def test_default_puts_every_device_on_data():
     mesh = build_mesh(MeshConfig())
-    assert dict(mesh.shape) == {"pipeline": 1, "data": 8, "fsdp": 1, "seq": 1, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {
+        "pipeline": 1,
+        "data": 8,
+        "fsdp": 1,
+        "seq": 1,
+        "tensor": 1,
+        "expert": 1,
+    }
 
 
 def test_wrong_device_count_names_both_numbers():
@@ -188,7 +202,8 @@ def test_one_process_keeps_accepting_dcn_when_the_product_matches():
         )
 
 
-# ------------------------------------------------------------------ pipeline and seq axes (issue 24)
+# ------------------------------------------------------------------ pipeline and seq axes
+# (issue 24)
 
 
 def test_five_and_six_entry_shapes_add_pipeline_and_seq_without_moving_older_axes():
@@ -196,33 +211,73 @@ def test_five_and_six_entry_shapes_add_pipeline_and_seq_without_moving_older_axe
 
     assert MESH_AXES == ("pipeline", "data", "fsdp", "seq", "tensor", "expert")
     five = MeshConfig(ici_mesh_shape=(1, 2, 1, 1, 4))
-    assert five.axis_sizes(8) == {"pipeline": 4, "data": 1, "fsdp": 2, "seq": 1, "tensor": 1, "expert": 1}
+    assert five.axis_sizes(8) == {
+        "pipeline": 4,
+        "data": 1,
+        "fsdp": 2,
+        "seq": 1,
+        "tensor": 1,
+        "expert": 1,
+    }
     six = MeshConfig(ici_mesh_shape=(2, 1, 1, 1, 2, 2))
-    assert six.axis_sizes(8) == {"pipeline": 2, "data": 2, "fsdp": 1, "seq": 2, "tensor": 1, "expert": 1}
+    assert six.axis_sizes(8) == {
+        "pipeline": 2,
+        "data": 2,
+        "fsdp": 1,
+        "seq": 2,
+        "tensor": 1,
+        "expert": 1,
+    }
     # the same sizes in ICI x DCN: element-wise per named axis
     hybrid = MeshConfig(ici_mesh_shape=(1, 2, 1, 1, 1, 2), dcn_mesh_shape=(1, 1, 1, 1, 2))
-    assert hybrid.axis_sizes(4) == {"pipeline": 2, "data": 1, "fsdp": 2, "seq": 2, "tensor": 1, "expert": 1}
+    assert hybrid.axis_sizes(4) == {
+        "pipeline": 2,
+        "data": 1,
+        "fsdp": 2,
+        "seq": 2,
+        "tensor": 1,
+        "expert": 1,
+    }
 
 
 def test_pax_pipelined_four_entry_form_is_pipeline_data_fsdp_tensor():
     from paxlite.parallel.mesh import MeshLayout
 
     pax = MeshConfig(ici_mesh_shape=(2, 1, 2, 2), layout=MeshLayout.PAX_PIPELINED)
-    assert pax.axis_sizes(8) == {"pipeline": 2, "data": 1, "fsdp": 2, "seq": 1, "tensor": 2, "expert": 1}
+    assert pax.axis_sizes(8) == {
+        "pipeline": 2,
+        "data": 1,
+        "fsdp": 2,
+        "seq": 1,
+        "tensor": 2,
+        "expert": 1,
+    }
     # without the layout the same four numbers mean [data, fsdp, tensor, expert], as ever
     assert MeshConfig(ici_mesh_shape=(2, 1, 2, 2)).axis_sizes(8)["expert"] == 2
     # 3 entries mean [data, fsdp, tensor] in both layouts
-    assert MeshConfig(ici_mesh_shape=(2, 2, 2), layout=MeshLayout.PAX_PIPELINED).axis_sizes(8)["pipeline"] == 1
+    assert (
+        MeshConfig(ici_mesh_shape=(2, 2, 2), layout=MeshLayout.PAX_PIPELINED).axis_sizes(8)[
+            "pipeline"
+        ]
+        == 1
+    )
     # 5 and 6 entries are paxlite's form in both layouts
-    assert MeshConfig(ici_mesh_shape=(1, 1, 1, 1, 8), layout=MeshLayout.PAX_PIPELINED).axis_sizes(8)["pipeline"] == 8
-    with pytest.raises(MeshError, match=r"ICI_MESH_SHAPE=\[1, 1, 1, 1, 1, 1, 8\]: expected 3 to 6 .*; 4 entries are "
-                                        r"Pax's pipelined \[pipeline, data, fsdp, tensor\]"):
+    assert (
+        MeshConfig(ici_mesh_shape=(1, 1, 1, 1, 8), layout=MeshLayout.PAX_PIPELINED).axis_sizes(8)[
+            "pipeline"
+        ]
+        == 8
+    )
+    with pytest.raises(MeshError, match=r"ici_mesh_shape=\[1, 1, 1, 1, 1, 1, 8\]: expected 3 to 6 "
+                                        r".*; 4 entries are Pax's pipelined \[pipeline, data, "
+                                        r"fsdp, tensor\]"):
         MeshConfig(ici_mesh_shape=(1, 1, 1, 1, 1, 1, 8), layout=MeshLayout.PAX_PIPELINED)
 
 
 def test_pipeline_is_the_outermost_axis_and_seq_sits_before_tensor():
     # One process: row-major over MESH_AXES, so stage s holds devices [4s, 4s+4) (contiguous blocks,
-    # the slowest links between stages) and tensor stays innermost of the axes that talk every layer.
+    # the slowest links between stages) and tensor stays innermost of the axes that talk every
+    # layer.
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 2, 1, 2, 2)))
     ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
     assert mesh.axis_names == ("pipeline", "data", "fsdp", "seq", "tensor", "expert")

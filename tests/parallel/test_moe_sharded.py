@@ -65,8 +65,15 @@ def _loss_and_grads(config: TransformerConfig, mesh, params=None):
     parameters returning host arrays."""
     model = Transformer(config)
     with jax.set_mesh(mesh):
-        steps = compile_steps(model=model, optimizer=optax.sgd(0.1), schedule=optax.constant_schedule(0.1),
-                              mesh=mesh, seq_len=SEQ, seed=3, deterministic=True)
+        steps = compile_steps(
+            model=model,
+            optimizer=optax.sgd(0.1),
+            schedule=optax.constant_schedule(0.1),
+            mesh=mesh,
+            seq_len=SEQ,
+            seed=3,
+            deterministic=True,
+        )
         param_shardings = steps.state_shardings.params
         if params is None:
             state_params = steps.init().params
@@ -116,14 +123,17 @@ def test_moe_mesh_matches_one_device(ici, dcn, reference):
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref) > 10
     for (path, ref), got in zip(flat_ref, flat):
-        assert np.abs(ref).max() > 0, f"gradient {jax.tree_util.keystr(path)} is zero: nothing tested"
-        assert _rel_err(got, ref) < 1e-5, f"gradient {jax.tree_util.keystr(path)} differs on {ici}x{dcn}"
+        assert np.abs(ref).max() > 0, (f"gradient {jax.tree_util.keystr(path)} is zero: nothing "
+                                       "tested")
+        assert _rel_err(got, ref) < 1e-5, (f"gradient {jax.tree_util.keystr(path)} differs on "
+                                           f"{ici}x{dcn}")
 
 
 @pytest.mark.parametrize("ici,shards", [((1, 1, 1, 8), 8), ((2, 1, 1, 4), 8), ((1, 2, 2, 2), 4),
                                         ((1, 1, 8), 1)])
 def test_default_groups_are_the_batch_shards(ici, shards):
-    """NUM_GROUPS=None: one GShard group per batch shard (data x fsdp x expert), as Pax derives it."""
+    """NUM_GROUPS=None: one GShard group per batch shard (data x fsdp x expert), as Pax derives
+    it."""
     mesh = build_mesh(MeshConfig(ici_mesh_shape=ici))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
         seen = []
@@ -156,17 +166,22 @@ def test_the_token_exchange_is_the_designed_collective(routing, collectives):
         # Lowering needs only shapes and shardings: no init compiled (threefry is slow on CPU).
         params = jax.tree.map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-            jax.eval_shape(lambda: nn.meta.unbox(layer.init({"params": jax.random.key(0)}, x))["params"]),
-            shardings)
+            jax.eval_shape(
+                lambda: nn.meta.unbox(layer.init({"params": jax.random.key(0)}, x))["params"]
+            ),
+            shardings,
+        )
         rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert")))
         apply = jax.jit(lambda p, x: layer.apply({"params": p}, x), in_shardings=(shardings, rows))
         hlo = apply.lower(params, x).compile().as_text()
-    found = set(re.findall(r"\b(all-to-all|all-gather|reduce-scatter|all-reduce|collective-permute)\b",
-                           hlo))
+    found = set(
+        re.findall(r"\b(all-to-all|all-gather|reduce-scatter|all-reduce|collective-permute)\b", hlo)
+    )
     assert found == collectives, found
 
 
-@pytest.mark.slow  # scanned, rematerialised MoE steps compiled sharded and on one device (~30 s each)
+# scanned, rematerialised MoE steps compiled sharded and on one device (~30 s each)
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_scanned_rematerialised_moe_on_a_mesh_matches_one_device(name):
     """The scanned layer stack (GLaM: a 2-layer unit) with SAVE_NOTHING remat: the sown losses and
@@ -184,5 +199,7 @@ def test_scanned_rematerialised_moe_on_a_mesh_matches_one_device(name):
     assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
     for key, value in summaries_ref.items():
         np.testing.assert_allclose(summaries[key], value, rtol=1e-5, err_msg=key)
-    for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)):
+    for (path, ref), got in zip(
+        jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)
+    ):
         assert _rel_err(got, ref) < 1e-5, f"gradient {jax.tree_util.keystr(path)} differs"

@@ -41,7 +41,11 @@ def test_pipeline_across_two_processes_matches_one_process(tmp_path):
     assert max(abs(got[s] - want[s]) for s in want) < 1e-5, (got, want)
     record = json.loads((job / "config.json").read_text())
     assert record["devices"]["process_count"] == 2
-    assert record["mesh"]["pipeline"] == 2 and record["mesh"]["data"] == 2 and record["mesh"]["fsdp"] == 2
+    assert (
+        record["mesh"]["pipeline"] == 2
+        and record["mesh"]["data"] == 2
+        and record["mesh"]["fsdp"] == 2
+    )
     assert os.listdir(job / "checkpoints") == [f"checkpoint_{STEPS:08d}"]
     evals = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals if "eval/loss" in e] == [STEPS]

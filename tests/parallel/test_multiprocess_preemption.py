@@ -1,7 +1,8 @@
-"""Two processes, one signalled: both stop at the same step, save one checkpoint, and resume from it.
+"""Two processes, one signalled: both stop at the same step, save one checkpoint, and resume from
+it.
 
-The first run summarises every third step only, so most steps decide on the vote of the step two back
-(train/preemption.py), as a long run between its boundaries does."""
+The first run summarises every third step only, so most steps decide on the vote of the step two
+back (train/preemption.py), as a long run between its boundaries does."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     flags = [*EXPERIMENT, "--fdl.CHECKPOINT_EVERY_N_STEPS=100000"]
     sparse = [f for f in flags if not f.startswith("--fdl.SUMMARY_INTERVAL_STEPS=")]
-    procs = _start_pair(job, [*sparse, "--fdl.SUMMARY_INTERVAL_STEPS=3", "--fdl.MAX_STEPS=100000"], tmp_path)
+    procs = _start_pair(
+        job, [*sparse, "--fdl.SUMMARY_INTERVAL_STEPS=3", "--fdl.MAX_STEPS=100000"], tmp_path
+    )
     try:
         deadline = time.monotonic() + 180
         while not (job / "metrics.jsonl").exists() or len(_train_losses(job)) < 2:

@@ -1,9 +1,11 @@
-"""Two processes trained on a prepared text dataset stop, resume, and end where an uninterrupted pair ends.
+"""Two processes trained on a prepared text dataset stop, resume, and end where an uninterrupted
+pair ends.
 
-Each process reads its own slice of the records, shuffles and packs it, and saves its pipeline's position
-in every checkpoint (docs/data.md). The synthetic-data test beside this one cannot see that position: its
-batches are a function of the step alone. Here a resume that restored the wrong position, or one process's
-position for both, would feed different rows and change the losses and the parameters.
+Each process reads its own slice of the records, shuffles and packs it, and saves its pipeline's
+position in every checkpoint (docs/data.md). The synthetic-data test beside this one cannot see that
+position: its batches are a function of the step alone. Here a resume that restored the wrong
+position, or one process's position for both, would feed different rows and change the losses and
+the parameters.
 """
 
 import jax
@@ -30,10 +32,20 @@ def dataset(tmp_path_factory):
 
 def _overrides(dataset) -> list[str]:
     data_dir, vocab = dataset
-    return [f"DATA_DIR={data_dir}", f"VOCAB_PATH={vocab}", *MODEL, "ICI_MESH_SHAPE=[1,2,2]",
-            "DCN_MESH_SHAPE=[2,1,1]", "SUMMARY_INTERVAL_STEPS=1", f"CHECKPOINT_EVERY_N_STEPS={STEPS}",
-            "EVAL_INTERVAL_STEPS=1000", "EVAL_LOOP_NUM_BATCHES=1", "LEARNING_RATE=1e-2", "LR_COS_WARMUP=1",
-            f"LR_COS_DECAY_END={4 * STEPS}"]
+    return [
+        f"DATA_DIR={data_dir}",
+        f"VOCAB_PATH={vocab}",
+        *MODEL,
+        "ICI_MESH_SHAPE=[1,2,2]",
+        "DCN_MESH_SHAPE=[2,1,1]",
+        "SUMMARY_INTERVAL_STEPS=1",
+        f"CHECKPOINT_EVERY_N_STEPS={STEPS}",
+        "EVAL_INTERVAL_STEPS=1000",
+        "EVAL_LOOP_NUM_BATCHES=1",
+        "LEARNING_RATE=1e-2",
+        "LR_COS_WARMUP=1",
+        f"LR_COS_DECAY_END={4 * STEPS}",
+    ]
 
 
 def _flags(dataset, max_steps: int) -> list[str]:
@@ -46,7 +58,9 @@ def _final_params(job, dataset) -> dict:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             nn.meta.unbox(abstract_variables(config.model)["params"]))
-    step, params = pretrained.restore_params(job / "checkpoints" / f"checkpoint_{2 * STEPS:08d}", abstract)
+    step, params = pretrained.restore_params(
+        job / "checkpoints" / f"checkpoint_{2 * STEPS:08d}", abstract
+    )
     assert step == 2 * STEPS
     return jax.device_get(params)
 

@@ -389,10 +389,18 @@ def _abstract_with_opt_state() -> dict:
     return abstract
 
 
-@pytest.mark.parametrize("earlier", [("adam", "lr"), ("empty", "adam", "lr"), ("adam", "empty", "lr"),
-                                     ("empty", "adam", "empty", "lr")])
+@pytest.mark.parametrize(
+    "earlier",
+    [
+        ("adam", "lr"),
+        ("empty", "adam", "lr"),
+        ("adam", "empty", "lr"),
+        ("empty", "adam", "empty", "lr"),
+    ],
+)
 def test_optimizer_state_of_the_earlier_layout_is_mapped(
-        tmp_path: pathlib.Path, earlier: tuple[str, ...], caplog) -> None:
+    tmp_path: pathlib.Path, earlier: tuple[str, ...], caplog
+) -> None:
     """Checkpoints of the chain that left disabled stages out restore into the five-stage one."""
     directory = tmp_path / "checkpoints"
     state = _state(3)

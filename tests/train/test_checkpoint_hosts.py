@@ -164,7 +164,8 @@ def test_every_process_restores_process_0s_choice(tmp_path: pathlib.Path) -> Non
     stale_message = (
         "CheckpointViewsDifferError: Process 1 still lists {}/checkpoint_00000003, which "
         "process 0 does not see (a stale network file system cache, or a rename in flight), so "
-        "Orbax would refuse the save there alone; nothing was saved. Rerun once the storage agrees.")
+        "Orbax would refuse the save there alone; nothing was saved. Rerun once the storage agrees."
+    )
     assert [r["save_error"] for r in results] == [stale_message.format(d) for d in directories]
     assert not (directories[0] / "checkpoint_00000003").exists()
     assert not list(directories[0].glob("*tmp*")) and not list(directories[1].glob("*tmp*"))

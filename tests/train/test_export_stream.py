@@ -54,7 +54,9 @@ def test_checkpoint_of_another_lora_model_is_refused_before_writing(tmp_path):
     config = _with_lora(CONFIGS["llama_gqa"])
     pretrained.save_params(tmp_path / "job", _init(config), model_config=config)
     other = dataclasses.replace(config, lora_rank=config.lora_rank + 1)
-    with pytest.raises(pretrained.PretrainedCheckpointError,
-                       match=r"(?s)does not fit the LoRA model.*lora_a: checkpoint shape \(16, 3\)"):
+    with pytest.raises(
+        pretrained.PretrainedCheckpointError,
+        match=r"(?s)does not fit the LoRA model.*lora_a: checkpoint shape \(16, 3\)",
+    ):
         export_merged(tmp_path / "job", tmp_path / "merged", model_config=other)
     assert sorted(os.listdir(tmp_path)) == ["job"]

@@ -125,14 +125,34 @@ def test_lora_experiment_reports_the_work_done_to_the_loop_and_to_show() -> None
 
     name = "paxlite.experiments.tiny.TinyLLaMA"
     assert load_experiment(name, []).flops_per_token() == TINY_LLAMA_DENSE
-    assert load_experiment(name, ["USE_LORA=true", "LORA_RANDOM_BASE=true"]).flops_per_token() == TINY_LLAMA_LORA
-    _, config = build_run_config(name, ["USE_LORA=true", "LORA_RANDOM_BASE=true", "SYNTHETIC_DATA=true", "EVAL_TASK=validation"])
+    assert (
+        load_experiment(name, ["USE_LORA=true", "LORA_RANDOM_BASE=true"]).flops_per_token()
+        == TINY_LLAMA_LORA
+    )
+    _, config = build_run_config(
+        name,
+        ["USE_LORA=true", "LORA_RANDOM_BASE=true", "SYNTHETIC_DATA=true", "EVAL_TASK=validation"],
+    )
     assert config.loop.flops_per_token == TINY_LLAMA_LORA  # what MFU in metrics.jsonl uses
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = COMPILE_FLAGS
     shown = subprocess.run(
-        [sys.executable, "-m", "paxlite", "show", f"--fdl_config={name}", "--fdl.USE_LORA=true", "--fdl.LORA_RANDOM_BASE=true",
-         "--format=json"], capture_output=True, text=True, env=env, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "paxlite",
+            "show",
+            f"--fdl_config={name}",
+            "--fdl.USE_LORA=true",
+            "--fdl.LORA_RANDOM_BASE=true",
+            "--format=json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert json.loads(shown.stdout)["flops_per_token"] == TINY_LLAMA_LORA
 

@@ -43,9 +43,15 @@ def _run(overrides, experiment="TinySynthetic"):
 def _steps(run, mesh, *, optimizer=None, grad_accum_steps=1):
     schedule = make_schedule(run.schedule)
     return compile_steps(
-        model=Transformer(run.model), optimizer=optimizer or make_optimizer(run.optimizer, schedule),
-        schedule=schedule, mesh=mesh, seq_len=run.data.seq_len, seed=0, deterministic=True,
-        grad_accum_steps=grad_accum_steps)
+        model=Transformer(run.model),
+        optimizer=optimizer or make_optimizer(run.optimizer, schedule),
+        schedule=schedule,
+        mesh=mesh,
+        seq_len=run.data.seq_len,
+        seed=0,
+        deterministic=True,
+        grad_accum_steps=grad_accum_steps,
+    )
 
 
 def _mesh(shape=(1, 1, 1)):

@@ -132,7 +132,8 @@ def test_four_microbatches_equal_one_batch_with_uneven_token_counts(one_batch_re
 
 
 def test_sharded_accumulation_matches_one_device(one_batch_reference):
-    """(2,2,2) mesh, params FSDP x tensor sharded: 2 microbatches of 4 rows, a row per batch shard."""
+    """(2,2,2) mesh, params FSDP x tensor sharded: 2 microbatches of 4 rows, a row per batch
+    shard."""
     batch, (params0, ref, ref_metrics) = one_batch_reference
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2)))
     _, got, metrics = _one_step(batch, mesh=mesh, grad_accum_steps=2)

@@ -1,6 +1,6 @@
-"""metrics.jsonl's input_wait_fraction: the share of the timed window the training thread spent waiting
-for its next batch from the prefetching producer. A feed that sleeps a known time per batch is the
-independent reference: once the producer's head start is used up, every step waits for it."""
+"""metrics.jsonl's input_wait_fraction: the share of the timed window the training thread spent
+waiting for its next batch from the prefetching producer. A feed that sleeps a known time per batch
+is the independent reference: once the producer's head start is used up, every step waits for it."""
 
 import json
 import time
@@ -12,7 +12,8 @@ SLEEP_S = 0.2
 
 
 class _SlowFeed:
-    """Delegates to the run's own feed and sleeps before each training batch (a slow input pipeline)."""
+    """Delegates to the run's own feed and sleeps before each training batch (a slow input
+    pipeline)."""
 
     def __init__(self, feed):
         self._feed = feed
@@ -40,9 +41,9 @@ def test_input_wait_fraction_measures_waiting_for_a_slow_feed(tmp_path):
     slow = _train_lines(tmp_path / "slow", slow=True)
     assert [line["step"] for line in slow] == [5, 10]
     steady = slow[-1]  # steps 6-10: the producer's head start is spent, each step waits for it
-    # the tiny step is far shorter than SLEEP_S, so the step takes about SLEEP_S, nearly all waiting; the
-    # producer may start the window up to 2 batches ahead (slow steps before it, on a loaded host), so 5 steps
-    # can take as little as 3 x SLEEP_S
+    # the tiny step is far shorter than SLEEP_S, so the step takes about SLEEP_S, nearly all
+    # waiting; the producer may start the window up to 2 batches ahead (slow steps before it, on a
+    # loaded host), so 5 steps can take as little as 3 x SLEEP_S
     assert 0.55 * SLEEP_S < steady["step_time_s"] < 2.5 * SLEEP_S, steady
     assert 0.6 < steady["input_wait_fraction"] <= 1.0, steady
     fast = _train_lines(tmp_path / "fast", slow=False)[-1]

@@ -1,8 +1,8 @@
 """LM_EVAL_TASKS during training (train/lm_eval_hook.py): lm-evaluation-harness scores of the live
 train state on its 8-device mesh at every LM_EVAL_INTERVAL_STEPS-th step and the last, into
 metrics.jsonl and TensorBoard, equal to `python -m paxlite lm_eval` on the checkpoint that step
-saved (that command's scores are checked against lm_eval's own hf model in tests/eval/test_lm_eval.py);
-a task lm_eval does not know stops the run before anything compiles."""
+saved (that command's scores are checked against lm_eval's own hf model in
+tests/eval/test_lm_eval.py); a task lm_eval does not know stops the run before anything compiles."""
 
 import json
 import pathlib
@@ -17,10 +17,19 @@ TASKS = '["paxlite_mc", "paxlite_ppl"]'
 
 
 def _flags(job, vocab, *extra, tasks=TASKS):
-    return ["--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=3", "--fdl.EVAL_INTERVAL_STEPS=1",
-            "--fdl.SUMMARY_INTERVAL_STEPS=1", "--fdl.CHECKPOINT_EVERY_N_STEPS=1",
-            "--fdl.ICI_MESH_SHAPE=[2,2,2]", f"--fdl.VOCAB_PATH={vocab}", f"--fdl.LM_EVAL_TASKS={tasks}",
-            f"--fdl.LM_EVAL_INCLUDE_PATH={TASKS_DIR}", f"--job_log_dir={job}", *extra]
+    return [
+        "--fdl_config=TinySynthetic",
+        "--fdl.MAX_STEPS=3",
+        "--fdl.EVAL_INTERVAL_STEPS=1",
+        "--fdl.SUMMARY_INTERVAL_STEPS=1",
+        "--fdl.CHECKPOINT_EVERY_N_STEPS=1",
+        "--fdl.ICI_MESH_SHAPE=[2,2,2]",
+        f"--fdl.VOCAB_PATH={vocab}",
+        f"--fdl.LM_EVAL_TASKS={tasks}",
+        f"--fdl.LM_EVAL_INCLUDE_PATH={TASKS_DIR}",
+        f"--job_log_dir={job}",
+        *extra,
+    ]
 
 
 def test_scores_at_the_interval_and_the_last_step_equal_the_command_on_its_checkpoint(
@@ -45,8 +54,14 @@ def test_scores_at_the_interval_and_the_last_step_equal_the_command_on_its_check
     # the command, on the checkpoint of step 3 (the latest), restored onto the same mesh
     output = tmp_path / "results.json"
     command = paxlite_command(monkeypatch, capfd)
-    result = command("lm_eval", f"--job_log_dir={job}", "--tasks=paxlite_mc,paxlite_ppl",
-                     f"--include_path={TASKS_DIR}", "--bootstrap_iters=0", f"--output_path={output}")
+    result = command(
+        "lm_eval",
+        f"--job_log_dir={job}",
+        "--tasks=paxlite_mc,paxlite_ppl",
+        f"--include_path={TASKS_DIR}",
+        "--bootstrap_iters=0",
+        f"--output_path={output}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(output.read_text())["results"]
     for key, value in scored[3].items():

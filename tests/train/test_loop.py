@@ -1,4 +1,5 @@
-"""End-to-end training loop on 8 devices: learning, exact resume, corrupted-checkpoint fallback, NaN stop."""
+"""End-to-end training loop on 8 devices: learning, exact resume, corrupted-checkpoint fallback, NaN
+stop."""
 
 import json
 import os
@@ -53,20 +54,34 @@ def test_loss_falls_on_learnable_synthetic_task(tmp_path):
     lines = _train_lines(tmp_path)
     assert [line["step"] for line in lines] == list(range(10, 81, 10))
     first, last = lines[0]["loss"], lines[-1]["loss"]
-    # Untrained: about ln(256) = 5.55. The permutation task is learnable: loss must fall far below it.
+    # Untrained: about ln(256) = 5.55. The permutation task is learnable: loss must fall far below
+    # it.
     assert first > 4.5 and last < 0.5 * first, (first, last)
     evals = _eval_lines(tmp_path)
     assert [e["step"] for e in evals] == [40, 80]
     assert evals[1]["eval/loss"] < evals[0]["eval/loss"] < 5.0
     assert evals[1]["eval/log_pplx"] == evals[1]["eval/loss"]
     for line in lines:
-        assert set(line) >= {"step", "loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_s", "mfu"}
+        assert set(line) >= {
+            "step",
+            "loss",
+            "learning_rate",
+            "grad_norm",
+            "step_time_s",
+            "tokens_per_s",
+            "mfu",
+        }
         assert line["mfu"] is None  # CPU: no known peak
     assert lines[-1]["tokens_per_s"] > 0
     # global batch = PERCORE_BATCH_SIZE (2) x 8 devices; 64 tokens per row
     assert lines[-1]["tokens_per_s"] == pytest.approx(16 * 64 / lines[-1]["step_time_s"])
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_00000050", "checkpoint_00000080"]
-    assert os.listdir(tmp_path / "summaries" / "train") and os.listdir(tmp_path / "summaries" / "eval")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "checkpoint_00000050",
+        "checkpoint_00000080",
+    ]
+    assert os.listdir(tmp_path / "summaries" / "train") and os.listdir(
+        tmp_path / "summaries" / "eval"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +132,15 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, straight_r
     assert any(latest.name in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     # Training resumed from step N and reproduced the uninterrupted run exactly.
     lines = _train_lines(job)
-    assert [line["step"] for line in lines] == list(range(1, 2 * N + 1)) + list(range(N + 1, 2 * N + 1))
+    assert [line["step"] for line in lines] == list(range(1, 2 * N + 1)) + list(
+        range(N + 1, 2 * N + 1)
+    )
     assert [line["loss"] for line in lines[2 * N:]] == [line["loss"] for line in straight_lines[N:]]
     _assert_same_state(state, straight_state)
-    assert sorted(os.listdir(job / "checkpoints")) == [f"checkpoint_{N:08d}", f"checkpoint_{2 * N:08d}"]
+    assert sorted(os.listdir(job / "checkpoints")) == [
+        f"checkpoint_{N:08d}",
+        f"checkpoint_{2 * N:08d}",
+    ]
 
 
 def test_nan_loss_stops_without_saving(tmp_path):
@@ -150,28 +170,49 @@ def test_disabled_checkpoint_saving_writes_none_and_mfu_uses_the_given_peak(tmp_
 
 
 def test_bfloat16_scanned_stack_with_dropout_trains(tmp_path):
-    """The GPT5B-style path: bf16 compute over fp32 parameters, scanned layers with remat, input dropout."""
-    state = _run(tmp_path, ["MAX_STEPS=40", "SUMMARY_INTERVAL_STEPS=10", "FPROP_DTYPE=bfloat16",
-                            "USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_DOT_WITH_NO_BATCH_DIM",
-                            "INPUT_DROPOUT_PROB=0.1", "EVAL_INTERVAL_STEPS=1000"])
+    """The GPT5B-style path: bf16 compute over fp32 parameters, scanned layers with remat, input
+    dropout."""
+    state = _run(
+        tmp_path,
+        [
+            "MAX_STEPS=40",
+            "SUMMARY_INTERVAL_STEPS=10",
+            "FPROP_DTYPE=bfloat16",
+            "USE_REPEATED_LAYER=true",
+            "CHECKPOINT_POLICY=SAVE_DOT_WITH_NO_BATCH_DIM",
+            "INPUT_DROPOUT_PROB=0.1",
+            "EVAL_INTERVAL_STEPS=1000",
+        ],
+    )
     losses = [line["loss"] for line in _train_lines(tmp_path)]
     assert losses[-1] < 0.75 * losses[0], losses
     assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(state.params))
-    assert state.params["layers"]["mlp"]["wi"]["kernel"].shape[0] == 2  # scanned: leading layers axis
+    # scanned: leading layers axis
+    assert state.params["layers"]["mlp"]["wi"]["kernel"].shape[0] == 2
 
 
 def test_fractional_percore_batch_with_tensor_parallelism(tmp_path):
-    """Pax: PERCORE_BATCH_SIZE=0.5 with tensor=2 is one row per model replica; global = 0.5 x 8 devices = 4."""
-    overrides = ["MAX_STEPS=2", "SUMMARY_INTERVAL_STEPS=1", "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[2,2,2]",
-                 "EVAL_INTERVAL_STEPS=1000", "CHECKPOINT_EVERY_N_STEPS=1000"]
+    """Pax: PERCORE_BATCH_SIZE=0.5 with tensor=2 is one row per model replica; global = 0.5 x 8
+    devices = 4."""
+    overrides = [
+        "MAX_STEPS=2",
+        "SUMMARY_INTERVAL_STEPS=1",
+        "PERCORE_BATCH_SIZE=0.5",
+        "ICI_MESH_SHAPE=[2,2,2]",
+        "EVAL_INTERVAL_STEPS=1000",
+        "CHECKPOINT_EVERY_N_STEPS=1000",
+    ]
     _, config = build_run_config("TinySynthetic", overrides)
     with Run(config, RunContext(job_dir=str(tmp_path / "job"))) as run:
         assert run.global_batch_size == 4 and run.tokens_per_step == 4 * config.model.max_seq_len
         run.train()
     lines = _train_lines(tmp_path / "job")
-    assert [line["step"] for line in lines] == [1, 2] and all(np.isfinite(line["loss"]) for line in lines)
+    assert [line["step"] for line in lines] == [1, 2] and all(
+        np.isfinite(line["loss"]) for line in lines
+    )
     _, bad = build_run_config("TinySynthetic", ["PERCORE_BATCH_SIZE=0.3", "ICI_MESH_SHAPE=[2,2,2]"])
-    with pytest.raises(Exception, match=r"0.3 x 8 devices = 2.4 is not a positive whole global batch"):
+    with pytest.raises(Exception, match=r"0.3 x 8 devices = 2.4 is not a positive whole global "
+                                        r"batch"):
         Run(bad, RunContext(job_dir=str(tmp_path / "bad")))
 
 
@@ -248,7 +289,9 @@ def test_checkpoint_of_another_model_is_a_named_mismatch(tmp_path):
     message = str(info.value)
     assert "params/layers_0/mlp/wi/kernel: checkpoint shape (64, 256), this run's shape (64, 128)" \
         in message
-    assert "opt_state/1/mu/layers_0/mlp/wi/kernel" in message and "CHECKPOINT_RESTORE_PATH" in message
+    assert (
+        "opt_state/1/mu/layers_0/mlp/wi/kernel" in message and "CHECKPOINT_RESTORE_PATH" in message
+    )
     assert sorted(os.listdir(tmp_path / "checkpoints")) == before
     assert not os.path.exists(tmp_path / "checkpoints_corrupted")
 

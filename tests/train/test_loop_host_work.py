@@ -39,7 +39,9 @@ def test_metrics_jsonl_equals_the_line_by_line_reading_loops_golden(tmp_path):
     with open(GOLDEN) as f:
         golden = [json.loads(line) for line in f]
     got = _lines(tmp_path)
-    assert [(line["step"], list(line)) for line in got] == [(line["step"], list(line)) for line in golden]
+    assert [(line["step"], list(line)) for line in got] == [
+        (line["step"], list(line)) for line in golden
+    ]
     for new, old in zip(got, golden):
         for key, value in old.items():
             if key in TIMING:
@@ -48,7 +50,10 @@ def test_metrics_jsonl_equals_the_line_by_line_reading_loops_golden(tmp_path):
                 assert new[key] is None, key
             else:
                 assert new[key] == pytest.approx(value, rel=2e-6), key
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_00000005", "checkpoint_00000007"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "checkpoint_00000005",
+        "checkpoint_00000007",
+    ]
 
 
 DIVERGING = ["LEARNING_RATE=1e30", "LR_SCHEDULE=constant", "CLIP_GRADIENT_NORM_TO_VALUE=0.0",
@@ -62,7 +67,9 @@ def _first_non_finite_step(config, job_dir) -> int:
             jax.set_mesh(run.mesh):
         state = run.restore_or_init()
         for index in range(config.loop.max_steps):
-            state, metrics = run.steps.train(state, run.data.train_batch(index, run.steps.batch_sharding))
+            state, metrics = run.steps.train(
+                state, run.data.train_batch(index, run.steps.batch_sharding)
+            )
             host = jax.device_get(metrics)
             if not (math.isfinite(host["loss"]) and math.isfinite(host["grad_norm"])):
                 return index + 1
@@ -72,9 +79,12 @@ def _first_non_finite_step(config, job_dir) -> int:
 def test_non_finite_step_between_boundaries_is_named_exactly(tmp_path):
     _, config = build_run_config("TinySynthetic", DIVERGING)
     expected = _first_non_finite_step(config, tmp_path / "reference")
-    assert expected % 10, "the divergence must fall between boundaries for this test to mean anything"
-    with (pytest.raises(TrainingDivergedError, match=rf"at step {expected}; stopping without saving"),
-          Run(config, RunContext(job_dir=str(tmp_path / "job"))) as run):
+    assert expected % 10, ("the divergence must fall between boundaries for this test to mean "
+                           "anything")
+    with (
+        pytest.raises(TrainingDivergedError, match=rf"at step {expected}; stopping without saving"),
+        Run(config, RunContext(job_dir=str(tmp_path / "job"))) as run,
+    ):
         run.train()
     assert not os.path.exists(tmp_path / "job" / "checkpoints") or not os.listdir(
         tmp_path / "job" / "checkpoints")
@@ -129,7 +139,9 @@ def test_evaluate_equals_per_batch_host_sums_in_float64(tmp_path):
                     sums[key] += float(np.sum(out[key], dtype=np.float64))
     assert metrics["num_tokens"] == sums["target_tokens"] == 3 * 16 * 64
     assert metrics["loss"] == pytest.approx(sums["loss_sum"] / sums["target_tokens"], rel=1e-12)
-    assert metrics["accuracy"] == pytest.approx(sums["correct_tokens"] / sums["target_tokens"], rel=1e-12)
+    assert metrics["accuracy"] == pytest.approx(
+        sums["correct_tokens"] / sums["target_tokens"], rel=1e-12
+    )
 
 
 def test_host_overhead_benchmark_runs_in_tiny_mode(capsys):

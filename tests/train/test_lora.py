@@ -35,7 +35,8 @@ LORA = ["USE_LORA=true", "LORA_RANDOM_BASE=true", "LORA_RANK=4", "LR_SCHEDULE=co
 
 
 class TinyLLaMAForLoRATest(TinyLLaMA):
-    """TinyLLaMA (GQA, RoPE, SwiGLU, untied head) on synthetic tokens, with a smaller vocabulary and rows."""
+    """TinyLLaMA (GQA, RoPE, SwiGLU, untied head) on synthetic tokens, with a smaller vocabulary and
+    rows."""
 
     SYNTHETIC_DATA = True
     VOCAB_SIZE = 128

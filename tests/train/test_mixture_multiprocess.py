@@ -33,8 +33,12 @@ def test_two_processes_resume_a_mixture_and_sum_its_fractions(tmp_path, sources)
     assert all("Resumed from checkpoint step 3" in log.read_text() for log in logs)
 
     _, config = build_run_config("TinyShakespeare", _overrides(sources, 5, *MESH))
-    readers = [MixtureData(config.data, global_batch_size=8, process_index=p, process_count=2).train_iterator()
-               for p in range(2)]
+    readers = [
+        MixtureData(
+            config.data, global_batch_size=8, process_index=p, process_count=2
+        ).train_iterator()
+        for p in range(2)
+    ]
     want = {}
     for step in range(1, 6):
         for reader in readers:
@@ -45,10 +49,15 @@ def test_two_processes_resume_a_mixture_and_sum_its_fractions(tmp_path, sources)
             record = ckpt.restore_data(step)
             assert record["batches_consumed"] == step and record["processes"] == want[step], step
     lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    fractions = {r["step"]: {k: v for k, v in r.items() if k.startswith("data/mixture/")} for r in lines if "loss" in r}
+    fractions = {
+        r["step"]: {k: v for k, v in r.items() if k.startswith("data/mixture/")}
+        for r in lines
+        if "loss" in r
+    }
     assert sorted(fractions) == [1, 2, 3, 4, 5]
     for step, got in fractions.items():
-        assert got == pytest.approx({f"data/mixture/{k}": v for k, v in mixture_fractions(want[step]).items()},
-                                    abs=1e-12)
+        assert got == pytest.approx(
+            {f"data/mixture/{k}": v for k, v in mixture_fractions(want[step]).items()}, abs=1e-12
+        )
     evals = [r for r in lines if "eval/loss" in r]
     assert evals and all("eval/books/loss" in r and "eval/books_2/loss" in r for r in evals)

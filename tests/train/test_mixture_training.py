@@ -43,25 +43,45 @@ def sources(tmp_path_factory):
     corpora = {}
     for key, count in (("a", 300), ("b", 4)):
         longest = 60 if key == "a" else 15
-        paragraphs = [" ".join(rng.choice(WORDS[key]) for _ in range(rng.randint(5, longest))) for _ in range(count)]
+        paragraphs = [
+            " ".join(rng.choice(WORDS[key]) for _ in range(rng.randint(5, longest)))
+            for _ in range(count)
+        ]
         corpora[key] = root / f"{key}.txt"
         corpora[key].write_text("\n\n".join(paragraphs) + "\n")
     vocab = train_tokenizer([str(c) for c in corpora.values()], str(root / "spm"), vocab_size=300)
     dirs = []
     for key in ("a", "b"):
         out = root / key / "books"
-        prepare([str(corpora[key])], str(out), vocab_path=vocab, validation_fraction=0.2, num_shards=2)
+        prepare(
+            [str(corpora[key])], str(out), vocab_path=vocab, validation_fraction=0.2, num_shards=2
+        )
         dirs.append(str(out))
     return dirs[0], dirs[1], vocab
 
 
 def _overrides(sources, max_steps, *extra):
     a, b, vocab = sources
-    return [f"DATA_MIXTURE=[[{a!r}, {WEIGHTS[0]}], [{b!r}, {WEIGHTS[1]}]]", f"VOCAB_PATH={vocab}",
-            "NUM_LAYERS=1", "MODEL_DIMS=32", "NUM_HEADS=4", "DIMS_PER_HEAD=8", "HIDDEN_DIMS=64", "VOCAB_SIZE=320",
-            f"MAX_SEQ_LEN={SEQ}", f"GLOBAL_BATCH_SIZE={BATCH}", f"MAX_STEPS={max_steps}", "SUMMARY_INTERVAL_STEPS=1",
-            "CHECKPOINT_EVERY_N_STEPS=3", "EVAL_INTERVAL_STEPS=3", "EVAL_LOOP_NUM_BATCHES=2", "LR_COS_WARMUP=2",
-            "LR_COS_DECAY_END=6", *extra]
+    return [
+        f"DATA_MIXTURE=[[{a!r}, {WEIGHTS[0]}], [{b!r}, {WEIGHTS[1]}]]",
+        f"VOCAB_PATH={vocab}",
+        "NUM_LAYERS=1",
+        "MODEL_DIMS=32",
+        "NUM_HEADS=4",
+        "DIMS_PER_HEAD=8",
+        "HIDDEN_DIMS=64",
+        "VOCAB_SIZE=320",
+        f"MAX_SEQ_LEN={SEQ}",
+        f"GLOBAL_BATCH_SIZE={BATCH}",
+        f"MAX_STEPS={max_steps}",
+        "SUMMARY_INTERVAL_STEPS=1",
+        "CHECKPOINT_EVERY_N_STEPS=3",
+        "EVAL_INTERVAL_STEPS=3",
+        "EVAL_LOOP_NUM_BATCHES=2",
+        "LR_COS_WARMUP=2",
+        "LR_COS_DECAY_END=6",
+        *extra,
+    ]
 
 
 def _train(job, overrides):
@@ -76,7 +96,9 @@ def _lines(job, key):
 
 
 def _data_record(job, step):
-    with Checkpointer(os.path.join(job, "checkpoints"), save_interval_steps=3, max_to_keep=None) as ckpt:
+    with Checkpointer(
+        os.path.join(job, "checkpoints"), save_interval_steps=3, max_to_keep=None
+    ) as ckpt:
         return ckpt.restore_data(step)
 
 
@@ -97,7 +119,8 @@ def test_resume_is_bit_for_bit_and_names_are_unique(straight, sources, tmp_path)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     (process,) = _data_record(job, 6)["processes"]
     assert process["names"] == ["books", "books_2"] and process["selection"] == 6 * BATCH
-    assert process["streams"]["books_2"]["epoch"] >= 1 and process["streams"]["books"]["epoch"] == 0  # the small source re-epoched on its own
+    # the small source re-epoched on its own
+    assert process["streams"]["books_2"]["epoch"] >= 1 and process["streams"]["books"]["epoch"] == 0
 
 
 def test_fractions_equal_an_independent_count(straight, sources):
@@ -114,9 +137,13 @@ def test_fractions_equal_an_independent_count(straight, sources):
         picks = np.array([mixed[k] // m for k in range(line["step"] * BATCH)])
         tokens = []
         for index, directory in enumerate((a, b)):
-            it = TextData(TextDataConfig(data_dir=directory, vocab_path=vocab, vocab_size=320, seq_len=SEQ),
-                          global_batch_size=1).train_iterator()
-            tokens.append(sum(float(next(it)["weights"].sum()) for _ in range(int((picks == index).sum()))))
+            it = TextData(
+                TextDataConfig(data_dir=directory, vocab_path=vocab, vocab_size=320, seq_len=SEQ),
+                global_batch_size=1,
+            ).train_iterator()
+            tokens.append(
+                sum(float(next(it)["weights"].sum()) for _ in range(int((picks == index).sum())))
+            )
         assert line["data/mixture/books"] == pytest.approx(tokens[0] / sum(tokens), abs=1e-12)
         assert line["data/mixture/books_2"] == pytest.approx(tokens[1] / sum(tokens), abs=1e-12)
 
@@ -134,7 +161,10 @@ def test_each_sources_eval_equals_that_source_alone(straight, sources, tmp_path)
         with Run(config, RunContext(job_dir=str(tmp_path / name), training=False)) as run:
             alone[name] = run.run_eval()
         for key in ("loss", "accuracy", "log_pplx", "num_tokens"):
-            assert line[f"eval/{name}/{key}"] == pytest.approx(alone[name][key], rel=1e-6), (name, key)
+            assert line[f"eval/{name}/{key}"] == pytest.approx(alone[name][key], rel=1e-6), (
+                name,
+                key,
+            )
     counts = [alone[n]["num_tokens"] for n in alone]
     pooled = sum(alone[n]["loss"] * alone[n]["num_tokens"] for n in alone) / sum(counts)
     assert line["eval/loss"] == pytest.approx(pooled, rel=1e-6)
@@ -151,7 +181,9 @@ def test_resume_on_another_device_count_continues_the_same_data(straight, source
     batches continue exactly (the saved data record at step 6 is the uninterrupted run's)."""
     job, _ = straight
     resumed = tmp_path / "one_device"
-    shutil.copytree(job / "checkpoints" / "checkpoint_00000003", resumed / "checkpoints" / "checkpoint_00000003")
+    shutil.copytree(
+        job / "checkpoints" / "checkpoint_00000003", resumed / "checkpoints" / "checkpoint_00000003"
+    )
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COMPILE_FLAGS}
     result = subprocess.run(
         [sys.executable, "-m", "paxlite.main", "--fdl_config=TinyShakespeare",
@@ -192,13 +224,19 @@ def test_configuration_errors_are_one_line(sources, tmp_path, monkeypatch):
     other = tmp_path / "other"
     other_vocab = train_tokenizer([os.path.join(os.path.dirname(os.path.dirname(b)), "b.txt")],
                                   str(tmp_path / "spm2"), vocab_size=290)
-    prepare([os.path.join(os.path.dirname(os.path.dirname(b)), "b.txt")], str(other), vocab_path=other_vocab,
-            validation_fraction=0.2)
+    prepare(
+        [os.path.join(os.path.dirname(os.path.dirname(b)), "b.txt")],
+        str(other),
+        vocab_path=other_vocab,
+        validation_fraction=0.2,
+    )
     message = _config_error(sources, f"[[{a!r}, 1], [{str(other)!r}, 1]]")
     assert "share one tokenizer" in message and str(other) in message and vocab in message
     message = _config_error(sources, f"[[{str(other)!r}, 1]]")  # against VOCAB_PATH
     assert "VOCAB_PATH" in message and str(other) in message
-    message = _config_error(sources, f"[[{a!r}, 1], [{str(other)!r}, 1]]", drop=("DATA_MIXTURE", "VOCAB_PATH"))
+    message = _config_error(
+        sources, f"[[{a!r}, 1], [{str(other)!r}, 1]]", drop=("DATA_MIXTURE", "VOCAB_PATH")
+    )
     assert a in message and str(other) in message and message.count("sha256") == 2
 
 

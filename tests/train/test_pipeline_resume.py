@@ -1,7 +1,8 @@
-"""Checkpoints and pipelines (issue 24): a pipelined run stopped and resumed continues bit for bit, and
-the saved layout does not depend on the mesh, so a checkpoint of a (data, fsdp, tensor) = (2,2,2) run
-resumes on a pipelined mesh and the other way round, each step's loss within 1e-5 of the uninterrupted
-(2,2,2) run (same global batch). Evaluation runs on the pipelined mesh too (the eval step pipelines).
+"""Checkpoints and pipelines (issue 24): a pipelined run stopped and resumed continues bit for bit,
+and the saved layout does not depend on the mesh, so a checkpoint of a (data, fsdp, tensor) =
+(2,2,2) run resumes on a pipelined mesh and the other way round, each step's loss within 1e-5 of the
+uninterrupted (2,2,2) run (same global batch). Evaluation runs on the pipelined mesh too (the eval
+step pipelines).
 
 The session's compilation cache (tests/conftest.py) makes the straight and resumed runs of one mesh
 compile once.
@@ -50,7 +51,10 @@ def runs(tmp_path_factory):
     """Straight 2N-step runs on both meshes, and N-step runs on both to resume from."""
     out = {}
     for name, mesh in (("flat", FLAT), ("pipelined", PIPELINED)):
-        straight, half = tmp_path_factory.mktemp(f"{name}_straight"), tmp_path_factory.mktemp(f"{name}_half")
+        straight, half = (
+            tmp_path_factory.mktemp(f"{name}_straight"),
+            tmp_path_factory.mktemp(f"{name}_half"),
+        )
         out[name] = (_run(straight, mesh + [f"MAX_STEPS={2 * N}"]), straight)
         _run(half, mesh + [f"MAX_STEPS={N}"])
         out[f"{name}_half"] = half
@@ -75,7 +79,9 @@ def test_a_pipelined_run_resumes_bit_for_bit(tmp_path, runs):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # the pipelined eval step ran at both boundaries and agrees too
     evals, evals_ref = _lines(job, "eval/loss"), _lines(straight_dir, "eval/loss")
-    assert sorted(evals) == [N, 2 * N] and evals[2 * N]["eval/loss"] == evals_ref[2 * N]["eval/loss"]
+    assert (
+        sorted(evals) == [N, 2 * N] and evals[2 * N]["eval/loss"] == evals_ref[2 * N]["eval/loss"]
+    )
 
 
 @pytest.mark.parametrize(("start", "finish"), [("flat", "pipelined"), ("pipelined", "flat")])
@@ -85,9 +91,16 @@ def test_a_checkpoint_resumes_on_the_other_mesh(tmp_path, runs, start, finish):
     got, want = _lines(job, "loss"), _lines(reference_dir, "loss")
     assert sorted(got) == list(range(1, 2 * N + 1))
     for step in want:
-        assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * abs(want[step]["loss"]), (step, got, want)
+        assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * abs(want[step]["loss"]), (
+            step,
+            got,
+            want,
+        )
     evals, evals_ref = _lines(job, "eval/loss"), _lines(reference_dir, "eval/loss")
-    assert abs(evals[2 * N]["eval/loss"] - evals_ref[2 * N]["eval/loss"]) <= 1e-5 * evals_ref[2 * N]["eval/loss"]
+    assert (
+        abs(evals[2 * N]["eval/loss"] - evals_ref[2 * N]["eval/loss"])
+        <= 1e-5 * evals_ref[2 * N]["eval/loss"]
+    )
     # the parameters after the resumed steps equal the flat run's (Adam may amplify round-off of
     # gradients that are zero in exact arithmetic, so a relative tolerance on the whole tree)
     flat_params = jax.tree.leaves(runs["flat"][0].params)

@@ -1,15 +1,15 @@
-"""Pipeline and sequence parallelism on the real train step: loss, every gradient leaf and the losses of
-two optimizer steps equal a one-device run to 1e-5 (issue 24).
+"""Pipeline and sequence parallelism on the real train step: loss, every gradient leaf and the
+losses of two optimizer steps equal a one-device run to 1e-5 (issue 24).
 
-The reference for a dense model is the *unpipelined* model on one device: a pipeline changes only where
-each layer runs and on how many rows at a time, never the loss of the batch, so any difference is a bug
-(a bubble leaking into the results, a stage applied out of order, a wrong reshard). A mixture-of-experts
-layer routes each microbatch's tokens as its own group, so there the reference is the same pipelined
-model on one device (the pipeline's schedule with no mesh axis under it). Bubbles are filled with NaN
-(models/pipeline.py's test hook) so that a leak cannot hide behind a zero.
+The reference for a dense model is the *unpipelined* model on one device: a pipeline changes only
+where each layer runs and on how many rows at a time, never the loss of the batch, so any difference
+is a bug (a bubble leaking into the results, a stage applied out of order, a wrong reshard). A
+mixture-of-experts layer routes each microbatch's tokens as its own group, so there the reference is
+the same pipelined model on one device (the pipeline's schedule with no mesh axis under it). Bubbles
+are filled with NaN (models/pipeline.py's test hook) so that a leak cannot hide behind a zero.
 
-Sequence-parallel runs feed the batch in the load-balanced (dual_chunk_swap) order the train loop uses,
-the reference the original order: the loss is a sum over tokens, so they must agree.
+Sequence-parallel runs feed the batch in the load-balanced (dual_chunk_swap) order the train loop
+uses, the reference the original order: the loss is a sum over tokens, so they must agree.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def _loss_grads_and_losses(run, mesh, *, balance_seq: bool = False):
             steps.state_shardings)
 
         def batch(index):
-            return balance_batch_for_seq(data.train_batch(index, steps.batch_sharding), seq_shards=seq)
+            return balance_batch_for_seq(
+                data.train_batch(index, steps.batch_sharding), seq_shards=seq
+            )
 
         def value_and_grad(params, batch):
             with nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
@@ -98,8 +100,10 @@ def _assert_match(got, ref, what: str) -> None:
     flat = jax.tree_util.tree_leaves_with_path(grads)
     assert [p for p, _ in flat] == [p for p, _ in flat_ref]
     for (path, ref_leaf), (_, leaf) in zip(flat_ref, flat):
-        assert np.all(np.isfinite(leaf)), f"{what}: gradient {jax.tree_util.keystr(path)} is not finite"
-        assert _rel_err(leaf, ref_leaf) < 1e-5, f"{what}: gradient {jax.tree_util.keystr(path)} differs"
+        assert np.all(np.isfinite(leaf)), (f"{what}: gradient {jax.tree_util.keystr(path)} is not "
+                                           "finite")
+        assert _rel_err(leaf, ref_leaf) < 1e-5, (f"{what}: gradient {jax.tree_util.keystr(path)} "
+                                                 "differs")
     np.testing.assert_allclose(losses, losses_ref, rtol=1e-5, err_msg=what)
 
 
@@ -107,7 +111,8 @@ _REFERENCES: dict = {}
 
 
 def _one_device(name: str, overrides: tuple[str, ...]):
-    """The one-device run of `name` with `overrides` (shared by the cases that need the same one)."""
+    """The one-device run of `name` with `overrides` (shared by the cases that need the same
+    one)."""
     key = (name, overrides)
     if key not in _REFERENCES:
         run = _run_config(name, overrides)
@@ -124,10 +129,11 @@ def nan_bubbles():
 
 
 # (ICI_MESH_SHAPE as [data, fsdp, tensor, expert, pipeline], the pipeline settings). The model tests
-# (tests/models/test_pipelined_transformer.py) cover the issue's meshes (pipeline, data, fsdp, tensor) =
-# (2,1,2,2), (4,2,1,1), (8,1,1,1), both schedules, scanned and unscanned, remat, GLaM and Mixtral, against
-# the unpipelined model per microbatch; here the whole train step (sharded state, optimizer, loss) runs
-# the circular schedule, and GPipe below (pipeline x seq, FP8 with gradient accumulation).
+# (tests/models/test_pipelined_transformer.py) cover the issue's meshes (pipeline, data, fsdp,
+# tensor) = (2,1,2,2), (4,2,1,1), (8,1,1,1), both schedules, scanned and unscanned, remat, GLaM and
+# Mixtral, against the unpipelined model per microbatch; here the whole train step (sharded state,
+# optimizer, loss) runs the circular schedule, and GPipe below (pipeline x seq, FP8 with gradient
+# accumulation).
 PIPELINE_CASES = {
     "p4xd2-circular-scan": ([2, 1, 1, 1, 4], ["USE_REPEATED_LAYER=true", "NUM_LAYERS=8",
                                               "PIPELINE_REPEATS=2", "NUM_MICROBATCHES=4",
@@ -147,10 +153,13 @@ def test_pipelined_dense_model_equals_the_unpipelined_one_device_run(case, nan_b
 
 def test_pax_pipelined_mesh_with_microbatch_size():
     """Pax's form: NUM_STAGES with a 4-entry [pipeline, data, fsdp, tensor] mesh and MICROBATCH_SIZE
-    resolve to the same mesh and schedule as paxlite's 5-entry form (whose numbers are tested above)."""
+    resolve to the same mesh and schedule as paxlite's 5-entry form (whose numbers are tested
+    above)."""
     pax = _run_config("TinySynthetic", ["NUM_LAYERS=4", "NUM_STAGES=2", "ICI_MESH_SHAPE=[2,2,1,2]",
                                         "MICROBATCH_SIZE=4"])
-    ours = _run_config("TinySynthetic", ["NUM_LAYERS=4", "ICI_MESH_SHAPE=[2,1,2,1,2]", "NUM_MICROBATCHES=4"])
+    ours = _run_config(
+        "TinySynthetic", ["NUM_LAYERS=4", "ICI_MESH_SHAPE=[2,1,2,1,2]", "NUM_MICROBATCHES=4"]
+    )
     assert pax.mesh.axis_sizes(8) == ours.mesh.axis_sizes(8) == {
         "pipeline": 2, "data": 2, "fsdp": 1, "seq": 1, "tensor": 2, "expert": 1}
     assert pax.model.pipeline.num_stages == ours.model.pipeline.num_stages == 2
@@ -160,7 +169,8 @@ def test_pax_pipelined_mesh_with_microbatch_size():
 
 def test_sequence_parallel_training_equals_one_device():
     """(data, seq, tensor) = (2, 2, 2) with the train loop's load-balanced batches, all-gather, the
-    FLASH kind (XLA on CPU) and the chunked loss; the model tests cover seq 2/4/8, ring, packed rows."""
+    FLASH kind (XLA on CPU) and the chunked loss; the model tests cover seq 2/4/8, ring, packed
+    rows."""
     overrides = ["ATTENTION_KIND=flash", "LOSS_CHUNK_SIZE=16"]
     ref = _one_device(LLAMA, tuple(overrides) + ("ICI_MESH_SHAPE=[1,1,1]",))
     run = _run_config(LLAMA, [*overrides, "ICI_MESH_SHAPE=[2,1,2,1,1,2]"])
@@ -172,7 +182,9 @@ def test_pipeline_times_seq_mesh_equals_one_device(nan_bubbles):
     settings = ["USE_REPEATED_LAYER=true", "NUM_LAYERS=4"]
     ref = _one_device(LLAMA, tuple(settings) + ("ICI_MESH_SHAPE=[1,1,1]",))
     run = _run_config(LLAMA, [*settings, "ICI_MESH_SHAPE=[2,1,1,1,2,2]", "NUM_MICROBATCHES=2"])
-    _assert_match(_loss_grads_and_losses(run, build_mesh(run.mesh), balance_seq=True), ref, "pipeline x seq")
+    _assert_match(
+        _loss_grads_and_losses(run, build_mesh(run.mesh), balance_seq=True), ref, "pipeline x seq"
+    )
 
 
 def _fp8_losses_and_state(run, mesh):
@@ -201,22 +213,31 @@ def test_pipelined_fp8_training_equals_the_unpipelined_one_device_run(nan_bubble
     settings = ["USE_FP8=true", "FP8_AMAX_HISTORY_LENGTH=4", "USE_REPEATED_LAYER=true",
                 "NUM_LAYERS=2", "GRAD_ACCUM_STEPS=2"]
     one = _run_config("TinySynthetic", [*settings, "ICI_MESH_SHAPE=[1,1,1]"])
-    losses_ref, fp8_ref = _fp8_losses_and_state(one, build_mesh(one.mesh, devices=jax.devices()[:1]))
-    run = _run_config("TinySynthetic", [*settings, "ICI_MESH_SHAPE=[2,2,1,1,2]", "NUM_MICROBATCHES=2"])
+    losses_ref, fp8_ref = _fp8_losses_and_state(
+        one, build_mesh(one.mesh, devices=jax.devices()[:1])
+    )
+    run = _run_config(
+        "TinySynthetic", [*settings, "ICI_MESH_SHAPE=[2,2,1,1,2]", "NUM_MICROBATCHES=2"]
+    )
     losses, fp8 = _fp8_losses_and_state(run, build_mesh(run.mesh))
     np.testing.assert_allclose(losses, losses_ref, rtol=1e-5)
     flat_ref = jax.tree_util.tree_leaves_with_path(fp8_ref)
     flat = jax.tree.leaves(fp8)
     assert len(flat) == len(flat_ref) > 10
     for (path, ref), got in zip(flat_ref, flat, strict=True):
-        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64), rtol=1e-5,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64),
+            np.asarray(ref, np.float64),
+            rtol=1e-5,
+            err_msg=jax.tree_util.keystr(path),
+        )
 
 
 @pytest.mark.parametrize(("balance", "shards"), [("true", 2), ("false", 1)])
 def test_the_train_loop_balances_batches_only_when_asked(tmp_path, monkeypatch, balance, shards):
     """Attention is exact in either token order, so only this test sees whether the loop feeds the
-    load-balanced (dual_chunk_swap) order: by default on a seq axis, and not with the setting off."""
+    load-balanced (dual_chunk_swap) order: by default on a seq axis, and not with the setting
+    off."""
     from paxlite.data import feed as feed_lib
     from paxlite.experiments.build import build_run_config
     from paxlite.train.loop import Run, RunContext

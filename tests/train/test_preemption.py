@@ -1,6 +1,8 @@
-"""Preemption (SIGTERM/SIGINT -> finish the step, checkpoint, exit), the hang watchdog, the compilation cache.
+"""Preemption (SIGTERM/SIGINT -> finish the step, checkpoint, exit), the hang watchdog, the
+compilation cache.
 
-Real processes, real signals: a training process is started, signalled while it trains, and restarted.
+Real processes, real signals: a training process is started, signalled while it trains, and
+restarted.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ def _env(*, own_cache: bool = False, **extra: str) -> dict[str, str]:
 
 def _start(job: Path, log: Path, flags=(), **env: str) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, *flags],
-                                env=_env(**env), stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, *flags],
+            env=_env(**env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _losses(job: Path) -> dict[int, tuple[float, float]]:
@@ -53,13 +59,16 @@ def _losses(job: Path) -> dict[int, tuple[float, float]]:
     return {line["step"]: (line["loss"], line["grad_norm"]) for line in lines if "loss" in line}
 
 
-def _wait_for_step(proc: subprocess.Popen, job: Path, log: Path, step: int, *, timeout: float = 180) -> None:
+def _wait_for_step(
+    proc: subprocess.Popen, job: Path, log: Path, step: int, *, timeout: float = 180
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (job / "metrics.jsonl").exists() and max(_losses(job), default=0) >= step:
             return
         if proc.poll() is not None:
-            raise AssertionError(f"exited with {proc.returncode} before step {step}:\n{log.read_text()[-3000:]}")
+            raise AssertionError(f"exited with {proc.returncode} before step "
+                                 f"{step}:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
     proc.kill()
     raise AssertionError(f"no step {step} within {timeout} s:\n{log.read_text()[-3000:]}")
@@ -96,7 +105,10 @@ def test_a_signal_checkpoints_the_step_and_the_restart_continues_bit_exactly(tmp
     assert _stop(second, signal.SIGINT) == 0, logs[1].read_text()[-3000:]
     assert f"Resumed from checkpoint step {stop1}" in logs[1].read_text()
     stop2 = _stopped_at(logs[1])
-    assert sorted(os.listdir(job / "checkpoints")) == [f"checkpoint_{stop1:08d}", f"checkpoint_{stop2:08d}"]
+    assert sorted(os.listdir(job / "checkpoints")) == [
+        f"checkpoint_{stop1:08d}",
+        f"checkpoint_{stop2:08d}",
+    ]
 
     reference = _start(ref, logs[2])  # never interrupted before stop2
     _wait_for_step(reference, ref, logs[2], stop2)
@@ -115,16 +127,23 @@ def _wait_for_log(proc: subprocess.Popen, log: Path, text: str, *, timeout: floa
 
 def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_intact(tmp_path):
     job, log = tmp_path / "job", tmp_path / "run.log"
-    first = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN,
-                            "--fdl.MAX_STEPS=4"], check=False, env=_env(), capture_output=True, text=True,
-                           timeout=300)
+    first = subprocess.run(
+        [sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, "--fdl.MAX_STEPS=4"],
+        check=False,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     proc = _start(job, log)
-    _wait_for_log(proc, log, "Compilation cache:")  # the handlers are in place; the run is being built
+    # the handlers are in place; the run is being built
+    _wait_for_log(proc, log, "Compilation cache:")
     proc.send_signal(signal.SIGTERM)
     _wait_for_log(proc, log, "SIGTERM received")
-    # Frozen within ~20 ms of taking the first signal, so it cannot finish its step and stop of its own
-    # accord before the second (with the cache warm that takes well under a second on a fast machine).
+    # Frozen within ~20 ms of taking the first signal, so it cannot finish its step and stop of its
+    # own accord before the second (with the cache warm that takes well under a second on a fast
+    # machine).
     proc.send_signal(signal.SIGSTOP)
     assert proc.poll() is None, log.read_text()[-3000:]  # stopped mid-build, not exited
     # past the window in which a copy of the first signal counts as the same request (the monotonic
@@ -140,9 +159,14 @@ def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_inta
     left = sorted(os.listdir(job / "checkpoints"))
     assert left in (["checkpoint_00000004"],
                     ["checkpoint_00000004", "checkpoint_00000005.orbax-checkpoint-tmp"]), left
-    rerun = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN,
-                            "--fdl.MAX_STEPS=6"], check=False, env=_env(), capture_output=True, text=True,
-                           timeout=300)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, "--fdl.MAX_STEPS=6"],
+        check=False,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "Resumed from checkpoint step 4" in rerun.stderr
 
@@ -158,23 +182,33 @@ def test_a_signal_while_the_run_is_built_stops_after_the_first_step(tmp_path):
 
 @pytest.mark.parametrize("raw", ["abc", "256", "-1"])
 def test_bad_preemption_exit_code(raw):
-    with pytest.raises(SettingError, match=f"PAXLITE_PREEMPTION_EXIT_CODE='{raw}' must be an exit status 0..255"):
+    with pytest.raises(SettingError, match=f"PAXLITE_PREEMPTION_EXIT_CODE='{raw}' must be an exit "
+                                           "status 0..255"):
         preemption_exit_code({"PAXLITE_PREEMPTION_EXIT_CODE": raw})
-    assert preemption_exit_code({}) == 0 and preemption_exit_code({"PAXLITE_PREEMPTION_EXIT_CODE": "143"}) == 143
+    assert (
+        preemption_exit_code({}) == 0
+        and preemption_exit_code({"PAXLITE_PREEMPTION_EXIT_CODE": "143"}) == 143
+    )
 
 
 def test_bad_preemption_exit_code_is_one_line_before_any_work(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'job'}", *TRAIN],
-                         check=False, env=_env(PAXLITE_PREEMPTION_EXIT_CODE="sigterm"), capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'job'}", *TRAIN],
+        check=False,
+        env=_env(PAXLITE_PREEMPTION_EXIT_CODE="sigterm"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
-        "paxlite: error: PAXLITE_PREEMPTION_EXIT_CODE='sigterm' must be an exit status 0..255 (e.g. 143, "
-        "what a process killed by SIGTERM reports)")
+        "paxlite: error: PAXLITE_PREEMPTION_EXIT_CODE='sigterm' must be an exit status 0..255 "
+        "(e.g. 143, what a process killed by SIGTERM reports)")
     assert not (tmp_path / "job").exists()
 
 
-# A training process whose main thread hangs in the middle of step 5 (as in a collective whose peer died).
+# A training process whose main thread hangs in the middle of step 5 (as in a collective whose peer
+# died).
 _HANG = textwrap.dedent("""
     import sys, time
     from paxlite.train import device_metrics
@@ -216,11 +250,17 @@ def test_watchdog_timeouts_are_checked():
     from paxlite.config.errors import ConfigError
     from paxlite.experiments.build import load_experiment
 
-    with pytest.raises(ConfigError, match=r"CRASH_ON_HANG_TIMEOUT_SECONDS=10.0 must be >= WATCHDOG_TIMEOUT_SECONDS=20"):
-        load_experiment("TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=20", "CRASH_ON_HANG_TIMEOUT_SECONDS=10.0"])
-    with pytest.raises(ConfigError, match=r"WATCHDOG_TIMEOUT_SECONDS must be > 0 seconds or None \(never\), got 0"):
+    with pytest.raises(ConfigError, match=r"CRASH_ON_HANG_TIMEOUT_SECONDS=10.0 must be >= "
+                                          r"WATCHDOG_TIMEOUT_SECONDS=20"):
+        load_experiment(
+            "TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=20", "CRASH_ON_HANG_TIMEOUT_SECONDS=10.0"]
+        )
+    with pytest.raises(ConfigError, match=r"WATCHDOG_TIMEOUT_SECONDS must be > 0 seconds or None "
+                                          r"\(never\), got 0"):
         load_experiment("TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=0"])
-    load_experiment("TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=None", "CRASH_ON_HANG_TIMEOUT_SECONDS=None"])
+    load_experiment(
+        "TinySynthetic", ["WATCHDOG_TIMEOUT_SECONDS=None", "CRASH_ON_HANG_TIMEOUT_SECONDS=None"]
+    )
 
 
 # slow: three training processes, two of them compiling into an empty cache of their own (~35 s)
@@ -238,9 +278,22 @@ def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path):
     assert any(name.startswith("jit_train_step") for name in runs[0]), runs[0]
     assert runs[1] == runs[0]  # every executable of the second run came from the cache
     assert not (tmp_path / "a" / "compilation_cache").exists()
-    off = subprocess.run([sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'c'}", *TRAIN,
-                          "--fdl.MAX_STEPS=1", "--fdl.COMPILATION_CACHE=False"],
-                         check=False, env=_env(own_cache=True), capture_output=True, text=True, timeout=300)
+    off = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "paxlite.main",
+            f"--job_log_dir={tmp_path / 'c'}",
+            *TRAIN,
+            "--fdl.MAX_STEPS=1",
+            "--fdl.COMPILATION_CACHE=False",
+        ],
+        check=False,
+        env=_env(own_cache=True),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert off.returncode == 0 and not (tmp_path / "c" / "compilation_cache").exists()
 
 
@@ -248,11 +301,24 @@ def test_the_axlearn_style_launcher_stops_the_same_way(tmp_path):
     trainer_dir, log = tmp_path / "trainer", tmp_path / "launcher.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "paxlite.launch_trainer_main", "--module=text.gpt.c4_trainer",
-             "--config=fuji-test-v1", f"--trainer_dir={trainer_dir}", "--data_dir=FAKE", "--jax_backend=cpu",
-             "--trainer_log_every_n_steps=1", "--fdl.MAX_STEPS=1000000", "--fdl.EVAL_INTERVAL_STEPS=1000000",
-             "--fdl.CHECKPOINT_EVERY_N_STEPS=1000000"],
-            env=_env(PAXLITE_PREEMPTION_EXIT_CODE="143"), stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "paxlite.launch_trainer_main",
+                "--module=text.gpt.c4_trainer",
+                "--config=fuji-test-v1",
+                f"--trainer_dir={trainer_dir}",
+                "--data_dir=FAKE",
+                "--jax_backend=cpu",
+                "--trainer_log_every_n_steps=1",
+                "--fdl.MAX_STEPS=1000000",
+                "--fdl.EVAL_INTERVAL_STEPS=1000000",
+                "--fdl.CHECKPOINT_EVERY_N_STEPS=1000000",
+            ],
+            env=_env(PAXLITE_PREEMPTION_EXIT_CODE="143"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     _wait_for_step(proc, trainer_dir, log, 2)
     assert _stop(proc, signal.SIGTERM) == 143, log.read_text()[-3000:]
     stop = _stopped_at(log)
@@ -262,38 +328,53 @@ def test_the_axlearn_style_launcher_stops_the_same_way(tmp_path):
 def test_a_signal_with_checkpoint_saving_off_says_so_and_does_not_ask_for_a_retry(tmp_path):
     """Nothing was saved, so the status a scheduler reads as "rerun to resume" would be a lie."""
     job, log = tmp_path / "job", tmp_path / "run.log"
-    proc = _start(job, log, ["--enable_checkpoint_saving=false"], PAXLITE_PREEMPTION_EXIT_CODE="143")
+    proc = _start(
+        job, log, ["--enable_checkpoint_saving=false"], PAXLITE_PREEMPTION_EXIT_CODE="143"
+    )
     _wait_for_step(proc, job, log, 2)
     assert _stop(proc, signal.SIGTERM) == PREEMPTED_UNSAVED_EXIT_CODE == 3, log.read_text()[-3000:]
     text = log.read_text()
     assert "committed" not in text and "run the same command again to resume" not in text
     line = [line for line in text.splitlines() if "stopped after step" in line][-1]
     assert "WITHOUT a checkpoint: saving is off (--enable_checkpoint_saving=false)" in line
-    assert line.endswith("the same command would start again from the beginning (there is no checkpoint)")
+    assert line.endswith("the same command would start again from the beginning (there is no "
+                         "checkpoint)")
     assert not (job / "checkpoints").exists() or not os.listdir(job / "checkpoints")
 
 
 def test_the_unsaved_status_cannot_be_the_preemption_status():
-    with pytest.raises(SettingError, match="PAXLITE_PREEMPTION_EXIT_CODE='3': 3 is the status of a run stopped "
-                                           "without a checkpoint"):
+    with pytest.raises(SettingError, match="PAXLITE_PREEMPTION_EXIT_CODE='3': 3 is the status of a "
+                                           "run stopped without a checkpoint"):
         preemption_exit_code({"PAXLITE_PREEMPTION_EXIT_CODE": "3"})
 
 
-# ---------------------------------------------------------------- the processes' vote, in one process
-# (Preemption(voting=True) votes over this process's 8 devices exactly as several processes vote over theirs.)
-RUN_OVERRIDES = ["NUM_LAYERS=1", "MAX_STEPS=50", "SUMMARY_INTERVAL_STEPS=1000", "EVAL_INTERVAL_STEPS=1000",
-                 "CHECKPOINT_EVERY_N_STEPS=1000"]
+# ---------------------------------------------------------------- the processes' vote, in one
+# process (Preemption(voting=True) votes over this process's 8 devices exactly as several processes
+# vote over theirs.)
+RUN_OVERRIDES = [
+    "NUM_LAYERS=1",
+    "MAX_STEPS=50",
+    "SUMMARY_INTERVAL_STEPS=1000",
+    "EVAL_INTERVAL_STEPS=1000",
+    "CHECKPOINT_EVERY_N_STEPS=1000",
+]
 
 
-def _train_signalled_before_the_first_step(job: Path, *, voting: bool, caplog) -> tuple[int, set[str]]:
-    """(the step a run signalled while it is built stops after, the programs lowered while it trains)."""
+def _train_signalled_before_the_first_step(
+    job: Path, *, voting: bool, caplog
+) -> tuple[int, set[str]]:
+    """(the step a run signalled while it is built stops after, the programs lowered while it
+    trains)."""
     import logging
 
     from paxlite.experiments.build import build_run_config
     from paxlite.train.loop import Run, RunContext, stop_signals
 
     _, config = build_run_config("TinySynthetic", RUN_OVERRIDES)
-    with stop_signals(voting=voting) as preemption, Run(config, RunContext(job_dir=str(job))) as run:
+    with (
+        stop_signals(voting=voting) as preemption,
+        Run(config, RunContext(job_dir=str(job))) as run,
+    ):
         signal.raise_signal(signal.SIGTERM)  # handled at once, in this (the main) thread
         assert preemption.signal_name == "SIGTERM"
         caplog.clear()
@@ -304,19 +385,26 @@ def _train_signalled_before_the_first_step(job: Path, *, voting: bool, caplog) -
         return run.preempted_at, lowered
 
 
-def test_the_vote_rides_in_the_train_step_and_a_signal_while_building_stops_after_step_one(tmp_path, caplog):
-    """Several processes stop after their first step too (job.py), and voting adds no program to a step:
-    the programs a voting run lowers are among those of a run that does not vote."""
-    alone_at, alone = _train_signalled_before_the_first_step(tmp_path / "alone", voting=False, caplog=caplog)
-    voted_at, voted = _train_signalled_before_the_first_step(tmp_path / "voted", voting=True, caplog=caplog)
+def test_the_vote_rides_in_the_train_step_and_a_signal_while_building_stops_after_step_one(
+    tmp_path, caplog
+):
+    """Several processes stop after their first step too (job.py), and voting adds no program to a
+    step: the programs a voting run lowers are among those of a run that does not vote."""
+    alone_at, alone = _train_signalled_before_the_first_step(
+        tmp_path / "alone", voting=False, caplog=caplog
+    )
+    voted_at, voted = _train_signalled_before_the_first_step(
+        tmp_path / "voted", voting=True, caplog=caplog
+    )
     assert alone_at == voted_at == 1
     assert os.listdir(tmp_path / "voted" / "checkpoints") == ["checkpoint_00000001"]
     assert "jit(train_step)" in voted and voted <= alone, (voted, alone)
 
 
 def test_every_process_stops_after_the_same_step_within_lag_plus_one_steps():
-    """Two processes' Preemptions (one signalled) fed the same agreed votes, as the train step computes them:
-    the same decision at every step; at a step the loop waits for anyway (first, boundary) the newest vote."""
+    """Two processes' Preemptions (one signalled) fed the same agreed votes, as the train step
+    computes them: the same decision at every step; at a step the loop waits for anyway (first,
+    boundary) the newest vote."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -324,7 +412,8 @@ def test_every_process_stops_after_the_same_step_within_lag_plus_one_steps():
     from paxlite.train.loop import MAX_STEPS_AFTER_SIGNAL, stop_signals
 
     sharding = NamedSharding(Mesh(jax.devices(), ("all",)), PartitionSpec("all"))
-    agree = jax.jit(jnp.maximum)  # what max over the processes' devices gives when each holds one flag
+    # what max over the processes' devices gives when each holds one flag
+    agree = jax.jit(jnp.maximum)
     boundaries = {1, 10, 20}
     for signal_step in range(2, 18):
         quiet, signalled = stop_signals(voting=True), stop_signals(voting=True)
@@ -332,9 +421,13 @@ def test_every_process_stops_after_the_same_step_within_lag_plus_one_steps():
             stops = []
             for step in range(1, 30):
                 vote = jnp.max(agree(quiet.votes(sharding), signalled.votes(sharding)))
-                if step == signal_step:  # arrives once `step` is dispatched: the next step carries it
+                # arrives once `step` is dispatched: the next step carries it
+                if step == signal_step:
                     signal.raise_signal(signal.SIGTERM)
-                decisions = [p.should_stop(step, vote=vote, synced=step in boundaries) for p in (quiet, signalled)]
+                decisions = [
+                    p.should_stop(step, vote=vote, synced=step in boundaries)
+                    for p in (quiet, signalled)
+                ]
                 assert decisions[0] == decisions[1], (signal_step, step)
                 if decisions[0]:
                     stops.append(step)

@@ -1,4 +1,5 @@
-"""The pretrained-weights reader and writer: exact round trip, partial restore, path spellings, refusals."""
+"""The pretrained-weights reader and writer: exact round trip, partial restore, path spellings,
+refusals."""
 
 import jax
 import numpy as np
@@ -25,8 +26,15 @@ def _abstract(tree, mesh):
 
 def test_round_trip_paths_and_partial(tmp_path):
     params = _params()
-    config = TransformerConfig(vocab_size=16, num_layers=1, model_dims=8, num_heads=2, dims_per_head=4,
-                               hidden_dims=32, max_seq_len=8)
+    config = TransformerConfig(
+        vocab_size=16,
+        num_layers=1,
+        model_dims=8,
+        num_heads=2,
+        dims_per_head=4,
+        hidden_dims=32,
+        max_seq_len=8,
+    )
     step_dir = pretrained.save_params(tmp_path / "out", params, step=7, model_config=config)
     assert step_dir.name == "checkpoint_00000007"
     assert pretrained.load_model_config(tmp_path / "out") == config
@@ -36,10 +44,15 @@ def test_round_trip_paths_and_partial(tmp_path):
         assert step == 7
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), restored, params)
     # A subset: the LoRA leaf is left out and not read.
-    subset = {"embedding": params["embedding"], "layers_0": {"mlp": {"wi": params["layers_0"]["mlp"]["wi"]}}}
+    subset = {
+        "embedding": params["embedding"],
+        "layers_0": {"mlp": {"wi": params["layers_0"]["mlp"]["wi"]}},
+    }
     _, restored = pretrained.restore_params(tmp_path / "out", _abstract(subset, mesh))
     assert "lora_a" not in restored["layers_0"]["mlp"]
-    np.testing.assert_array_equal(np.asarray(restored["embedding"]["embedding"]), params["embedding"]["embedding"])
+    np.testing.assert_array_equal(
+        np.asarray(restored["embedding"]["embedding"]), params["embedding"]["embedding"]
+    )
 
 
 def test_refusals(tmp_path):

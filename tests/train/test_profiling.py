@@ -1,4 +1,5 @@
-"""Pax's PROFILER_* settings: a JAX trace of the chosen steps under summaries/profile, on process 0."""
+"""Pax's PROFILER_* settings: a JAX trace of the chosen steps under summaries/profile, on process
+0."""
 
 import glob
 import logging

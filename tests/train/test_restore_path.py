@@ -165,7 +165,9 @@ def test_checkpoint_parameters_the_model_lacks_are_an_error(tmp_path, job_a):
 
 def test_ignore_rules_opt_in_to_a_partial_restore_loudly(tmp_path, job_a, caplog):
     job, params_a = job_a
-    config = _restoring(job, ["NUM_LAYERS=1", "CHECKPOINT_IGNORE_RULES=['layers_1/.*']", "MAX_STEPS=1"])
+    config = _restoring(
+        job, ["NUM_LAYERS=1", "CHECKPOINT_IGNORE_RULES=['layers_1/.*']", "MAX_STEPS=1"]
+    )
     with caplog.at_level("WARNING"), Run(config, RunContext(job_dir=str(tmp_path / "b"))) as run:
         restored = _flat(run.restore_or_init().params)
     assert not any(k.startswith("layers_1/") for k in restored)
@@ -203,7 +205,8 @@ def test_restore_path_skips_a_half_copied_newest_step(tmp_path, job_a, caplog):
     for key, value in params_a.items():
         np.testing.assert_array_equal(restored[key], value, err_msg=key)
     # Pointing at the half-copied step itself, or at a directory holding only it: a clear error.
-    with pytest.raises(pretrained.PretrainedCheckpointError, match="not a complete paxlite checkpoint"):
+    with pytest.raises(pretrained.PretrainedCheckpointError, match="not a complete paxlite "
+                                                                   "checkpoint"):
         pretrained.find_checkpoint(newest)
     shutil.rmtree(tmp_path / "copy" / "checkpoints" / "checkpoint_00000002")
     with pytest.raises(pretrained.PretrainedCheckpointError, match="no paxlite checkpoint"):

@@ -57,7 +57,9 @@ def _loss_grads_and_losses(run, mesh, num_steps: int = 3, params=None):
         else:
             host = params(steps.abstract_state.params)
             state = jax.device_put(
-                TrainState(step=np.zeros((), np.int32), params=host, opt_state=optimizer.init(host)),
+                TrainState(
+                    step=np.zeros((), np.int32), params=host, opt_state=optimizer.init(host)
+                ),
                 steps.state_shardings,
             )
         batch = data.train_batch(0, steps.batch_sharding)
@@ -95,11 +97,17 @@ def one_device_reference():
     return run, _loss_grads_and_losses(run, mesh)
 
 
-# (ICI, DCN) as the experiments lay them out, one process standing in for the nodes: FSDP in nodes and data across
-# them (the multi-node default), FSDP across nodes (GPT5B/175B: DCN [1,N,1]), tensor in nodes and data across them.
-HYBRID_MESHES = [((1, 4, 1), (2, 1, 1)), ((1, 2, 1), (1, 4, 1)), ((1, 2, 2), (2, 1, 1)), ((2, 1, 2), (1, 1, 2)),
-                 # the expert axis (4th entry) in nodes: for a dense model one more batch axis
-                 ((1, 2, 1, 2), (2, 1, 1))]
+# (ICI, DCN) as the experiments lay them out, one process standing in for the nodes: FSDP in nodes
+# and data across them (the multi-node default), FSDP across nodes (GPT5B/175B: DCN [1,N,1]), tensor
+# in nodes and data across them.
+HYBRID_MESHES = [
+    ((1, 4, 1), (2, 1, 1)),
+    ((1, 2, 1), (1, 4, 1)),
+    ((1, 2, 2), (2, 1, 1)),
+    ((2, 1, 2), (1, 1, 2)),
+    # the expert axis (4th entry) in nodes: for a dense model one more batch axis
+    ((1, 2, 1, 2), (2, 1, 1)),
+]
 
 
 @pytest.mark.parametrize(
@@ -112,7 +120,11 @@ def test_mesh_matches_one_device(ici, dcn, one_device_reference):
     mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
     padded = [tuple(s) + (1,) * (4 - len(s)) for s in (ici, dcn)]  # a 3-entry shape has expert 1
     shape = tuple(i * d for i, d in zip(*padded))
-    assert dict(mesh.shape) == {**dict(zip(("data", "fsdp", "tensor", "expert"), shape)), "pipeline": 1, "seq": 1}
+    assert dict(mesh.shape) == {
+        **dict(zip(("data", "fsdp", "tensor", "expert"), shape)),
+        "pipeline": 1,
+        "seq": 1,
+    }
     params, loss, grads, losses = _loss_grads_and_losses(run, mesh)
     # Initialisation is a function of the seed only, not of the mesh.
     jax.tree.map(np.testing.assert_array_equal, params, params_ref)
@@ -121,9 +133,11 @@ def test_mesh_matches_one_device(ici, dcn, one_device_reference):
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref) > 10
     for (path, ref), got in zip(flat_ref, flat):
-        assert _rel_err(got, ref) < 1e-5, f"gradient {jax.tree_util.keystr(path)} differs on {shape}"
-    # Three optimizer steps later the losses still agree. (Parameters are not compared leaf by leaf: Adam
-    # normalises gradients that are zero in exact arithmetic, such as the key bias's, so round-off decides them.)
+        assert _rel_err(got, ref) < 1e-5, (f"gradient {jax.tree_util.keystr(path)} differs on "
+                                           f"{shape}")
+    # Three optimizer steps later the losses still agree. (Parameters are not compared leaf by leaf:
+    # Adam normalises gradients that are zero in exact arithmetic, such as the key bias's, so
+    # round-off decides them.)
     np.testing.assert_allclose(losses, losses_ref, rtol=1e-5)
 
 
@@ -136,10 +150,15 @@ def test_repeated_layers_on_2x2x2_match_one_device():
         run, one, num_steps=2, params=random_host_params
     )
     _, loss, grads, losses = _loss_grads_and_losses(
-        run, build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2))), num_steps=2, params=random_host_params
+        run,
+        build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2))),
+        num_steps=2,
+        params=random_host_params,
     )
     assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
-    for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)):
+    for (path, ref), got in zip(
+        jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)
+    ):
         assert _rel_err(got, ref) < 1e-5, jax.tree_util.keystr(path)
     np.testing.assert_allclose(losses, losses_ref, rtol=1e-5)
 

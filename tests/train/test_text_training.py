@@ -1,4 +1,5 @@
-"""Training on a prepared text dataset: the loop, the pipeline's saved position, and exact resume."""
+"""Training on a prepared text dataset: the loop, the pipeline's saved position, and exact
+resume."""
 
 import json
 import os
@@ -24,8 +25,8 @@ WORDS = ("the king and queen of a far land rode out at dawn to see the sea while
 
 
 def make_text_dataset(root, *, num_paragraphs: int) -> tuple[str, str]:
-    """(data dir, vocab path): a real 300-piece SentencePiece model and a 2-shard prepared dataset of
-    `num_paragraphs` random paragraphs (seeded), under `root`."""
+    """(data dir, vocab path): a real 300-piece SentencePiece model and a 2-shard prepared dataset
+    of `num_paragraphs` random paragraphs (seeded), under `root`."""
     rng = random.Random(0)
     paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))
                   for _ in range(num_paragraphs)]
@@ -44,10 +45,25 @@ def dataset(tmp_path_factory):
 
 def _overrides(dataset, max_steps):
     data_dir, vocab = dataset
-    return [f"DATA_DIR={data_dir}", f"VOCAB_PATH={vocab}", "NUM_LAYERS=1", "MODEL_DIMS=32", "NUM_HEADS=8",
-            "DIMS_PER_HEAD=4", "HIDDEN_DIMS=64", "VOCAB_SIZE=512", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1",
-            f"MAX_STEPS={max_steps}", "SUMMARY_INTERVAL_STEPS=1", "CHECKPOINT_EVERY_N_STEPS=3",
-            "EVAL_INTERVAL_STEPS=1000", "EVAL_LOOP_NUM_BATCHES=2", "LR_COS_WARMUP=2", "LR_COS_DECAY_END=6"]
+    return [
+        f"DATA_DIR={data_dir}",
+        f"VOCAB_PATH={vocab}",
+        "NUM_LAYERS=1",
+        "MODEL_DIMS=32",
+        "NUM_HEADS=8",
+        "DIMS_PER_HEAD=4",
+        "HIDDEN_DIMS=64",
+        "VOCAB_SIZE=512",
+        "MAX_SEQ_LEN=32",
+        "PERCORE_BATCH_SIZE=1",
+        f"MAX_STEPS={max_steps}",
+        "SUMMARY_INTERVAL_STEPS=1",
+        "CHECKPOINT_EVERY_N_STEPS=3",
+        "EVAL_INTERVAL_STEPS=1000",
+        "EVAL_LOOP_NUM_BATCHES=2",
+        "LR_COS_WARMUP=2",
+        "LR_COS_DECAY_END=6",
+    ]
 
 
 def _train(job, overrides):
@@ -64,11 +80,14 @@ def _losses(job):
 def test_resume_consumes_exactly_the_uninterrupted_batches(tmp_path, dataset):
     straight = _train(tmp_path / "straight", _overrides(dataset, 6))
     _train(tmp_path / "resumed", _overrides(dataset, 3))
-    with Checkpointer(tmp_path / "resumed" / "checkpoints", save_interval_steps=3, max_to_keep=None) as ckpt:
+    with Checkpointer(
+        tmp_path / "resumed" / "checkpoints", save_interval_steps=3, max_to_keep=None
+    ) as ckpt:
         record = ckpt.restore_data(3)
     assert record["batches_consumed"] == 3 and len(record["processes"]) == 1
     resumed = _train(tmp_path / "resumed", _overrides(dataset, 6))
-    # Shuffled and packed batches: the resumed run sees exactly the batches of the uninterrupted one.
+    # Shuffled and packed batches: the resumed run sees exactly the batches of the uninterrupted
+    # one.
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -81,10 +100,14 @@ def test_mid_run_checkpoint_saves_the_consumed_position_not_the_producers(tmp_pa
     _train(tmp_path / "short", _overrides(dataset, 3))
     records = []
     for job in ("long", "short"):
-        with Checkpointer(tmp_path / job / "checkpoints", save_interval_steps=3, max_to_keep=None) as ckpt:
+        with Checkpointer(
+            tmp_path / job / "checkpoints", save_interval_steps=3, max_to_keep=None
+        ) as ckpt:
             records.append(ckpt.restore_data(3))
     assert records[0] == records[1] and records[0]["batches_consumed"] == 3
-    with Checkpointer(tmp_path / "long" / "checkpoints", save_interval_steps=3, max_to_keep=None) as ckpt:
+    with Checkpointer(
+        tmp_path / "long" / "checkpoints", save_interval_steps=3, max_to_keep=None
+    ) as ckpt:
         assert ckpt.restore_data(6) != records[0]
 
 
@@ -111,7 +134,8 @@ def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset, mo
 
     monkeypatch.setattr(run_build, "compile_steps", compile_steps)
     _, config = build_run_config("TinyShakespeare", overrides + ["PERCORE_BATCH_SIZE=2"])
-    with pytest.raises(DatasetError, match="global_batch_size=8 but this pipeline has global_batch_size=16"):
+    with pytest.raises(DatasetError, match="global_batch_size=8 but this pipeline has "
+                                           "global_batch_size=16"):
         Run(config, RunContext(job_dir=str(job)))
 
 
@@ -120,8 +144,9 @@ def test_text_run_learns_and_evaluates(tmp_path, dataset):
     _train(job, _overrides(dataset, 30) + ["EVAL_INTERVAL_STEPS=30", "LEARNING_RATE=1e-2",
                                            "LR_COS_DECAY_END=30"])
     losses = [loss for _, loss in _losses(job)]
-    # Untrained: about ln(300) = 5.7 nats. The words are drawn from 40 at random, so the floor is near
-    # ln(40) / (tokens per word) - well below; the loss must fall by more than a nat and a half.
+    # Untrained: about ln(300) = 5.7 nats. The words are drawn from 40 at random, so the floor is
+    # near ln(40) / (tokens per word) - well below; the loss must fall by more than a nat and a
+    # half.
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, losses
     with open(job / "metrics.jsonl") as f:
         evals = [r for r in map(json.loads, f) if "eval/loss" in r]
@@ -158,7 +183,8 @@ def test_lambada_eval_interleaved_and_eval_only(tmp_path, dataset):
     for record in evals:
         assert record["eval/num_tokens"] == target_tokens  # only target tokens are scored
         correct = record["eval/lambada_acc_strict"] * len(passages)
-        assert abs(correct - round(correct)) < 1e-9  # a fraction of whole examples, padding rows excluded
+        # a fraction of whole examples, padding rows excluded
+        assert abs(correct - round(correct)) < 1e-9
 
     # --mode=eval: no training data needed, the latest checkpoint is scored and logged at its step.
     eval_only = [o for o in overrides if not o.startswith("DATA_DIR=")]
@@ -171,16 +197,22 @@ def test_lambada_eval_interleaved_and_eval_only(tmp_path, dataset):
 
 
 @pytest.mark.parametrize("corpus_kind", ["validation_fraction_0", "one_document"])
-def test_a_dataset_without_validation_split_trains_without_evaluation(tmp_path, dataset, corpus_kind,
-                                                                      caplog):
+def test_a_dataset_without_validation_split_trains_without_evaluation(
+    tmp_path, dataset, corpus_kind, caplog
+):
     """prepare --validation_fraction 0 (or a one-document corpus) writes no validation split:
     training runs, with no eval lines, and --mode=eval says what to do instead."""
     _, vocab = dataset
     rng = random.Random(1)
     count = 1 if corpus_kind == "one_document" else 40
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(400 if count == 1 else 30))
-                                  for _ in range(count)) + "\n")
+    corpus.write_text(
+        "\n\n".join(
+            " ".join(rng.choice(WORDS) for _ in range(400 if count == 1 else 30))
+            for _ in range(count)
+        )
+        + "\n"
+    )
     data_dir = tmp_path / "data"
     info = prepare([str(corpus)], str(data_dir), vocab_path=vocab,
                    validation_fraction=0.0 if count > 1 else 0.01)

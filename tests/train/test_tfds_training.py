@@ -1,5 +1,6 @@
-"""Training and evaluating from Pax's TFDS layout: the Grain path (ArrayRecord) and the SeqIO path (TFRecord,
-Pax's own task semantics), each resumed exactly; Lambada read from either storage format scores the same."""
+"""Training and evaluating from Pax's TFDS layout: the Grain path (ArrayRecord) and the SeqIO path
+(TFRecord, Pax's own task semantics), each resumed exactly; Lambada read from either storage format
+scores the same."""
 
 import json
 import os
@@ -20,32 +21,65 @@ WORDS = ("the king and queen of a far land rode out at dawn to see the sea while
 
 @pytest.fixture(scope="module")
 def tfds_dirs(tmp_path_factory):
-    """The same tiny Pile and Lambada, stored as ArrayRecord and as TFRecord (what Pax's scripts wrote)."""
+    """The same tiny Pile and Lambada, stored as ArrayRecord and as TFRecord (what Pax's scripts
+    wrote)."""
     root = tmp_path_factory.mktemp("tfds")
     rng = random.Random(0)
-    paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(300)]
+    paragraphs = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(300)
+    ]
     (root / "corpus.txt").write_text("\n".join(paragraphs) + "\n")
     vocab = train_tokenizer([str(root / "corpus.txt")], str(root / "spm"), vocab_size=300)
     (root / "pile" / "train").mkdir(parents=True)
-    (root / "pile" / "train" / "00.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[:280]))
-    (root / "pile" / "val.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[280:]))
+    (root / "pile" / "train" / "00.jsonl").write_text(
+        "".join(json.dumps({"text": p}) + "\n" for p in paragraphs[:280])
+    )
+    (root / "pile" / "val.jsonl").write_text(
+        "".join(json.dumps({"text": p}) + "\n" for p in paragraphs[280:])
+    )
     passages = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 20))) for _ in range(9)]
-    (root / "lambada_test.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in passages))
+    (root / "lambada_test.jsonl").write_text(
+        "".join(json.dumps({"text": p}) + "\n" for p in passages)
+    )
     dirs = {}
     for file_format in tfds_datasets.FILE_FORMATS:
         dirs[file_format] = str(root / file_format)
-        tfds_datasets.build(tfds_datasets.THE_PILE, data_dir=dirs[file_format], file_format=file_format,
-                            local_dir=str(root / "pile"))
-        tfds_datasets.build(tfds_datasets.LAMBADA, data_dir=dirs[file_format], file_format=file_format,
-                            local_file=str(root / "lambada_test.jsonl"))
+        tfds_datasets.build(
+            tfds_datasets.THE_PILE,
+            data_dir=dirs[file_format],
+            file_format=file_format,
+            local_dir=str(root / "pile"),
+        )
+        tfds_datasets.build(
+            tfds_datasets.LAMBADA,
+            data_dir=dirs[file_format],
+            file_format=file_format,
+            local_file=str(root / "lambada_test.jsonl"),
+        )
     return dirs, vocab
 
 
 def _overrides(tfds_dir, vocab, max_steps, *extra):
-    return [f"TFDS_DATA_DIR={tfds_dir!r}", f"VOCAB_PATH={vocab}", "NUM_LAYERS=1", "MODEL_DIMS=32", "NUM_HEADS=8",
-            "DIMS_PER_HEAD=4", "HIDDEN_DIMS=64", "VOCAB_SIZE=512", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1",
-            f"MAX_STEPS={max_steps}", "SUMMARY_INTERVAL_STEPS=1", "CHECKPOINT_EVERY_N_STEPS=3",
-            "EVAL_INTERVAL_STEPS=1000", "EVAL_LOOP_NUM_BATCHES=2", "LR_COS_WARMUP=2", "LR_COS_DECAY_END=6", *extra]
+    return [
+        f"TFDS_DATA_DIR={tfds_dir!r}",
+        f"VOCAB_PATH={vocab}",
+        "NUM_LAYERS=1",
+        "MODEL_DIMS=32",
+        "NUM_HEADS=8",
+        "DIMS_PER_HEAD=4",
+        "HIDDEN_DIMS=64",
+        "VOCAB_SIZE=512",
+        "MAX_SEQ_LEN=32",
+        "PERCORE_BATCH_SIZE=1",
+        f"MAX_STEPS={max_steps}",
+        "SUMMARY_INTERVAL_STEPS=1",
+        "CHECKPOINT_EVERY_N_STEPS=3",
+        "EVAL_INTERVAL_STEPS=1000",
+        "EVAL_LOOP_NUM_BATCHES=2",
+        "LR_COS_WARMUP=2",
+        "LR_COS_DECAY_END=6",
+        *extra,
+    ]
 
 
 def _train(job, overrides):
@@ -62,7 +96,9 @@ def _records(job, key):
 # slow: three training runs each; the SeqIO one also starts TensorFlow (~30-45 s on 2 cores)
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline,file_format", [("grain", "array_record"), ("seqio", "tfrecord")])
-def test_resume_from_tfds_consumes_exactly_the_uninterrupted_batches(tmp_path, tfds_dirs, pipeline, file_format):
+def test_resume_from_tfds_consumes_exactly_the_uninterrupted_batches(
+    tmp_path, tfds_dirs, pipeline, file_format
+):
     dirs, vocab = tfds_dirs
     settings = (dirs[file_format], vocab)
     extra = f"INPUT_PIPELINE={pipeline}"
@@ -84,10 +120,16 @@ def test_lambada_scores_the_same_from_either_storage_format(tmp_path, tfds_dirs)
     for file_format, tfds_dir in dirs.items():
         job = tmp_path / file_format
         shutil.copytree(tmp_path / "trained", job)
-        # --mode=eval on the same checkpoint: only Lambada is read, from one storage format or the other.
-        _, config = build_run_config("TinyShakespeare", _overrides(tfds_dir, vocab, 2, "EVAL_TASK=lambada",
-                                                                   "EVAL_LOOP_NUM_BATCHES=-1"))
+        # --mode=eval on the same checkpoint: only Lambada is read, from one storage format or the
+        # other.
+        _, config = build_run_config(
+            "TinyShakespeare",
+            _overrides(tfds_dir, vocab, 2, "EVAL_TASK=lambada", "EVAL_LOOP_NUM_BATCHES=-1"),
+        )
         with Run(config, RunContext(job_dir=str(job), training=False)) as run:
             run.run_eval()
-        scores[file_format] = (_records(job, "eval/lambada_acc_strict"), _records(job, "eval/log_pplx"))
+        scores[file_format] = (
+            _records(job, "eval/lambada_acc_strict"),
+            _records(job, "eval/log_pplx"),
+        )
     assert scores["array_record"][1][0][0] == 3 and scores["array_record"] == scores["tfrecord"]

@@ -1,4 +1,5 @@
-"""The hang watchdog on its own: stacks after the first timeout, the exit after the second, quiet while steps go."""
+"""The hang watchdog on its own: stacks after the first timeout, the exit after the second, quiet
+while steps go."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ def test_stacks_are_logged_then_the_process_is_ended(caplog):
         watchdog.beat()  # one step completed; then nothing
         _stuck_in_a_named_place(0.5)
         assert not exits  # past the first timeout only
-        warnings = [r.getMessage() for r in caplog.records if "WATCHDOG_TIMEOUT_SECONDS=0.2" in r.getMessage()]
+        warnings = [
+            r.getMessage()
+            for r in caplog.records
+            if "WATCHDOG_TIMEOUT_SECONDS=0.2" in r.getMessage()
+        ]
         assert len(warnings) == 1  # once per stall, not once per poll
         assert "_stuck_in_a_named_place" in warnings[0] and 'Thread "MainThread"' in warnings[0]
         assert done.wait(5)
@@ -66,7 +71,9 @@ def test_a_commit_is_reported_but_never_ended_and_the_clock_restarts_after_it(ca
         with watchdog.committing():
             _stuck_in_a_named_place(1.0)  # well past the crash timeout
         assert exits == []
-        commits = [r.getMessage() for r in caplog.records if "while a checkpoint commits" in r.getMessage()]
+        commits = [
+            r.getMessage() for r in caplog.records if "while a checkpoint commits" in r.getMessage()
+        ]
         assert len(commits) == 1 and "_stuck_in_a_named_place" in commits[0]
         time.sleep(0.25)  # the commit's end counts as progress: past the first timeout only, again
         assert exits == []
