@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -404,12 +403,7 @@ class Checkpointer:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: types.TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _set_aside_failures(self, steps: list[int]) -> None:

@@ -195,9 +195,7 @@ def _convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
             pretrained = adopted
     if request.target is Target.HF:
         hf.save(pretrained, request.output, dtype=request.dtype,
-                max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
-                vocab_path=vocab_path,
-                vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
+                **_hf_shard_options(request, vocab_path=vocab_path))
     elif request.target is Target.PAX:
         from paxlite.interop import pax
 
@@ -206,6 +204,39 @@ def _convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     else:
         hf.to_paxlite(pretrained, request.output)
     return pretrained
+
+
+def _adopted(config: TransformerConfig, *, request: ConvertRequest,
+             experiment_config: TransformerConfig | None) -> TransformerConfig:
+    """`config` checked against --fdl_config's model (when given) and taking its settings."""
+    if experiment_config is None:
+        return config
+    assert request.fdl_config is not None
+    return adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+
+
+def _paxlite_input_config(request: ConvertRequest, experiment_config: TransformerConfig | None
+                          ) -> TransformerConfig:
+    """The model config of a paxlite input as `read_paxlite` finds it, checked against
+    --fdl_config's."""
+    from paxlite.checkpointing.pretrained import find_checkpoint
+    from paxlite.interop import hf
+
+    _, step_dir = find_checkpoint(request.input)
+    config = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
+    if config is None:
+        config = experiment_config or model_config_from_job(step_dir.parent.parent)
+    _adopted(config, request=request, experiment_config=experiment_config)
+    return config
+
+
+def _hf_shard_options(request: ConvertRequest, *, vocab_path: str | None) -> dict[str, Any]:
+    """How every conversion to HF writes its shards and tokenizer."""
+    return {
+        "max_shard_size": request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
+        "vocab_path": vocab_path,
+        "vocab_setting": "--vocab_path" if request.vocab_path else "the input's tokenizer",
+    }
 
 
 def _has_safetensors(directory: str) -> bool:
@@ -219,10 +250,7 @@ def _stream_hf_to_paxlite(request: ConvertRequest, experiment_config: Transforme
     from paxlite.interop import stream
 
     source = stream.open_hf(request.input, dtype=request.dtype)
-    config = source.config
-    if experiment_config is not None:
-        assert request.fdl_config is not None
-        config = adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+    config = _adopted(source.config, request=request, experiment_config=experiment_config)
     num_params = stream.write_paxlite(source, request.output, config=config)
     return ConvertSummary(family=source.family.value, num_params=num_params)
 
@@ -231,22 +259,13 @@ def _stream_paxlite_to_hf(request: ConvertRequest, experiment_config: Transforme
                           *, vocab_path: str | None) -> ConvertSummary:
     """paxlite -> HF safetensors one layer at a time (`hf.stream_paxlite_to_hf`); the model config
     as `read_paxlite` finds it, checked against --fdl_config's."""
-    from paxlite.checkpointing.pretrained import find_checkpoint
     from paxlite.interop import hf
     from paxlite.interop.hf_config import family_of_config
 
-    _, step_dir = find_checkpoint(request.input)
-    config = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
-    if config is None:
-        config = experiment_config or model_config_from_job(step_dir.parent.parent)
-    if experiment_config is not None:
-        assert request.fdl_config is not None
-        adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+    config = _paxlite_input_config(request, experiment_config)
     config, num_params = hf.stream_paxlite_to_hf(
         request.input, request.output, config=config, dtype=request.dtype,
-        max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
-        vocab_path=vocab_path,
-        vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
+        **_hf_shard_options(request, vocab_path=vocab_path))
     return ConvertSummary(family=family_of_config(config).value, num_params=num_params)
 
 def _stream_meta_to_paxlite(request: ConvertRequest, experiment_config: TransformerConfig | None
@@ -256,10 +275,7 @@ def _stream_meta_to_paxlite(request: ConvertRequest, experiment_config: Transfor
     from paxlite.interop.hf_config import Family
 
     source = meta.open_meta(request.input, vocab_size=request.vocab_size, dtype=request.dtype)
-    config = source.config
-    if experiment_config is not None:
-        assert request.fdl_config is not None
-        config = adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+    config = _adopted(source.config, request=request, experiment_config=experiment_config)
     num_params = meta.write_paxlite(source, request.output, config=config)
     return ConvertSummary(family=Family.LLAMA.value, num_params=num_params)
 
@@ -271,14 +287,10 @@ def _stream_meta_to_hf(request: ConvertRequest, experiment_config: TransformerCo
     from paxlite.interop.hf_config import Family
 
     source = meta.open_meta(request.input, vocab_size=request.vocab_size, dtype=request.dtype)
-    if experiment_config is not None:
-        assert request.fdl_config is not None
-        adopted_config(source.config, config=experiment_config, experiment=request.fdl_config)
+    _adopted(source.config, request=request, experiment_config=experiment_config)
     num_params = hf.stream_source_to_hf(
         source, request.output, config=source.config, dtype=request.dtype,
-        max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
-        vocab_path=vocab_path,
-        vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
+        **_hf_shard_options(request, vocab_path=vocab_path))
     return ConvertSummary(family=Family.LLAMA.value, num_params=num_params)
 
 
@@ -310,9 +322,7 @@ def _stream_from_pax(request: ConvertRequest, experiment_config: TransformerConf
     if request.target is Target.HF:
         num_params = pax.write_hf(
             source, request.output,
-            max_shard_size=request.max_shard_size or hf_write.DEFAULT_MAX_SHARD_SIZE,
-            vocab_path=vocab_path,
-            vocab_setting="--vocab_path" if request.vocab_path else "the input's tokenizer")
+            **_hf_shard_options(request, vocab_path=vocab_path))
     else:
         config = adopted_config(source.config, config=experiment_config,
                                 experiment=request.fdl_config)
@@ -325,17 +335,10 @@ def _stream_paxlite_to_pax(request: ConvertRequest, experiment_config: Transform
     """paxlite -> Pax one layer at a time (`pax.stream_paxlite_to_pax`): the model config as
     `read_paxlite` finds it, checked against --fdl_config's, whose layer stack (else the
     checkpoint's) decides ``repeat.sub``."""
-    from paxlite.checkpointing.pretrained import find_checkpoint
-    from paxlite.interop import hf, pax
+    from paxlite.interop import pax
     from paxlite.interop.hf_config import family_of_config
 
-    _, step_dir = find_checkpoint(request.input)
-    config = hf.find_model_config(os.path.abspath(request.input), step_dir=step_dir)
-    if config is None:
-        config = experiment_config or model_config_from_job(step_dir.parent.parent)
-    if experiment_config is not None:
-        assert request.fdl_config is not None
-        adopted_config(config, config=experiment_config, experiment=request.fdl_config)
+    config = _paxlite_input_config(request, experiment_config)
     num_params = pax.stream_paxlite_to_pax(request.input, request.output, config=config,
                                            repeated=_scan_layers(request, experiment_config),
                                            dtype=request.dtype)

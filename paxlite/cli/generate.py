@@ -29,18 +29,8 @@ import json
 import os
 from collections.abc import Sequence
 
-from paxlite.cli.model_source import (
-    BosChoice,
-    add_launch_arguments,
-    add_model_arguments,
-    bos_id,
-    build_mesh,
-    check_one_source,
-    join_processes,
-    load_tokenizer,
-    resolve_model,
-    restore_params,
-)
+from paxlite.cli import model_source
+from paxlite.cli.model_source import BosChoice
 from paxlite.errors import NotFoundError, SettingError
 
 
@@ -50,7 +40,7 @@ class OutputFormat:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
+    model_source.add_model_arguments(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument("--prompt_file", default=None, help="one text prompt per non-empty line")
     parser.add_argument("--prompt_ids", action="append", default=[],
@@ -71,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "yes; GPT, GLaM: no; a converted model: its tokenizer's "
                              "add_bos_token, else whether it defines a BOS). --prompt_ids are "
                              "used as given")
-    add_launch_arguments(parser)
+    model_source.add_launch_arguments(parser)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -89,7 +79,7 @@ def _check_arguments(args: argparse.Namespace):
     """The sampling settings and the raw prompts; nothing is read from disk but the prompt file."""
     from paxlite.models.decode import SamplingConfig
 
-    check_one_source(args)
+    model_source.check_one_source(args)
     if args.max_new_tokens < 1:
         raise SettingError(f"--max_new_tokens={args.max_new_tokens} must be at least 1")
     try:
@@ -119,14 +109,15 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     from paxlite.models.decode import generate
 
     sampling, texts, prompt_ids = _check_arguments(args)
-    model = resolve_model(args, assignments)
-    tokenizer = load_tokenizer(model)
+    model = model_source.resolve_model(args, assignments)
+    tokenizer = model_source.load_tokenizer(model)
     if tokenizer is None and texts:
         raise SettingError(
             f"text prompts need a tokenizer and {model.source} names none: pass --fdl.VOCAB_PATH="
             "/path/to/spm.model, set VOCAB_PATH, or give --prompt_ids=1,2,3")
     if texts:
-        bos = bos_id(BosChoice(args.add_bos or BosChoice.AUTO), model, tokenizer)
+        bos = model_source.bos_id(BosChoice(args.add_bos or BosChoice.AUTO), model,
+                                  tokenizer)
         prompt_ids = [tokenizer.encode(t, add_bos=bos is not None) for t in texts]
         if any(not ids for ids in prompt_ids):
             raise SettingError("a prompt encodes to no tokens; give a non-empty prompt")
@@ -142,9 +133,10 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
         raise SettingError(f"--prompt_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
     eos = tokenizer.eos_id if tokenizer is not None and tokenizer.eos_id >= 0 else None
 
-    process = join_processes(args, model, doing="generating")
-    mesh, batch_multiple = build_mesh(model)  # a mesh that does not fit is an error before reading
-    params = restore_params(model, mesh)
+    process = model_source.join_processes(args, model, doing="generating")
+    # a mesh that does not fit is an error before reading
+    mesh, batch_multiple = model_source.build_mesh(model)
+    params = model_source.restore_params(model, mesh)
     with contextlib.ExitStack() as stack:
         if mesh is not None:  # the cache and activations shard by the training rules
             import jax

@@ -22,18 +22,8 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from paxlite.cli.model_source import (
-    BosChoice,
-    add_launch_arguments,
-    add_model_arguments,
-    bos_id,
-    build_mesh,
-    check_one_source,
-    join_processes,
-    load_tokenizer,
-    resolve_model,
-    restore_params,
-)
+from paxlite.cli import model_source
+from paxlite.cli.model_source import BosChoice
 from paxlite.errors import ExistsError, NotFoundError, SettingError
 
 DEFAULT_BATCH_SIZE = 8
@@ -41,7 +31,7 @@ DEFAULT_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, fe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
+    model_source.add_model_arguments(parser)
     tasks = parser.add_argument_group("lm_eval (its own flags, with its meanings)")
     tasks.add_argument("--tasks", required=True,
                        help="comma-separated task names (lm_eval's, or YAMLs in --include_path)")
@@ -72,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--add_bos", choices=[c.value for c in BosChoice], default=None,
                         help="start text with the tokenizer's BOS id; auto (the default): as the "
                              "model family was trained (as `generate`)")
-    add_launch_arguments(parser)
+    model_source.add_launch_arguments(parser)
 
 
 def _task_names(text: str) -> list[str]:
@@ -108,7 +98,7 @@ def _seeds(text: str) -> dict[str, int | None]:
 
 def _check_arguments(args: argparse.Namespace) -> list[str]:
     """The task names; checks what can be checked without lm_eval or the model."""
-    check_one_source(args)
+    model_source.check_one_source(args)
     tasks = _task_names(args.tasks)
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise SettingError(f"--num_fewshot={args.num_fewshot} must be 0 or more")
@@ -147,21 +137,22 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     from paxlite.eval.harness_lm import evaluate, import_lm_eval, task_manager
 
     tasks = _check_arguments(args)
-    model = resolve_model(args, assignments)
-    tokenizer = load_tokenizer(model)
+    model = model_source.resolve_model(args, assignments)
+    tokenizer = model_source.load_tokenizer(model)
     if tokenizer is None:
         raise SettingError(
             f"lm_eval's tasks are text and {model.source} names no tokenizer: pass "
             "--fdl.VOCAB_PATH=/path/to/spm.model or set VOCAB_PATH")
-    bos = bos_id(BosChoice(args.add_bos or BosChoice.AUTO), model, tokenizer)
+    bos = model_source.bos_id(BosChoice(args.add_bos or BosChoice.AUTO), model,
+                              tokenizer)
     import_lm_eval()
     manager = task_manager(args.include_path, tasks)  # every process: an unknown task, exit 2
 
-    process = join_processes(args, model, doing="scoring")
+    process = model_source.join_processes(args, model, doing="scoring")
     from paxlite.eval.harness import ModelRunner
 
-    mesh, _ = build_mesh(model)  # a mesh that does not fit is an error before reading
-    params = restore_params(model, mesh)
+    mesh, _ = model_source.build_mesh(model)  # a mesh that does not fit is an error before reading
+    params = model_source.restore_params(model, mesh)
     runner = ModelRunner(model_config=model.config, params=params, mesh=mesh,
                          batch_size=args.batch_size, vocab_limit=tokenizer.vocab_size,
                          eos_id=tokenizer.eos_id if tokenizer.eos_id >= 0 else None,

@@ -94,6 +94,35 @@ def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding, plan: Feed
     }
 
 
+def _require_one_source(config, *, dataset: str) -> None:
+    """An evaluation or fine-tuning set is read from a local file or from TFDS, never both: two
+    sources would leave it unclear which examples were scored."""
+    if (config.path is None) == (config.tfds_data_dir is None):
+        raise ValueError(
+            f"{dataset} needs exactly one source: path={config.path!r} or "
+            f"tfds_data_dir={config.tfds_data_dir!r}"
+        )
+
+
+def _read_boolq_examples(config) -> list:
+    """The examples from the config's one source, read and checked now, before compiling."""
+    from paxlite.data.boolq import read_boolq, read_boolq_tfds
+
+    if config.path is not None:
+        return read_boolq(config.path)
+    return read_boolq_tfds(config.tfds_data_dir, split=config.split)
+
+
+def _global_eval_batches(batches: Iterator[dict[str, np.ndarray]], *, num_batches: int,
+                         sharding: Sharding, plan: FeedPlan) -> Iterator[Batch]:
+    """The first `num_batches` host batches (all of them for -1) as global batches of this
+    process's rows."""
+    for index, batch in enumerate(batches):
+        if index == num_batches:
+            break
+        yield _to_global({key: value[plan.rows] for key, value in batch.items()}, sharding, plan)
+
+
 class TextFeed:
     """Batches from a prepared dataset, TFDS files, a weighted mixture of those (data/mixture.py),
     or a Pax SeqIO task; the iterator position is saved in every checkpoint."""
@@ -237,11 +266,7 @@ class LambadaEvalConfig:
     tfds_data_dir: str | None = None
 
     def __post_init__(self):
-        if (self.path is None) == (self.tfds_data_dir is None):
-            raise ValueError(
-                f"Lambada needs exactly one source: path={self.path!r} or "
-                f"tfds_data_dir={self.tfds_data_dir!r}"
-            )
+        _require_one_source(self, dataset="Lambada")
 
 
 class LambadaFeed:
@@ -283,12 +308,8 @@ class LambadaFeed:
         plan = self._plan
         batches = lambada_token_batches(self._tokenized(), seq_len=self._config.seq_len,
                                         batch_size=plan.global_batch_size)
-        for index, batch in enumerate(batches):
-            if index == num_batches:
-                break
-            yield _to_global(
-                {key: value[plan.rows] for key, value in batch.items()}, sharding, plan
-            )
+        yield from _global_eval_batches(batches, num_batches=num_batches, sharding=sharding,
+                                        plan=plan)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -304,11 +325,7 @@ class BoolQEvalConfig:
     split: str = "validation"
 
     def __post_init__(self):
-        if (self.path is None) == (self.tfds_data_dir is None):
-            raise ValueError(
-                f"BoolQ needs exactly one source: path={self.path!r} or "
-                f"tfds_data_dir={self.tfds_data_dir!r}"
-            )
+        _require_one_source(self, dataset="BoolQ")
 
 
 class BoolQFeed:
@@ -319,14 +336,11 @@ class BoolQFeed:
     has_eval_data = True
 
     def __init__(self, config: BoolQEvalConfig, *, plan: FeedPlan):
-        from paxlite.data.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
+        from paxlite.data.boolq import yes_no_token_ids
         from paxlite.data.tokenizer import Tokenizer
 
         self._config = config
-        if config.path is not None:  # read and checked now, before compiling
-            self._examples = read_boolq(config.path)
-        else:
-            self._examples = read_boolq_tfds(config.tfds_data_dir, split=config.split)
+        self._examples = _read_boolq_examples(config)
         self._tokenizer = Tokenizer(config.vocab_path)
         # A tokenizer that splits yes/no is refused up front.
         self._yes_no = yes_no_token_ids(self._tokenizer)
@@ -345,12 +359,8 @@ class BoolQFeed:
         batches = boolq_token_batches(self._tokens, yes_no=self._yes_no,
                                       seq_len=self._config.seq_len,
                                       batch_size=plan.global_batch_size)
-        for index, batch in enumerate(batches):
-            if index == num_batches:
-                break
-            yield _to_global(
-                {key: value[plan.rows] for key, value in batch.items()}, sharding, plan
-            )
+        yield from _global_eval_batches(batches, num_batches=num_batches, sharding=sharding,
+                                        plan=plan)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -367,11 +377,7 @@ class BoolQTrainConfig:
     split: str = "train"
 
     def __post_init__(self):
-        if (self.path is None) == (self.tfds_data_dir is None):
-            raise ValueError(
-                f"BoolQ training needs exactly one source: path={self.path!r} or "
-                f"tfds_data_dir={self.tfds_data_dir!r}"
-            )
+        _require_one_source(self, dataset="BoolQ training")
 
 
 class BoolQTrainFeed:
@@ -388,14 +394,11 @@ class BoolQTrainFeed:
     has_eval_data = False  # no validation-loss split of its own (eval_batches says what to use)
 
     def __init__(self, config: BoolQTrainConfig, *, plan: FeedPlan):
-        from paxlite.data.boolq import read_boolq, read_boolq_tfds, yes_no_token_ids
+        from paxlite.data.boolq import yes_no_token_ids
         from paxlite.data.tokenizer import Tokenizer
 
         self._config = config
-        if config.path is not None:  # read and checked now, before compiling
-            self._examples = read_boolq(config.path)
-        else:
-            self._examples = read_boolq_tfds(config.tfds_data_dir, split=config.split)
+        self._examples = _read_boolq_examples(config)
         if not self._examples:
             raise DatasetError(f"BoolQ training data {config.path or config.tfds_data_dir} has no "
                                "examples")

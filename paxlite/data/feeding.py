@@ -66,6 +66,28 @@ def local_batch_size(*, global_batch_size: int, process_index: int, process_coun
     return global_batch_size // process_count
 
 
+class ProcessShare:
+    """Base of the host-side batch sources: this process's share of the global batch is worked out
+    and checked before the source is opened, so a batch that does not split over the processes
+    fails before any file is read. A subclass opens and checks its source in `_open`."""
+
+    def __init__(self, config, *, global_batch_size: int, process_index: int = 0,
+                 process_count: int = 1):
+        self.config = config
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = local_batch_size(
+            global_batch_size=global_batch_size,
+            process_index=process_index,
+            process_count=process_count,
+        )
+        self.process_index = process_index
+        self.process_count = process_count
+        self._open()
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+
 def plan_feeding(
     sharding: Sharding,
     *,

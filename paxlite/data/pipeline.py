@@ -29,7 +29,7 @@ import numpy as np
 
 from paxlite.data import records
 from paxlite.data import tokenizer as tokenizer_lib
-from paxlite.data.feeding import local_batch_size
+from paxlite.data.feeding import ProcessShare
 from paxlite.data.packing import (
     DocumentStream,
     ShardedRecords,
@@ -165,7 +165,7 @@ class _Split:
     source: Any  # random access: __len__, __getitem__, __getitems__ -> record bytes
 
 
-class TextData:
+class TextData(ProcessShare):
     """Host-side batches for one process.
 
     Everything that can be checked cheaply is checked here, before any training starts: the
@@ -173,24 +173,10 @@ class TextData:
     split over processes.
     """
 
-    def __init__(
-        self,
-        config: TextDataConfig,
-        *,
-        global_batch_size: int,
-        process_index: int = 0,
-        process_count: int = 1,
-    ):
-        self.config = config
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size(
-            global_batch_size=global_batch_size,
-            process_index=process_index,
-            process_count=process_count,
-        )
-        self.process_index = process_index
-        self.process_count = process_count
+    config: TextDataConfig
 
+    def _open(self) -> None:
+        config = self.config
         data_dir = os.path.abspath(os.path.expanduser(config.data_dir))
         if not os.path.isdir(data_dir):
             raise records.DatasetError(f"dataset directory {data_dir!r} does not exist")
@@ -208,7 +194,7 @@ class TextData:
         else:
             self.info = records.read_info(data_dir)
         # Every process needs training documents; for eval, a process past the end just pads.
-        self._train = self._open_split(config.train_split, min_records=process_count)
+        self._train = self._open_split(config.train_split, min_records=self.process_count)
         self._eval = (
             None
             if config.eval_split is None or self._lacks_default_eval_split(config.eval_split)

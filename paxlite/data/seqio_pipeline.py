@@ -28,7 +28,7 @@ import numpy as np
 
 from paxlite.data import tokenizer as tokenizer_lib
 from paxlite.data.errors import DatasetError
-from paxlite.data.feeding import local_batch_size
+from paxlite.data.feeding import ProcessShare
 from paxlite.data.seqio_tasks import (
     BOOLQ_TASK,
     LAMBADA_TASK,
@@ -203,7 +203,7 @@ class SeqIOTrainIterator:
         self._numpy = None  # rebuilt, and the consumed batches skipped, on the next batch
 
 
-class SeqIOData:
+class SeqIOData(ProcessShare):
     """Host-side batches of a Pax SeqIO LM task for one process.
 
     Everything cheap is checked before any dataset is built: the TFDS directory, the dataset's
@@ -214,23 +214,10 @@ class SeqIOData:
 
     has_eval_data = True  # Pax's tasks always have their validation split
 
-    def __init__(
-        self,
-        config: SeqIODataConfig,
-        *,
-        global_batch_size: int,
-        process_index: int = 0,
-        process_count: int = 1,
-    ):
-        self.config = config
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size(
-            global_batch_size=global_batch_size,
-            process_index=process_index,
-            process_count=process_count,
-        )
-        self.process_index = process_index
-        self.process_count = process_count
+    config: SeqIODataConfig
+
+    def _open(self) -> None:
+        config = self.config
         self._eval_batch_count: int | None = None
 
         tfds_data_dir = os.path.abspath(os.path.expanduser(config.tfds_data_dir))

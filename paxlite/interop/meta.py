@@ -427,15 +427,9 @@ def open_meta(path: str | os.PathLike, *, vocab_size: int | None = None,
 
 def dry_run(source: MetaSource, *, config: TransformerConfig) -> int:
     """Walks the layout on stand-ins: every name and shape checked; returns #parameters."""
-    import jax
+    from paxlite.interop.stream import check_stand_ins
 
-    def shapes(tree: Any) -> Any:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32), tree)
-
-    tree = {top: shapes(sub) for top, sub in
-            source.subtrees(source.tensors.stand_ins(), config=config)}
-    layouts.check_params(tree, config=dataclasses.replace(config, scan_layers=False))
-    return layouts.count(tree)
+    return check_stand_ins(source, config=config)
 
 
 def write_paxlite(source: MetaSource, out_dir: str | os.PathLike, *,

@@ -193,6 +193,12 @@ def _shapes(tree: Any) -> Any:
 def dry_run(source: HfSource, *, config: TransformerConfig) -> int:
     """Walks the layout on stand-ins: every name and shape checked; returns #parameters."""
     assert isinstance(source.tensors, LazySafetensors)
+    return check_stand_ins(source, config=config)
+
+
+def check_stand_ins(source: Any, *, config: TransformerConfig) -> int:
+    """Every name and shape of a streaming source (HF here, Meta's shards in meta.py) checked on
+    its tensors' stand-ins, before anything is read or written; returns #parameters."""
     tree = {top: _shapes(sub) for top, sub in
             source.subtrees(source.tensors.stand_ins(), config=config)}
     layouts.check_params(tree, config=dataclasses.replace(config, scan_layers=False))

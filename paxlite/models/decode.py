@@ -275,7 +275,14 @@ class Generation:
     cache: PyTree
 
 
-def generate(
+def generate(config: TransformerConfig, params: PyTree, prompts: Sequence[Sequence[int]],
+             **options) -> list[list[int]]:
+    """`generate_with_cache`'s ids alone (what every caller but the cache placement checks wants);
+    `options` are its keyword arguments."""
+    return generate_with_cache(config, params, prompts, **options).ids
+
+
+def generate_with_cache(
     config: TransformerConfig,
     params: PyTree,
     prompts: Sequence[Sequence[int]],
@@ -288,9 +295,10 @@ def generate(
     batch_multiple: int = 1,
     prompt_length: int | None = None,
     stop: Callable[[list[int]], bool] | None = None,
-) -> list[list[int]]:
-    """The generated ids of each prompt (the prompt not included): up to `max_new_tokens`, ending
-    with `eos_id` where the model emits it. The same seed gives the same tokens.
+) -> Generation:
+    """The generated ids of each prompt (the prompt not included), and the KV cache as the last
+    step left it: up to `max_new_tokens` ids, ending with `eos_id` where the model emits it. The
+    same seed gives the same tokens.
 
     The ids are used as given: no BOS is added here (the command line adds the model family's;
     see paxlite/cli/generate.py).
@@ -308,27 +316,6 @@ def generate(
     by the rules and the loop is one SPMD program, also across several processes: every process
     calls this with the same prompts and gets all the ids.
     """
-    return generate_with_cache(
-        config, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-        eos_id=eos_id, vocab_limit=vocab_limit, batch_multiple=batch_multiple,
-        prompt_length=prompt_length, stop=stop).ids
-
-
-def generate_with_cache(
-    config: TransformerConfig,
-    params: PyTree,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
-    seed: int = 0,
-    eos_id: int | None = None,
-    vocab_limit: int | None = None,
-    batch_multiple: int = 1,
-    prompt_length: int | None = None,
-    stop: Callable[[list[int]], bool] | None = None,
-) -> Generation:
-    """`generate`, also returning the final KV cache (to inspect its placement)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:

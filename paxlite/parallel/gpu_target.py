@@ -100,19 +100,19 @@ class GpuSpec:
         return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
 
 
+_H100_SXM = GpuSpec(  # H100 SXM5 80 GB
+    device_kind="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132,
+    fp32_units_per_sm=128, memory_bytes=84_942_979_072,
+    memory_bandwidth_bytes_per_s=3_352_320_000_000, memory_clock_ghz=2.619,
+    l2_cache_bytes=50 * 2**20, shared_memory_per_sm=228 * 1024,
+    shared_memory_per_block_optin=227 * 1024, sm_clock_ghz=1.98, dense_bf16_tflops=989.0)
+
 GPU_SPECS: dict[CompileTarget, GpuSpec] = {
-    CompileTarget.H100: GpuSpec(  # H100 SXM5 80 GB
-        device_kind="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132,
-        fp32_units_per_sm=128, memory_bytes=84_942_979_072,
-        memory_bandwidth_bytes_per_s=3_352_320_000_000, memory_clock_ghz=2.619,
-        l2_cache_bytes=50 * 2**20, shared_memory_per_sm=228 * 1024,
-        shared_memory_per_block_optin=227 * 1024, sm_clock_ghz=1.98, dense_bf16_tflops=989.0),
-    CompileTarget.H200: GpuSpec(  # H200 SXM 141 GB: H100's die, more and faster HBM3e
-        device_kind="NVIDIA H200", compute_capability=(9, 0), sm_count=132,
-        fp32_units_per_sm=128, memory_bytes=151_397_597_184,
-        memory_bandwidth_bytes_per_s=4_800_000_000_000, memory_clock_ghz=3.75,
-        l2_cache_bytes=50 * 2**20, shared_memory_per_sm=228 * 1024,
-        shared_memory_per_block_optin=227 * 1024, sm_clock_ghz=1.98, dense_bf16_tflops=989.0),
+    CompileTarget.H100: _H100_SXM,
+    # H200 SXM 141 GB: H100's die (the same SMs, caches and clocks), more and faster HBM3e
+    CompileTarget.H200: dataclasses.replace(
+        _H100_SXM, device_kind="NVIDIA H200", memory_bytes=151_397_597_184,
+        memory_bandwidth_bytes_per_s=4_800_000_000_000, memory_clock_ghz=3.75),
     CompileTarget.A100: GpuSpec(  # A100 SXM4 80 GB
         device_kind="NVIDIA A100-SXM4-80GB", compute_capability=(8, 0), sm_count=108,
         fp32_units_per_sm=64, memory_bytes=85_100_068_864,

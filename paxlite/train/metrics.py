@@ -20,7 +20,6 @@ import os
 import pathlib
 import sys
 import time
-import types
 from collections.abc import Iterator, Mapping
 from typing import Self, TextIO
 
@@ -198,12 +197,7 @@ class MetricsWriter:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: types.TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @staticmethod

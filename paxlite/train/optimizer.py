@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -95,8 +96,9 @@ class _EmptyState(NamedTuple):
     """Stateless transformations still need a pytree state."""
 
 
-def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """Pax `Learner.scale_gradients`: scale by min(1, max_norm / ||g||); max_norm <= 0: identity."""
+def _stateless(transform: Callable[[PyTree], PyTree]) -> optax.GradientTransformation:
+    """A transformation of the updates alone: Pax's gradient scaling and update capping keep no
+    state, yet optax needs a (empty) pytree state for them."""
 
     def init(params: PyTree) -> _EmptyState:
         del params
@@ -106,13 +108,22 @@ def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         updates: PyTree, state: _EmptyState, params: PyTree | None = None
     ) -> tuple[PyTree, _EmptyState]:
         del params
-        if max_norm <= 0:
-            return updates, state
-        norm = global_norm(updates)
-        scale = jnp.minimum(1.0, max_norm / norm)
-        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+        return transform(updates), state
 
     return optax.GradientTransformation(init, update)
+
+
+def _clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Pax `Learner.scale_gradients`: scale by min(1, max_norm / ||g||); max_norm <= 0: identity."""
+
+    def clip(updates: PyTree) -> PyTree:
+        if max_norm <= 0:
+            return updates
+        norm = global_norm(updates)
+        scale = jnp.minimum(1.0, max_norm / norm)
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
+
+    return _stateless(clip)
 
 
 def _cap_update_rms(clip_threshold: float) -> optax.GradientTransformation:
@@ -123,19 +134,12 @@ def _cap_update_rms(clip_threshold: float) -> optax.GradientTransformation:
         rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32))))
         return (u / jnp.maximum(1.0, rms / clip_threshold)).astype(u.dtype)
 
-    def init(params: PyTree) -> _EmptyState:
-        del params
-        return _EmptyState()
-
-    def update(
-        updates: PyTree, state: _EmptyState, params: PyTree | None = None
-    ) -> tuple[PyTree, _EmptyState]:
-        del params
+    def cap_all(updates: PyTree) -> PyTree:
         if clip_threshold <= 0:
-            return updates, state
-        return jax.tree.map(cap, updates), state
+            return updates
+        return jax.tree.map(cap, updates)
 
-    return optax.GradientTransformation(init, update)
+    return _stateless(cap_all)
 
 
 def _add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
