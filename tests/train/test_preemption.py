@@ -21,6 +21,7 @@ import pytest
 from paxlite.cli.job import PREEMPTED_UNSAVED_EXIT_CODE, preemption_exit_code
 from paxlite.errors import SettingError
 from paxlite.train.preemption import DUPLICATE_WINDOW_S
+from tests.in_process import paxlite_main
 
 # Steps are milliseconds long, so a run reaches any step long before it would finish.
 TRAIN = [
@@ -125,17 +126,22 @@ def _wait_for_log(proc: subprocess.Popen, log: Path, text: str, *, timeout: floa
         time.sleep(0.02)
 
 
+def _train_in_process(job: Path, *, max_steps: int) -> None:
+    """TRAIN's run to `max_steps` in this process (same devices and compile flags as the started
+    ones): a job to resume from, without the cost of starting one more process."""
+    from paxlite.experiments.build import build_run_config
+    from paxlite.train.loop import Run, RunContext
+
+    overrides = [flag.removeprefix("--fdl.") for flag in TRAIN if flag.startswith("--fdl.")]
+    overrides = [o for o in overrides if not o.startswith("MAX_STEPS=")]
+    _, config = build_run_config("TinySynthetic", [*overrides, f"MAX_STEPS={max_steps}"])
+    with Run(config, RunContext(job_dir=str(job))) as run:
+        run.train()
+
+
 def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_intact(tmp_path):
     job, log = tmp_path / "job", tmp_path / "run.log"
-    first = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, "--fdl.MAX_STEPS=4"],
-        check=False,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
+    _train_in_process(job, max_steps=4)  # the job's committed checkpoint, step 4
     proc = _start(job, log)
     # the handlers are in place; the run is being built
     _wait_for_log(proc, log, "Compilation cache:")
@@ -191,15 +197,11 @@ def test_bad_preemption_exit_code(raw):
     )
 
 
-def test_bad_preemption_exit_code_is_one_line_before_any_work(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'job'}", *TRAIN],
-        check=False,
-        env=_env(PAXLITE_PREEMPTION_EXIT_CODE="sigterm"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_bad_preemption_exit_code_is_one_line_before_any_work(tmp_path, monkeypatch, capfd):
+    # in this process (tests/in_process.py): the setting is refused before any device work
+    monkeypatch.setenv("PAXLITE_PREEMPTION_EXIT_CODE", "sigterm")
+    with paxlite_main(monkeypatch, capfd) as run:
+        out = run(f"--job_log_dir={tmp_path / 'job'}", *TRAIN)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "paxlite: error: PAXLITE_PREEMPTION_EXIT_CODE='sigterm' must be an exit status 0..255 "
