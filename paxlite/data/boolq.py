@@ -24,6 +24,7 @@ and says which pieces a tokenizer splits them into when it does not hold.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Iterator
 from typing import Protocol
@@ -33,7 +34,7 @@ import numpy as np
 from paxlite.data.errors import DatasetError
 from paxlite.data.jsonl import read_jsonl_examples
 from paxlite.data.lambada import BATCH_KEYS as LM_BATCH_KEYS
-from paxlite.data.lambada import TextEncoder
+from paxlite.data.lambada import TextEncoder, empty_batch, example_batches
 from paxlite.data.seqio_tasks import boolq_prompt
 
 # The per-row pair of answer tokens (yes_id, no_id) that `paxlite.train.step.eval_step` scores.
@@ -145,12 +146,7 @@ def yes_no_token_ids(tokenizer: PieceEncoder) -> tuple[int, int]:
 def _empty_batch(
     *, batch_size: int, seq_len: int, yes_no: tuple[int, int]
 ) -> dict[str, np.ndarray]:
-    batch = {
-        key: np.zeros((batch_size, seq_len), dtype=np.int32)
-        for key in ("inputs", "targets", "positions", "segment_ids")
-    }
-    batch["weights"] = np.zeros((batch_size, seq_len), dtype=np.float32)
-    batch["example_weights"] = np.zeros((batch_size,), dtype=np.float32)
+    batch = empty_batch(batch_size=batch_size, seq_len=seq_len)
     # Every row, padding included, names the pair: padding rows have no weight, so never count.
     batch[CHOICE_KEY] = np.tile(np.asarray(yes_no, dtype=np.int32), (batch_size, 1))  # [B, 2]
     return batch
@@ -201,27 +197,21 @@ def boolq_token_batches(
     LM convention), weight 1 on the answer (the last token) only.
     """
     _check_sizes(seq_len=seq_len, batch_size=batch_size)
-    batch = _empty_batch(batch_size=batch_size, seq_len=seq_len, yes_no=yes_no)
-    row = 0
-    num_examples = 0
-    for tokens in tokenized:
-        length = tokens.shape[0]
-        batch["targets"][row, :length] = tokens
-        batch["inputs"][row, 1:length] = tokens[:-1]
-        batch["positions"][row] = np.arange(seq_len, dtype=np.int32)
-        batch["segment_ids"][row, :length] = 1
-        batch["weights"][row, length - 1] = 1.0
-        batch["example_weights"][row] = 1.0
-        num_examples += 1
-        row += 1
-        if row == batch_size:
-            yield batch
-            batch = _empty_batch(batch_size=batch_size, seq_len=seq_len, yes_no=yes_no)
-            row = 0
-    if num_examples == 0:
-        raise ValueError("no BoolQ examples to batch")
-    if row > 0:
-        yield batch
+    yield from example_batches(
+        tokenized, batch_size=batch_size,
+        empty=functools.partial(_empty_batch, batch_size=batch_size, seq_len=seq_len,
+                                yes_no=yes_no),
+        fill_row=_fill_row, dataset="BoolQ")
+
+
+def _fill_row(batch: dict[str, np.ndarray], row: int, tokens: np.ndarray) -> None:
+    length = tokens.shape[0]
+    batch["targets"][row, :length] = tokens
+    batch["inputs"][row, 1:length] = tokens[:-1]
+    batch["positions"][row] = np.arange(batch["positions"].shape[1], dtype=np.int32)
+    batch["segment_ids"][row, :length] = 1
+    batch["weights"][row, length - 1] = 1.0
+    batch["example_weights"][row] = 1.0
 
 
 def boolq_batches(

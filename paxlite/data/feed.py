@@ -55,7 +55,21 @@ class Feed(Protocol):
     has_eval_data: bool
 
 
-class SyntheticFeed:
+class _StatelessFeed:
+    """A feed whose batches are a pure function of the step: no position to record, nothing in
+    a checkpoint, nothing to restore."""
+
+    def position(self) -> None:
+        return None
+
+    def state(self, position: Any = None) -> None:
+        del position
+
+    def restore(self, record: Any, *, step: int) -> None:
+        del record, step
+
+
+class SyntheticFeed(_StatelessFeed):
     """Synthetic batches are a function of the step: nothing to save."""
 
     metric_prefix = ""
@@ -70,15 +84,6 @@ class SyntheticFeed:
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         for index in range(num_batches):
             yield self._data.eval_batch(index, sharding)
-
-    def position(self) -> None:
-        return None
-
-    def state(self, position: Any = None) -> None:
-        del position
-
-    def restore(self, record: Any, *, step: int) -> None:
-        del record, step
 
 
 def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding, plan: FeedPlan) -> Batch:
@@ -328,7 +333,24 @@ class BoolQEvalConfig:
         _require_one_source(self, dataset="BoolQ")
 
 
-class BoolQFeed:
+class _BoolQExamples:
+    """What the BoolQ evaluation and training feeds both hold: the config, its examples, the
+    tokenizer with its yes/no token pair, and the plan."""
+
+    def __init__(self, config: BoolQEvalConfig | BoolQTrainConfig, *, plan: FeedPlan,
+                 examples: list):
+        from paxlite.data.boolq import yes_no_token_ids
+        from paxlite.data.tokenizer import Tokenizer
+
+        self._config = config
+        self._examples = examples
+        self._tokenizer = Tokenizer(config.vocab_path)
+        # A tokenizer that splits yes/no is refused up front.
+        self._yes_no = yes_no_token_ids(self._tokenizer)
+        self._plan = plan
+
+
+class BoolQFeed(_BoolQExamples):
     """Evaluation only: every example once, in order, with its yes/no token pair; reported as
     boolq_acc."""
 
@@ -336,15 +358,7 @@ class BoolQFeed:
     has_eval_data = True
 
     def __init__(self, config: BoolQEvalConfig, *, plan: FeedPlan):
-        from paxlite.data.boolq import yes_no_token_ids
-        from paxlite.data.tokenizer import Tokenizer
-
-        self._config = config
-        self._examples = _read_boolq_examples(config)
-        self._tokenizer = Tokenizer(config.vocab_path)
-        # A tokenizer that splits yes/no is refused up front.
-        self._yes_no = yes_no_token_ids(self._tokenizer)
-        self._plan = plan
+        super().__init__(config, plan=plan, examples=_read_boolq_examples(config))
         self._tokens: list[np.ndarray] | None = None
 
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
@@ -380,7 +394,7 @@ class BoolQTrainConfig:
         _require_one_source(self, dataset="BoolQ training")
 
 
-class BoolQTrainFeed:
+class BoolQTrainFeed(_BoolQExamples, _StatelessFeed):
     """BoolQ examples as training rows: one example per row, loss on the answer token only.
 
     The batch of step `index` is a pure function of (seed, index): global row r of that step is
@@ -394,17 +408,11 @@ class BoolQTrainFeed:
     has_eval_data = False  # no validation-loss split of its own (eval_batches says what to use)
 
     def __init__(self, config: BoolQTrainConfig, *, plan: FeedPlan):
-        from paxlite.data.boolq import yes_no_token_ids
-        from paxlite.data.tokenizer import Tokenizer
-
-        self._config = config
-        self._examples = _read_boolq_examples(config)
-        if not self._examples:
+        examples = _read_boolq_examples(config)
+        if not examples:
             raise DatasetError(f"BoolQ training data {config.path or config.tfds_data_dir} has no "
                                "examples")
-        self._tokenizer = Tokenizer(config.vocab_path)
-        self._yes_no = yes_no_token_ids(self._tokenizer)
-        self._plan = plan
+        super().__init__(config, plan=plan, examples=examples)
         # Example index -> its row tokens: each example is tokenised the first time a step uses
         # it (one epoch's worth at most), never again.
         self._tokens: dict[int, np.ndarray] = {}
@@ -439,15 +447,6 @@ class BoolQTrainFeed:
             "BoolQ training has no validation-loss split of its own: evaluate with "
             "--fdl.EVAL_TASK=boolq (boolq_acc on the validation split)"
         )
-
-    def position(self) -> None:
-        return None
-
-    def state(self, position: Any = None) -> None:
-        del position
-
-    def restore(self, record: Any, *, step: int) -> None:
-        del record, step
 
 
 @functools.cache

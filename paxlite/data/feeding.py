@@ -88,6 +88,15 @@ class ProcessShare:
         raise NotImplementedError
 
 
+def check_vocab_and_seed(*, vocab_size: int, seed: int) -> None:
+    """What the configs of both host-side sources (the text pipeline's and SeqIO's) ask of the
+    tokenizer and the seed: two token ids at least, and a seed numpy's generators take."""
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+
+
 def plan_feeding(
     sharding: Sharding,
     *,

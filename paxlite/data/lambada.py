@@ -12,9 +12,10 @@ order (`eval_loop_num_batches=-1`, `shuffle=False`).
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -31,6 +32,7 @@ BATCH_KEYS: tuple[str, ...] = (
     "segment_ids",
     "example_weights",
 )
+Example = TypeVar("Example")  # one row's worth, as example_batches' fill_row takes it
 
 
 class TextEncoder(Protocol):
@@ -90,7 +92,9 @@ def read_lambada(path: str) -> list[tuple[str, str]]:
                                expected="a JSONL file")
 
 
-def _empty_batch(*, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
+def empty_batch(*, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
+    """An unpacked LM batch of zeros: a row nothing fills keeps example weight 0, so it never
+    counts."""
     batch = {
         key: np.zeros((batch_size, seq_len), dtype=np.int32)
         for key in ("inputs", "targets", "positions", "segment_ids")
@@ -165,19 +169,35 @@ def lambada_token_batches(
     """Unpacked [batch_size, seq_len] batches of `tokenize_lambada`'s examples, each exactly
     once."""
     _check_sizes(seq_len=seq_len, batch_size=batch_size, targets_len=1)
-    batch = _empty_batch(batch_size=batch_size, seq_len=seq_len)
-    row = 0
+    yield from example_batches(
+        tokenized, batch_size=batch_size,
+        empty=functools.partial(empty_batch, batch_size=batch_size, seq_len=seq_len),
+        fill_row=lambda batch, row, ids: _fill_row(batch, row, input_ids=ids[0],
+                                                   target_ids=ids[1]),
+        dataset="Lambada")
+
+
+def example_batches(
+    examples: Iterable[Example],
+    *,
+    batch_size: int,
+    empty: Callable[[], dict[str, np.ndarray]],
+    fill_row: Callable[[dict[str, np.ndarray], int, Example], None],
+    dataset: str,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Every example once, in order, one a row and `batch_size` rows a batch, as the zero-shot
+    tasks (Lambada, BoolQ) are scored: the last batch's unused rows stay as `empty` made them."""
+    batch, row = empty(), 0
     num_examples = 0
-    for input_ids, target_ids in tokenized:
-        _fill_row(batch, row, input_ids=input_ids, target_ids=target_ids)
+    for example in examples:
+        fill_row(batch, row, example)
         num_examples += 1
         row += 1
         if row == batch_size:
             yield batch
-            batch = _empty_batch(batch_size=batch_size, seq_len=seq_len)
-            row = 0
+            batch, row = empty(), 0
     if num_examples == 0:
-        raise ValueError("no Lambada examples to batch")
+        raise ValueError(f"no {dataset} examples to batch")
     if row > 0:
         yield batch
 

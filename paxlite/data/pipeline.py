@@ -29,7 +29,7 @@ import numpy as np
 
 from paxlite.data import records
 from paxlite.data import tokenizer as tokenizer_lib
-from paxlite.data.feeding import ProcessShare
+from paxlite.data.feeding import ProcessShare, check_vocab_and_seed
 from paxlite.data.packing import (
     DocumentStream,
     ShardedRecords,
@@ -78,10 +78,7 @@ class TextDataConfig:
     def __post_init__(self):
         if self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
-        if self.vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        check_vocab_and_seed(vocab_size=self.vocab_size, seed=self.seed)
 
 
 class _EncodeDocument:

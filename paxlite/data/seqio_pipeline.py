@@ -28,7 +28,7 @@ import numpy as np
 
 from paxlite.data import tokenizer as tokenizer_lib
 from paxlite.data.errors import DatasetError
-from paxlite.data.feeding import ProcessShare
+from paxlite.data.feeding import ProcessShare, check_vocab_and_seed
 from paxlite.data.seqio_tasks import (
     BOOLQ_TASK,
     LAMBADA_TASK,
@@ -98,10 +98,7 @@ class SeqIODataConfig:
             )
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (tokens plus EOS), got {self.seq_len}")
-        if self.vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        check_vocab_and_seed(vocab_size=self.vocab_size, seed=self.seed)
         if self.shuffle_buffer_size < 1:
             raise ValueError(f"shuffle_buffer_size must be >= 1, got {self.shuffle_buffer_size}")
 

@@ -107,37 +107,31 @@ class DataSettings:
             return None
         if self.EVAL_TASK == "boolq":
             return self.boolq_config()
-        source = (
-            {"path": self.LAMBADA_PATH}
-            if self.LAMBADA_PATH
-            else {"tfds_data_dir": self.tfds_data_dir()}
-        )
-        if not any(source.values()) or self.vocab_path() is None:
-            raise ConfigError(
-                "EVAL_TASK=lambada needs Lambada (--fdl.LAMBADA_PATH=<lambada_test.jsonl>, or "
-                "--tfds_data_dir holding my_lambada:1.0.0 from scripts_gpu/download_lambada.py) "
-                "and a tokenizer (--fdl.VOCAB_PATH or the VOCAB_PATH environment variable); got "
-                f"LAMBADA_PATH={self.LAMBADA_PATH}, TFDS_DATA_DIR={self.tfds_data_dir()}, "
-                f"VOCAB_PATH={self.vocab_path()}"
-            )
+        source = self.task_source(path_name="LAMBADA_PATH", needs=(
+            "EVAL_TASK=lambada needs Lambada (--fdl.LAMBADA_PATH=<lambada_test.jsonl>, or "
+            "--tfds_data_dir holding my_lambada:1.0.0 from scripts_gpu/download_lambada.py) "
+            "and a tokenizer (--fdl.VOCAB_PATH or the VOCAB_PATH environment variable); got "))
         return fdl.Config(LambadaEvalConfig, **source, **self.row_fields(LambadaEvalConfig))
 
     def boolq_config(self) -> fdl.Config[BoolQEvalConfig]:
-        source = (
-            {"path": self.BOOLQ_PATH}
-            if self.BOOLQ_PATH
-            else {"tfds_data_dir": self.tfds_data_dir()}
-        )
-        if not any(source.values()) or self.vocab_path() is None:
-            raise ConfigError(
-                "EVAL_TASK=boolq needs BoolQ (--fdl.BOOLQ_PATH=<SuperGLUE val.jsonl>, or "
-                "--tfds_data_dir holding super_glue/boolq:1.0.2 from "
-                "scripts_gpu/download_boolq.py) and a tokenizer (--fdl.VOCAB_PATH or the "
-                "VOCAB_PATH environment variable); or evaluate on the training data with "
-                f"--fdl.EVAL_TASK=validation. Got BOOLQ_PATH={self.BOOLQ_PATH}, "
-                f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
-            )
+        source = self.task_source(path_name="BOOLQ_PATH", needs=(
+            "EVAL_TASK=boolq needs BoolQ (--fdl.BOOLQ_PATH=<SuperGLUE val.jsonl>, or "
+            "--tfds_data_dir holding super_glue/boolq:1.0.2 from "
+            "scripts_gpu/download_boolq.py) and a tokenizer (--fdl.VOCAB_PATH or the "
+            "VOCAB_PATH environment variable); or evaluate on the training data with "
+            "--fdl.EVAL_TASK=validation. Got "))
         return fdl.Config(BoolQEvalConfig, **source, **self.row_fields(BoolQEvalConfig))
+
+    def task_source(self, *, path_name: str, needs: str) -> dict[str, str | None]:
+        """A task's rows come from the file the hyperparameter `path_name` names, else from the
+        TFDS directory; with neither, or without a tokenizer, the ConfigError is `needs` followed
+        by the values it read."""
+        path = getattr(self, path_name)
+        source = {"path": path} if path else {"tfds_data_dir": self.tfds_data_dir()}
+        if not any(source.values()) or self.vocab_path() is None:
+            raise ConfigError(f"{needs}{path_name}={path}, TFDS_DATA_DIR={self.tfds_data_dir()}, "
+                              f"VOCAB_PATH={self.vocab_path()}")
+        return source
 
     def boolq_train_config(self):
         from paxlite.data.feed import BoolQTrainConfig
@@ -152,19 +146,11 @@ class DataSettings:
                 f"TRAIN_TASK=boolq trains on BoolQ, but DATA_DIR={self.DATA_DIR!r} is set too: "
                 "drop one of them"
             )
-        source = (
-            {"path": self.BOOLQ_TRAIN_PATH}
-            if self.BOOLQ_TRAIN_PATH
-            else {"tfds_data_dir": self.tfds_data_dir()}
-        )
-        if not any(source.values()) or self.vocab_path() is None:
-            raise ConfigError(
-                "TRAIN_TASK=boolq needs BoolQ's train split (--fdl.BOOLQ_TRAIN_PATH=<SuperGLUE "
-                "train.jsonl>, or --tfds_data_dir holding super_glue/boolq:1.0.2 from "
-                "scripts_gpu/download_boolq.py) and a tokenizer (--fdl.VOCAB_PATH or VOCAB_PATH); "
-                f"got BOOLQ_TRAIN_PATH={self.BOOLQ_TRAIN_PATH}, "
-                f"TFDS_DATA_DIR={self.tfds_data_dir()}, VOCAB_PATH={self.vocab_path()}"
-            )
+        source = self.task_source(path_name="BOOLQ_TRAIN_PATH", needs=(
+            "TRAIN_TASK=boolq needs BoolQ's train split (--fdl.BOOLQ_TRAIN_PATH=<SuperGLUE "
+            "train.jsonl>, or --tfds_data_dir holding super_glue/boolq:1.0.2 from "
+            "scripts_gpu/download_boolq.py) and a tokenizer (--fdl.VOCAB_PATH or VOCAB_PATH); "
+            "got "))
         return fdl.Config(BoolQTrainConfig, **source, **self.row_fields(BoolQTrainConfig))
 
     def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig] | None:

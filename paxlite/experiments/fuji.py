@@ -54,6 +54,7 @@ import fiddle as fdl
 
 from paxlite.config.experiment import Derived
 from paxlite.experiments.llama import BaseLLaMA
+from paxlite.experiments.model_settings import RotarySettings
 from paxlite.experiments.optimizer_settings import GPT3Optimizer
 from paxlite.models.transformer import TransformerConfig
 
@@ -145,19 +146,19 @@ SIZES: Mapping[str, FujiSize] = MappingProxyType({
 })
 
 
-class BaseFuji(GPT3Optimizer, BaseLLaMA):
+class BaseFuji(RotarySettings, GPT3Optimizer, BaseLLaMA):
     """Settings every Fuji config shares; not registered (it has no size of its own).
 
-    Hyperparameters added to LLaMA's: ROPE_THETA, TIE_EMBEDDINGS, TOTAL_TOKENS, TOKENS_PER_BATCH
-    (from which MAX_STEPS and GLOBAL_BATCH_SIZE are derived) and DECOUPLED_WEIGHT_DECAY (AXLearn's
-    weight decay; WEIGHT_DECAY is derived from it, see the module docstring).
+    Hyperparameters added to LLaMA's: ROPE_THETA (RotarySettings, as Mixtral), TIE_EMBEDDINGS,
+    TOTAL_TOKENS, TOKENS_PER_BATCH (from which MAX_STEPS and GLOBAL_BATCH_SIZE are derived) and
+    DECOUPLED_WEIGHT_DECAY (AXLearn's weight decay; WEIGHT_DECAY is derived from it, see the
+    module docstring).
     """
 
     axlearn_name: ClassVar[str] = ""
     fuji_size: ClassVar[str] = ""  # "7B", "test", ...: which of fuji_mesh.RULES apply
     fuji_version: ClassVar[str] = ""  # "1", "2", "3", "3-tiktoken"
 
-    ROPE_THETA: float = 1e4
     TIE_EMBEDDINGS: bool = True
     TOTAL_TOKENS: int = 1 * _TERA
     TOKENS_PER_BATCH: int = 4 * 1024**2
@@ -182,8 +183,8 @@ class BaseFuji(GPT3Optimizer, BaseLLaMA):
     CHECKPOINT_POLICY = "SAVE_DOT_FOR_MLPERF_200B"
     PACKED_INPUT = True
     TFDS_DATASET = "c4/en:3.0.1"
-    ICI_MESH_SHAPE = [1, 8, 1]  # AXLearn's default mesh: fsdp 8 within a node, data across nodes
-    DCN_MESH_SHAPE = [1, 1, 1]
+    # BaseLLaMA's mesh, ICI [1, 8, 1] and DCN [1, 1, 1], is AXLearn's default too: fsdp 8 within
+    # a node, data across nodes.
     CHECKPOINT_EVERY_N_STEPS = 5000
     CHECKPOINT_MAX_TO_KEEP = 3
     SUMMARY_INTERVAL_STEPS = 100
@@ -196,7 +197,6 @@ class BaseFuji(GPT3Optimizer, BaseLLaMA):
     def model_config(self) -> fdl.Config[TransformerConfig]:
         config = super().model_config()
         config.tie_embeddings = self.TIE_EMBEDDINGS
-        config.rope_theta = self.ROPE_THETA
         return config
 
 

@@ -39,13 +39,10 @@ class GLaM126M64E(MoeSettings, GPT126M):
 
     NUM_EXPERTS = 64
     MOE_ROUTING = "gshard_top2"
-    CAPACITY_FACTOR = 2.0
-    LOAD_BALANCING_WEIGHT = 0.01
-    Z_LOSS_WEIGHT = 0.0
+    # CAPACITY_FACTOR 2.0, LOAD_BALANCING_WEIGHT 0.01 and no Z_LOSS_WEIGHT: MoeSettings' defaults
+    # are GLaM's. GPT126M's 4 sequences per GPU and unrolled layers stay.
     ICI_MESH_SHAPE = [1, 64, 1]
     DCN_MESH_SHAPE = [1, 1, 1]
-    PERCORE_BATCH_SIZE = 4
-    USE_REPEATED_LAYER = False
     # Praxis RmsNorm's default: Pax sets LAYERNORM_EPSILON on the GPT layers, which GLaM's
     # language model replaces.
     LAYERNORM_EPSILON = 1e-6
@@ -86,13 +83,11 @@ class GLaM64B64E(GLaM126M64E):
     MAX_SEQ_LEN = 1024
     ICI_MESH_SHAPE = [1, 1, 8]
     DCN_MESH_SHAPE = [1, 64, 1]
-    PERCORE_BATCH_SIZE = 4
     USE_REPEATED_LAYER = True
-    ADAM_BETA1 = 0.9
+    # GPT-3's optimizer (GPT3Optimizer: ADAM_BETA1 0.9, gradients clipped to norm 1, cosine decay)
+    # with a larger beta2.
     ADAM_BETA2 = 0.99
-    CLIP_GRADIENT_NORM_TO_VALUE = 1.0
     LEARNING_RATE = 2e-5
-    LR_SCHEDULE = "linear_rampup_cosine_decay"
     LR_COS_WARMUP = 398  # Pax: "steps for BS 1k"
     LR_COS_DECAY_END = 162900
     CHECKPOINT_EVERY_N_STEPS = 100

@@ -9,11 +9,25 @@ cosine-decay schedule.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 import fiddle as fdl
 
 from paxlite.experiments.base import DataSource, LanguageModelExperiment
 from paxlite.experiments.optimizer_settings import GPT3Optimizer
 from paxlite.models.transformer import Activation, NormKind, TransformerConfig
+
+# The switches that make a TransformerConfig GPT-3 style (the module docstring says which); sizes
+# and the rest stay with the experiment.
+GPT3_ARCHITECTURE: Mapping[str, Any] = MappingProxyType({
+    "norm": NormKind.LAYER_NORM,
+    "activation": Activation.GELU_TANH,
+    "use_bias": True,
+    "tie_embeddings": True,
+    "learned_position_embedding": True,
+})
 
 
 class GPT126M(GPT3Optimizer, LanguageModelExperiment):
@@ -48,18 +62,23 @@ class GPT126M(GPT3Optimizer, LanguageModelExperiment):
     EVAL_INTERVAL_STEPS = 100
 
     def model_config(self) -> fdl.Config[TransformerConfig]:
-        return fdl.Config(
-            TransformerConfig,
-            **self.transformer_fields(),
-            norm=NormKind.LAYER_NORM,
-            activation=Activation.GELU_TANH,
-            use_bias=True,
-            tie_embeddings=True,
-            learned_position_embedding=True,
-        )
+        return fdl.Config(TransformerConfig, **self.transformer_fields(), **GPT3_ARCHITECTURE)
 
 
-class GPT5B(GPT126M):
+class LargeGPT:
+    """Mixin: what Pax's GPT5B and GPT175B share over GPT126M: heads of 128, a scanned layer
+    stack, FSDP over 32 nodes of 8 GPUs, 75,000 steps and a summary every 10. Listed before
+    GPT126M, so these values win over its own."""
+
+    DIMS_PER_HEAD = 128
+    ICI_MESH_SHAPE = [1, 8, 1]
+    DCN_MESH_SHAPE = [1, 32, 1]
+    USE_REPEATED_LAYER = True
+    MAX_STEPS = 75000
+    SUMMARY_INTERVAL_STEPS = 10
+
+
+class GPT5B(LargeGPT, GPT126M):
     """Pax GPT5BBase: 24 layers, 32 heads x 128, d_model 4096, ffn 16384; input dropout 0.1 as Pax's
     task() sets."""
 
@@ -67,45 +86,30 @@ class GPT5B(GPT126M):
     NUM_HEADS = 32
     MODEL_DIMS = 4096
     HIDDEN_DIMS = 16384
-    DIMS_PER_HEAD = 128
     PERCORE_BATCH_SIZE = 8
-    ICI_MESH_SHAPE = [1, 8, 1]
-    DCN_MESH_SHAPE = [1, 32, 1]
-    USE_REPEATED_LAYER = True
     CHECKPOINT_POLICY = "SAVE_DOT_WITH_NO_BATCH_DIM"
-    MAX_STEPS = 75000
     INIT_STD = 0.01
     INPUT_DROPOUT_PROB = 0.1
     LEARNING_RATE = 1.6e-4
     LR_COS_WARMUP = 115
     LR_COS_DECAY_END = 62500
     CHECKPOINT_EVERY_N_STEPS = 250
-    SUMMARY_INTERVAL_STEPS = 10
-    EVAL_INTERVAL_STEPS = 100
 
 
-class GPT175B(GPT126M):
-    """Pax GPT175BBase: 96 layers, 96 heads x 128, d_model 12288, ffn 49152, vocabulary 50257."""
+class GPT175B(LargeGPT, GPT126M):
+    """Pax GPT175BBase: 96 layers, 96 heads x 128, d_model 12288, ffn 49152, vocabulary 50257;
+    GPT126M's init (0.023) and remat policy (SAVE_NOTHING)."""
 
     NUM_LAYERS = 96
     NUM_HEADS = 96
     MODEL_DIMS = 12288
     HIDDEN_DIMS = 49152
-    DIMS_PER_HEAD = 128
     VOCAB_SIZE = 50257
     PERCORE_BATCH_SIZE = 6
-    ICI_MESH_SHAPE = [1, 8, 1]
-    DCN_MESH_SHAPE = [1, 32, 1]
-    USE_REPEATED_LAYER = True
-    CHECKPOINT_POLICY = "SAVE_NOTHING"
-    MAX_STEPS = 75000
-    INIT_STD = 0.023
     LEARNING_RATE = 2e-5
     LR_COS_WARMUP = 265
     LR_COS_DECAY_END = 108600
     CHECKPOINT_EVERY_N_STEPS = 100
-    SUMMARY_INTERVAL_STEPS = 10
-    EVAL_INTERVAL_STEPS = 100
 
 
 class SyntheticTokens:

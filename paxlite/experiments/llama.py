@@ -57,6 +57,8 @@ class BaseLLaMA(LanguageModelExperiment):
     LAYERNORM_EPSILON = 1e-5
     USE_REPEATED_LAYER = False
     PACKED_INPUT = False
+    ICI_MESH_SHAPE = [1, 8, 1]  # FSDP over the 8 GPUs of one node
+    DCN_MESH_SHAPE = [1, 1, 1]
     MAX_STEPS = 0
     EVAL_TASK = Derived(lambda hp: "validation" if hp.SYNTHETIC_DATA else "boolq",
                         doc="'boolq', or 'validation' with SYNTHETIC_DATA")
@@ -89,8 +91,6 @@ class LLaMA7B(BaseLLaMA):
     MODEL_DIMS = 4096
     HIDDEN_DIMS = 11008
     PERCORE_BATCH_SIZE = 16
-    ICI_MESH_SHAPE = [1, 8, 1]
-    DCN_MESH_SHAPE = [1, 1, 1]
 
 
 class LLaMA13B(LLaMA7B):

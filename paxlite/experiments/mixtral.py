@@ -21,12 +21,13 @@ from typing import ClassVar
 import fiddle as fdl
 
 from paxlite.experiments.llama import BaseLLaMA
+from paxlite.experiments.model_settings import RotarySettings
 from paxlite.experiments.moe_settings import MoeSettings
 from paxlite.models.activations import Activation
 from paxlite.models.transformer import TransformerConfig
 
 
-class BaseMixtral(MoeSettings, BaseLLaMA):
+class BaseMixtral(RotarySettings, MoeSettings, BaseLLaMA):
     """Mixtral's architecture at any size; not registered (no size of its own)."""
 
     moe_layer_interval: ClassVar[int] = 1  # every layer
@@ -37,13 +38,11 @@ class BaseMixtral(MoeSettings, BaseLLaMA):
     NUM_EXPERTS_PER_TOKEN = 2
     MOE_ROUTING = "dropless_topk"
     # HF router_aux_loss_coef 0.02, averaged over layers there: 0.02 / L per layer, summed.
-    LOAD_BALANCING_WEIGHT = 0.02
-    Z_LOSS_WEIGHT = 0.0
-    ROPE_THETA: float = 1e6  # RoPE base (HF rope_theta); LLaMA-2's is 1e4
+    LOAD_BALANCING_WEIGHT = 0.02  # and no router z-loss (MoeSettings' Z_LOSS_WEIGHT 0)
+    ROPE_THETA = 1e6  # Mixtral's RoPE base (HF rope_theta)
 
     def model_config(self) -> fdl.Config[TransformerConfig]:
         config = super().model_config()
-        config.rope_theta = self.ROPE_THETA
         config.moe = self.moe_config()
         return config
 
@@ -58,5 +57,3 @@ class Mixtral8x7B(BaseMixtral):
     MODEL_DIMS = 4096
     HIDDEN_DIMS = 14336
     PERCORE_BATCH_SIZE = 1
-    ICI_MESH_SHAPE = [1, 8, 1]
-    DCN_MESH_SHAPE = [1, 1, 1]

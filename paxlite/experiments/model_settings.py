@@ -102,15 +102,13 @@ class ModelShapeSettings:
         if self.USE_LORA:  # the adapters are what with_lora adds to the base model
             lora_params = (num_params(fdl.build(self.with_lora(self.model_config())))
                            - num_params(model))
+        # The sizes MODEL_FIELD_NAMES lists, as the built model has them.
+        sizes = {field: getattr(model, field) for field in MODEL_FIELD_NAMES
+                 if field != "max_seq_len"}
         return flops_lib.flops_per_token(
-            num_layers=model.num_layers,
-            model_dims=model.model_dims,
-            num_heads=model.num_heads,
-            num_kv_heads=model.kv_heads,
-            dims_per_head=model.dims_per_head,
-            hidden_dims=model.hidden_dims,
-            vocab_size=model.vocab_size,
+            **sizes,
             seq_len=model.max_seq_len,
+            num_kv_heads=model.kv_heads,
             gated_mlp=model.gated_mlp,
             lora_params=lora_params,
             num_moe_layers=0 if moe is None else moe.num_moe_layers(model.num_layers),
@@ -119,6 +117,18 @@ class ModelShapeSettings:
             expert_hidden_dims=None if moe is None else moe.expert_hidden_dims,
             gated_experts=False if moe is None else moe.gated_experts,
         )
+
+
+class RotarySettings:
+    """The base of the rotary position embedding, for the families that change LLaMA-2's
+    (fuji.py, mixtral.py); listed first among their bases, so `show` keeps its place."""
+
+    ROPE_THETA: float = 1e4  # RoPE base (HF rope_theta); LLaMA-2's is 1e4
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        config = super().model_config()
+        config.rope_theta = self.ROPE_THETA
+        return config
 
 
 class ModelDtypeSettings:

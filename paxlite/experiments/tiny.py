@@ -27,16 +27,21 @@ class TinyRun:
     EVAL_INTERVAL_STEPS = 50
 
 
-class TinyLLaMASizes:
+class TinyWidths:
+    """Mixin: the widths of the tiny LLaMA, Mixtral and GLaM: 4 heads x 8, d_model 32, ffn 64."""
+
+    NUM_HEADS = 4
+    DIMS_PER_HEAD = 8
+    MODEL_DIMS = 32
+    HIDDEN_DIMS = 64
+
+
+class TinyLLaMASizes(TinyWidths):
     """Mixin: LLaMA's shape at test size, for TinyLLaMA and TinyMixtral's attention and experts:
     2 layers, 4 query / 2 key-value heads x 8, d_model 32, ffn 64, vocabulary 512."""
 
     NUM_LAYERS = 2
-    NUM_HEADS = 4
     NUM_KV_HEADS = 2
-    DIMS_PER_HEAD = 8
-    MODEL_DIMS = 32
-    HIDDEN_DIMS = 64
     VOCAB_SIZE = 512
 
 
@@ -64,29 +69,35 @@ class TinySyntheticRepeated(TinySynthetic):
     CHECKPOINT_POLICY = "SAVE_NOTHING"
 
 
-class DemoSynthetic(TinySynthetic):
-    """`make demo`: 4 layers, d_model 128, 300 steps on one CPU; the loss falls from ln(512)
-    towards zero."""
+class DemoSizes:
+    """Mixin: the `make demo` model, on synthetic tokens or Shakespeare: 4 layers, 4 heads x 32,
+    d_model 128, ffn 512, 128 tokens, 16 rows per device, summaries every 20 steps."""
 
     NUM_LAYERS = 4
     NUM_HEADS = 4
     MODEL_DIMS = 128
     HIDDEN_DIMS = 512
     DIMS_PER_HEAD = 32
-    VOCAB_SIZE = 512
     MAX_SEQ_LEN = 128
     PERCORE_BATCH_SIZE = 16
-    MAX_STEPS = 300
-    LR_COS_WARMUP = 30
-    LR_COS_DECAY_END = 300
-    CHECKPOINT_EVERY_N_STEPS = 100
     SUMMARY_INTERVAL_STEPS = 20
     EVAL_INTERVAL_STEPS = 100
 
 
-class TinyShakespeare(TinySynthetic):
+class DemoSynthetic(DemoSizes, TinySynthetic):
+    """`make demo`: 4 layers, d_model 128, 300 steps on one CPU; the loss falls from ln(512)
+    towards zero."""
+
+    VOCAB_SIZE = 512
+    MAX_STEPS = 300
+    LR_COS_WARMUP = 30
+    LR_COS_DECAY_END = 300
+    CHECKPOINT_EVERY_N_STEPS = 100
+
+
+class TinyShakespeare(DemoSizes, TinySynthetic):
     """`make demo`: a small GPT on Shakespeare's works, tokenised with a 2,048-piece SentencePiece
-    model.
+    model; packed rows, no dropout, GPT's weight decay 0.1 and TinyRun's learning rate.
 
     Needs DATA_DIR (made by `python -m paxlite.data.prepare`) and VOCAB_PATH; `make demo` builds
     both. Sized to train in a few minutes on two CPU cores.
@@ -94,24 +105,11 @@ class TinyShakespeare(TinySynthetic):
 
     data_source = DataSource.TEXT
     SYNTHETIC_DATA = False
-    NUM_LAYERS = 4
-    NUM_HEADS = 4
-    MODEL_DIMS = 128
-    HIDDEN_DIMS = 512
-    DIMS_PER_HEAD = 32
     VOCAB_SIZE = 2048
-    MAX_SEQ_LEN = 128
-    PERCORE_BATCH_SIZE = 16
-    PACKED_INPUT = True
-    DROPOUT_PROB = 0.0
     MAX_STEPS = 600
-    LEARNING_RATE = 3e-3
     LR_COS_WARMUP = 60
     LR_COS_DECAY_END = 600
-    WEIGHT_DECAY = 0.1
     CHECKPOINT_EVERY_N_STEPS = 200
-    SUMMARY_INTERVAL_STEPS = 20
-    EVAL_INTERVAL_STEPS = 100
     EVAL_LOOP_NUM_BATCHES = 8
 
 
@@ -124,16 +122,12 @@ class TinyLLaMA(TinyLLaMASizes, TinyRun, BaseLLaMA):
     LR_SCHEDULE = "constant"
 
 
-class TinyGLaM(SyntheticTokens, TinyRun, GLaM126M64E):
+class TinyGLaM(SyntheticTokens, TinyWidths, TinyRun, GLaM126M64E):
     """GLaM's architecture at test size on synthetic tokens: 4 layers (MoE on layers 0 and 2, 8 ReLU
     experts, GShard top-2), 4 heads x 8, d_model 32, ffn 64, vocabulary 256, 64 tokens; float32;
     every local device on the data axis."""
 
     NUM_LAYERS = 4
-    NUM_HEADS = 4
-    DIMS_PER_HEAD = 8
-    MODEL_DIMS = 32
-    HIDDEN_DIMS = 64
     VOCAB_SIZE = 256
     NUM_EXPERTS = 8
     MAX_STEPS = 20

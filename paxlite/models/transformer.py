@@ -93,15 +93,8 @@ class Transformer(nn.Module):
         if cfg.position_kind is not PositionEmbedding.NONE and positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         if cfg.position_kind is PositionEmbedding.LEARNED:
-            x = x + Embed(
-                num_embeddings=cfg.max_seq_len,
-                features=cfg.model_dims,
-                axes=("position", "embed"),
-                init_std=cfg.init_std,
-                dtype=jnp.dtype(cfg.dtype),
-                param_dtype=jnp.dtype(cfg.param_dtype),
-                name="position_embedding",
-            )(positions)
+            x = x + _embedding(cfg, num_embeddings=cfg.max_seq_len, axes=("position", "embed"),
+                               init_std=cfg.init_std, name="position_embedding")(positions)
         x = nn.Dropout(rate=cfg.input_dropout_prob)(x, deterministic=deterministic)
         kind = stack_kind(cfg, decode=decode, initializing=self.is_initializing())
         pipelined = kind is StackKind.PIPELINED
@@ -173,16 +166,18 @@ def _layer_inputs(config: TransformerConfig, *, length: int, positions: jax.Arra
                        segment_ids=segment_ids)
 
 
+def _embedding(config: TransformerConfig, *, num_embeddings: int, axes: tuple[str, str],
+               init_std: float, **module_kwargs: Any) -> Embed:
+    """A table of `model_dims` vectors in the model's dtypes: the tokens' or the learned
+    positions'."""
+    return Embed(num_embeddings=num_embeddings, features=config.model_dims, axes=axes,
+                 init_std=init_std, dtype=jnp.dtype(config.dtype),
+                 param_dtype=jnp.dtype(config.param_dtype), **module_kwargs)
+
+
 def _token_embedding(config: TransformerConfig, **module_kwargs: Any) -> Embed:
-    return Embed(
-        num_embeddings=config.vocab_size,
-        features=config.model_dims,
-        axes=("vocab", "embed"),
-        init_std=config.embedding_init_std,
-        dtype=jnp.dtype(config.dtype),
-        param_dtype=jnp.dtype(config.param_dtype),
-        **module_kwargs,
-    )
+    return _embedding(config, num_embeddings=config.vocab_size, axes=("vocab", "embed"),
+                      init_std=config.embedding_init_std, **module_kwargs)
 
 
 def _output_layer(config: TransformerConfig, **module_kwargs: Any) -> Linear:
