@@ -353,7 +353,7 @@ def test_glam64b64e_on_512_devices_has_a_verdict_moe_memory_and_expert_levers():
         assert levers["NUM_GROUPS 64 -> 128"].peak_bytes is not None
 
 
-def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so():
+def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so(fsdp_plans):
     """The CPU compiler has no Triton or cuDNN kernels: the plan compiles XLA's attention
     instead."""
     plan = _tiny_plan(
@@ -361,7 +361,8 @@ def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so():
     )
     assert plan.attention_note.startswith("attention planned with 'xla': the CPU compiler cannot "
                                           "compile 'pallas_triton'")
-    assert _tiny_plan("ICI_MESH_SHAPE=[2,1,1]", num_devices=2).attention_note is None
+    # the same model with its default attention (a plan the module has made already): no note
+    assert fsdp_plans[2].attention_note is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -525,7 +526,7 @@ def test_the_pipeline_lever_appears_when_fsdp_alone_does_not_fit(monkeypatch):
     compiled."""
     monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # the pipeline lever only
     p = _tiny_plan_of(
-        ("NUM_LAYERS=4", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1"),
+        ("NUM_LAYERS=2", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1"),
         "ICI_MESH_SHAPE=[2,1,1]",
         num_devices=2,
         device_memory_gib=1e-4,

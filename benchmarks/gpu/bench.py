@@ -61,7 +61,6 @@ from paxlite.train.flops import peak_flops_per_device
 _FUJI_1B = ["--fdl.SYNTHETIC_DATA=true", "--fdl.MAX_SEQ_LEN=4096", "--fdl.GLOBAL_BATCH_SIZE=8",
             "--fdl.USE_REPEATED_LAYER=true"]
 _TINY_DENSE = [
-    "--fdl.NUM_LAYERS=2",
     "--fdl.MODEL_DIMS=32",
     "--fdl.NUM_HEADS=4",
     "--fdl.DIMS_PER_HEAD=8",
@@ -69,6 +68,9 @@ _TINY_DENSE = [
     "--fdl.VOCAB_SIZE=256",
     "--fdl.MAX_SEQ_LEN=32",
 ]
+# A tiny run is mostly its process start and compile: one layer compiles quicker than two. GLaM
+# keeps two, as its MoE layer is the first of each pair.
+_TINY_LAYERS = ("--fdl.NUM_LAYERS=1",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +88,7 @@ MODELS = (
         "Synthetic126M",
         "Synthetic126M",
         (),
-        (*_TINY_DENSE, "--fdl.PERCORE_BATCH_SIZE=2"),
+        (*_TINY_DENSE, *_TINY_LAYERS, "--fdl.PERCORE_BATCH_SIZE=2"),
         ("--fdl.USE_CUDNN_FLASH_ATTENTION=True",),
         40,
     ),
@@ -97,6 +99,7 @@ MODELS = (
         (
             "--fdl.SYNTHETIC_DATA=true",
             *_TINY_DENSE,
+            *_TINY_LAYERS,
             "--fdl.NUM_KV_HEADS=2",
             "--fdl.GLOBAL_BATCH_SIZE=2",
         ),
@@ -108,7 +111,7 @@ MODELS = (
         "GLaM126M64E",
         "SyntheticGLaM126M64E",
         (),
-        (*_TINY_DENSE, "--fdl.PERCORE_BATCH_SIZE=2", "--fdl.NUM_EXPERTS=4"),
+        (*_TINY_DENSE, "--fdl.NUM_LAYERS=2", "--fdl.PERCORE_BATCH_SIZE=2", "--fdl.NUM_EXPERTS=4"),
         ("--fdl.USE_CUDNN_FLASH_ATTENTION=True",),
         75,
     ),
