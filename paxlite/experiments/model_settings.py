@@ -22,7 +22,7 @@ from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.linear import Fp8Config, fp8_config_problems
 from paxlite.models.lora import LoraTargets, alpha_problems, rank_problems
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
-from paxlite.models.transformer_config import shape_problems
+from paxlite.models.transformer_config import dropout_problems, shape_problems
 from paxlite.train import flops as flops_lib
 
 # TransformerConfig's sizes -> the hyperparameters that set them (transformer_fields maps them,
@@ -41,6 +41,7 @@ MODEL_FIELD_NAMES = {
 LORA_FIELD_NAMES = {"lora_rank": "LORA_RANK", "lora_alpha": "LORA_ALPHA",
                     "lora_targets": "LORA_TARGET_LAYERS"}
 FP8_FIELD_NAMES = {"amax_history_length": "FP8_AMAX_HISTORY_LENGTH"}
+DROPOUT_FIELD_NAMES = {"dropout_prob": "DROPOUT_PROB", "input_dropout_prob": "INPUT_DROPOUT_PROB"}
 
 
 class ModelShapeSettings:
@@ -75,8 +76,7 @@ class ModelShapeSettings:
             "norm_epsilon": self.LAYERNORM_EPSILON,
             "init_std": self.INIT_STD,
             "softmax_init_std": self.SOFTMAX_INIT_STD,
-            "dropout_prob": self.DROPOUT_PROB,
-            "input_dropout_prob": self.INPUT_DROPOUT_PROB,
+            **{field: getattr(self, name) for field, name in DROPOUT_FIELD_NAMES.items()},
             "scan_layers": self.USE_REPEATED_LAYER,
             "remat_policy": self.remat_policy(),
             "attention_kind": AttentionKind(self.ATTENTION_KIND),
@@ -154,11 +154,9 @@ class ModelLayerSettings:
     LAYERNORM_EPSILON: float = 1e-5
 
     def hparam_problems(self) -> list[str]:
-        problems = super().hparam_problems()
-        for name in ("DROPOUT_PROB", "INPUT_DROPOUT_PROB"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        return problems
+        dropout = {field: getattr(self, name) for field, name in DROPOUT_FIELD_NAMES.items()}
+        return super().hparam_problems() + in_hparam_names(dropout_problems(**dropout),
+                                                           names=DROPOUT_FIELD_NAMES)
 
     def remat_policy(self) -> RematPolicy:
         """Pax applies CHECKPOINT_POLICY to the repeated (scanned) stack only; unrolled layers

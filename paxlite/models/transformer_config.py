@@ -211,6 +211,15 @@ def shape_problems(**fields: object) -> list[str]:
     return problems
 
 
+def dropout_problems(**fields: object) -> list[str]:
+    """The dropout probabilities given (``dropout_prob``, ``input_dropout_prob``) that are not in
+    [0, 1), in TransformerConfig's field names: what a config is refused by when it is made, and
+    what an experiment reports for its settings before it builds one."""
+    return [f"{name}={value!r} must be a probability in [0, 1)" for name, value in fields.items()
+            if isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0.0 <= value < 1.0]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
     """Every size and switch of a decoder; defaults follow Pax GPT126M.
@@ -330,13 +339,10 @@ class TransformerConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"TransformerConfig.{name}={value!r} must be a positive number")
-        for name in ("dropout_prob", "input_dropout_prob"):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not 0.0 <= value < 1.0):
-                raise ValueError(
-                    f"TransformerConfig.{name}={value!r} must be a probability in [0, 1)"
-                )
+        problems = dropout_problems(dropout_prob=self.dropout_prob,
+                                    input_dropout_prob=self.input_dropout_prob)
+        if problems:
+            raise ValueError("TransformerConfig: " + "; ".join(problems))
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if value not in VALID_DTYPES:

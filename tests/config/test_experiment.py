@@ -238,7 +238,7 @@ def test_validate_checks_cross_field_constraints() -> None:
         "PERCORE_BATCH_SIZE": (0, "PERCORE_BATCH_SIZE must be > 0, got 0.0"),
         "LR_COS_DECAY_START": (10, "LR_COS_DECAY_START (10) must be >= LR_COS_WARMUP (4000)"),
         "LR_LRED_DECAY_END": (5, "LR_LRED_DECAY_END (5) must be >= LR_LRED_DECAY_START (4001)"),
-        "DROPOUT_PROB": (1.0, "DROPOUT_PROB must be in [0, 1), got 1.0"),
+        "DROPOUT_PROB": (1.0, "DROPOUT_PROB=1.0 must be a probability in [0, 1)"),
         "HIDDEN_DIMS": (0, "HIDDEN_DIMS=0 must be a positive integer"),
     }
     for name, (value, message) in cases.items():

@@ -151,7 +151,7 @@ def test_num_kv_heads_must_divide_num_heads() -> None:
     with pytest.raises(ValueError, match="num_kv_heads=4 must be a positive divisor of num_heads"):
         jax.eval_shape(module.init, jax.random.key(0), x, make_attention_mask(seq_len=3,
                                                                               segment_ids=None))
-    with pytest.raises(ValueError, match=r"num_kv_heads=3 must be None or a positive divisor"):
+    with pytest.raises(ValueError, match=r"num_kv_heads=3 must be a positive divisor of num_heads"):
         TransformerConfig(vocab_size=8, num_layers=1, model_dims=8, num_heads=4, dims_per_head=2,
                           hidden_dims=8, max_seq_len=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="must be even for rotary"):
