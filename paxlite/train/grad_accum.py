@@ -4,7 +4,7 @@ Apart from the step (train/step.py) because how a batch is cut into microbatches
 devices and summed back into the one-batch gradient is its own set of rules (token-weighted sums, a
 strided split that moves no rows between devices, FP8 state merged by max), and a microbatch
 schedule (pipeline parallelism) belongs with it. `microbatch_size` also checks the setting before
-anything compiles (train/loop.py, planner/search.py).
+anything compiles (train/run_build.py, planner/search.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What XLA's GPU compiler makes of paxlite's train steps: attention and FP8 kernels on 8 H100s.
 
-Every program here is the real train step of a run (`plan_search.compile_train_step`: the run's
+Every program here is the real train step of a run (`planner.search.compile_train_step`: the run's
 mesh, its XLA preset as compile options, the packed batch the planner feeds) compiled for
 compile-only H100s, and every assertion is on what only the GPU compiler shows: the cuDNN and
 cuBLASLt calls and the Triton GEMMs of the optimized program. A CPU compile has none of them.

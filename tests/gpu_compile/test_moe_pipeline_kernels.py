@@ -1,6 +1,6 @@
 """Mixture-of-experts and pipelined train steps compiled by XLA's GPU compiler for 8 H100s.
 
-The real train step of each run (`plan_search.compile_train_step`, with the run's XLA preset)
+The real train step of each run (`planner.search.compile_train_step`, with the run's XLA preset)
 compiles for compile-only H100s, and what is asserted is the GPU compiler's: cuDNN's attention
 calls and cuBLASLt's GEMMs in the optimized program, and the GPU's buffer assignment holding the
 state whose size follows from shapes and shardings alone. GLaM routes with GShard (dispatch and

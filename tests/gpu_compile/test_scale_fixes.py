@@ -1,6 +1,6 @@
 """Three things XLA's GPU compiler showed at scale, each compiled here for 8 compile-only H100s.
 
-Every program is the real train step of a run (`plan_search.compile_train_step`, with the run's
+Every program is the real train step of a run (`planner.search.compile_train_step`, with the run's
 XLA preset), and each assertion failed before its fix:
 
 - grouped-query attention with fewer kv heads than the tensor axis (2 on tensor 4): the parameters
