@@ -105,3 +105,25 @@ def test_the_command_line_parses_before_jax_is_imported():
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+MAX_MODULE_LINES = 500  # docs/architecture.md: a module a reader can hold in mind
+
+
+def _long_modules(root: str) -> dict[str, int]:
+    found = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    lines = sum(1 for _ in f)
+                if lines > MAX_MODULE_LINES:
+                    found[os.path.relpath(path, ROOT)] = lines
+    return found
+
+
+def test_every_module_stays_under_the_line_limit(tmp_path):
+    assert _long_modules(os.path.join(ROOT, "paxlite")) == {}
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert list(_long_modules(str(tmp_path)).values()) == [MAX_MODULE_LINES + 1]

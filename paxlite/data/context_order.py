@@ -25,12 +25,14 @@ sequence length splits over the ``seq`` axis at all.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Sharding
 
 from paxlite.errors import SettingError
 
@@ -143,3 +145,24 @@ def balance_for_seq(batch: Mapping[str, Any], *, seq_shards: int) -> dict[str, A
         xp = jnp if on_device else np
         out[POSITIONS_KEY] = xp.broadcast_to(xp.arange(length, dtype=xp.int32), (rows, length))
     return reorder_batch(out, dual_chunk_swap_order(length, seq_shards))
+
+
+@functools.cache
+def _balancer(seq_shards: int, shardings: tuple[tuple[str, Sharding], ...]):
+    """``balance_for_seq`` compiled for one batch layout; each output field keeps its sharding."""
+    return jax.jit(functools.partial(balance_for_seq, seq_shards=seq_shards),
+                   out_shardings=dict(shardings))
+
+
+def balance_batch_for_seq(batch: dict[str, jax.Array], *, seq_shards: int) -> dict[str, jax.Array]:
+    """A global batch on its devices in the dual_chunk_swap order for a ``seq`` axis of
+    ``seq_shards``, positions added where missing (``context_order.balance_for_seq``); every field
+    keeps its sharding, and added positions take that of the per-token fields. 1: unchanged."""
+    if seq_shards == 1:
+        return batch
+    shardings = {key: value.sharding for key, value in batch.items()}
+    if POSITIONS_KEY not in shardings:
+        per_token = [value for value in batch.values() if value.ndim >= 2]
+        if per_token:  # none: balance_for_seq names the problem
+            shardings[POSITIONS_KEY] = per_token[0].sharding
+    return _balancer(seq_shards, tuple(sorted(shardings.items())))(batch)

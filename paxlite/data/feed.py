@@ -13,7 +13,6 @@ producer thread): data/context_order.py says why and how.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -21,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from paxlite.data.context_order import POSITIONS_KEY, balance_for_seq
+from paxlite.data.context_order import balance_batch_for_seq
 from paxlite.data.errors import DatasetError
 from paxlite.data.feeding import FeedPlan
 from paxlite.data.prefetch import DEFAULT_DEPTH, Prefetcher
@@ -447,27 +446,6 @@ class BoolQTrainFeed(_BoolQExamples, _StatelessFeed):
             "BoolQ training has no validation-loss split of its own: evaluate with "
             "--fdl.EVAL_TASK=boolq (boolq_acc on the validation split)"
         )
-
-
-@functools.cache
-def _balancer(seq_shards: int, shardings: tuple[tuple[str, Sharding], ...]):
-    """``balance_for_seq`` compiled for one batch layout; each output field keeps its sharding."""
-    return jax.jit(functools.partial(balance_for_seq, seq_shards=seq_shards),
-                   out_shardings=dict(shardings))
-
-
-def balance_batch_for_seq(batch: Batch, *, seq_shards: int) -> Batch:
-    """A global batch on its devices in the dual_chunk_swap order for a ``seq`` axis of
-    ``seq_shards``, positions added where missing (``context_order.balance_for_seq``); every field
-    keeps its sharding, and added positions take that of the per-token fields. 1: unchanged."""
-    if seq_shards == 1:
-        return batch
-    shardings = {key: value.sharding for key, value in batch.items()}
-    if POSITIONS_KEY not in shardings:
-        per_token = [value for value in batch.values() if value.ndim >= 2]
-        if per_token:  # none: balance_for_seq names the problem
-            shardings[POSITIONS_KEY] = per_token[0].sharding
-    return _balancer(seq_shards, tuple(sorted(shardings.items())))(batch)
 
 
 def prefetch_train_batches(feed: Feed, *, start: int, stop: int, sharding: Sharding,

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from paxlite.data.feed import balance_batch_for_seq
+from paxlite.data.context_order import balance_batch_for_seq
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments.build import load_experiment
 from paxlite.models.pipelined_stack import bubble_fill_for_tests
