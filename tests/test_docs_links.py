@@ -133,12 +133,12 @@ def test_the_check_catches_what_it_is_for(tmp_path):
     source = docs / "source.md"
     source.write_text(
         "[ok](page.md#some-code-heading), page.md section 2, https://example.com/README.md\n"
-        "[gone](gone.md) ../shared/DESIGN.md [bad anchor](page.md#nowhere) page.md section 7\n"
+        "[gone](gone.md) ../outside/NOTES.md [bad anchor](page.md#nowhere) page.md section 7\n"
         "[here](#page) pax.md 14\n")
     problems = _problems(source, repo=tmp_path.resolve())
     assert problems == [
         "docs/source.md:2: gone.md is not a file of the repository",
-        "docs/source.md:2: ../shared/DESIGN.md is not a file of the repository",
+        "docs/source.md:2: ../outside/NOTES.md is not a file of the repository",
         "docs/source.md:2: page.md has no section 7",
         "docs/source.md:3: pax.md is not a file of the repository",
         "docs/source.md:2: link (gone.md) does not reach a file",

@@ -13,6 +13,7 @@ infeed hosts).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -66,7 +67,7 @@ def local_batch_size(*, global_batch_size: int, process_index: int, process_coun
     return global_batch_size // process_count
 
 
-class ProcessShare:
+class ProcessShare(abc.ABC):
     """Base of the host-side batch sources: this process's share of the global batch is worked out
     and checked before the source is opened, so a batch that does not split over the processes
     fails before any file is read. A subclass opens and checks its source in `_open`."""
@@ -84,8 +85,9 @@ class ProcessShare:
         self.process_count = process_count
         self._open()
 
+    @abc.abstractmethod
     def _open(self) -> None:
-        raise NotImplementedError
+        """Open this process's share of the source and check it against the config."""
 
 
 def check_vocab_and_seed(*, vocab_size: int, seed: int) -> None:
