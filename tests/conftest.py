@@ -16,15 +16,16 @@ import os
 import shutil
 import tempfile
 
-from tests.xla_test_flags import COMPILE_FLAGS
+from tests.xla_test_flags import COMPILE_FLAGS, GPU_COMPILE_FLAGS
 
-# Must happen before JAX is imported anywhere. The compile flags: see tests/xla_test_flags.py (CPU
-# only: not in the GPU pass, tests/gpu_pass.py, whose GPU kernels compile as in a run). A flag
+# Must happen before JAX is imported anywhere. The compile flags: see tests/xla_test_flags.py (not
+# in the GPU pass, tests/gpu_pass.py, whose GPU kernels compile as in a run). A flag
 # already set (by the developer, or by the controlling process for an xdist worker) is kept as it
 # is.
 GPU_PASS = os.environ.get("PAXLITE_TEST_GPU_PASS") == "1"
 _flags = os.environ.get("XLA_FLAGS", "").split()
-for _flag in (() if GPU_PASS else (COMPILE_FLAGS,)) + ("--xla_force_host_platform_device_count=8",):
+_TEST_FLAGS = () if GPU_PASS else (COMPILE_FLAGS, GPU_COMPILE_FLAGS)
+for _flag in _TEST_FLAGS + ("--xla_force_host_platform_device_count=8",):
     if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):
         _flags.append(_flag)
 os.environ["XLA_FLAGS"] = " ".join(_flags)

@@ -31,6 +31,9 @@ CUDNN_FORWARD = "__cudnn$fmhaScaleBiasSoftmax"
 CUDNN_BACKWARD = "__cudnn$fmhaScaleBiasSoftmaxBackward"
 PIPELINE = ("FPROP_DTYPE='bfloat16'", "USE_REPEATED_LAYER=True", "NUM_MICROBATCHES=2",
             "ICI_MESH_SHAPE=[4,1,1,1,2]")
+# Flash attention with 'auto' at a size cuDNN takes (64 dims per head): outside a pipeline it would
+# be cuDNN's, inside the stages on packed rows it is XLA's (the pipelines below are compiled so)
+AUTO_FLASH = ("ATTENTION_KIND='flash'", "DIMS_PER_HEAD=64", "MODEL_DIMS=256")
 
 
 def _compile(name: str, *overrides: str) -> StepMeasurement:
@@ -51,14 +54,15 @@ def mixtral():
 
 @pytest.fixture(scope="module")
 def gpipe():
-    """2 stages of 1 layer on the pipeline axis, data 4, 2 microbatches (XLA's attention)."""
-    return _compile("TinyLLaMA", *PIPELINE, "NUM_LAYERS=2")
+    """2 stages of 1 layer on the pipeline axis, data 4, 2 microbatches (flash attention with
+    'auto': XLA's, inside the stages)."""
+    return _compile("TinyLLaMA", *PIPELINE, *AUTO_FLASH, "NUM_LAYERS=2")
 
 
 @pytest.fixture(scope="module")
 def circular():
     """The circular schedule: 4 layers as 2 stages x PIPELINE_REPEATS=2, 2 microbatches."""
-    return _compile("TinyLLaMA", *PIPELINE, "NUM_LAYERS=4", "PIPELINE_REPEATS=2")
+    return _compile("TinyLLaMA", *PIPELINE, *AUTO_FLASH, "NUM_LAYERS=4", "PIPELINE_REPEATS=2")
 
 
 def _the_gpu_holds_the_state(result: StepMeasurement) -> None:
@@ -119,15 +123,14 @@ def test_jaxs_cudnn_attention_still_refuses_a_head_broadcast_mask_under_vmap():
         jax.jit(jax.vmap(jax.grad(stage, argnums=(0, 1, 2)))).lower(qkv, qkv, qkv, mask).compile()
 
 
-def test_a_pipeline_refuses_cudnn_on_packed_rows_and_auto_runs_xla_there():
+def test_a_pipeline_refuses_cudnn_on_packed_rows_and_auto_runs_xla_there(gpipe):
     with pytest.raises(ConfigError, match=r"^USE_CUDNN_FLASH_ATTENTION=true cannot run TinyLLaMA: "
                        r"with a mask \(packed rows\) or a logit bias cuDNN cannot run inside a "
                        r"pipeline's stages"):
         load_experiment(TINY + "TinyLLaMA", (*PIPELINE, *CUDNN, "PACKED_INPUT=True",
                                              "DIMS_PER_HEAD=64", "MODEL_DIMS=256"))
-    # AUTO (flash kind) on the same packed batch: XLA's attention inside the stages, no cuDNN call
-    auto = _compile("TinyLLaMA", *PIPELINE, "NUM_LAYERS=2", "ATTENTION_KIND='flash'",
-                    "DIMS_PER_HEAD=64", "MODEL_DIMS=256")
-    kernels = auto.gpu_program.kernels
+    # AUTO (flash kind) on the same packed batch (the gpipe step): XLA's attention inside the
+    # stages, no cuDNN call
+    kernels = gpipe.gpu_program.kernels
     assert not [name for name in kernels if name.startswith("__cudnn")], kernels
     assert kernels["__cublas$lt$matmul"] > 0
