@@ -17,6 +17,8 @@ from paxlite.config.errors import ConfigError
 from paxlite.config.modifiers import split_over_processes
 from paxlite.experiments import fuji_mesh
 from paxlite.parallel.distributed import DistributedError, Launch, LaunchSource
+from tests.in_process import paxlite_main
+from tests.xla_test_flags import COMPILE_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = dict(module="text.gpt.c4_trainer", config="fuji-test-v1", data_dir="FAKE", jax_backend="cpu")
@@ -299,7 +301,9 @@ def _free_port() -> int:
 @pytest.mark.multiprocess
 def test_two_processes_from_axlearns_environment_variables(tmp_path):
     trainer_dir, port = tmp_path / "trainer", _free_port()
-    env = {k: v for k, v in _env().items() if not k.startswith("XLA_")}
+    # the session's compile flags without its 8-device flag: each process has 4 devices
+    env = {**{k: v for k, v in _env().items() if not k.startswith("XLA_")},
+           "XLA_FLAGS": COMPILE_FLAGS}
     procs = []
     for index in range(2):
         process_env = dict(
@@ -352,7 +356,9 @@ def test_two_processes_from_axlearns_environment_variables(tmp_path):
     assert sorted(os.listdir(trainer_dir / "checkpoints")) == ["checkpoint_00000002"]
 
 
-def test_a_value_only_the_config_dataclasses_refuse_is_one_line_from_both_entry_points(tmp_path):
+def test_a_value_only_the_config_dataclasses_refuse_is_one_line_from_both_entry_points(
+    tmp_path, monkeypatch, capfd
+):
     """LEARNING_RATE=-1 passes the experiment's own checks; the optimizer config's __post_init__
     refuses it while the run is built. Both entry points share that build (experiments/build.py:
     build_tree), so both report it as the user's mistake: one line, exit 2, nothing written."""
@@ -363,10 +369,10 @@ def test_a_value_only_the_config_dataclasses_refuse_is_one_line_from_both_entry_
     assert result.stderr.strip().splitlines()[-1] == (
         "paxlite: error: weight_decay must be a finite number >= 0, got -0.01.")
     assert "Traceback" not in result.stderr
-    result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic",
-         "--fdl.LEARNING_RATE=-1.0", f"--job_log_dir={tmp_path / 'main'}"],
-        capture_output=True, text=True, env=_env(), timeout=300, check=False)
+    # paxlite.main in this process (tests/in_process.py): the value is refused before any work
+    with paxlite_main(monkeypatch, capfd) as run:
+        result = run("--fdl_config=TinySynthetic", "--fdl.LEARNING_RATE=-1.0",
+                     f"--job_log_dir={tmp_path / 'main'}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == (
         "paxlite: error: learning_rate must be a finite number >= 0, got -1.0.")

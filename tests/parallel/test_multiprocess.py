@@ -6,6 +6,7 @@ joined through Pax's --multiprocess_gpu flags and JAX's gloo collectives, and co
 """
 
 import json
+import logging
 import os
 import re
 import signal
@@ -269,33 +270,47 @@ def _train_losses(job: Path) -> dict[int, float]:
     return {line["step"]: line["loss"] for line in lines if "loss" in line}
 
 
-def _mesh_layout(log: Path) -> list[int]:
+def _mesh_layout(log: str) -> list[int]:
     """The mesh's devices in mesh order, each as its rank among the job's device ids.
 
     build_mesh logs the ids; process 1's CPU devices are numbered from 2048, one process's from 4.
     """
-    line = [line for line in log.read_text().splitlines() if "over device ids" in line][-1]
+    line = [line for line in log.splitlines() if "over device ids" in line][-1]
     ids = [int(i) for i in re.findall(r"\d+", line.split("over device ids ", 1)[1])]
     return [sorted(ids).index(i) for i in ids]
 
 
-@pytest.mark.slow  # two-process runs, a resume and a one-process reference (~45 s on 2 cores)
+def train_in_this_process(job: Path, flags: list[str], caplog) -> str:
+    """The training run of `python -m paxlite.main` FLAGS (--fdl_config, --fdl.*), in this process
+    and without checkpoints: a one-process reference on this process's 8 CPU devices, compiled
+    with the started processes' flags (tests/conftest.py), without the cost of one more process.
+    Returns its log."""
+    from paxlite.experiments.build import build_run_config
+    from paxlite.train.loop import Run, RunContext
+
+    name = next(f.split("=", 1)[1] for f in flags if f.startswith("--fdl_config="))
+    _, config = build_run_config(name, [f.removeprefix("--fdl.") for f in flags
+                                        if f.startswith("--fdl.")])
+    caplog.clear()
+    with (caplog.at_level(logging.INFO),
+          Run(config, RunContext(job_dir=str(job), enable_checkpoint_saving=False)) as run):
+        run.train()
+    return caplog.text
+
+
+@pytest.mark.slow  # two-process runs, a resume and a one-process reference (~40 s on 2 cores)
 @pytest.mark.multiprocess
-def test_two_processes_resume_and_match_one_process(tmp_path):
+def test_two_processes_resume_and_match_one_process(tmp_path, caplog):
     job, ref = tmp_path / "job", tmp_path / "ref"
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
-    ref_log = tmp_path / "reference.log"
-    # One process with 8 devices, uninterrupted; it overlaps the first 2-process start to save time.
-    reference = _start(
-        ref,
-        [*EXPERIMENT, f"--fdl.MAX_STEPS={2 * STEPS}", "--enable_checkpoint_saving=false"],
-        log=ref_log,
-        num_cpu_devices=8,
-    )
-    for max_steps in (STEPS, 2 * STEPS):  # the second start resumes from the checkpoint at STEPS
-        procs = _start_pair(job, [*EXPERIMENT, f"--fdl.MAX_STEPS={max_steps}"], tmp_path)
+    procs = _start_pair(job, [*EXPERIMENT, f"--fdl.MAX_STEPS={STEPS}"], tmp_path)
+    try:  # One process with 8 devices, uninterrupted, while the pair trains its first STEPS.
+        ref_log = train_in_this_process(ref, [*EXPERIMENT, f"--fdl.MAX_STEPS={2 * STEPS}"], caplog)
+    finally:
         _finish(procs, logs, timeout=240)
-    _finish([reference], [ref_log], timeout=240)
+    # the second start resumes from the checkpoint at STEPS
+    _finish(_start_pair(job, [*EXPERIMENT, f"--fdl.MAX_STEPS={2 * STEPS}"], tmp_path), logs,
+            timeout=240)
 
     assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000003", "checkpoint_00000006"]
     assert all(f"Resumed from checkpoint step {STEPS}" in log.read_text() for log in logs)
@@ -303,7 +318,8 @@ def test_two_processes_resume_and_match_one_process(tmp_path):
     assert sorted(got) == sorted(want) == list(range(1, 2 * STEPS + 1))
     assert max(abs(got[s] - want[s]) for s in want) < 1e-5, (got, want)
     # The hybrid mesh over two processes puts the same devices where the one-process layout does.
-    assert _mesh_layout(logs[0]) == _mesh_layout(logs[1]) == _mesh_layout(ref_log) == list(range(8))
+    assert (_mesh_layout(logs[0].read_text()) == _mesh_layout(logs[1].read_text())
+            == _mesh_layout(ref_log) == list(range(8)))
     record = json.loads((job / "config.json").read_text())
     assert record["devices"]["process_count"] == 2 and record["devices"]["count"] == 8
 
@@ -312,14 +328,16 @@ def test_two_processes_resume_and_match_one_process(tmp_path):
 def test_survivor_exits_with_an_error_when_its_peer_dies(tmp_path):
     job = tmp_path / "job"
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
-    procs = _start_pair(job, [*EXPERIMENT, "--fdl.MAX_STEPS=100000"], tmp_path)
+    # no checkpoints: the pair trains until one is killed, and saving would only add work
+    flags = [*EXPERIMENT, "--fdl.MAX_STEPS=100000", "--fdl.CHECKPOINT_EVERY_N_STEPS=100000"]
+    procs = _start_pair(job, flags, tmp_path)
     try:
         deadline = time.monotonic() + 180
         while not (job / "metrics.jsonl").exists() or len(_train_losses(job)) < 2:
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "\n".join(
                 log.read_text()[-3000:] for log in logs
             )
-            time.sleep(0.5)
+            time.sleep(0.1)
         procs[0].send_signal(signal.SIGKILL)  # the coordinator's process: the harder case
         killed_at = time.monotonic()
         code = procs[1].wait(timeout=90)

@@ -40,13 +40,23 @@ def _checkpoint(directory):
     return model, params
 
 
-def _greedy_reference(model, params, prompt, new):
-    """One process, no cache: the full forward pass, argmax at every step."""
-    seq = list(prompt)
+def _greedy_reference(model, params, prompts, new):
+    """One process, no cache: the full forward pass, argmax at every step. The rows are decoded
+    together, right-padded to one length, so the forward pass compiles once: the model is causal,
+    so a row's logits at its last token do not see the padding after it."""
+    import jax
+
+    seqs = [list(p) for p in prompts]
+    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+    width = max(map(len, prompts)) + new
     for _ in range(new):
-        logits = model.apply({"params": params}, jnp.asarray([seq], jnp.int32))
-        seq.append(int(np.argmax(np.asarray(logits[0, -1]))))
-    return seq[len(prompt):]
+        tokens = np.zeros((len(seqs), width), np.int32)
+        for row, seq in enumerate(seqs):
+            tokens[row, :len(seq)] = seq
+        logits = np.asarray(forward(jnp.asarray(tokens)))
+        for row, seq in enumerate(seqs):
+            seq.append(int(np.argmax(logits[row, len(seq) - 1])))
+    return [seq[len(p):] for seq, p in zip(seqs, prompts, strict=True)]
 
 
 @pytest.mark.multiprocess
@@ -77,5 +87,5 @@ def test_two_processes_generate_the_one_process_tokens(tmp_path):
     assert printed[1] == [], printed[1]  # process 1 stays quiet
     records = [json.loads(line) for line in printed[0]]
     assert [r["prompt_ids"] for r in records] == [list(p) for p in PROMPTS]
-    want = [_greedy_reference(model, params, p, NEW) for p in PROMPTS]
+    want = _greedy_reference(model, params, PROMPTS, NEW)
     assert [r["ids"] for r in records] == want

@@ -7,7 +7,12 @@ import os
 
 import pytest
 
-from tests.parallel.test_multiprocess import _finish, _start, _start_pair, _train_losses
+from tests.parallel.test_multiprocess import (
+    _finish,
+    _start_pair,
+    _train_losses,
+    train_in_this_process,
+)
 
 STEPS = 3
 PIPELINE_OVER_DCN = [
@@ -26,15 +31,14 @@ PIPELINE_OVER_DCN = [
 
 
 @pytest.mark.multiprocess
-def test_pipeline_across_two_processes_matches_one_process(tmp_path):
+def test_pipeline_across_two_processes_matches_one_process(tmp_path, caplog):
     job, ref = tmp_path / "job", tmp_path / "ref"
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
-    ref_log = tmp_path / "reference.log"
-    reference = _start(ref, [*PIPELINE_OVER_DCN, "--enable_checkpoint_saving=false"], log=ref_log,
-                       num_cpu_devices=8)
     procs = _start_pair(job, PIPELINE_OVER_DCN, tmp_path)
-    _finish(procs, logs, timeout=240)
-    _finish([reference], [ref_log], timeout=240)
+    try:  # the one-process reference, on 8 devices, while the pair trains
+        train_in_this_process(ref, PIPELINE_OVER_DCN, caplog)
+    finally:
+        _finish(procs, logs, timeout=240)
 
     got, want = _train_losses(job), _train_losses(ref)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))

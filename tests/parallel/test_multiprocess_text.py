@@ -1,5 +1,5 @@
-"""Two processes trained on a prepared text dataset stop, resume, and end where an uninterrupted
-pair ends.
+"""Two processes trained on a prepared text dataset resume from a checkpoint and end where an
+uninterrupted pair ends.
 
 Each process reads its own slice of the records, shuffles and packs it, and saves its pipeline's
 position in every checkpoint (docs/data.md). The synthetic-data test beside this one cannot see that
@@ -7,6 +7,9 @@ position: its batches are a function of the step alone. Here a resume that resto
 position, or one process's position for both, would feed different rows and change the losses and
 the parameters.
 """
+
+import json
+import shutil
 
 import jax
 import numpy as np
@@ -65,18 +68,31 @@ def _final_params(job, dataset) -> dict:
     return jax.device_get(params)
 
 
-@pytest.mark.slow  # two-process runs, a resume and a one-process reference (~60 s on 2 cores)
+def _stopped_at_steps(ref, job) -> None:
+    """`job` as a pair stopped after step STEPS leaves it: the reference pair's checkpoint at STEPS
+    (the same processes trained the same rows to it; a pair started with MAX_STEPS=STEPS would
+    train them again) and its summaries up to STEPS."""
+    (job / "checkpoints").mkdir(parents=True)
+    name = f"checkpoint_{STEPS:08d}"
+    shutil.copytree(ref / "checkpoints" / name, job / "checkpoints" / name)
+    lines = (ref / "metrics.jsonl").read_text().splitlines()
+    (job / "metrics.jsonl").write_text(
+        "".join(f"{line}\n" for line in lines if json.loads(line)["step"] <= STEPS))
+
+
+@pytest.mark.slow  # two 2-process runs (~40 s on 2 cores)
 @pytest.mark.multiprocess
 def test_two_processes_resume_text_training_exactly(tmp_path, dataset):
     job, ref = tmp_path / "job", tmp_path / "ref"
     (tmp_path / "ref_logs").mkdir()
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     ref_logs = [tmp_path / "ref_logs" / "process0.log", tmp_path / "ref_logs" / "process1.log"]
-    # The uninterrupted pair overlaps the interrupted pair's first phase to save time.
-    reference = _start_pair(ref, _flags(dataset, 2 * STEPS), tmp_path / "ref_logs")
-    for max_steps in (STEPS, 2 * STEPS):  # the second start resumes from the checkpoint at STEPS
-        _finish(_start_pair(job, _flags(dataset, max_steps), tmp_path), logs, timeout=240)
-    _finish(reference, ref_logs, timeout=240)
+    # The uninterrupted pair commits a checkpoint at STEPS on its way to 2 x STEPS.
+    _finish(_start_pair(ref, _flags(dataset, 2 * STEPS), tmp_path / "ref_logs"), ref_logs,
+            timeout=240)
+    _stopped_at_steps(ref, job)
+    # the interrupted pair's second start: it resumes from the checkpoint at STEPS
+    _finish(_start_pair(job, _flags(dataset, 2 * STEPS), tmp_path), logs, timeout=240)
 
     assert all(f"Resumed from checkpoint step {STEPS}" in log.read_text() for log in logs)
     with Checkpointer(job / "checkpoints", save_interval_steps=STEPS, max_to_keep=None) as ckpt:
@@ -84,8 +100,10 @@ def test_two_processes_resume_text_training_exactly(tmp_path, dataset):
     assert len(record["processes"]) == 2 and record["batches_consumed"] == STEPS, record
     got, want = _train_losses(job), _train_losses(ref)
     assert sorted(got) == sorted(want) == list(range(1, 2 * STEPS + 1))
-    # Same processes, same devices, same rows in the same order: the same arithmetic, bit for bit.
-    assert got == want
+    # Steps 1..STEPS are the reference's own lines (copied above); the resumed steps: same
+    # processes, same devices, same rows in the same order, so the same arithmetic, bit for bit.
+    resumed_steps = range(STEPS + 1, 2 * STEPS + 1)
+    assert [got[step] for step in resumed_steps] == [want[step] for step in resumed_steps]
     resumed, straight = _final_params(job, dataset), _final_params(ref, dataset)
     leaves = jax.tree_util.tree_leaves_with_path(straight)
     assert len(leaves) > 5

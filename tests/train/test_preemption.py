@@ -92,7 +92,7 @@ def _stopped_at(log: Path) -> int:
 
 def test_a_signal_checkpoints_the_step_and_the_restart_continues_bit_exactly(tmp_path):
     job, ref = tmp_path / "job", tmp_path / "ref"
-    logs = [tmp_path / f"run{i}.log" for i in range(3)]
+    logs = [tmp_path / f"run{i}.log" for i in range(2)]
     # SIGTERM, with the exit status a Kubernetes Job would be told to treat as "retry"
     first = _start(job, logs[0], PAXLITE_PREEMPTION_EXIT_CODE="143")
     _wait_for_step(first, job, logs[0], 3)
@@ -111,9 +111,7 @@ def test_a_signal_checkpoints_the_step_and_the_restart_continues_bit_exactly(tmp
         f"checkpoint_{stop2:08d}",
     ]
 
-    reference = _start(ref, logs[2])  # never interrupted before stop2
-    _wait_for_step(reference, ref, logs[2], stop2)
-    _stop(reference, signal.SIGTERM)
+    _train_in_process(ref, max_steps=stop2, save_checkpoints=False)  # never interrupted
     got, want = _losses(job), _losses(ref)
     assert sorted(got) == list(range(1, stop2 + 1))
     assert {s: got[s] for s in got} == {s: want[s] for s in got}  # loss and grad norm, bit for bit
@@ -126,16 +124,18 @@ def _wait_for_log(proc: subprocess.Popen, log: Path, text: str, *, timeout: floa
         time.sleep(0.02)
 
 
-def _train_in_process(job: Path, *, max_steps: int) -> None:
+def _train_in_process(job: Path, *, max_steps: int, save_checkpoints: bool = True) -> None:
     """TRAIN's run to `max_steps` in this process (same devices and compile flags as the started
-    ones): a job to resume from, without the cost of starting one more process."""
+    ones, so the same arithmetic): a job to resume from, or one to compare with, without the cost
+    of starting one more process."""
     from paxlite.experiments.build import build_run_config
     from paxlite.train.loop import Run, RunContext
 
     overrides = [flag.removeprefix("--fdl.") for flag in TRAIN if flag.startswith("--fdl.")]
     overrides = [o for o in overrides if not o.startswith("MAX_STEPS=")]
     _, config = build_run_config("TinySynthetic", [*overrides, f"MAX_STEPS={max_steps}"])
-    with Run(config, RunContext(job_dir=str(job))) as run:
+    context = RunContext(job_dir=str(job), enable_checkpoint_saving=save_checkpoints)
+    with Run(config, context) as run:
         run.train()
 
 
@@ -265,9 +265,9 @@ def test_watchdog_timeouts_are_checked():
     )
 
 
-# slow: three training processes, two of them compiling into an empty cache of their own (~35 s)
+# slow: two training processes, the first compiling into an empty cache of its own (~25 s)
 @pytest.mark.slow
-def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path):
+def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path, monkeypatch, capfd):
     cache = tmp_path / "cache"
     runs = []
     for name in ("a", "b"):
@@ -280,22 +280,14 @@ def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path):
     assert any(name.startswith("jit_train_step") for name in runs[0]), runs[0]
     assert runs[1] == runs[0]  # every executable of the second run came from the cache
     assert not (tmp_path / "a" / "compilation_cache").exists()
-    off = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paxlite.main",
-            f"--job_log_dir={tmp_path / 'c'}",
-            *TRAIN,
-            "--fdl.MAX_STEPS=1",
-            "--fdl.COMPILATION_CACHE=False",
-        ],
-        check=False,
-        env=_env(own_cache=True),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # The cache off: no directory of the job's own. In this process (tests/in_process.py), whose
+    # compiles the session's cache serves (the job leaves JAX's settings as they are when off),
+    # without the variable, so that the directory would be the job's own if the setting were
+    # ignored.
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    with paxlite_main(monkeypatch, capfd) as run:
+        off = run(f"--job_log_dir={tmp_path / 'c'}", *TRAIN, "--fdl.MAX_STEPS=1",
+                  "--fdl.COMPILATION_CACHE=False")
     assert off.returncode == 0 and not (tmp_path / "c" / "compilation_cache").exists()
 
 
