@@ -3,8 +3,10 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 
@@ -81,32 +83,61 @@ def test_missing_job_log_dir(main_in_process):
     assert result.returncode == 2 and "--job_log_dir is required" in result.stderr
 
 
-def test_train_then_eval_writes_the_job_directory(tmp_path):
-    job = tmp_path / "job"
-    result = _main(
+class _TrainedThenEvaluated(NamedTuple):
+    job: pathlib.Path
+    trained: subprocess.CompletedProcess
+    # what the training run wrote, read before the eval run replaces config.json and config.txt
+    config_after_training: dict
+    tree_after_training: str
+    checkpoints_after_training: list[str]
+    metrics_after_training: list[dict]
+    evaluated: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def trained_then_evaluated(tmp_path_factory) -> _TrainedThenEvaluated:
+    """One job trained 6 steps, then evaluated with --fdl.MAX_STEPS=0 --mode=eval: the two tests
+    below check that run (trained once, evaluated once) from their own sides."""
+    cwd = tmp_path_factory.mktemp("cli")
+    job = cwd / "job"
+    trained = _main(
         "--fdl_config=paxml.contrib.gpu.scripts_gpu.configs.TinySynthetic",
         "--fdl.MAX_STEPS=6", "--fdl.SUMMARY_INTERVAL_STEPS=3", "--fdl.CHECKPOINT_EVERY_N_STEPS=3",
         '--fdl.FPROP_DTYPE="float32"', "--fdl.USE_REPEATED_LAYER=True", "--fdl.ADAM_BETA1=0",
         "--job_log_dir=job", "--alsologtostderr",  # relative, as users type it
-        cwd=tmp_path,
+        cwd=cwd,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "step 6/6 | loss" in result.stderr
+    assert trained.returncode == 0, trained.stderr[-3000:]
     config = json.loads((job / "config.json").read_text())
+    tree = (job / "config.txt").read_text()
+    checkpoints = sorted(os.listdir(job / "checkpoints"))
+    metrics = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    # Zero is the value of Pax's evaluation-only configs: --mode=eval runs with it.
+    evaluated = _main("--fdl_config=TinySynthetic", "--fdl.USE_REPEATED_LAYER=True",
+                      "--fdl.MAX_STEPS=0", "--mode=eval", f"--job_log_dir={job}")
+    return _TrainedThenEvaluated(job=job, trained=trained, config_after_training=config,
+                                 tree_after_training=tree, checkpoints_after_training=checkpoints,
+                                 metrics_after_training=metrics, evaluated=evaluated)
+
+
+def test_train_then_eval_writes_the_job_directory(trained_then_evaluated):
+    job, result = trained_then_evaluated.job, trained_then_evaluated.trained
+    assert "step 6/6 | loss" in result.stderr
+    config = trained_then_evaluated.config_after_training
     assert config["experiment"] == "TinySynthetic"
     assert config["hparams"]["ADAM_BETA1"] == 0.0  # zero is a value, not "use the default"
     assert config["hparams"]["USE_REPEATED_LAYER"] is True
     assert set(config["overridden"]) >= {"MAX_STEPS", "ADAM_BETA1", "FPROP_DTYPE"}
     assert config["versions"]["jax"] and config["devices"]["count"] == 1
     assert config["global_batch_size"] == 2
-    tree = (job / "config.txt").read_text()
+    tree = trained_then_evaluated.tree_after_training
     assert "optimizer.beta1: float = 0.0" in tree and "model.scan_layers: bool = True" in tree
-    assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000003", "checkpoint_00000006"]
-    lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert trained_then_evaluated.checkpoints_after_training == [
+        "checkpoint_00000003", "checkpoint_00000006"]
+    lines = trained_then_evaluated.metrics_after_training
     assert [line["step"] for line in lines if "loss" in line] == [3, 6]
 
-    evaluated = _main("--fdl_config=TinySynthetic", "--fdl.USE_REPEATED_LAYER=True", "--mode=eval",
-                      f"--job_log_dir={job}")
+    evaluated = trained_then_evaluated.evaluated
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 6 and "eval/loss" in lines[-1]
@@ -165,16 +196,13 @@ def test_max_steps_zero_trains_nothing_so_it_is_refused_before_any_work(tmp_path
     assert not job.exists()  # no checkpoint read, nothing compiled, no job directory made
 
 
-def test_max_steps_zero_with_mode_eval_evaluates(tmp_path):
-    """Zero is the value of Pax's evaluation-only configs: --mode=eval runs with it."""
-    job = tmp_path / "job"
-    trained = _main("--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=2", f"--job_log_dir={job}")
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    evaluated = _main("--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=0", "--mode=eval",
-                      f"--job_log_dir={job}")
+def test_max_steps_zero_with_mode_eval_evaluates(trained_then_evaluated):
+    """Zero is the value of Pax's evaluation-only configs: --mode=eval runs with it (on the job
+    of test_train_then_eval_writes_the_job_directory, trained 6 steps)."""
+    job, evaluated = trained_then_evaluated.job, trained_then_evaluated.evaluated
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    assert lines[-1]["step"] == 2 and "eval/loss" in lines[-1]
+    assert lines[-1]["step"] == 6 and "eval/loss" in lines[-1]
 
 
 _BROKEN_MODEL = """
