@@ -14,8 +14,6 @@ import dataclasses
 import functools
 import json
 import os
-import subprocess
-import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -33,9 +31,8 @@ from paxlite.models.transformer import Transformer
 from paxlite.train.export import export_merged
 from paxlite.train.loop import Run, RunContext
 from tests.eval.test_boolq import _examples, _train_spm, _write_jsonl
-from tests.xla_test_flags import COMPILE_FLAGS
+from tests.in_process import paxlite_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_LLAMA = "paxlite.experiments.tiny.TinyLLaMA"
 VOCAB = 150  # the test tokenizer's size
 
@@ -103,7 +100,7 @@ def _boolq_by_hand(params, model_config, *, vocab_path: str, seq_len: int, val_p
 
 
 @pytest.mark.slow
-def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
+def test_hf_to_lora_boolq_to_merged_hf(tmp_path, monkeypatch, capfd) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -113,30 +110,17 @@ def test_hf_to_lora_boolq_to_merged_hf(tmp_path) -> None:
     val = _write_jsonl(tmp_path / "val.jsonl", _examples(13, seed=2))
     _hf_llama(tmp_path / "hf_in")
 
-    # 1. Convert with the CLI, checked against the experiment the fine-tuning run will use.
+    # 1. Convert with the CLI (in this process, tests/in_process.py: a conversion compiles nothing),
+    # checked against the experiment the fine-tuning run will use.
     converted = tmp_path / "converted"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = COMPILE_FLAGS
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paxlite",
-            "convert",
-            "--from=hf",
-            "--to=paxlite",
-            f"--input={tmp_path / 'hf_in'}",
-            f"--output={converted}",
-            f"--fdl_config={TINY_LLAMA}",
-            f"--fdl.VOCAB_SIZE={VOCAB}",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=ROOT,
-        check=False,
+    result = paxlite_command(monkeypatch, capfd)(
+        "convert",
+        "--from=hf",
+        "--to=paxlite",
+        f"--input={tmp_path / 'hf_in'}",
+        f"--output={converted}",
+        f"--fdl_config={TINY_LLAMA}",
+        f"--fdl.VOCAB_SIZE={VOCAB}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
 

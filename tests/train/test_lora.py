@@ -26,6 +26,7 @@ from paxlite.train.export import base_model_config
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
 from paxlite.train.step import compile_steps
+from tests.in_process import paxlite_command
 from tests.xla_test_flags import COMPILE_FLAGS
 
 GLOBAL_BATCH = 8
@@ -191,7 +192,7 @@ def _restore(path, config: TransformerConfig):
 
 
 @pytest.mark.slow  # two training processes and an export from the command line (~32 s on 2 cores)
-def test_full_sft_then_lora_then_merged_export_from_the_command_line(tmp_path):
+def test_full_sft_then_lora_then_merged_export_from_the_command_line(tmp_path, monkeypatch, capfd):
     name = "--fdl_config=tests.train.test_lora.TinyLLaMAForLoRATest"  # a dotted path, as users' own
     job_a, job_b, out = tmp_path / "a", tmp_path / "b", tmp_path / "merged"
     # Job A: full fine-tuning (the normal training path), 2 steps.
@@ -201,8 +202,11 @@ def test_full_sft_then_lora_then_merged_export_from_the_command_line(tmp_path):
          "--fdl.USE_LORA=true", "--fdl.LORA_RANK=2", "--fdl.LORA_ALPHA=4.0",
          f"--job_log_dir={job_b}")
     # The merged export reads B's overrides from its config.json; B's experiment is a dotted path to
-    # a module, which a job's record alone never imports: the user names it.
-    _cli("-m", "paxlite", "export_merged", name, f"--input={job_b}", f"--output={out}")
+    # a module, which a job's record alone never imports: the user names it. The command runs in
+    # this process (tests/in_process.py): it trains nothing, so its devices do not matter.
+    export = paxlite_command(monkeypatch, capfd)("export_merged", name, f"--input={job_b}",
+                                                 f"--output={out}")
+    assert export.returncode == 0, export.stderr[-3000:]
 
     experiment = TinyLLaMAForLoRATest.resolve({"USE_LORA": True, "LORA_RANK": 2, "LORA_ALPHA": 4.0,
                                                "CHECKPOINT_RESTORE_PATH": str(job_a)})
