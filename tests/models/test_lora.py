@@ -1,6 +1,7 @@
 """LoRA on the model: Pax's target sets and layouts, exact step-0 identity, merging, alpha."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -45,6 +46,12 @@ def _init(config, seed=0):
     return nn.meta.unbox(init(jax.random.key(seed))["params"])
 
 
+# Outside any trace only (under eval_shape it would keep tracers): a real initialisation once per
+# config in this module, its threefry sampler being the slow part of these tests on CPU; the tests
+# read the arrays and never change them.
+_init_once = functools.cache(_init)
+
+
 def _logits(config, params):
     return jax.jit(lambda p: Transformer(config).apply({"params": p}, TOKENS))(params)
 
@@ -69,7 +76,7 @@ def _randomise_lora_b(params, seed=1):
 def lora_model(request):
     """(config with LoRA, its freshly initialised params), once per model layout."""
     config = _with_lora(CONFIGS[request.param])
-    return config, _init(config)
+    return config, _init_once(config)
 
 
 def test_at_initialisation_the_lora_model_is_the_base_model_exactly(lora_model):
@@ -92,7 +99,7 @@ def test_adapters_leave_the_base_initialisation_unchanged():
     layers) initial values. Under nn.scan the adapters' draws shift the random stream of later
     weights; a restore overwrites those anyway."""
     base_params = _flat(_init(LLAMA))
-    stripped = _flat(_without_lora(_init(_with_lora(LLAMA))))
+    stripped = _flat(_without_lora(_init_once(_with_lora(LLAMA))))
     assert stripped.keys() == base_params.keys()
     for key, value in base_params.items():
         np.testing.assert_array_equal(np.asarray(stripped[key]), np.asarray(value))
@@ -242,7 +249,7 @@ def test_bad_lora_settings_are_refused():
     with pytest.raises(ValueError, match="rank"):
         LoraSpec(rank=0)
     with pytest.raises(ValueError, match="lora_rank=None"):
-        merge_lora(_init(GPT), config=GPT)
+        merge_lora(jax.eval_shape(lambda: _init(GPT)), config=GPT)  # refused before any math
     assert dataclasses.replace(GPT, lora_targets="mlp").lora_targets is LoraTargets.MLP
 
 

@@ -53,7 +53,7 @@ def _batch_cached(name: str) -> dict[str, np.ndarray]:  # name: a key of CONFIGS
     lengths[[1, ROWS - 2]] = 0
     inputs = rng.integers(0, config.vocab_size, (ROWS, SEQ), dtype=np.int32)
     targets = rng.integers(0, config.vocab_size, (ROWS, SEQ), dtype=np.int32)
-    logits = Transformer(config).apply({"params": _params0(name)}, inputs)
+    logits = jax.jit(Transformer(config).apply)({"params": _params0(name)}, inputs)
     targets[:, ::2] = np.asarray(jnp.argmax(logits, axis=-1))[:, ::2]
     weights = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.float32)
     return {"inputs": inputs, "targets": targets, "weights": weights}

@@ -73,7 +73,8 @@ def test_gradient_accumulation_with_moe_losses():
     from paxlite.parallel.mesh import MeshConfig, build_mesh
     from paxlite.train.grad_accum import split_microbatches
     from paxlite.train.losses import loss_fn
-    from paxlite.train.step import compile_steps
+    from paxlite.train.step import TrainState, compile_steps
+    from tests.host_params import random_host_params
 
     config = TransformerConfig(
         vocab_size=64, num_layers=2, model_dims=16, num_heads=2, dims_per_head=8, hidden_dims=32,
@@ -85,15 +86,20 @@ def test_gradient_accumulation_with_moe_losses():
     tokens = rng.integers(0, 64, size=(4, 9), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "weights": (rng.random((4, 8)) > 0.2).astype(np.float32)}
-    metrics = {}
+    metrics, params = {}, None
+    optimizer = optax.sgd(0.0)
     with jax.set_mesh(mesh):
         for k in (1, 2):
-            steps = compile_steps(model=model, optimizer=optax.sgd(0.0),
+            steps = compile_steps(model=model, optimizer=optimizer,
                                   schedule=optax.constant_schedule(0.0), mesh=mesh, seq_len=8,
                                   seed=0, deterministic=True, grad_accum_steps=k,
                                   z_loss_weight=1e-3)
-            state = steps.init()
-            params = jax.device_get(state.params)  # the step donates the state
+            # Seeded host parameters, not an init (its threefry sampler is slow to compile on
+            # CPU); a fresh device copy for each step, which donates its state.
+            params = params or random_host_params(steps.abstract_state.params)
+            state = jax.device_put(
+                TrainState(step=np.zeros((), np.int32), params=params,
+                           opt_state=optimizer.init(params)), steps.state_shardings)
             _, metrics[k] = steps.train(state, jax.device_put(batch, steps.batch_sharding))
         halves = split_microbatches({key: jax.numpy.asarray(v) for key, v in batch.items()}, 2)
         per_half = [jax.jit(functools.partial(loss_fn, model=model, z_loss_weight=1e-3))(
