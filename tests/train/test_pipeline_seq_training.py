@@ -14,26 +14,21 @@ uses, the reference the original order: the loss is a sum over tokens, so they m
 
 from __future__ import annotations
 
-import functools
-
 import fiddle as fdl
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from paxlite.data.context_order import balance_batch_for_seq
 from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments.build import load_experiment
 from paxlite.models.pipelined_stack import bubble_fill_for_tests
 from paxlite.models.transformer import Transformer
-from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import build_mesh
-from paxlite.train.losses import loss_fn
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import TrainState, compile_steps
+from paxlite.train.step import compile_steps
 from tests.host_params import random_host_params
+from tests.train.train_step_gradients import loss_grads_and_losses
 
 GLOBAL_BATCH = 8
 NUM_STEPS = 2
@@ -48,42 +43,12 @@ def _run_config(name: str, overrides) -> object:
 
 
 def _loss_grads_and_losses(run, mesh, *, balance_seq: bool = False):
-    """Loss and gradients at the seeded random parameters, then the losses of NUM_STEPS steps."""
-    model = Transformer(run.model)
-    schedule = make_schedule(run.schedule)
-    optimizer = make_optimizer(run.optimizer, schedule)
-    data = SyntheticData(run.data, global_batch_size=GLOBAL_BATCH)
-    seq = mesh.shape["seq"] if balance_seq else 1
-    with jax.set_mesh(mesh):
-        steps = compile_steps(model=model, optimizer=optimizer, schedule=schedule, mesh=mesh,
-                              seq_len=run.data.seq_len, seed=run.loop.seed, deterministic=True,
-                              grad_accum_steps=run.loop.grad_accum_steps,
-                              loss_chunk_size=run.loop.loss_chunk_size)
-        host = random_host_params(steps.abstract_state.params)
-        state = jax.device_put(
-            TrainState(step=np.zeros((), np.int32), params=host, opt_state=optimizer.init(host)),
-            steps.state_shardings)
-
-        def batch(index):
-            return balance_batch_for_seq(
-                data.train_batch(index, steps.batch_sharding), seq_shards=seq
-            )
-
-        def value_and_grad(params, batch):
-            with nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
-                return jax.value_and_grad(functools.partial(loss_fn, model=model), has_aux=True)(
-                    params, batch)
-
-        param_shardings = steps.state_shardings.params
-        (loss, _), grads = jax.jit(
-            value_and_grad, in_shardings=(param_shardings, steps.batch_sharding),
-            out_shardings=((rules_lib.replicated(mesh), None), param_shardings),
-        )(state.params, batch(0))
-        loss, grads = float(loss), jax.device_get(grads)
-        losses = []
-        for index in range(NUM_STEPS):
-            state, metrics = steps.train(state, batch(index))
-            losses.append(float(metrics["loss"]))
+    """Loss and gradients at the seeded random parameters, then the losses of NUM_STEPS steps
+    (tests/train/train_step_gradients.py); with `balance_seq`, the batches in the train loop's
+    load-balanced order for the mesh's seq axis."""
+    _, loss, grads, losses = loss_grads_and_losses(
+        run, mesh, global_batch=GLOBAL_BATCH, num_steps=NUM_STEPS,
+        initial_params=random_host_params, seq_shards=mesh.shape["seq"] if balance_seq else 1)
     return loss, grads, losses
 
 
@@ -167,21 +132,29 @@ def test_pax_pipelined_mesh_with_microbatch_size():
     assert build_mesh(pax.mesh).devices.tolist() == build_mesh(ours.mesh).devices.tolist()
 
 
+# TinyLLaMA as both sequence-parallel tests below run it: the FLASH kind (XLA on CPU) and the
+# chunked loss. The same settings on both give them one one-device reference.
+LLAMA_SEQ_SETTINGS = ("ATTENTION_KIND=flash", "LOSS_CHUNK_SIZE=16")
+
+
 def test_sequence_parallel_training_equals_one_device():
     """(data, seq, tensor) = (2, 2, 2) with the train loop's load-balanced batches, all-gather, the
     FLASH kind (XLA on CPU) and the chunked loss; the model tests cover seq 2/4/8, ring, packed
     rows."""
-    overrides = ["ATTENTION_KIND=flash", "LOSS_CHUNK_SIZE=16"]
-    ref = _one_device(LLAMA, tuple(overrides) + ("ICI_MESH_SHAPE=[1,1,1]",))
-    run = _run_config(LLAMA, [*overrides, "ICI_MESH_SHAPE=[2,1,2,1,1,2]"])
+    ref = _one_device(LLAMA, LLAMA_SEQ_SETTINGS + ("ICI_MESH_SHAPE=[1,1,1]",))
+    run = _run_config(LLAMA, [*LLAMA_SEQ_SETTINGS, "ICI_MESH_SHAPE=[2,1,2,1,1,2]"])
     _assert_match(_loss_grads_and_losses(run, build_mesh(run.mesh), balance_seq=True), ref, "seq")
 
 
 def test_pipeline_times_seq_mesh_equals_one_device(nan_bubbles):
-    """(pipeline, seq, data) = (2, 2, 2), GPipe over a load-balanced sequence."""
-    settings = ["USE_REPEATED_LAYER=true", "NUM_LAYERS=4"]
-    ref = _one_device(LLAMA, tuple(settings) + ("ICI_MESH_SHAPE=[1,1,1]",))
-    run = _run_config(LLAMA, [*settings, "ICI_MESH_SHAPE=[2,1,1,1,2,2]", "NUM_MICROBATCHES=2"])
+    """(pipeline, seq, data) = (2, 2, 2), GPipe over a load-balanced sequence: the unscanned layer
+    stack (one layer per stage; the other pipelined train steps here scan theirs), the FLASH kind
+    and the chunked loss."""
+    ref = _one_device(LLAMA, LLAMA_SEQ_SETTINGS + ("ICI_MESH_SHAPE=[1,1,1]",))
+    run = _run_config(
+        LLAMA, [*LLAMA_SEQ_SETTINGS, "ICI_MESH_SHAPE=[2,1,1,1,2,2]", "NUM_MICROBATCHES=2"]
+    )
+    assert run.model.pipeline.num_stages == 2 and not run.model.scan_layers
     _assert_match(
         _loss_grads_and_losses(run, build_mesh(run.mesh), balance_seq=True), ref, "pipeline x seq"
     )

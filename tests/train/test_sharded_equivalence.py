@@ -5,24 +5,19 @@ XLA:CPU has silently computed wrong gradients for FSDP x tensor sharded matmul c
 step.
 """
 
-import functools
-
 import fiddle as fdl
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from paxlite.data.synthetic import SyntheticData
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import Transformer
-from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
-from paxlite.train.losses import loss_fn
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import TrainState, compile_steps
+from paxlite.train.step import compile_steps
 from tests.host_params import random_host_params
+from tests.train.train_step_gradients import loss_grads_and_losses
 
 GLOBAL_BATCH = 8
 MESHES = [(2, 2, 2), (1, 8, 1), (8, 1, 1), (1, 1, 8)]
@@ -35,54 +30,12 @@ def _setup(experiment_name: str, overrides=()):
 
 
 def _loss_grads_and_losses(run, mesh, num_steps: int = 3, params=None):
-    """Loss and gradients at initialisation, then the losses of `num_steps` train steps. `params`:
-    None for `compile_steps`'s init, or a function of the abstract parameters returning host arrays
-    to start from instead (with the optimizer's initial state)."""
-    model = Transformer(run.model)
-    schedule = make_schedule(run.schedule)
-    optimizer = make_optimizer(run.optimizer, schedule)
-    data = SyntheticData(run.data, global_batch_size=GLOBAL_BATCH)
-    with jax.set_mesh(mesh):
-        steps = compile_steps(
-            model=model,
-            optimizer=optimizer,
-            schedule=schedule,
-            mesh=mesh,
-            seq_len=run.data.seq_len,
-            seed=run.loop.seed,
-            deterministic=True,
-        )
-        if params is None:
-            state = steps.init()
-        else:
-            host = params(steps.abstract_state.params)
-            state = jax.device_put(
-                TrainState(
-                    step=np.zeros((), np.int32), params=host, opt_state=optimizer.init(host)
-                ),
-                steps.state_shardings,
-            )
-        batch = data.train_batch(0, steps.batch_sharding)
-
-        def value_and_grad(params, batch):
-            with nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
-                return jax.value_and_grad(
-                    functools.partial(loss_fn, model=model), has_aux=True
-                )(params, batch)
-
-        param_shardings = steps.state_shardings.params
-        (loss, _), grads = jax.jit(
-            value_and_grad,
-            in_shardings=(param_shardings, steps.batch_sharding),
-            out_shardings=((rules_lib.replicated(mesh), None), param_shardings),
-        )(state.params, batch)
-        params0 = jax.device_get(state.params)
-        loss, grads = float(loss), jax.device_get(grads)
-        losses = []
-        for index in range(num_steps):
-            state, metrics = steps.train(state, data.train_batch(index, steps.batch_sharding))
-            losses.append(float(metrics["loss"]))
-        return params0, loss, grads, losses
+    """Parameters and the loss and gradients at initialisation, then the losses of `num_steps`
+    train steps (tests/train/train_step_gradients.py). `params`: None for `compile_steps`'s init,
+    or a function of the abstract parameters returning host arrays to start from instead (with the
+    optimizer's initial state)."""
+    return loss_grads_and_losses(run, mesh, global_batch=GLOBAL_BATCH, num_steps=num_steps,
+                                 initial_params=params)
 
 
 def _rel_err(a, b):
@@ -90,9 +43,14 @@ def _rel_err(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
+# The mesh cases' model: TinySynthetic with one layer, which has every kind of parameter and every
+# sharded matmul of the stack (a second layer repeats them, and costs a third more to compile).
+MESH_CASE_OVERRIDES = ("NUM_LAYERS=1",)
+
+
 @pytest.fixture(scope="module")
 def one_device_reference():
-    run = _setup("TinySynthetic")
+    run = _setup("TinySynthetic", MESH_CASE_OVERRIDES)
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
     return run, _loss_grads_and_losses(run, mesh)
 
