@@ -103,11 +103,18 @@ def _config(**kwargs) -> TransformerConfig:
 
 
 def _state_after_one_step(config: TransformerConfig):
+    """Init and one gradient of the FP8 state, each jitted: op by op, the FP8 model's many small
+    operations cost about twice the CPU time of compiling the two programs (8.1 -> 4.0 s)."""
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 32, (2, 8)), jnp.int32)
     model = Transformer(config)
-    variables = nn.meta.unbox(model.init(jax.random.key(0), tokens))
-    new = jax.grad(lambda f: jnp.sum(model.apply(
-        {"params": variables["params"], FP8_COLLECTION: f}, tokens)))(variables[FP8_COLLECTION])
+    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens))
+
+    @jax.jit
+    def fp8_gradient(fp8, params):
+        return jax.grad(lambda f: jnp.sum(model.apply(
+            {"params": params, FP8_COLLECTION: f}, tokens)))(fp8)
+
+    new = fp8_gradient(variables[FP8_COLLECTION], variables["params"])
     return variables["params"], traverse_util.flatten_dict(new, sep="/")
 
 

@@ -84,9 +84,11 @@ def test_every_grouped_matmul_value_has_its_kernel():
 
     x = jax.random.normal(jax.random.key(0), (2, 4, D))
     layer = MoeMlp(config=CONFIG, hidden_dims=F)
-    params = layer.init({"params": jax.random.key(1)}, x)
-    want = layer.apply(params, x)
-    got = MoeMlp(config=CONFIG, hidden_dims=F, grouped_matmul_fn=counting).apply(params, x)
+    # jitted: the routing op by op costs more CPU time than compiling it
+    params = jax.jit(layer.init)({"params": jax.random.key(1)}, x)
+    want = jax.jit(layer.apply)(params, x)
+    got = jax.jit(MoeMlp(config=CONFIG, hidden_dims=F, grouped_matmul_fn=counting).apply)(
+        params, x)
     assert len(calls) == 3  # wi, wi_gate, wo
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -107,7 +109,7 @@ def one_device():
     x = jax.random.normal(jax.random.key(0), (8, 8, D), jnp.float32)
     w = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
     layer = MoeMlp(config=CONFIG, hidden_dims=F, init_std=0.3)
-    params = nn.meta.unbox(layer.init({"params": jax.random.key(1)}, x)["params"])
+    params = nn.meta.unbox(jax.jit(layer.init)({"params": jax.random.key(1)}, x)["params"])
     return x, w, params, _value_and_grads(layer, params, x, w)
 
 
