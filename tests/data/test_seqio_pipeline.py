@@ -4,6 +4,7 @@ Needs the `seqio` extra (CI installs it). The references are plain Python/NumPy 
 ids of the stored documents, read straight from the TFRecord files (not through SeqIO).
 """
 
+import functools
 import glob
 import itertools
 import json
@@ -104,21 +105,25 @@ def tfds_dir(tmp_path_factory) -> str:
     return root
 
 
-def stored_texts(directory: str, split: str) -> list[list[str]]:
-    """Each TFRecord file's documents in stored order, decoded without SeqIO (one list per file)."""
+@functools.cache
+def stored_texts(directory: str, split: str) -> tuple[tuple[str, ...], ...]:
+    """Each TFRecord file's documents in stored order, decoded without SeqIO (one tuple per file).
+    Cached: the files are written once per session, and decoding them runs eager TF ops per
+    record."""
     features = tfds.builder_from_directory(directory).info.features
     files = sorted(glob.glob(os.path.join(directory, f"*-{split}.tfrecord-*")))
-    return [[features.deserialize_example(record)["text"].numpy().decode() for record in
-             tf.data.TFRecordDataset(path)] for path in files]
+    return tuple(tuple(features.deserialize_example(record)["text"].numpy().decode() for record in
+                       tf.data.TFRecordDataset(path)) for path in files)
 
 
 def lm_pieces(texts: list[str], model, *, seq_len: int, epochs: int) -> list[list[int]]:
     """Pax's LM preprocessing by hand: 128 documents' ids joined (0 dropped), cut into pieces of
     seq_len - 1, EOS appended; the documents repeat `epochs` times as one stream."""
     stream = [text for _ in range(epochs) for text in texts]
+    encoded = {text: [t for t in model.encode(text) if t != 0] for text in set(texts)}
     pieces = []
     for start in range(0, len(stream), GROUP):
-        ids = [t for text in stream[start : start + GROUP] for t in model.encode(text) if t != 0]
+        ids = [t for text in stream[start : start + GROUP] for t in encoded[text]]
         cuts = range(0, len(ids), seq_len - 1)
         pieces += [ids[i : i + seq_len - 1] + [model.eos_id()] for i in cuts]
     return pieces

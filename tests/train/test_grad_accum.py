@@ -26,7 +26,7 @@ from paxlite.train.losses import loss_fn
 from paxlite.train.step import TrainState, compile_steps
 
 SEQ = 8
-CFG = TransformerConfig(vocab_size=32, num_layers=2, model_dims=16, num_heads=2, dims_per_head=8,
+CFG = TransformerConfig(vocab_size=32, num_layers=1, model_dims=16, num_heads=2, dims_per_head=8,
                         hidden_dims=32, max_seq_len=SEQ)
 LR = 1.0  # plain SGD: the update is -LR x gradient, so comparing updates compares gradients
 

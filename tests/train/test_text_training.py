@@ -4,6 +4,7 @@ resume."""
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -77,9 +78,20 @@ def _losses(job):
         return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
 
 
-def test_resume_consumes_exactly_the_uninterrupted_batches(tmp_path, dataset):
-    straight = _train(tmp_path / "straight", _overrides(dataset, 6))
-    _train(tmp_path / "resumed", _overrides(dataset, 3))
+@pytest.fixture(scope="module")
+def six_and_three_steps(dataset, tmp_path_factory):
+    """(6-step job, its final state, 3-step job) of one configuration: the uninterrupted reference
+    and the first half of a resume, shared by the tests below; a test that writes to the 3-step
+    job works on a copy."""
+    root = tmp_path_factory.mktemp("runs")
+    straight = _train(root / "straight", _overrides(dataset, 6))
+    _train(root / "short", _overrides(dataset, 3))
+    return root / "straight", straight, root / "short"
+
+
+def test_resume_consumes_exactly_the_uninterrupted_batches(tmp_path, dataset, six_and_three_steps):
+    straight_job, straight, short_job = six_and_three_steps
+    shutil.copytree(short_job, tmp_path / "resumed")
     with Checkpointer(
         tmp_path / "resumed" / "checkpoints", save_interval_steps=3, max_to_keep=None
     ) as ckpt:
@@ -88,34 +100,32 @@ def test_resume_consumes_exactly_the_uninterrupted_batches(tmp_path, dataset):
     resumed = _train(tmp_path / "resumed", _overrides(dataset, 6))
     # Shuffled and packed batches: the resumed run sees exactly the batches of the uninterrupted
     # one.
-    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    assert _losses(tmp_path / "resumed") == _losses(straight_job)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_mid_run_checkpoint_saves_the_consumed_position_not_the_producers(tmp_path, dataset):
+def test_mid_run_checkpoint_saves_the_consumed_position_not_the_producers(six_and_three_steps):
     """At step 3 of a 6-step run the producer has built batches 4 and 5 already; the checkpoint
     must record where batch 3 ended, as a run that stops at 3 does."""
-    _train(tmp_path / "long", _overrides(dataset, 6))
-    _train(tmp_path / "short", _overrides(dataset, 3))
+    long_job, _, short_job = six_and_three_steps
     records = []
-    for job in ("long", "short"):
-        with Checkpointer(
-            tmp_path / job / "checkpoints", save_interval_steps=3, max_to_keep=None
-        ) as ckpt:
+    for job in (long_job, short_job):
+        with Checkpointer(job / "checkpoints", save_interval_steps=3, max_to_keep=None) as ckpt:
             records.append(ckpt.restore_data(3))
     assert records[0] == records[1] and records[0]["batches_consumed"] == 3
-    with Checkpointer(
-        tmp_path / "long" / "checkpoints", save_interval_steps=3, max_to_keep=None
-    ) as ckpt:
+    with Checkpointer(long_job / "checkpoints", save_interval_steps=3, max_to_keep=None) as ckpt:
         assert ckpt.restore_data(6) != records[0]
 
 
-def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset, monkeypatch):
+def test_resume_with_another_batch_size_is_one_line_exit_2(
+    tmp_path, dataset, six_and_three_steps, monkeypatch
+):
     """The saved input position is for another global batch: a user's mistake, said in one line,
     found before the train step is compiled."""
     job = tmp_path / "job"
-    _train(job, _overrides(dataset, 3))  # 8 devices x PERCORE_BATCH_SIZE=1: global batch 8
+    # the 3-step job: 8 devices x PERCORE_BATCH_SIZE=1, global batch 8
+    shutil.copytree(six_and_three_steps[2], job)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = COMPILE_FLAGS  # one device: PERCORE_BATCH_SIZE=2 is a global batch of 2
     overrides = [o for o in _overrides(dataset, 6) if not o.startswith("PERCORE_BATCH_SIZE=")]
@@ -141,8 +151,9 @@ def test_resume_with_another_batch_size_is_one_line_exit_2(tmp_path, dataset, mo
 
 def test_text_run_learns_and_evaluates(tmp_path, dataset):
     job = tmp_path / "job"
+    # one checkpoint, at the end: saves every 3 steps would cost more than the 30 steps
     _train(job, _overrides(dataset, 30) + ["EVAL_INTERVAL_STEPS=30", "LEARNING_RATE=1e-2",
-                                           "LR_COS_DECAY_END=30"])
+                                           "LR_COS_DECAY_END=30", "CHECKPOINT_EVERY_N_STEPS=30"])
     losses = [loss for _, loss in _losses(job)]
     # Untrained: about ln(300) = 5.7 nats. The words are drawn from 40 at random, so the floor is
     # near ln(40) / (tokens per word) - well below; the loss must fall by more than a nat and a
