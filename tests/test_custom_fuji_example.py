@@ -1,22 +1,42 @@
 """examples/custom_fuji.py (AXLearn's custom-configuration example) trains the tiny Fuji on CPU
-with the custom mesh rule, batch, sequence length and intervals it sets from Python."""
+with the custom mesh rule, batch, sequence length and intervals it sets from Python.
+
+The script's main(argv) is called in this process, as `python examples/custom_fuji.py ARGS` calls
+it: a process of its own would add a Python and JAX start (~2 CPU-s) and nothing the checks see;
+this process has the eight CPU devices the script's run needs (tests/conftest.py)."""
 
 import json
 import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.in_process import Result
+
 REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "custom_fuji.py"
 
 
-def test_custom_fuji_example_trains_with_its_settings(tmp_path):
+@pytest.fixture(scope="module")
+def script_main():
+    """The script's main(argv), its module run once under a name other than __main__."""
+    return runpy.run_path(str(SCRIPT), run_name="custom_fuji")["main"]
+
+
+def _run(script_main, monkeypatch, capfd, *args: str) -> Result:
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args])  # the job records its command line
+    capfd.readouterr()
+    code = script_main(list(args))
+    out, err = capfd.readouterr()
+    return Result(code, out, err)
+
+
+def test_custom_fuji_example_trains_with_its_settings(tmp_path, script_main, monkeypatch, capfd):
     trainer_dir = tmp_path / "custom"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")  # 8 CPU devices (conftest)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "custom_fuji.py"), "--config=fuji-test-v1",
-         f"--trainer_dir={trainer_dir}", "--max_step=3"],
-        capture_output=True, text=True, env=env, timeout=300, check=False)
+    result = _run(script_main, monkeypatch, capfd, "--config=fuji-test-v1",
+                  f"--trainer_dir={trainer_dir}", "--max_step=3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("mesh rule 'custom' (--mesh_selector=custom): ICI_MESH_SHAPE=[1, 8, 1], "
             "DCN_MESH_SHAPE=[1, 1, 1], GRAD_ACCUM_STEPS=2, global batch 16 x 32") in result.stdout
@@ -44,11 +64,8 @@ def test_custom_fuji_example_trains_with_its_settings(tmp_path):
         "checkpoint_00000002", "checkpoint_00000003"]  # every 2 steps, and the last
 
 
-def test_custom_fuji_example_refuses_an_unknown_config(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "custom_fuji.py"), "--config=fuji-test-v9",
-         f"--trainer_dir={tmp_path}"],
-        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120,
-        check=False)
+def test_custom_fuji_example_refuses_an_unknown_config(tmp_path, script_main, monkeypatch, capfd):
+    result = _run(script_main, monkeypatch, capfd, "--config=fuji-test-v9",
+                  f"--trainer_dir={tmp_path}")
     assert result.returncode == 2
     assert "--config=fuji-test-v9 is not a Fuji config name" in result.stderr

@@ -2,14 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors import safe_open
 
 from paxlite.interop import hf
+from tests.in_process import paxlite_command
 from tests.interop.conftest import TOKENS, hf_logits, make_llama
 
 TOL = 1e-4
@@ -108,13 +107,11 @@ def test_gpt2_names_without_prefix_and_buffers(gpt2, tmp_path):
     np.testing.assert_allclose(hf.load(old).logits(TOKENS), hf_logits(model), atol=TOL, rtol=0)
 
 
-def test_cli_round_trip_hf_paxlite_hf_is_byte_equal(llama_gqa, tmp_path):
+def test_cli_round_trip_hf_paxlite_hf_is_byte_equal(llama_gqa, tmp_path, monkeypatch, capfd):
     directory, model = llama_gqa
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run(
-        [sys.executable, "-m", "paxlite", "convert", "--from=hf", "--to=paxlite",
-         f"--input={directory}", f"--output={tmp_path / 'pax'}"],
-        capture_output=True, text=True, env=env, timeout=120, check=False)
+    command = paxlite_command(monkeypatch, capfd)  # `python -m paxlite`, in this process
+    result = command("convert", "--from=hf", "--to=paxlite", f"--input={directory}",
+                     f"--output={tmp_path / 'pax'}")
     assert result.returncode == 0, result.stderr
     assert "converted llama hf -> paxlite: 123,712 parameters, float32" in result.stdout
     assert (tmp_path / "pax" / "model_config.json").exists()

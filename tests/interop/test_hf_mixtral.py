@@ -9,8 +9,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ from paxlite.interop.hf_config import (
     to_hf_config,
 )
 from paxlite.models.moe_config import MoeRouting
+from tests.in_process import paxlite_command
 
 GOLDEN = Path(__file__).resolve().parents[1] / "testdata" / "hf_mixtral_tiny"
 TOKENS = np.load(GOLDEN / "tokens.npy")
@@ -157,12 +156,10 @@ def test_fused_in_memory_names_are_read_too(golden, tmp_path):
     _assert_same_params(hf.load(fused).params, golden.params)
 
 
-def test_cli_converts_both_ways(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run(
-        [sys.executable, "-m", "paxlite", "convert", "--from=hf", "--to=paxlite",
-         f"--input={GOLDEN}", f"--output={tmp_path / 'pax'}"],
-        capture_output=True, text=True, env=env, timeout=180, check=False)
+def test_cli_converts_both_ways(tmp_path, monkeypatch, capfd):
+    command = paxlite_command(monkeypatch, capfd)  # `python -m paxlite`, in this process
+    result = command("convert", "--from=hf", "--to=paxlite", f"--input={GOLDEN}",
+                     f"--output={tmp_path / 'pax'}")
     assert result.returncode == 0, result.stderr
     assert "converted mixtral hf -> paxlite: 254,784 parameters, float32" in result.stdout
     rc = main(["convert", "--from=paxlite", "--to=hf", f"--input={tmp_path / 'pax'}",
