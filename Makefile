@@ -40,7 +40,7 @@ install: $(STAMP)
 
 $(GPU_COMPILE_STAMP): $(STAMP) constraints.txt
 	rm -rf $(GPU_COMPILE)
-	$(BIN)/pip install --quiet --no-deps --target $(GPU_COMPILE) -c constraints.txt $(GPU_COMPILE_PACKAGES)
+	$(BIN)/pip install --quiet --no-compile --no-deps --target $(GPU_COMPILE) -c constraints.txt $(GPU_COMPILE_PACKAGES)
 	touch $@
 
 gpu-compile: $(GPU_COMPILE_STAMP)
