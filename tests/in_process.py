@@ -18,6 +18,9 @@ restores it when its `with` block ends, with pytest's monkeypatch undoing the re
 ends, so nothing leaks into the other tests of this process. It uses private absl names
 (app._run_init, app._register_and_parse_flags_with_usage,
 absl.logging._attempted_to_remove_stderr_stream_handlers), checked against absl-py 2.5.1.
+
+train_in_this_process() is the other kind: the training run itself, without the command line
+around it, for a run whose work is the point (a reference to compare with, a job to resume from).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -112,3 +116,37 @@ def paxlite_command(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixtur
         return Result(exit_status(code), out, err)
 
     return run
+
+
+def train_in_this_process(
+    job: Path,
+    flags: Sequence[str],
+    *,
+    save_checkpoints: bool = True,
+    caplog: pytest.LogCaptureFixture | None = None,
+) -> str | None:
+    """The training run of `python -m paxlite.main --job_log_dir=JOB FLAGS...` in this process
+    (only --fdl_config and --fdl.* are read; a later --fdl.NAME wins, as on the command line).
+
+    For a run whose result a test needs but whose process it does not look at: a one-process
+    reference to compare started processes with, or a job for a started process to resume. It
+    saves one more process's interpreter, JAX start-up and compiles. It runs on this process's eight
+    CPU devices with the session's compile flags (tests/conftest.py), which the started processes
+    share, so its arithmetic is theirs. `save_checkpoints` is --enable_checkpoint_saving (off for a
+    reference that nothing resumes from). With `caplog`, the run's log at INFO is returned (mesh
+    layouts, resumes); without, None.
+    """
+    from paxlite.experiments.build import build_run_config
+    from paxlite.train.loop import Run, RunContext
+
+    name = [f.split("=", 1)[1] for f in flags if f.startswith("--fdl_config=")][-1]
+    _, config = build_run_config(name, [f.removeprefix("--fdl.") for f in flags
+                                        if f.startswith("--fdl.")])
+    context = RunContext(job_dir=str(job), enable_checkpoint_saving=save_checkpoints)
+    with contextlib.ExitStack() as stack:
+        if caplog is not None:
+            caplog.clear()
+            stack.enter_context(caplog.at_level(logging.INFO))
+        with Run(config, context) as run:
+            run.train()
+    return None if caplog is None else caplog.text

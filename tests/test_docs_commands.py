@@ -7,7 +7,7 @@ unless marked `gpu`, `cluster` or `long`; output and synopses are
 pipefail`), in one fresh temporary directory (a later block may use what an earlier one wrote), with
 `python` on PATH being this interpreter, `$PAXLITE_REPO` the repository root and JAX_PLATFORMS=cpu.
 The simulated devices of tests/conftest.py are taken out of the environment: a reader's CPU has one
-device.
+device. Python writes its bytecode cache as a reader's does (PYTHONDONTWRITEBYTECODE is dropped).
 
 Error transcripts in ```text blocks (a `$ python -m paxlite...` line followed by `paxlite: error:`
 lines) are run too: the command must exit 2 and print the documented message, where `...` in the
@@ -45,6 +45,9 @@ def _environment() -> dict[str, str]:
         del env["XLA_FLAGS"]
     env.pop("JAX_NUM_CPU_DEVICES", None)
     env["JAX_PLATFORMS"] = "cpu"
+    # A reader's Python caches paxlite's compiled modules; without the cache each of the ~45
+    # commands here would compile them again (~0.25 CPU-s a process).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PAXLITE_REPO"] = str(REPO)
     # `python` is this interpreter, as `. .venv/bin/activate` makes it for a reader.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])

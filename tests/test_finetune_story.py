@@ -76,15 +76,13 @@ def _boolq_by_hand(params, model_config, *, vocab_path: str, seq_len: int, val_p
     tokenizer = Tokenizer(vocab_path)
     (yes,), (no,) = tokenizer.encode("yes"), tokenizer.encode("no")
     model = Transformer(model_config)
+    # One compiled forward pass for the 4 batches (op by op, the first batch alone costs seconds).
+    forward = jax.jit(lambda params, inputs, positions, segment_ids: model.apply(
+        {"params": params}, inputs, positions=positions, segment_ids=segment_ids))
     says_yes = []
     for batch in boolq_batches(examples, tokenizer, seq_len=seq_len, batch_size=4):
         logits = np.asarray(
-            model.apply(
-                {"params": params},
-                batch["inputs"],
-                positions=batch["positions"],
-                segment_ids=batch["segment_ids"],
-            ),
+            forward(params, batch["inputs"], batch["positions"], batch["segment_ids"]),
             dtype=np.float64,
         )  # [B, T, V]
         for row in range(logits.shape[0]):
@@ -185,7 +183,7 @@ def test_hf_to_lora_boolq_to_merged_hf(tmp_path, monkeypatch, capfd) -> None:
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 24)).astype(np.int32)
     with torch.no_grad():
         theirs = reloaded(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-    ours = np.asarray(Transformer(config.model).apply({"params": trained}, tokens))
+    ours = np.asarray(jax.jit(Transformer(config.model).apply)({"params": trained}, tokens))
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
     before = start.logits(tokens)
     # the fine-tuning changed the model the export carries

@@ -1,11 +1,13 @@
 """`python -m paxlite generate` end to end on a job trained for 2 steps, and its bad-input
 errors."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,8 +47,13 @@ def vocab(tmp_path_factory):
     return str(root / "spm.model")
 
 
-def _greedy_reference(job, prompt, new):
-    """Full forward pass (no cache) on the saved params, argmax at every step."""
+REFERENCE_LEN = 16  # every prompt and continuation of the greedy references fits
+
+
+@functools.cache
+def _full_forward(job):
+    """The job's model on its saved params, as one jitted forward pass over REFERENCE_LEN tokens:
+    compiled once for all references (run op by op, each new length costs seconds)."""
     import fiddle as fdl
 
     from paxlite.checkpointing.pretrained import read_state
@@ -55,10 +62,19 @@ def _greedy_reference(job, prompt, new):
 
     model = Transformer(fdl.build(load_experiment("TinySynthetic", ["MAX_STEPS=2"]).model_config()))
     params = read_state(job)[2]["params"]
+    return functools.partial(jax.jit(lambda p, tokens: model.apply({"params": p}, tokens)), params)
+
+
+def _greedy_reference(job, prompt, new):
+    """Full forward pass (no cache) on the saved params, argmax at every step. The sequence is
+    padded on the right to REFERENCE_LEN: the model is causal, so the logits at its last token do
+    not see the padding."""
     seq = list(prompt)
     for _ in range(new):
-        logits = model.apply({"params": params}, jnp.asarray([seq], jnp.int32))
-        seq.append(int(np.argmax(np.asarray(logits[0, -1]))))
+        tokens = np.zeros((1, REFERENCE_LEN), np.int32)
+        tokens[0, : len(seq)] = seq
+        logits = _full_forward(job)(jnp.asarray(tokens))
+        seq.append(int(np.argmax(np.asarray(logits[0, len(seq) - 1]))))
     return seq[len(prompt):]
 
 

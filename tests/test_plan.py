@@ -143,25 +143,44 @@ def test_fits_flips_and_levers_are_computed(fsdp_plans):
     assert accum.applicable is False and "GRAD_ACCUM_STEPS" in accum.reason
 
 
+LEVER_SETTINGS = ("ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8")
+
+
 @pytest.fixture(scope="module")
-def lever_plan() -> Plan:
-    """Nothing fits: four levers (one on another mesh) compiled at once, then all together."""
-    return _tiny_plan(
-        "ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4
-    )
+def lever_plan_and_base() -> tuple[Plan, StepMeasurement]:
+    """Nothing fits: four levers (one on another mesh) compiled at once, then all together; and the
+    base step's measurement the plan's levers started from (recorded on its way to the levers, so
+    the one-at-a-time comparison below compiles the levers only, not the base step again)."""
+    bases = []
+
+    def recording_levers(experiment, base, **kwargs):
+        bases.append(base)
+        return plan_levers.levers(experiment, base, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_lib, "levers", recording_levers)
+        plan = _tiny_plan(*LEVER_SETTINGS, num_devices=2, device_memory_gib=1e-4)
+    [base] = bases
+    return plan, base
+
+
+@pytest.fixture(scope="module")
+def lever_plan(lever_plan_and_base) -> Plan:
+    return lever_plan_and_base[0]
 
 
 # slow: the levers compiled one at a time, for comparison (~15 s on 2 cores)
 @pytest.mark.slow
-def test_levers_compiled_at_once_measure_what_one_at_a_time_measures(lever_plan, monkeypatch):
+def test_levers_compiled_at_once_measure_what_one_at_a_time_measures(lever_plan_and_base,
+                                                                     monkeypatch):
     """The levers compile in threads (plan_search.compile_variants), each under its own mesh: a mesh
     or rules context leaking between threads would change some lever's bytes."""
+    lever_plan, base = lever_plan_and_base
     assert sum(lever.method == "compiled" for lever in lever_plan.levers) >= 3
     monkeypatch.setattr(plan_lib.os, "cpu_count", lambda: 1)  # one worker: one lever after another
-    serial = _tiny_plan(
-        "ICI_MESH_SHAPE=[2,1,1]", "PERCORE_BATCH_SIZE=8", num_devices=2, device_memory_gib=1e-4
-    )
-    assert serial.levers == lever_plan.levers
+    serial = plan_levers.levers(load_experiment("TinySynthetic", (*TINY, *LEVER_SETTINGS)), base,
+                               num_devices=2, device_bytes=lever_plan.device_memory_bytes)
+    assert tuple(serial) == lever_plan.levers
 
 
 @pytest.mark.slow  # compiles the step with and without accumulation (~29 s on 2 cores)

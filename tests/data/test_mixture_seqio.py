@@ -8,7 +8,6 @@ import itertools
 
 import numpy as np
 import pytest
-import seqio
 
 from paxlite.config.errors import ConfigError
 from paxlite.data import seqio_pipeline as sp
@@ -42,6 +41,8 @@ def test_one_task_mixture_reads_that_task(tfds_dir, vocab, pile_batches):  # noq
 def test_pairs_are_registered_as_the_mixture_a_user_would_register(
     tfds_dir, vocab, pile_batches  # noqa: F811
 ):
+    import seqio  # here, not at the top: see test_seqio_pipeline's docstring
+
     pairs = (("the_pile_lm", 0.7), ("c4_lm_v301_gpt", 0.3))
     data = sp.SeqIOData(_mixture(tfds_dir, vocab, pairs), global_batch_size=4)
     name = st.mixture_name(pairs)

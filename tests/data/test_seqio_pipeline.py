@@ -2,6 +2,8 @@
 
 Needs the `seqio` extra (CI installs it). The references are plain Python/NumPy over SentencePiece
 ids of the stored documents, read straight from the TFRecord files (not through SeqIO).
+SeqIO, TensorFlow and TFDS are imported where they are used: importing them takes seconds, and
+every pytest worker imports this module to collect it, while only one runs it.
 """
 
 import functools
@@ -17,9 +19,6 @@ import sys
 import numpy as np
 import pytest
 import sentencepiece as spm
-import seqio
-import tensorflow as tf
-import tensorflow_datasets as tfds
 
 from paxlite.data import seqio_pipeline as sp
 from paxlite.data import seqio_tasks as st
@@ -33,7 +32,6 @@ WORDS = (
 ).split()
 VOCAB = 400  # 259 byte/special pieces, the characters, and a merge for most words
 GROUP = st.CONCAT_GROUP_SIZE
-TEXT = tfds.features.FeaturesDict({"text": tfds.features.Text()})
 LAMBADA = [("He opened the door and saw", " her"), ("They sat by the", " fire"),
            ("When all was said, she had not", " gone")]
 BOOLQ = {  # split -> (passage, question, label)
@@ -65,6 +63,13 @@ def keyed(examples: list) -> list:
     return list(enumerate(examples))
 
 
+def text_features():
+    """TFDS features of a dataset of documents: one "text" field."""
+    import tensorflow_datasets as tfds
+
+    return tfds.features.FeaturesDict({"text": tfds.features.Text()})
+
+
 @pytest.fixture(scope="session")
 def vocab(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("spm")
@@ -79,12 +84,15 @@ def spm_model(vocab) -> spm.SentencePieceProcessor:
 @pytest.fixture(scope="session")
 def tfds_dir(tmp_path_factory) -> str:
     """the_pile (1 file per split), c4/en (2 files per split), my_lambada, super_glue/boolq."""
+    import tensorflow_datasets as tfds
+
     root = str(tmp_path_factory.mktemp("tfds"))
+    text = text_features()
     store = tfds.dataset_builders.store_as_tfds_dataset
-    store(name="the_pile", version="1.0.0", features=TEXT, data_dir=root, file_format="tfrecord",
+    store(name="the_pile", version="1.0.0", features=text, data_dir=root, file_format="tfrecord",
           split_datasets={"train": keyed([{"text": d} for d in documents(300, seed=1)]),
                           "validation": keyed([{"text": d} for d in documents(40, seed=2)])})
-    store(name="c4", config="en", version="3.0.1", features=TEXT, data_dir=root,
+    store(name="c4", config="en", version="3.0.1", features=text, data_dir=root,
           file_format="tfrecord", download_config=tfds.download.DownloadConfig(num_shards=2),
           split_datasets={"train": keyed([{"text": d} for d in documents(200, seed=3)]),
                           "validation": keyed([{"text": d} for d in c4_validation()])})
@@ -110,6 +118,9 @@ def stored_texts(directory: str, split: str) -> tuple[tuple[str, ...], ...]:
     """Each TFRecord file's documents in stored order, decoded without SeqIO (one tuple per file).
     Cached: the files are written once per session, and decoding them runs eager TF ops per
     record."""
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
     features = tfds.builder_from_directory(directory).info.features
     files = sorted(glob.glob(os.path.join(directory, f"*-{split}.tfrecord-*")))
     return tuple(tuple(features.deserialize_example(record)["text"].numpy().decode() for record in
@@ -289,6 +300,8 @@ def test_resume_continues_exactly_and_checks_meta(tfds_dir, vocab):
 
 
 def eval_task_rows(task: str, split: str, lengths: dict[str, int]) -> list[dict[str, list[int]]]:
+    import seqio
+
     ds = seqio.get_mixture_or_task(task).get_dataset(lengths, split=split, shuffle=False)
     return [{key: ex[key].tolist() for key in ("inputs", "targets")}
             for ex in ds.as_numpy_iterator()]
@@ -316,6 +329,8 @@ def test_boolq_task_matches_the_python_prompt(tfds_dir, vocab, spm_model):
 
 
 def test_register_tasks_replaces_vocabulary_and_data_dir(tfds_dir, vocab, tmp_path):
+    import seqio
+
     other = train_from_sentences(documents(500, seed=5), tmp_path / "other", vocab_size=300)
     st.register_tasks(vocab_path=other, tfds_data_dir=str(tmp_path))
     st.register_tasks(vocab_path=vocab, tfds_data_dir=tfds_dir)
@@ -326,6 +341,9 @@ def test_register_tasks_replaces_vocabulary_and_data_dir(tfds_dir, vocab, tmp_pa
 
 
 def test_preprocessors_on_hand_made_examples():
+    import seqio
+    import tensorflow as tf
+
     ds = tf.data.Dataset.from_generator(
         lambda: iter([[5, 6], [0, 7], [8], [9, 0, 3]]),
         output_signature=tf.TensorSpec([None], tf.int32)).map(lambda t: {"targets": t, "x": 1})
@@ -367,8 +385,10 @@ def test_cheap_checks_fail_before_any_dataset_is_built(tfds_dir, vocab, tmp_path
 def test_array_record_datasets_are_refused_with_the_reason(tmp_path, vocab):
     # TFDS 4.9.10 reads array_record only as a random-access data source; `as_dataset` (tf.data,
     # which SeqIO uses) raises NotImplementedError for it.
+    import tensorflow_datasets as tfds
+
     builder = tfds.dataset_builders.store_as_tfds_dataset(
-        name="the_pile", version="1.0.0", features=TEXT, data_dir=str(tmp_path),
+        name="the_pile", version="1.0.0", features=text_features(), data_dir=str(tmp_path),
         file_format="array_record",
         split_datasets={"train": keyed([{"text": "a b"}]), "validation": keyed([{"text": "c"}])})
     with pytest.raises(NotImplementedError):

@@ -5,8 +5,6 @@ import functools
 import json
 import math
 import os
-import subprocess
-import sys
 
 import fiddle as fdl
 import jax
@@ -25,6 +23,7 @@ from paxlite.train.loop import Run, RunContext
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
 from tests.experiments.traced import traced_num_params
+from tests.in_process import paxlite_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 T = 1024**4
@@ -300,16 +299,15 @@ def test_typos_get_suggestions(name, message):
         assert "fuji-13B" not in listed
 
 
-def test_fuji_test_v3_trains_three_steps_through_main(tmp_path):
+def test_fuji_test_v3_trains_three_steps_through_main(tmp_path, monkeypatch, capfd):
+    # `python -m paxlite.main` in this process (tests/in_process.py), on its 8 fake devices as a
+    # process started from here would have them
     job = tmp_path / "job"
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")  # 8 fake devices from conftest
-    result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=fuji-test-v3",
-         "--fdl.SYNTHETIC_DATA=true", "--fdl.MAX_STEPS=3", "--fdl.SUMMARY_INTERVAL_STEPS=1",
-         "--fdl.EVAL_LOOP_NUM_BATCHES=1",
-         "--enable_checkpoint_saving=false", f"--job_log_dir={job}"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300, check=False
-    )
+    monkeypatch.chdir(REPO)
+    with paxlite_main(monkeypatch, capfd) as run:
+        result = run("--fdl_config=fuji-test-v3", "--fdl.SYNTHETIC_DATA=true", "--fdl.MAX_STEPS=3",
+                     "--fdl.SUMMARY_INTERVAL_STEPS=1", "--fdl.EVAL_LOOP_NUM_BATCHES=1",
+                     "--enable_checkpoint_saving=false", f"--job_log_dir={job}")
     assert result.returncode == 0, result.stderr[-3000:]
     with open(job / "config.json") as f:
         config = json.load(f)

@@ -1,5 +1,6 @@
 """KV-cache generation (models/decode.py) against the full forward pass, and sampling."""
 
+import functools
 from typing import Any
 
 import jax
@@ -46,13 +47,20 @@ def _params(cfg: TransformerConfig) -> Any:
     return stack_layers(params, cfg.num_layers) if cfg.scan_layers else params
 
 
+@functools.cache
+def _full_forward(cfg: TransformerConfig) -> Any:
+    """One jitted forward per config: the reference runs it for every prompt and token, and a
+    new jit per prompt would trace and lower the model again each time."""
+    return jax.jit(lambda p, t: Transformer(cfg).apply({"params": p}, t))
+
+
 def _greedy_by_full_forward(cfg: TransformerConfig, params: Any, prompt: list[int],
                             new: int) -> list[int]:
     """The reference: no cache, no left padding; the whole sequence again for every token.
 
     The sequence sits at the start of a fixed [1, max_seq_len] row (one compile): causal
     attention keeps the zeros after it from changing any logit up to its last token."""
-    forward = jax.jit(lambda p, t: Transformer(cfg).apply({"params": p}, t))
+    forward = _full_forward(cfg)
     seq = list(prompt)
     for _ in range(new):
         row = np.zeros((1, cfg.max_seq_len), np.int32)

@@ -53,7 +53,14 @@ _init_once = functools.cache(_init)
 
 
 def _logits(config, params):
-    return jax.jit(lambda p: Transformer(config).apply({"params": p}, TOKENS))(params)
+    return _forward(config)(params)
+
+
+@functools.cache
+def _forward(config):
+    """One jitted forward per config: the base model of each layout runs in two tests, and a new
+    jit would trace and lower it again."""
+    return jax.jit(lambda p: Transformer(config).apply({"params": p}, TOKENS))
 
 
 def _flat(params):

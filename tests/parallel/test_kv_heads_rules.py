@@ -23,12 +23,12 @@ from paxlite.models import decode
 from paxlite.models.transformer import Transformer, abstract_variables, logical_param_axes
 from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
-from paxlite.train.losses import loss_fn
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
 from paxlite.train.step import TrainState, compile_steps
 from tests.host_params import random_host_params
 from tests.models.test_decode import PROMPTS, _params, llama
+from tests.train.train_step_gradients import recording_gradients
 
 MODELS_DIR = pathlib.Path(__file__).resolve().parents[2] / "paxlite" / "models"
 RULE_NAMES = {name for name, _ in rules_lib.DEFAULT_RULES}
@@ -117,8 +117,11 @@ MESH_SHAPE = {"pipeline": 1, "data": 1, "fsdp": 2, "seq": 1, "tensor": 4, "exper
 
 
 def _train(cfg, mesh, optimizer, schedule):
-    """Loss and gradients from seeded host parameters, then one train step's loss."""
+    """Loss and gradients at seeded host parameters, then the loss of a second train step (after
+    one update). The gradients are the first step's, as its optimizer was given them
+    (tests/train/train_step_gradients.py): one program per mesh, the train step."""
     model = Transformer(cfg)
+    optimizer = recording_gradients(optimizer)
     with jax.set_mesh(mesh):
         steps = compile_steps(model=model, optimizer=optimizer, schedule=schedule, mesh=mesh,
                               seq_len=cfg.max_seq_len, seed=0, deterministic=True)
@@ -131,15 +134,10 @@ def _train(cfg, mesh, optimizer, schedule):
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
                  "weights": np.ones((8, cfg.max_seq_len), np.float32)}
         batch = jax.device_put(batch, steps.batch_sharding)
-
-        def value_and_grad(params, batch):
-            with nn.logical_axis_rules(rules_lib.DEFAULT_RULES):
-                return jax.value_and_grad(lambda p, b: loss_fn(p, b, model=model), has_aux=True)(
-                    params, batch)
-
-        (loss, _), grads = jax.jit(value_and_grad)(state.params, batch)
+        state, metrics = steps.train(state, batch)
+        loss, grads = float(metrics["loss"]), jax.device_get(state.opt_state[1])
         _, metrics = steps.train(state, batch)
-        return float(loss), jax.device_get(grads), float(metrics["loss"]), steps.state_shardings
+        return loss, grads, float(metrics["loss"]), steps.state_shardings
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa_2_kv_heads", "mqa"])

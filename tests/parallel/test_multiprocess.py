@@ -6,7 +6,6 @@ joined through Pax's --multiprocess_gpu flags and JAX's gloo collectives, and co
 """
 
 import json
-import logging
 import os
 import re
 import signal
@@ -27,7 +26,7 @@ from paxlite.parallel.distributed import (
     first_slurm_host,
     timeouts_from_env,
 )
-from tests.in_process import paxlite_main
+from tests.in_process import paxlite_main, train_in_this_process
 from tests.xla_test_flags import COMPILE_FLAGS
 
 NO_FLAGS = dict(multiprocess_gpu=False, server_addr=None, num_hosts=None, host_idx=None)
@@ -201,11 +200,14 @@ _CLUSTER_VARS = ("SLURM_", "PAXLITE_", "JAX_", "XLA_", "OMPI_", "PMI_")
 
 def _env(num_cpu_devices: int) -> dict[str, str]:
     """No XLA_FLAGS from conftest but its compile flags (each process sets its own device count), no
-    cluster variables."""
+    cluster variables. The session's compilation cache stays (tests/conftest.py): JAX writes to it
+    from process 0 only, so process 0 of a later pair (a resume, another test's pair of the same
+    model and mesh) reads its programs back instead of compiling them again."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(_CLUSTER_VARS) and k != "JOB_COMPLETION_INDEX"
+        if (not k.startswith(_CLUSTER_VARS) or k == "JAX_COMPILATION_CACHE_DIR")
+        and k != "JOB_COMPLETION_INDEX"
     }
     env.update(
         JAX_PLATFORMS="cpu",
@@ -280,24 +282,6 @@ def _mesh_layout(log: str) -> list[int]:
     return [sorted(ids).index(i) for i in ids]
 
 
-def train_in_this_process(job: Path, flags: list[str], caplog) -> str:
-    """The training run of `python -m paxlite.main` FLAGS (--fdl_config, --fdl.*), in this process
-    and without checkpoints: a one-process reference on this process's 8 CPU devices, compiled
-    with the started processes' flags (tests/conftest.py), without the cost of one more process.
-    Returns its log."""
-    from paxlite.experiments.build import build_run_config
-    from paxlite.train.loop import Run, RunContext
-
-    name = next(f.split("=", 1)[1] for f in flags if f.startswith("--fdl_config="))
-    _, config = build_run_config(name, [f.removeprefix("--fdl.") for f in flags
-                                        if f.startswith("--fdl.")])
-    caplog.clear()
-    with (caplog.at_level(logging.INFO),
-          Run(config, RunContext(job_dir=str(job), enable_checkpoint_saving=False)) as run):
-        run.train()
-    return caplog.text
-
-
 @pytest.mark.slow  # two-process runs, a resume and a one-process reference (~40 s on 2 cores)
 @pytest.mark.multiprocess
 def test_two_processes_resume_and_match_one_process(tmp_path, caplog):
@@ -305,7 +289,8 @@ def test_two_processes_resume_and_match_one_process(tmp_path, caplog):
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     procs = _start_pair(job, [*EXPERIMENT, f"--fdl.MAX_STEPS={STEPS}"], tmp_path)
     try:  # One process with 8 devices, uninterrupted, while the pair trains its first STEPS.
-        ref_log = train_in_this_process(ref, [*EXPERIMENT, f"--fdl.MAX_STEPS={2 * STEPS}"], caplog)
+        ref_log = train_in_this_process(ref, [*EXPERIMENT, f"--fdl.MAX_STEPS={2 * STEPS}"],
+                                        save_checkpoints=False, caplog=caplog)
     finally:
         _finish(procs, logs, timeout=240)
     # the second start resumes from the checkpoint at STEPS

@@ -7,12 +7,8 @@ import os
 
 import pytest
 
-from tests.parallel.test_multiprocess import (
-    _finish,
-    _start_pair,
-    _train_losses,
-    train_in_this_process,
-)
+from tests.in_process import train_in_this_process
+from tests.parallel.test_multiprocess import _finish, _start_pair, _train_losses
 
 STEPS = 3
 PIPELINE_OVER_DCN = [
@@ -31,12 +27,12 @@ PIPELINE_OVER_DCN = [
 
 
 @pytest.mark.multiprocess
-def test_pipeline_across_two_processes_matches_one_process(tmp_path, caplog):
+def test_pipeline_across_two_processes_matches_one_process(tmp_path):
     job, ref = tmp_path / "job", tmp_path / "ref"
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     procs = _start_pair(job, PIPELINE_OVER_DCN, tmp_path)
     try:  # the one-process reference, on 8 devices, while the pair trains
-        train_in_this_process(ref, PIPELINE_OVER_DCN, caplog)
+        train_in_this_process(ref, PIPELINE_OVER_DCN, save_checkpoints=False)
     finally:
         _finish(procs, logs, timeout=240)
 

@@ -191,6 +191,7 @@ def test_bfloat16_scanned_stack_with_dropout_trains(tmp_path):
             "INPUT_DROPOUT_PROB=0.1",
             "EVAL_INTERVAL_STEPS=1000",
         ],
+        saving=False,  # the last step's checkpoint: nothing here reads it
     )
     losses = [line["loss"] for line in _train_lines(tmp_path)]
     assert losses[-1] < 0.75 * losses[0], losses
@@ -211,7 +212,9 @@ def test_fractional_percore_batch_with_tensor_parallelism(tmp_path):
         "CHECKPOINT_EVERY_N_STEPS=1000",
     ]
     _, config = build_run_config("TinySynthetic", overrides)
-    with Run(config, RunContext(job_dir=str(tmp_path / "job"))) as run:
+    # no checkpoint of the last step: nothing here reads it
+    context = RunContext(job_dir=str(tmp_path / "job"), enable_checkpoint_saving=False)
+    with Run(config, context) as run:
         assert run.global_batch_size == 4 and run.tokens_per_step == 4 * config.model.max_seq_len
         run.train()
     lines = _train_lines(tmp_path / "job")
@@ -234,7 +237,8 @@ def test_resume_after_toggling_optimizer_settings(tmp_path, first, second):
     # COMMON's settings: the _OFF run is the program the earlier-layout test resumes with.
     short = COMMON + ["CHECKPOINT_EVERY_N_STEPS=2"]
     stopped = _run(tmp_path, short + first + ["MAX_STEPS=2"])
-    resumed = _run(tmp_path, short + second + ["MAX_STEPS=3"])
+    # restores step 2 as a run that saves would; step 3's checkpoint is read by nothing here
+    resumed = _run(tmp_path, short + second + ["MAX_STEPS=3"], saving=False)
     assert int(resumed.step) == 3
     assert [line["step"] for line in _train_lines(tmp_path)] == [1, 2, 3]  # resumed, not restarted
     # Step 3 started from step 2's state: the Adam count continued (an init would restart at 1).
@@ -265,25 +269,29 @@ def _earlier_make_optimizer(config, schedule):
 def test_resume_from_checkpoint_of_the_earlier_optimizer_layout(
         tmp_path, monkeypatch, caplog, settings, stages, adam):
     """A job checkpointed by the earlier chain resumes as the earlier code would have resumed it."""
-    overrides = COMMON + settings
+    stop = 2  # steps before the interruption: the stop and the resume need no more
+    overrides = COMMON + [f"CHECKPOINT_EVERY_N_STEPS={stop}", *settings]
     with monkeypatch.context() as patch:
         patch.setattr(run_build, "make_optimizer", _earlier_make_optimizer)
-        reference = _run(tmp_path / "reference", overrides + [f"MAX_STEPS={2 * N}"])
-        stopped = _run(tmp_path / "job", overrides + [f"MAX_STEPS={N}"])
+        # its metrics are the reference; its checkpoints are read by nothing here
+        reference = _run(tmp_path / "reference", overrides + [f"MAX_STEPS={2 * stop}"],
+                         saving=False)
+        stopped = _run(tmp_path / "job", overrides + [f"MAX_STEPS={stop}"])
     assert len(stopped.opt_state) == len(reference.opt_state) == stages  # the earlier layout
-    resumed = _run(tmp_path / "job", overrides + [f"MAX_STEPS={2 * N}"])
+    resumed = _run(tmp_path / "job", overrides + [f"MAX_STEPS={2 * stop}"])
     lines, want = _train_lines(tmp_path / "job"), _train_lines(tmp_path / "reference")
-    assert [line["step"] for line in lines] == list(range(1, 2 * N + 1))  # resumed, not restarted
+    # resumed, not restarted
+    assert [line["step"] for line in lines] == list(range(1, 2 * stop + 1))
     for key in ("loss", "grad_norm", "learning_rate"):
         assert [line[key] for line in lines] == [line[key] for line in want], key
-    assert int(resumed.step) == 2 * N and len(resumed.opt_state) == 5
+    assert int(resumed.step) == 2 * stop and len(resumed.opt_state) == 5
     _assert_same_state(resumed.params, reference.params)
     _assert_same_state((resumed.opt_state[1], resumed.opt_state[4].count),
                        (reference.opt_state[adam], reference.opt_state[-1].count))
     assert any("earlier layout" in r.getMessage() and f"({stages} stages" in r.getMessage()
                for r in caplog.records if r.levelname == "WARNING")
     assert sorted(os.listdir(tmp_path / "job" / "checkpoints")) == [
-        f"checkpoint_{N:08d}", f"checkpoint_{2 * N:08d}"]
+        f"checkpoint_{stop:08d}", f"checkpoint_{2 * stop:08d}"]
     assert not os.path.exists(tmp_path / "job" / "checkpoints_corrupted")
 
 

@@ -67,9 +67,10 @@ def _steps(run, mesh, *, grad_accum_steps=1):
         )
 
 
-def _train(run, mesh, state0, *, grad_accum_steps=1, num_steps=NUM_STEPS):
-    """(states after each step on host, losses); every run starts from the same host state0."""
-    steps = _steps(run, mesh, grad_accum_steps=grad_accum_steps)
+def _train(run, mesh, state0, *, grad_accum_steps=1, num_steps=NUM_STEPS, steps=None):
+    """(states after each step on host, losses); every run starts from the same host state0.
+    `steps`: the compiled steps of these settings where the caller has them (not traced again)."""
+    steps = steps or _steps(run, mesh, grad_accum_steps=grad_accum_steps)
     data = SyntheticData(run.data, global_batch_size=GLOBAL_BATCH)
     states, losses = [], []
     with jax.set_mesh(mesh):
@@ -83,19 +84,20 @@ def _train(run, mesh, state0, *, grad_accum_steps=1, num_steps=NUM_STEPS):
 
 @pytest.fixture(scope="module")
 def reference():
-    """LoRA on TinySynthetic: the initial state, then NUM_STEPS steps on a (2, 2, 2) mesh."""
+    """LoRA on TinySynthetic: the initial state, then NUM_STEPS steps on a (2, 2, 2) mesh (and
+    the compiled steps, which the tests on this mesh reuse)."""
     run = _run_config()
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(2, 2, 2)))
     steps = _steps(run, mesh)
     with jax.set_mesh(mesh):
         state0 = jax.device_get(steps.init())
         sharded_init = steps.init()
-    states, losses = _train(run, mesh, state0)
-    return run, mesh, state0, sharded_init, states, losses
+    states, losses = _train(run, mesh, state0, steps=steps)
+    return run, mesh, state0, sharded_init, states, losses, steps
 
 
 def test_only_the_adapters_train(reference):
-    run, mesh, state0, sharded_init, states, losses = reference
+    run, mesh, state0, sharded_init, states, losses, steps = reference
     before, after = _flat(state0.params), _flat(states[-1].params)
     lora_keys = [k for k in before if is_lora_path(k)]
     # 2 layers x (qkv, out, wi, wo) x (lora_a, lora_b)
@@ -117,7 +119,6 @@ def test_only_the_adapters_train(reference):
     # The frozen weights keep their shardings through the step (FSDP x tensor on this mesh).
     qkv = sharded_init.params["layers_0"]["attention"]["qkv"]["kernel"]
     assert qkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", None, "tensor", None)
-    steps = _steps(run, mesh)
     with jax.set_mesh(mesh):
         batch = SyntheticData(run.data, global_batch_size=GLOBAL_BATCH).train_batch(
             0, steps.batch_sharding)
@@ -128,7 +129,7 @@ def test_only_the_adapters_train(reference):
 
 
 def test_sharded_2x2x2_matches_one_device(reference):
-    run, _, state0, _, states, losses = reference
+    run, _, state0, _, states, losses, _ = reference
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
     states_one, losses_one = _train(run, one, state0)
     np.testing.assert_allclose(losses, losses_one, rtol=1e-5)
@@ -141,7 +142,7 @@ def test_sharded_2x2x2_matches_one_device(reference):
 
 
 def test_gradient_accumulation_with_lora(reference):
-    run, mesh, state0, _, states, losses = reference
+    run, mesh, state0, _, states, losses, _ = reference
     states_acc, losses_acc = _train(run, mesh, state0, grad_accum_steps=2, num_steps=1)
     assert losses_acc[0] == pytest.approx(losses[0], rel=1e-5)
     got, want = _flat(states_acc[0].params), _flat(states[0].params)

@@ -38,9 +38,9 @@ FLAT = ["ICI_MESH_SHAPE=[2,2,2]"]  # (data, fsdp, tensor)
 PIPELINED = ["ICI_MESH_SHAPE=[2,2,1,1,2]", "NUM_MICROBATCHES=2"]  # (data, fsdp, pipeline)
 
 
-def _run(job_dir, overrides) -> object:
+def _run(job_dir, overrides, *, saving=True) -> object:
     _, config = build_run_config("TinySynthetic", COMMON + list(overrides))
-    with Run(config, RunContext(job_dir=str(job_dir))) as run:
+    with Run(config, RunContext(job_dir=str(job_dir), enable_checkpoint_saving=saving)) as run:
         return jax.device_get(run.train())
 
 
@@ -76,10 +76,11 @@ def _stopped_after_n(straight_dir, job) -> None:
 
 
 def _resume(tmp_path, straight_dir, mesh):
-    """The straight run of `straight_dir` stopped after step N, resumed on `mesh` to step 2N."""
+    """The straight run of `straight_dir` stopped after step N, resumed on `mesh` to step 2N (its
+    state returned; a checkpoint of step 2N would be read by nothing)."""
     job = tmp_path / "job"
     _stopped_after_n(straight_dir, job)
-    state = _run(job, mesh + [f"MAX_STEPS={2 * N}"])
+    state = _run(job, mesh + [f"MAX_STEPS={2 * N}"], saving=False)
     return job, state
 
 

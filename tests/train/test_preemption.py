@@ -21,7 +21,7 @@ import pytest
 from paxlite.cli.job import PREEMPTED_UNSAVED_EXIT_CODE, preemption_exit_code
 from paxlite.errors import SettingError
 from paxlite.train.preemption import DUPLICATE_WINDOW_S
-from tests.in_process import paxlite_main
+from tests.in_process import paxlite_main, train_in_this_process
 
 # Steps are milliseconds long, so a run reaches any step long before it would finish.
 TRAIN = [
@@ -111,7 +111,8 @@ def test_a_signal_checkpoints_the_step_and_the_restart_continues_bit_exactly(tmp
         f"checkpoint_{stop2:08d}",
     ]
 
-    _train_in_process(ref, max_steps=stop2, save_checkpoints=False)  # never interrupted
+    # never interrupted
+    train_in_this_process(ref, [*TRAIN, f"--fdl.MAX_STEPS={stop2}"], save_checkpoints=False)
     got, want = _losses(job), _losses(ref)
     assert sorted(got) == list(range(1, stop2 + 1))
     assert {s: got[s] for s in got} == {s: want[s] for s in got}  # loss and grad norm, bit for bit
@@ -124,24 +125,11 @@ def _wait_for_log(proc: subprocess.Popen, log: Path, text: str, *, timeout: floa
         time.sleep(0.02)
 
 
-def _train_in_process(job: Path, *, max_steps: int, save_checkpoints: bool = True) -> None:
-    """TRAIN's run to `max_steps` in this process (same devices and compile flags as the started
-    ones, so the same arithmetic): a job to resume from, or one to compare with, without the cost
-    of starting one more process."""
-    from paxlite.experiments.build import build_run_config
-    from paxlite.train.loop import Run, RunContext
-
-    overrides = [flag.removeprefix("--fdl.") for flag in TRAIN if flag.startswith("--fdl.")]
-    overrides = [o for o in overrides if not o.startswith("MAX_STEPS=")]
-    _, config = build_run_config("TinySynthetic", [*overrides, f"MAX_STEPS={max_steps}"])
-    context = RunContext(job_dir=str(job), enable_checkpoint_saving=save_checkpoints)
-    with Run(config, context) as run:
-        run.train()
-
-
-def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_intact(tmp_path):
+def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_intact(
+        tmp_path, monkeypatch, capfd):
     job, log = tmp_path / "job", tmp_path / "run.log"
-    _train_in_process(job, max_steps=4)  # the job's committed checkpoint, step 4
+    # the job's committed checkpoint, step 4 (same devices and compile flags as a started run)
+    train_in_this_process(job, [*TRAIN, "--fdl.MAX_STEPS=4"])
     proc = _start(job, log)
     # the handlers are in place; the run is being built
     _wait_for_log(proc, log, "Compilation cache:")
@@ -165,14 +153,13 @@ def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_inta
     left = sorted(os.listdir(job / "checkpoints"))
     assert left in (["checkpoint_00000004"],
                     ["checkpoint_00000004", "checkpoint_00000005.orbax-checkpoint-tmp"]), left
-    rerun = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, "--fdl.MAX_STEPS=6"],
-        check=False,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # The same command again resumes from them: in this process (tests/in_process.py), as it is sent
+    # no signal, with the environment _env() gives a started one.
+    for name in list(os.environ):
+        if name.startswith(_CLUSTER_VARS) or name == "JOB_COMPLETION_INDEX":
+            monkeypatch.delenv(name)
+    with paxlite_main(monkeypatch, capfd) as run:
+        rerun = run(f"--job_log_dir={job}", *TRAIN, "--fdl.MAX_STEPS=6")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "Resumed from checkpoint step 4" in rerun.stderr
 
