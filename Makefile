@@ -10,6 +10,11 @@ DEMO_DIR ?= demo_job/$(shell date +%Y%m%d-%H%M%S)
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist); each holds 8 simulated CPU devices and its own compiles (~1-3 GB).
 TEST_WORKERS ?= 2
+# The test sessions cache compiled Python in __pycache__ (gitignored) even where the shell sets
+# PYTHONDONTWRITEBYTECODE (an empty value turns it off): the suite starts a few hundred Python
+# processes, each of which would compile paxlite's sources again, and each xdist worker would
+# rewrite every test module's assertions again (collection: 6.0 -> 2.8 CPU-s a worker).
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # XLA's GPU compiler for the gpu_compile tests (and `plan --target=h100` in this checkout): JAX's CUDA
 # plugin and the CUDA libraries it compiles with, ~2.9 GB, kept out of the venv so that `make install`
@@ -52,23 +57,23 @@ gpu-compile: $(GPU_COMPILE_STAMP)
 # in a session of their own with the plugin on PYTHONPATH, where a missing plugin is an error, not a skip.
 # Then the gpu tests on the GPU, where there is one (tests/gpu_pass.py; without one it says so in a line).
 test: $(STAMP) $(GPU_COMPILE_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile $(PYTEST_ARGS)
-	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile $(PYTEST_ARGS)
+	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -n $(TEST_WORKERS) \
 		--dist loadfile --durations=10 tests/gpu_compile $(PYTEST_ARGS)
 	$(BIN)/python tests/gpu_pass.py
 
 # The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
 # `slow`: marked in the test file, or measured over 2 s in tests/durations.json (tests/conftest.py).
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess" --durations=10 $(PYTEST_ARGS)
+	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess" --durations=10 $(PYTEST_ARGS)
 
 # The whole suite, recording each test's seconds in tests/durations.json (commit it): the suite runs
 # longest first from it, and make test-quick leaves out what it measured as slow. The gpu_compile
 # session records its own tests' seconds into the same file (--record-durations updates it).
 test-durations: $(STAMP) $(GPU_COMPILE_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile \
+	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile \
 		--record-durations=tests/durations.json $(PYTEST_ARGS)
-	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -n $(TEST_WORKERS) \
 		--dist loadfile --durations=10 tests/gpu_compile --record-durations=tests/durations.json $(PYTEST_ARGS)
 
 demo: $(STAMP)
