@@ -29,6 +29,7 @@ def test_the_makefile_runs_tests_gpu_compile_with_the_plugin_required():
     assert "--ignore=tests/gpu_compile" in makefile
     # absolute: the docs' gpu_compile blocks run from a temporary directory
     assert re.search(r"PYTHONPATH=\$\(abspath \$\(GPU_COMPILE\)\) PAXLITE_REQUIRE_GPU_COMPILE=1 "
-                     r".*pytest",
+                     r".*(pytest|\$\(PYTEST\))",
                      makefile)
     assert re.search(r"--durations=10 tests/gpu_compile", makefile)
+    assert re.search(r"^PYTEST := .*-m pytest$", makefile, re.MULTILINE)  # what $(PYTEST) runs
