@@ -31,7 +31,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import grain
 import numpy as np
 from absl import logging
 
@@ -132,6 +131,8 @@ class Selection:
     _MAX_PERIOD = 1 << 20
 
     def __init__(self, weights: Sequence[float]):
+        import grain  # here, not with the module: data/pipeline.py says why
+
         self.proportions = grain_proportions(weights)
         n = len(self.proportions)
         self._n = n

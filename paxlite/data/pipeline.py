@@ -22,9 +22,8 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import numpy as np
 
 from paxlite.data import records
@@ -41,8 +40,12 @@ from paxlite.data.packing import (
 
 DEFAULT_EVAL_SPLIT = "validation"  # what python -m paxlite.data.prepare writes
 _STATE_VERSION = 2  # 2: position = (epoch, cursor, offset) of the document stream
-# Evaluation reads in the calling thread: with the GIL, Grain's reader threads were slower.
-_READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+if TYPE_CHECKING:
+    import grain
+
+# Grain (and the Orbax it imports, ~0.25 s) is imported where a dataset is read, not with this
+# module: the experiments import the config classes here for every command, `show` and synthetic
+# runs included.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,8 +54,8 @@ class TextDataConfig:
 
     Attributes:
         data_dir: a directory written by `paxlite.data.prepare` (manifest + ArrayRecord shards).
-        vocab_path: the SentencePiece model; required for "text" datasets, optional for "tokens"
-            ones (then checked against the manifest's sha256).
+        vocab_path: the tokenizer (any path `tokenizer.Tokenizer` opens); required for "text"
+            datasets, optional for "tokens" ones (then checked against the manifest's sha256).
         vocab_size: the model's embedding size; the tokenizer must not emit ids beyond it.
         seq_len: tokens per row.
         packed: concatenate documents into full rows (Pax PACKED_INPUT), or one padded document
@@ -255,7 +258,7 @@ class TextData(ProcessShare):
         tok = None
         if config.vocab_path is not None:
             vocab_path = os.path.abspath(os.path.expanduser(config.vocab_path))
-            if not os.path.isfile(vocab_path):
+            if not os.path.exists(vocab_path):
                 raise tokenizer_lib.VocabError(f"tokenizer file {vocab_path!r} does not exist")
             tok = tokenizer_lib.Tokenizer(vocab_path)
         if info.kind == "text":
@@ -301,6 +304,8 @@ class TextData(ProcessShare):
 
     def _documents(self, split: _Split) -> grain.MapDataset:
         """This process's records, in file order: the slice is taken before any shuffle."""
+        import grain
+
         return grain.MapDataset.source(split.source)[self.process_index :: self.process_count]
 
     def train_iterator(self) -> TrainIterator:
@@ -368,7 +373,11 @@ class TextData(ProcessShare):
         rows = self._documents(self._eval).map(
             _UnpackedRow(self._encode, seq_len=self.config.seq_len)
         )
-        return self._padded_batches(iter(rows.to_iter_dataset(_READ_OPTIONS)), count=count)
+        import grain
+
+        # evaluation reads in the calling thread: with the GIL, Grain's reader threads were slower
+        read_options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+        return self._padded_batches(iter(rows.to_iter_dataset(read_options)), count=count)
 
     def _padded_batches(
         self, rows: Iterator[dict[str, np.ndarray]], *, count: int
