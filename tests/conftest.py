@@ -24,7 +24,7 @@ from tests.xla_test_flags import COMPILE_FLAGS, GPU_COMPILE_FLAGS
 # is.
 GPU_PASS = os.environ.get("PAXLITE_TEST_GPU_PASS") == "1"
 _flags = os.environ.get("XLA_FLAGS", "").split()
-_TEST_FLAGS = () if GPU_PASS else (COMPILE_FLAGS, GPU_COMPILE_FLAGS)
+_TEST_FLAGS = () if GPU_PASS else (COMPILE_FLAGS, *GPU_COMPILE_FLAGS.split())
 for _flag in _TEST_FLAGS + ("--xla_force_host_platform_device_count=8",):
     if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):
         _flags.append(_flag)
