@@ -54,7 +54,7 @@ TE_OPTION_FLAGS: tuple[tuple[str, str], ...] = (
 ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "vocab_size", "num_layers", "model_dims", "num_heads", "kv_heads", "dims_per_head",
     "hidden_dims", "norm", "norm_epsilon", "activation", "gated_mlp", "use_bias", "tie_embeddings",
-    "position_kind",
+    "position_kind", "uses_qkv_bias", "qk_norm", "sliding_window",
 )
 # The same for the experts, compared when both models have them (routing decides the function).
 MOE_ARCHITECTURE_FIELDS: tuple[str, ...] = (
@@ -73,7 +73,7 @@ def architecture_differences(have: TransformerConfig, *, want: TransformerConfig
 
     fields = list(ARCHITECTURE_FIELDS)
     if want.position_kind is PositionEmbedding.ROTARY:
-        fields.append("rope_theta")
+        fields += ["rope_theta", "rope_scaling"]
     if want.position_kind is PositionEmbedding.LEARNED:
         fields.append("max_seq_len")  # the learned position table's size
     pairs = [(name, getattr(have, name), getattr(want, name)) for name in fields]
@@ -278,3 +278,18 @@ class ConvertSummary:
 
     family: str
     num_params: int
+
+
+def copy_hf_tokenizer_json(source: str, output: str) -> None:
+    """An HF input's tokenizer.json and the settings it is read with, beside the converted model
+    (commands read it before a tokenizer.model, as transformers does)."""
+    import shutil
+
+    from paxlite.data import tokenizer_hf
+    from paxlite.data.tokenizer import HF_TOKENIZER_FILE
+
+    if not os.path.isfile(os.path.join(source, HF_TOKENIZER_FILE)):
+        return
+    for name in (HF_TOKENIZER_FILE, "tokenizer_config.json", tokenizer_hf.SPECIAL_TOKENS_MAP_FILE):
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(output, name))

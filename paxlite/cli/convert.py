@@ -45,6 +45,7 @@ from paxlite.cli.conversion import (
     adopt_config,
     adopted_config,
     architecture_differences,
+    copy_hf_tokenizer_json,
     experiment_model_config,
     find_tokenizer,
     model_config_from_job,
@@ -136,7 +137,10 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
         settings = os.path.join(os.path.dirname(tokenizer), TOKENIZER_SETTINGS_FILE)
         if request.source is Source.HF and os.path.isfile(settings):
             shutil.copyfile(settings, os.path.join(request.output, TOKENIZER_SETTINGS_FILE))
+    if request.target is Target.PAXLITE and request.source is Source.HF:
+        copy_hf_tokenizer_json(request.input, request.output)
     return result
+
 
 
 def _convert(request: ConvertRequest) -> Pretrained | ConvertSummary:

@@ -23,6 +23,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from paxlite.data.tokenizer import HF_TOKENIZER_FILE
 from paxlite.errors import NotFoundError, SettingError
 from paxlite.interop.hf_write import TOKENIZER_FILE
 
@@ -32,9 +33,10 @@ class BosChoice(str, enum.Enum):
 
     AUTO follows how the model family was trained: LLaMA, Mistral/Mixtral and Fuji experiments
     (BaseLLaMA's subclasses, whose family_adds_bos says so) start every sequence with BOS; GPT, GLaM
-    and the tiny Pax-style models have none. A converted checkpoint alone follows its tokenizer:
-    ``add_bos_token`` of a tokenizer_config.json beside the tokenizer file when there is one (what
-    transformers reads), else BOS whenever the SentencePiece model defines one (LLaMA's and
+    and the tiny Pax-style models have none. A converted checkpoint alone follows its tokenizer: a
+    tokenizer.json's post-processor (transformers' answer), LLaMA-3's rule for a tiktoken file
+    (BOS), or for a SentencePiece model ``add_bos_token`` of a tokenizer_config.json beside it when
+    there is one (what transformers reads), else BOS whenever the model defines one (LLaMA's and
     Mistral's do; Pax's c4 and T5 vocabularies do not). A tokenizer without BOS never gets one under
     AUTO.
     """
@@ -143,10 +145,13 @@ def resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> Model
     for directory in (path, step_dir.parent, step_dir.parent.parent):
         config = load_model_config(directory)
         if config is not None:
-            # The tokenizer `convert` copied beside the model (from the HF / Meta input), unless
-            # VOCAB_PATH names another.
-            beside = os.path.join(os.fspath(directory), TOKENIZER_FILE)
-            vocab = os.environ.get("VOCAB_PATH") or (beside if os.path.isfile(beside) else None)
+            # The tokenizer `convert` copied beside the model (from the HF / Meta input; its
+            # tokenizer.json before a tokenizer.model, as transformers picks), unless VOCAB_PATH
+            # names another.
+            beside = [os.path.join(os.fspath(directory), name)
+                      for name in (HF_TOKENIZER_FILE, TOKENIZER_FILE)]
+            vocab = os.environ.get("VOCAB_PATH") or next(
+                (path for path in beside if os.path.isfile(path)), None)
             return ModelSource(config=config, checkpoint=path, vocab_path=vocab,
                                source=os.path.join(os.fspath(directory), "model_config.json"))
     raise NotFoundError(
@@ -239,6 +244,8 @@ def bos_id(choice: BosChoice, model: ModelSource, tokenizer) -> int | None:
     if choice is BosChoice.TRUE:
         return tokenizer.bos_id
     adds = model.family_adds_bos
+    if adds is None and tokenizer.adds_bos is not None:  # a tokenizer.json or tiktoken file
+        adds = tokenizer.adds_bos
     if adds is None:
         from_config = tokenizer_adds_bos(tokenizer.path)
         adds = True if from_config is None else from_config

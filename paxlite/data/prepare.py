@@ -39,7 +39,7 @@ def prepare(
     require_local_path(output_dir, setting="--output_dir")
     if vocab_path is not None:
         require_local_path(vocab_path, setting="--vocab_path")
-    if vocab_path is not None and not os.path.isfile(os.fspath(vocab_path)):
+    if vocab_path is not None and not os.path.exists(os.fspath(vocab_path)):
         raise VocabError(f"tokenizer file {os.fspath(vocab_path)!r} (--vocab_path) does not exist")
     tokenizer = Tokenizer(vocab_path) if vocab_path is not None else None
     documents = iter_documents(inputs, text_field=text_field, document_per_file=document_per_file)
@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", required=True, metavar="DIR",
                         help="new or empty directory to write")
     parser.add_argument("--vocab_path", default=None, metavar="PATH",
-                        help="SentencePiece model: store token ids (default: store raw text)")
+                        help="tokenizer (SentencePiece or tiktoken .model, tokenizer.json, or a "
+                             "directory holding one): store token ids (default: store raw text)")
     parser.add_argument("--num_shards", type=_positive, default=None,
                         help="train shards (default: about one per 64 MiB)")
     parser.add_argument("--validation_fraction", type=_fraction, default=0.01)

@@ -231,9 +231,14 @@ class SeqIOData(ProcessShare):
                         f"{split!r}; it has {splits}"
                     )
         vocab_path = os.path.abspath(os.path.expanduser(config.vocab_path))
-        if not os.path.isfile(vocab_path):
+        if not os.path.exists(vocab_path):
             raise tokenizer_lib.VocabError(f"tokenizer file {vocab_path!r} does not exist")
         tokenizer = tokenizer_lib.Tokenizer(vocab_path)
+        if tokenizer.format is not tokenizer_lib.TokenizerFormat.SENTENCEPIECE:
+            raise tokenizer_lib.VocabError(
+                f"SeqIO's tasks read a SentencePiece model and {tokenizer.path} is a "
+                f"{tokenizer.format.value} tokenizer: prepare the text with `python -m "
+                "paxlite.data.prepare` and train from DATA_DIR instead")
         tokenizer_lib.check_vocab_fits(tokenizer, vocab_size=config.vocab_size)
         if tokenizer.eos_id < 1:
             raise tokenizer_lib.VocabError(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import os
 from typing import Any, ClassVar, Literal
 
@@ -352,11 +351,12 @@ def _check_one_tokenizer(
 
     want = None  # (who, sha256)
     if vocab_path is not None:
+        from paxlite.data.tokenizer import tokenizer_sha256
+
         path = os.path.abspath(os.path.expanduser(vocab_path))
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise ConfigError(f"VOCAB_PATH {vocab_path!r} does not exist")
-        with open(path, "rb") as f:
-            want = (f"VOCAB_PATH {vocab_path!r}", hashlib.sha256(f.read()).hexdigest())
+        want = (f"VOCAB_PATH {vocab_path!r}", tokenizer_sha256(path))
     for _, data_dir, tfds_name in sources:
         if tfds_name is not None:
             continue

@@ -1,0 +1,66 @@
+"""A converted HF model whose directory carries a tokenizer.json: `generate --prompt=TEXT` reads
+it (before the SentencePiece tokenizer.model beside it), with BOS as its post-processor adds it,
+and continues exactly as transformers' AutoTokenizer and greedy generate do."""
+
+import json
+import shutil
+
+import pytest
+
+from paxlite.__main__ import main
+
+NEW = 5
+TEXTS = ["the quick brown fox", "hello  world\nsaid 7"]
+
+
+def _tokenizer_json(directory):
+    """A tiny Metaspace BPE (vocab < the model's 256) with a `<s> $A` post-processor."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    bpe.decoder = decoders.Metaspace()
+    corpus = [f"the quick brown fox {i} said hello world to the lazy dog" for i in range(50)]
+    bpe.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(directory)
+
+
+def test_generate_reads_the_tokenizer_json_a_conversion_copied(llama_gqa, tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.interop.test_hf_export import train_bpe
+
+    source, model = llama_gqa
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(source, hf_dir)
+    _tokenizer_json(hf_dir)
+    shutil.copyfile(train_bpe(tmp_path / "spm"), hf_dir / "tokenizer.model")  # loses to .json
+    out = tmp_path / "pax"
+    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={hf_dir}",
+                 f"--output={out}"]) == 0
+    capsys.readouterr()
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer.model").is_file()
+    assert main(["generate", f"--checkpoint={out}", *[f"--prompt={t}" for t in TEXTS],
+                 f"--max_new_tokens={NEW}", "--format=json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    theirs = AutoTokenizer.from_pretrained(hf_dir)
+    vocab = len(theirs)
+    for record, text in zip(records, TEXTS, strict=True):
+        ids = theirs(text)["input_ids"]
+        assert record["prompt_ids"] == ids and ids[0] == theirs.bos_token_id
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
+                                  eos_token_id=theirs.eos_token_id,
+                                  pad_token_id=theirs.eos_token_id,
+                                  suppress_tokens=list(range(vocab, model.config.vocab_size)))
+        assert record["ids"] == want[0, len(ids):].tolist()
+        assert record["prompt"] == theirs.decode(ids)
+        assert record["prompt"] + record["text"] == theirs.decode(ids + record["ids"])
