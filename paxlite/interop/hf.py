@@ -29,6 +29,7 @@ from paxlite.errors import NotFoundError, SettingError
 from paxlite.interop import gpt2_layout, hf_write, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
+    LLAMA_LAYOUT_FAMILIES,
     Family,
     UnsupportedCheckpointError,
     family_of_config,
@@ -149,7 +150,7 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
         hf_config = json.load(f)
     family, config = from_hf_config(hf_config, dtype=_check_dtype(dtype))
     tensors = read_hf_tensors(directory)
-    if family in (Family.LLAMA, Family.MIXTRAL):
+    if family in LLAMA_LAYOUT_FAMILIES:
         params = layouts.llama_to_params(tensors, config=config)
     else:
         params = gpt2_layout.gpt2_to_params(tensors, config=config)
@@ -179,11 +180,11 @@ def save(pretrained: Pretrained, out_dir: str | os.PathLike, *, dtype: str = "fl
     ``out_dir``; returns the files."""
     import jax
 
-    family = family_of_config(pretrained.config)
+    family = family_of_config(pretrained.config, prefer=pretrained.family)
     if family is not pretrained.family:
         raise UnsupportedCheckpointError(
             f"Pretrained.family={pretrained.family.value!r} but its config fits {family.value!r}")
-    return write_hf(pretrained.params, out_dir, config=pretrained.config,
+    return write_hf(pretrained.params, out_dir, config=pretrained.config, family=family,
                     stand_ins=jax.tree.map(stand_in, pretrained.params), dtype=dtype,
                     max_shard_size=max_shard_size, vocab_path=vocab_path,
                     vocab_setting=vocab_setting, bos_token_id=pretrained.bos_token_id,
@@ -198,7 +199,7 @@ def stand_in(array: Any) -> np.ndarray:
 
 
 def _hf_tensors(params: Mapping[str, Any], *, config: TransformerConfig, family: Family):
-    if family in (Family.LLAMA, Family.MIXTRAL):
+    if family in LLAMA_LAYOUT_FAMILIES:
         return layouts.iter_llama_tensors(params, config=config)
     return gpt2_layout.iter_gpt2_tensors(params, config=config)
 
@@ -208,14 +209,15 @@ def write_hf(params: Mapping[str, Any], out_dir: str | os.PathLike, *, config: T
              max_shard_size: int | str = hf_write.DEFAULT_MAX_SHARD_SIZE,
              vocab_path: str | None = None, vocab_setting: str = "--vocab_path",
              bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
-             router_aux_loss_coef: float | None = None) -> list[str]:
+             router_aux_loss_coef: float | None = None, family: Family | None = None
+             ) -> list[str]:
     """`save` for an unscanned params mapping that may read on access (one top-level subtree per
     ``[]``, e.g. `stream_read.LayerParams`): the tensors' names and shapes are laid out from
     ``stand_ins`` (the same tree as zero-stride arrays), checked against ``config``, then each HF
     tensor is made and written in turn, so no more than a layer is held."""
     max_bytes = hf_write.parse_size(max_shard_size)
     directory = check_output_dir(out_dir, setting="output directory")
-    family = family_of_config(config)
+    family = family_of_config(config, prefer=family)
     layouts.check_params(dict(stand_ins), config=config)
     if vocab_path is not None:
         hf_write.check_tokenizer(vocab_path, vocab_size=config.vocab_size, setting=vocab_setting)

@@ -1,12 +1,14 @@
-"""Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models, Mixtral and
-GPT-2.
+"""Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models (LLaMA-1/2/3,
+Mistral, Qwen2/2.5, Qwen3), Mixtral and GPT-2.
 
 Readers accept both transformers 4.x spellings (``rope_theta`` at the top level, ``torch_dtype``)
 and 5.x spellings (a ``rope_parameters`` object, ``dtype``). Writers emit the 5.x form, and also the
-top-level ``rope_theta`` so that a transformers 4.x reader does not silently fall back to 10000.
+top-level ``rope_theta`` (and ``rope_scaling``) so that a transformers 4.x reader does not
+silently fall back to 10000 and plain RoPE.
 
-Anything the paxlite model cannot represent exactly (RoPE scaling, biases in a LLaMA, sliding
-windows, shared experts, router jitter, ...) is refused with one error naming the field and its
+Anything the paxlite model cannot represent exactly (RoPE scaling other than LLaMA-3's, biases on
+a LLaMA's projections, Qwen's per-layer sliding windows, shared experts, router jitter, ...) is
+refused with one error naming the field and its
 value: a converter that drops such a setting produces a model that runs and is quietly wrong.
 """
 
@@ -18,7 +20,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.interop.errors import ConversionError
+from paxlite.interop.errors import UnsupportedCheckpointError
+from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
 from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.transformer import (
     LLAMA_ARCHITECTURE,
@@ -29,7 +32,6 @@ from paxlite.models.transformer import (
 )
 
 TRANSFORMERS_VERSION_WRITTEN: str = "5.24.0"
-DEFAULT_ROPE_THETA: float = 10000.0
 MIXTRAL_DEFAULT_ROPE_THETA: float = 1e6  # MixtralConfig's default when config.json has none
 MIXTRAL_DEFAULT_AUX_LOSS_COEF: float = 0.001  # MixtralConfig's router_aux_loss_coef default
 
@@ -38,12 +40,22 @@ class Family(str, enum.Enum):
     """The checkpoint layouts paxlite converts; the value is the HF ``model_type``."""
 
     LLAMA = "llama"
+    MISTRAL = "mistral"
+    QWEN2 = "qwen2"
+    QWEN3 = "qwen3"
     MIXTRAL = "mixtral"
     GPT2 = "gpt2"
 
 
-class UnsupportedCheckpointError(ConversionError):
-    """A checkpoint or config that paxlite cannot represent exactly; the message names the field."""
+# The families whose tensors are LLaMA's (interop/layouts.py), with their extra tensors.
+LLAMA_LAYOUT_FAMILIES: frozenset[Family] = frozenset(
+    {Family.LLAMA, Family.MISTRAL, Family.QWEN2, Family.QWEN3, Family.MIXTRAL})
+_ARCHITECTURES: Mapping[Family, str] = {
+    Family.LLAMA: "LlamaForCausalLM", Family.MISTRAL: "MistralForCausalLM",
+    Family.QWEN2: "Qwen2ForCausalLM", Family.QWEN3: "Qwen3ForCausalLM",
+}
+MISTRAL_DEFAULT_SLIDING_WINDOW: int = 4096  # MistralConfig's default when config.json has none
+QWEN3_DEFAULT_HEAD_DIM: int = 128  # Qwen3Config's default when config.json has none
 
 
 # HF activation names -> paxlite; "gelu_new" and "gelu_pytorch_tanh" are both tanh-approximate GELU.
@@ -66,26 +78,6 @@ def _require(hf: Mapping[str, Any], key: str) -> Any:
 def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
     if condition:
         raise UnsupportedCheckpointError(f"config.json {field}={value!r} is not supported: {why}")
-
-
-def rope_theta_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA) -> float:
-    """RoPE base from either spelling; refuses RoPE scaling (paxlite implements plain RoPE only)."""
-    scaling = hf.get("rope_scaling")
-    _refuse_if(scaling is not None, "rope_scaling", scaling,
-               "paxlite implements unscaled RoPE only (rope_scaling must be null)")
-    params = hf.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, Mapping):
-            raise UnsupportedCheckpointError(
-                f"config.json rope_parameters={params!r} must be an object holding rope_theta")
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        _refuse_if(rope_type != "default", "rope_parameters.rope_type", rope_type,
-                   "paxlite implements unscaled RoPE only (rope_type must be 'default')")
-        if params.get("rope_theta") is not None:
-            return float(params["rope_theta"])
-    if hf.get("rope_theta") is not None:
-        return float(hf["rope_theta"])
-    return default
 
 
 def stored_dtype(hf: Mapping[str, Any]) -> str | None:
@@ -133,29 +125,71 @@ def family_of(hf: Mapping[str, Any]) -> Family:
     except ValueError:
         raise UnsupportedCheckpointError(
             f"config.json model_type={model_type!r} is not supported; supported: 'llama' "
-            "(LLaMA-1/2/3 shapes, GQA, any rope_theta, head_dim), 'mixtral' and 'gpt2'") from None
+            "(LLaMA-1/2/3 shapes, GQA, any rope_theta, head_dim, 'llama3' RoPE scaling), "
+            "'mistral', 'qwen2', 'qwen3', 'mixtral' and 'gpt2'") from None
+
+
+def _refuse_qwen_windows(hf: Mapping[str, Any]) -> None:
+    """Qwen2/3's sliding windows sit on some layers only (``max_window_layers``); refused."""
+    use = hf.get("use_sliding_window", False)
+    _refuse_if(bool(use), "use_sliding_window", use,
+               "paxlite applies a sliding window to every layer or to none, not Qwen's "
+               "per-layer windows (use_sliding_window must be false)")
+    kinds = sorted(set(hf.get("layer_types") or ()) - {"full_attention"})
+    _refuse_if(bool(kinds), "layer_types", kinds,
+               "paxlite's Qwen layers all attend to the whole context ('full_attention')")
+
+
+def _family_fields(hf: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """The TransformerConfig fields by which a family differs from LLaMA, its refusals checked."""
+    bias = hf.get("attention_bias", False)
+    window = hf.get("sliding_window")
+    if family is Family.QWEN2:
+        _refuse_qwen_windows(hf)
+        return {"qkv_bias": True}  # Qwen2's q, k, v always carry biases, its output none
+    if family is Family.QWEN3:
+        _refuse_qwen_windows(hf)
+        _refuse_if(bool(bias), "attention_bias", bias,
+                   "Qwen3's attention_bias also puts a bias on the output projection, which "
+                   "paxlite has only together with MLP biases")
+        return {"qk_norm": True}
+    _refuse_if(bool(bias), "attention_bias", bias, "paxlite's LLaMA has no attention biases")
+    if family is Family.MISTRAL:
+        if "sliding_window" not in hf:
+            window = MISTRAL_DEFAULT_SLIDING_WINDOW
+        kinds = set(hf.get("layer_types") or ())
+        _refuse_if(len(kinds) > 1, "layer_types", sorted(kinds),
+                   "paxlite's Mistral applies one sliding window to every layer")
+        return {"sliding_window": None if window is None else int(window)}
+    _refuse_if(window is not None, "sliding_window", window, "LLaMA attends to the whole context")
+    return {}
 
 
 def _llama_config(hf: Mapping[str, Any], *, default_rope_theta: float = DEFAULT_ROPE_THETA,
-                  default_norm_epsilon: float = 1e-6) -> TransformerConfig:
-    _refuse_if(bool(hf.get("attention_bias", False)), "attention_bias", hf.get("attention_bias"),
-               "paxlite's LLaMA has no attention biases")
+                  default_norm_epsilon: float = 1e-6, family: Family = Family.LLAMA
+                  ) -> TransformerConfig:
+    """LLaMA's config and those of the families built on it (Mistral, Qwen2, Qwen3)."""
+    fields = _family_fields(hf, family)
     _refuse_if(bool(hf.get("mlp_bias", False)), "mlp_bias", hf.get("mlp_bias"),
                "paxlite's LLaMA has no MLP biases")
     act = hf.get("hidden_act", "silu")
-    _refuse_if(act != "silu", "hidden_act", act, "LLaMA conversion supports 'silu' (SwiGLU) only")
-    window = hf.get("sliding_window")
-    _refuse_if(window is not None, "sliding_window", window, "paxlite attends to the whole context")
+    _refuse_if(act != "silu", "hidden_act", act,
+               f"{family.value} conversion supports 'silu' (SwiGLU) only")
     dims = int(_require(hf, "hidden_size"))
     heads = int(_require(hf, "num_attention_heads"))
     kv_heads = hf.get("num_key_value_heads")
     head_dim = hf.get("head_dim")
+    if head_dim is None and family is Family.QWEN3:
+        head_dim = QWEN3_DEFAULT_HEAD_DIM
     if head_dim is None:
         if dims % heads:
             raise UnsupportedCheckpointError(
                 f"config.json hidden_size={dims} is not a multiple of num_attention_heads={heads} "
                 "and head_dim is not given")
         head_dim = dims // heads
+    theta, scaling = rope_of(hf, default=default_rope_theta)
+    _refuse_if(scaling is not None and family is not Family.LLAMA, "rope_scaling", scaling,
+               f"paxlite reads RoPE scaling for model_type 'llama' only, not {family.value!r}")
     return TransformerConfig(
         vocab_size=int(_require(hf, "vocab_size")),
         num_layers=int(_require(hf, "num_hidden_layers")),
@@ -168,7 +202,9 @@ def _llama_config(hf: Mapping[str, Any], *, default_rope_theta: float = DEFAULT_
         norm_epsilon=float(hf.get("rms_norm_eps", default_norm_epsilon)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **LLAMA_ARCHITECTURE,
-        rope_theta=rope_theta_of(hf, default=default_rope_theta),
+        **fields,
+        rope_theta=theta,
+        rope_scaling=scaling,
     )
 
 
@@ -200,6 +236,7 @@ def _mixtral_config(hf: Mapping[str, Any]) -> TransformerConfig:
                f"equals a window only if sliding_window is null or >= max_position_embeddings="
                f"{positions}")
     dense = {k: v for k, v in hf.items() if k != "sliding_window"}
+    rope_theta_of(dense, default=MIXTRAL_DEFAULT_ROPE_THETA)  # refuses RoPE scaling
     config = _llama_config(dense, default_rope_theta=MIXTRAL_DEFAULT_ROPE_THETA,
                            default_norm_epsilon=1e-5)
     experts = int(_require(hf, "num_local_experts"))
@@ -263,23 +300,31 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
                    ) -> tuple[Family, TransformerConfig]:
     """(family, TransformerConfig) of an HF ``config.json`` dict; params and math in ``dtype``."""
     family = family_of(hf)
-    reader = {Family.LLAMA: _llama_config, Family.MIXTRAL: _mixtral_config,
-              Family.GPT2: _gpt2_config}[family]
-    config = reader(hf)
+    if family is Family.MIXTRAL:
+        config = _mixtral_config(hf)
+    elif family is Family.GPT2:
+        config = _gpt2_config(hf)
+    else:
+        config = _llama_config(hf, family=family)
     return family, dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
 
 
-def family_of_config(config: TransformerConfig) -> Family:
-    """Which HF layout a paxlite model fits; an error names every field that fits neither."""
+def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tuple[Any, Any]]]:
+    """Per family, each field it constrains as (the model's value, the value the family needs)."""
     llama = {
         "norm": (config.norm, NormKind.RMS_NORM),
         "activation": (config.activation, Activation.SILU),
         "gated_mlp": (config.gated_mlp, True),
         "use_bias": (config.use_bias, False),
         "position_kind": (config.position_kind, PositionEmbedding.ROTARY),
+        "moe": ("set" if config.moe else None, None),
     }
+    plain = {"qkv_bias (resolved)": (config.uses_qkv_bias, False),
+             "qk_norm": (config.qk_norm, False),
+             "sliding_window": ("set" if config.sliding_window else None, None)}
+    unscaled = {"rope_scaling": (config.rope_scaling, None)}
     moe = config.moe
-    mixtral = {**llama, "moe": ("set" if moe else None, "set")}
+    mixtral = {**llama, **plain, **unscaled, "moe": ("set" if moe else None, "set")}
     if moe is not None:
         mixtral.update({
             "moe.routing": (moe.routing, MoeRouting.DROPLESS_TOPK),
@@ -287,7 +332,6 @@ def family_of_config(config: TransformerConfig) -> Family:
             "moe.gated_experts": (moe.gated_experts, True),
             "moe.expert_activation": (moe.expert_activation, Activation.SILU),
         })
-    llama["moe"] = ("set" if moe else None, None)
     gpt2 = {
         "norm": (config.norm, NormKind.LAYER_NORM),
         "activation": (config.activation, Activation.GELU_TANH),
@@ -298,17 +342,43 @@ def family_of_config(config: TransformerConfig) -> Family:
         "num_heads*dims_per_head": (config.num_heads * config.dims_per_head, config.model_dims),
         "kv_heads": (config.kv_heads, config.num_heads),
         "moe": ("set" if moe else None, None),
+        **plain, **unscaled,
+        "qkv_bias (resolved)": (config.uses_qkv_bias, True),  # GPT-2's biases are everywhere
     }
-    candidates = ((Family.LLAMA, llama), (Family.MIXTRAL, mixtral), (Family.GPT2, gpt2))
-    for family, wanted in candidates:
-        if all(have == want for have, want in wanted.values()):
-            return family
+    return {
+        Family.LLAMA: {**llama, **plain},
+        Family.MISTRAL: {**llama, **unscaled, **{k: v for k, v in plain.items()
+                                                 if k != "sliding_window"}},
+        Family.QWEN2: {**llama, **plain, **unscaled,
+                       "qkv_bias (resolved)": (config.uses_qkv_bias, True)},
+        Family.QWEN3: {**llama, **plain, **unscaled, "qk_norm": (config.qk_norm, True)},
+        Family.MIXTRAL: mixtral,
+        Family.GPT2: gpt2,
+    }
+
+
+def family_of_config(config: TransformerConfig, *, prefer: Family | None = None) -> Family:
+    """Which HF layout a paxlite model fits (``prefer`` when it fits: a Mistral without a window
+    also fits LLaMA); an error names, per family, every field that does not fit."""
+    requirements = _layout_requirements(config)
+    fitting = [family for family, wanted in requirements.items()
+               if all(have == want for have, want in wanted.values())]
+    if fitting:
+        return prefer if prefer in fitting else fitting[0]
+
     def _diff(wanted: Mapping[str, tuple[Any, Any]]) -> str:
         return ", ".join(f"{k}={getattr(h, 'value', h)!r} (needs {getattr(w, 'value', w)!r})"
                          for k, (h, w) in wanted.items() if h != w)
     raise UnsupportedCheckpointError(
-        "this paxlite model fits no Hugging Face layout: as LLaMA it differs in "
-        f"{_diff(llama)}; as Mixtral in {_diff(mixtral)}; as GPT-2 in {_diff(gpt2)}")
+        "this paxlite model fits no Hugging Face layout: " + "; ".join(
+            f"as {_NAMES[family]}{' it differs' if i == 0 else ''} in {_diff(wanted)}"
+            for i, (family, wanted) in enumerate(requirements.items())))
+
+
+_NAMES: Mapping[Family, str] = {
+    Family.LLAMA: "LLaMA", Family.MISTRAL: "Mistral", Family.QWEN2: "Qwen2",
+    Family.QWEN3: "Qwen3", Family.MIXTRAL: "Mixtral", Family.GPT2: "GPT-2",
+}
 
 
 def _mixtral_fields(config: TransformerConfig, *, router_aux_loss_coef: float | None
@@ -339,13 +409,34 @@ def _mixtral_fields(config: TransformerConfig, *, router_aux_loss_coef: float | 
     }
 
 
+# Fields `_open_family_fields` removes from LLaMA's (set to None there, then left out).
+_DROPPED_WHEN_NONE: frozenset[str] = frozenset({"attention_bias", "mlp_bias", "pretraining_tp"})
+
+
+def _open_family_fields(config: TransformerConfig, *, family: Family) -> dict[str, Any]:
+    """What Mistral's, Qwen2's and Qwen3's configs write in place of LLaMA's own fields."""
+    out: dict[str, Any] = {"architectures": [_ARCHITECTURES[family]], "model_type": family.value}
+    drop = ["attention_bias", "mlp_bias", "pretraining_tp"]  # not in these families' configs
+    if family is Family.MISTRAL:
+        out["sliding_window"] = config.sliding_window
+    else:  # Qwen2, Qwen3: every layer attends to the whole context
+        out.update({"use_sliding_window": False, "sliding_window": None,
+                    "max_window_layers": config.num_layers,
+                    "layer_types": ["full_attention"] * config.num_layers})
+    if family is Family.QWEN3:
+        out["attention_bias"] = False
+        drop.remove("attention_bias")
+    return {**out, **{key: None for key in drop}}
+
+
 def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "float32",
                  bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
                  router_aux_loss_coef: float | None = None) -> dict[str, Any]:
     """The ``config.json`` transformers 5.x writes for this model (plus 4.x's ``rope_theta``)."""
-    if family_of_config(config) is not family:
+    if family_of_config(config, prefer=family) is not family:
         raise UnsupportedCheckpointError(f"the model does not fit the {family.value} layout")
-    if family in (Family.LLAMA, Family.MIXTRAL):
+    if family in LLAMA_LAYOUT_FAMILIES:
+        rope, legacy_scaling = rope_fields(config)
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -364,10 +455,12 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
             "attention_dropout": 0.0,
             "mlp_bias": False,
             "pretraining_tp": 1,
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)},
+            "rope_parameters": rope,
             "rope_theta": float(config.rope_theta),
-            "rope_scaling": None,
+            "rope_scaling": legacy_scaling,
         }
+        if family in _ARCHITECTURES and family is not Family.LLAMA:
+            out.update(_open_family_fields(config, family=family))
         if family is Family.MIXTRAL:
             for key in ("attention_bias", "mlp_bias", "pretraining_tp"):  # not MixtralConfig's
                 del out[key]
@@ -392,6 +485,8 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
         }
+    out = {key: value for key, value in out.items()
+           if value is not None or key not in _DROPPED_WHEN_NONE}
     out.update({
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,

@@ -9,7 +9,9 @@ LLaMA-family tensors are torch ``Linear`` weights, [out, in]: they are transpose
 [in, ...out] kernels. HF stores q and k rows per head in the *rotate-half* order, paxlite (like Meta
 and Pax) rotates *interleaved* pairs, so HF q/k rows are permuted on the way in
 (``meta_row[2j + p] = hf_row[p * h/2 + j]``) and back on the way out; Meta rows are used as they
-are. GPT-2's layout is in `gpt2_layout`, which shares this module's checked `TensorSource`.
+are. The q/k biases (Qwen2) and the q/k norm weights (Qwen3) are indexed by the same head dims and
+take the same permutation. GPT-2's layout is in `gpt2_layout`, which shares this module's checked
+`TensorSource`.
 """
 
 from __future__ import annotations
@@ -178,6 +180,60 @@ def _llama_dims(c: TransformerConfig, n: LlamaNaming) -> dict[str, Dim]:
     }
 
 
+# The tensors of the families built on LLaMA's layout: Qwen2's q/k/v biases, Qwen3's q/k norms.
+HF_QKV_BIAS = "model.layers.{i}.self_attn.{p}_proj.bias"  # p: q [N*H], k, v [K*H]
+HF_QK_NORM = "model.layers.{i}.self_attn.{p}_norm.weight"  # p: q, k; [H]
+_KERNELS = ("query", "key", "value")
+
+
+def _open_family_params(src: TensorSource, attention: Params, *, i: int,
+                        config: TransformerConfig, dims: dict[str, Dim], rotate_half: bool
+                        ) -> None:
+    """Adds layer i's q/k/v biases and q/k norm scales (when the config has them) to its
+    ``attention`` params, q and k in paxlite's interleaved order."""
+    n, kv, h = config.num_heads, config.kv_heads, config.dims_per_head
+    if config.uses_qkv_bias:
+        biases = []
+        for p, heads, dim in (("q", n, dims["q"]), ("k", kv, dims["kv"]), ("v", kv, dims["kv"])):
+            bias = src.take(HF_QKV_BIAS.format(i=i, p=p), (dim,))
+            if rotate_half and p != "v":
+                bias = rotate_half_to_interleaved(bias, heads=heads, head_dim=h)
+            biases.append(bias.reshape(heads, h))  # [N or K, H]
+        if kv == n:
+            attention["qkv"]["bias"] = np.stack(biases)  # [3, N, H]
+        else:
+            for name, bias in zip(_KERNELS, biases, strict=True):
+                attention[name]["bias"] = bias
+    if config.qk_norm:
+        head = Dim(f"head_dim={h}", h)
+        for p, name in (("q", "query_norm"), ("k", "key_norm")):
+            scale = src.take(HF_QK_NORM.format(i=i, p=p), (head,))
+            if rotate_half:
+                scale = rotate_half_to_interleaved(scale, heads=1, head_dim=h)
+            attention[name] = {"scale": scale}
+
+
+def _open_family_tensors(attention: Params, *, i: int, config: TransformerConfig
+                         ) -> Iterator[tuple[str, np.ndarray]]:
+    """Inverse of `_open_family_params`: HF's bias and norm tensors of layer i."""
+    n, kv, h = config.num_heads, config.kv_heads, config.dims_per_head
+    if config.uses_qkv_bias:
+        if "qkv" in attention:
+            fused = np.asarray(attention["qkv"]["bias"])  # [3, N, H]
+            biases = [fused[0], fused[1], fused[2]]
+        else:
+            biases = [np.asarray(attention[name]["bias"]) for name in _KERNELS]
+        for p, heads, bias in zip("qkv", (n, kv, kv), biases, strict=True):
+            flat = bias.reshape(heads * h)
+            if p != "v":
+                flat = interleaved_to_rotate_half(flat, heads=heads, head_dim=h)
+            yield HF_QKV_BIAS.format(i=i, p=p), flat
+    if config.qk_norm:
+        for p, name in (("q", "query_norm"), ("k", "key_norm")):
+            yield HF_QK_NORM.format(i=i, p=p), interleaved_to_rotate_half(
+                np.asarray(attention[name]["scale"]), heads=1, head_dim=h)
+
+
 def llama_to_params(tensors: Mapping[str, np.ndarray], *, config: TransformerConfig,
                     naming: LlamaNaming = HF_LLAMA) -> Params:
     """HF (or Meta, with its naming) LLaMA tensors -> unscanned paxlite params."""
@@ -215,6 +271,8 @@ def iter_llama_params(tensors: Mapping[str, np.ndarray], *, config: TransformerC
             attention = {"query": {"kernel": q_k}, "key": {"kernel": k_k},
                          "value": {"kernel": v_k}}
         attention["out"] = {"kernel": o.T.reshape(n, h, dm)}  # [N, H, D]
+        _open_family_params(src, attention, i=i, config=config, dims=d,
+                            rotate_half=naming.rotate_half)
         layer: Params = {
             "pre_attention_norm": {"scale": src.take(naming.attn_norm.format(i=i), (d["dims"],))},
             "attention": attention,
@@ -269,6 +327,7 @@ def iter_llama_tensors(params: Params, *, config: TransformerConfig
             np.asarray(k_k).reshape(dm, kv * h).T, heads=kv, head_dim=h)
         yield nm.v.format(i=i), np.asarray(v_k).reshape(dm, kv * h).T
         yield nm.o.format(i=i), np.asarray(att["out"]["kernel"]).reshape(n * h, dm).T
+        yield from _open_family_tensors(att, i=i, config=config)
         if config.moe is not None and config.moe.is_moe_layer(i):
             yield from _mixtral_moe_from_params(layer["moe"], i=i).items()
         else:

@@ -43,16 +43,18 @@ from paxlite.models.attention_kernels import (
     LARGE_NEGATIVE,
     AttentionImplementation,
     einsum_attention,
-    flash_attention,
+    fused_attention,
     make_attention_mask,
-    resolve_implementation,
+    sliding_window_mask,
 )
 from paxlite.models.context_parallel import context_parallel_attention
+from paxlite.models.kv_cache import extend_cache
 from paxlite.models.linear import Fp8Config, Linear
 from paxlite.models.lora import LoraSpec
+from paxlite.models.norms import RMSNorm
 from paxlite.models.parallel_config import SEQ_AXIS, ContextParallelStrategy, mesh_axis_size
 from paxlite.models.relative_position import RelativePositionBias
-from paxlite.models.rotary import apply_rotary
+from paxlite.models.rotary import RopeScaling, apply_rotary
 from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import BATCH_AXES
 
@@ -151,6 +153,15 @@ class Attention(nn.Module):
             logits from the positions passed to ``__call__`` (causal buckets). Each layer has its
             own table, as in Pax, where ``relative_bias_tpl`` sits on every DotProductAttention.
         relative_position_max_distance: where the last bucket starts (GLaM: 128).
+        rope_scaling: the RoPE frequencies rescaled (LLaMA-3.1's 'llama3'); None: plain.
+        qkv_bias: biases on the q, k, v projections (Qwen2); None: as ``use_bias``, which
+            alone decides the output projection's.
+        qk_norm: RMSNorm (``qk_norm_epsilon``) over each head's q and k after the projection,
+            before RoPE (Qwen3): parameters ``query_norm/scale`` and ``key_norm/scale`` [H].
+        sliding_window: query at position i sees keys at positions j with
+            i - sliding_window < j <= i (Mistral v0.1), in training and over a KV cache alike;
+            the XLA and cuDNN kernels take it as their local window; Pallas-Triton and the
+            sequence-parallel core cannot (SettingError). None: the whole context.
         context_parallel_strategy: how the keys and values of other ``seq`` shards reach a
             shard's queries (ALL_GATHER or RING, models/context_parallel.py); read only when the
             mesh has a ``seq`` axis larger than 1. There, FLASH runs the same XLA einsum core
@@ -181,14 +192,21 @@ class Attention(nn.Module):
     context_parallel_strategy: ContextParallelStrategy = ContextParallelStrategy.ALL_GATHER
     # The layer is one of a pipeline's stages (vmapped over them): the kernel choice must know.
     pipelined: bool = False
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool | None = None
+    qk_norm: bool = False
+    qk_norm_epsilon: float = 1e-6
+    sliding_window: int | None = None
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
+        """A q, k, v (or fused qkv) projection; its bias follows ``qkv_bias``."""
+        bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
         return Linear(
             equation=equation,
             kernel_shape=shape,
             kernel_axes=axes,
-            bias_axes=axes[1:] if self.use_bias else None,
+            bias_axes=axes[1:] if bias else None,
             init_std=self.init_std,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
@@ -222,18 +240,28 @@ class Attention(nn.Module):
         core = select_core(kind=self.attention_kind, decode=self.decode, seq_shards=seq_shards)
 
         sequence_parallel = core is AttentionCore.SEQUENCE_PARALLEL
-        if positions is None and (self.rope_theta is not None or sequence_parallel):
+        if positions is None and (self.rope_theta is not None or sequence_parallel
+                                  or self.sliding_window is not None):
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        if self.qk_norm:  # per head, over H: q [B, T, N, H], k [B, T, K, H]
+            q = self._head_norm(name="query_norm")(q)
+            k = self._head_norm(name="key_norm")(k)
         if self.rope_theta is not None:
-            q = apply_rotary(q, positions, theta=self.rope_theta)
-            k = apply_rotary(k, positions, theta=self.rope_theta)
+            q = apply_rotary(q, positions, theta=self.rope_theta, scaling=self.rope_scaling)
+            k = apply_rotary(k, positions, theta=self.rope_theta, scaling=self.rope_scaling)
         if self.scale_query:
             q = q * jnp.asarray(self.dims_per_head**-0.5, dtype=self.dtype)
         key_positions = positions
         if self.decode:  # k, v [B, S_max, K, H] from here on
-            k, v, key_positions = self._extend_cache(k, v, positions, kv_axes=kv_axes)
+            k, v, key_positions = extend_cache(self, k, v, positions, kv_axes=kv_axes)
         if not sequence_parallel:  # sharded rows take the relative bias by distance, not [T, S]
             bias = self._logit_bias(bias, positions, key_positions, batch=batch, length=length)
+        if self.sliding_window is not None and core in (AttentionCore.EINSUM,
+                                                        AttentionCore.CACHED):
+            if mask is None:
+                mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
+            mask = mask & sliding_window_mask(positions, key_positions,
+                                              window=self.sliding_window)  # [B, 1, T, S]
 
         if core is AttentionCore.SEQUENCE_PARALLEL:
             out = self._sequence_parallel_core(q, k, v, mask=mask, bias=bias,
@@ -242,8 +270,10 @@ class Attention(nn.Module):
         elif core is AttentionCore.CACHED:  # the caller's mask over the whole cache
             out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype)
         elif core is AttentionCore.FUSED:
-            out = _fused_core(q, k, v, implementation=self.attention_implementation, mask=mask,
-                              bias=bias, segment_ids=segment_ids, vmapped_stages=self.pipelined)
+            out = fused_attention(q, k, v, implementation=self.attention_implementation,
+                                  mask=mask, bias=bias, segment_ids=segment_ids,
+                                  vmapped_stages=self.pipelined,
+                                  sliding_window=self.sliding_window)
         else:
             out = einsum_attention(q, k, v, mask=mask, bias=bias, segment_ids=segment_ids,
                                    dtype=self.dtype)
@@ -320,6 +350,11 @@ class Attention(nn.Module):
         shards' layout is ``_sequence_parallel_axes``'.
         """
         where = f"the mesh's {SEQ_AXIS!r} axis has size {seq_shards}"
+        if self.sliding_window is not None:
+            raise SettingError(
+                f"sliding_window={self.sliding_window} cannot run with sequence parallelism "
+                f"({where}): the context-parallel core attends to the whole context; use a seq "
+                "axis of 1")
         if bias is not None:
             raise ValueError(
                 f"attention takes no logit bias argument with sequence parallelism ({where}): "
@@ -349,6 +384,10 @@ class Attention(nn.Module):
             distance_bias=distance_bias, strategy=self.context_parallel_strategy, mesh=mesh,
             axis_name=SEQ_AXIS, batch_axes=batch_axes, head_axes=head_axes)
 
+    def _head_norm(self, *, name: str) -> RMSNorm:
+        return RMSNorm(epsilon=self.qk_norm_epsilon, dtype=self.dtype,
+                       param_dtype=self.param_dtype, name=name)
+
     def _distance_bias(self) -> jax.Array:
         """This layer's relative position bias as float32 [N, L]: column d is the bias of a key d
         positions before the query, through the same table and buckets as ``_logit_bias``.
@@ -372,38 +411,6 @@ class Attention(nn.Module):
             param_dtype=self.param_dtype,
             name="relative_bias",
         )
-
-    def _extend_cache(self, k: jax.Array, v: jax.Array, positions: jax.Array | None, *,
-                      kv_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """Writes k, v [B, T, K, H] (after RoPE) and their positions at the cache index; returns
-        the whole cache (k, v [B, S_max, K, H], positions [B, S_max]) and advances the index.
-
-        The cache keeps the k/v activation layout and logical axes of training, so one rules table
-        shards both. It is created by an init pass with the full length (decode.init_cache); that
-        pass only allocates it and attends over its own keys.
-        """
-        batch, length = k.shape[:2]
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        initialized = self.has_variable("cache", "cached_key")
-        cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
-        cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-        cached_pos = self.variable("cache", "cached_positions", jnp.zeros, positions.shape,
-                                   jnp.int32)
-        index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
-        if not initialized:
-            return k, v, positions
-        i = index.value
-        cached_k.value = rules_lib.logical_constraint(
-            jax.lax.dynamic_update_slice(cached_k.value, k.astype(cached_k.value.dtype),
-                                         (0, i, 0, 0)), kv_axes)
-        cached_v.value = rules_lib.logical_constraint(
-            jax.lax.dynamic_update_slice(cached_v.value, v.astype(cached_v.value.dtype),
-                                         (0, i, 0, 0)), kv_axes)
-        cached_pos.value = jax.lax.dynamic_update_slice(
-            cached_pos.value, positions.astype(jnp.int32), (0, i))
-        index.value = i + length
-        return cached_k.value, cached_v.value, cached_pos.value
 
     def _logit_bias(
         self, bias: jax.Array | None, positions: jax.Array | None,
@@ -456,25 +463,6 @@ def _repeat_kv_heads(k: jax.Array, v: jax.Array, *, num_heads: int) -> tuple[jax
     k = rules_lib.logical_constraint(k, KV_HEAD_ACTIVATION_AXES)
     v = rules_lib.logical_constraint(v, KV_HEAD_ACTIVATION_AXES)
     return jnp.repeat(k, target // kv, axis=2), jnp.repeat(v, target // kv, axis=2)
-
-
-def _fused_core(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: AttentionImplementation,
-    mask: jax.Array | None, bias: jax.Array | None, segment_ids: jax.Array | None,
-    vmapped_stages: bool,
-) -> jax.Array:
-    """``AttentionCore.FUSED``: prescaled q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
-
-    Causal kernels; a mask (same-segment for packed rows) is a subset of causal, and the Pallas
-    kernel reads segment_ids instead. Resolved per call: what a kernel can run depends on the
-    traced dtype, sizes and bias, and on a pipeline's vmap."""
-    resolved = resolve_implementation(
-        implementation, dtype=q.dtype, head_dim=q.shape[3], seq_len=q.shape[1],
-        dense_bias=mask is not None or bias is not None, has_bias=bias is not None,
-        vmapped_stages=vmapped_stages,
-    )
-    return flash_attention(q, k, v, implementation=resolved, mask=mask, bias=bias,
-                           segment_ids=segment_ids)
 
 
 def _sequence_parallel_axes(mesh: jax.sharding.AbstractMesh, *, batch: int, num_heads: int,

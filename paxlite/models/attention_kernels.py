@@ -82,6 +82,15 @@ def make_attention_mask(*, seq_len: int, segment_ids: jax.Array | None) -> jax.A
     return (mask[None, :, :] & same_segment)[:, None, :, :]
 
 
+def sliding_window_mask(q_positions: jax.Array, k_positions: jax.Array, *, window: int
+                        ) -> jax.Array:
+    """bool [B, 1, T, S]: True where the key's position j is within ``window`` of the query's i,
+    i - window < j (the window holds ``window`` positions, the query's own included); causality
+    (j <= i) is the other masks' part. q_positions [B, T], k_positions [B, S]."""
+    distance = q_positions[:, :, None] - k_positions[:, None, :]  # [B, T, S]
+    return (distance < window)[:, None]
+
+
 def einsum_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
     bias: jax.Array | None = None, segment_ids: jax.Array | None = None,
@@ -250,8 +259,14 @@ def flash_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: AttentionImplementation,
     mask: jax.Array | None = None, bias: jax.Array | None = None,
     segment_ids: jax.Array | None = None, interpret: bool = False,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Causal attention of prescaled q [B, T, N, H] over k, v [B, S, K, H] -> [B, T, N, H].
+
+    sliding_window: query slot i sees key slots j > i - sliding_window only: JAX's local window
+    (sliding_window - 1 keys to the left, none to the right), which the XLA kernel masks as
+    ``i <= j + left`` and cuDNN runs as its window of left + 1; the Pallas kernel has none
+    (SettingError). Slots equal positions within each packed segment, so this is exact there too.
 
     implementation: a resolved kernel (not AUTO). mask: bool [B|1, 1, T, S], a subset of causal
     (None: causal only); the XLA and cuDNN kernels read it, the Pallas kernel reads segment_ids
@@ -262,6 +277,10 @@ def flash_attention(
         raise ValueError("flash_attention needs a resolved implementation; see "
                          "resolve_implementation")
     if implementation is AttentionImplementation.PALLAS_TRITON:
+        if sliding_window is not None:
+            raise SettingError(
+                f"attention implementation 'pallas_triton' cannot run sliding_window="
+                f"{sliding_window}: the kernel has no local window; use 'auto', 'cudnn' or 'xla'")
         if bias is not None:
             raise SettingError(pallas_problems(has_bias=True)[0])
         if mask is not None and segment_ids is None:
@@ -272,10 +291,30 @@ def flash_attention(
         # cuDNN folds the mask into a bias of q's dtype; Pax computes the relative bias in the
         # activation dtype too.
         bias = bias.astype(q.dtype)
+    window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(
         q, k, v, bias=bias, mask=mask, scale=1.0, is_causal=True,
-        implementation=implementation.value,
+        implementation=implementation.value, local_window_size=window,
     )
+
+
+def fused_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: AttentionImplementation,
+    mask: jax.Array | None, bias: jax.Array | None, segment_ids: jax.Array | None,
+    vmapped_stages: bool, sliding_window: int | None,
+) -> jax.Array:
+    """``AttentionCore.FUSED``: prescaled q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
+
+    Causal kernels; a mask (same-segment for packed rows) is a subset of causal, and the Pallas
+    kernel reads segment_ids instead. Resolved per call: what a kernel can run depends on the
+    traced dtype, sizes and bias, and on a pipeline's vmap."""
+    resolved = resolve_implementation(
+        implementation, dtype=q.dtype, head_dim=q.shape[3], seq_len=q.shape[1],
+        dense_bias=mask is not None or bias is not None, has_bias=bias is not None,
+        vmapped_stages=vmapped_stages,
+    )
+    return flash_attention(q, k, v, implementation=resolved, mask=mask, bias=bias,
+                           segment_ids=segment_ids, sliding_window=sliding_window)
 
 
 def _next_power_of_two(n: int) -> int:

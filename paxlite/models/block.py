@@ -105,6 +105,11 @@ class Block(nn.Module):
             decode=self.decode,
             context_parallel_strategy=cfg.context_parallel_strategy,
             pipelined=cfg.pipeline is not None,
+            rope_scaling=cfg.rope_scaling,
+            qkv_bias=cfg.qkv_bias,
+            qk_norm=cfg.qk_norm,
+            qk_norm_epsilon=cfg.norm_epsilon,
+            sliding_window=cfg.sliding_window,
             name="attention",
         )
 

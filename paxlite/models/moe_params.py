@@ -61,11 +61,13 @@ def _attention_params(config: TransformerConfig) -> int:
     d, h = config.model_dims, config.dims_per_head
     q, kv = config.num_heads * h, config.kv_heads * h
     weights = d * (q + 2 * kv) + q * d
-    biases = (q + 2 * kv + d) if config.use_bias else 0
+    qkv_bias = config.use_bias if config.qkv_bias is None else config.qkv_bias
+    biases = (q + 2 * kv if qkv_bias else 0) + (d if config.use_bias else 0)
+    norms = 2 * h if config.qk_norm else 0  # Qwen3's RMSNorm scales of q and k, [H] each
     relative = 0
     if config.position_kind is PositionEmbedding.RELATIVE_BIAS:
         relative = config.relative_position_buckets * config.num_heads
-    return weights + biases + relative
+    return weights + biases + norms + relative
 
 
 def closed_form_num_params(config: TransformerConfig) -> int:

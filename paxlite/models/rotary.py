@@ -20,10 +20,19 @@ positions restart at 0 for every document rotate each document exactly as if it 
 The rotation is computed in float32 and cast back, as large positions times the fastest frequency
 lose too much precision in bfloat16.
 
+``RopeScaling`` rescales the frequencies for contexts longer than the pretraining one (LLaMA-3.1's
+``llama3`` rule: low frequencies divided by ``factor``, high ones kept, a smooth blend between).
+The rule acts on the frequency of pair j, which is pair j in either row layout, so HF and Meta
+checkpoints share it unchanged.
+
 Einsum letters: B batch, T length, N heads, H dims per head.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import enum
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +40,65 @@ import jax.numpy as jnp
 DEFAULT_THETA: float = 10000.0
 
 
-def rotary_angles(positions: jax.Array, *, dims_per_head: int, theta: float = DEFAULT_THETA
-                  ) -> jax.Array:
-    """positions int [B, T] -> float32 angles [B, T, H/2], angle[..., j] = pos * theta^(-2j/H)."""
+class RopeScalingKind(str, enum.Enum):
+    """How the RoPE frequencies are rescaled; the value is Hugging Face's ``rope_type``."""
+
+    LLAMA3 = "llama3"  # LLaMA-3.1/3.2/3.3: low frequencies / factor, smooth blend in between
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Frequency scaling of RoPE (``TransformerConfig.rope_scaling``); JSON-able plain values.
+
+    LLAMA3: a pair whose wavelength 2 pi / f is longer than original_max_position_embeddings /
+    low_freq_factor turns slower by ``factor``; one shorter than original / high_freq_factor
+    keeps its frequency; in between the two are blended linearly in original / wavelength.
+    """
+
+    kind: RopeScalingKind = RopeScalingKind.LLAMA3
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", RopeScalingKind(self.kind))
+        except ValueError:
+            valid = ", ".join(repr(m.value) for m in RopeScalingKind)
+            raise ValueError(f"RopeScaling.kind={self.kind!r} is not valid; expected one of "
+                             f"{valid}") from None
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"RopeScaling.{name}={value!r} must be a positive number")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling.high_freq_factor={self.high_freq_factor!r} must be larger than "
+                f"low_freq_factor={self.low_freq_factor!r} (they bound the blended band)")
+        original = self.original_max_position_embeddings
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            raise ValueError(f"RopeScaling.original_max_position_embeddings={original!r} must be "
+                             "a positive integer")
+
+    def scale(self, inv_freq: jax.Array) -> jax.Array:
+        """float32 frequencies [H/2] -> the rescaled ones (LLaMA-3.1's rule, in float32)."""
+        original = float(self.original_max_position_embeddings)
+        wavelength = 2 * math.pi / inv_freq  # [H/2]
+        slow = jnp.where(wavelength > original / self.low_freq_factor, inv_freq / self.factor,
+                         inv_freq)
+        blend = ((original / wavelength - self.low_freq_factor)
+                 / (self.high_freq_factor - self.low_freq_factor))
+        blended = (1 - blend) * slow / self.factor + blend * slow
+        medium = ((wavelength >= original / self.high_freq_factor)
+                  & (wavelength <= original / self.low_freq_factor))
+        return jnp.where(medium, blended, slow)
+
+
+def rotary_angles(positions: jax.Array, *, dims_per_head: int, theta: float = DEFAULT_THETA,
+                  scaling: RopeScaling | None = None) -> jax.Array:
+    """positions int [B, T] -> float32 angles [B, T, H/2], angle[..., j] = pos * theta^(-2j/H)
+    (that frequency rescaled by ``scaling`` when given)."""
     if dims_per_head <= 0 or dims_per_head % 2:
         raise ValueError(
             f"rotary embedding needs an even, positive dims_per_head, got {dims_per_head}"
@@ -42,11 +107,13 @@ def rotary_angles(positions: jax.Array, *, dims_per_head: int, theta: float = DE
         raise ValueError(f"rotary theta must be a positive number, got {theta!r}")
     exponents = jnp.arange(0, dims_per_head, 2, dtype=jnp.float32) / dims_per_head  # [H/2]
     inv_freq = 1.0 / (jnp.float32(theta) ** exponents)  # [H/2]
+    if scaling is not None:
+        inv_freq = scaling.scale(inv_freq)
     return positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, H/2]
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, *, theta: float = DEFAULT_THETA
-                 ) -> jax.Array:
+def apply_rotary(x: jax.Array, positions: jax.Array, *, theta: float = DEFAULT_THETA,
+                 scaling: RopeScaling | None = None) -> jax.Array:
     """Rotate interleaved pairs of x [B, T, N, H] by their positions [B, T]; same shape and dtype.
 
     Works for any number of heads N, so the same call serves queries (N heads) and keys (KV heads).
@@ -58,7 +125,8 @@ def apply_rotary(x: jax.Array, positions: jax.Array, *, theta: float = DEFAULT_T
             f"positions must have shape [batch, length] = {x.shape[:2]}, got {positions.shape}"
         )
     batch, length, heads, dims = x.shape
-    angles = rotary_angles(positions, dims_per_head=dims, theta=theta)[:, :, None, :]  # [B,T,1,H/2]
+    angles = rotary_angles(positions, dims_per_head=dims, theta=theta,
+                           scaling=scaling)[:, :, None, :]  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     pairs = x.astype(jnp.float32).reshape(batch, length, heads, dims // 2, 2)  # [B, T, N, H/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]  # each [B, T, N, H/2]

@@ -24,7 +24,7 @@ from paxlite.models.parallel_config import (
     PipelineConfig,
     scan_unit_layers,
 )
-from paxlite.models.rotary import DEFAULT_THETA
+from paxlite.models.rotary import DEFAULT_THETA, RopeScaling
 
 VALID_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -286,6 +286,14 @@ class TransformerConfig:
     # Sequence parallelism: how attention reaches the keys of other `seq` shards when the mesh has a
     # `seq` axis > 1 (models/context_parallel.py); read only then.
     context_parallel_strategy: ContextParallelStrategy = ContextParallelStrategy.ALL_GATHER
+    # RoPE frequency scaling (LLaMA-3.1's 'llama3', models/rotary.py); None: plain RoPE.
+    rope_scaling: RopeScaling | None = None
+    # Biases on the q, k, v projections alone (Qwen2); None: as use_bias.
+    qkv_bias: bool | None = None
+    # RMSNorm over each head's q and k (weights [dims_per_head]) before RoPE (Qwen3).
+    qk_norm: bool = False
+    # Query i sees key j only when i - sliding_window < j <= i (Mistral v0.1); None: all of them.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, Mapping):  # read back from JSON
@@ -364,6 +372,7 @@ class TransformerConfig:
                     "lora_targets='attention' with an MoE model"
                 )
 
+        _check_open_model_fields(self)  # after the enums above are coerced
         if self.layer_implementation is LayerImplementation.TRANSFORMER_ENGINE:
             _check_transformer_engine(self)
         elif self.te is not None:
@@ -371,6 +380,11 @@ class TransformerConfig:
                 "TransformerConfig.te (Transformer Engine settings) is set but "
                 "layer_implementation='paxlite': set layer_implementation='transformer_engine' "
                 "(ENABLE_TE=1) or leave te=None")
+
+    @property
+    def uses_qkv_bias(self) -> bool:
+        """Whether the q, k, v projections carry biases: ``qkv_bias``, else ``use_bias``."""
+        return self.use_bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def te_settings(self) -> TransformerEngineConfig:
@@ -409,6 +423,32 @@ class TransformerConfig:
         return self.init_std if self.softmax_init_std is None else self.softmax_init_std
 
 
+def _check_open_model_fields(config: TransformerConfig) -> None:
+    """rope_scaling (read back from JSON too), qkv_bias, qk_norm and sliding_window."""
+    if isinstance(config.rope_scaling, Mapping):  # read back from JSON
+        object.__setattr__(config, "rope_scaling", RopeScaling(**config.rope_scaling))
+    if config.rope_scaling is not None and not isinstance(config.rope_scaling, RopeScaling):
+        raise ValueError(f"TransformerConfig.rope_scaling={config.rope_scaling!r} must be None "
+                         "or a RopeScaling")
+    if config.qkv_bias is not None and not isinstance(config.qkv_bias, bool):
+        raise ValueError(f"TransformerConfig.qkv_bias={config.qkv_bias!r} must be None (as "
+                         "use_bias), True or False")
+    if not isinstance(config.qk_norm, bool):
+        raise ValueError(f"TransformerConfig.qk_norm={config.qk_norm!r} must be True or False")
+    window = config.sliding_window
+    if window is not None and not _is_size(window):
+        raise ValueError(f"TransformerConfig.sliding_window={window!r} must be None (the whole "
+                         "context) or a positive integer (keys seen per query, its own included)")
+    if (window is not None
+            and config.attention_implementation is AttentionImplementation.PALLAS_TRITON):
+        raise ValueError(f"TransformerConfig.sliding_window={window} with attention "
+                         "implementation 'pallas_triton': that kernel has no local window; use "
+                         "'auto', 'cudnn' or 'xla'")
+    if config.rope_scaling is not None and config.position_kind is not PositionEmbedding.ROTARY:
+        raise ValueError(f"TransformerConfig.rope_scaling is set but the position embedding is "
+                         f"{config.position_kind.value!r}: it rescales rotary embeddings only")
+
+
 def _check_transformer_engine(config: TransformerConfig) -> None:
     """What TE's TransformerLayer cannot express is refused here, not silently changed."""
     if config.te is not None and not isinstance(config.te, TransformerEngineConfig):
@@ -427,6 +467,11 @@ def _check_transformer_engine(config: TransformerConfig) -> None:
         problems.append("the T5 relative position bias is paxlite's per-layer table")
     if not config.scale_query:
         problems.append("scale_query=False (TE scales the logits by 1/sqrt(head size))")
+    for name in ("rope_scaling", "qkv_bias", "sliding_window"):
+        if getattr(config, name) is not None:
+            problems.append(f"{name}={getattr(config, name)!r} is paxlite's attention option")
+    if config.qk_norm:
+        problems.append("qk_norm=True is paxlite's attention option")
     if config.gated_mlp and config.activation.value not in _TE_GATED_ACTIVATIONS:
         problems.append(f"gated activation {config.activation.value!r} has no TE name")
     if not config.gated_mlp and config.activation.value not in _TE_ACTIVATIONS:

@@ -33,8 +33,8 @@ def _config(directory):
 
 @pytest.mark.parametrize("change, message", [
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
-     "rope_parameters.rope_type='llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}},
+     "rope_parameters={'rope_type': 'yarn'"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"model_type": "mixtral"}, "no 'num_local_experts'"),
