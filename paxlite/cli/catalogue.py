@@ -13,7 +13,12 @@ CATALOGUE_COMMAND = "python -m paxlite list --format=markdown > docs/experiments
 _FAMILIES = types.MappingProxyType({  # module -> section title, in the order the sections appear
     "gpt": "GPT (Pax's GPT-3 family)", "llama": "LLaMA (Pax's LLaMA-2 experiments)",
     "glam": "GLaM (Pax's mixture-of-experts GPTs)", "mixtral": "Mixtral",
-    "fuji": "Fuji (AXLearn's models)", "tiny": "CPU-sized experiments (tests, demos, smoke runs)",
+    "fuji": "Fuji (AXLearn's models)",
+    "llama3": "LLaMA 3.1 and 3.2 (fine-tuning Meta's models)",
+    "mistral": "Mistral (fine-tuning Mistral AI's models)",
+    "qwen": "Qwen 2.5 and 3 (fine-tuning Alibaba's models)",
+    "finetune": "Any converted model (FineTune)",
+    "tiny": "CPU-sized experiments (tests, demos, smoke runs)",
 })
 
 
@@ -33,7 +38,8 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     for e in entries:
         also = f"  (also {', '.join(e['also'])})" if e["also"] else ""
         active = e["num_active_params"]
-        rows.append((e["name"], f"{e['num_params']:,}", "" if active is None else f"{active:,}",
+        params = _CHECKPOINT_S if e["num_params"] is None else f"{e['num_params']:,}"
+        rows.append((e["name"], params, "" if active is None else f"{active:,}",
                      e["class"] + also))
     header = ("experiment", "parameters", "active", "class")
     widths = [max(len(r[i]) for r in [*rows, header]) for i in range(4)]
@@ -41,6 +47,10 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     for name, params, active, path in rows:
         print(f"{name:<{widths[0]}}  {params:>{widths[1]}}  {active:>{widths[2]}}  {path}")
     return 0
+
+
+# What `list` says of an experiment whose model is the checkpoint's (FineTune).
+_CHECKPOINT_S = "the checkpoint's"
 
 
 def parameter_counts(model) -> tuple[int, int]:
@@ -78,6 +88,11 @@ def _catalogue() -> list[dict]:
     counts: dict = {}
     entries = []
     for name, cls in EXPERIMENTS.items():
+        if getattr(cls, "model_from_checkpoint", False):  # FineTune: no model until a path
+            entries.append({"name": name, "class": f"{cls.__module__}.{cls.__qualname__}",
+                            "experiment": cls, "also": aliases.get(name, []),
+                            "num_params": None, "num_active_params": None})
+            continue
         experiment = cls.resolve({})
         model = fdl.build(experiment.model_config())
         try:
@@ -166,6 +181,22 @@ def _markdown_catalogue(entries: list[dict]) -> str:
             mesh, batch = _mesh_and_batch(e["experiment"])
             also = ", ".join(f"`{a}`" for a in e["also"])
             active = "" if e["num_active_params"] is None else f"{e['num_active_params']:,}"
-            lines.append(f"| `{e['name']}` | {also} | {e['num_params']:,} | {active} | {mesh} | "
-                         f"{e['experiment'].MAX_SEQ_LEN:,} | {batch} | `{e['class']}` |")
+            if e["num_params"] is None:
+                params = sequence = _CHECKPOINT_S
+            else:
+                params, sequence = f"{e['num_params']:,}", f"{e['experiment'].MAX_SEQ_LEN:,}"
+            lines.append(f"| `{e['name']}` | {also} | {params} | {active} | {mesh} | "
+                         f"{sequence} | {batch} | `{e['class']}` |")
+        note = _family_note(family)
+        if note:
+            lines += ["", *note.strip("\n").splitlines()]
     return "\n".join(lines) + "\n"
+
+
+def _family_note(family: str) -> str | None:
+    """The family module's CATALOGUE_NOTE (markdown under its table: e.g. what `plan` said of its
+    defaults), or None."""
+    import importlib
+
+    module = importlib.import_module(f"paxlite.experiments.{family}")
+    return getattr(module, "CATALOGUE_NOTE", None)

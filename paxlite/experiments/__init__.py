@@ -3,14 +3,26 @@
 An explicit dict (no import-time registration side effects). Dotted paths
 (`paxlite.experiments.gpt.GPT126M`), legacy Pax names
 (`paxml.contrib.gpu.scripts_gpu.configs.Pile126M`) and aliases (AXLearn's `fuji-7B-v2` for
-`Fuji7BV2`, Pax's `GLaM126M64EBase` for `GLaM126M64E`) resolve through
+`Fuji7BV2`, Pax's `GLaM126M64EBase` for `GLaM126M64E`, Hugging Face's `meta-llama/Llama-3.1-8B` for
+`LLaMA3_1_8B`) resolve through
 `paxlite.config.registry.resolve_experiment`.
 """
 
 from __future__ import annotations
 
 from paxlite.config.registry import Registry
-from paxlite.experiments import fuji, glam, gpt, llama, mixtral, tiny
+from paxlite.experiments import (
+    finetune,
+    fuji,
+    glam,
+    gpt,
+    llama,
+    llama3,
+    mistral,
+    mixtral,
+    qwen,
+    tiny,
+)
 
 EXPERIMENTS = Registry(
     {
@@ -36,6 +48,11 @@ EXPERIMENTS = Registry(
         "TinyGLaM": tiny.TinyGLaM,
         "TinyMixtral": tiny.TinyMixtral,
         **{cls.__name__: cls for cls in fuji.FUJI_EXPERIMENTS},
+        **{cls.__name__: cls for cls in llama3.LLAMA3_EXPERIMENTS},
+        **{cls.__name__: cls for cls in mistral.MISTRAL_EXPERIMENTS},
+        **{cls.__name__: cls for cls in qwen.QWEN_EXPERIMENTS},
+        "FineTune": finetune.FineTune,
     },
-    aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES},
+    aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES, **llama3.HF_NAMES, **mistral.HF_NAMES,
+             **qwen.HF_NAMES},
 )

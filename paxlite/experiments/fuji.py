@@ -50,13 +50,11 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-import fiddle as fdl
-
 from paxlite.config.experiment import Derived
+from paxlite.experiments.architecture_settings import TiedEmbeddingSettings
 from paxlite.experiments.llama import BaseLLaMA
 from paxlite.experiments.model_settings import RotarySettings
 from paxlite.experiments.optimizer_settings import GPT3Optimizer
-from paxlite.models.transformer import TransformerConfig
 
 _TERA = 1024**4  # AXLearn's "T" of TOTAL_TOKENS
 
@@ -146,20 +144,20 @@ SIZES: Mapping[str, FujiSize] = MappingProxyType({
 })
 
 
-class BaseFuji(RotarySettings, GPT3Optimizer, BaseLLaMA):
+class BaseFuji(TiedEmbeddingSettings, RotarySettings, GPT3Optimizer, BaseLLaMA):
     """Settings every Fuji config shares; not registered (it has no size of its own).
 
-    Hyperparameters added to LLaMA's: ROPE_THETA (RotarySettings, as Mixtral), TIE_EMBEDDINGS,
-    TOTAL_TOKENS, TOKENS_PER_BATCH (from which MAX_STEPS and GLOBAL_BATCH_SIZE are derived) and
-    DECOUPLED_WEIGHT_DECAY (AXLearn's weight decay; WEIGHT_DECAY is derived from it, see the
-    module docstring).
+    Hyperparameters added to LLaMA's: ROPE_THETA (RotarySettings, as Mixtral), TIE_EMBEDDINGS
+    (TiedEmbeddingSettings, as LLaMA-3.2 and Qwen), TOTAL_TOKENS, TOKENS_PER_BATCH (from which
+    MAX_STEPS and GLOBAL_BATCH_SIZE are derived) and DECOUPLED_WEIGHT_DECAY (AXLearn's weight
+    decay; WEIGHT_DECAY is derived from it, see the module docstring).
     """
 
     axlearn_name: ClassVar[str] = ""
     fuji_size: ClassVar[str] = ""  # "7B", "test", ...: which of fuji_mesh.RULES apply
     fuji_version: ClassVar[str] = ""  # "1", "2", "3", "3-tiktoken"
 
-    TIE_EMBEDDINGS: bool = True
+    TIE_EMBEDDINGS = True
     TOTAL_TOKENS: int = 1 * _TERA
     TOKENS_PER_BATCH: int = 4 * 1024**2
     # AXLearn's lambda: each step multiplies the parameters by (1 - lambda * schedule multiplier).
@@ -193,11 +191,6 @@ class BaseFuji(RotarySettings, GPT3Optimizer, BaseLLaMA):
     # default here).
     EVAL_TASK = "validation"
     EVAL_LOOP_NUM_BATCHES = 10
-
-    def model_config(self) -> fdl.Config[TransformerConfig]:
-        config = super().model_config()
-        config.tie_embeddings = self.TIE_EMBEDDINGS
-        return config
 
 
 FP8_AMAX_HISTORY_LENGTH = 128  # AXLearn's FP8ConfigModifier(fp8_amax_history_length=128)

@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import fiddle as fdl
 
-from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived
 from paxlite.experiments.base import DataSource, LanguageModelExperiment
-from paxlite.experiments.field_names import in_hparam_names
-from paxlite.experiments.model_settings import MODEL_FIELD_NAMES
+from paxlite.experiments.model_settings import KeyValueHeadSettings
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
-from paxlite.models.transformer_config import shape_problems
 
 
-class BaseLLaMA(LanguageModelExperiment):
+class BaseLLaMA(KeyValueHeadSettings, LanguageModelExperiment):
     """Pax BaseLLaMA's settings shared by every size; not registered (it has no size of its own).
 
     MAX_STEPS is 0 as in Pax, whose LLaMA configs say "only eval supported currently": training
@@ -46,10 +43,6 @@ class BaseLLaMA(LanguageModelExperiment):
 
     data_source = DataSource.TEXT
 
-    # Key/value heads of grouped-query attention; equal to NUM_HEADS means plain multi-head
-    # attention with Pax's combined QKV projection, fewer means separate q/k/v projections (Pax
-    # USE_MQA=True, NUM_KV_HEADS=K).
-    NUM_KV_HEADS: int = Derived(lambda hp: hp.NUM_HEADS, doc="NUM_HEADS")
     DIMS_PER_HEAD = 128
     VOCAB_SIZE = 32000
     MAX_SEQ_LEN = 4096
@@ -64,14 +57,6 @@ class BaseLLaMA(LanguageModelExperiment):
                         doc="'boolq', or 'validation' with SYNTHETIC_DATA")
     EVAL_LOOP_NUM_BATCHES = Derived(lambda hp: 10 if hp.EVAL_TASK == "validation" else -1,
                                     doc="-1 (the whole set) for a zero-shot task, else 10")
-
-    def validate(self) -> None:
-        super().validate()
-        names = {**MODEL_FIELD_NAMES, "num_kv_heads": "NUM_KV_HEADS"}
-        problems = shape_problems(**self.model_sizes(), num_kv_heads=self.NUM_KV_HEADS,
-                                  position_embedding=LLAMA_ARCHITECTURE["position_embedding"])
-        if problems:
-            raise ConfigError("; ".join(in_hparam_names(problems, names=names)))
 
     def model_config(self) -> fdl.Config[TransformerConfig]:
         return fdl.Config(

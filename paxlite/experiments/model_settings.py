@@ -22,7 +22,11 @@ from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.linear import Fp8Config, fp8_config_problems
 from paxlite.models.lora import LoraTargets, alpha_problems, rank_problems
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
-from paxlite.models.transformer_config import dropout_problems, shape_problems
+from paxlite.models.transformer_config import (
+    PositionEmbedding,
+    dropout_problems,
+    shape_problems,
+)
 from paxlite.train import flops as flops_lib
 
 # TransformerConfig's sizes -> the hyperparameters that set them (transformer_fields maps them,
@@ -119,9 +123,33 @@ class ModelShapeSettings:
         )
 
 
+class KeyValueHeadSettings:
+    """Grouped-query attention (Pax USE_MQA with NUM_KV_HEADS), for the families that have it
+    (llama.py and those built on it, finetune.py); listed last among their bases, so `show` lists
+    it after every shared setting."""
+
+    # Key/value heads of grouped-query attention; equal to NUM_HEADS means plain multi-head
+    # attention with Pax's combined QKV projection, fewer means separate q/k/v projections (Pax
+    # USE_MQA=True, NUM_KV_HEADS=K).
+    NUM_KV_HEADS: int = Derived(lambda hp: hp.NUM_HEADS, doc="NUM_HEADS")
+
+    def validate(self) -> None:
+        super().validate()
+        names = {**MODEL_FIELD_NAMES, "num_kv_heads": "NUM_KV_HEADS"}
+        problems = shape_problems(**self.model_sizes(), num_kv_heads=self.NUM_KV_HEADS,
+                                  position_embedding=self.position_kind())
+        if problems:
+            raise ConfigError("; ".join(in_hparam_names(problems, names=names)))
+
+    def position_kind(self) -> PositionEmbedding:
+        """How the model encodes positions (rotary embeddings need an even DIMS_PER_HEAD)."""
+        return PositionEmbedding.ROTARY
+
+
 class RotarySettings:
     """The base of the rotary position embedding, for the families that change LLaMA-2's
-    (fuji.py, mixtral.py); listed first among their bases, so `show` keeps its place."""
+    (fuji.py, mixtral.py, llama3.py, mistral.py, qwen.py, finetune.py); listed first among their
+    bases, so `show` keeps its place."""
 
     ROPE_THETA: float = 1e4  # RoPE base (HF rope_theta); LLaMA-2's is 1e4
 

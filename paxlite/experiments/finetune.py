@@ -1,0 +1,256 @@
+"""`--fdl_config=FineTune --fdl.CHECKPOINT_RESTORE_PATH=DIR`: fine-tune whatever model DIR holds.
+
+A converted model (`python -m paxlite convert --from=hf|meta --to=paxlite`, any family) records
+its exact TransformerConfig in `DIR/model_config.json` and keeps its tokenizer beside it. FineTune
+reads both, so a model with no registered experiment (a LLaMA-3 merge, a Qwen of another size)
+trains without writing one: the sizes and architecture switches are the checkpoint's, the
+tokenizer (VOCAB_PATH) is the one beside it, and the rest is a full fine-tune's defaults
+(fine_tuning.py's `FineTuningRecipe`, FSDP over one node of 8 GPUs, EVAL_TASK 'validation').
+
+Every hyperparameter stays overridable: the ones read from the checkpoint are Derived, so
+`--fdl.MAX_SEQ_LEN=2048` or `--fdl.ROPE_THETA=...` wins over the checkpoint's value. An override
+that would change a parameter's shape or the stored layer layout (NUM_LAYERS, MODEL_DIMS,
+VOCAB_SIZE, USE_REPEATED_LAYER, ...) is refused in one line before anything runs: the
+checkpoint's weights would not fit it. The
+architecture the hyperparameters do not name (norm, activation, biases, position embedding,
+experts) is taken from the checkpoint as it is. `python -m paxlite show --fdl_config=FineTune
+--fdl.CHECKPOINT_RESTORE_PATH=DIR` prints what was read.
+
+Experiments only describe (the import contracts keep checkpointing/ out of them), so the small
+JSON file is read here, by name, rather than through checkpointing/pretrained.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+import os
+import re
+from typing import Any, ClassVar
+
+import fiddle as fdl
+
+from paxlite.config.errors import ConfigError
+from paxlite.config.experiment import Derived
+from paxlite.experiments.architecture_settings import (
+    AttentionVariantSettings,
+    RopeScalingSettings,
+    TiedEmbeddingSettings,
+)
+from paxlite.experiments.base import DataSource, LanguageModelExperiment
+from paxlite.experiments.fine_tuning import FineTuningRecipe
+from paxlite.experiments.model_settings import (
+    MODEL_FIELD_NAMES,
+    KeyValueHeadSettings,
+    RotarySettings,
+)
+from paxlite.models.rotary import RopeScaling
+from paxlite.models.transformer import NormKind, PositionEmbedding, TransformerConfig
+
+# The file `python -m paxlite convert` writes beside a checkpoint (checkpointing/pretrained.py's
+# MODEL_CONFIG_FILE; tests/experiments/test_open_models.py checks that they agree).
+MODEL_CONFIG_FILE = "model_config.json"
+# The tokenizers `convert` copies beside the model, in the order transformers prefers them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+_STEP_DIR = re.compile(r"^checkpoint_\d+$")
+
+
+def model_directory(restore_path: str) -> str:
+    """The directory a restore path's model_config.json lies in: the path itself, or the output
+    directory above its `checkpoints/` or `checkpoint_<STEP>` (the three spellings
+    CHECKPOINT_RESTORE_PATH takes)."""
+    directory = os.path.abspath(os.path.expanduser(restore_path))
+    if _STEP_DIR.match(os.path.basename(directory)):
+        directory = os.path.dirname(directory)
+    if os.path.basename(directory) == "checkpoints":
+        directory = os.path.dirname(directory)
+    return directory
+
+
+def checkpoint_model(restore_path: str | None) -> TransformerConfig:
+    """The TransformerConfig recorded beside the checkpoint; one ConfigError line when there is
+    none or it cannot be read."""
+    if not restore_path:
+        raise ConfigError(
+            "FineTune builds its model from the checkpoint it starts from: pass "
+            "--fdl.CHECKPOINT_RESTORE_PATH=DIR, a directory `python -m paxlite convert` wrote")
+    path = os.path.join(model_directory(restore_path), MODEL_CONFIG_FILE)
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"CHECKPOINT_RESTORE_PATH={restore_path}: no {path}, which FineTune builds the model "
+            "from; convert the model with `python -m paxlite convert --to=paxlite` (it writes "
+            "one), or name its experiment with --fdl_config") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"CHECKPOINT_RESTORE_PATH={restore_path}: cannot read {path}: "
+                          f"{type(e).__name__}: {e}") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"CHECKPOINT_RESTORE_PATH={restore_path}: {path} is not a JSON object "
+                          "of TransformerConfig fields")
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(f"CHECKPOINT_RESTORE_PATH={restore_path}: {path} has fields this "
+                          f"paxlite does not know: {', '.join(unknown)} (written by a newer one?)")
+    try:
+        return TransformerConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"CHECKPOINT_RESTORE_PATH={restore_path}: {path} is not a valid model "
+                          f"config: {e}") from None
+
+
+def _rope_scaling_of(model: TransformerConfig) -> RopeScaling:
+    """The checkpoint's RoPE scaling, or RopeScaling's defaults (read only with scaling)."""
+    return model.rope_scaling if model.rope_scaling is not None else RopeScaling()
+
+
+# Hyperparameter -> how its default is read off the checkpoint's TransformerConfig.
+_FROM_CHECKPOINT: dict[str, Any] = {
+    **{name: operator.attrgetter(field) for field, name in MODEL_FIELD_NAMES.items()},
+    "NUM_KV_HEADS": lambda m: m.kv_heads,
+    "LAYERNORM_EPSILON": lambda m: m.norm_epsilon,
+    "INIT_STD": lambda m: m.init_std,  # for what CHECKPOINT_IGNORE_RULES leaves unread
+    "FPROP_DTYPE": lambda m: m.dtype,
+    "USE_REPEATED_LAYER": lambda m: m.scan_layers,
+    "ROPE_THETA": lambda m: m.rope_theta,
+    "TIE_EMBEDDINGS": lambda m: m.tie_embeddings,
+    "QKV_BIAS": lambda m: m.qkv_bias is True,
+    "QK_NORM": lambda m: m.qk_norm,
+    "SLIDING_WINDOW": lambda m: m.sliding_window,
+    "ROPE_SCALING": lambda m: "none" if m.rope_scaling is None else m.rope_scaling.kind.value,
+    "ROPE_SCALING_FACTOR": lambda m: _rope_scaling_of(m).factor,
+    "ROPE_SCALING_LOW_FREQ_FACTOR": lambda m: _rope_scaling_of(m).low_freq_factor,
+    "ROPE_SCALING_HIGH_FREQ_FACTOR": lambda m: _rope_scaling_of(m).high_freq_factor,
+    "ROPE_SCALING_ORIGINAL_MAX_POSITION":
+        lambda m: _rope_scaling_of(m).original_max_position_embeddings,
+}
+# The hyperparameters that set a parameter's shape (or, for USE_REPEATED_LAYER, the stacked
+# layout the weights are stored in): an override must agree with the checkpoint.
+_SHAPE_SETTINGS = ("VOCAB_SIZE", "NUM_LAYERS", "MODEL_DIMS", "NUM_HEADS", "DIMS_PER_HEAD",
+                   "HIDDEN_DIMS", "NUM_KV_HEADS", "TIE_EMBEDDINGS", "QKV_BIAS", "QK_NORM",
+                   "USE_REPEATED_LAYER")
+
+
+def _from_checkpoint(name: str) -> Derived:
+    read = _FROM_CHECKPOINT[name]
+    return Derived(lambda hp: read(checkpoint_model(hp.CHECKPOINT_RESTORE_PATH)),
+                   doc="the checkpoint's model_config.json")
+
+
+def _tokenizer_beside(restore_path: str | None) -> str | None:
+    """The tokenizer `convert` copied beside the model, when there is one."""
+    if not restore_path:
+        return None
+    directory = model_directory(restore_path)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(directory, name)):
+            return os.path.join(directory, name)
+    return None
+
+
+class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
+    """The model of CHECKPOINT_RESTORE_PATH's model_config.json, its fields set by the
+    hyperparameters that name them (the mixins listed before this class)."""
+
+    data_source = DataSource.TEXT
+
+    def checkpoint_model(self) -> TransformerConfig:
+        return checkpoint_model(self.CHECKPOINT_RESTORE_PATH)
+
+    @property
+    def family_adds_bos(self) -> bool:
+        """LLaMA-style models (RMSNorm and RoPE: LLaMA, Mistral, Qwen, ...) start text with BOS
+        where their tokenizer has one (Qwen's has none); GPT-style ones do not."""
+        model = self.checkpoint_model()
+        return model.norm is NormKind.RMS_NORM and model.position_kind is PositionEmbedding.ROTARY
+
+    def position_kind(self) -> PositionEmbedding:
+        return self.checkpoint_model().position_kind
+
+    def is_moe(self) -> bool:
+        return self.checkpoint_model().moe is not None
+
+    def validate(self) -> None:
+        model = self.checkpoint_model()
+        problems = []
+        for name in _SHAPE_SETTINGS:
+            read_recorded = _FROM_CHECKPOINT[name]
+            wanted, recorded = getattr(self, name), read_recorded(model)
+            if name in self.overridden and wanted != recorded:
+                problems.append(f"{name}={wanted!r} (the checkpoint's is {recorded!r})")
+        learned = model.position_kind is PositionEmbedding.LEARNED
+        if learned and "MAX_SEQ_LEN" in self.overridden and self.MAX_SEQ_LEN != model.max_seq_len:
+            problems.append(f"MAX_SEQ_LEN={self.MAX_SEQ_LEN!r} (the checkpoint's learned position "
+                            f"table has {model.max_seq_len!r} rows)")
+        if problems:
+            raise ConfigError(
+                f"{'; '.join(problems)}: the weights in CHECKPOINT_RESTORE_PATH="
+                f"{self.CHECKPOINT_RESTORE_PATH} would not fit that model; drop the override "
+                "(FineTune takes it from the checkpoint), or start from a checkpoint of that shape")
+        super().validate()
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        model = self.checkpoint_model()
+        fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+        # LoRA comes from USE_LORA (with_lora), never from the checkpoint
+        fields.update(lora_rank=None, lora_alpha=None)
+        fields.update(self.transformer_fields())
+        # As recorded where they mean the same: None is "as num_heads" / "as init_std" (and
+        # NUM_KV_HEADS cannot differ from the checkpoint's: validate says so)
+        if model.softmax_init_std is None and self.SOFTMAX_INIT_STD == self.INIT_STD:
+            fields["softmax_init_std"] = None
+        return fdl.Config(TransformerConfig, **fields)
+
+
+class FineTune(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings,
+               RopeScalingSettings, RotarySettings, CheckpointModelSettings):
+    """Fine-tune the model CHECKPOINT_RESTORE_PATH holds (module docstring): its sizes, switches
+    and tokenizer by default, a full fine-tune's optimizer and schedule, FSDP over 8 devices and
+    2 sequences per device (override ICI_MESH_SHAPE and PERCORE_BATCH_SIZE for another node)."""
+
+    # No model until CHECKPOINT_RESTORE_PATH names one: `list` and the golden files of every
+    # registered experiment (resolved with no overrides) leave it out.
+    model_from_checkpoint: ClassVar[bool] = True
+
+    NUM_LAYERS = _from_checkpoint("NUM_LAYERS")
+    NUM_HEADS = _from_checkpoint("NUM_HEADS")
+    MODEL_DIMS = _from_checkpoint("MODEL_DIMS")
+    HIDDEN_DIMS = _from_checkpoint("HIDDEN_DIMS")
+    DIMS_PER_HEAD = _from_checkpoint("DIMS_PER_HEAD")
+    VOCAB_SIZE = _from_checkpoint("VOCAB_SIZE")
+    MAX_SEQ_LEN = _from_checkpoint("MAX_SEQ_LEN")
+    NUM_KV_HEADS = _from_checkpoint("NUM_KV_HEADS")
+    LAYERNORM_EPSILON = _from_checkpoint("LAYERNORM_EPSILON")
+    INIT_STD = _from_checkpoint("INIT_STD")
+    FPROP_DTYPE = _from_checkpoint("FPROP_DTYPE")
+    USE_REPEATED_LAYER = _from_checkpoint("USE_REPEATED_LAYER")
+    ROPE_THETA = _from_checkpoint("ROPE_THETA")
+    TIE_EMBEDDINGS = _from_checkpoint("TIE_EMBEDDINGS")
+    QKV_BIAS = _from_checkpoint("QKV_BIAS")
+    QK_NORM = _from_checkpoint("QK_NORM")
+    SLIDING_WINDOW = _from_checkpoint("SLIDING_WINDOW")
+    ROPE_SCALING = _from_checkpoint("ROPE_SCALING")
+    ROPE_SCALING_FACTOR = _from_checkpoint("ROPE_SCALING_FACTOR")
+    ROPE_SCALING_LOW_FREQ_FACTOR = _from_checkpoint("ROPE_SCALING_LOW_FREQ_FACTOR")
+    ROPE_SCALING_HIGH_FREQ_FACTOR = _from_checkpoint("ROPE_SCALING_HIGH_FREQ_FACTOR")
+    ROPE_SCALING_ORIGINAL_MAX_POSITION = _from_checkpoint("ROPE_SCALING_ORIGINAL_MAX_POSITION")
+    VOCAB_PATH = Derived(lambda hp: _tokenizer_beside(hp.CHECKPOINT_RESTORE_PATH),
+                         doc="the tokenizer.json or tokenizer.model beside the checkpoint")
+    ICI_MESH_SHAPE = [1, 8, 1]
+    DCN_MESH_SHAPE = [1, 1, 1]
+    PERCORE_BATCH_SIZE = 2
+    PACKED_INPUT = False
+    EVAL_TASK = "validation"
+
+
+# Under its row in docs/experiments.md (`python -m paxlite list --format=markdown`).
+CATALOGUE_NOTE = """\
+`FineTune` has no model of its own: `--fdl.CHECKPOINT_RESTORE_PATH=DIR` names a directory that
+`python -m paxlite convert --to=paxlite` wrote, and the sizes, switches and tokenizer are read from
+its `model_config.json` ([training.md](training.md), "Any converted model: `FineTune`").
+`python -m paxlite show --fdl_config=FineTune --fdl.CHECKPOINT_RESTORE_PATH=DIR` prints them, and
+`plan` plans it the same way.
+"""
