@@ -23,9 +23,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from paxlite.data.tokenizer import HF_TOKENIZER_FILE
+from paxlite.data.tokenizer import tokenizer_in
 from paxlite.errors import NotFoundError, SettingError
-from paxlite.interop.hf_write import TOKENIZER_FILE
 
 
 class BosChoice(str, enum.Enum):
@@ -148,10 +147,7 @@ def resolve_model(args: argparse.Namespace, assignments: Sequence[str]) -> Model
             # The tokenizer `convert` copied beside the model (from the HF / Meta input; its
             # tokenizer.json before a tokenizer.model, as transformers picks), unless VOCAB_PATH
             # names another.
-            beside = [os.path.join(os.fspath(directory), name)
-                      for name in (HF_TOKENIZER_FILE, TOKENIZER_FILE)]
-            vocab = os.environ.get("VOCAB_PATH") or next(
-                (path for path in beside if os.path.isfile(path)), None)
+            vocab = os.environ.get("VOCAB_PATH") or tokenizer_in(directory)
             return ModelSource(config=config, checkpoint=path, vocab_path=vocab,
                                source=os.path.join(os.fspath(directory), "model_config.json"))
     raise NotFoundError(

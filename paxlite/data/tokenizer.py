@@ -93,14 +93,24 @@ class _SentencePieceBackend:
         return self._processor.id_to_piece(token_id)
 
 
+def tokenizer_in(directory: str | os.PathLike) -> str | None:
+    """The tokenizer file a directory holds, as AutoTokenizer prefers them: its tokenizer.json,
+    else its tokenizer.model; None when it holds neither."""
+    for name in (HF_TOKENIZER_FILE, MODEL_FILE):
+        candidate = os.path.join(os.fspath(directory), name)
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
 def find_tokenizer_file(path: str | os.PathLike) -> str:
-    """The one file that defines the tokenizer at `path` (absolute): the file itself, or a
-    directory's tokenizer.json, else its tokenizer.model (what AutoTokenizer prefers)."""
+    """The one file that defines the tokenizer at `path` (absolute): the file itself, or the one
+    a directory holds (`tokenizer_in`)."""
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if os.path.isdir(path):
-        for name in (HF_TOKENIZER_FILE, MODEL_FILE):
-            if os.path.isfile(os.path.join(path, name)):
-                return os.path.join(path, name)
+        found = tokenizer_in(path)
+        if found is not None:
+            return found
         raise VocabError(f"directory {path} holds neither {HF_TOKENIZER_FILE} nor {MODEL_FILE}; "
                          f"a tokenizer is {VALID_TOKENIZERS}")
     if not os.path.isfile(path):

@@ -33,6 +33,7 @@ import fiddle as fdl
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Derived
+from paxlite.data.tokenizer import tokenizer_in
 from paxlite.experiments.architecture_settings import (
     AttentionVariantSettings,
     RopeScalingSettings,
@@ -51,8 +52,6 @@ from paxlite.models.transformer import NormKind, PositionEmbedding, TransformerC
 # The file `python -m paxlite convert` writes beside a checkpoint (checkpointing/pretrained.py's
 # MODEL_CONFIG_FILE; tests/experiments/test_open_models.py checks that they agree).
 MODEL_CONFIG_FILE = "model_config.json"
-# The tokenizers `convert` copies beside the model, in the order transformers prefers them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 _STEP_DIR = re.compile(r"^checkpoint_\d+$")
 
 
@@ -144,11 +143,7 @@ def _tokenizer_beside(restore_path: str | None) -> str | None:
     """The tokenizer `convert` copied beside the model, when there is one."""
     if not restore_path:
         return None
-    directory = model_directory(restore_path)
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(directory, name)):
-            return os.path.join(directory, name)
-    return None
+    return tokenizer_in(model_directory(restore_path))
 
 
 class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):

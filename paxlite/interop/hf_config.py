@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.interop.errors import UnsupportedCheckpointError
+from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
 from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.transformer import (
@@ -75,11 +75,6 @@ def _require(hf: Mapping[str, Any], key: str) -> Any:
     return hf[key]
 
 
-def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
-    if condition:
-        raise UnsupportedCheckpointError(f"config.json {field}={value!r} is not supported: {why}")
-
-
 def stored_dtype(hf: Mapping[str, Any]) -> str | None:
     """The dtype the checkpoint says it was saved in (5.x ``dtype``, 4.x ``torch_dtype``)."""
     value = hf.get("dtype", hf.get("torch_dtype"))
@@ -132,11 +127,11 @@ def family_of(hf: Mapping[str, Any]) -> Family:
 def _refuse_qwen_windows(hf: Mapping[str, Any]) -> None:
     """Qwen2/3's sliding windows sit on some layers only (``max_window_layers``); refused."""
     use = hf.get("use_sliding_window", False)
-    _refuse_if(bool(use), "use_sliding_window", use,
+    refuse_if(bool(use), "use_sliding_window", use,
                "paxlite applies a sliding window to every layer or to none, not Qwen's "
                "per-layer windows (use_sliding_window must be false)")
     kinds = sorted(set(hf.get("layer_types") or ()) - {"full_attention"})
-    _refuse_if(bool(kinds), "layer_types", kinds,
+    refuse_if(bool(kinds), "layer_types", kinds,
                "paxlite's Qwen layers all attend to the whole context ('full_attention')")
 
 
@@ -149,19 +144,19 @@ def _family_fields(hf: Mapping[str, Any], family: Family) -> dict[str, Any]:
         return {"qkv_bias": True}  # Qwen2's q, k, v always carry biases, its output none
     if family is Family.QWEN3:
         _refuse_qwen_windows(hf)
-        _refuse_if(bool(bias), "attention_bias", bias,
+        refuse_if(bool(bias), "attention_bias", bias,
                    "Qwen3's attention_bias also puts a bias on the output projection, which "
                    "paxlite has only together with MLP biases")
         return {"qk_norm": True}
-    _refuse_if(bool(bias), "attention_bias", bias, "paxlite's LLaMA has no attention biases")
+    refuse_if(bool(bias), "attention_bias", bias, "paxlite's LLaMA has no attention biases")
     if family is Family.MISTRAL:
         if "sliding_window" not in hf:
             window = MISTRAL_DEFAULT_SLIDING_WINDOW
         kinds = set(hf.get("layer_types") or ())
-        _refuse_if(len(kinds) > 1, "layer_types", sorted(kinds),
+        refuse_if(len(kinds) > 1, "layer_types", sorted(kinds),
                    "paxlite's Mistral applies one sliding window to every layer")
         return {"sliding_window": None if window is None else int(window)}
-    _refuse_if(window is not None, "sliding_window", window, "LLaMA attends to the whole context")
+    refuse_if(window is not None, "sliding_window", window, "LLaMA attends to the whole context")
     return {}
 
 
@@ -170,10 +165,10 @@ def _llama_config(hf: Mapping[str, Any], *, default_rope_theta: float = DEFAULT_
                   ) -> TransformerConfig:
     """LLaMA's config and those of the families built on it (Mistral, Qwen2, Qwen3)."""
     fields = _family_fields(hf, family)
-    _refuse_if(bool(hf.get("mlp_bias", False)), "mlp_bias", hf.get("mlp_bias"),
+    refuse_if(bool(hf.get("mlp_bias", False)), "mlp_bias", hf.get("mlp_bias"),
                "paxlite's LLaMA has no MLP biases")
     act = hf.get("hidden_act", "silu")
-    _refuse_if(act != "silu", "hidden_act", act,
+    refuse_if(act != "silu", "hidden_act", act,
                f"{family.value} conversion supports 'silu' (SwiGLU) only")
     dims = int(_require(hf, "hidden_size"))
     heads = int(_require(hf, "num_attention_heads"))
@@ -188,7 +183,7 @@ def _llama_config(hf: Mapping[str, Any], *, default_rope_theta: float = DEFAULT_
                 "and head_dim is not given")
         head_dim = dims // heads
     theta, scaling = rope_of(hf, default=default_rope_theta)
-    _refuse_if(scaling is not None and family is not Family.LLAMA, "rope_scaling", scaling,
+    refuse_if(scaling is not None and family is not Family.LLAMA, "rope_scaling", scaling,
                f"paxlite reads RoPE scaling for model_type 'llama' only, not {family.value!r}")
     return TransformerConfig(
         vocab_size=int(_require(hf, "vocab_size")),
@@ -227,11 +222,11 @@ def mixtral_aux_loss_weight(hf: Mapping[str, Any], *, experts_per_token: int,
 
 def _mixtral_config(hf: Mapping[str, Any]) -> TransformerConfig:
     jitter = hf.get("router_jitter_noise") or 0.0
-    _refuse_if(jitter != 0.0, "router_jitter_noise", jitter,
+    refuse_if(jitter != 0.0, "router_jitter_noise", jitter,
                "paxlite's router adds no noise (router_jitter_noise must be 0)")
     positions = hf.get("max_position_embeddings") or 4096
     window = hf.get("sliding_window")
-    _refuse_if(window is not None and window < positions, "sliding_window", window,
+    refuse_if(window is not None and window < positions, "sliding_window", window,
                f"paxlite has no sliding-window attention; it attends to the whole context, which "
                f"equals a window only if sliding_window is null or >= max_position_embeddings="
                f"{positions}")
@@ -241,7 +236,7 @@ def _mixtral_config(hf: Mapping[str, Any]) -> TransformerConfig:
                            default_norm_epsilon=1e-5)
     experts = int(_require(hf, "num_local_experts"))
     k = int(_require(hf, "num_experts_per_tok"))
-    _refuse_if(not 1 <= k <= experts, "num_experts_per_tok", k,
+    refuse_if(not 1 <= k <= experts, "num_experts_per_tok", k,
                f"it must be between 1 and num_local_experts={experts}")
     moe = MoeConfig(
         num_experts=experts,
@@ -262,14 +257,14 @@ def _gpt2_config(hf: Mapping[str, Any]) -> TransformerConfig:
         raise UnsupportedCheckpointError(
             f"config.json activation_function={act!r} is not supported; supported: "
             f"{sorted(_GPT2_ACTIVATIONS)}")
-    _refuse_if(not hf.get("scale_attn_weights", True), "scale_attn_weights",
+    refuse_if(not hf.get("scale_attn_weights", True), "scale_attn_weights",
                hf.get("scale_attn_weights"), "paxlite always scales attention by 1/sqrt(head_dim)")
-    _refuse_if(bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
+    refuse_if(bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
                "scale_attn_by_inverse_layer_idx", hf.get("scale_attn_by_inverse_layer_idx"),
                "paxlite does not scale attention per layer")
-    _refuse_if(bool(hf.get("add_cross_attention", False)), "add_cross_attention",
+    refuse_if(bool(hf.get("add_cross_attention", False)), "add_cross_attention",
                hf.get("add_cross_attention"), "paxlite is decoder-only")
-    _refuse_if(not hf.get("tie_word_embeddings", True), "tie_word_embeddings",
+    refuse_if(not hf.get("tie_word_embeddings", True), "tie_word_embeddings",
                hf.get("tie_word_embeddings"), "GPT-2's output layer is the token embedding")
     dims = int(_require(hf, "n_embd"))
     heads = int(_require(hf, "n_head"))

@@ -12,16 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.interop.errors import UnsupportedCheckpointError
+from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.models.rotary import RopeScaling, RopeScalingKind
 from paxlite.models.transformer_config import TransformerConfig
 
 DEFAULT_ROPE_THETA: float = 10000.0
-
-
-def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
-    if condition:
-        raise UnsupportedCheckpointError(f"config.json {field}={value!r} is not supported: {why}")
 
 
 _LLAMA3_FIELDS: tuple[str, ...] = (
@@ -34,7 +29,7 @@ def _rope_scaling_of(field: str, params: Mapping[str, Any]) -> RopeScaling | Non
     if rope_type == "default":
         return None
     supported = ", ".join(repr(k.value) for k in RopeScalingKind)
-    _refuse_if(rope_type not in {k.value for k in RopeScalingKind}, field, dict(params),
+    refuse_if(rope_type not in {k.value for k in RopeScalingKind}, field, dict(params),
                f"rope_type {rope_type!r} is not one paxlite implements (plain RoPE, 'default', "
                f"and {supported})")
     missing = [name for name in _LLAMA3_FIELDS if params.get(name) is None]
@@ -57,18 +52,14 @@ def rope_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA
     top-level ``rope_theta`` and ``rope_scaling`` (whose kind older files spell ``type``)."""
     theta = default if hf.get("rope_theta") is None else float(hf["rope_theta"])
     scaling = None
-    legacy = hf.get("rope_scaling")
-    if legacy is not None:
-        if not isinstance(legacy, Mapping):
-            raise UnsupportedCheckpointError(
-                f"config.json rope_scaling={legacy!r} must be null or an object with rope_type")
-        scaling = _rope_scaling_of("rope_scaling", legacy)
-    params = hf.get("rope_parameters")
-    if params is not None:
+    for field, holds in (("rope_scaling", "rope_type"), ("rope_parameters", "rope_theta")):
+        params = hf.get(field)  # 5.x's rope_parameters, read last, wins
+        if params is None:
+            continue
         if not isinstance(params, Mapping):
             raise UnsupportedCheckpointError(
-                f"config.json rope_parameters={params!r} must be an object holding rope_theta")
-        scaling = _rope_scaling_of("rope_parameters", params)
+                f"config.json {field}={params!r} must be null or an object holding {holds}")
+        scaling = _rope_scaling_of(field, params)
         if params.get("rope_theta") is not None:
             theta = float(params["rope_theta"])
     return theta, scaling
@@ -77,7 +68,7 @@ def rope_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA
 def rope_theta_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA) -> float:
     """RoPE base from either spelling; refuses any RoPE scaling (for layouts without it)."""
     theta, scaling = rope_of(hf, default=default)
-    _refuse_if(scaling is not None, "rope_scaling", scaling,
+    refuse_if(scaling is not None, "rope_scaling", scaling,
                "this model type converts with unscaled RoPE only")
     return theta
 
