@@ -23,7 +23,9 @@ through the runner, so lm_eval never splits the requests itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 from paxlite.errors import SettingError, UserError
@@ -255,12 +257,52 @@ def evaluate(*, runner, tokenizer, bos_id: int | None, tasks: list[str],
 
         if manager is None:
             manager = task_manager(include_path, tasks)
-        return simple_evaluate(
-            model=make_lm(runner=runner, tokenizer=tokenizer, bos_id=bos_id), tasks=tasks,
-            num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples,
-            bootstrap_iters=bootstrap_iters, batch_size=runner.batch_size, gen_kwargs=gen_kwargs,
-            random_seed=random_seed, numpy_random_seed=numpy_random_seed,
-            fewshot_random_seed=fewshot_random_seed,
-            torch_random_seed=None)  # no torch here: its seed would import it
+        with _environment_of_this_process():
+            return simple_evaluate(
+                model=make_lm(runner=runner, tokenizer=tokenizer, bos_id=bos_id), tasks=tasks,
+                num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                log_samples=log_samples, bootstrap_iters=bootstrap_iters,
+                batch_size=runner.batch_size, gen_kwargs=gen_kwargs, random_seed=random_seed,
+                numpy_random_seed=numpy_random_seed, fewshot_random_seed=fewshot_random_seed,
+                torch_random_seed=None)  # no torch here: its seed would import it
     finally:
         runner.finish()
+
+
+@contextlib.contextmanager
+def _environment_of_this_process() -> Iterator[None]:
+    """simple_evaluate's results describe the environment (``pretty_env_info``) with torch's
+    collector: where torch is installed (the `hf` extra) that imports torch and transformers and
+    runs torch's probes, ~3 s and hundreds of MB at every evaluation, during training at every
+    LM_EVAL interval, in a process that never computes with torch. While paxlite evaluates, the
+    same keys are filled without importing either: ``pretty_env_info`` is JAX's report of the
+    runtime that computed the scores, the versions come from the installed packages' metadata, the
+    commit is lm_eval's own reading."""
+    import importlib.metadata
+    import os
+    import pathlib
+
+    import jax
+    import lm_eval.evaluator as lm_eval_evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "N/A"
+
+    def add_env_info(storage: dict[str, Any]) -> None:
+        storage.update({
+            "pretty_env_info": jax.print_environment_info(return_string=True),
+            "transformers_version": version("transformers"),
+            "lm_eval_version": version("lm_eval"),
+            "upper_git_hash": get_commit_from_path(pathlib.Path(os.getcwd(), "..")),
+        })
+
+    original = lm_eval_evaluator.add_env_info
+    lm_eval_evaluator.add_env_info = add_env_info
+    try:
+        yield
+    finally:
+        lm_eval_evaluator.add_env_info = original

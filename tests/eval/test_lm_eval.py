@@ -10,6 +10,7 @@ generated string is the same, and so are the accuracies; then batch size and mes
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -211,6 +212,15 @@ def test_the_command_line_end_to_end(runs, converted, tmp_path, capsys):
     for task in ("paxlite_mc", "paxlite_gen"):
         assert written["results"][task] == reference["results"][task]
         assert len(written["samples"][task]) == len(reference["samples"][task])
+    # lm_eval's environment keys, filled without torch's collector (harness_lm.py): JAX's report
+    import jax
+    import lm_eval.evaluator
+    import lm_eval.loggers.utils
+
+    assert written["pretty_env_info"] == jax.print_environment_info(return_string=True)
+    assert written["transformers_version"] == importlib.metadata.version("transformers")
+    assert written["lm_eval_version"] == importlib.metadata.version("lm_eval")
+    assert lm_eval.evaluator.add_env_info is lm_eval.loggers.utils.add_env_info  # put back
     before = output.read_bytes()
     assert main([*flags, f"--output_path={output}"]) == 2
     err = capsys.readouterr().err.strip()
