@@ -1,13 +1,14 @@
-"""Reading raw corpora: text files, JSONL (plain, .gz, .zst) and directories of them, as documents.
+"""Reading raw corpora as documents: text files, JSONL (plain, .gz, .zst), Parquet, save_to_disk
+folders and directories of them.
 
 In `.txt` files a document is a paragraph (blank-line separated) unless each file is one document;
-in JSONL a document is one line's text field. Also a small progress line for long-running tools.
+in JSONL a document is one line's text field, in Parquet and save_to_disk folders one row's text
+column (read by paxlite.data.row_files). Also a small progress line for long-running tools.
 """
 
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 import sys
@@ -16,6 +17,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TextIO
 
 from paxlite.data.errors import DatasetError
+from paxlite.data.row_files import (
+    PARQUET_SUFFIX,
+    BadRows,
+    Column,
+    find_inputs,
+    is_saved_dataset,
+    iter_checked_rows,
+    open_text,
+)
 
 _TEXT_SUFFIXES = (".txt",)
 _JSONL_SUFFIXES = (".jsonl", ".json")
@@ -65,8 +75,10 @@ class Progress:
 
 
 def _input_format(path: str) -> tuple[str, str] | None:
-    """('text' | 'jsonl', compression suffix or '') for a supported file name, else None."""
+    """('text' | 'jsonl' | 'parquet', compression suffix or '') for a supported file name."""
     name = os.path.basename(path).lower()
+    if name.endswith(PARQUET_SUFFIX):
+        return "parquet", ""
     compression = next((c for c in _COMPRESSIONS if name.endswith(c)), "")
     base = name[: len(name) - len(compression)]
     if base.endswith(_TEXT_SUFFIXES):
@@ -78,11 +90,13 @@ def _input_format(path: str) -> tuple[str, str] | None:
 
 def _supported() -> str:
     bases = _TEXT_SUFFIXES + _JSONL_SUFFIXES
-    return ", ".join(b + c for b in bases for c in ("",) + _COMPRESSIONS)
+    compressed = ", ".join(b + c for b in bases for c in ("",) + _COMPRESSIONS)
+    return f"{compressed}, {PARQUET_SUFFIX}"
 
 
 def list_input_files(paths: Sequence[str | os.PathLike]) -> list[str]:
-    """The files `paths` name: files as given, directories expanded recursively in sorted order.
+    """The files `paths` name: files as given, directories expanded recursively in sorted order;
+    a save_to_disk folder (named, or found in a directory) is one input.
 
     Checks everything up front so a typo fails before any output is created.
     """
@@ -93,16 +107,14 @@ def list_input_files(paths: Sequence[str | os.PathLike]) -> list[str]:
     files: list[str] = []
     for raw in paths:
         path = os.fspath(raw)
-        if os.path.isdir(path):
-            found = sorted(
-                os.path.join(root, name)
-                for root, _, names in os.walk(path)
-                for name in names
-                if _input_format(name) is not None
-            )
+        if os.path.isdir(path) and is_saved_dataset(path):
+            files.append(path)
+        elif os.path.isdir(path):
+            found = find_inputs(path, accept=lambda name: _input_format(name) is not None)
             if not found:
                 raise DatasetError(
-                    f"directory {path} holds no input files (supported: {_supported()})"
+                    f"directory {path} holds no input files (supported: {_supported()}, "
+                    "save_to_disk folders)"
                 )
             files.extend(found)
         elif os.path.isfile(path):
@@ -114,24 +126,6 @@ def list_input_files(paths: Sequence[str | os.PathLike]) -> list[str]:
         else:
             raise DatasetError(f"input path {path} does not exist")
     return files
-
-
-def _open_text(path: str, compression: str) -> TextIO:
-    if compression == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    if compression == ".zst":
-        try:
-            import zstandard
-        except ImportError as e:
-            raise DatasetError(
-                f"reading {path} needs the zstandard package: pip install zstandard"
-            ) from e
-        raw = zstandard.ZstdDecompressor().stream_reader(
-            open(path, "rb"),  # noqa: SIM115  the returned reader owns and closes it (closefd)
-            read_across_frames=True, closefd=True,
-        )
-        return io.TextIOWrapper(raw, encoding="utf-8")
-    return open(path, encoding="utf-8")
 
 
 def _paragraphs(lines: Iterable[str]) -> Iterator[str]:
@@ -147,7 +141,9 @@ def _paragraphs(lines: Iterable[str]) -> Iterator[str]:
         yield "".join(buffer).rstrip("\n")
 
 
-def _jsonl_documents(lines: Iterable[str], *, path: str, text_field: str) -> Iterator[str]:
+def _jsonl_documents(
+    lines: Iterable[str], *, path: str, text_field: str, text_setting: str
+) -> Iterator[str]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -162,7 +158,7 @@ def _jsonl_documents(lines: Iterable[str], *, path: str, text_field: str) -> Ite
             keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
             raise DatasetError(
                 f"{path}:{number}: no {text_field!r} field (found {keys}); "
-                "choose the field with --text_field"
+                f"choose the field with {text_setting}"
             )
         text = obj[text_field]
         if not isinstance(text, str):
@@ -173,12 +169,25 @@ def _jsonl_documents(lines: Iterable[str], *, path: str, text_field: str) -> Ite
             yield text
 
 
-def _file_documents(path: str, *, text_field: str, document_per_file: bool) -> Iterator[str]:
+def _table_documents(
+    path: str, *, text_field: str, text_setting: str, split: str | None
+) -> Iterator[str]:
+    """Parquet and save_to_disk rows' `text_field` values; like JSONL's, empty ones are skipped."""
+    column = Column(text_field, (str,), "a string", may_be_empty=True,
+                    hint=f"; choose the column with {text_setting}")
+    rows = iter_checked_rows(path, columns=[column], split=split, on_bad_row=BadRows.RAISE)
+    return (row[text_field] for _, row in rows if row[text_field].strip())
+
+
+def _file_documents(
+    path: str, *, text_field: str, text_setting: str, document_per_file: bool
+) -> Iterator[str]:
     form, compression = _input_format(path) or ("", "")
     try:
-        with _open_text(path, compression) as f:
+        with open_text(path, compression) as f:
             if form == "jsonl":
-                yield from _jsonl_documents(f, path=path, text_field=text_field)
+                yield from _jsonl_documents(f, path=path, text_field=text_field,
+                                            text_setting=text_setting)
             elif document_per_file:
                 text = f.read().rstrip("\n")
                 if text.strip():
@@ -203,11 +212,16 @@ def iter_documents(
     *,
     text_field: str = "text",
     document_per_file: bool = False,
+    split: str | None = None,
+    text_setting: str = "--text_field",
 ) -> Iterator[str]:
-    """Documents from text/JSONL files (plain, .gz or .zst) or directories of them.
+    """Documents from text/JSONL files (plain, .gz or .zst), Parquet files, save_to_disk folders
+    or directories of them.
 
     `.txt`: documents are paragraphs separated by blank lines (whole files with
-    `document_per_file`). `.jsonl`/`.json`: one JSON object per line, the document in `text_field`.
+    `document_per_file`). `.jsonl`/`.json`: one JSON object per line, the document in `text_field`;
+    Parquet and save_to_disk rows: the document in column `text_field` (`split` picks a
+    DatasetDict folder's split; `text_setting` is the flag a missing column's error names).
     Empty documents are skipped. Paths are checked now (DatasetError for a missing path or an
     unknown suffix); reading is lazy.
     """
@@ -215,9 +229,12 @@ def iter_documents(
 
     def generate() -> Iterator[str]:
         for path in files:
-            yield from _file_documents(
-                path, text_field=text_field, document_per_file=document_per_file
-            )
+            if os.path.isdir(path) or _input_format(path) == ("parquet", ""):
+                yield from _table_documents(path, text_field=text_field,
+                                            text_setting=text_setting, split=split)
+                continue
+            yield from _file_documents(path, text_field=text_field, text_setting=text_setting,
+                                       document_per_file=document_per_file)
 
     return generate()
 
