@@ -50,6 +50,7 @@ class TokenizerBackend(Protocol):
     eos_id: int
     pad_id: int
     adds_bos: bool | None
+    named_special_tokens: dict[str, str]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -78,6 +79,10 @@ class _SentencePieceBackend:
         # SentencePiece says nothing about it: a tokenizer_config.json beside it may
         # (cli.model_source.tokenizer_adds_bos).
         self.adds_bos: bool | None = None
+        self.named_special_tokens: dict[str, str] = {
+            name: processor.id_to_piece(token_id) for name, token_id in (
+                ("bos_token", bos), ("eos_token", self.eos_id), ("unk_token", processor.unk_id()),
+                ("pad_token", self.pad_id)) if token_id >= 0}
 
     def encode(self, text: str) -> list[int]:
         return self._processor.encode(text, out_type=int)
@@ -164,6 +169,8 @@ class Tokenizer:
         bos_id: the BOS id, or None when the tokenizer has no BOS (T5/Pax style models have none).
         adds_bos: whether the tokenizer's own default encoding starts with BOS (a tokenizer.json's
             post-processor, as transformers applies it); None when the format does not say.
+        special_tokens: the named special tokens' strings (`bos_token`, `eos_token`, ...), the
+            variables a chat template is rendered with (transformers' `special_tokens_map`).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -193,6 +200,7 @@ class Tokenizer:
         self.pad_id: int = backend.pad_id
         self.bos_id: int | None = backend.bos_id
         self.adds_bos: bool | None = backend.adds_bos
+        self.special_tokens: dict[str, str] = dict(backend.named_special_tokens)
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"

@@ -102,6 +102,9 @@ class HfTokenizerBackend:
         self.pad_id: int = -1 if ids["pad_token"] is None else ids["pad_token"]
         self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         self.adds_bos: bool = self._post_processor_adds_bos()
+        self.named_special_tokens: dict[str, str] = {
+            key: content for key in NAMED_SPECIAL_TOKENS
+            if (content := _token_content(settings.get(key))) is not None}
         self._clean_up_spaces = bool(settings.get("clean_up_tokenization_spaces", False)) and (
             type(backend.model).__name__ != "BPE" or bool(settings.get(
                 "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))

@@ -100,6 +100,7 @@ class TiktokenBackend:
         self.eos_id: int = specials[EOS_TOKEN]
         self.pad_id: int = -1
         self.adds_bos: bool = True
+        self.named_special_tokens: dict[str, str] = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN}
 
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode(text, allowed_special="all")
