@@ -29,6 +29,7 @@ from paxlite.checkpointing.pretrained import PretrainedCheckpointError
 
 ITEM = "state"
 _LAYER = re.compile(r"^layers_(\d+)$")
+_UNIT_LAYER = re.compile(r"^layer_\d+$")  # a scan unit's k > 1 layers (models/block.py BlockUnit)
 LayerPath = tuple[str, ...]
 
 
@@ -120,13 +121,21 @@ class CheckpointReader:
     def scanned(self) -> bool:
         return any(path[0] == "layers" for path in self.leaves)
 
+    @property
+    def unit(self) -> int:
+        """Layers per stacked scan unit: k where the units hold ``layers/layer_{j}``, else 1."""
+        inner = {path[1] for path in self.leaves if path[0] == "layers" and len(path) > 2}
+        if inner and all(_UNIT_LAYER.match(name) for name in inner):
+            return len(inner)
+        return 1
+
     def tops(self) -> list[str]:
         """Top-level names of the unscanned tree: ``embedding``, ``layers_0``, ... in model
         order."""
         names = sorted({path[0] for path in self.leaves if path[0] != "layers"})
         if self.scanned:
             num = next(self.shape(p)[0] for p in self.leaves if p[0] == "layers")
-            names += [f"layers_{i}" for i in range(num)]
+            names += [f"layers_{i}" for i in range(num * self.unit)]
         return names
 
     def subtree(self, top: str, *, stand_ins: bool = False) -> dict[str, Any]:
@@ -134,19 +143,24 @@ class CheckpointReader:
         stand-ins of the right shapes (nothing read)."""
         match = _LAYER.match(top)
         stacked = match is not None and self.scanned
-        prefix = ("layers",) if stacked else (top,)
+        prefix: tuple[str, ...] = ("layers",) if stacked else (top,)
+        index = None
+        if stacked:
+            index, unit = divmod(int(match.group(1)), self.unit)
+            if self.unit > 1:
+                prefix += (f"layer_{unit}",)
         out: dict[str, Any] = {}
         for path in self.leaves:
-            if path[:1] != prefix:
+            if path[:len(prefix)] != prefix:
                 continue
             if stand_ins:
                 shape = self.shape(path)[1:] if stacked else self.shape(path)
                 value = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape,
                                                         (0,) * len(shape))
             else:
-                value = self.read(path, int(match.group(1)) if stacked else None)
+                value = self.read(path, index)
             node = out
-            for key in path[1:-1]:
+            for key in path[len(prefix):-1]:
                 node = node.setdefault(key, {})
             node[path[-1]] = value
         if not out:

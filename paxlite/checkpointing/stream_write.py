@@ -174,11 +174,14 @@ def write_subtrees(subtrees: Iterable[tuple[str, Any]], out_dir: str | os.PathLi
                 keys = tuple(str(k.key) for k in key_path)
                 array = np.asarray(leaf).astype(target, copy=False)
                 if config.scan_layers and top.startswith("layers_"):
+                    # scan units of k > 1 layers (MoE, attention patterns): layers/layer_{i % k}
+                    index, unit = int(top.removeprefix("layers_")), config.layers_per_scan_unit
                     writer.write_layer(
-                        ("params", "layers", *keys),
-                        int(top.removeprefix("layers_")),
+                        ("params", "layers", *([f"layer_{index % unit}"] if unit > 1 else []),
+                         *keys),
+                        index // unit,
                         array,
-                        num_layers=config.num_layers,
+                        num_layers=config.num_layers // unit,
                     )
                 else:
                     writer.write(("params", top, *keys), array)

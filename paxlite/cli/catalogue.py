@@ -17,6 +17,7 @@ _FAMILIES = types.MappingProxyType({  # module -> section title, in the order th
     "llama3": "LLaMA 3.1 and 3.2 (fine-tuning Meta's models)",
     "mistral": "Mistral (fine-tuning Mistral AI's models)",
     "qwen": "Qwen 2.5 and 3 (fine-tuning Alibaba's models)",
+    "gemma": "Gemma 2 (fine-tuning Google's models)",
     "finetune": "Any converted model (FineTune)",
     "tiny": "CPU-sized experiments (tests, demos, smoke runs)",
 })

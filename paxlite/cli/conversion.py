@@ -55,11 +55,14 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "vocab_size", "num_layers", "model_dims", "num_heads", "kv_heads", "dims_per_head",
     "hidden_dims", "norm", "norm_epsilon", "activation", "gated_mlp", "use_bias", "tie_embeddings",
     "position_kind", "uses_qkv_bias", "qk_norm", "sliding_window",
+    # Gemma's (models/open_model_fields.py)
+    "post_norms", "scale_embeddings", "query_scale_dims", "attention_logit_cap", "final_logit_cap",
+    "layer_types", "local_rope_theta",
 )
 # The same for the experts, compared when both models have them (routing decides the function).
 MOE_ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "num_experts", "experts_per_token", "routing", "moe_layer_interval", "gated_experts",
-    "expert_activation",
+    "expert_activation", "renormalize_top_k",
 )
 
 
@@ -237,7 +240,7 @@ def _job_vocab_paths(directory: str) -> list[str]:
 CONVERSION_OUTPUT_NAMES = frozenset({
     "checkpoints", "model_config.json", "config.json", "generation_config.json",
     hf_write.INDEX_FILE, hf_write.TOKENIZER_FILE, "tokenizer_config.json",
-    "special_tokens_map.json",
+    "special_tokens_map.json", "tokenizer.json", "chat_template.jinja", "additional_chat_templates",
 })
 
 
@@ -286,10 +289,16 @@ def copy_hf_tokenizer_json(source: str, output: str) -> None:
     import shutil
 
     from paxlite.data import tokenizer_hf
+    from paxlite.data.chat_template import ADDITIONAL_TEMPLATES_DIR, CHAT_TEMPLATE_FILE
     from paxlite.data.tokenizer import HF_TOKENIZER_FILE
 
     if not os.path.isfile(os.path.join(source, HF_TOKENIZER_FILE)):
         return
-    for name in (HF_TOKENIZER_FILE, "tokenizer_config.json", tokenizer_hf.SPECIAL_TOKENS_MAP_FILE):
+    # with the chat templates transformers 5 keeps beside tokenizer_config.json, for chat SFT
+    for name in (HF_TOKENIZER_FILE, "tokenizer_config.json", tokenizer_hf.SPECIAL_TOKENS_MAP_FILE,
+                 CHAT_TEMPLATE_FILE):
         if os.path.isfile(os.path.join(source, name)):
             shutil.copyfile(os.path.join(source, name), os.path.join(output, name))
+    if os.path.isdir(os.path.join(source, ADDITIONAL_TEMPLATES_DIR)):
+        shutil.copytree(os.path.join(source, ADDITIONAL_TEMPLATES_DIR),
+                        os.path.join(output, ADDITIONAL_TEMPLATES_DIR), dirs_exist_ok=True)

@@ -14,6 +14,7 @@ from paxlite.config.registry import Registry
 from paxlite.experiments import (
     finetune,
     fuji,
+    gemma,
     glam,
     gpt,
     llama,
@@ -51,8 +52,9 @@ EXPERIMENTS = Registry(
         **{cls.__name__: cls for cls in llama3.LLAMA3_EXPERIMENTS},
         **{cls.__name__: cls for cls in mistral.MISTRAL_EXPERIMENTS},
         **{cls.__name__: cls for cls in qwen.QWEN_EXPERIMENTS},
+        **{cls.__name__: cls for cls in gemma.GEMMA_EXPERIMENTS},
         "FineTune": finetune.FineTune,
     },
     aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES, **llama3.HF_NAMES, **mistral.HF_NAMES,
-             **qwen.HF_NAMES},
+             **qwen.HF_NAMES, **gemma.HF_NAMES},
 )

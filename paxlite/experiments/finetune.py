@@ -160,7 +160,8 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
         """LLaMA-style models (RMSNorm and RoPE: LLaMA, Mistral, Qwen, ...) start text with BOS
         where their tokenizer has one (Qwen's has none); GPT-style ones do not."""
         model = self.checkpoint_model()
-        return model.norm is NormKind.RMS_NORM and model.position_kind is PositionEmbedding.ROTARY
+        return (model.norm in (NormKind.RMS_NORM, NormKind.GEMMA_RMS_NORM)
+                and model.position_kind is PositionEmbedding.ROTARY)
 
     def position_kind(self) -> PositionEmbedding:
         return self.checkpoint_model().position_kind
@@ -180,6 +181,11 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
         if learned and "MAX_SEQ_LEN" in self.overridden and self.MAX_SEQ_LEN != model.max_seq_len:
             problems.append(f"MAX_SEQ_LEN={self.MAX_SEQ_LEN!r} (the checkpoint's learned position "
                             f"table has {model.max_seq_len!r} rows)")
+        cap = model.attention_logit_cap
+        if cap is not None and self.ATTENTION_KIND == "flash":  # no fused kernel soft-caps
+            raise ConfigError(f"ATTENTION_KIND='flash' with the checkpoint's attention logit "
+                              f"soft-cap {cap} (Gemma 2): JAX's fused attention kernels have "
+                              "none; use ATTENTION_KIND='dot_product' (its default for it)")
         if problems:
             raise ConfigError(
                 f"{'; '.join(problems)}: the weights in CHECKPOINT_RESTORE_PATH="
@@ -234,6 +240,11 @@ class FineTune(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings
     ROPE_SCALING_ORIGINAL_MAX_POSITION = _from_checkpoint("ROPE_SCALING_ORIGINAL_MAX_POSITION")
     VOCAB_PATH = Derived(lambda hp: _tokenizer_beside(hp.CHECKPOINT_RESTORE_PATH),
                          doc="the tokenizer.json or tokenizer.model beside the checkpoint")
+    # fused kernels where they can run the checkpoint's attention (not Gemma 2's soft-cap)
+    ATTENTION_KIND = Derived(
+        lambda hp: "flash" if checkpoint_model(hp.CHECKPOINT_RESTORE_PATH).attention_logit_cap
+        is None else "dot_product",
+        doc="'flash', or 'dot_product' for a checkpoint whose attention logits are soft-capped")
     ICI_MESH_SHAPE = [1, 8, 1]
     DCN_MESH_SHAPE = [1, 1, 1]
     PERCORE_BATCH_SIZE = 2

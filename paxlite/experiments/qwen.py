@@ -1,5 +1,6 @@
 """Alibaba's Qwen2.5 and Qwen3 base models (Hugging Face `Qwen/Qwen2.5-0.5B`, `Qwen/Qwen2.5-7B`,
-`Qwen/Qwen3-8B`) at their published sizes, set up for fine-tuning on one node of 8 GPUs.
+`Qwen/Qwen3-8B`, `Qwen/Qwen3-30B-A3B`) at their published sizes, set up for fine-tuning on one node
+of 8 GPUs.
 
 The shapes are those of each model's published config.json: LLaMA's layout (llama.py's
 `LLAMA_ARCHITECTURE`: RMSNorm, SwiGLU, RoPE, grouped-query attention) with RMSNorm eps 1e-6 and RoPE
@@ -16,9 +17,22 @@ reasons: FSDP over the 8 GPUs, 2 sequences of 8,192 tokens per GPU (8 for the 0.
 allows 32,768 to 131,072 and RoPE has no table, so --fdl.MAX_SEQ_LEN changes no parameter), and
 fine_tuning.py's `FineTuningRecipe` (peak rate 2e-5, 5e-5 for the 0.5B; 100 warm-up steps,
 cosine over MAX_STEPS=1000).
+
+Qwen3-30B-A3B is Qwen3's attention with every feed-forward block a dropless top-8 mixture of 128
+SwiGLU experts (Mixtral's routing, mixtral.py; the 8 weights renormalised, config.json's
+`norm_topk_prob: true`), no shared expert. Its weights, gradients and Adam state (~490 GB) fill
+8 GPUs whatever the mesh, so the 128 experts are split over an expert axis of 4 and FSDP of 2
+(ICI [1, 2, 1, 4]: each device holds 32 experts, half of each), and each GPU takes one sequence of
+8,192 tokens. The load-balancing loss is on: HF's router_aux_loss_coef 0.001 times top-k 8, spread
+over the 48 layers as interop/hf_moe.py maps it (Qwen's config.json ships it switched off,
+output_router_logits false; a fine-tune that drops it can unbalance the experts).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
+
+import fiddle as fdl
 
 from paxlite.experiments.architecture_settings import (
     AttentionVariantSettings,
@@ -27,6 +41,9 @@ from paxlite.experiments.architecture_settings import (
 from paxlite.experiments.fine_tuning import FineTuningRecipe
 from paxlite.experiments.llama import BaseLLaMA
 from paxlite.experiments.model_settings import RotarySettings
+from paxlite.experiments.moe_settings import MoeSettings
+from paxlite.models.activations import Activation
+from paxlite.models.transformer import TransformerConfig
 
 
 class BaseQwen(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings, RotarySettings,
@@ -85,7 +102,36 @@ class Qwen3_8B(BaseQwen):
     QK_NORM = True
 
 
-QWEN_EXPERIMENTS = (Qwen2_5_0_5B, Qwen2_5_7B, Qwen3_8B)
+class Qwen3_30B_A3B(MoeSettings, BaseQwen):
+    """Qwen3-30B-A3B: 48 layers, 32 query and 4 key/value heads x 128, d_model 2048, q/k norms, on
+    every layer 128 experts of ffn 768, 8 per token (renormalised); 30,532,122,624 parameters,
+    3,353,032,704 active per token (module docstring)."""
+
+    moe_layer_interval: ClassVar[int] = 1  # every layer sparse (decoder_sparse_step 1)
+    gated_experts: ClassVar[bool] = True  # HF gate_proj = wi_gate, up_proj = wi, down_proj = wo
+    expert_activation: ClassVar[Activation] = Activation.SILU
+
+    NUM_LAYERS = 48
+    NUM_HEADS = 32
+    NUM_KV_HEADS = 4
+    MODEL_DIMS = 2048
+    HIDDEN_DIMS = 6144  # config.json's intermediate_size: a dense layer's, which it has none of
+    QK_NORM = True
+    NUM_EXPERTS = 128
+    NUM_EXPERTS_PER_TOKEN = 8
+    EXPERT_HIDDEN_DIMS = 768
+    MOE_ROUTING = "dropless_topk"
+    LOAD_BALANCING_WEIGHT = 0.008
+    ICI_MESH_SHAPE = [1, 2, 1, 4]
+    PERCORE_BATCH_SIZE = 1
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        config = super().model_config()
+        config.moe = self.moe_config()
+        return config
+
+
+QWEN_EXPERIMENTS = (Qwen2_5_0_5B, Qwen2_5_7B, Qwen3_8B, Qwen3_30B_A3B)
 # Hugging Face repository ids -> registered names (base and instruct share the shapes; Qwen3's
 # one repository is the post-trained model, its base is `Qwen3-8B-Base`).
 HF_NAMES = {
@@ -95,6 +141,8 @@ HF_NAMES = {
     "Qwen/Qwen2.5-7B-Instruct": "Qwen2_5_7B",
     "Qwen/Qwen3-8B": "Qwen3_8B",
     "Qwen/Qwen3-8B-Base": "Qwen3_8B",
+    "Qwen/Qwen3-30B-A3B": "Qwen3_30B_A3B",
+    "Qwen/Qwen3-30B-A3B-Base": "Qwen3_30B_A3B",
 }
 # Under the family's table in docs/experiments.md: what `plan` said of the defaults.
 CATALOGUE_NOTE = """\
@@ -107,4 +155,14 @@ step at the defaults:
 | `Qwen2_5_0_5B` | 8 | 64 x 8,192 | 61.37 GiB | fits, 17.74 GiB to spare |
 | `Qwen2_5_7B` | 8 | 16 x 8,192 | 31.14 GiB | fits, 47.97 GiB to spare |
 | `Qwen3_8B` | 8 | 16 x 8,192 | 33.95 GiB | fits, 45.16 GiB to spare |
+| `Qwen3_30B_A3B` | 8 | 8 x 8,192 | 186.27 GiB | no, 107.16 GiB short |
+| `Qwen3_30B_A3B` (`MAX_SEQ_LEN=2048`) | 8 | 8 x 2,048 | 106.31 GiB | no, 27.20 GiB short |
+| `Qwen3_30B_A3B` (LoRA on `attention`) | 8 | 8 x 8,192 | 100.64 GiB | no, 21.53 GiB short |
+
+`Qwen3_30B_A3B` (planned the same day, 4 to 6 minutes each) does not fit one node of H100s yet:
+its state alone (float32 weights and Adam, 16 bytes a parameter) takes 49.11 GiB a device, and
+the dropless experts' training step (each device sorts 4 x 8,192 x 8 = 262,144 token rows through
+its 32 experts) adds 137.15 GiB of temporaries at 8,192 tokens a device, 57.19 GiB at 2,048; none
+of `plan`'s levers (expert 8, two pipeline stages) brings it under 80 GiB. The default is the
+layout a fitting run would use; the experts' memory is what to fix first.
 """

@@ -2,7 +2,7 @@
 (docs/interop.md, "Python API").
 
     from paxlite.interop import hf
-    pretrained = hf.load("path/to/hf_model_dir")   # LLaMA-style, Mixtral or GPT-2
+    pretrained = hf.load("path/to/hf_model_dir")   # LLaMA-style, Mixtral, Qwen3-MoE or GPT-2
     logits = pretrained.logits(tokens)             # int32 [B, T] -> float32 [B, T, V]
     hf.save(pretrained, "out_dir")                 # loadable by transformers
 
@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 
 from paxlite.errors import NotFoundError, SettingError
-from paxlite.interop import gpt2_layout, hf_write, layouts
+from paxlite.interop import gpt2_layout, hf_gemma, hf_write, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
     LLAMA_LAYOUT_FAMILIES,
+    MOE_FAMILIES,
     Family,
     UnsupportedCheckpointError,
     family_of_config,
@@ -49,8 +50,8 @@ class Pretrained:
 
     ``config.param_dtype`` is the dtype of ``params``. ``bos_token_id`` / ``eos_token_id`` are
     carried from an HF config into the exported one (paxlite does not need them), as is a Mixtral's
-    ``router_aux_loss_coef``, which acts in HF only with ``output_router_logits`` (then it is also
-    ``config.moe.load_balancing_weight``; see `hf_config.mixtral_aux_loss_weight`).
+    or Qwen3-MoE's ``router_aux_loss_coef``, which acts in HF only with ``output_router_logits``
+    (then it is also ``config.moe.load_balancing_weight``; see `hf_moe.aux_loss_weight`).
     """
 
     config: TransformerConfig
@@ -151,7 +152,8 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
     family, config = from_hf_config(hf_config, dtype=_check_dtype(dtype))
     tensors = read_hf_tensors(directory)
     if family in LLAMA_LAYOUT_FAMILIES:
-        params = layouts.llama_to_params(tensors, config=config)
+        params = layouts.llama_to_params(tensors, config=config,
+                                         naming=hf_gemma.tensor_naming(family.value))
     else:
         params = gpt2_layout.gpt2_to_params(tensors, config=config)
     params = cast_params(params, dtype)
@@ -160,7 +162,7 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
                       bos_token_id=hf_config.get("bos_token_id"),
                       eos_token_id=hf_config.get("eos_token_id"),
                       router_aux_loss_coef=(hf_config.get("router_aux_loss_coef")
-                                            if family is Family.MIXTRAL else None))
+                                            if family in MOE_FAMILIES else None))
 
 
 def stored_hf_dtype(path: str | os.PathLike) -> str | None:
@@ -200,7 +202,8 @@ def stand_in(array: Any) -> np.ndarray:
 
 def _hf_tensors(params: Mapping[str, Any], *, config: TransformerConfig, family: Family):
     if family in LLAMA_LAYOUT_FAMILIES:
-        return layouts.iter_llama_tensors(params, config=config)
+        return layouts.iter_llama_tensors(params, config=config,
+                                          naming=hf_gemma.tensor_naming(family.value))
     return gpt2_layout.iter_gpt2_tensors(params, config=config)
 
 
@@ -410,7 +413,8 @@ def from_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
     _, restored = restore_params(step_dir, abstract)
     params = jax.tree.map(np.asarray, restored)
     if config.scan_layers:
-        params = layouts.unstack_layers(params, num_layers=config.num_layers)
+        params = layouts.unstack_layers(params, num_layers=config.num_layers,
+                                        unit=config.layers_per_scan_unit)
     config = dataclasses.replace(_with_dtype(config, _check_dtype(dtype)), scan_layers=False,
                                  remat_policy=RematPolicy.NONE)
     params = cast_params(params, dtype)
@@ -428,5 +432,6 @@ def to_paxlite(pretrained: Pretrained, out_dir: str | os.PathLike) -> str:
     layouts.check_params(pretrained.params, config=config)
     params = cast_params(pretrained.params, config.param_dtype)
     if config.scan_layers:
-        params = layouts.stack_layers(params, num_layers=config.num_layers)
+        params = layouts.stack_layers(params, num_layers=config.num_layers,
+                                      unit=config.layers_per_scan_unit)
     return os.fspath(save_params(out_dir, params, model_config=config))

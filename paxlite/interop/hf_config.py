@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models (LLaMA-1/2/3,
-Mistral, Qwen2/2.5, Qwen3), Mixtral and GPT-2.
+Mistral, Qwen2/2.5, Qwen3), Mixtral, Qwen3-MoE (their experts in hf_moe.py) and GPT-2.
 
 Readers accept both transformers 4.x spellings (``rope_theta`` at the top level, ``torch_dtype``)
 and 5.x spellings (a ``rope_parameters`` object, ``dtype``). Writers emit the 5.x form, and also the
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Mapping
 from typing import Any
 
+from paxlite.interop import hf_gemma, hf_moe
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
 from paxlite.models.moe_config import MoeConfig, MoeRouting
@@ -33,7 +33,6 @@ from paxlite.models.transformer import (
 
 TRANSFORMERS_VERSION_WRITTEN: str = "5.24.0"
 MIXTRAL_DEFAULT_ROPE_THETA: float = 1e6  # MixtralConfig's default when config.json has none
-MIXTRAL_DEFAULT_AUX_LOSS_COEF: float = 0.001  # MixtralConfig's router_aux_loss_coef default
 
 
 class Family(str, enum.Enum):
@@ -44,12 +43,17 @@ class Family(str, enum.Enum):
     QWEN2 = "qwen2"
     QWEN3 = "qwen3"
     MIXTRAL = "mixtral"
+    QWEN3_MOE = "qwen3_moe"
     GPT2 = "gpt2"
+    GEMMA2 = "gemma2"  # Gemma 2 and Gemma 3's text model: hf_gemma.py
+    GEMMA3_TEXT = "gemma3_text"
 
 
 # The families whose tensors are LLaMA's (interop/layouts.py), with their extra tensors.
 LLAMA_LAYOUT_FAMILIES: frozenset[Family] = frozenset(
-    {Family.LLAMA, Family.MISTRAL, Family.QWEN2, Family.QWEN3, Family.MIXTRAL})
+    {Family.LLAMA, Family.MISTRAL, Family.QWEN2, Family.QWEN3, Family.MIXTRAL, Family.QWEN3_MOE,
+     Family.GEMMA2, Family.GEMMA3_TEXT})
+MOE_FAMILIES: frozenset[Family] = frozenset({Family.MIXTRAL, Family.QWEN3_MOE})
 _ARCHITECTURES: Mapping[Family, str] = {
     Family.LLAMA: "LlamaForCausalLM", Family.MISTRAL: "MistralForCausalLM",
     Family.QWEN2: "Qwen2ForCausalLM", Family.QWEN3: "Qwen3ForCausalLM",
@@ -101,7 +105,7 @@ def _refuse_shared_or_unknown_moe(hf: Mapping[str, Any]) -> None:
             raise UnsupportedCheckpointError(
                 f"config.json {field}={hf[field]!r} (model_type={model_type!r}) is not supported: "
                 "paxlite's MoE holds routed experts only, no shared experts (supported MoE "
-                "model_type: 'mixtral')")
+                "model_type: 'mixtral', 'qwen3_moe')")
     if model_type in {f.value for f in Family}:
         return
     for field in _MOE_FIELDS:
@@ -109,19 +113,21 @@ def _refuse_shared_or_unknown_moe(hf: Mapping[str, Any]) -> None:
             raise UnsupportedCheckpointError(
                 f"config.json model_type={model_type!r} ({field}={hf[field]!r}) is a "
                 "mixture-of-experts model paxlite does not convert: paxlite's MoE holds routed "
-                "experts only, in the Mixtral layout (supported MoE model_type: 'mixtral')")
+                "experts only (supported MoE model_type: 'mixtral', 'qwen3_moe')")
 
 
 def family_of(hf: Mapping[str, Any]) -> Family:
     _refuse_shared_or_unknown_moe(hf)
     model_type = hf.get("model_type")
+    hf_gemma.refuse_multimodal(model_type)
     try:
         return Family(model_type)
     except ValueError:
         raise UnsupportedCheckpointError(
             f"config.json model_type={model_type!r} is not supported; supported: 'llama' "
             "(LLaMA-1/2/3 shapes, GQA, any rope_theta, head_dim, 'llama3' RoPE scaling), "
-            "'mistral', 'qwen2', 'qwen3', 'mixtral' and 'gpt2'") from None
+            "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'gemma2', 'gemma3_text' and "
+            "'gpt2'") from None
 
 
 def _refuse_qwen_windows(hf: Mapping[str, Any]) -> None:
@@ -139,6 +145,8 @@ def _family_fields(hf: Mapping[str, Any], family: Family) -> dict[str, Any]:
     """The TransformerConfig fields by which a family differs from LLaMA, its refusals checked."""
     bias = hf.get("attention_bias", False)
     window = hf.get("sliding_window")
+    if family is Family.QWEN3_MOE:
+        return hf_moe.qwen3_moe_attention_fields(hf)
     if family is Family.QWEN2:
         _refuse_qwen_windows(hf)
         return {"qkv_bias": True}  # Qwen2's q, k, v always carry biases, its output none
@@ -203,23 +211,6 @@ def _llama_config(hf: Mapping[str, Any], *, default_rope_theta: float = DEFAULT_
     )
 
 
-def mixtral_aux_loss_weight(hf: Mapping[str, Any], *, experts_per_token: int,
-                            num_layers: int) -> float:
-    """paxlite's per-layer ``load_balancing_weight`` for HF's ``router_aux_loss_coef``.
-
-    HF adds ``coef * E * sum_e(density_e * proxy_e)`` once, over the tokens of all layers pooled,
-    and only with ``output_router_logits``; paxlite adds ``weight * (E / K) * sum_e(...)`` per MoE
-    layer. ``weight = coef * K / L`` gives the same loss for equally balanced layers.
-    """
-    if not hf.get("output_router_logits", False):
-        return 0.0
-    coef = hf.get("router_aux_loss_coef", MIXTRAL_DEFAULT_AUX_LOSS_COEF)
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
-        raise UnsupportedCheckpointError(
-            f"config.json router_aux_loss_coef={coef!r} must be a number >= 0")
-    return float(coef) * experts_per_token / num_layers
-
-
 def _mixtral_config(hf: Mapping[str, Any]) -> TransformerConfig:
     jitter = hf.get("router_jitter_noise") or 0.0
     refuse_if(jitter != 0.0, "router_jitter_noise", jitter,
@@ -245,8 +236,8 @@ def _mixtral_config(hf: Mapping[str, Any]) -> TransformerConfig:
         moe_layer_interval=1,
         gated_experts=True,
         expert_activation=Activation.SILU,
-        load_balancing_weight=mixtral_aux_loss_weight(hf, experts_per_token=k,
-                                                      num_layers=config.num_layers),
+        load_balancing_weight=hf_moe.aux_loss_weight(hf, experts_per_token=k,
+                                                     moe_layers=config.num_layers),
     )
     return dataclasses.replace(config, moe=moe)
 
@@ -297,6 +288,10 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
     family = family_of(hf)
     if family is Family.MIXTRAL:
         config = _mixtral_config(hf)
+    elif family is Family.QWEN3_MOE:
+        config = hf_moe.qwen3_moe_config(hf, dense=_llama_config(hf, family=family))
+    elif family.value in hf_gemma.GEMMA_MODEL_TYPES:
+        config = hf_gemma.gemma_config(hf)
     elif family is Family.GPT2:
         config = _gpt2_config(hf)
     else:
@@ -316,17 +311,11 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
     }
     plain = {"qkv_bias (resolved)": (config.uses_qkv_bias, False),
              "qk_norm": (config.qk_norm, False),
-             "sliding_window": ("set" if config.sliding_window else None, None)}
+             "sliding_window": ("set" if config.sliding_window else None, None),
+             **hf_gemma.gemma_off(config)}
     unscaled = {"rope_scaling": (config.rope_scaling, None)}
     moe = config.moe
-    mixtral = {**llama, **plain, **unscaled, "moe": ("set" if moe else None, "set")}
-    if moe is not None:
-        mixtral.update({
-            "moe.routing": (moe.routing, MoeRouting.DROPLESS_TOPK),
-            "moe.moe_layer_interval": (moe.moe_layer_interval, 1),
-            "moe.gated_experts": (moe.gated_experts, True),
-            "moe.expert_activation": (moe.expert_activation, Activation.SILU),
-        })
+    mixtral = {**llama, **plain, **unscaled, **hf_moe.mixtral_requirements(config)}
     gpt2 = {
         "norm": (config.norm, NormKind.LAYER_NORM),
         "activation": (config.activation, Activation.GELU_TANH),
@@ -348,7 +337,9 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
                        "qkv_bias (resolved)": (config.uses_qkv_bias, True)},
         Family.QWEN3: {**llama, **plain, **unscaled, "qk_norm": (config.qk_norm, True)},
         Family.MIXTRAL: mixtral,
+        Family.QWEN3_MOE: {**llama, **plain, **unscaled, **hf_moe.qwen3_moe_requirements(config)},
         Family.GPT2: gpt2,
+        **{Family(t): wanted for t, wanted in hf_gemma.gemma_requirements(config).items()},
     }
 
 
@@ -372,25 +363,17 @@ def family_of_config(config: TransformerConfig, *, prefer: Family | None = None)
 
 _NAMES: Mapping[Family, str] = {
     Family.LLAMA: "LLaMA", Family.MISTRAL: "Mistral", Family.QWEN2: "Qwen2",
-    Family.QWEN3: "Qwen3", Family.MIXTRAL: "Mixtral", Family.GPT2: "GPT-2",
+    Family.QWEN3: "Qwen3", Family.MIXTRAL: "Mixtral", Family.QWEN3_MOE: "Qwen3-MoE",
+    Family.GPT2: "GPT-2", Family.GEMMA2: "Gemma 2", Family.GEMMA3_TEXT: "Gemma 3 (text)",
 }
 
 
 def _mixtral_fields(config: TransformerConfig, *, router_aux_loss_coef: float | None
                     ) -> dict[str, Any]:
     """What MixtralConfig adds to LLaMA's fields. A load-balancing weight becomes HF's
-    ``output_router_logits`` + ``router_aux_loss_coef`` (inverse of `mixtral_aux_loss_weight`);
-    without one, the coefficient read from HF (or HF's default) is written back, inactive."""
+    ``output_router_logits`` + ``router_aux_loss_coef`` (`hf_moe.aux_loss_coef`)."""
     moe = config.moe
     assert moe is not None
-    if moe.load_balancing_weight:
-        coef = moe.load_balancing_weight * config.num_layers / moe.experts_per_token
-        if router_aux_loss_coef is not None and math.isclose(coef, router_aux_loss_coef,
-                                                             rel_tol=1e-9):
-            coef = router_aux_loss_coef  # the value read, not its float round trip
-    else:
-        coef = (MIXTRAL_DEFAULT_AUX_LOSS_COEF if router_aux_loss_coef is None
-                else router_aux_loss_coef)
     return {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
@@ -398,7 +381,7 @@ def _mixtral_fields(config: TransformerConfig, *, router_aux_loss_coef: float | 
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.experts_per_token,
         "output_router_logits": bool(moe.load_balancing_weight),
-        "router_aux_loss_coef": float(coef),
+        "router_aux_loss_coef": hf_moe.aux_loss_coef(config, read=router_aux_loss_coef),
         "router_jitter_noise": 0.0,
         "sliding_window": None,
     }
@@ -460,6 +443,10 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
             for key in ("attention_bias", "mlp_bias", "pretraining_tp"):  # not MixtralConfig's
                 del out[key]
             out.update(_mixtral_fields(config, router_aux_loss_coef=router_aux_loss_coef))
+        if family is Family.QWEN3_MOE:
+            out.update(hf_moe.qwen3_moe_fields(config, router_aux_loss_coef=router_aux_loss_coef))
+        if family.value in hf_gemma.GEMMA_MODEL_TYPES:
+            out = hf_gemma.gemma_hf_config(config, model_type=family.value)
     else:
         out = {
             "architectures": ["GPT2LMHeadModel"],

@@ -3,13 +3,15 @@
 transformers 4.x writes a top-level ``rope_theta`` and ``rope_scaling`` (``{"rope_type":
 "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``,
 whose kind older files spell ``type``); 5.x one ``rope_parameters`` object holding all of them.
-Both are read; a kind paxlite does not implement (linear, dynamic, yarn, longrope, ...) is one
-error naming the field and its value, never a model with plain RoPE in its place.
+Both are read; a kind paxlite does not implement for the model type (dynamic, yarn, longrope,
+...; 'linear' for Gemma only) is one error naming the field and its value, never a model with
+plain RoPE in its place. Gemma 3's per-layer-type ``rope_parameters`` are read in hf_gemma.py,
+one entry at a time through `rope_of_entry`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
@@ -19,49 +21,66 @@ from paxlite.models.transformer_config import TransformerConfig
 DEFAULT_ROPE_THETA: float = 10000.0
 
 
-_LLAMA3_FIELDS: tuple[str, ...] = (
-    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# The fields each scaling kind reads (config.json's names, RopeScaling's too).
+_KIND_FIELDS: Mapping[RopeScalingKind, tuple[str, ...]] = {
+    RopeScalingKind.LLAMA3: ("factor", "low_freq_factor", "high_freq_factor",
+                             "original_max_position_embeddings"),
+    RopeScalingKind.LINEAR: ("factor",),
+}
+LLAMA3_ONLY: tuple[RopeScalingKind, ...] = (RopeScalingKind.LLAMA3,)
 
 
-def _rope_scaling_of(field: str, params: Mapping[str, Any]) -> RopeScaling | None:
+def _rope_scaling_of(field: str, params: Mapping[str, Any],
+                     kinds: Collection[RopeScalingKind]) -> RopeScaling | None:
     """The scaling of one rope object (4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", 1.0)
+    refuse_if(partial != 1.0, field, dict(params),
+              f"partial_rotary_factor={partial!r}: paxlite rotates every dimension of a head")
     if rope_type == "default":
         return None
-    supported = ", ".join(repr(k.value) for k in RopeScalingKind)
-    refuse_if(rope_type not in {k.value for k in RopeScalingKind}, field, dict(params),
-               f"rope_type {rope_type!r} is not one paxlite implements (plain RoPE, 'default', "
-               f"and {supported})")
-    missing = [name for name in _LLAMA3_FIELDS if params.get(name) is None]
+    supported = ", ".join(repr(k.value) for k in kinds)
+    refuse_if(rope_type not in {k.value for k in kinds}, field, dict(params),
+               f"rope_type {rope_type!r} is not one paxlite implements for this model type "
+               f"(plain RoPE, 'default', and {supported})")
+    kind = RopeScalingKind(rope_type)
+    missing = [name for name in _KIND_FIELDS[kind] if params.get(name) is None]
     if missing:
         raise UnsupportedCheckpointError(
             f"config.json {field} (rope_type={rope_type!r}) has no {', '.join(missing)}")
+    fields = {name: (int if name == "original_max_position_embeddings" else float)(params[name])
+              for name in _KIND_FIELDS[kind]}
     try:
-        return RopeScaling(kind=RopeScalingKind(rope_type), factor=float(params["factor"]),
-                           low_freq_factor=float(params["low_freq_factor"]),
-                           high_freq_factor=float(params["high_freq_factor"]),
-                           original_max_position_embeddings=int(
-                               params["original_max_position_embeddings"]))
+        return RopeScaling(kind=kind, **fields)
     except ValueError as error:
         raise UnsupportedCheckpointError(f"config.json {field}: {error}") from None
 
 
-def rope_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA
+def rope_of_entry(field: str, params: Any, *, theta: float,
+                  kinds: Collection[RopeScalingKind] = LLAMA3_ONLY
+                  ) -> tuple[float, RopeScaling | None]:
+    """(RoPE base, scaling) of one rope object ``field`` (null: ``theta``, unscaled)."""
+    if params is None:
+        return theta, None
+    if not isinstance(params, Mapping):
+        raise UnsupportedCheckpointError(
+            f"config.json {field}={params!r} must be null or an object holding rope_type")
+    if params.get("rope_theta") is not None:
+        theta = float(params["rope_theta"])
+    return theta, _rope_scaling_of(field, params, kinds)
+
+
+def rope_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA,
+            kinds: Collection[RopeScalingKind] = LLAMA3_ONLY
             ) -> tuple[float, RopeScaling | None]:
     """(RoPE base, frequency scaling) from either spelling: 5.x ``rope_parameters``, else 4.x's
-    top-level ``rope_theta`` and ``rope_scaling`` (whose kind older files spell ``type``)."""
+    top-level ``rope_theta`` and ``rope_scaling`` (whose kind older files spell ``type``);
+    ``kinds``: the scalings the model type may have."""
     theta = default if hf.get("rope_theta") is None else float(hf["rope_theta"])
     scaling = None
-    for field, holds in (("rope_scaling", "rope_type"), ("rope_parameters", "rope_theta")):
-        params = hf.get(field)  # 5.x's rope_parameters, read last, wins
-        if params is None:
-            continue
-        if not isinstance(params, Mapping):
-            raise UnsupportedCheckpointError(
-                f"config.json {field}={params!r} must be null or an object holding {holds}")
-        scaling = _rope_scaling_of(field, params)
-        if params.get("rope_theta") is not None:
-            theta = float(params["rope_theta"])
+    for field in ("rope_scaling", "rope_parameters"):  # 5.x's rope_parameters, read last, wins
+        if hf.get(field) is not None:
+            theta, scaling = rope_of_entry(field, hf[field], theta=theta, kinds=kinds)
     return theta, scaling
 
 
@@ -76,12 +95,16 @@ def rope_theta_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA)
 def rope_fields(config: TransformerConfig) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(5.x ``rope_parameters``, 4.x ``rope_scaling``) of a model: the latter None without
     scaling, else the same scaling fields without ``rope_theta`` (4.x writes that at the top)."""
-    theta = float(config.rope_theta)
-    scaling = config.rope_scaling
+    return rope_entry(theta=float(config.rope_theta), scaling=config.rope_scaling)
+
+
+def rope_entry(*, theta: float, scaling: RopeScaling | None
+               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """`rope_fields` of one RoPE base and scaling (Gemma 3 writes one per layer type)."""
     if scaling is None:
         return {"rope_type": "default", "rope_theta": theta}, None
-    legacy = {"rope_type": scaling.kind.value, "factor": float(scaling.factor),
-              "low_freq_factor": float(scaling.low_freq_factor),
-              "high_freq_factor": float(scaling.high_freq_factor),
-              "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    legacy = {"rope_type": scaling.kind.value}
+    for name in _KIND_FIELDS[scaling.kind]:
+        value = getattr(scaling, name)
+        legacy[name] = value if name == "original_max_position_embeddings" else float(value)
     return {**legacy, "rope_theta": theta}, legacy

@@ -25,6 +25,13 @@ from typing import Any
 import numpy as np
 
 from paxlite.errors import UserError
+from paxlite.interop.hf_moe import (
+    FUSED_DOWN,
+    FUSED_GATE_UP,
+    FUSED_ROUTER,
+    ExpertNaming,
+    expert_naming,
+)
 from paxlite.models.transformer import TransformerConfig
 
 Params = dict[str, Any]  # nested dicts of np.ndarray, the structure of variables["params"]
@@ -140,6 +147,9 @@ class LlamaNaming:
     head_dim: str
     hidden: str
     ignore: Callable[[str], bool] = lambda name: False
+    # Gemma's norms after attention and after the MLP (read when the config has post_norms)
+    post_attn_norm: str | None = None
+    post_mlp_norm: str | None = None
 
 
 _HF_LLAMA_BUFFERS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -247,8 +257,9 @@ def iter_llama_params(tensors: Mapping[str, np.ndarray], *, config: TransformerC
     missing / left-over check runs after the last subtree (`TensorSource.finish`)."""
     if config.moe is not None and naming is not HF_LLAMA:
         raise LayoutError(f"{naming.what}: mixture-of-experts layers are read from Hugging Face "
-                          "Mixtral checkpoints only")
-    src = TensorSource(tensors, what=HF_MIXTRAL_WHAT if config.moe else naming.what,
+                          "checkpoints only")
+    experts = None if config.moe is None else expert_naming(config)
+    src = TensorSource(tensors, what=naming.what if experts is None else experts.what,
                        ignore=naming.ignore)
     d = _llama_dims(config, naming)
     n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
@@ -278,8 +289,12 @@ def iter_llama_params(tensors: Mapping[str, np.ndarray], *, config: TransformerC
             "attention": attention,
             "pre_mlp_norm": {"scale": src.take(naming.mlp_norm.format(i=i), (d["dims"],))},
         }
+        if config.post_norms:  # Gemma
+            for name, tensor in (("post_attention_norm", naming.post_attn_norm),
+                                 ("post_mlp_norm", naming.post_mlp_norm)):
+                layer[name] = {"scale": src.take(str(tensor).format(i=i), (d["dims"],))}
         if config.moe is not None and config.moe.is_moe_layer(i):
-            layer["moe"] = _mixtral_moe_to_params(src, i=i, config=config)
+            layer["moe"] = _experts_to_params(src, i=i, config=config, naming=experts)
             yield f"layers_{i}", layer
             continue
         gate = src.take(naming.gate.format(i=i), (d["hidden"], d["dims"]))  # [F, D]
@@ -301,16 +316,18 @@ def iter_llama_params(tensors: Mapping[str, np.ndarray], *, config: TransformerC
 
 
 def llama_from_params(params: Params, *, config: TransformerConfig) -> dict[str, np.ndarray]:
-    """Unscanned paxlite LLaMA (or Mixtral) params -> HF tensors (rotate-half q/k rows, [out, in]
-    weights; Mixtral experts under their per-expert on-disk names)."""
+    """Unscanned paxlite LLaMA (or Mixtral, Qwen3-MoE) params -> HF tensors (rotate-half q/k rows,
+    [out, in] weights; experts under their per-expert on-disk names)."""
     return {k: np.ascontiguousarray(v) for k, v in iter_llama_tensors(params, config=config)}
 
 
-def iter_llama_tensors(params: Params, *, config: TransformerConfig
+def iter_llama_tensors(params: Params, *, config: TransformerConfig,
+                       naming: LlamaNaming = HF_LLAMA
                        ) -> Iterator[tuple[str, np.ndarray]]:
     """`llama_from_params` one tensor at a time (views where a transpose suffices), so a writer
     can cast and write each before the next is made."""
-    nm = HF_LLAMA
+    nm = naming
+    experts = None if config.moe is None else expert_naming(config)
     n, kv, h, dm = config.num_heads, config.kv_heads, config.dims_per_head, config.model_dims
     yield nm.embed, params["embedding"]["embedding"]
     for i in range(config.num_layers):
@@ -329,67 +346,62 @@ def iter_llama_tensors(params: Params, *, config: TransformerConfig
         yield nm.o.format(i=i), np.asarray(att["out"]["kernel"]).reshape(n * h, dm).T
         yield from _open_family_tensors(att, i=i, config=config)
         if config.moe is not None and config.moe.is_moe_layer(i):
-            yield from _mixtral_moe_from_params(layer["moe"], i=i).items()
+            yield from _experts_from_params(layer["moe"], i=i, naming=experts)
         else:
             yield nm.gate.format(i=i), np.asarray(layer["mlp"]["wi_gate"]["kernel"]).T
             yield nm.up.format(i=i), np.asarray(layer["mlp"]["wi"]["kernel"]).T
             yield nm.down.format(i=i), np.asarray(layer["mlp"]["wo"]["kernel"]).T
         yield nm.attn_norm.format(i=i), layer["pre_attention_norm"]["scale"]
         yield nm.mlp_norm.format(i=i), layer["pre_mlp_norm"]["scale"]
+        if config.post_norms:
+            yield str(nm.post_attn_norm).format(i=i), layer["post_attention_norm"]["scale"]
+            yield str(nm.post_mlp_norm).format(i=i), layer["post_mlp_norm"]["scale"]
     yield nm.final_norm, params["final_norm"]["scale"]
     if not config.tie_embeddings:
         yield nm.output, np.asarray(params["output"]["kernel"]).T
 
 
-# ---------------------------------------------------------------- Mixtral
-# What transformers (4.x and 5.x) writes to disk and what the Hub's Mixtral checkpoints hold: one
-# torch Linear [out, in] per expert. w1 = gate, w3 = up, w2 = down.
-HF_MIXTRAL_WHAT = "Hugging Face Mixtral checkpoint"
-MIXTRAL_ROUTER = "model.layers.{i}.block_sparse_moe.gate.weight"  # [E, D]
-MIXTRAL_EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
-# transformers 5.x's in-memory names (a raw state_dict saved as it is): the experts fused per layer.
-MIXTRAL_FUSED_ROUTER = "model.layers.{i}.mlp.gate.weight"  # [E, D]
-MIXTRAL_FUSED_GATE_UP = "model.layers.{i}.mlp.experts.gate_up_proj"  # [E, 2F, D]: gate | up
-MIXTRAL_FUSED_DOWN = "model.layers.{i}.mlp.experts.down_proj"  # [E, D, F]
-
-
-def _mixtral_moe_to_params(src: TensorSource, *, i: int, config: TransformerConfig) -> Params:
-    """One layer's router and experts -> ``moe/{router, wi_gate, wi, wo}`` (kernels [D, E],
-    [E, D, F], [E, D, F], [E, F, D]), from per-expert names or, failing those, 5.x's fused ones."""
+# ---------------------------------------------------------------- experts (Mixtral, Qwen3-MoE)
+def _experts_to_params(src: TensorSource, *, i: int, config: TransformerConfig,
+                       naming: ExpertNaming) -> Params:
+    """One sparse layer's router and experts -> ``moe/{router, wi_gate, wi, wo}`` (kernels
+    [D, E], [E, D, F], [E, D, F], [E, F, D]), from the per-expert names or, where the layer has
+    them, transformers 5.x's fused in-memory ones (hf_moe.FUSED_*)."""
     moe = config.moe
     assert moe is not None
     e, dm = moe.num_experts, config.model_dims
     f = moe.expert_hidden_dims or config.hidden_dims
-    experts = Dim(f"num_local_experts={e}", e)
+    experts = Dim(f"{naming.experts_field}={e}", e)
     dims = Dim(f"hidden_size={dm}", dm)
-    hidden = Dim(f"intermediate_size={f}", f)
-    if src.has(MIXTRAL_FUSED_ROUTER.format(i=i)) and not src.has(MIXTRAL_ROUTER.format(i=i)):
-        router = src.take(MIXTRAL_FUSED_ROUTER.format(i=i), (experts, dims))
-        gate_up = src.take(MIXTRAL_FUSED_GATE_UP.format(i=i),
-                           (experts, Dim(f"2 * intermediate_size = {2 * f}", 2 * f), dims))
-        down = src.take(MIXTRAL_FUSED_DOWN.format(i=i), (experts, dims, hidden))
+    hidden = Dim(f"{naming.hidden_field}={f}", f)
+    if src.has(FUSED_GATE_UP.format(i=i)):
+        router = src.take(FUSED_ROUTER.format(i=i), (experts, dims))
+        gate_up = src.take(FUSED_GATE_UP.format(i=i),
+                           (experts, Dim(f"2 * {naming.hidden_field} = {2 * f}", 2 * f), dims))
+        down = src.take(FUSED_DOWN.format(i=i), (experts, dims, hidden))
         gate, up = gate_up[:, :f], gate_up[:, f:]  # [E, F, D] each
     else:
-        router = src.take(MIXTRAL_ROUTER.format(i=i), (experts, dims))
+        router = src.take(naming.router.format(i=i), (experts, dims))
 
         def per_expert(w: str, shape: tuple[Dim, Dim]) -> np.ndarray:
-            return np.stack([src.take(MIXTRAL_EXPERT.format(i=i, e=j, w=w), shape)
+            return np.stack([src.take(naming.expert.format(i=i, e=j, w=w), shape)
                              for j in range(e)])
 
-        gate, up = per_expert("w1", (hidden, dims)), per_expert("w3", (hidden, dims))
-        down = per_expert("w2", (dims, hidden))  # [E, D, F]
+        gate, up = per_expert(naming.gate, (hidden, dims)), per_expert(naming.up, (hidden, dims))
+        down = per_expert(naming.down, (dims, hidden))  # [E, D, F]
     return {"router": {"kernel": router.T}, "wi_gate": {"kernel": gate.swapaxes(1, 2)},
             "wi": {"kernel": up.swapaxes(1, 2)}, "wo": {"kernel": down.swapaxes(1, 2)}}
 
 
-def _mixtral_moe_from_params(moe: Params, *, i: int) -> dict[str, np.ndarray]:
-    """Inverse of `_mixtral_moe_to_params`, always under the per-expert names."""
-    out = {MIXTRAL_ROUTER.format(i=i): moe["router"]["kernel"].T}
-    for name, w in (("wi_gate", "w1"), ("wi", "w3"), ("wo", "w2")):
+def _experts_from_params(moe: Params, *, i: int, naming: ExpertNaming
+                         ) -> Iterator[tuple[str, np.ndarray]]:
+    """Inverse of `_experts_to_params`, always under the per-expert names (what transformers
+    writes)."""
+    yield naming.router.format(i=i), np.asarray(moe["router"]["kernel"]).T
+    for name, w in (("wi_gate", naming.gate), ("wi", naming.up), ("wo", naming.down)):
         kernel = np.asarray(moe[name]["kernel"])  # [E, in, out]
         for j in range(kernel.shape[0]):
-            out[MIXTRAL_EXPERT.format(i=i, e=j, w=w)] = kernel[j].T
-    return out
+            yield naming.expert.format(i=i, e=j, w=w), kernel[j].T
 
 
 # ---------------------------------------------------------------- tree helpers
@@ -423,23 +435,30 @@ def check_params(params: Params, *, config: TransformerConfig) -> None:
         raise LayoutError("params do not fit the model: " + "; ".join(problems[:20]))
 
 
-def stack_layers(params: Params, *, num_layers: int) -> Params:
-    """layers_0..layers_{L-1} -> one ``layers`` subtree with a leading [L] axis (nn.scan's form)."""
+def stack_layers(params: Params, *, num_layers: int, unit: int = 1) -> Params:
+    """layers_0..layers_{L-1} -> one ``layers`` subtree with a leading [L] axis (nn.scan's form);
+    scan units of ``unit`` > 1 layers (``config.layers_per_scan_unit``): ``layers/layer_{j}``,
+    each [L / unit]."""
     import jax
 
-    layers = [params[f"layers_{i}"] for i in range(num_layers)]
+    def stacked(indices: range) -> Any:
+        layers = [params[f"layers_{i}"] for i in indices]
+        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
+
     out = {k: v for k, v in params.items() if not k.startswith("layers_")}
-    out["layers"] = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
+    out["layers"] = (stacked(range(num_layers)) if unit == 1 else
+                     {f"layer_{j}": stacked(range(j, num_layers, unit)) for j in range(unit)})
     return out
 
 
-def unstack_layers(params: Params, *, num_layers: int) -> Params:
+def unstack_layers(params: Params, *, num_layers: int, unit: int = 1) -> Params:
     """Inverse of stack_layers."""
     import jax
 
     out = {k: v for k, v in params.items() if k != "layers"}
     for i in range(num_layers):
-        out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: np.asarray(x)[i], params["layers"])
+        tree = params["layers"] if unit == 1 else params["layers"][f"layer_{i % unit}"]
+        out[f"layers_{i}"] = jax.tree.map(lambda x, u=i // unit: np.asarray(x)[u], tree)
     return out
 
 

@@ -51,7 +51,7 @@ from paxlite.models.context_parallel import context_parallel_attention
 from paxlite.models.kv_cache import extend_cache
 from paxlite.models.linear import Fp8Config, Linear
 from paxlite.models.lora import LoraSpec
-from paxlite.models.norms import RMSNorm
+from paxlite.models.norms import NormKind, norm_class
 from paxlite.models.parallel_config import SEQ_AXIS, ContextParallelStrategy, mesh_axis_size
 from paxlite.models.relative_position import RelativePositionBias
 from paxlite.models.rotary import RopeScaling, apply_rotary
@@ -162,6 +162,10 @@ class Attention(nn.Module):
             i - sliding_window < j <= i (Mistral v0.1), in training and over a KV cache alike;
             the XLA and cuDNN kernels take it as their local window; Pallas-Triton and the
             sequence-parallel core cannot (SettingError). None: the whole context.
+        qk_norm_kind: the q/k norms' kind (Gemma 3: its (1 + scale) RMSNorm).
+        query_scale_dims: the query is scaled by this ** -0.5 (Gemma); None: dims_per_head.
+        logit_cap: the logits become ``cap * tanh(logits / cap)`` before the mask (Gemma 2), in
+            the einsum cores only; the fused and sequence-parallel ones refuse it (SettingError).
         context_parallel_strategy: how the keys and values of other ``seq`` shards reach a
             shard's queries (ALL_GATHER or RING, models/context_parallel.py); read only when the
             mesh has a ``seq`` axis larger than 1. There, FLASH runs the same XLA einsum core
@@ -197,6 +201,9 @@ class Attention(nn.Module):
     qk_norm: bool = False
     qk_norm_epsilon: float = 1e-6
     sliding_window: int | None = None
+    qk_norm_kind: NormKind = NormKind.RMS_NORM
+    query_scale_dims: int | None = None
+    logit_cap: float | None = None
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -250,7 +257,8 @@ class Attention(nn.Module):
             q = apply_rotary(q, positions, theta=self.rope_theta, scaling=self.rope_scaling)
             k = apply_rotary(k, positions, theta=self.rope_theta, scaling=self.rope_scaling)
         if self.scale_query:
-            q = q * jnp.asarray(self.dims_per_head**-0.5, dtype=self.dtype)
+            scale_dims = self.query_scale_dims or self.dims_per_head
+            q = q * jnp.asarray(scale_dims**-0.5, dtype=self.dtype)
         key_positions = positions
         if self.decode:  # k, v [B, S_max, K, H] from here on
             k, v, key_positions = extend_cache(self, k, v, positions, kv_axes=kv_axes)
@@ -268,15 +276,16 @@ class Attention(nn.Module):
                                                positions=positions, segment_ids=segment_ids,
                                                seq_shards=seq_shards)
         elif core is AttentionCore.CACHED:  # the caller's mask over the whole cache
-            out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype)
+            out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype,
+                                   logit_cap=self.logit_cap)
         elif core is AttentionCore.FUSED:
             out = fused_attention(q, k, v, implementation=self.attention_implementation,
                                   mask=mask, bias=bias, segment_ids=segment_ids,
                                   vmapped_stages=self.pipelined,
-                                  sliding_window=self.sliding_window)
+                                  sliding_window=self.sliding_window, logit_cap=self.logit_cap)
         else:
             out = einsum_attention(q, k, v, mask=mask, bias=bias, segment_ids=segment_ids,
-                                   dtype=self.dtype)
+                                   dtype=self.dtype, logit_cap=self.logit_cap)
         out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)  # [B, T, N, H]
         out = checkpoint_name(out, CONTEXT_NAME)
 
@@ -350,11 +359,13 @@ class Attention(nn.Module):
         shards' layout is ``_sequence_parallel_axes``'.
         """
         where = f"the mesh's {SEQ_AXIS!r} axis has size {seq_shards}"
-        if self.sliding_window is not None:
-            raise SettingError(
-                f"sliding_window={self.sliding_window} cannot run with sequence parallelism "
-                f"({where}): the context-parallel core attends to the whole context; use a seq "
-                "axis of 1")
+        refused = (("sliding_window", self.sliding_window, "attends to the whole context"),
+                   ("attention_logit_cap", self.logit_cap, "has no logit soft-capping"))
+        for name, value, why in refused:
+            if value is not None:
+                raise SettingError(f"{name}={value} cannot run with sequence parallelism "
+                                   f"({where}): the context-parallel core {why}; use a seq axis "
+                                   "of 1")
         if bias is not None:
             raise ValueError(
                 f"attention takes no logit bias argument with sequence parallelism ({where}): "
@@ -384,9 +395,9 @@ class Attention(nn.Module):
             distance_bias=distance_bias, strategy=self.context_parallel_strategy, mesh=mesh,
             axis_name=SEQ_AXIS, batch_axes=batch_axes, head_axes=head_axes)
 
-    def _head_norm(self, *, name: str) -> RMSNorm:
-        return RMSNorm(epsilon=self.qk_norm_epsilon, dtype=self.dtype,
-                       param_dtype=self.param_dtype, name=name)
+    def _head_norm(self, *, name: str) -> nn.Module:
+        return norm_class(self.qk_norm_kind)(epsilon=self.qk_norm_epsilon, dtype=self.dtype,
+                                             param_dtype=self.param_dtype, name=name)
 
     def _distance_bias(self) -> jax.Array:
         """This layer's relative position bias as float32 [N, L]: column d is the bias of a key d

@@ -94,28 +94,29 @@ def sliding_window_mask(q_positions: jax.Array, k_positions: jax.Array, *, windo
 def einsum_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
     bias: jax.Array | None = None, segment_ids: jax.Array | None = None,
-    dtype: DTypeLike = jnp.float32,
+    dtype: DTypeLike = jnp.float32, logit_cap: float | None = None,
 ) -> jax.Array:
     """Pax's DotProductAttention core (AttentionKind.DOT_PRODUCT): prescaled q [B, T, N, H], k, v
     [B, S, K, H] -> [B, T, N, H]; logits and softmax in float32, probabilities cast to dtype.
 
     mask: bool [B|1, 1, T, S]; None: causal, restricted to segment_ids [B, T] when given.
     bias: float32 [B|1, N|1, T, S] added to the logits before the mask. With K < N, query head
-    i = k * G + g reads kv head k (no copies of k/v are made).
+    i = k * G + g reads kv head k (no copies of k/v are made). logit_cap: the logits become
+    ``cap * tanh(logits / cap)`` before the bias and the mask (Gemma 2's soft-capping).
     """
     batch, length, n, h = q.shape
     kv = k.shape[2]
     if mask is None:
         mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
     if kv == n:
-        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32)
+        logits = soft_cap(jnp.einsum("BTNH,BSNH->BNTS", q, k).astype(jnp.float32), logit_cap)
         if bias is not None:
             logits = logits + bias  # [B, N, T, S]
         logits = jnp.where(mask, logits, LARGE_NEGATIVE)
         probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, N, T, S]
         return jnp.einsum("BNTS,BSNH->BTNH", probs, v)
     qg = q.reshape(batch, length, kv, n // kv, h)  # [B, T, K, G, H]; head i = k*G + g
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32)
+    logits = soft_cap(jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32), logit_cap)
     if bias is not None:
         if bias.shape[1] == 1:
             grouped_bias = bias[:, :, None]  # [B|1, 1, 1, T, S]
@@ -125,6 +126,14 @@ def einsum_attention(
     logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)  # mask [B|1, 1, 1, T, S]
     probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, K, G, T, S]
     return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, n, h)
+
+
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(logits / cap)`` (Gemma 2's tanh soft-capping); the logits as they are for
+    None."""
+    if cap is None:
+        return logits
+    return cap * jnp.tanh(logits / cap)
 
 
 class AttentionImplementation(str, enum.Enum):
@@ -301,13 +310,19 @@ def flash_attention(
 def fused_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: AttentionImplementation,
     mask: jax.Array | None, bias: jax.Array | None, segment_ids: jax.Array | None,
-    vmapped_stages: bool, sliding_window: int | None,
+    vmapped_stages: bool, sliding_window: int | None, logit_cap: float | None = None,
 ) -> jax.Array:
     """``AttentionCore.FUSED``: prescaled q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
 
     Causal kernels; a mask (same-segment for packed rows) is a subset of causal, and the Pallas
     kernel reads segment_ids instead. Resolved per call: what a kernel can run depends on the
-    traced dtype, sizes and bias, and on a pipeline's vmap."""
+    traced dtype, sizes and bias, and on a pipeline's vmap. None of them soft-caps the logits
+    (JAX 0.12's APIs take no cap): a ``logit_cap`` is a SettingError."""
+    if logit_cap is not None:
+        raise SettingError(
+            f"attention_logit_cap={logit_cap} cannot run with attention kind 'flash': JAX's "
+            "fused kernels (XLA, cuDNN, Pallas-Triton) have no logit soft-capping; use "
+            "attention kind 'dot_product'")
     resolved = resolve_implementation(
         implementation, dtype=q.dtype, head_dim=q.shape[3], seq_len=q.shape[1],
         dense_bias=mask is not None or bias is not None, has_bias=bias is not None,

@@ -137,6 +137,13 @@ def layer_attributes(config: TransformerConfig, *, deterministic: bool,
     return attributes
 
 
+def _layer_index(config: TransformerConfig, index: int) -> dict[str, int]:
+    """The ``layer_index`` attribute of unrolled layer ``index`` where its attention depends on it
+    (``layer_types``); TE's layer, which has none, takes no such attribute (TE refuses
+    layer_types)."""
+    return {} if config.layer_types is None else {"layer_index": index}
+
+
 def constrain_rows(x: jax.Array, axes: tuple[str, ...], *, pipelined: bool) -> jax.Array:
     """The logical constraint of `axes`; around a pipelined stack with the rows split over the
     stages as well, as far as the batch divides over them (``PIPELINE_EDGE_BATCH``)."""
@@ -206,5 +213,6 @@ def _unrolled(x: jax.Array, inputs: LayerInputs, *, attributes: dict[str, Any],
         layer = nn.remat(layer, policy=policy, prevent_cse=True)
     for i in range(config.num_layers):
         moe_layer = config.moe is not None and config.moe.is_moe_layer(i)
-        x, _ = layer(**attributes, moe_layer=moe_layer, name=f"layers_{i}")(x, *inputs.args())
+        x, _ = layer(**attributes, moe_layer=moe_layer, **_layer_index(config, i),
+                     name=f"layers_{i}")(x, *inputs.args())
     return x

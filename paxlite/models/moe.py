@@ -290,7 +290,8 @@ class MoeMlp(nn.Module):
         batch, length, model_dims = x.shape
         logits = router(x)  # [B, T, E] float32
         flat_logits = logits.reshape(batch * length, -1)
-        weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token)  # [N, K]
+        weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
+                                               renormalize=cfg.renormalize_top_k)  # [N, K]
         pad = None if paddings is None else paddings.reshape(-1).astype(jnp.float32)
         aux = load_balancing_loss_topk(probs, experts, num_experts=cfg.num_experts, paddings=pad)
         z_loss = router_z_loss(flat_logits, pad)

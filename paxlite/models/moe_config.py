@@ -8,8 +8,8 @@ what they do with a token an expert has no room for:
   expert takes at most a fixed *capacity* of assignments per group, and the rest are dropped (a
   fully dropped token passes through the residual). Dispatch and combine are dense einsums, which
   GSPMD turns into the all-to-all of expert parallelism.
-- ``DROPLESS_TOPK`` (Mixtral): every token reaches its top-k experts; tokens are sorted by expert
-  and the experts run as one grouped matmul (``GroupedMatmul`` picks its kernel).
+- ``DROPLESS_TOPK`` (Mixtral, Qwen3-MoE): every token reaches its top-k experts; tokens are sorted
+  by expert and the experts run as one grouped matmul (``GroupedMatmul`` picks its kernel).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class MoeRouting(str, enum.Enum):
     """How tokens are assigned to experts."""
 
     GSHARD_TOP2 = "gshard_top2"  # GLaM: top-2 with a capacity per group; over-capacity tokens drop
-    DROPLESS_TOPK = "dropless_topk"  # Mixtral: softmax -> top-k -> renormalise; nothing drops
+    DROPLESS_TOPK = "dropless_topk"  # Mixtral: softmax -> top-k (-> renormalise); nothing drops
 
 
 class GroupedMatmul(str, enum.Enum):
@@ -76,6 +76,10 @@ class MoeConfig:
         router_z_loss_weight: weight of AXLearn's router z-loss ``mean(logsumexp(logits)^2)``
             per layer (0: off).
         grouped_matmul: dropless only: the grouped-matmul kernel.
+        renormalize_top_k: dropless only: True divides each token's k routing weights by their
+            sum (Mixtral; Qwen3-MoE's ``norm_topk_prob: true``); False keeps them as the softmax
+            over all experts gave them, summing to less than 1 (``norm_topk_prob: false``).
+            GShard's top-2 always renormalises.
     """
 
     num_experts: int
@@ -90,6 +94,7 @@ class MoeConfig:
     load_balancing_weight: float = 0.0
     router_z_loss_weight: float = 0.0
     grouped_matmul: GroupedMatmul = GroupedMatmul.RAGGED_DOT
+    renormalize_top_k: bool = True
 
     def __post_init__(self) -> None:
         for field, enum_cls in (("routing", MoeRouting), ("expert_activation", Activation),
@@ -145,6 +150,11 @@ def moe_problems(**fields: object) -> list[str]:
         value = fields.get(name, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             problems.append(f"{name}={value!r} must be >= 0 (0: off)")
-    if "gated_experts" in fields and not isinstance(fields["gated_experts"], bool):
-        problems.append(f"gated_experts={fields['gated_experts']!r} must be True or False")
+    for name in ("gated_experts", "renormalize_top_k"):
+        if name in fields and not isinstance(fields[name], bool):
+            problems.append(f"{name}={fields[name]!r} must be True or False")
+    if (fields.get("renormalize_top_k") is False and routing in tuple(MoeRouting)
+            and MoeRouting(routing) is MoeRouting.GSHARD_TOP2):
+        problems.append("renormalize_top_k=False with routing='gshard_top2': GShard's top-2 "
+                        "always renormalises its two gates; use routing='dropless_topk'")
     return problems

@@ -16,8 +16,8 @@ rule that differs from a plain reading of the GShard paper is Praxis's and is ke
   when some of the S tokens are padding (so uniform routing with padding gives less than 1).
 
 ``topk_routing``, ``load_balancing_loss_topk`` and ``router_z_loss`` serve the dropless router:
-HF Mixtral's softmax -> top-k -> renormalise, AXLearn's top-k load-balancing normalisation and
-AXLearn's router z-loss.
+HF Mixtral's softmax -> top-k -> renormalise (Qwen3-MoE's with or without the renormalising),
+AXLearn's top-k load-balancing normalisation and AXLearn's router z-loss.
 
 Einsum letters: G groups, S tokens per group, E experts, C capacity per expert and group;
 N tokens, K experts per token.
@@ -196,16 +196,19 @@ def _combine_part(gate: jax.Array, index: jax.Array, position: jax.Array, kept: 
     return jnp.einsum("gse,gsc->gsec", expert_part, slot_part)
 
 
-def topk_routing(logits: jax.Array, *, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Mixtral's router: softmax over all E in float32, top-k, renormalise the k weights to 1.
+def topk_routing(logits: jax.Array, *, k: int, renormalize: bool = True
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Mixtral's and Qwen3-MoE's router: softmax over all E in float32, top-k, and (Mixtral
+    always, Qwen3-MoE with ``norm_topk_prob``) the k weights renormalised to sum 1.
 
     Args:
         logits: [N, E] router logits.
         k: experts per token, 1 <= k <= E.
+        renormalize: False keeps the k softmax probabilities as they are.
 
     Returns:
-        weights [N, K] float32 summing to 1 per token, experts [N, K] int32 (best first),
-        probs [N, E] float32 (the full softmax, for the load-balancing loss).
+        weights [N, K] float32 (summing to 1 per token when renormalised), experts [N, K] int32
+        (best first), probs [N, E] float32 (the full softmax, for the load-balancing loss).
     """
     logits = jnp.asarray(logits)
     if logits.ndim != 2:
@@ -216,7 +219,8 @@ def topk_routing(logits: jax.Array, *, k: int) -> tuple[jax.Array, jax.Array, ja
                          f"(E={num_experts} experts)")
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # NE
     weights, experts = jax.lax.top_k(probs, k)  # NK
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32), probs
 
 

@@ -86,7 +86,8 @@ def closed_form_num_params(config: TransformerConfig) -> int:
     if config.position_kind is PositionEmbedding.LEARNED:
         total += config.max_seq_len * d
     total += _norm_params(config)  # final norm
-    per_layer = 2 * _norm_params(config) + _attention_params(config)
+    norms = 4 if config.post_norms else 2  # Gemma's post norms after attention and the MLP
+    per_layer = norms * _norm_params(config) + _attention_params(config)
     moe_layers = num_moe_layers(config)
     total += config.num_layers * per_layer
     total += (config.num_layers - moe_layers) * _dense_mlp_params(config)

@@ -3,9 +3,14 @@
 Pax GPT sets ``reductions_in_fp32=True`` on every LayerNorm because bfloat16 mean/variance
 reductions are not stable enough for training on GPUs; these modules do the same regardless
 of the compute dtype, and hand the result back in the compute dtype.
+
+``NormKind`` names them for configs and converters (``TransformerConfig.norm``); it lives here,
+below the attention layer, so that the q/k norms of a head can be the model's kind too.
 """
 
 from __future__ import annotations
+
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +18,16 @@ from flax import linen as nn
 from jax.typing import DTypeLike
 
 NORM_AXES: tuple[str, ...] = ("norm",)
+
+
+class NormKind(str, enum.Enum):
+    """LayerNorm for GPT; RMSNorm for LLaMA-style models; Gemma's RMSNorm times (1 + scale)."""
+
+    LAYER_NORM = "layer_norm"
+    RMS_NORM = "rms_norm"
+    # Gemma 2/3: x / rms(x) * (1 + scale), scale initialised to 0 and stored as it is (so a
+    # Gemma checkpoint's norm weights are copied unchanged); the whole product in float32.
+    GEMMA_RMS_NORM = "gemma_rms_norm"
 
 
 class _Float32Norm(nn.Module):
@@ -51,7 +66,29 @@ class RMSNorm(_Float32Norm):
     def __call__(self, x: jax.Array) -> jax.Array:
         features = x.shape[-1]
         scale = self._per_feature("scale", nn.initializers.ones, features)
-        x32 = x.astype(jnp.float32)
-        mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt(mean_square + self.epsilon) * scale.astype(jnp.float32)
+        y = _normalised(x, self.epsilon) * scale.astype(jnp.float32)
         return y.astype(self.dtype)
+
+
+class GemmaRMSNorm(_Float32Norm):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + scale), scale starting at 0."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        features = x.shape[-1]
+        scale = self._per_feature("scale", nn.initializers.zeros, features)
+        y = _normalised(x, self.epsilon) * (1.0 + scale.astype(jnp.float32))
+        return y.astype(self.dtype)
+
+
+def _normalised(x: jax.Array, epsilon: float) -> jax.Array:
+    """float32 x / sqrt(mean(x^2) + eps) over the last axis."""
+    x32 = x.astype(jnp.float32)
+    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return x32 * jax.lax.rsqrt(mean_square + epsilon)
+
+
+def norm_class(kind: NormKind | str) -> type[_Float32Norm]:
+    """The module of a NormKind."""
+    return {NormKind.LAYER_NORM: LayerNorm, NormKind.RMS_NORM: RMSNorm,
+            NormKind.GEMMA_RMS_NORM: GemmaRMSNorm}[NormKind(kind)]

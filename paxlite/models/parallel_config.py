@@ -20,10 +20,12 @@ class ContextParallelStrategy(str, enum.Enum):
     RING = "ring"  # pass k/v blocks round the ring, online softmax (memory: one block at a time)
 
 
-def scan_unit_layers(*, moe_layer_interval: int | None) -> int:
+def scan_unit_layers(*, moe_layer_interval: int | None, pattern_period: int = 1) -> int:
     """Layers in one scanned body, the unit a pipeline splits the stack by: 1 for dense models,
-    the MoE layer interval for MoE ones (GLaM's dense + MoE pair is 2). ``None``: no MoE layers."""
-    return 1 if moe_layer_interval is None else moe_layer_interval
+    the MoE layer interval for MoE ones (GLaM's dense + MoE pair is 2; ``None``: no MoE layers),
+    the period of the layers' attention pattern where they differ (Gemma 2's local + global pair
+    is 2; the config allows one of the two above 1)."""
+    return max(1 if moe_layer_interval is None else moe_layer_interval, pattern_period)
 
 
 def bubble_fraction(*, num_stages: int, repeats: int, num_microbatches: int) -> float:

@@ -44,6 +44,7 @@ class RopeScalingKind(str, enum.Enum):
     """How the RoPE frequencies are rescaled; the value is Hugging Face's ``rope_type``."""
 
     LLAMA3 = "llama3"  # LLaMA-3.1/3.2/3.3: low frequencies / factor, smooth blend in between
+    LINEAR = "linear"  # every frequency / factor (Gemma 3's global layers); reads factor only
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,8 @@ class RopeScaling:
     LLAMA3: a pair whose wavelength 2 pi / f is longer than original_max_position_embeddings /
     low_freq_factor turns slower by ``factor``; one shorter than original / high_freq_factor
     keeps its frequency; in between the two are blended linearly in original / wavelength.
+    LINEAR: every frequency divided by ``factor`` (positions interpolated); the other fields are
+    not read.
     """
 
     kind: RopeScalingKind = RopeScalingKind.LLAMA3
@@ -82,7 +85,9 @@ class RopeScaling:
                              "a positive integer")
 
     def scale(self, inv_freq: jax.Array) -> jax.Array:
-        """float32 frequencies [H/2] -> the rescaled ones (LLaMA-3.1's rule, in float32)."""
+        """float32 frequencies [H/2] -> the rescaled ones (the kind's rule, in float32)."""
+        if self.kind is RopeScalingKind.LINEAR:
+            return inv_freq / self.factor
         original = float(self.original_max_position_embeddings)
         wavelength = 2 * math.pi / inv_freq  # [H/2]
         slow = jnp.where(wavelength > original / self.low_freq_factor, inv_freq / self.factor,

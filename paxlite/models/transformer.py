@@ -18,7 +18,7 @@ from flax import linen as nn
 
 from paxlite.models.activations import Activation
 from paxlite.models.attention import make_attention_mask
-from paxlite.models.attention_kernels import AttentionImplementation
+from paxlite.models.attention_kernels import AttentionImplementation, soft_cap
 from paxlite.models.block import EMBED_ACTIVATION_AXES, Block, make_norm
 from paxlite.models.embedding import Embed
 from paxlite.models.layer_stacks import (
@@ -90,6 +90,8 @@ class Transformer(nn.Module):
 
         embed = _token_embedding(cfg, name="embedding")
         x = embed(tokens)  # [B, T, D]
+        if cfg.scale_embeddings:  # Gemma: the factor rounded to dtype first, as transformers
+            x = x * jnp.asarray(math.sqrt(cfg.model_dims), dtype=x.dtype)
         if cfg.position_kind is not PositionEmbedding.NONE and positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         if cfg.position_kind is PositionEmbedding.LEARNED:
@@ -111,7 +113,7 @@ class Transformer(nn.Module):
             logits = embed.attend(x)  # [B, T, V]
         else:
             logits = _output_layer(cfg, name="output")(x)
-        return constrain_rows(logits.astype(jnp.float32), LOGITS_ACTIVATION_AXES,
+        return constrain_rows(_capped(cfg, logits), LOGITS_ACTIVATION_AXES,
                               pipelined=pipelined)
 
     def project(self, hidden: jax.Array) -> jax.Array:
@@ -202,8 +204,13 @@ def project_hidden(config: TransformerConfig, params: Any, hidden: jax.Array) ->
             {"params": params["embedding"]}, hidden, method=Embed.attend)
     else:
         logits = _output_layer(config, parent=None).apply({"params": params["output"]}, hidden)
-    return constrain_rows(logits.astype(jnp.float32), LOGITS_ACTIVATION_AXES,
+    return constrain_rows(_capped(config, logits), LOGITS_ACTIVATION_AXES,
                           pipelined=config.pipeline is not None)
+
+
+def _capped(config: TransformerConfig, logits: jax.Array) -> jax.Array:
+    """float32 logits, soft-capped as ``cap * tanh(logits / cap)`` with ``final_logit_cap``."""
+    return soft_cap(logits.astype(jnp.float32), config.final_logit_cap)
 
 
 def abstract_variables(config: TransformerConfig) -> Any:

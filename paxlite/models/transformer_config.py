@@ -19,6 +19,13 @@ from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.linear import Fp8Config
 from paxlite.models.lora import LoraSpec, LoraTargets, check_alpha, check_rank
 from paxlite.models.moe_config import MoeConfig, MoeRouting
+from paxlite.models.norms import NormKind
+from paxlite.models.open_model_fields import (
+    LayerAttention,
+    check_open_model_fields,
+    layer_pattern_period,
+    transformer_engine_problems,
+)
 from paxlite.models.parallel_config import (
     ContextParallelStrategy,
     PipelineConfig,
@@ -27,13 +34,6 @@ from paxlite.models.parallel_config import (
 from paxlite.models.rotary import DEFAULT_THETA, RopeScaling
 
 VALID_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-
-
-class NormKind(str, enum.Enum):
-    """LayerNorm for GPT; RMSNorm for LLaMA-style models."""
-
-    LAYER_NORM = "layer_norm"
-    RMS_NORM = "rms_norm"
 
 
 class PositionEmbedding(str, enum.Enum):
@@ -294,6 +294,19 @@ class TransformerConfig:
     qk_norm: bool = False
     # Query i sees key j only when i - sliding_window < j <= i (Mistral v0.1); None: all of them.
     sliding_window: int | None = None
+    # Gemma 2/3 (models/open_model_fields.py): norms after attention and after the MLP too
+    # (post_attention_norm, post_mlp_norm); embeddings times sqrt(model_dims) in dtype; the query
+    # scaled by query_scale_dims ** -0.5 (None: dims_per_head); cap * tanh(x / cap) on the
+    # attention logits and on the output logits (None: no cap); per-layer attention
+    # (layer_types: one LayerAttention per layer; None: every layer as sliding_window says), the
+    # sliding layers with their own RoPE base (local_rope_theta, unscaled; None: as the others).
+    post_norms: bool = False
+    scale_embeddings: bool = False
+    query_scale_dims: int | None = None
+    attention_logit_cap: float | None = None
+    final_logit_cap: float | None = None
+    layer_types: tuple[LayerAttention, ...] | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, Mapping):  # read back from JSON
@@ -372,7 +385,7 @@ class TransformerConfig:
                     "lora_targets='attention' with an MoE model"
                 )
 
-        _check_open_model_fields(self)  # after the enums above are coerced
+        check_open_model_fields(self)  # after the enums above are coerced
         if self.layer_implementation is LayerImplementation.TRANSFORMER_ENGINE:
             _check_transformer_engine(self)
         elif self.te is not None:
@@ -393,9 +406,11 @@ class TransformerConfig:
 
     @property
     def layers_per_scan_unit(self) -> int:
-        """Layers in one scanned body: 1 for dense models, moe_layer_interval for MoE ones."""
+        """Layers in one scanned body: 1 for dense models, moe_layer_interval for MoE ones, one
+        period of ``layer_types`` where the layers attend differently."""
         return scan_unit_layers(
-            moe_layer_interval=None if self.moe is None else self.moe.moe_layer_interval)
+            moe_layer_interval=None if self.moe is None else self.moe.moe_layer_interval,
+            pattern_period=layer_pattern_period(self.layer_types))
 
     @property
     def position_kind(self) -> PositionEmbedding:
@@ -423,32 +438,6 @@ class TransformerConfig:
         return self.init_std if self.softmax_init_std is None else self.softmax_init_std
 
 
-def _check_open_model_fields(config: TransformerConfig) -> None:
-    """rope_scaling (read back from JSON too), qkv_bias, qk_norm and sliding_window."""
-    if isinstance(config.rope_scaling, Mapping):  # read back from JSON
-        object.__setattr__(config, "rope_scaling", RopeScaling(**config.rope_scaling))
-    if config.rope_scaling is not None and not isinstance(config.rope_scaling, RopeScaling):
-        raise ValueError(f"TransformerConfig.rope_scaling={config.rope_scaling!r} must be None "
-                         "or a RopeScaling")
-    if config.qkv_bias is not None and not isinstance(config.qkv_bias, bool):
-        raise ValueError(f"TransformerConfig.qkv_bias={config.qkv_bias!r} must be None (as "
-                         "use_bias), True or False")
-    if not isinstance(config.qk_norm, bool):
-        raise ValueError(f"TransformerConfig.qk_norm={config.qk_norm!r} must be True or False")
-    window = config.sliding_window
-    if window is not None and not _is_size(window):
-        raise ValueError(f"TransformerConfig.sliding_window={window!r} must be None (the whole "
-                         "context) or a positive integer (keys seen per query, its own included)")
-    if (window is not None
-            and config.attention_implementation is AttentionImplementation.PALLAS_TRITON):
-        raise ValueError(f"TransformerConfig.sliding_window={window} with attention "
-                         "implementation 'pallas_triton': that kernel has no local window; use "
-                         "'auto', 'cudnn' or 'xla'")
-    if config.rope_scaling is not None and config.position_kind is not PositionEmbedding.ROTARY:
-        raise ValueError(f"TransformerConfig.rope_scaling is set but the position embedding is "
-                         f"{config.position_kind.value!r}: it rescales rotary embeddings only")
-
-
 def _check_transformer_engine(config: TransformerConfig) -> None:
     """What TE's TransformerLayer cannot express is refused here, not silently changed."""
     if config.te is not None and not isinstance(config.te, TransformerEngineConfig):
@@ -467,11 +456,7 @@ def _check_transformer_engine(config: TransformerConfig) -> None:
         problems.append("the T5 relative position bias is paxlite's per-layer table")
     if not config.scale_query:
         problems.append("scale_query=False (TE scales the logits by 1/sqrt(head size))")
-    for name in ("rope_scaling", "qkv_bias", "sliding_window"):
-        if getattr(config, name) is not None:
-            problems.append(f"{name}={getattr(config, name)!r} is paxlite's attention option")
-    if config.qk_norm:
-        problems.append("qk_norm=True is paxlite's attention option")
+    problems += transformer_engine_problems(config)
     if config.gated_mlp and config.activation.value not in _TE_GATED_ACTIVATIONS:
         problems.append(f"gated activation {config.activation.value!r} has no TE name")
     if not config.gated_mlp and config.activation.value not in _TE_ACTIVATIONS:

@@ -36,6 +36,8 @@ PUBLISHED = {
     "Qwen2_5_0_5B": 494_032_768,
     "Qwen2_5_7B": 7_615_616_512,
     "Qwen3_8B": 8_190_735_360,
+    "Qwen3_30B_A3B": 30_532_122_624,
+    "Gemma2_9B": 9_241_705_984,
 }
 # From each published config.json, by hand: (hidden_size, intermediate_size, num_hidden_layers,
 # num_attention_heads, num_key_value_heads, head_dim, vocab_size, rope_theta, rms_norm_eps,
@@ -49,6 +51,7 @@ CONFIG_JSON = {
     "Qwen2_5_0_5B": (896, 4864, 24, 14, 2, 64, 151936, 1e6, 1e-6, True),
     "Qwen2_5_7B": (3584, 18944, 28, 28, 4, 128, 152064, 1e6, 1e-6, False),
     "Qwen3_8B": (4096, 12288, 36, 32, 8, 128, 151936, 1e6, 1e-6, False),
+    "Qwen3_30B_A3B": (2048, 6144, 48, 32, 4, 128, 151936, 1e6, 1e-6, False),
 }
 
 
@@ -77,6 +80,7 @@ def test_shapes_and_rope_settings_are_the_published_config_json(name: str) -> No
     assert m.rope_scaling == want
     assert (m.qkv_bias, m.qk_norm) == {
         "Qwen2_5_0_5B": (True, False), "Qwen2_5_7B": (True, False), "Qwen3_8B": (None, True),
+        "Qwen3_30B_A3B": (None, True),
     }.get(name, (None, False))
 
 
@@ -87,7 +91,8 @@ def test_hugging_face_ids_name_the_same_experiments() -> None:
                         "meta-llama/Llama-3.2-3B": "LLaMA3_2_3B",
                         "mistralai/Mistral-7B-v0.3": "Mistral7B",
                         "Qwen/Qwen2.5-0.5B": "Qwen2_5_0_5B", "Qwen/Qwen2.5-7B": "Qwen2_5_7B",
-                        "Qwen/Qwen3-8B": "Qwen3_8B"}.items():
+                        "Qwen/Qwen3-8B": "Qwen3_8B", "Qwen/Qwen3-30B-A3B": "Qwen3_30B_A3B",
+                        "Qwen/Qwen3-30B-A3B-Base": "Qwen3_30B_A3B"}.items():
         assert type(load_experiment(hf_id)) is EXPERIMENTS[name], hf_id
 
 
@@ -99,6 +104,22 @@ def test_fine_tuning_defaults() -> None:
         2e-5, "linear_rampup_cosine_decay", 100, 1000, 1000)
     assert load_experiment("LLaMA3_1_8B", ["MAX_STEPS=300"]).LR_COS_DECAY_END == 300
     assert not EXPERIMENTS["Qwen3_8B"].family_adds_bos and EXPERIMENTS["Mistral7B"].family_adds_bos
+
+
+def test_qwen3_moe_experts_and_mesh() -> None:
+    """Qwen3-30B-A3B's published config.json: 128 experts of moe_intermediate_size 768 on every
+    layer (decoder_sparse_step 1, no mlp_only_layers), top-8 renormalised (norm_topk_prob true),
+    no shared expert; the experts split over an expert axis on 8 devices."""
+    model = _model("Qwen3_30B_A3B")
+    moe = model.moe
+    assert (moe.num_experts, moe.experts_per_token, moe.routing.value, moe.moe_layer_interval,
+            moe.expert_hidden_dims, moe.gated_experts, moe.expert_activation.value,
+            moe.renormalize_top_k) == (128, 8, "dropless_topk", 1, 768, True, "silu", True)
+    assert moe.load_balancing_weight == pytest.approx(0.001 * 8 / 48)  # HF coef x top-k / layers
+    assert parameter_counts(model)[1] == 3_353_032_704  # active per token
+    e = load_experiment("Qwen3_30B_A3B")
+    assert (e.ICI_MESH_SHAPE, e.DCN_MESH_SHAPE, e.PERCORE_BATCH_SIZE, e.LEARNING_RATE) == (
+        [1, 2, 1, 4], [1, 1, 1], 1, 2e-5)
 
 
 def test_rope_scaling_settings_are_checked_in_their_names() -> None:
@@ -113,6 +134,36 @@ def test_rope_scaling_settings_are_checked_in_their_names() -> None:
     # a seq axis cannot run a window: refused in the settings' names before anything is built
     with pytest.raises(ConfigError, match=r"SLIDING_WINDOW=4096 with a seq axis of 2"):
         load_experiment("Mistral7B", ["SLIDING_WINDOW=4096", "ICI_MESH_SHAPE=[1,4,1,1,1,2]"])
+
+
+def test_gemma2_9b_is_the_published_config_json() -> None:
+    """Gemma 2 9B's config.json: hidden 3584, ffn 14336, 42 layers, 16 heads, 8 kv heads x 256,
+    vocabulary 256000, tied, window 4096 on the even layers, soft-caps 50 / 30,
+    query_pre_attn_scalar 256, RoPE base 1e4 unscaled, eps 1e-6, gelu_pytorch_tanh."""
+    m = _model("Gemma2_9B")
+    assert (m.model_dims, m.hidden_dims, m.num_layers, m.num_heads, m.kv_heads, m.dims_per_head,
+            m.vocab_size, m.rope_theta, m.norm_epsilon, m.tie_embeddings) == (
+        3584, 14336, 42, 16, 8, 256, 256000, 1e4, 1e-6, True)
+    assert (m.norm.value, m.activation.value, m.gated_mlp, m.use_bias, m.post_norms,
+            m.scale_embeddings, m.query_scale_dims, m.attention_logit_cap, m.final_logit_cap,
+            m.sliding_window, m.rope_scaling, m.qk_norm, m.local_rope_theta) == (
+        "gemma_rms_norm", "gelu_tanh", True, False, True, True, 256, 50.0, 30.0, 4096, None,
+        False, None)
+    assert [t.value for t in m.layer_types] == ["sliding_attention", "full_attention"] * 21
+    assert (m.scan_layers, m.layers_per_scan_unit, m.attention_kind.value) == (
+        True, 2, "dot_product")
+    for hf_id in ("google/gemma-2-9b", "google/gemma-2-9b-it"):
+        assert type(load_experiment(hf_id)) is EXPERIMENTS["Gemma2_9B"], hf_id
+    # the fused kernels have no soft-cap: refused in the settings' names
+    with pytest.raises(ConfigError, match=r"ATTENTION_LOGIT_SOFTCAP=50.0 with "
+                                          r"ATTENTION_KIND='flash'"):
+        load_experiment("Gemma2_9B", ["ATTENTION_KIND=flash"])
+    assert _model_with("Gemma2_9B", ["ATTENTION_KIND=flash", "ATTENTION_LOGIT_SOFTCAP=None"]
+                       ).attention_logit_cap is None
+    # a pipeline splits the stack by units of a sliding and a global layer
+    with pytest.raises(ConfigError, match=r"NUM_LAYERS=42 \(21 units of 2 layers\) does not "
+                                          r"split into 2 pipeline stages"):
+        load_experiment("Gemma2_9B", ["NUM_STAGES=2", "ICI_MESH_SHAPE=[2,4,1]"])
 
 
 def _model_with(name: str, overrides: list[str]):
@@ -253,3 +304,23 @@ def test_a_registered_experiment_still_checks_the_checkpoint_against_itself(conv
     context = RunContext(job_dir=str(tmp_path / "job"), enable_checkpoint_saving=False)
     with pytest.raises(PretrainedCheckpointError, match="parameters this model does not have"):
         Run(config, context)
+
+
+def test_finetune_of_a_gemma2_checkpoint(tmp_path) -> None:
+    """Gemma 2's soft-capped attention has no fused kernel: FineTune runs its einsums by default
+    and refuses 'flash' in one line; Gemma's text starts with BOS as LLaMA's does."""
+    from paxlite.checkpointing.pretrained import MODEL_CONFIG_FILE, model_config_to_json
+    from paxlite.interop.hf_config import from_hf_config
+
+    _, recorded = from_hf_config({
+        "model_type": "gemma2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8})
+    (tmp_path / MODEL_CONFIG_FILE).write_text(model_config_to_json(recorded))
+    path = f"CHECKPOINT_RESTORE_PATH={tmp_path}"
+    e = load_experiment("FineTune", [path])
+    assert (e.ATTENTION_KIND, e.family_adds_bos) == ("dot_product", True)
+    assert fdl.build(e.model_config()) == recorded
+    with pytest.raises(ConfigError, match=r"^ATTENTION_KIND='flash' with the checkpoint's "
+                                          r"attention logit soft-cap 50.0 \(Gemma 2\)"):
+        load_experiment("FineTune", [path, "ATTENTION_KIND=flash"])

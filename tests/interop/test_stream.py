@@ -146,7 +146,7 @@ def test_quantized_tensor_refused_before_writing(sharded_llama, tmp_path):
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
      "rope_type 'yarn' is not one paxlite implements"),
-    ({"model_type": "gemma2"}, "gemma2"),
+    ({"model_type": "gemma3"}, "model_type='gemma3' is not supported"),  # gemma2 converts now
 ])
 def test_unsupported_configs_refused_before_writing(sharded_llama, tmp_path, change, match):
     directory = tmp_path / "in"

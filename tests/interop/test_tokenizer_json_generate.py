@@ -43,11 +43,17 @@ def test_generate_reads_the_tokenizer_json_a_conversion_copied(llama_gqa, tmp_pa
     shutil.copytree(source, hf_dir)
     _tokenizer_json(hf_dir)
     shutil.copyfile(train_bpe(tmp_path / "spm"), hf_dir / "tokenizer.model")  # loses to .json
+    # transformers 5 keeps a chat template beside tokenizer_config.json: chat SFT reads it there
+    (hf_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}"
+                                                "{% endfor %}")
     out = tmp_path / "pax"
-    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={hf_dir}",
-                 f"--output={out}"]) == 0
+    convert = ["convert", "--from=hf", "--to=paxlite", f"--input={hf_dir}", f"--output={out}"]
+    assert main(convert) == 0
+    assert main([*convert, "--overwrite"]) == 0  # every file it wrote is a conversion's
     capsys.readouterr()
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer.model").is_file()
+    template = "chat_template.jinja"
+    assert (out / template).read_bytes() == (hf_dir / template).read_bytes()
     assert main(["generate", f"--checkpoint={out}", *[f"--prompt={t}" for t in TEXTS],
                  f"--max_new_tokens={NEW}", "--format=json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
