@@ -35,7 +35,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
 	@$(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 12) and f"$(VENV) has Python {sys.version.split()[0]}; paxlite needs >= 3.12: run make clean, then make install")'
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,seqio,hf,eval]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,seqio,hf,eval,wandb]'
 	# torch's CUDA build (the only one PyPI has for Python 3.12) pulls in triton, whose import
 	# segfaults once TensorFlow is loaded (both bundle LLVM); torch runs without it on CPU.
 	$(BIN)/pip uninstall --yes --quiet triton

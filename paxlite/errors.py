@@ -4,7 +4,9 @@
 and the message alone says what. The entry points print `paxlite: error: <message>` and exit with
 status 2 (`exit_status`, the one place that prints it; `report_errors` and `exit_usage` call it).
 `RunStoppedError`: the job was set up correctly but could not go on (a diverged loss, an unreachable
-coordinator); one line too, but exit status 1, since nothing on the command line was wrong.
+coordinator); one line too, but exit status 1, since nothing on the command line was wrong. Its
+`StorageFaultError` (a full disk, a quota, a read-only or removed job directory) exits with 75,
+EX_TEMPFAIL, so that a launcher can tell "free space and retry" from a failed job.
 
 Everything else is a bug in paxlite or a library, and keeps its traceback (exit status 1). So a type
 raised for a user-facing condition must derive from one of these two; the built-in type it also
@@ -32,6 +34,15 @@ class RunStoppedError(Exception):
     """A correctly configured job that cannot go on; reported in one line, exit status 1."""
 
 
+# sysexits.h's EX_TEMPFAIL: a temporary failure, the same command succeeds once storage is fixed.
+STORAGE_FAULT_EXIT_STATUS = 75
+
+
+class StorageFaultError(RunStoppedError, OSError):
+    """Storage refused a write (no space, quota, file size, read-only, permissions, a removed
+    directory); the message names the path, the OS's words and what to do. Exit status 75."""
+
+
 class NotFoundError(UserError, FileNotFoundError):
     """A file or directory the user named, or that a job directory should hold, is not there."""
 
@@ -49,7 +60,8 @@ def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException],
     """The status a command exits with after `error`, its one line `PROGRAM: error: MESSAGE`
     printed on stderr: 2 for a user's mistake (a UserError, or one of `user_errors`: what a
     library raises for a bad value the user gave, e.g. argparse's ValueError), 1 for a run that
-    stopped (a RunStoppedError). Anything else is a bug and is raised again, traceback and all.
+    stopped (a RunStoppedError), 75 for one whose storage refused a write (a StorageFaultError).
+    Anything else is a bug and is raised again, traceback and all.
 
     The only place that prints such a line (tests/test_errors.py checks), so that every entry
     point words and numbers its failures alike. A stopped run is also logged where logging is set
@@ -61,7 +73,7 @@ def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException],
         log = logging.getLogger(__name__)
         if log.hasHandlers():
             log.error("%s", error)
-        status = 1
+        status = STORAGE_FAULT_EXIT_STATUS if isinstance(error, StorageFaultError) else 1
     else:
         raise error
     print(f"{program}: error: {error}", file=sys.stderr)

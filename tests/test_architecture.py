@@ -18,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINT_IMPORTS = os.path.join(os.path.dirname(sys.executable), "lint-imports")
 HEAVY_EXTRAS = ("tensorflow", "seqio", "tensorflow_datasets", "torch", "transformers",
-                "transformer_engine")
+                "transformer_engine", "wandb")
 
 
 def _lint_imports(tree: str) -> subprocess.CompletedProcess:

@@ -21,6 +21,9 @@ Robustness rules, because a checkpoint directory holds days of compute:
   is moved and the error lists every checkpoint: silently starting from scratch would discard a run.
 - The data record of a step is restored together with its state, so both come from one step.
 - A save never overwrites: an existing step directory is an error.
+- A save that storage refuses (storage_faults.py) raises CheckpointSaveError naming its step, also
+  when found at the next save or wait; its `<name>.orbax-checkpoint-tmp` is removed (one process)
+  and Orbax's echoes of the fault are kept out of the log.
 - Every process acts on one answer about the directory, process 0's: which steps exist, whether a
   candidate is finished and holds a data record, whether a step about to be saved exists
   (`multihost.decided_by_process_0`). Each host listing for itself could see different steps (NFS
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -58,6 +62,14 @@ from paxlite.checkpointing.checkpoint_match import (
     earlier_optimizer_layout,
     mismatches,
     without_absent_empty_fields,
+)
+from paxlite.checkpointing.storage_faults import (
+    CheckpointSaveError,
+    QuietStorageFaults,
+    StorageFault,
+    refused_save,
+    storage_fault,
+    vanished,
 )
 from paxlite.errors import RunStoppedError, UserError
 from paxlite.parallel import multihost
@@ -158,6 +170,12 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self._directory, options=options, item_names=(_ITEM, _DATA_ITEM)
         )
+        # For the manager's lifetime: its background threads report a fault until close.
+        self._quiet = QuietStorageFaults().__enter__()
+        # The step of the save started last and not yet known to be committed; the unfinished
+        # directories of refused saves, removed again at close (Orbax may still write in them).
+        self._in_flight: int | None = None
+        self._refused: list[epath.Path] = []
 
     @property
     def directory(self) -> epath.Path:
@@ -181,10 +199,14 @@ class Checkpointer:
         (already gathered from every process), saved beside the state and restored by
         `restore_data`. Raises CheckpointExistsError if the step is already saved (or being saved),
         as process 0 sees it; CheckpointViewsDifferError (on every process) if another process still
-        lists it.
+        lists it; CheckpointSaveError if storage refused this save or the previous one (which is
+        waited for first: Orbax never runs two saves at once).
         """
         if not self._enable_saving or not (force or self.should_save(step)):
             return False
+        self.wait_until_finished()
+        if not self._directory.is_dir():  # Orbax would make it again, and the job's files with it
+            raise self._save_failed(step, vanished(self._directory))
         path = self.step_path(step)
         if self._decided(functools.partial(self._prepare_save, step),
                          what=f"check that {path} is not saved yet"):
@@ -202,7 +224,30 @@ class Checkpointer:
         items = {_ITEM: ocp.args.StandardSave(state, save_args=layer_chunked_save_args(state))}
         if data_state is not None:
             items[_DATA_ITEM] = ocp.args.JsonSave(data_state)
-        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+        try:
+            started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+        except Exception as error:  # TensorStore raises a bare ValueError; re-raised if not storage
+            fault = storage_fault(error)
+            if fault is None:
+                raise
+            raise self._save_failed(step, fault) from error
+        self._in_flight = step if started else None
+        return started
+
+    def _save_failed(self, step: int, fault: StorageFault) -> CheckpointSaveError:
+        """The error for `step`'s refused save, once its unfinished directory is removed."""
+        self._quiet.note(fault)
+        leftover = self.step_path(step).parent / (self.step_path(step).name + _TMP_SUFFIX)
+        if jax.process_count() == 1:  # with several, other processes may still be writing in it
+            shutil.rmtree(leftover, ignore_errors=True)
+            self._refused.append(leftover)
+        try:
+            self._manager.reload()
+            complete = max(self._manager.all_steps(), default=None)
+        except OSError:
+            complete = None
+        return refused_save(step=step, directory=str(self._directory), fault=fault,
+                            complete=complete)
 
     def _prepare_save(self, step: int) -> bool:
         """On process 0 only: whether `step` is saved (or being saved); if not, a killed save's
@@ -393,12 +438,25 @@ class Checkpointer:
                              what=f"list the checkpoints in {self._directory}")
 
     def wait_until_finished(self) -> None:
-        """Blocks until an asynchronous save has been committed; raises its error if it failed."""
-        self._manager.wait_until_finished()
+        """Blocks until an asynchronous save has been committed; raises its error if it failed
+        (CheckpointSaveError naming its step if storage refused it)."""
+        step, self._in_flight = self._in_flight, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:  # TensorStore raises a bare ValueError; re-raised if not storage
+            fault = storage_fault(error)
+            if fault is None or step is None:
+                raise
+            raise self._save_failed(step, fault) from error
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait_until_finished()
+        finally:
+            self._manager.close()
+            self._quiet.__exit__()
+            for leftover in self._refused:
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self

@@ -21,6 +21,7 @@ from importlib import metadata
 from absl import logging
 
 import paxlite
+from paxlite.checkpointing.storage_faults import refused_writes
 from paxlite.errors import NotFoundError, SettingError
 
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
@@ -86,7 +87,7 @@ def _write_keeping_history(path: str, text: str, *, same_run: bool) -> None:
         logging.warning("Hyperparameters differ from the previous run in this directory; kept %s "
                         "as %s",
                         path, f"{stem}.previous-{n}{ext}")
-    with open(path, "w") as f:
+    with refused_writes(path), open(path, "w") as f:  # a full disk: one line
         f.write(text)
 
 

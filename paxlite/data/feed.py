@@ -18,11 +18,13 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Sharding
 
+from paxlite.data import chat_pipeline
 from paxlite.data.context_order import balance_batch_for_seq
 from paxlite.data.errors import DatasetError
 from paxlite.data.feeding import FeedPlan
+from paxlite.data.feeding import global_batch as _to_global
 from paxlite.data.prefetch import DEFAULT_DEPTH, Prefetcher
 from paxlite.data.synthetic import SyntheticData, SyntheticDataConfig
 from paxlite.parallel.multihost import allgather_json
@@ -83,19 +85,6 @@ class SyntheticFeed(_StatelessFeed):
     def eval_batches(self, num_batches: int, sharding: Sharding) -> Iterator[Batch]:
         for index in range(num_batches):
             yield self._data.eval_batch(index, sharding)
-
-
-def _to_global(local: dict[str, np.ndarray], sharding: NamedSharding, plan: FeedPlan) -> Batch:
-    """This process's rows (`plan.rows`) into global arrays; per-example arrays ([B]) use the batch
-    axes only."""
-    return {
-        key: jax.make_array_from_process_local_data(
-            NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[: value.ndim])),
-            value,
-            (plan.global_batch_size, *value.shape[1:]),
-        )
-        for key, value in local.items()
-    }
 
 
 def _require_one_source(config, *, dataset: str) -> None:
@@ -476,6 +465,8 @@ def prefetch_eval_batches(feed: Feed, *, num_batches: int, sharding: Sharding,
 
 def make_feed(config, *, plan: FeedPlan) -> Feed:
     """The feed for a data or eval-task config; `plan` says which rows this process supplies."""
+    if isinstance(config, chat_pipeline.ChatTrainConfig | chat_pipeline.ChatEvalConfig):
+        return chat_pipeline.make_chat_feed(config, plan=plan)
     if isinstance(config, LambadaEvalConfig):
         return LambadaFeed(config, plan=plan)
     if isinstance(config, BoolQEvalConfig):

@@ -19,7 +19,8 @@ import itertools
 from collections.abc import Callable
 
 import jax
-from jax.sharding import Sharding
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from paxlite.errors import SettingError
 
@@ -49,6 +50,20 @@ class FeedPlan:
     @property
     def rows(self) -> slice:
         return slice(self.row_start, self.row_stop)
+
+
+def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding,
+                 plan: FeedPlan) -> dict[str, jax.Array]:
+    """This process's rows (`plan.rows`) into global arrays; per-example arrays ([B]) use the batch
+    axes only."""
+    return {
+        key: jax.make_array_from_process_local_data(
+            NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[: value.ndim])),
+            value,
+            (plan.global_batch_size, *value.shape[1:]),
+        )
+        for key, value in local.items()
+    }
 
 
 def local_batch_size(*, global_batch_size: int, process_index: int, process_count: int) -> int:

@@ -4,10 +4,11 @@ Each hyperparameter is declared next to the code that maps and checks it, by top
 (model_settings.py), the mesh, pipeline and sequence parallelism (parallelism_settings.py), the
 optimizer and schedule (optimizer_settings.py), the loop, checkpoints, profiler and watchdog
 (loop_settings.py), the data (data_settings.py), lm-evaluation-harness tasks (lm_eval_settings.py),
-attention (attention_settings.py) and mixture-of-experts (moe_settings.py). Families (gpt.py,
-tiny.py, ...) only set hyperparameters and say how they build their model. What is left here: the
-order the checks run in, the checks that read several topics (paths, unread settings) and the run
-tree, so `config.txt` shows the whole run and `fdl.build` turns it into plain dataclasses.
+attention (attention_settings.py), mixture-of-experts (moe_settings.py), Weights & Biases
+(wandb_settings.py) and chat fine-tuning (chat_settings.py). Families (gpt.py, tiny.py, ...) only
+set hyperparameters and say how they build their model. What is left here: the order the checks
+run in, the checks that read several topics (paths, unread settings) and the run tree, so
+`config.txt` shows the whole run and `fdl.build` turns it into plain dataclasses.
 
 Why some topics are several classes: `show`, the golden files and job records list the
 hyperparameters in the reverse order of the base classes (`Experiment.hparam_specs`), and that
@@ -24,6 +25,7 @@ import fiddle as fdl
 from paxlite.config.errors import ConfigError
 from paxlite.config.experiment import Experiment
 from paxlite.experiments.attention_settings import AttentionSettings, check_attention_settings
+from paxlite.experiments.chat_settings import ChatSettings
 from paxlite.experiments.data_settings import DataSettings, DataSource, TfdsSettings
 from paxlite.experiments.lm_eval_settings import LmEvalSettings
 from paxlite.experiments.loop_settings import (
@@ -43,6 +45,7 @@ from paxlite.experiments.model_settings import (
 from paxlite.experiments.moe_settings import ExpertParallelSettings
 from paxlite.experiments.optimizer_settings import OptimizerSettings
 from paxlite.experiments.parallelism_settings import ParallelismSettings
+from paxlite.experiments.wandb_settings import WandbSettings
 from paxlite.paths import UnsupportedPathError, require_local_path
 from paxlite.train.run_config import RunConfig
 
@@ -56,9 +59,10 @@ class TransformerLmSettings(DataSettings, RunSettings, ModelLayerSettings, LoopS
     settings paxlite adds (LanguageModelExperiment); not registered, not runnable."""
 
 
-class LanguageModelExperiment(Fp8Settings, ExpertParallelSettings, LoraSettings,
-                              CheckpointRestoreSettings, AttentionSettings, GlobalBatchSettings,
-                              TfdsSettings, LmEvalSettings, TransformerLmSettings):
+class LanguageModelExperiment(ChatSettings, WandbSettings, Fp8Settings, ExpertParallelSettings,
+                              LoraSettings, CheckpointRestoreSettings, AttentionSettings,
+                              GlobalBatchSettings, TfdsSettings, LmEvalSettings,
+                              TransformerLmSettings):
     """Base of every registered experiment: maps hyperparameters to a `RunConfig` Fiddle tree."""
 
     def validate(self) -> None:
@@ -85,7 +89,7 @@ class LanguageModelExperiment(Fp8Settings, ExpertParallelSettings, LoraSettings,
     # for two of them): all must be local or mounted paths (paxlite/paths.py says why).
     path_settings: ClassVar[tuple[str, ...]] = (
         "DATA_DIR", "VOCAB_PATH", "TFDS_DATA_DIR", "LAMBADA_PATH", "BOOLQ_PATH", "BOOLQ_TRAIN_PATH",
-        "CHECKPOINT_RESTORE_PATH",
+        "CHECKPOINT_RESTORE_PATH", "CHAT_DATA", "CHAT_EVAL_DATA", "CHAT_TEMPLATE",
     )
 
     def _path_problems(self) -> list[str]:
@@ -123,4 +127,5 @@ class LanguageModelExperiment(Fp8Settings, ExpertParallelSettings, LoraSettings,
             eval_task=self.eval_task_config(),
             loop=self.loop_config(),
             lm_eval=self.lm_eval_config(),
+            wandb=self.wandb_config(),
         )

@@ -12,7 +12,7 @@ import fiddle as fdl
 
 from paxlite.config.experiment import Derived
 from paxlite.models.lora import PAX_LORA_RULE
-from paxlite.train.run_config import LoopConfig
+from paxlite.train.run_config import LoopConfig, SaveFailure
 
 
 class BatchSettings:
@@ -47,6 +47,11 @@ class LoopSettings:
     MAX_STEPS: int = 100000
     CHECKPOINT_EVERY_N_STEPS: int = 5000
     CHECKPOINT_MAX_TO_KEEP: int = 10
+    # A save that storage refuses (no space, quota, read-only, ...; docs/troubleshooting.md):
+    # 'stop' exits with status 75 and one line, the previous checkpoint intact; 'continue' logs
+    # the line, counts it (checkpoint/failed_saves in metrics.jsonl) and saves again at the next
+    # interval. The last step's save must succeed either way.
+    CHECKPOINT_SAVE_FAILURE: str = "stop"
     SUMMARY_INTERVAL_STEPS: int = 100
     EVAL_INTERVAL_STEPS: int = 100
     EVAL_LOOP_NUM_BATCHES: int = 10  # -1: the whole eval set, as Pax
@@ -74,6 +79,10 @@ class LoopSettings:
                             f"{self.CHECKPOINT_MAX_TO_KEEP}")
         if self.MAX_STEPS < 0:
             problems.append(f"MAX_STEPS must be >= 0, got {self.MAX_STEPS}")
+        choices = [policy.value for policy in SaveFailure]
+        if self.CHECKPOINT_SAVE_FAILURE not in choices:
+            problems.append(f"CHECKPOINT_SAVE_FAILURE must be one of {choices}, got "
+                            f"{self.CHECKPOINT_SAVE_FAILURE!r}")
         for name in ("CHECKPOINT_EVERY_N_STEPS", "SUMMARY_INTERVAL_STEPS", "EVAL_INTERVAL_STEPS"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -136,6 +145,7 @@ class LoopSettings:
             compilation_cache=self.COMPILATION_CACHE,
             compilation_cache_dir=self.COMPILATION_CACHE_DIR,
             seq_load_balance=self.CONTEXT_PARALLEL_LOAD_BALANCE,
+            checkpoint_save_failure=SaveFailure(self.CHECKPOINT_SAVE_FAILURE),
         )
 
 

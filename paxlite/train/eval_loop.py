@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from paxlite.data.chat_pipeline import chat_eval_metrics
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import Feed, eval_sources, prefetch_eval_batches
 from paxlite.eval.boolq import boolq_acc
@@ -51,7 +52,8 @@ class Evaluator:
         sources = eval_sources(data)
         if not sources:
             sums, per_example = self._sums(state, data, watchdog=watchdog)
-            return _metrics(sums, per_example, prefix=data.metric_prefix)
+            metrics = _metrics(sums, per_example, prefix=data.metric_prefix)
+            return {**metrics, **chat_eval_metrics(data, metrics)}  # EVAL_TASK=chat: chat/...
         metrics: dict[str, float] = {}
         pooled: dict[str, float] = {}
         for name, feed in sources.items():

@@ -14,12 +14,15 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from typing import Self
 
 import jax
 import numpy as np
 from absl import logging
 
+from paxlite.checkpointing.checkpoint import CheckpointSaveError
+from paxlite.data.chat_pipeline import chat_train_summaries
 from paxlite.data.feed import mixture_summaries, prefetch_train_batches
 from paxlite.errors import NotFoundError, RunStoppedError
 from paxlite.models.transformer import Transformer
@@ -28,7 +31,7 @@ from paxlite.train.eval_loop import Evaluator
 from paxlite.train.preemption import Preemption
 from paxlite.train.profiling import StepProfiler
 from paxlite.train.run_build import RunContext
-from paxlite.train.run_config import RunConfig
+from paxlite.train.run_config import RunConfig, SaveFailure
 from paxlite.train.schedules import make_schedule
 from paxlite.train.step import CompiledSteps, TrainState, join_params
 from paxlite.train.watchdog import Watchdog
@@ -68,19 +71,23 @@ class Run:
         self.schedule = make_schedule(config.schedule)
         self.model = Transformer(config.model)
         self.checkpointer = run_build.open_checkpointer(config, context=context)
-        try:
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(self.checkpointer.close)
+            # metrics.jsonl, and the W&B run WANDB_PROJECT asks for, before anything compiles
+            self.writer = on_error.enter_context(run_build.metrics_writer(config, context=context))
             run_build.check_data_position(self.checkpointer, data=self.data)
             self.steps: CompiledSteps = run_build.compile_run_steps(
                 config, mesh=self.mesh, model=self.model, schedule=self.schedule)
-        except BaseException:
-            self.checkpointer.close()
-            raise
+            on_error.pop_all()
         self._timer = run_build.make_step_timer(config, layout=layout)
-        self.writer = run_build.metrics_writer(config, context=context)
         # The step a SIGTERM/SIGINT stopped training at (None: not stopped), and whether its
         # checkpoint was written and committed (not with --enable_checkpoint_saving=false).
         self.preempted_at: int | None = None
         self.preempted_saved = False
+        # checkpoint/save_s (the loop's seconds in saves since the last train line; None: no save)
+        # and checkpoint/failed_saves (refused saves so far, CHECKPOINT_SAVE_FAILURE='continue').
+        self._save_seconds: float | None = None
+        self._failed_saves = 0
         # Knows whether the eval step has compiled: the first batch compiles (not timed by the
         # watchdog).
         self._evaluator = Evaluator(self.steps, self.mesh, num_batches=config.loop.eval_num_batches,
@@ -268,9 +275,11 @@ class Run:
                     continue
                 host = self._read_checked(kept)
                 if step % loop.summary_interval_steps == 0 or step == loop.max_steps:
-                    # a mixture's data/mixture/<source>: its token share of the consumed batches
+                    # a mixture's data/mixture/<source>: its token share of the consumed batches;
+                    # TRAIN_TASK=chat's data/chat/ counts
                     self._write_train(step, host, timing=timer.summary(),
-                                      extra=mixture_summaries(self.data, position))
+                                      extra={**mixture_summaries(self.data, position),
+                                             **chat_train_summaries(self.data)})
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
                     self.writer.write_eval(step, self.evaluate(state, watchdog=watchdog))
@@ -282,8 +291,8 @@ class Run:
                 if self.checkpointer.should_save(step) or last:
                     self._check_state_finite(step, state)
                     with watchdog.committing():  # it may wait for the previous save's commit
-                        saved = self.checkpointer.save(step, state, force=last,
-                                                       data_state=self.data.state(position))
+                        saved = self._save(step, state, force=last,
+                                           data_state=self.data.state(position))
                 watchdog.beat()
                 if stop:
                     self.preempted_at, self.preempted_saved = step, saved
@@ -294,6 +303,39 @@ class Run:
         with watchdog.committing():
             self.checkpointer.wait_until_finished()
         return state
+
+    def _save(self, step: int, state: TrainState, *, force: bool, data_state) -> bool:
+        """Starts `step`'s checkpoint save, its seconds counted into checkpoint/save_s. A save that
+        storage refused (this one, or the previous one it first waits for) stops the run, or with
+        CHECKPOINT_SAVE_FAILURE='continue' is logged in one line and counted, and training goes
+        on: the next interval saves again (the wait for the last save stops the run either way).
+        """
+        started = time.perf_counter()
+        try:
+            while True:
+                try:
+                    return self.checkpointer.save(step, state, force=force, data_state=data_state)
+                except CheckpointSaveError as error:
+                    if self.config.loop.checkpoint_save_failure is SaveFailure.STOP:
+                        raise
+                    self._failed_saves += 1
+                    logging.warning("%s; training goes on (CHECKPOINT_SAVE_FAILURE='continue') and "
+                                    "saves again at the next interval", error.failure)
+                    if error.step == step:
+                        return False
+                    # the previous save's fault: this step's save is still to be started
+        finally:
+            self._save_seconds = (self._save_seconds or 0.0) + time.perf_counter() - started
+
+    def _checkpoint_summaries(self) -> dict[str, float]:
+        """checkpoint/save_s since the previous train line (if a save was started since) and
+        checkpoint/failed_saves (once one failed)."""
+        summaries: dict[str, float] = {}
+        if self._save_seconds is not None:
+            summaries["checkpoint/save_s"], self._save_seconds = self._save_seconds, None
+        if self._failed_saves:
+            summaries["checkpoint/failed_saves"] = self._failed_saves
+        return summaries
 
     def _boundary(self, step: int) -> bool:
         loop = self.config.loop
@@ -340,5 +382,6 @@ class Run:
                 # what the model summarised (MoE: moe/aux_loss, moe/dropped_fraction, ...)
                 **{k: v for k, v in host.items() if "/" in k},
                 **extra,
+                **self._checkpoint_summaries(),
             },
         )

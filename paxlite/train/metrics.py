@@ -3,7 +3,8 @@
 `metrics.jsonl` is the machine-readable record (docs/training.md lists its keys): one JSON object
 per call, appended so a resumed run keeps its history, flushed per line so a crash loses nothing
 already logged, and strictly valid JSON (NaN/inf become null, because `json` would otherwise write
-the non-standard `NaN` token that most readers reject).
+the non-standard `NaN` token that most readers reject). Sinks (Weights & Biases:
+train/wandb_sink.py) get each record as it is appended there, so they log what it holds.
 
 TensorBoard files go to `summaries/train` and `summaries/eval` with the same tag names (eval keys
 without the `eval/` prefix), so TensorBoard overlays train and eval curves as Pax's did. They are
@@ -20,10 +21,12 @@ import os
 import pathlib
 import sys
 import time
-from collections.abc import Iterator, Mapping
-from typing import Self, TextIO
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol, Self, TextIO
 
 from absl import logging
+
+from paxlite.checkpointing.storage_faults import check_not_removed, refused_writes
 
 
 @contextlib.contextmanager
@@ -113,13 +116,24 @@ def format_train_line(
     return " | ".join(parts)
 
 
+class MetricSink(Protocol):
+    """Another destination of metrics.jsonl's records (a metrics service)."""
+
+    def write(self, step: int, record: Mapping[str, int | float | None]) -> None:
+        """One record as metrics.jsonl gets it, without its "step"."""
+
+    def close(self) -> None:
+        """Called once, when the writer closes."""
+
+
 class MetricsWriter:
-    """Writes metrics to `job_dir/metrics.jsonl`, TensorBoard and the absl log.
+    """Writes metrics to `job_dir/metrics.jsonl`, TensorBoard, the absl log and `sinks`.
 
     Args:
         job_dir: The run's job directory.
         enabled: False on non-zero processes: nothing is written or logged.
         max_steps: Total steps, used for the ETA in the log line; None omits it.
+        sinks: Given each metrics.jsonl record as it is appended; closed with the writer.
     """
 
     def __init__(
@@ -128,10 +142,12 @@ class MetricsWriter:
         *,
         enabled: bool = True,
         max_steps: int | None = None,
+        sinks: Sequence[MetricSink] = (),
     ) -> None:
         self._job_dir = pathlib.Path(job_dir)
         self._enabled = enabled
         self._max_steps = max_steps
+        self._sinks = list(sinks)
         self._jsonl: TextIO | None = None
         # Created on first use, so a run without evaluation has no empty eval event file.
         self._tensorboard: dict[str, EventsWriter] = {}
@@ -187,12 +203,19 @@ class MetricsWriter:
 
     def close(self) -> None:
         """Flushes and closes every file; safe to call twice."""
+        # Each write is flushed, so closing can fail only for data a write already failed to
+        # write (a full disk), an error already raised: it must not replace that one.
         if self._jsonl is not None:
-            self._jsonl.close()
+            with contextlib.suppress(OSError):
+                self._jsonl.close()
             self._jsonl = None
         for writer in self._tensorboard.values():
-            writer.close()
+            with contextlib.suppress(OSError):
+                writer.close()
         self._tensorboard.clear()
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __enter__(self) -> Self:
         return self
@@ -208,11 +231,20 @@ class MetricsWriter:
     def _append_json(self, step: int, metrics: dict[str, float | None]) -> None:
         if self._jsonl is None:
             raise ValueError(f"MetricsWriter for {self._job_dir} is closed.")
-        record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-        self._jsonl.flush()
+        values = {k: _json_value(v) for k, v in metrics.items()}
+        path = self._job_dir / "metrics.jsonl"
+        with refused_writes(path):  # a full disk, a removed job directory: one line
+            self._jsonl.write(json.dumps({"step": int(step), **values}, allow_nan=False) + "\n")
+            self._jsonl.flush()
+            check_not_removed(path, self._jsonl)
+        for sink in self._sinks:
+            sink.write(int(step), values)
 
     def _write_scalars(self, split: str, step: int, metrics: Mapping[str, float | None]) -> None:
+        with refused_writes(self._job_dir / "summaries" / split):
+            self._write_events(split, step, metrics)
+
+    def _write_events(self, split: str, step: int, metrics: Mapping[str, float | None]) -> None:
         writer = self._tensorboard.get(split)
         if writer is None:
             directory = self._job_dir / "summaries" / split

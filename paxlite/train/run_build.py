@@ -1,5 +1,5 @@
-"""A run's parts, built in phases: the mesh and its batch, the data, the checkpointer, the compiled
-steps, the step timer and metrics writer, the parameters a restore path gives.
+"""A run's parts, built in phases: the mesh and its batch, the data, the checkpointer, the metrics
+writer (and a W&B run), the compiled steps, the step timer, the parameters a restore path gives.
 
 `Run` (train/loop.py) builds them in this order, which is the order mistakes are reported in: a
 batch that does not split over the mesh, a missing dataset, vocabulary or evaluation split, a saved
@@ -111,9 +111,10 @@ def open_feeds(config: RunConfig, *, layout: BatchLayout,
             raise DatasetError(
                 f"--mode=eval: {config.experiment}'s training data has no validation split to "
                 "evaluate on; prepare it with --validation_fraction > 0, or pick a task with "
-                "--fdl.EVAL_TASK=lambada|boolq")
+                "--fdl.EVAL_TASK=lambada|boolq|chat")
         logging.warning("The training data has no validation split (prepare "
-                        "--validation_fraction 0?): training without evaluation")
+                        "--validation_fraction 0? TRAIN_TASK=chat without EVAL_TASK=chat?): "
+                        "training without evaluation")
         eval_data = None
     return data, eval_data
 
@@ -189,9 +190,16 @@ def make_step_timer(config: RunConfig, *, layout: BatchLayout) -> StepTimer:
 
 
 def metrics_writer(config: RunConfig, *, context: RunContext) -> MetricsWriter:
-    """metrics.jsonl and the summaries, written by the first process only."""
-    return MetricsWriter(context.job_dir, enabled=jax.process_index() == 0,
-                         max_steps=config.loop.max_steps)
+    """metrics.jsonl and the summaries, written by the first process only, which also starts the
+    W&B run (WANDB_PROJECT): before anything compiles, so a missing package is said first."""
+    first = jax.process_index() == 0
+    sinks = []
+    if first and config.wandb is not None:
+        from paxlite.train.wandb_sink import WandbSink
+
+        sinks.append(WandbSink(config.wandb, job_dir=context.job_dir))
+    return MetricsWriter(context.job_dir, enabled=first, max_steps=config.loop.max_steps,
+                         sinks=sinks)
 
 
 def pretrained_plan(config: RunConfig, *, abstract_params) -> PretrainedPlan:

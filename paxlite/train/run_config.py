@@ -9,6 +9,9 @@ and the loop a LoopConfig.
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
 
 from paxlite.data.feed import BoolQEvalConfig, BoolQTrainConfig, LambadaEvalConfig
 from paxlite.data.pipeline import TextDataConfig
@@ -17,6 +20,13 @@ from paxlite.models.transformer import TransformerConfig
 from paxlite.parallel.mesh import MeshConfig
 from paxlite.train.optimizer import OptimizerConfig
 from paxlite.train.schedules import ScheduleConfig
+
+
+class SaveFailure(str, enum.Enum):
+    """What a checkpoint save that storage refused does (CHECKPOINT_SAVE_FAILURE; train/loop.py)."""
+
+    STOP = "stop"  # exit with status 75 and one line; the previous checkpoint is intact
+    CONTINUE = "continue"  # log the line, count it, and save again at the next interval
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +67,8 @@ class LoopConfig:
     # CONTEXT_PARALLEL_LOAD_BALANCE: with a `seq` mesh axis > 1, training batches are put in the
     # dual_chunk_swap token order (data/context_order.py) so every shard has equal causal work.
     seq_load_balance: bool = True
+    # CHECKPOINT_SAVE_FAILURE: what a save that storage refused (a full disk, ...) does.
+    checkpoint_save_failure: SaveFailure = SaveFailure.STOP
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +85,18 @@ class LmEvalConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """Weights & Biases logging from process 0 (WANDB_*; train/wandb_sink.py)."""
+
+    project: str
+    entity: str | None = None  # None: the API key's default entity
+    run_name: str | None = None  # None: the job directory's name
+    tags: tuple[str, ...] = ()
+    # The W&B run's config: the resolved hyperparameters, as config.json's "hparams" records them
+    hparams: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     experiment: str
     model: TransformerConfig
@@ -85,3 +109,4 @@ class RunConfig:
     eval_task: LambadaEvalConfig | BoolQEvalConfig | None = None
     loop: LoopConfig
     lm_eval: LmEvalConfig | None = None  # LM_EVAL_TASKS; None: no lm-evaluation-harness scoring
+    wandb: WandbConfig | None = None  # WANDB_PROJECT; None: no Weights & Biases

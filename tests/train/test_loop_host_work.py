@@ -40,6 +40,8 @@ def test_metrics_jsonl_equals_the_line_by_line_reading_loops_golden(tmp_path):
     with open(GOLDEN) as f:
         golden = [json.loads(line) for line in f]
     got = _lines(tmp_path)
+    # checkpoint/save_s (newer than the golden): on the first train line after each save
+    assert [line["step"] for line in got if line.pop("checkpoint/save_s", 0) > 0] == [6]
     assert [(line["step"], list(line)) for line in got] == [
         (line["step"], list(line)) for line in golden
     ]

@@ -1,0 +1,211 @@
+"""Storage that refuses a write: which failures are the disk's, and keeping Orbax quiet about them.
+
+A full disk, a quota, a file-size limit, a read-only or unmounted filesystem, lost permissions or
+a job directory removed under a running job are not bugs: the user frees space or fixes the mount
+and runs the same command again. So they are recognised here, from Python's OSError or from the
+`[os_error_code='N']` TensorStore puts in its messages, and reported in one line naming the path,
+the OS's words and, where TensorStore says it, the bytes it was writing.
+
+Orbax reports such a failure several times before it reaches the thread that waits for the save:
+each of its worker threads logs it with a traceback, the write callbacks still in flight raise
+"Event loop is closed" into the event loop Orbax already closed, and the abandoned write coroutines
+raise again when the interpreter destroys them at exit (often "sys.meta_path is None").
+`QuietStorageFaults` drops exactly those echoes of a storage fault (and asyncio's "Task exception
+was never retrieved" for Orbax's failed write task) from when a checkpointer opens to the end of
+the process once a fault was seen (echoes come until then); any other error of Orbax's, and
+anything after an unknown error, is shown as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import gc
+import logging
+import os
+import re
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from typing import Any, Self
+
+from paxlite.errors import StorageFaultError
+
+# What the user can do about each errno that storage answers with.
+_REMEDIES = types.MappingProxyType({
+    errno.ENOSPC: "free space on that filesystem",
+    errno.EDQUOT: "free space or raise the disk quota",
+    errno.EFBIG: "raise the file-size limit (ulimit -f) or free space",
+    errno.EROFS: "remount the filesystem read-write",
+    errno.EACCES: "make the directory writable for this user again",
+    errno.EPERM: "make the directory writable for this user again",
+    errno.ENOENT: "restore the directory (or remount its filesystem)",
+})
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_WRITING_BYTES = re.compile(r"Failed to write (\d+) bytes")
+_ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"
+_CLOSED_LOOP = "Event loop is closed"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StorageFault:
+    """What storage refused: the errno, the file it named (if any), the bytes being written."""
+
+    code: int
+    path: str | None = None
+    bytes_writing: int | None = None
+
+    @property
+    def words(self) -> str:
+        """The OS's words with the errno's name, e.g. 'No space left on device (ENOSPC)'."""
+        return f"{os.strerror(self.code)} ({errno.errorcode.get(self.code, self.code)})"
+
+    @property
+    def remedy(self) -> str:
+        return _REMEDIES[self.code]
+
+    def describe(self) -> str:
+        """'File too large (EFBIG) while writing 779771 bytes'."""
+        if self.bytes_writing is None:
+            return self.words
+        return f"{self.words} while writing {self.bytes_writing} bytes"
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain and len(chain) < 20:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def storage_fault(error: BaseException) -> StorageFault | None:
+    """The storage fault behind `error` (anywhere in its chain of causes), or None."""
+    for link in _chain(error):
+        if isinstance(link, OSError) and link.errno in _REMEDIES:
+            path = link.filename if isinstance(link.filename, str) else None
+            return StorageFault(code=link.errno, path=path)
+        text = str(link)
+        code = _OS_ERROR_CODE.search(text)
+        if code is not None and int(code.group(1)) in _REMEDIES:
+            writing = _WRITING_BYTES.search(text)
+            return StorageFault(code=int(code.group(1)),
+                                bytes_writing=int(writing.group(1)) if writing else None)
+    return None
+
+
+def vanished(path: str | os.PathLike) -> StorageFault:
+    """A file or directory removed while the job was writing to it."""
+    return StorageFault(code=errno.ENOENT, path=os.fspath(path))
+
+
+def check_not_removed(path: str | os.PathLike, file: Any) -> None:
+    """FileNotFoundError if the open `file` (at `path`) was removed, e.g. with its job directory:
+    writes to it would still succeed, into a file nobody can read."""
+    if os.fstat(file.fileno()).st_nlink == 0:
+        raise FileNotFoundError(errno.ENOENT, f"{os.strerror(errno.ENOENT)} (removed)",
+                                os.fspath(path))
+
+
+@contextlib.contextmanager
+def refused_writes(path: str | os.PathLike) -> Iterator[None]:
+    """A storage fault inside (an OSError of the kinds above) becomes one StorageFaultError line
+    naming `path`; any other error propagates as it is."""
+    try:
+        yield
+    except StorageFaultError:
+        raise
+    except OSError as error:
+        fault = storage_fault(error)
+        if fault is None:
+            raise
+        raise StorageFaultError(
+            f"could not write {os.fspath(path)}: {fault.describe()}; {fault.remedy} and run the "
+            "same command again (it resumes from the last complete checkpoint)") from error
+
+
+class CheckpointSaveError(StorageFaultError):
+    """Storage refused a checkpoint save (checkpoint.py). `failure`: what failed and what is kept
+    (the message without the advice, for a run that goes on); `step`, `fault`: which save, why."""
+
+    def __init__(self, message: str, *, failure: str, step: int, fault: StorageFault) -> None:
+        super().__init__(message)
+        self.failure, self.step, self.fault = failure, step, fault
+
+
+def refused_save(*, step: int, directory: str, fault: StorageFault,
+                 complete: int | None) -> CheckpointSaveError:
+    """The error for a checkpoint save of `step` under `directory` that storage refused;
+    `complete`: the newest complete step."""
+    where = f" ({fault.path})" if fault.path and fault.path != directory else ""
+    kept = (f"the last complete checkpoint, step {complete}, is untouched" if complete is not None
+            else "there is no complete checkpoint to keep")
+    failure = (f"checkpoint step {step} was not saved in {directory}: {fault.describe()}{where}; "
+               f"{kept}")
+    resume = f"step {complete}" if complete is not None else "the beginning"
+    return CheckpointSaveError(
+        f"{failure}; {fault.remedy} and run the same command again to resume from {resume}",
+        failure=failure, step=step, fault=fault)
+
+
+class QuietStorageFaults(logging.Filter):
+    """While entered: Orbax's log records of a storage fault are dropped (the run reports it once,
+    itself), and once one was seen, the unraisable errors that are its echoes: "Event loop is
+    closed" from TensorStore callbacks of the failed save, and errors of Orbax's abandoned write
+    coroutines as they are destroyed. On exit, those coroutines are collected while the interpreter
+    still runs, so they cannot raise again at its shutdown."""
+
+    def __init__(self) -> None:
+        super().__init__(name="paxlite-storage-faults")
+        self._seen = threading.Event()
+        self._previous_hook: Any = None
+        # absl's: Orbax logs there; asyncio's: a failed task of Orbax's that nobody awaited
+        self._loggers = (logging.getLogger("absl"), logging.getLogger("asyncio"))
+
+    def note(self, fault: StorageFault | None) -> None:
+        """A storage fault the caller found itself: its echoes are dropped from now on."""
+        if fault is not None:
+            self._seen.set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not (
+                _ORBAX_SOURCE in record.pathname or _ORBAX_SOURCE in record.getMessage()):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        fault = storage_fault(error) if error is not None else None
+        if fault is None and _OS_ERROR_CODE.search(record.getMessage()):
+            fault = storage_fault(RuntimeError(record.getMessage()))
+        self.note(fault)
+        return fault is None
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if self._seen.is_set() and self._is_echo(unraisable):
+            return
+        self._previous_hook(unraisable)
+
+    @staticmethod
+    def _is_echo(unraisable: Any) -> bool:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == _CLOSED_LOOP:
+            return True
+        code = getattr(unraisable.object, "cr_code", None)
+        return code is not None and _ORBAX_SOURCE in code.co_filename
+
+    def __enter__(self) -> Self:
+        for logger in self._loggers:
+            logger.addFilter(self)
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._seen.is_set():  # its echoes may come until the process ends: stay installed
+            gc.collect()
+            return
+        if sys.unraisablehook == self._unraisable:
+            sys.unraisablehook = self._previous_hook
+        for logger in self._loggers:
+            logger.removeFilter(self)

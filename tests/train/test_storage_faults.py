@@ -1,0 +1,222 @@
+"""Storage faults during a run: a full disk while saving, a removed or unwritable job directory, a
+full disk under metrics.jsonl, slow saves. Each is one `paxlite: error:` line with exit status 75
+(or, with CHECKPOINT_SAVE_FAILURE='continue', one warning line per refused save), and the last
+complete checkpoint is untouched.
+
+A full disk is RLIMIT_FSIZE in a started process (Python ignores SIGXFSZ, so a write past the limit
+fails with EFBIG; the limit must not hit the test process). Every save writes files of about the
+same size, so a limit cannot let one save through and stop the next: the job is first trained to
+its first checkpoint without a limit (in this process), then the same command resumes it under the
+limit, and its next save is refused. A full device for one file is /dev/full (ENOSPC).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from paxlite.checkpointing.checkpoint import Checkpointer, CheckpointSaveError
+from paxlite.checkpointing.storage_faults import StorageFault, storage_fault
+from paxlite.errors import StorageFaultError, exit_status
+from paxlite.train.metrics import MetricsWriter
+from tests.in_process import train_in_this_process
+
+TRAIN = ["--fdl_config=TinySynthetic", "--fdl.NUM_LAYERS=1", "--fdl.CHECKPOINT_EVERY_N_STEPS=5",
+         "--fdl.EVAL_INTERVAL_STEPS=100000", "--fdl.SUMMARY_INTERVAL_STEPS=5"]
+# Below one save's largest file (~400 KB for this model), above the compilation cache's entries.
+FILE_SIZE_LIMIT = 200_000
+
+
+def _tree_digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _resume_under_file_size_limit(job: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`python -m paxlite.main` in a process that sets the limit first (a preexec_fn would fork
+    this multithreaded process)."""
+    argv = ["paxlite.main", f"--job_log_dir={job}", *TRAIN, *flags]
+    start = (f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, "
+             f"({FILE_SIZE_LIMIT}, resource.RLIM_INFINITY)); sys.argv = {argv!r}; "
+             "runpy.run_module('paxlite.main', run_name='__main__', alter_sys=True)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PAXLITE_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("paxlite: error:")]
+
+
+@pytest.fixture(scope="module")
+def saved_job(tmp_path_factory) -> Path:
+    """A job trained to its checkpoint at step 5, without a limit."""
+    job = tmp_path_factory.mktemp("storage") / "job"
+    train_in_this_process(job, [*TRAIN, "--fdl.MAX_STEPS=5"])
+    return job
+
+
+def _copy(job: Path, tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    return copy, _tree_digest(copy / "checkpoints" / "checkpoint_00000005")
+
+
+def _full_disk_line(job: Path, step: int) -> re.Pattern:
+    return re.compile(
+        rf"checkpoint step {step} was not saved in {re.escape(str(job / 'checkpoints'))}: File "
+        r"too large \(EFBIG\) while writing \d+ bytes; the last complete checkpoint, step 5, is "
+        "untouched")
+
+
+def test_full_disk_while_saving_stops_with_one_line_and_status_75(saved_job, tmp_path):
+    job, before = _copy(saved_job, tmp_path)
+    out = _resume_under_file_size_limit(job, "--fdl.MAX_STEPS=10")
+    assert out.returncode == 75, out.stderr[-3000:]
+    [line] = _error_lines(out.stderr)
+    expected = _full_disk_line(job, 10).pattern + re.escape(
+        "; raise the file-size limit (ulimit -f) or free space and run the same command again to "
+        "resume from step 5")
+    assert re.fullmatch(r"paxlite: error: " + expected, line), line
+    # Orbax's own reports of the fault (tracebacks from its threads, "Event loop is closed",
+    # abandoned coroutines at exit) are not shown
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr
+    assert len(out.stderr.splitlines()) < 20, out.stderr
+    # the last complete checkpoint is untouched, byte for byte; the unfinished step is gone
+    assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000005"]
+    assert _tree_digest(job / "checkpoints" / "checkpoint_00000005") == before
+
+
+def test_continue_logs_each_refused_save_counts_it_and_stops_at_the_last(saved_job, tmp_path):
+    job, before = _copy(saved_job, tmp_path)
+    out = _resume_under_file_size_limit(job, "--fdl.MAX_STEPS=20",
+                                        "--fdl.CHECKPOINT_SAVE_FAILURE='continue'")
+    assert out.returncode == 75, out.stderr[-3000:]
+    # an asynchronous save's fault is found when the next save waits for it
+    warnings = [line for line in out.stderr.splitlines() if "training goes on" in line]
+    assert len(warnings) == 2, out.stderr
+    for step, warning in zip((10, 15), warnings, strict=True):
+        assert _full_disk_line(job, step).search(warning), warning
+        assert warning.endswith("; training goes on (CHECKPOINT_SAVE_FAILURE='continue') and "
+                                "saves again at the next interval")
+    [line] = _error_lines(out.stderr)  # the last step's save must commit: it stops the run
+    assert _full_disk_line(job, 20).search(line), line
+    assert "Traceback" not in out.stderr
+    records = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in records if "loss" in r}
+    assert train[20]["checkpoint/failed_saves"] == 1  # step 10's, found at step 15's save
+    assert train[20]["checkpoint/save_s"] > 0
+    assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000005"]
+    assert _tree_digest(job / "checkpoints" / "checkpoint_00000005") == before
+    # space came back: the same command resumes from step 5 and commits its last step
+    train_in_this_process(job, [*TRAIN, "--fdl.MAX_STEPS=20",
+                                "--fdl.CHECKPOINT_SAVE_FAILURE='continue'"])
+    assert sorted(os.listdir(job / "checkpoints")) == [  # CHECKPOINT_MAX_TO_KEEP=3
+        "checkpoint_00000010", "checkpoint_00000015", "checkpoint_00000020"]
+
+
+def _state(scale: float) -> dict:
+    return {"w": jnp.arange(4096, dtype=jnp.float32) * scale}
+
+
+def test_a_removed_job_directory_stops_the_next_save(tmp_path, capsys):
+    """Orbax would make the directory again and save into it; the run stops instead."""
+    directory = tmp_path / "job" / "checkpoints"
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as checkpointer:
+        checkpointer.save(1, _state(1.0))
+        checkpointer.wait_until_finished()
+        shutil.rmtree(tmp_path / "job")
+        with pytest.raises(CheckpointSaveError) as raised:
+            checkpointer.save(2, _state(2.0))
+    assert not directory.exists()
+    assert str(raised.value) == (
+        f"checkpoint step 2 was not saved in {directory}: No such file or directory (ENOENT); "
+        "there is no complete checkpoint to keep; restore the directory (or remount its "
+        "filesystem) and run the same command again to resume from the beginning")
+    assert exit_status(raised.value) == 75
+    assert capsys.readouterr().err == f"paxlite: error: {raised.value}\n"
+
+
+def test_a_removed_job_directory_stops_the_next_metrics_line(tmp_path):
+    """Appending to metrics.jsonl after its directory is removed would succeed, into nothing."""
+    job = tmp_path / "job"
+    with MetricsWriter(job) as writer:
+        writer.write_eval(1, {"loss": 1.0})
+        shutil.rmtree(job)
+        with pytest.raises(StorageFaultError) as raised:
+            writer.write_eval(2, {"loss": 0.5})
+    assert str(raised.value) == (
+        f"could not write {job / 'metrics.jsonl'}: No such file or directory (ENOENT); restore "
+        "the directory (or remount its filesystem) and run the same command again (it resumes "
+        "from the last complete checkpoint)")
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_line(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    writer = MetricsWriter(job)
+    with pytest.raises(StorageFaultError) as raised:
+        writer.write_eval(1, {"loss": 1.0})
+    writer.close()  # the unwritten line is not raised again
+    assert str(raised.value).startswith(
+        f"could not write {job / 'metrics.jsonl'}: No space left on device (ENOSPC); free space "
+        "on that filesystem and run the same command again")
+    assert exit_status(raised.value) == 75
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_checkpoint_directory_stops_the_next_save(tmp_path):
+    directory = tmp_path / "checkpoints"
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as checkpointer:
+        checkpointer.save(1, _state(1.0))
+        checkpointer.wait_until_finished()
+        before = _tree_digest(directory)
+        directory.chmod(0o555)
+        try:
+            with pytest.raises(CheckpointSaveError) as raised:
+                checkpointer.save(2, _state(2.0))
+        finally:
+            directory.chmod(0o755)
+    assert "Permission denied (EACCES)" in str(raised.value)
+    assert "the last complete checkpoint, step 1, is untouched" in str(raised.value)
+    assert _tree_digest(directory) == before
+
+
+def test_tensorstore_and_python_errors_are_classified():
+    """The OS's errno, from Python's OSError or TensorStore's message; anything else is not
+    storage (a bug keeps its traceback)."""
+    tensorstore = ValueError(
+        'OUT_OF_RANGE: Error writing "params.w/0" in OCDBT database at local file "/j/": Failed '
+        "to write 779771 bytes to file 7: File too large [os_error_code='27']")
+    assert storage_fault(tensorstore) == StorageFault(code=27, bytes_writing=779771)
+    quota = RuntimeError("wrapped")
+    quota.__cause__ = OSError(122, "Disk quota exceeded", "/j/x")
+    assert storage_fault(quota) == StorageFault(code=122, path="/j/x")
+    assert storage_fault(ValueError("INVALID_ARGUMENT: bad shape")) is None
+    assert storage_fault(OSError(5, "Input/output error")) is None
+
+
+def test_slow_saves_never_stack_and_their_seconds_are_reported(tmp_path):
+    """A save at every step, each slower than a step: each save waits for the previous one's
+    commit (Checkpointer.save, as Orbax does), every step is committed in turn, and the seconds
+    the loop spent saving are on each train line."""
+    job = tmp_path / "job"
+    train_in_this_process(job, [*TRAIN, "--fdl.MAX_STEPS=6", "--fdl.CHECKPOINT_EVERY_N_STEPS=1",
+                                "--fdl.SUMMARY_INTERVAL_STEPS=2",
+                                "--fdl.CHECKPOINT_MAX_TO_KEEP=10"])
+    assert sorted(os.listdir(job / "checkpoints")) == [f"checkpoint_{s:08d}" for s in range(1, 7)]
+    records = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+    seconds = [r["checkpoint/save_s"] for r in records if "loss" in r and r["step"] > 2]
+    assert len(seconds) == 2 and all(s > 0 for s in seconds), records
+    assert not any("checkpoint/failed_saves" in r for r in records)
