@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 import types
 from collections.abc import Iterator
 from typing import Any, Self
@@ -153,45 +154,68 @@ def refused_save(*, step: int, directory: str, fault: StorageFault,
 
 class QuietStorageFaults(logging.Filter):
     """While entered: Orbax's log records of a storage fault are dropped (the run reports it once,
-    itself), and once one was seen, the unraisable errors that are its echoes: "Event loop is
-    closed" from TensorStore callbacks of the failed save, and errors of Orbax's abandoned write
-    coroutines as they are destroyed. On exit, those coroutines are collected while the interpreter
-    still runs, so they cannot raise again at its shutdown."""
+    itself), and so are its echoes: "Event loop is closed" from TensorStore callbacks of the failed
+    save (printed through sys.excepthook or the unraisable hook), errors of Orbax's abandoned write
+    coroutines and futures as they are destroyed. An echo can come before the fault is known (the
+    failing threads race the one that reports it), so one that comes first is held, dropped once a
+    storage fault is seen, and printed on exit otherwise: nothing else is hidden. On exit after a
+    fault, the coroutines are collected while the interpreter still runs, so they cannot raise
+    again at its shutdown."""
 
     def __init__(self) -> None:
         super().__init__(name="paxlite-storage-faults")
         self._seen = threading.Event()
+        self._lock = threading.Lock()
+        self._held: list[str] = []  # echoes that came before any fault, formatted
         self._previous_hook: Any = None
-        # absl's: Orbax logs there; asyncio's: a failed task of Orbax's that nobody awaited
+        self._previous_excepthook: Any = None
+        # absl's: Orbax logs there; asyncio's: a failed task or future of Orbax's nobody awaited
         self._loggers = (logging.getLogger("absl"), logging.getLogger("asyncio"))
 
     def note(self, fault: StorageFault | None) -> None:
         """A storage fault the caller found itself: its echoes are dropped from now on."""
         if fault is not None:
             self._seen.set()
+            with self._lock:
+                self._held.clear()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or not (
-                _ORBAX_SOURCE in record.pathname or _ORBAX_SOURCE in record.getMessage()):
+        if record.levelno < logging.WARNING:
             return True
         error = record.exc_info[1] if record.exc_info else None
+        from_asyncio = record.name == "asyncio"  # "... exception was never retrieved"
+        if not (from_asyncio or _ORBAX_SOURCE in record.pathname
+                or _ORBAX_SOURCE in record.getMessage()):
+            return True
         fault = storage_fault(error) if error is not None else None
         if fault is None and _OS_ERROR_CODE.search(record.getMessage()):
             fault = storage_fault(RuntimeError(record.getMessage()))
         self.note(fault)
         return fault is None
 
+    def _hold_or_drop(self, text: str) -> None:
+        with self._lock:
+            if not self._seen.is_set():
+                self._held.append(text)
+
     def _unraisable(self, unraisable: Any) -> None:
-        if self._seen.is_set() and self._is_echo(unraisable):
+        if not self._is_echo(unraisable.exc_value, getattr(unraisable.object, "cr_code", None)):
+            self._previous_hook(unraisable)
             return
-        self._previous_hook(unraisable)
+        # formatted now: the hook's arguments must not outlive it (they may resurrect objects)
+        self._hold_or_drop("".join(traceback.format_exception(
+            unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)))
+
+    def _excepthook(self, exc_type: Any, value: BaseException, tb: Any) -> None:
+        if not self._is_echo(value, None):
+            self._previous_excepthook(exc_type, value, tb)
+            return
+        self._hold_or_drop("".join(traceback.format_exception(exc_type, value, tb)))
 
     @staticmethod
-    def _is_echo(unraisable: Any) -> bool:
-        value = unraisable.exc_value
+    def _is_echo(value: BaseException | None, code: Any) -> bool:
         if isinstance(value, RuntimeError) and str(value) == _CLOSED_LOOP:
             return True
-        code = getattr(unraisable.object, "cr_code", None)
         return code is not None and _ORBAX_SOURCE in code.co_filename
 
     def __enter__(self) -> Self:
@@ -199,13 +223,21 @@ class QuietStorageFaults(logging.Filter):
             logger.addFilter(self)
         self._previous_hook = sys.unraisablehook
         sys.unraisablehook = self._unraisable
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._seen.is_set():  # its echoes may come until the process ends: stay installed
             gc.collect()
             return
+        with self._lock:
+            held, self._held = self._held, []
+        for text in held:  # no fault explained them: shown, as they would have been
+            sys.stderr.write(text)
         if sys.unraisablehook == self._unraisable:
             sys.unraisablehook = self._previous_hook
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_excepthook
         for logger in self._loggers:
             logger.removeFilter(self)
