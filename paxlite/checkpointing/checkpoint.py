@@ -43,7 +43,6 @@ from collections.abc import Callable
 from typing import Any, Self
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -51,10 +50,14 @@ from jax.experimental import multihost_utils
 
 from paxlite.checkpointing import opt_state_layout as layout
 from paxlite.checkpointing.checkpoint_damage import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
     CheckpointDamagedError,
+    CheckpointFormatError,
     Outcome,
     incomplete,
     is_damage,
+    newer_format,
     short_error,
     worst_over_processes,
 )
@@ -63,6 +66,7 @@ from paxlite.checkpointing.checkpoint_match import (
     mismatches,
     without_absent_empty_fields,
 )
+from paxlite.checkpointing.chunking import layer_chunked_save_args
 from paxlite.checkpointing.storage_faults import (
     CheckpointSaveError,
     QuietStorageFaults,
@@ -101,22 +105,6 @@ class CheckpointMismatchError(UserError, ValueError):
 
 class CheckpointViewsDifferError(RunStoppedError, RuntimeError):
     """Some process still lists a step that process 0 found absent; nothing was saved."""
-
-
-def layer_chunked_save_args(state: PyTree) -> PyTree:
-    """Orbax SaveArgs that store every leaf of a scanned layer stack (a ``layers`` subtree: params
-    and the optimizer moments that mirror them) one layer per chunk.
-
-    Orbax otherwise makes each device shard one chunk, which spans every layer of the stack, so a
-    reader that wants one layer (``convert --from=paxlite``, ``export_merged``: stream_read.py)
-    must decode the whole leaf for it. Per-layer chunks change nothing for a restore.
-    """
-
-    def args(path: tuple, leaf: Any) -> ocp.SaveArgs:
-        stacked = any(getattr(k, "key", getattr(k, "name", None)) == "layers" for k in path)
-        return ocp.SaveArgs(shard_axes=(0,) if stacked and np.ndim(leaf) >= 1 else ())
-
-    return jax.tree_util.tree_map_with_path(args, state)
 
 
 class Checkpointer:
@@ -225,7 +213,8 @@ class Checkpointer:
         if data_state is not None:
             items[_DATA_ITEM] = ocp.args.JsonSave(data_state)
         try:
-            started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+            started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True,
+                                              custom_metadata={FORMAT_KEY: FORMAT_VERSION}))
         except Exception as error:  # TensorStore raises a bare ValueError; re-raised if not storage
             fault = storage_fault(error)
             if fault is None:
@@ -333,6 +322,8 @@ class Checkpointer:
         for step in steps:
             check = self._decided(functools.partial(self._check_step, step),
                                   what=f"check that {self.step_path(step)} is finished")
+            if check["newer"] is not None:  # every process: process 0's answer
+                raise CheckpointFormatError(check["newer"])
             outcome, restored, error = self._try_restore(
                 step, abstract_state, problem=check["problem"], has_data=check["data"])
             worst = worst_over_processes(outcome)
@@ -368,7 +359,8 @@ class Checkpointer:
         record."""
         path = self.step_path(step)
         problem = incomplete(path)
-        return {"problem": problem, "data": problem is None and (path / _DATA_ITEM).exists()}
+        return {"problem": problem, "data": problem is None and (path / _DATA_ITEM).exists(),
+                "newer": newer_format(path)}
 
     def _try_restore(
         self, step: int, abstract_state: PyTree, *, problem: str | None, has_data: bool

@@ -18,14 +18,43 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
+from paxlite.errors import UserError
+
 _COMMIT_MARKER = "commit_success.txt"  # written by Orbax when a save is finalised
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 # TensorStore status codes that mean "the bytes are not there or not what was written".
 _DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS")
 
 
+# The on-disk format paxlite writes (the step metadata's custom_metadata), so that a later paxlite
+# that changes it can be told from this one: a checkpoint of a newer format is refused in one line
+# rather than misread. Checkpoints without the key predate it and are format 1.
+FORMAT_KEY = "paxlite_checkpoint_format"
+FORMAT_VERSION = 1
+
+
 class CheckpointDamagedError(RuntimeError):
     """A checkpoint's files are incomplete or unreadable as written (it may be set aside)."""
+
+
+class CheckpointFormatError(UserError, ValueError):
+    """A checkpoint written in a newer paxlite format than this one reads."""
+
+
+def newer_format(step_dir: epath.Path) -> str | None:
+    """Why this paxlite must not read `step_dir` (a format newer than FORMAT_VERSION), or None.
+    Unreadable metadata is left to `incomplete` and the restore to judge."""
+    try:
+        metadata = json.loads((step_dir / _STEP_METADATA).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    custom = metadata.get("custom_metadata") if isinstance(metadata, dict) else None
+    version = custom.get(FORMAT_KEY, 1) if isinstance(custom, dict) else 1
+    if isinstance(version, int) and not isinstance(version, bool) and version <= FORMAT_VERSION:
+        return None
+    return (f"{step_dir} was written in paxlite checkpoint format {version!r}, and this paxlite "
+            f"reads format {FORMAT_VERSION} and older: read it with the paxlite that wrote it (its "
+            "job's config.json names the version), or point at another checkpoint")
 
 
 def incomplete(step_dir: epath.Path) -> str | None:

@@ -32,7 +32,12 @@ from etils import epath
 from flax import traverse_util
 
 from paxlite.checkpointing import checkpoint, pax_layout
-from paxlite.checkpointing.checkpoint_damage import incomplete, is_damage
+from paxlite.checkpointing.checkpoint_damage import (
+    CheckpointFormatError,
+    incomplete,
+    is_damage,
+    newer_format,
+)
 from paxlite.errors import SettingError, UserError
 from paxlite.models.transformer import TransformerConfig
 from paxlite.paths import staged_output
@@ -73,6 +78,13 @@ def _unfinished(step_dir: epath.Path) -> str | None:
     return None if pax_layout.is_pax_step(step_dir) else incomplete(step_dir)
 
 
+def _readable(step: int, step_dir: epath.Path) -> tuple[int, epath.Path]:
+    problem = newer_format(step_dir)
+    if problem is not None:
+        raise CheckpointFormatError(problem)
+    return step, step_dir
+
+
 def find_checkpoint(path: str | os.PathLike) -> tuple[int, epath.Path]:
     """(step, step directory) of the latest complete checkpoint that `path` designates."""
     root = epath.Path(os.path.abspath(os.fspath(path)))
@@ -86,12 +98,12 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[int, epath.Path]:
             raise PretrainedCheckpointError(
                 f"{root} is not a complete paxlite checkpoint ({problem}); wait for the copy to "
                 "finish or point CHECKPOINT_RESTORE_PATH at another checkpoint_<STEP>")
-        return int(match.group(1)), root
+        return _readable(int(match.group(1)), root)
     for checkpoints in (root / "checkpoints", root):
         if checkpoints.is_dir():
             steps = _step_dirs(checkpoints)
             if steps:
-                return steps[-1]
+                return _readable(*steps[-1])
     raise PretrainedCheckpointError(
         f"no paxlite checkpoint under {root}: expected "
         f"{root}/checkpoints/checkpoint_<STEP>/{_ITEM}, {root}/checkpoint_<STEP>/{_ITEM}, or a "

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from paxlite.checkpointing.checkpoint_damage import FORMAT_KEY, FORMAT_VERSION
 from paxlite.compat import ORBAX_STANDARD_HANDLER_TYPESTR
 
 if TYPE_CHECKING:
@@ -126,7 +127,8 @@ class CheckpointWriter:
         _dump(os.path.join(self.step_dir, "_CHECKPOINT_METADATA"),
               {"item_handlers": {ITEM: ORBAX_STANDARD_HANDLER_TYPESTR}, "metrics": {},
                "performance_metrics": {}, "init_timestamp_nsecs": self._started,
-               "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}})
+               "commit_timestamp_nsecs": time.time_ns(),
+               "custom_metadata": {FORMAT_KEY: FORMAT_VERSION}})
         for directory in (self._item, self.step_dir):
             with open(os.path.join(directory, "commit_success.txt"), "w") as f:
                 f.write(f"Checkpoint commit was successful to {directory}")

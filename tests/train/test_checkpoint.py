@@ -489,3 +489,44 @@ def test_scanned_layer_stacks_are_chunked_one_layer_per_chunk(tmp_path: pathlib.
         "path": "opt_state.mu.layers.w"}}, open=True, read=True).result()
     assert moment.chunk_layout.read_chunk.shape == (1, 8, 4)
     np.testing.assert_array_equal(reader.read(("layers", "w"), 2), np.asarray(stack[2]))
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_in_one_line(tmp_path: pathlib.Path) -> None:
+    """Each save records paxlite's checkpoint format; one of a newer format is refused (a user
+    error: one line, exit 2) by the run's restore and by CHECKPOINT_RESTORE_PATH, before anything
+    is read, and nothing is moved aside as damaged."""
+    import json
+
+    from paxlite.checkpointing.checkpoint_damage import (
+        FORMAT_KEY,
+        FORMAT_VERSION,
+        CheckpointFormatError,
+    )
+    from paxlite.checkpointing.pretrained import find_checkpoint
+    from paxlite.errors import UserError
+
+    directory = tmp_path / "checkpoints"
+    _save_steps(directory, [1, 2])
+    metadata_file = directory / "checkpoint_00000002" / "_CHECKPOINT_METADATA"
+    metadata = json.loads(metadata_file.read_text())
+    assert metadata["custom_metadata"] == {FORMAT_KEY: FORMAT_VERSION}
+    assert find_checkpoint(tmp_path) == (2, directory / "checkpoint_00000002")
+    metadata["custom_metadata"][FORMAT_KEY] = FORMAT_VERSION + 1
+    metadata_file.write_text(json.dumps(metadata))
+    expected = (f"{directory / 'checkpoint_00000002'} was written in paxlite checkpoint format "
+                f"{FORMAT_VERSION + 1}, and this paxlite reads format {FORMAT_VERSION} and older")
+    with (Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt,
+          pytest.raises(CheckpointFormatError) as raised):
+        ckpt.restore_latest(_abstract())
+    assert isinstance(raised.value, UserError) and str(raised.value).startswith(expected)
+    assert "\n" not in str(raised.value)
+    assert _names(directory) == ["checkpoint_00000001", "checkpoint_00000002"]  # nothing moved
+    with pytest.raises(CheckpointFormatError, match="reads format"):
+        find_checkpoint(tmp_path)
+    # a checkpoint from before the format was recorded reads as format 1
+    del metadata["custom_metadata"][FORMAT_KEY]
+    metadata_file.write_text(json.dumps(metadata))
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as ckpt:
+        step, restored = ckpt.restore_latest(_abstract())
+    assert step == 2
+    _assert_state_equal(restored, _state(2), _abstract())
