@@ -11,6 +11,7 @@ examples from (SEED, epoch 0), packed greedily into rows of MAX_SEQ_LEN), writte
 import gzip
 import json
 import random
+import shutil
 
 import jax
 import numpy as np
@@ -260,11 +261,24 @@ def test_one_device_equals_the_sharded_run(model, data, straight):
     np.testing.assert_allclose(loss, _losses(straight)[1], rtol=1e-5)
 
 
+def _stopped_after_step_two(straight, job):
+    """`job` as a run stopped after step 2 leaves it: the uninterrupted run's checkpoint at 2 (this
+    process trained the same rows to it with the same programs; a run with MAX_STEPS=2 would train
+    them again) and its lines up to step 2."""
+    name = "checkpoint_00000002"
+    shutil.copytree(straight / "checkpoints" / name, job / "checkpoints" / name)
+    lines = (straight / "metrics.jsonl").read_text().splitlines()
+    (job / "metrics.jsonl").write_text(
+        "".join(f"{line}\n" for line in lines if json.loads(line)["step"] <= 2))
+
+
 def test_resume_equals_the_uninterrupted_run(model, data, straight, tmp_path):
     job = tmp_path / "job"
-    _train(job, chat_flags(model, data, "MAX_STEPS=2"))
+    _stopped_after_step_two(straight, job)
     _train(job, chat_flags(model, data, f"MAX_STEPS={STEPS}"))  # resumes at 2, then an epoch ends
     assert _losses(job) == _losses(straight)
+    # the resumed run started at step 3: each step trained once
+    assert [r["step"] for r in _records(job) if "loss" in r] == list(range(1, STEPS + 1))
     assert sorted(_losses(job)) == list(range(1, STEPS + 1))
     with Checkpointer(job / "checkpoints", save_interval_steps=2, max_to_keep=None) as ckpt:
         positions = [ckpt.restore_data(step)["processes"][0] for step in (2, STEPS)]
@@ -345,8 +359,6 @@ def test_bad_row_is_one_line_naming_file_and_row(model, data, tmp_path):
 def test_chat_rows_without_a_template_are_one_line(model, data, tmp_path):
     """A tokenizer directory with no chat template: the first chat row says so, before
     compiling."""
-    import shutil
-
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(model[0], tokenizer)
     (tokenizer / "chat_template.jinja").unlink()

@@ -111,7 +111,7 @@ def offline(monkeypatch):
     wandb.teardown()
 
 
-FLAGS = ["--fdl_config=TinySynthetic", "--fdl.SUMMARY_INTERVAL_STEPS=2",
+FLAGS = ["--fdl_config=TinySynthetic", "--fdl.NUM_LAYERS=1", "--fdl.SUMMARY_INTERVAL_STEPS=2",
          "--fdl.EVAL_INTERVAL_STEPS=2", "--fdl.WANDB_PROJECT=paxlite-tests",
          '--fdl.WANDB_TAGS=["tiny", "offline"]']
 
