@@ -81,14 +81,13 @@ def legacy_form(hf_config: dict) -> dict:
 def family_dir(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param.value)
     model = _make(directory, request.param)
-    return request.param, directory, model, hf_logits(model, TOKENS)
+    return request.param, directory, model, hf_logits(model, TOKENS), hf.load(directory)
 
 
 def test_logits_match_transformers_in_both_config_forms(family_dir, tmp_path):
     import transformers
 
-    family, directory, _, want = family_dir
-    pretrained = hf.load(directory)
+    family, directory, _, want, pretrained = family_dir
     assert pretrained.family is family
     np.testing.assert_allclose(pretrained.logits(TOKENS), want, atol=1e-4, rtol=0)
 
@@ -105,8 +104,8 @@ def test_logits_match_transformers_in_both_config_forms(family_dir, tmp_path):
 
 
 def test_features_are_read(family_dir):
-    family, directory, _, _ = family_dir
-    config = hf.load(directory).config
+    family, _, _, _, pretrained = family_dir
+    config = pretrained.config
     common = dict(norm="gemma_rms_norm", activation="gelu_tanh", post_norms=True,
                   scale_embeddings=True, query_scale_dims=24, sliding_window=WINDOW,
                   tie_embeddings=True)
@@ -127,22 +126,20 @@ def test_features_are_read(family_dir):
 def test_greedy_generation_matches_transformers(family_dir):
     import torch
 
-    _, directory, model, _ = family_dir
+    _, _, model, _, pretrained = family_dir
     want = []
     for prompt in PROMPTS:
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW,
                                  eos_token_id=None, pad_token_id=0)
         want.append(out[0, len(prompt):].tolist())
-    pretrained = hf.load(directory)
     assert generate(pretrained.config, pretrained.params, PROMPTS, max_new_tokens=NEW) == want
 
 
 def test_save_loads_in_transformers_with_the_same_logits(family_dir, tmp_path):
     import transformers
 
-    family, directory, _, want = family_dir
-    pretrained = hf.load(directory)
+    family, directory, _, want, pretrained = family_dir
     hf.save(pretrained, tmp_path / "out", max_shard_size="100KB")  # sharded, as big models are
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     written = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -169,11 +166,11 @@ def test_convert_into_gemma2_9b_stacks_whole_periods(family_dir, tmp_path, monke
     from paxlite.checkpointing.pretrained import model_config_from_json
     from tests.in_process import paxlite_command
 
-    family, directory, _, want = family_dir
+    family, directory, _, want, pretrained = family_dir
     if family is Family.GEMMA3_TEXT:
         with pytest.raises(ValueError, match="layer_types repeats every 3 layers, which does not "
                                              "divide num_layers=4: scan_layers=True"):
-            dataclasses.replace(hf.load(directory).config, scan_layers=True)
+            dataclasses.replace(pretrained.config, scan_layers=True)
         return
     run = paxlite_command(monkeypatch, capfd)
     shapes = [f"--fdl.{name}={value}" for name, value in dict(
@@ -190,7 +187,7 @@ def test_convert_into_gemma2_9b_stacks_whole_periods(family_dir, tmp_path, monke
     config = model_config_from_json((tmp_path / "ckpt" / "model_config.json").read_text())
     assert (config.scan_layers, config.layers_per_scan_unit) == (True, 2)
     back = hf.from_paxlite(tmp_path / "ckpt", dtype="float32")  # restored as the scanned model
-    jax.tree.map(np.testing.assert_array_equal, back.params, hf.load(directory).params)
+    jax.tree.map(np.testing.assert_array_equal, back.params, pretrained.params)
     hf.stream_paxlite_to_hf(tmp_path / "ckpt", tmp_path / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", attn_implementation="eager").eval()
