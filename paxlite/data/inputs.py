@@ -8,7 +8,6 @@ column (read by paxlite.data.row_files). Also a small progress line for long-run
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ from paxlite.data.row_files import (
     is_saved_dataset,
     iter_checked_rows,
     open_text,
+    read_errors,
 )
 
 _TEXT_SUFFIXES = (".txt",)
@@ -183,28 +183,16 @@ def _file_documents(
     path: str, *, text_field: str, text_setting: str, document_per_file: bool
 ) -> Iterator[str]:
     form, compression = _input_format(path) or ("", "")
-    try:
-        with open_text(path, compression) as f:
-            if form == "jsonl":
-                yield from _jsonl_documents(f, path=path, text_field=text_field,
-                                            text_setting=text_setting)
-            elif document_per_file:
-                text = f.read().rstrip("\n")
-                if text.strip():
-                    yield text
-            else:
-                yield from _paragraphs(f)
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{path} is not valid UTF-8 ({e})") from e
-    except (gzip.BadGzipFile, EOFError) as e:
-        raise DatasetError(f"{path} is not a valid {compression or 'text'} file ({e})") from e
-    except OSError as e:
-        # zstandard.ZstdError is not an OSError; caught below by name to keep the import lazy.
-        raise DatasetError(f"cannot read {path}: {e}") from e
-    except Exception as e:
-        if type(e).__name__ == "ZstdError":
-            raise DatasetError(f"{path} is not a valid .zst file ({e})") from e
-        raise
+    with read_errors(path, compression), open_text(path, compression) as f:
+        if form == "jsonl":
+            yield from _jsonl_documents(f, path=path, text_field=text_field,
+                                        text_setting=text_setting)
+        elif document_per_file:
+            text = f.read().rstrip("\n")
+            if text.strip():
+                yield text
+        else:
+            yield from _paragraphs(f)
 
 
 def iter_documents(

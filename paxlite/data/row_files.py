@@ -20,6 +20,7 @@ reads for its log and metrics. Nothing is dropped without being counted.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import gzip
@@ -228,6 +229,25 @@ def open_text(path: str, compression: str) -> TextIO:
     return open(path, encoding="utf-8")
 
 
+@contextlib.contextmanager
+def read_errors(path: str, compression: str) -> Iterator[None]:
+    """Reading the text file `path` fails as one DatasetError naming it: bad UTF-8, a corrupt .gz
+    or .zst, an OS error (inputs.py's documents and the rows here)."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path} is not valid UTF-8 ({e})") from e
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise DatasetError(f"{path} is not a valid {compression or 'text'} file ({e})") from e
+    except OSError as e:
+        raise DatasetError(f"cannot read {path}: {e}") from e
+    except Exception as e:
+        # zstandard.ZstdError is not an OSError; told by name to keep the import lazy.
+        if type(e).__name__ == "ZstdError":
+            raise DatasetError(f"{path} is not a valid .zst file ({e})") from e
+        raise
+
+
 def _pyarrow(path: str):
     try:
         import pyarrow
@@ -241,36 +261,24 @@ def _pyarrow(path: str):
 
 def _jsonl_rows(path: str, compression: str, *, on_bad_row: BadRows,
                 skipped: SkippedRows | None) -> Iterator[tuple[str, dict[str, Any]]]:
-    try:
-        with open_text(path, compression) as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue  # a blank line is no row
-                where = f"{path}:{number}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    reject_row(where, reason="invalid JSON",
-                               detail=f"not valid JSON ({e.msg}); expected one object per line",
-                               on_bad_row=on_bad_row, skipped=skipped)
-                    continue
-                if not isinstance(row, dict):
-                    reject_row(where, reason="not a JSON object",
-                               detail=f"a JSON {type(row).__name__}, expected an object",
-                               on_bad_row=on_bad_row, skipped=skipped)
-                    continue
-                yield where, row
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{path} is not valid UTF-8 ({e})") from e
-    except (gzip.BadGzipFile, EOFError) as e:
-        raise DatasetError(f"{path} is not a valid {compression or 'text'} file ({e})") from e
-    except OSError as e:
-        raise DatasetError(f"cannot read {path}: {e}") from e
-    except Exception as e:
-        # zstandard.ZstdError is not an OSError; told by name to keep the import lazy.
-        if type(e).__name__ == "ZstdError":
-            raise DatasetError(f"{path} is not a valid .zst file ({e})") from e
-        raise
+    with read_errors(path, compression), open_text(path, compression) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # a blank line is no row
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                reject_row(where, reason="invalid JSON",
+                           detail=f"not valid JSON ({e.msg}); expected one object per line",
+                           on_bad_row=on_bad_row, skipped=skipped)
+                continue
+            if not isinstance(row, dict):
+                reject_row(where, reason="not a JSON object",
+                           detail=f"a JSON {type(row).__name__}, expected an object",
+                           on_bad_row=on_bad_row, skipped=skipped)
+                continue
+            yield where, row
 
 
 def _projection(names: Sequence[str], columns: Sequence[str] | None) -> list[str] | None:
