@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -54,6 +54,7 @@ from paxlite.data.chat_rows import (
     Overlong,
     PackedRow,
     RowEncoder,
+    next_token_batch,
     pack_examples,
     prompt_bos_id,
     row_kind,
@@ -176,25 +177,6 @@ def read_chat_file(config: ChatTrainConfig | ChatEvalConfig, *,
         raise DatasetError(f"{config.path} holds no usable rows"
                            + (f" ({skipped.summary()})" if skipped.total else ""))
     return ChatFile(examples=examples, skipped=skipped, clock_read=clock.read)
-
-
-def next_token_batch(rows: Sequence[PackedRow]) -> dict[str, np.ndarray]:
-    """[len(rows), seq_len] features in transformers' causal-LM layout (module docstring):
-    `inputs` the tokens, `targets` and `weights` the next token of the same example and whether
-    it is learned (0 at an example's last token and on padding)."""
-    if not rows:
-        raise ValueError("a batch needs at least one row")
-    tokens = np.stack([row.targets for row in rows]).astype(np.int32)
-    segment_ids = np.stack([row.segment_ids for row in rows]).astype(np.int32)
-    learned = np.stack([row.loss for row in rows])
-    same_example = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
-    targets = np.zeros_like(tokens)
-    targets[:, :-1] = np.where(same_example, tokens[:, 1:], 0)
-    weights = np.zeros(tokens.shape, np.float32)
-    weights[:, :-1] = same_example & learned[:, 1:]
-    return {"inputs": tokens, "targets": targets, "weights": weights,
-            "positions": np.stack([row.positions for row in rows]).astype(np.int32),
-            "segment_ids": segment_ids}
 
 
 def _now() -> datetime.datetime:

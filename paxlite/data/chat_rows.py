@@ -25,9 +25,12 @@ Packing: examples are laid into rows of `seq_len` in order, greedily (an example
 in the rest of the row starts the next row), never split; each keeps its own segment id (1, 2, ...
 within the row) and positions from 0, so attention and positions restart per example. An example
 longer than `seq_len` is dropped or truncated to its first `seq_len` tokens, as `Overlong` says,
-and counted. The rows have the features of paxlite's language-model batches (`packing.lm_features`):
-`targets` the tokens, `inputs` the same shifted right within each segment (0 first), `weights` 1.0
-where a token is learned, `positions`, `segment_ids` (0 on padding).
+and counted. A batch of rows (`next_token_batch`) is in transformers' causal-LM layout, not the
+text pipeline's: `inputs` the tokens themselves from position 0 (nothing prepended: a model
+converted from transformers never saw the text pipeline's leading 0), `targets` at position t the
+next token of the same example, `weights` 1.0 where that token is learned (0 at an example's last
+token and on padding), `positions`, `segment_ids` (0 on padding). The loss is then transformers'
+for the same ids and labels.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ import numpy as np
 
 from paxlite.data.chat_template import BadRowError, ChatTemplate
 from paxlite.data.errors import VocabError
-from paxlite.data.packing import lm_features
 
 ASSISTANT_ROLE = "assistant"
 MESSAGES_KEY = "messages"
@@ -285,12 +287,20 @@ def pack_examples(examples: Iterable[ChatExample], *, seq_len: int, overlong: Ov
         yield current.row(seq_len=seq_len, next_example=end)
 
 
-def packed_batch(rows: Sequence[PackedRow]) -> dict[str, np.ndarray]:
-    """[len(rows), seq_len] features of a language-model batch (`packing.lm_features`' keys), with
-    weight 1.0 only on the tokens learned."""
+def next_token_batch(rows: Sequence[PackedRow]) -> dict[str, np.ndarray]:
+    """[len(rows), seq_len] features in transformers' causal-LM layout (module docstring):
+    `inputs` the tokens, `targets` and `weights` the next token of the same example and whether
+    it is learned (0 at an example's last token and on padding)."""
     if not rows:
         raise ValueError("a batch needs at least one row")
-    features = lm_features({key: np.stack([getattr(row, key) for row in rows])
-                            for key in ("targets", "segment_ids", "positions")})
-    features["weights"] = np.stack([row.loss for row in rows]).astype(np.float32)
-    return features
+    tokens = np.stack([row.targets for row in rows]).astype(np.int32)
+    segment_ids = np.stack([row.segment_ids for row in rows]).astype(np.int32)
+    learned = np.stack([row.loss for row in rows])
+    same_example = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+    targets = np.zeros_like(tokens)
+    targets[:, :-1] = np.where(same_example, tokens[:, 1:], 0)
+    weights = np.zeros(tokens.shape, np.float32)
+    weights[:, :-1] = same_example & learned[:, 1:]
+    return {"inputs": tokens, "targets": targets, "weights": weights,
+            "positions": np.stack([row.positions for row in rows]).astype(np.int32),
+            "segment_ids": segment_ids}

@@ -23,8 +23,8 @@ from paxlite.data.chat_rows import (
     ChatExample,
     Overlong,
     RowEncoder,
+    next_token_batch,
     pack_examples,
-    packed_batch,
     prompt_bos_id,
 )
 from paxlite.data.chat_template import (
@@ -272,14 +272,16 @@ def test_packing_by_hand():
     dropped = list(pack_examples(EXAMPLES, seq_len=8, overlong=Overlong.DROP))
     assert [(r.first_example, r.next_example, r.examples, r.dropped, r.truncated)
             for r in dropped] == [(0, 3, 2, 1, 0), (3, 4, 1, 0, 0)]
-    batch = packed_batch(dropped)
+    batch = next_token_batch(dropped)
     assert sorted(batch) == ["inputs", "positions", "segment_ids", "targets", "weights"]
-    assert batch["targets"].tolist() == [[11, 12, 13, 21, 22, 23, 24, 0],
-                                         [41, 42, 0, 0, 0, 0, 0, 0]]
-    assert batch["inputs"].tolist() == [[0, 11, 12, 0, 21, 22, 23, 0], [0, 41, 0, 0, 0, 0, 0, 0]]
+    # transformers' layout: the tokens are the input; position t is scored on token t + 1 of the
+    # same example where that token is learned
+    assert batch["inputs"].tolist() == [[11, 12, 13, 21, 22, 23, 24, 0],
+                                        [41, 42, 0, 0, 0, 0, 0, 0]]
+    assert batch["targets"].tolist() == [[12, 13, 0, 22, 23, 24, 0, 0], [42, 0, 0, 0, 0, 0, 0, 0]]
     assert batch["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 0, 0, 0, 0, 0, 0]]
     assert batch["positions"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 0, 0, 0, 0, 0]]
-    assert batch["weights"].tolist() == [[0, 1, 1, 0, 0, 1, 1, 0], [0, 1, 0, 0, 0, 0, 0, 0]]
+    assert batch["weights"].tolist() == [[1, 1, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]]
     assert batch["weights"].dtype == np.float32 and batch["targets"].dtype == np.int32
 
     cut = list(pack_examples(EXAMPLES, seq_len=8, overlong="truncate"))
