@@ -134,11 +134,8 @@ def accumulated_loss_and_grads(
     FP8 matmul quantises, and their amax histories, are those of the one-batch step; the new FP8
     state is the max over microbatches (`_max_merge`) and is returned last.
     """
-    micro = split_microbatches(batch, num_microbatches)
     num_tokens = jnp.sum(batch["weights"].astype(jnp.float32))
     denom = jnp.maximum(num_tokens, 1.0)
-    fp8 = fp8 or {}
-    prescale = 1.0 / denom if fp8 else 1.0
 
     def sums(p: PyTree, f: PyTree, mb: Batch, rng: jax.Array):
         scores, z_sum, aux_loss, summaries = forward_scores(
@@ -149,40 +146,80 @@ def accumulated_loss_and_grads(
         if z_loss_weight:
             objective = objective + z_loss_weight * z_sum
             summaries = {**summaries, "moe/z_loss": z_sum}  # a sum here; divided below
-        return objective * prescale, (loss_sum, jnp.sum(scores["correct_tokens"]), summaries)
+        return objective, ({"loss_sum": loss_sum,
+                            "correct_tokens": jnp.sum(scores["correct_tokens"])}, summaries)
 
-    grad_fn = jax.value_and_grad(sums, argnums=(0, 1), has_aux=True)
-    abstract_summaries = jax.eval_shape(
-        lambda p, mb: sums(p, fp8, mb, dropout_rng)[1][2], params,
+    metric_sums, grads, summary_sums, new_fp8 = accumulated_sums_and_grads(
+        params, batch, sums_fn=sums, denom=denom, dropout_rng=dropout_rng,
+        num_microbatches=num_microbatches, fp8=fp8)
+    summaries = {k: v / num_microbatches for k, v in summary_sums.items()}
+    if "moe/z_loss" in summaries:  # summed over tokens: a mean over the batch's tokens
+        summaries["moe/z_loss"] = summary_sums["moe/z_loss"] / denom
+    return (metric_sums["loss_sum"] / denom, metric_sums["correct_tokens"] / denom, grads,
+            summaries, new_fp8)
+
+
+# (params, fp8 state, microbatch, dropout key) -> (objective as a sum, (metric sums, summaries))
+SumsFn = Callable[[PyTree, PyTree, Batch, jax.Array],
+                  tuple[jax.Array, tuple[dict[str, jax.Array], dict[str, jax.Array]]]]
+
+
+def accumulated_sums_and_grads(
+    params: PyTree,
+    batch: Batch,
+    *,
+    sums_fn: SumsFn,
+    denom: jax.Array,
+    dropout_rng: jax.Array,
+    num_microbatches: int,
+    fp8: PyTree | None = None,
+) -> tuple[dict[str, jax.Array], PyTree, dict[str, jax.Array], PyTree]:
+    """(metric sums over the batch, gradient of the batch's objective sum / `denom`, summaries
+    summed over microbatches, new FP8 state), one microbatch of `batch` at a time.
+
+    `sums_fn` gives a microbatch's objective as a sum (a cross-entropy sum over tokens, a DPO loss
+    sum over pairs) and the sums its metrics are made of; `denom` (the batch's tokens, or pairs) is
+    known before the first microbatch, so the result is the gradient of the whole batch's mean.
+    """
+    micro = split_microbatches(batch, num_microbatches)
+    fp8 = fp8 or {}
+    prescale = 1.0 / denom if fp8 else 1.0
+
+    def scaled(p: PyTree, f: PyTree, mb: Batch, rng: jax.Array):
+        objective, aux = sums_fn(p, f, mb, rng)
+        return objective * prescale, aux
+
+    grad_fn = jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True)
+    abstract_metrics, abstract_summaries = jax.eval_shape(
+        lambda p, mb: sums_fn(p, fp8, mb, dropout_rng)[1], params,
         jax.tree.map(lambda x: x[0], micro))
 
-    Carry = tuple[PyTree, jax.Array, jax.Array, dict[str, jax.Array], PyTree]
+    Carry = tuple[PyTree, dict[str, jax.Array], dict[str, jax.Array], PyTree]
 
     def body(carry: Carry, xs: tuple[jax.Array, Batch]) -> tuple[Carry, None]:
-        grads_acc, loss_acc, correct_acc, summaries_acc, fp8_acc = carry
+        grads_acc, metrics_acc, summaries_acc, fp8_acc = carry
         index, mb = xs
         mb = {  # each microbatch spread over data x fsdp x expert, as the whole batch was
             key: nn.with_logical_constraint(x, ("activation_batch",) + (None,) * (x.ndim - 1))
             for key, x in mb.items()
         }
         # A different dropout mask per microbatch, and a function of (step, microbatch) only.
-        (_, (loss_sum, correct, summaries)), (grads, new_fp8) = grad_fn(
+        (_, (metrics, summaries)), (grads, new_fp8) = grad_fn(
             params, fp8, mb, jax.random.fold_in(dropout_rng, index))
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+        metrics_acc = jax.tree.map(jnp.add, metrics_acc, metrics)
         summaries_acc = jax.tree.map(jnp.add, summaries_acc, summaries)
         fp8_acc = _max_merge(fp8_acc, new_fp8)
-        return (grads_acc, loss_acc + loss_sum, correct_acc + correct, summaries_acc, fp8_acc), None
+        return (grads_acc, metrics_acc, summaries_acc, fp8_acc), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zero = jnp.zeros((), jnp.float32)
     lowest = jax.tree.map(lambda f: jnp.full(f.shape, -jnp.inf, f.dtype), fp8)
-    init = (zeros, zero, zero, {k: zero for k in abstract_summaries}, lowest)
-    (grad_sums, loss_sum, correct, summary_sums, new_fp8), _ = jax.lax.scan(
+    init = (zeros, {k: zero for k in abstract_metrics}, {k: zero for k in abstract_summaries},
+            lowest)
+    (grad_sums, metric_sums, summary_sums, new_fp8), _ = jax.lax.scan(
         body, init, (jnp.arange(num_microbatches), micro)
     )
     grad_denom = 1.0 if fp8 else denom  # already divided before differentiating
     grads = jax.tree.map(lambda g, p: (g / grad_denom).astype(p.dtype), grad_sums, params)
-    summaries = {k: v / num_microbatches for k, v in summary_sums.items()}
-    if "moe/z_loss" in summaries:  # summed over tokens: a mean over the batch's tokens
-        summaries["moe/z_loss"] = summary_sums["moe/z_loss"] / denom
-    return loss_sum / denom, correct / denom, grads, summaries, new_fp8
+    return metric_sums, grads, summary_sums, new_fp8

@@ -20,6 +20,7 @@ from paxlite.models import sown
 from paxlite.models.linear import FP8_COLLECTION
 from paxlite.models.te_layer import fp8_state_collections
 from paxlite.train.chunked_loss import chunked_row_sums
+from paxlite.train.dpo import pair_mask, pair_sums, side_logps
 
 PyTree = Any
 Batch = Mapping[str, jax.Array]
@@ -73,9 +74,22 @@ def _train_row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
     return {**per_example_scores(logits, pos), "z_loss_sum": z_rows}
 
 
+def _pair_row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
+    """`per_example_scores` plus each row's chosen and rejected log-probabilities (a DPO pair a
+    row: train/dpo.py)."""
+    return {**per_example_scores(logits, pos),
+            **side_logps(-token_losses(logits, pos["targets"]), pos)}
+
+
+def _pair_train_row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
+    return {**_train_row_scores(logits, pos),
+            **side_logps(-token_losses(logits, pos["targets"]), pos)}
+
+
 def forward_scores(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool,
-                   loss_chunk_size: int | None, fp8: PyTree | None = None):
-    """(per-row scores as `per_example_scores`, z-loss sum, sown auxiliary loss, summaries).
+                   loss_chunk_size: int | None, fp8: PyTree | None = None, pairs: bool = False):
+    """(per-row scores as `per_example_scores`, z-loss sum, sown auxiliary loss, summaries); with
+    `pairs` (a DPO batch), each row's `chosen_logp` and `rejected_logp` too.
 
     With `loss_chunk_size` the model stops at its final hidden states and the scores are summed
     over blocks of that many positions (train/chunked_loss.py): the [B, T, V] logits never exist.
@@ -85,12 +99,56 @@ def forward_scores(model: nn.Module, params, batch: Batch, *, dropout_rng, deter
         model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic, collect=True,
         return_hidden=chunked, fp8=fp8)
     if not chunked:
-        return (per_example_scores(head, batch), z_loss_sum(head, batch["weights"]), aux_loss,
-                summaries)
+        scores = (_pair_row_scores if pairs else per_example_scores)(head, batch)
+        return scores, z_loss_sum(head, batch["weights"]), aux_loss, summaries
+    per_position = {"targets": batch["targets"], "weights": batch["weights"],
+                    **({"segment_ids": batch["segment_ids"]} if pairs else {})}
     scores = chunked_row_sums(
-        params, head, {"targets": batch["targets"], "weights": batch["weights"]},
-        project=projection(model), score_fn=_train_row_scores, chunk_size=loss_chunk_size)
+        params, head, per_position, project=projection(model),
+        score_fn=_pair_train_row_scores if pairs else _train_row_scores,
+        chunk_size=loss_chunk_size)
     return scores, jnp.sum(scores.pop("z_loss_sum")), aux_loss, summaries
+
+
+def pair_logps(model: nn.Module, params, batch: Batch, *, loss_chunk_size: int | None,
+               fp8: PyTree | None = None) -> dict[str, jax.Array]:
+    """Each row's chosen and rejected log-probabilities [B] under `params`, forward only and
+    without dropout: the DPO reference's (train/dpo.py). No gradient flows through them."""
+    head = apply_model(model, params, batch, dropout_rng=None, deterministic=True,
+                       return_hidden=loss_chunk_size is not None, fp8=fp8)
+    if loss_chunk_size is None:
+        scores = side_logps(-token_losses(head, batch["targets"]), batch)
+    else:
+        scores = chunked_row_sums(
+            params, head, {key: batch[key] for key in ("targets", "weights", "segment_ids")},
+            project=projection(model),
+            score_fn=lambda logits, pos: side_logps(-token_losses(logits, pos["targets"]), pos),
+            chunk_size=loss_chunk_size)
+    return jax.lax.stop_gradient(scores)
+
+
+def pair_objective_sum(params, batch: Batch, *, model: nn.Module, reference: dict[str, jax.Array],
+                       beta: float, tokens_per_pair: jax.Array, dropout_rng, deterministic: bool,
+                       z_loss_weight: float, loss_chunk_size: int | None,
+                       fp8: PyTree | None = None):
+    """The DPO objective of `batch` as a sum over its pairs, and (metric sums, summaries).
+
+    A sum, so that microbatches add up to the batch's (train/grad_accum.py) and one division by the
+    batch's pairs makes the mean: the DPO loss summed over pairs, the auxiliary losses (per-batch
+    means) weighted by the pairs, and the z-loss (a mean over tokens) scaled by
+    `tokens_per_pair` (the whole batch's weighted tokens / its pairs). `reference`: the reference's
+    `pair_logps` of the same rows."""
+    scores, z_sum, aux_loss, summaries = forward_scores(
+        model, params, batch, dropout_rng=dropout_rng, deterministic=deterministic,
+        loss_chunk_size=loss_chunk_size, fp8=fp8, pairs=True)
+    sums = pair_sums(scores, reference, rows=pair_mask(batch), beta=beta)
+    objective = sums["dpo_loss_sum"] + aux_loss * sums["pairs"]
+    if z_loss_weight:
+        objective = objective + z_loss_weight * z_sum / tokens_per_pair
+        summaries = {**summaries, "moe/z_loss": z_sum}  # a sum; the step divides by the tokens
+    metric_sums = {**sums, "correct_tokens": jnp.sum(scores["correct_tokens"]),
+                   "target_tokens": jnp.sum(scores["target_tokens"])}
+    return objective, (metric_sums, summaries)
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:

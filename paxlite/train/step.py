@@ -36,14 +36,29 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from paxlite.compat import thread_cache_min_compile_time
 from paxlite.parallel import rules as rules_lib
 from paxlite.train.chunked_loss import check_chunk_size, chunked_row_sums
-from paxlite.train.grad_accum import accumulated_loss_and_grads, check_accum_steps
+from paxlite.train.dpo import (
+    SIDE_KEYS,
+    DpoSteps,
+    pair_mask,
+    pair_metrics,
+    pair_rows,
+    side_logps,
+)
+from paxlite.train.grad_accum import (
+    accumulated_loss_and_grads,
+    accumulated_sums_and_grads,
+    check_accum_steps,
+)
 from paxlite.train.losses import (
     apply_model,
     choice_correct,
     fp8_collection,
     loss_fn,
+    pair_logps,
+    pair_objective_sum,
     per_example_scores,
     projection,
+    token_losses,
 )
 from paxlite.train.optimizer import global_norm
 
@@ -99,6 +114,8 @@ def train_step(
     trainable: Trainable = None,
     z_loss_weight: float = 0.0,
     loss_chunk_size: int | None = None,
+    dpo_beta: float | None = None,
+    reference: PyTree | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch.
 
@@ -110,6 +127,11 @@ def train_step(
     whole objective (plus z-loss and the model's auxiliary losses), and the model's summaries are
     returned as metrics beside it (``moe/aux_loss``, ...). The FP8 state is overwritten with its
     "gradient" (the updated scales and histories) and enters neither the optimizer nor the norm.
+
+    With `dpo_beta` the batch holds preference pairs and the objective is DPO's (train/dpo.py):
+    `loss` is the DPO loss, `accuracy` the token accuracy of both sides, and the `dpo/` metrics
+    ride along; `reference` holds the reference parameters (None: the trainable parameters set
+    to zero, which for LoRA is the base model).
     """
     dropout_rng = jax.random.fold_in(dropout_key, state.step)
     train_params, combine = state.params, _identity
@@ -117,7 +139,15 @@ def train_step(
         train_params, frozen = split_trainable(state.params, trainable)
         combine = functools.partial(join_params, frozen=frozen)
 
-    if grad_accum_steps == 1:
+    if dpo_beta is not None:
+        if reference is None:  # the adapters off: no second copy of the base parameters
+            reference = combine(jax.tree.map(jnp.zeros_like, train_params))
+        loss, accuracy, grads, summaries, new_fp8 = _pair_loss_and_grads(
+            state, batch, train_params, combine=combine, model=model, reference=reference,
+            beta=dpo_beta, dropout_rng=dropout_rng, deterministic=deterministic,
+            grad_accum_steps=grad_accum_steps, z_loss_weight=z_loss_weight,
+            loss_chunk_size=loss_chunk_size)
+    elif grad_accum_steps == 1:
         (_, aux), (grads, new_fp8) = jax.value_and_grad(
             lambda p, f: loss_fn(
                 combine(p),
@@ -158,6 +188,44 @@ def train_step(
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8=new_fp8), metrics
 
 
+def _pair_loss_and_grads(state: TrainState, batch: Batch, train_params: PyTree, *, combine,
+                         model: nn.Module, reference: PyTree, beta: float, dropout_rng: jax.Array,
+                         deterministic: bool, grad_accum_steps: int, z_loss_weight: float,
+                         loss_chunk_size: int | None):
+    """`train_step`'s DPO objective: (loss, accuracy, gradients, summaries, new FP8 state), with
+    the reference's log-probabilities computed microbatch by microbatch beside the policy's."""
+    tokens = jnp.sum(batch["weights"].astype(jnp.float32))
+    pairs = jnp.maximum(jnp.sum(pair_mask(batch)), 1.0)
+    tokens_per_pair = jnp.maximum(tokens, 1.0) / pairs
+
+    def sums(p: PyTree, f: PyTree, mb: Batch, rng: jax.Array):
+        ref = pair_logps(model, reference, mb, loss_chunk_size=loss_chunk_size, fp8=state.fp8)
+        return pair_objective_sum(
+            combine(p), mb, model=model, reference=ref, beta=beta,
+            tokens_per_pair=tokens_per_pair, dropout_rng=rng, deterministic=deterministic,
+            z_loss_weight=z_loss_weight, loss_chunk_size=loss_chunk_size, fp8=f)
+
+    def batch_mean(p: PyTree, f: PyTree):
+        objective, aux = sums(p, f, batch, dropout_rng)
+        return objective / pairs, aux
+
+    if grad_accum_steps == 1:
+        (_, (metric_sums, summaries)), (grads, new_fp8) = jax.value_and_grad(
+            batch_mean, argnums=(0, 1), has_aux=True)(train_params, state.fp8)
+    else:
+        metric_sums, grads, summary_sums, new_fp8 = accumulated_sums_and_grads(
+            train_params, batch, sums_fn=sums, denom=pairs, dropout_rng=dropout_rng,
+            num_microbatches=grad_accum_steps, fp8=state.fp8)
+        summaries = {k: v / grad_accum_steps for k, v in summary_sums.items()}
+        if "moe/z_loss" in summaries:
+            summaries["moe/z_loss"] = summary_sums["moe/z_loss"]
+    if "moe/z_loss" in summaries:  # summed over tokens: a mean over the batch's tokens
+        summaries["moe/z_loss"] = summaries["moe/z_loss"] / jnp.maximum(tokens, 1.0)
+    loss = metric_sums["dpo_loss_sum"] / pairs
+    accuracy = metric_sums["correct_tokens"] / jnp.maximum(metric_sums["target_tokens"], 1.0)
+    return loss, accuracy, grads, {**summaries, **pair_metrics(metric_sums)}, new_fp8
+
+
 def eval_step(
     params: PyTree,
     batch: Batch,
@@ -165,13 +233,19 @@ def eval_step(
     model: nn.Module,
     loss_chunk_size: int | None = None,
     fp8: PyTree | None = None,
+    dpo_beta: float | None = None,
+    reference: PyTree | None = None,
 ) -> dict[str, jax.Array]:
+    """Per-row scores of one evaluation batch; with `dpo_beta` (a batch of preference pairs) each
+    row's DPO terms too (train/dpo.py `pair_rows`), against the `reference` parameters."""
     def row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
         scores = per_example_scores(logits, pos)
         if "yn_tokens" in batch:  # a two-way choice per row (BoolQ): Pax's boolq_acc numerator
             scores["choice_correct"] = choice_correct(
                 logits, {**pos, "yn_tokens": batch["yn_tokens"]}
             )
+        if dpo_beta is not None:
+            scores.update(side_logps(-token_losses(logits, pos["targets"]), pos))
         return scores
 
     head = apply_model(model, params, batch, dropout_rng=None, deterministic=True,
@@ -179,9 +253,14 @@ def eval_step(
     if loss_chunk_size is None:
         scores = row_scores(head, batch)
     else:
+        keys = ("targets", "weights") + (("segment_ids",) if dpo_beta is not None else ())
         scores = chunked_row_sums(
-            params, head, {"targets": batch["targets"], "weights": batch["weights"]},
+            params, head, {key: batch[key] for key in keys},
             project=projection(model), score_fn=row_scores, chunk_size=loss_chunk_size)
+    if dpo_beta is not None:
+        policy = {key: scores.pop(key) for key in SIDE_KEYS}
+        ref = pair_logps(model, reference, batch, loss_chunk_size=loss_chunk_size, fp8=fp8)
+        scores.update(pair_rows(policy, ref, rows=pair_mask(batch), beta=dpo_beta))
     if "example_weights" in batch:  # which rows are real examples (0: padding that fills a batch)
         scores["example_weights"] = batch["example_weights"].astype(jnp.float32)
     return scores
@@ -208,6 +287,23 @@ class CompiledSteps:
     # ShapeDtypeStructs carrying the shardings (checkpoint restore target)
     abstract_state: TrainState
     batch_sharding: jax.sharding.NamedSharding
+    # DPO with a reference of its own (train/dpo.py): the reference parameters' abstract arrays,
+    # which train, train_voting and eval take as their last argument until `with_reference`
+    # binds them; () otherwise.
+    abstract_reference: tuple[PyTree, ...] = ()
+
+    def with_reference(self, reference: PyTree) -> CompiledSteps:
+        """These steps with the DPO reference parameters bound: called as without DPO."""
+        if not self.abstract_reference:
+            raise ValueError("these steps take no reference parameters")
+
+        def bind(fn):
+            return lambda *args: fn(*args, reference)
+
+        return dataclasses.replace(
+            self, train=bind(self.train), train_voting=bind(self.train_voting),
+            eval=lambda params, batch, fp8=None: self.eval(params, batch, fp8, reference),
+            abstract_reference=())
 
 
 class _NotPersistentlyCached:
@@ -266,6 +362,7 @@ def compile_steps(
     trainable: Trainable = None,
     z_loss_weight: float = 0.0,
     loss_chunk_size: int | None = None,
+    dpo: DpoSteps | None = None,
 ) -> CompiledSteps:
     """Build the sharded init/train/eval functions. Call the results inside `jax.set_mesh(mesh)`.
 
@@ -274,7 +371,9 @@ def compile_steps(
     see `microbatch_size`). `trainable` (a predicate over '/'-joined parameter paths) freezes every
     parameter it rejects: no gradient, no optimizer state, passed through each step unchanged.
     `loss_chunk_size` (positions per block; None: all) computes the loss of train and eval steps
-    without materialising the [B, T, V] logits (train/chunked_loss.py).
+    without materialising the [B, T, V] logits (train/chunked_loss.py). `dpo`: the train and/or
+    eval batches are preference pairs (train/dpo.py); with a reference of its own, the steps take
+    its parameters last (`CompiledSteps.with_reference`).
     """
     check_accum_steps(grad_accum_steps, name="grad_accum_steps")
     check_chunk_size(loss_chunk_size)
@@ -336,49 +435,65 @@ def compile_steps(
         state_shardings,
     )
     batch_sharding = rules_lib.batch_sharding(mesh)
-    def step_fn(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    separate_reference = dpo is not None and dpo.separate_reference
+    # The DPO reference's parameters, sharded as the parameters (never donated: every step reads
+    # them); none without DPO, or with the adapters-off reference.
+    reference_shardings = (param_shardings,) if separate_reference else ()
+    train_beta = dpo.beta if dpo is not None and dpo.train else None
+    eval_beta = dpo.beta if dpo is not None and dpo.eval else None
+
+    def step_fn(state: TrainState, batch: Batch,
+                *reference: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
         return train_step(
             state, batch, model=model, optimizer=optimizer, schedule=schedule,
             dropout_key=dropout_key(), deterministic=deterministic,
             grad_accum_steps=grad_accum_steps, trainable=trainable, z_loss_weight=z_loss_weight,
-            loss_chunk_size=loss_chunk_size,
+            loss_chunk_size=loss_chunk_size, dpo_beta=train_beta,
+            reference=reference[0] if reference else None,
         )
     train = jax.jit(
         _with_rules(step_fn, logical_rules, name="train_step"),
-        in_shardings=(state_shardings, batch_sharding),
+        in_shardings=(state_shardings, batch_sharding, *reference_shardings),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
     )
     # One element per device, over every mesh axis: each process fills its own devices' elements.
     vote_sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
-    def step_and_vote(state: TrainState, batch: Batch, votes: jax.Array):
-        new_state, metrics = step_fn(state, batch)
+    def step_and_vote(state: TrainState, batch: Batch, votes: jax.Array, *reference: PyTree):
+        new_state, metrics = step_fn(state, batch, *reference)
         return new_state, metrics, jnp.max(votes)  # [devices] -> []: any process asked to stop
 
     train_voting = jax.jit(
         _with_rules(step_and_vote, logical_rules, name="train_step"),
-        in_shardings=(state_shardings, batch_sharding, vote_sharding),
+        in_shardings=(state_shardings, batch_sharding, vote_sharding, *reference_shardings),
         out_shardings=(state_shardings, replicated, replicated),
         donate_argnums=(0,),
     )
+
+    def eval_fn(params: PyTree, batch: Batch, fp8: PyTree, *reference: PyTree):
+        if eval_beta is not None and not reference:  # the adapters off (LoRA): the base model
+            adapters, frozen = split_trainable(params, trainable)
+            reference = (join_params(jax.tree.map(jnp.zeros_like, adapters), frozen),)
+        return eval_step(params, batch, model=model, loss_chunk_size=loss_chunk_size, fp8=fp8,
+                         dpo_beta=eval_beta, reference=reference[0] if reference else None)
+
     evaluate_jit = jax.jit(
-        _with_rules(lambda params, batch, fp8: eval_step(
-            params, batch, model=model, loss_chunk_size=loss_chunk_size, fp8=fp8),
-                    logical_rules, name="eval_step"),
+        _with_rules(eval_fn, logical_rules, name="eval_step"),
         # Batches arrive as global arrays already laid out by the feed (rows over data x fsdp x
         # expert).
-        in_shardings=(param_shardings, None, fp8_shardings),
+        in_shardings=(param_shardings, None, fp8_shardings, *reference_shardings),
         out_shardings=replicated,
     )
 
-    def evaluate(params: PyTree, batch: Batch, fp8: PyTree | None = None) -> dict[str, jax.Array]:
+    def evaluate(params: PyTree, batch: Batch, fp8: PyTree | None = None,
+                 *reference: PyTree) -> dict[str, jax.Array]:
         if fp8 is None:
             if jax.tree.leaves(abstract_fp8):
                 raise ValueError("this model runs FP8 matmuls: pass its scaling state, "
                                  "eval(params, batch, fp8=state.fp8)")
             fp8 = {}
-        return evaluate_jit(params, batch, fp8)
+        return evaluate_jit(params, batch, fp8, *reference)
 
     all_finite = jax.jit(
         lambda params: jnp.all(
@@ -400,4 +515,5 @@ def compile_steps(
         state_shardings=state_shardings,
         abstract_state=abstract_state,
         batch_sharding=batch_sharding,
+        abstract_reference=(abstract_state.params,) if separate_reference else (),
     )
