@@ -96,23 +96,27 @@ def row_kind(row: Any, *, where: str) -> RowKind:
         f"{sorted(map(str, row))})")
 
 
-def _check_messages(messages: Any, *, where: str) -> None:
+def check_messages(messages: Any, *, where: str, key: str = MESSAGES_KEY,
+                   needs_assistant: bool = True) -> None:
+    """`messages` (the row's `key`) is a non-empty list of {role, content} messages; a chat row's
+    also holds an assistant message (`needs_assistant`), else nothing would be learned."""
+    label = "message" if key == MESSAGES_KEY else f"{key!r} message"
     if not isinstance(messages, list):
-        raise BadRowError(f"{where}: {MESSAGES_KEY!r} must be a list of messages, got "
+        raise BadRowError(f"{where}: {key!r} must be a list of messages, got "
                           f"{type(messages).__name__}")
     if not messages:
-        raise BadRowError(f"{where}: an empty conversation ({MESSAGES_KEY!r} is [])")
+        raise BadRowError(f"{where}: an empty conversation ({key!r} is [])")
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise BadRowError(f"{where}: message {index} is not an object with role and content")
+            raise BadRowError(f"{where}: {label} {index} is not an object with role and content")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
-            raise BadRowError(f"{where}: message {index} has no role (a non-empty string)")
+            raise BadRowError(f"{where}: {label} {index} has no role (a non-empty string)")
         if not isinstance(content, str):
             got = "none" if content is None else f"a {type(content).__name__}"
-            raise BadRowError(f"{where}: message {index} ({role}) needs a string content, got "
+            raise BadRowError(f"{where}: {label} {index} ({role}) needs a string content, got "
                               f"{got}")
-    if not any(message["role"] == ASSISTANT_ROLE for message in messages):
+    if needs_assistant and not any(message["role"] == ASSISTANT_ROLE for message in messages):
         raise BadRowError(f"{where}: no {ASSISTANT_ROLE!r} message, so nothing to learn (roles "
                           f"{[message['role'] for message in messages]})")
 
@@ -156,7 +160,7 @@ class RowEncoder:
         """A conversation's ids and its assistant tokens (the module docstring's convention)."""
         if self.template is None:
             raise BadRowError(f"{where}: a chat row, but no chat template was given")
-        _check_messages(messages, where=where)
+        check_messages(messages, where=where)
         ids = self.conversation_ids(messages, add_generation_prompt=False, where=where)
         loss = np.zeros(len(ids), dtype=bool)
         for index, message in enumerate(messages):
@@ -178,7 +182,7 @@ class RowEncoder:
                     "not a prefix of the whole conversation (in tokens): the chat template "
                     f"({self.template.origin}) writes it differently once later messages follow")
             loss[len(before):len(through)] = True
-        return _example(ids, loss)
+        return learned_example(ids, loss)
 
     def encode_prompt_completion(self, *, prompt: Any, completion: Any,
                                  where: str) -> ChatExample:
@@ -197,10 +201,11 @@ class RowEncoder:
         completion_ids = [*self.tokenizer.encode(completion), self.tokenizer.eos_id]
         loss = np.zeros(len(prompt_ids) + len(completion_ids), dtype=bool)
         loss[len(prompt_ids):] = True
-        return _example(prompt_ids + completion_ids, loss)
+        return learned_example(prompt_ids + completion_ids, loss)
 
 
-def _example(ids: list[int], loss: np.ndarray) -> ChatExample:
+def learned_example(ids: list[int], loss: np.ndarray) -> ChatExample:
+    """The example of `ids`, learned where `loss` says except at token 0."""
     loss[:1] = False  # nothing before token 0 predicts it
     return ChatExample(ids=np.asarray(ids, dtype=np.int32), loss=loss)
 
@@ -224,7 +229,9 @@ class PackedRow:
 
 
 @dataclasses.dataclass(kw_only=True)
-class _RowBuilder:
+class RowBuilder:
+    """A row being filled: its examples in order (segments 1, 2, ...) and what it counts."""
+
     first_example: int
     parts: list[ChatExample] = dataclasses.field(default_factory=list)
     used: int = 0
@@ -262,7 +269,7 @@ def pack_examples(examples: Iterable[ChatExample], *, seq_len: int, overlong: Ov
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     overlong = Overlong(overlong)
-    current = _RowBuilder(first_example=first_example)
+    current = RowBuilder(first_example=first_example)
     end = first_example  # past the last example seen
     for index, example in enumerate(examples, start=first_example):
         end = index + 1
@@ -279,7 +286,7 @@ def pack_examples(examples: Iterable[ChatExample], *, seq_len: int, overlong: Ov
             length = seq_len
         if current.parts and current.used + length > seq_len:
             yield current.row(seq_len=seq_len, next_example=index)
-            current = _RowBuilder(first_example=index)
+            current = RowBuilder(first_example=index)
         current.parts.append(example)
         current.used += length
         current.truncated += int(cut)

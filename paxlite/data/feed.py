@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from paxlite.data import chat_pipeline
+from paxlite.data import chat_pipeline, dpo_pipeline
 from paxlite.data.context_order import balance_batch_for_seq
 from paxlite.data.errors import DatasetError
 from paxlite.data.feeding import FeedPlan
@@ -467,6 +467,8 @@ def make_feed(config, *, plan: FeedPlan) -> Feed:
     """The feed for a data or eval-task config; `plan` says which rows this process supplies."""
     if isinstance(config, chat_pipeline.ChatTrainConfig | chat_pipeline.ChatEvalConfig):
         return chat_pipeline.make_chat_feed(config, plan=plan)
+    if isinstance(config, dpo_pipeline.DpoTrainConfig | dpo_pipeline.DpoEvalConfig):
+        return dpo_pipeline.make_dpo_feed(config, plan=plan)
     if isinstance(config, LambadaEvalConfig):
         return LambadaFeed(config, plan=plan)
     if isinstance(config, BoolQEvalConfig):

@@ -27,6 +27,7 @@ from paxlite.config.experiment import Experiment
 from paxlite.experiments.attention_settings import AttentionSettings, check_attention_settings
 from paxlite.experiments.chat_settings import ChatSettings
 from paxlite.experiments.data_settings import DataSettings, DataSource, TfdsSettings
+from paxlite.experiments.dpo_settings import DpoSettings
 from paxlite.experiments.lm_eval_settings import LmEvalSettings
 from paxlite.experiments.loop_settings import (
     BatchSettings,
@@ -59,10 +60,10 @@ class TransformerLmSettings(DataSettings, RunSettings, ModelLayerSettings, LoopS
     settings paxlite adds (LanguageModelExperiment); not registered, not runnable."""
 
 
-class LanguageModelExperiment(ChatSettings, WandbSettings, Fp8Settings, ExpertParallelSettings,
-                              LoraSettings, CheckpointRestoreSettings, AttentionSettings,
-                              GlobalBatchSettings, TfdsSettings, LmEvalSettings,
-                              TransformerLmSettings):
+class LanguageModelExperiment(DpoSettings, ChatSettings, WandbSettings, Fp8Settings,
+                              ExpertParallelSettings, LoraSettings, CheckpointRestoreSettings,
+                              AttentionSettings, GlobalBatchSettings, TfdsSettings,
+                              LmEvalSettings, TransformerLmSettings):
     """Base of every registered experiment: maps hyperparameters to a `RunConfig` Fiddle tree."""
 
     def validate(self) -> None:
@@ -89,7 +90,8 @@ class LanguageModelExperiment(ChatSettings, WandbSettings, Fp8Settings, ExpertPa
     # for two of them): all must be local or mounted paths (paxlite/paths.py says why).
     path_settings: ClassVar[tuple[str, ...]] = (
         "DATA_DIR", "VOCAB_PATH", "TFDS_DATA_DIR", "LAMBADA_PATH", "BOOLQ_PATH", "BOOLQ_TRAIN_PATH",
-        "CHECKPOINT_RESTORE_PATH", "CHAT_DATA", "CHAT_EVAL_DATA", "CHAT_TEMPLATE",
+        "CHECKPOINT_RESTORE_PATH", "CHAT_DATA", "CHAT_EVAL_DATA", "CHAT_TEMPLATE", "DPO_DATA",
+        "DPO_EVAL_DATA", "DPO_REFERENCE_PATH",
     )
 
     def _path_problems(self) -> list[str]:
@@ -128,4 +130,5 @@ class LanguageModelExperiment(ChatSettings, WandbSettings, Fp8Settings, ExpertPa
             loop=self.loop_config(),
             lm_eval=self.lm_eval_config(),
             wandb=self.wandb_config(),
+            dpo=self.dpo_config(),
         )

@@ -53,15 +53,17 @@ class DataSettings:
     VOCAB_PATH: str | None = None  # SentencePiece model; None: the VOCAB_PATH environment variable
     # What EVAL_INTERVAL_STEPS / --mode=eval score: the training data's validation split, or a
     # zero-shot task.
-    # "chat": the loss of the learned tokens of CHAT_EVAL_DATA (chat_settings.py).
-    EVAL_TASK: Literal["validation", "lambada", "boolq", "chat"] = "validation"
+    # "chat": the loss of the learned tokens of CHAT_EVAL_DATA (chat_settings.py); "dpo": the
+    # preference pairs of DPO_EVAL_DATA (dpo_settings.py).
+    EVAL_TASK: Literal["validation", "lambada", "boolq", "chat", "dpo"] = "validation"
     LAMBADA_PATH: str | None = None  # lambada_test.jsonl ({"text": ...} lines), EVAL_TASK="lambada"
     BOOLQ_PATH: str | None = None  # SuperGLUE BoolQ val.jsonl (passage, question, label), "boolq"
     # What training reads: "text" (DATA_DIR / TFDS_DATASET, language modelling) or "boolq"
     # (supervised fine-tuning on BoolQ's train split, one example per row, loss on the answer
     # token; BOOLQ_TRAIN_PATH or super_glue/boolq:1.0.2), or "chat" (conversations or
-    # prompt/completion rows from CHAT_DATA, loss on what the assistant says; chat_settings.py).
-    TRAIN_TASK: Literal["text", "boolq", "chat"] = "text"
+    # prompt/completion rows from CHAT_DATA, loss on what the assistant says; chat_settings.py),
+    # or "dpo" (preference pairs from DPO_DATA; dpo_settings.py).
+    TRAIN_TASK: Literal["text", "boolq", "chat", "dpo"] = "text"
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
@@ -85,7 +87,7 @@ class DataSettings:
                     f"{name} is read only with {switch}={value!r}, and "
                     f"{switch}={getattr(self, switch)!r}: add --fdl.{switch}={value!r}, or drop "
                     f"{name}")
-        return problems + self.unread_chat_problems()
+        return problems + self.unread_chat_problems() + self.unread_dpo_problems()
 
     def row_fields(self, config_class: type) -> dict[str, Any]:
         """How every data config cuts rows (tokenizer, vocabulary, sequence length, packing, seed),
@@ -108,6 +110,8 @@ class DataSettings:
             return None
         if self.EVAL_TASK == "chat":
             return self.chat_eval_config()
+        if self.EVAL_TASK == "dpo":
+            return self.dpo_eval_config()
         if self.EVAL_TASK == "boolq":
             return self.boolq_config()
         source = self.task_source(path_name="LAMBADA_PATH", needs=(
@@ -159,6 +163,8 @@ class DataSettings:
     def data_config(self) -> fdl.Config[SyntheticDataConfig] | fdl.Config[TextDataConfig] | None:
         if self.TRAIN_TASK == "chat":  # over a synthetic experiment's default, not an explicit one
             return self.chat_train_config()
+        if self.TRAIN_TASK == "dpo":  # the same
+            return self.dpo_train_config()
         if self.uses_synthetic_data():
             return fdl.Config(SyntheticDataConfig, **self.row_fields(SyntheticDataConfig))
         if self.TRAIN_TASK == "boolq":

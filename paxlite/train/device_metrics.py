@@ -80,9 +80,11 @@ class StepMetrics:
 
 
 # ------------------------------------------------------------------ evaluation sums
-def eval_totals_init() -> dict[str, tuple[jax.Array, jax.Array]]:
+def eval_totals_init(keys: Sequence[str] = EVAL_SUM_KEYS) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """Zero totals of `keys` (the eval step's per-row sums: EVAL_SUM_KEYS, and a DPO
+    evaluation's pair terms)."""
     zero = jnp.zeros((), jnp.float32)
-    return {key: (zero, zero) for key in EVAL_SUM_KEYS}
+    return {key: (zero, zero) for key in keys}
 
 
 def _two_sum(carry: tuple[jax.Array, jax.Array], x: jax.Array):
@@ -100,7 +102,7 @@ def eval_totals_add(totals: dict[str, tuple[jax.Array, jax.Array]],
     """Add one batch's per-row sums to the running totals, row by row with TwoSum: the totals
     equal a float64 sum of the float32 row values (to ~1e-14 relative), however many batches."""
     return {key: jax.lax.scan(_two_sum, totals[key], scores[key].astype(jnp.float32).reshape(-1))[0]
-            for key in EVAL_SUM_KEYS}
+            for key in totals}
 
 
 def eval_totals_value(host_totals: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:

@@ -17,11 +17,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from paxlite.data.chat_pipeline import chat_eval_metrics
+from paxlite.data.dpo_pipeline import dpo_eval_counts
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import Feed, eval_sources, prefetch_eval_batches
 from paxlite.eval.boolq import boolq_acc
 from paxlite.eval.lambada import acc_strict
 from paxlite.train import device_metrics
+from paxlite.train.dpo import PAIR_SUM_KEYS, pair_metrics
 from paxlite.train.step import CompiledSteps, TrainState
 from paxlite.train.watchdog import Watchdog
 
@@ -53,7 +55,8 @@ class Evaluator:
         if not sources:
             sums, per_example = self._sums(state, data, watchdog=watchdog)
             metrics = _metrics(sums, per_example, prefix=data.metric_prefix)
-            return {**metrics, **chat_eval_metrics(data, metrics)}  # EVAL_TASK=chat: chat/...
+            # EVAL_TASK=chat: chat/...; EVAL_TASK=dpo: dpo/pairs, ...
+            return {**metrics, **chat_eval_metrics(data, metrics), **dpo_eval_counts(data)}
         metrics: dict[str, float] = {}
         pooled: dict[str, float] = {}
         for name, feed in sources.items():
@@ -65,7 +68,7 @@ class Evaluator:
     def _sums(self, state: TrainState, data: Feed, *,
               watchdog: Watchdog | None) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """(the eval sums, the per-example scores) of `num_batches` batches of `data`."""
-        totals = device_metrics.eval_totals_init()
+        totals = None  # made from the first batch's scores: a DPO evaluation sums pair terms too
         per_example: dict[str, list[jax.Array]] = {
             "correct": [],
             "targets": [],
@@ -85,6 +88,10 @@ class Evaluator:
                 else:
                     out = self._steps.eval(state.params, batch, state.fp8)
                 self._compiled = True
+                if totals is None:
+                    totals = device_metrics.eval_totals_init(
+                        [key for key in (*device_metrics.EVAL_SUM_KEYS, *PAIR_SUM_KEYS)
+                         if key in out])
                 totals = device_metrics.eval_totals_add(totals, out)
                 dispatched.append(totals)
                 if len(dispatched) > self._steps_ahead:
@@ -97,6 +104,8 @@ class Evaluator:
                     per_example["weights"].append(out["example_weights"])
                 if "choice_correct" in out:  # a two-way choice per example (BoolQ)
                     per_example["choice"].append(out["choice_correct"])
+            if totals is None:  # no batch at all: said by _metrics (no weighted tokens)
+                totals = device_metrics.eval_totals_init()
             host_totals, per_example = jax.device_get((totals, per_example))
         return device_metrics.eval_totals_value(host_totals), per_example
 
@@ -106,6 +115,7 @@ def _metrics(sums: dict[str, float], per_example: dict, *, prefix: str = "") -> 
     scores where there are any."""
     if sums["target_tokens"] == 0:
         raise DatasetError("the evaluation data has no weighted tokens; nothing to evaluate")
+    dpo = pair_metrics(sums) if "pairs" in sums else {}  # EVAL_TASK=dpo: dpo/loss, ...
     loss = sums["loss_sum"] / sums["target_tokens"]
     metrics = {
         "loss": loss,
@@ -113,6 +123,7 @@ def _metrics(sums: dict[str, float], per_example: dict, *, prefix: str = "") -> 
         "log_pplx": loss,
         "num_tokens": sums["target_tokens"],
     }
+    metrics.update(dpo)
     if per_example.get("choice"):  # Pax's boolq_acc: the right answer's logit beats the other's
         metrics[f"{prefix}acc"] = boolq_acc(
             choice_correct=np.concatenate(per_example["choice"]),

@@ -23,6 +23,7 @@ from absl import logging
 
 from paxlite.checkpointing.checkpoint import CheckpointSaveError
 from paxlite.data.chat_pipeline import chat_train_summaries
+from paxlite.data.dpo_pipeline import dpo_train_summaries
 from paxlite.data.feed import mixture_summaries, prefetch_train_batches
 from paxlite.errors import NotFoundError, RunStoppedError
 from paxlite.models.transformer import Transformer
@@ -93,12 +94,15 @@ class Run:
         self._evaluator = Evaluator(self.steps, self.mesh, num_batches=config.loop.eval_num_batches,
                                     steps_ahead=_STEPS_AHEAD)
         self._pretrained_plan: run_build.PretrainedPlan | None = None
-        if config.loop.checkpoint_restore_path is not None and not self.checkpointer.all_steps():
-            try:  # checked now, before any state is built
+        try:  # checked now, before any state is built
+            if (config.loop.checkpoint_restore_path is not None
+                    and not self.checkpointer.all_steps()):
                 self._pretrained_plan = self._plan_pretrained()
-            except Exception:
-                self.close()
-                raise
+            if self.steps.abstract_reference and config.dpo.reference_path is not None:
+                run_build.reference_plan(config, abstract_params=self.steps.abstract_reference[0])
+        except Exception:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.checkpointer.close()
@@ -149,6 +153,30 @@ class Run:
                          "provides parameters only", len(jax.tree.leaves(state.fp8)))
         return state.replace(params=join_params(loaded, state.params))
 
+    def _bind_reference(self) -> None:
+        self.steps = self._with_reference()
+        self._evaluator = Evaluator(self.steps, self.mesh,
+                                    num_batches=self.config.loop.eval_num_batches,
+                                    steps_ahead=_STEPS_AHEAD)
+
+    def _with_reference(self) -> CompiledSteps:
+        """The compiled steps with the DPO reference bound (train/dpo.py): DPO_REFERENCE_PATH's
+        parameters, else those training starts from (CHECKPOINT_RESTORE_PATH's over a fresh
+        initialisation, as at step 0 of this job, also on a resume). A LoRA run without
+        DPO_REFERENCE_PATH has no reference of its own (the adapters off)."""
+        if not self.steps.abstract_reference:
+            return self.steps
+        with jax.set_mesh(self.mesh):
+            if self.config.dpo.reference_path is not None:
+                reference = run_build.read_reference(self.config, abstract_params=self.steps
+                                                     .abstract_reference[0])
+            else:
+                reference = self._init_state().params
+                logging.info("DPO reference: the parameters this job started from (%s)",
+                             self.config.loop.checkpoint_restore_path
+                             or f"initialised from seed {self.config.loop.seed}")
+        return self.steps.with_reference(reference)
+
     def _plan_pretrained(self) -> run_build.PretrainedPlan:
         return run_build.pretrained_plan(self.config,
                                          abstract_params=self.steps.abstract_state.params)
@@ -180,6 +208,7 @@ class Run:
                 "--fdl.CHECKPOINT_RESTORE_PATH"
             )
         step, state = restored
+        self._bind_reference()
         metrics = self.evaluate(state)
         self.writer.write_eval(step, metrics)
         if self.lm_eval is not None:
@@ -225,6 +254,7 @@ class Run:
     def _train(self, preemption: Preemption, watchdog: Watchdog) -> TrainState:
         loop = self.config.loop
         state = self.restore_or_init()
+        self._bind_reference()
         start = int(jax.device_get(state.step))
         if start >= loop.max_steps:
             logging.info("Checkpoint step %d >= MAX_STEPS=%d: nothing to train", start,
@@ -279,7 +309,8 @@ class Run:
                     # TRAIN_TASK=chat's data/chat/ counts
                     self._write_train(step, host, timing=timer.summary(),
                                       extra={**mixture_summaries(self.data, position),
-                                             **chat_train_summaries(self.data)})
+                                             **chat_train_summaries(self.data),
+                                             **dpo_train_summaries(self.data)})
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
                     self.writer.write_eval(step, self.evaluate(state, watchdog=watchdog))

@@ -10,16 +10,20 @@ restore path before any state is built.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import optax
 from absl import logging
 from flax import traverse_util
 
 from paxlite.checkpointing import pretrained
 from paxlite.checkpointing.checkpoint import Checkpointer
+from paxlite.checkpointing.pretrained import PretrainedCheckpointError
 from paxlite.data.context_order import check_seq_divides
+from paxlite.data.dpo_pipeline import DpoEvalConfig, DpoTrainConfig
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import Feed, make_feed
 from paxlite.data.feeding import plan_feeding
@@ -29,6 +33,7 @@ from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
 from paxlite.parallel import rules as rules_lib
 from paxlite.train import flops as flops_lib
+from paxlite.train.dpo import DpoSteps
 from paxlite.train.grad_accum import microbatch_size, pipeline_microbatches
 from paxlite.train.lm_eval_hook import LmEvalScorer
 from paxlite.train.metrics import MetricsWriter
@@ -155,6 +160,17 @@ def check_data_position(checkpointer: Checkpointer, *, data: Feed | None) -> Non
         data.restore(record, step=steps[-1])
 
 
+def dpo_steps(config: RunConfig) -> DpoSteps | None:
+    """What the steps need of DPO (train/dpo.py): which read preference pairs, and whether the
+    reference has parameters of its own (not LoRA's base with the adapters off)."""
+    if config.dpo is None:
+        return None
+    lora = config.model.lora_rank is not None
+    return DpoSteps(beta=config.dpo.beta, train=isinstance(config.data, DpoTrainConfig),
+                    eval=isinstance(config.eval_task, DpoEvalConfig),
+                    separate_reference=config.dpo.reference_path is not None or not lora)
+
+
 def compile_run_steps(config: RunConfig, *, mesh: jax.sharding.Mesh, model: Transformer,
                       schedule: optax.Schedule) -> CompiledSteps:
     """The run's train and eval steps, jitted with its shardings (train/step.py)."""
@@ -175,6 +191,7 @@ def compile_run_steps(config: RunConfig, *, mesh: jax.sharding.Mesh, model: Tran
             trainable=is_lora_path if config.model.lora_rank is not None else None,
             # TE layers (ENABLE_TE) name their parameters TE's way: the table gains them
             logical_rules=te_logical_axis_rules(config.model, rules_lib.DEFAULT_RULES),
+            dpo=dpo_steps(config),
         )
 
 
@@ -210,6 +227,38 @@ def pretrained_plan(config: RunConfig, *, abstract_params) -> PretrainedPlan:
     wanted, ignored = pretrained.restore_plan(abstract_params, rules=rules, path=path)
     unread = pretrained.unread_checkpoint_params(abstract_params, rules=rules, path=path)
     return PretrainedPlan(wanted=wanted, ignored=ignored, unread=unread)
+
+
+def reference_plan(config: RunConfig, *, abstract_params) -> dict:
+    """The parameters to read from DPO_REFERENCE_PATH ('/'-joined path -> abstract array): every
+    model parameter but LoRA's adapters, which the reference has off (zero). A path that is not a
+    complete checkpoint is said before any state is built."""
+    path = config.dpo.reference_path
+    try:
+        pretrained.find_checkpoint(path)
+    except PretrainedCheckpointError as e:
+        raise PretrainedCheckpointError(f"DPO_REFERENCE_PATH: {e}") from None
+    flat = traverse_util.flatten_dict(abstract_params, sep="/")
+    return {name: leaf for name, leaf in flat.items() if not is_lora_path(name)}
+
+
+def _zeros(leaf: jax.ShapeDtypeStruct) -> jax.Array:
+    return jax.jit(functools.partial(jnp.zeros, leaf.shape, leaf.dtype),
+                   out_shardings=leaf.sharding)()
+
+
+def read_reference(config: RunConfig, *, abstract_params) -> dict:
+    """The DPO reference's parameters from DPO_REFERENCE_PATH, sharded as the parameters; LoRA's
+    adapters zero (a reference with trained adapters: merge them first, export_merged)."""
+    wanted = reference_plan(config, abstract_params=abstract_params)
+    step, loaded = pretrained.restore_params(config.dpo.reference_path,
+                                             traverse_util.unflatten_dict(wanted, sep="/"))
+    logging.info("DPO reference: %d parameters from DPO_REFERENCE_PATH=%s (its step %d)",
+                 len(wanted), config.dpo.reference_path, step)
+    flat = traverse_util.flatten_dict(abstract_params, sep="/")
+    adapters = {name: _zeros(leaf) for name, leaf in flat.items() if name not in wanted}
+    return traverse_util.unflatten_dict(
+        {**traverse_util.flatten_dict(loaded, sep="/"), **adapters}, sep="/")
 
 
 def read_pretrained(config: RunConfig, *, plan: PretrainedPlan) -> dict:

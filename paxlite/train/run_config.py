@@ -18,6 +18,7 @@ from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 from paxlite.models.transformer import TransformerConfig
 from paxlite.parallel.mesh import MeshConfig
+from paxlite.train.dpo import DpoConfig
 from paxlite.train.optimizer import OptimizerConfig
 from paxlite.train.schedules import ScheduleConfig
 
@@ -110,3 +111,5 @@ class RunConfig:
     loop: LoopConfig
     lm_eval: LmEvalConfig | None = None  # LM_EVAL_TASKS; None: no lm-evaluation-harness scoring
     wandb: WandbConfig | None = None  # WANDB_PROJECT; None: no Weights & Biases
+    # DPO_BETA / DPO_REFERENCE_PATH, where TRAIN_TASK or EVAL_TASK is dpo (train/dpo.py)
+    dpo: DpoConfig | None = None
