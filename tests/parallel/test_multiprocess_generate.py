@@ -1,4 +1,4 @@
-"""`python -m paxlite generate` over two processes (4 CPU devices each, Pax's --multiprocess_gpu
+"""`python -m paxlite generate` over two processes (2 CPU devices each, Pax's --multiprocess_gpu
 flags, JAX's gloo collectives): one SPMD decode loop over a mesh whose data axis spans the
 processes, the KV cache sharded across both. The tokens equal a one-process greedy reference, and
 only process 0 prints them."""
@@ -66,11 +66,11 @@ def test_two_processes_generate_the_one_process_tokens(tmp_path):
     procs = [subprocess.Popen(
         [sys.executable, "-m", "paxlite", "generate", f"--checkpoint={tmp_path / 'model'}",
          "--fdl_config=TinySynthetic", *MODEL,
-         "--fdl.ICI_MESH_SHAPE=[1,2,2]", "--fdl.DCN_MESH_SHAPE=[2,1,1]",  # data over processes
+         "--fdl.ICI_MESH_SHAPE=[1,2,1]", "--fdl.DCN_MESH_SHAPE=[2,1,1]",  # data over processes
          *[f"--prompt_ids={','.join(map(str, p))}" for p in PROMPTS],
          f"--max_new_tokens={NEW}", "--format=json", "--multiprocess_gpu",
          f"--server_addr=127.0.0.1:{port}", "--num_hosts=2", f"--host_idx={i}"],
-        env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)]
     try:
         outputs = [p.communicate(timeout=240) for p in procs]

@@ -25,11 +25,13 @@ def _stopped_at(text: str) -> int:
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     job = tmp_path / "job"
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
-    flags = [*EXPERIMENT, "--fdl.CHECKPOINT_EVERY_N_STEPS=100000"]
+    # fsdp over each process's 2 devices (_start_pair), data over the processes
+    mesh = ("--fdl.ICI_MESH_SHAPE=", "--fdl.DCN_MESH_SHAPE=")
+    flags = [*(f for f in EXPERIMENT if not f.startswith(mesh)), "--fdl.ICI_MESH_SHAPE=[1,2,1]",
+             "--fdl.DCN_MESH_SHAPE=[2,1,1]", "--fdl.CHECKPOINT_EVERY_N_STEPS=100000"]
     sparse = [f for f in flags if not f.startswith("--fdl.SUMMARY_INTERVAL_STEPS=")]
-    procs = _start_pair(
-        job, [*sparse, "--fdl.SUMMARY_INTERVAL_STEPS=3", "--fdl.MAX_STEPS=100000"], tmp_path
-    )
+    procs = _start_pair(job, [*sparse, "--fdl.SUMMARY_INTERVAL_STEPS=3", "--fdl.MAX_STEPS=100000"],
+                        tmp_path, devices_per_process=2)
     try:
         deadline = time.monotonic() + 180
         while not (job / "metrics.jsonl").exists() or len(_train_losses(job)) < 2:
@@ -47,7 +49,8 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     first = sorted(_train_losses(job))
     assert first == list(range(3, stop + 1, 3)), (first, stop)  # nothing summarised past the stop
 
-    procs = _start_pair(job, [*flags, f"--fdl.MAX_STEPS={stop + 2}"], tmp_path)
+    procs = _start_pair(job, [*flags, f"--fdl.MAX_STEPS={stop + 2}"], tmp_path,
+                        devices_per_process=2)
     _finish(procs, logs, timeout=240)
     assert all(f"Resumed from checkpoint step {stop}" in log.read_text() for log in logs)
     assert sorted(_train_losses(job)) == [*first, stop + 1, stop + 2]

@@ -9,6 +9,7 @@ the parameters.
 """
 
 import json
+import random
 import shutil
 
 import jax
@@ -18,10 +19,12 @@ from flax import linen as nn
 
 from paxlite.checkpointing import pretrained
 from paxlite.checkpointing.checkpoint import Checkpointer
+from paxlite.data.prepare import prepare
+from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import abstract_variables
 from tests.parallel.test_multiprocess import _finish, _start_pair, _train_losses
-from tests.train.test_text_training import make_text_dataset
+from tests.train.test_text_training import WORDS
 
 STEPS = 3  # per phase; the interrupted pair trains STEPS, then resumes to 2 x STEPS
 MODEL = ["NUM_LAYERS=1", "MODEL_DIMS=32", "NUM_HEADS=4", "DIMS_PER_HEAD=8", "HIDDEN_DIMS=64",
@@ -29,8 +32,19 @@ MODEL = ["NUM_LAYERS=1", "MODEL_DIMS=32", "NUM_HEADS=4", "DIMS_PER_HEAD=8", "HID
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_text_dataset(tmp_path_factory.mktemp("text"), num_paragraphs=200)
+def dataset(tmp_path_factory) -> tuple[str, str]:
+    """(data dir, vocab path): 200 seeded random paragraphs in 2 shards, as test_text_training's
+    make_text_dataset writes them but with no validation split: the runs train without evaluating
+    (nothing here reads an eval), which spares each of the four processes an eval step's compile."""
+    root = tmp_path_factory.mktemp("text")
+    rng = random.Random(0)
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))
+                                  for _ in range(200)) + "\n")
+    vocab = train_tokenizer([str(corpus)], str(root / "spm"), vocab_size=300)
+    prepare([str(corpus)], str(root / "data"), vocab_path=vocab, validation_fraction=0.0,
+            num_shards=2)
+    return str(root / "data"), vocab
 
 
 def _overrides(dataset) -> list[str]:
@@ -39,12 +53,10 @@ def _overrides(dataset) -> list[str]:
         f"DATA_DIR={data_dir}",
         f"VOCAB_PATH={vocab}",
         *MODEL,
-        "ICI_MESH_SHAPE=[1,2,2]",
-        "DCN_MESH_SHAPE=[2,1,1]",
+        "ICI_MESH_SHAPE=[1,2,1]",  # fsdp over each process's 2 devices (_start_pair)
+        "DCN_MESH_SHAPE=[2,1,1]",  # data over the processes: each reads its own rows
         "SUMMARY_INTERVAL_STEPS=1",
         f"CHECKPOINT_EVERY_N_STEPS={STEPS}",
-        "EVAL_INTERVAL_STEPS=1000",
-        "EVAL_LOOP_NUM_BATCHES=1",
         "LEARNING_RATE=1e-2",
         "LR_COS_WARMUP=1",
         f"LR_COS_DECAY_END={4 * STEPS}",
@@ -88,11 +100,12 @@ def test_two_processes_resume_text_training_exactly(tmp_path, dataset):
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     ref_logs = [tmp_path / "ref_logs" / "process0.log", tmp_path / "ref_logs" / "process1.log"]
     # The uninterrupted pair commits a checkpoint at STEPS on its way to 2 x STEPS.
-    _finish(_start_pair(ref, _flags(dataset, 2 * STEPS), tmp_path / "ref_logs"), ref_logs,
-            timeout=240)
+    _finish(_start_pair(ref, _flags(dataset, 2 * STEPS), tmp_path / "ref_logs",
+                        devices_per_process=2), ref_logs, timeout=240)
     _stopped_at_steps(ref, job)
     # the interrupted pair's second start: it resumes from the checkpoint at STEPS
-    _finish(_start_pair(job, _flags(dataset, 2 * STEPS), tmp_path), logs, timeout=240)
+    _finish(_start_pair(job, _flags(dataset, 2 * STEPS), tmp_path, devices_per_process=2), logs,
+            timeout=240)
 
     assert all(f"Resumed from checkpoint step {STEPS}" in log.read_text() for log in logs)
     with Checkpointer(job / "checkpoints", save_interval_steps=STEPS, max_to_keep=None) as ckpt:

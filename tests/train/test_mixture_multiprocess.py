@@ -15,7 +15,8 @@ from paxlite.experiments.build import build_run_config
 from tests.parallel.test_multiprocess import _finish, _start_pair
 from tests.train.test_mixture_training import _overrides, sources  # noqa: F401 (a fixture)
 
-MESH = ["ICI_MESH_SHAPE=[1,2,2]", "DCN_MESH_SHAPE=[2,1,1]"]
+# fsdp over each process's 2 devices (_start_pair), data over the processes: each reads its own rows
+MESH = ["ICI_MESH_SHAPE=[1,2,1]", "DCN_MESH_SHAPE=[2,1,1]"]
 
 
 def _flags(sources, max_steps):  # noqa: F811
@@ -29,7 +30,8 @@ def test_two_processes_resume_a_mixture_and_sum_its_fractions(tmp_path, sources)
     job = tmp_path / "job"
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     for max_steps in (3, 5):  # the second start resumes from the checkpoint at 3
-        _finish(_start_pair(job, _flags(sources, max_steps), tmp_path), logs, timeout=240)
+        _finish(_start_pair(job, _flags(sources, max_steps), tmp_path, devices_per_process=2),
+                logs, timeout=240)
     assert all("Resumed from checkpoint step 3" in log.read_text() for log in logs)
 
     _, config = build_run_config("TinyShakespeare", _overrides(sources, 5, *MESH))
