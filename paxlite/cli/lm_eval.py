@@ -7,6 +7,7 @@ checkpoint.
         --tasks=T1,T2 [--num_fewshot=N --limit=N --batch_size=N --include_path=DIR]
         [--output_path=FILE.json --log_samples --seed=R,N,T,F --gen_kwargs=K=V,...]
         [--add_bos=auto|true|false]
+        [--apply_chat_template[=NAME] --system_instruction=TEXT --fewshot_as_multiturn[=BOOL]]
         [--multiprocess_gpu --server_addr=HOST:PORT --num_hosts=N --host_idx=I]
 
 The model, its parameters, its tokenizer and BOS are found exactly as `generate` finds them
@@ -59,6 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tasks.add_argument("--gen_kwargs", default=None,
                        help="generation settings over every generate_until task's own, as "
                             "lm_eval takes them: 'max_gen_toks=64,until=.' (sampling is refused)")
+    chat = parser.add_argument_group("instruct formatting (lm_eval's flags)")
+    chat.add_argument("--apply_chat_template", nargs="?", const=True, default=False,
+                      metavar="NAME", help="render prompts with the tokenizer's chat template "
+                      "(optionally one of its named templates), as lm_eval's hf model does")
+    chat.add_argument("--system_instruction", default=None, metavar="TEXT",
+                      help="a system message before each prompt")
+    chat.add_argument("--fewshot_as_multiturn", nargs="?", const=True, default=None,
+                      type=lambda text: text.lower() in ("true", "1", "yes"), metavar="BOOL",
+                      help="few-shot examples as turns of the chat (default: with "
+                           "--apply_chat_template)")
     parser.add_argument("--add_bos", choices=[c.value for c in BosChoice], default=None,
                         help="start text with the tokenizer's BOS id; auto (the default): as the "
                              "model family was trained (as `generate`)")
@@ -114,6 +125,9 @@ def _check_arguments(args: argparse.Namespace) -> list[str]:
         if bad or not args.gen_kwargs.strip():
             raise SettingError(f"--gen_kwargs={args.gen_kwargs!r} is not key=value pairs separated "
                                "by commas (e.g. --gen_kwargs=max_gen_toks=64)")
+    if args.fewshot_as_multiturn and not args.apply_chat_template:
+        raise SettingError("--fewshot_as_multiturn needs --apply_chat_template (the turns are "
+                           "the chat's)")
     if args.include_path is not None and not os.path.isdir(args.include_path):
         raise NotFoundError(f"--include_path={args.include_path} is not a directory")
     if args.output_path is not None:
@@ -145,6 +159,12 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
             "--fdl.VOCAB_PATH=/path/to/spm.model or set VOCAB_PATH")
     bos = model_source.bos_id(BosChoice(args.add_bos or BosChoice.AUTO), model,
                               tokenizer)
+    chat = None
+    if args.apply_chat_template:  # a missing template is one line, before any parameter is read
+        from paxlite.data.chat_template import chat_template_for
+
+        name = args.apply_chat_template if isinstance(args.apply_chat_template, str) else None
+        chat = chat_template_for(tokenizer, template_name=name)
     import_lm_eval()
     manager = task_manager(args.include_path, tasks)  # every process: an unknown task, exit 2
 
@@ -161,7 +181,10 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
                        num_fewshot=args.num_fewshot, limit=_limit(args.limit),
                        include_path=args.include_path, log_samples=args.log_samples,
                        bootstrap_iters=args.bootstrap_iters, manager=manager,
-                       gen_kwargs=args.gen_kwargs, **_seeds(args.seed))
+                       gen_kwargs=args.gen_kwargs, chat=chat,
+                       apply_chat_template=args.apply_chat_template,
+                       system_instruction=args.system_instruction,
+                       fewshot_as_multiturn=args.fewshot_as_multiturn, **_seeds(args.seed))
     if process != 0 or results is None:
         return 0
     _report(results, args)
@@ -174,7 +197,8 @@ def _report(results: dict, args: argparse.Namespace) -> None:
     results.setdefault("config", {})["model"] = "paxlite"
     results["config"]["model_args"] = {
         "job_log_dir": args.job_log_dir, "checkpoint": args.checkpoint,
-        "fdl_config": args.fdl_config, "add_bos": args.add_bos or BosChoice.AUTO.value}
+        "fdl_config": args.fdl_config, "add_bos": args.add_bos or BosChoice.AUTO.value,
+        "apply_chat_template": args.apply_chat_template}
     if args.output_path is not None:
         text = results_json(results)
         try:

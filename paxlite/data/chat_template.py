@@ -41,6 +41,9 @@ TEMPLATE_SETTING = "--fdl.CHAT_TEMPLATE=FILE"
 MIN_JINJA_VERSION = (3, 1, 6)  # older versions have known sandbox escapes
 # Names a message's reasoning comes under; templates read the first (and gpt-oss's `thinking`).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Appended to a final message's content to find where it ends in the rendered text (transformers'
+# continue_final_message uses the same marker)
+_CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplateError(UserError, ValueError):
@@ -255,6 +258,7 @@ class ChatTemplate:
                  clock: Callable[[], datetime.datetime] = datetime.datetime.now):
         jinja2 = _jinja()
         self.origin = source.origin
+        self.text = source.text
         self._special_tokens = dict(special_tokens)
         self._template_error = jinja2.exceptions.TemplateError
         try:
@@ -264,12 +268,38 @@ class ChatTemplate:
                                     f"line {e.lineno}: {e.message}") from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-               where: str) -> str:
+               where: str, continue_final_message: bool = False) -> str:
         """The text transformers' `apply_chat_template(messages, tokenize=False)` returns; a
-        template's `raise_exception` (or any template error) is a BadRowError naming `where`."""
+        template's `raise_exception` (or any template error) is a BadRowError naming `where`.
+
+        `continue_final_message` (transformers' argument of that name): the text stops right
+        after the last message's content, left open for the model to continue (lm_eval's
+        `--apply_chat_template` scores a continuation so). Found as transformers finds it: a
+        marker appended to that content, cut off after rendering."""
+        messages = template_messages(messages)
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise BadRowError(f"{where}: continuing the final message needs one with a text "
+                                  "content")
+            final = messages[-1]["content"]
+            messages[-1] = {**messages[-1], "content": final + _CONTINUE_MARKER}
+        text = self._render(messages, add_generation_prompt=add_generation_prompt, where=where)
+        if not continue_final_message:
+            return text
+        marker = _CONTINUE_MARKER.strip()
+        if final.strip() not in text or marker not in text:
+            raise BadRowError(f"{where}: the chat template ({self.origin}) drops part of the "
+                              "final message, so it cannot be continued")
+        at = text.rindex(marker)
+        if text[at:at + len(_CONTINUE_MARKER)] == _CONTINUE_MARKER:
+            return text[:at]
+        return text[:at].rstrip()  # the template trimmed the content's trailing space
+
+    def _render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                where: str) -> str:
         try:
             return self._template.render(
-                **self._special_tokens, messages=template_messages(messages), tools=None,
+                **self._special_tokens, messages=messages, tools=None,
                 documents=None, add_generation_prompt=add_generation_prompt)
         except self._template_error as e:
             # raise_exception raises the base class; the sandbox and Jinja raise its subclasses

@@ -17,6 +17,11 @@ users compare with, and does the arithmetic on paxlite's Transformer (harness.Mo
   1, at MAX_SEQ_LEN); a generation's context keeps its last MAX_SEQ_LEN - max_gen_toks tokens.
 - Generation is greedy (KV-cache decoding), max_gen_toks tokens or to EOS, then cut at the first
   ``until`` string; only ids the tokenizer can decode are generated.
+- Chat templates (`--apply_chat_template`): lm_eval's chat histories are rendered with the
+  tokenizer's template as HFLM renders them (transformers' apply_chat_template, the last message
+  continued where no generation prompt is asked for; a template that refuses a system message is
+  rendered again without it), then read as any text (a template that writes the BOS text gets no
+  second BOS).
 lm_eval sees one process (rank 0, world size 1): the other processes compute the same batches
 through the runner, so lm_eval never splits the requests itself.
 """
@@ -96,11 +101,33 @@ def lm_class() -> type:
 
         backend = "causal"
 
-        def __init__(self, *, runner, tokenizer, bos_id: int | None):
+        def __init__(self, *, runner, tokenizer, bos_id: int | None, chat=None):
             super().__init__()
             self.runner = runner
             self.paxlite_tokenizer = tokenizer
             self.bos_id = bos_id
+            self.chat = chat  # data/chat_template.py's ChatTemplate, for --apply_chat_template
+
+        def apply_chat_template(self, chat_history: list[dict[str, str]],
+                                add_generation_prompt: bool = True) -> str:
+            from paxlite.data.chat_template import BadRowError
+
+            if self.chat is None:
+                raise SettingError("--apply_chat_template: this model's tokenizer has no chat "
+                                   "template (chat_template.jinja or tokenizer_config.json)")
+            where = "lm_eval's chat history"
+            try:
+                return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=not add_generation_prompt,
+                                        where=where)
+            except BadRowError:  # HFLM's fallback: the history without its system messages
+                history = [m for m in chat_history if m.get("role") != "system"]
+                return self.chat.render(history, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=not add_generation_prompt,
+                                        where=where)
+
+        def chat_template(self, chat_template: bool | str = False) -> str | None:
+            return self.chat.text if chat_template and self.chat is not None else None
 
         @property
         def eot_token_id(self) -> int:
@@ -212,9 +239,10 @@ def lm_class() -> type:
     return PaxliteLM
 
 
-def make_lm(*, runner, tokenizer, bos_id: int | None) -> Any:
-    """paxlite's lm_eval LM over `runner` (harness.ModelRunner)."""
-    return lm_class()(runner=runner, tokenizer=tokenizer, bos_id=bos_id)
+def make_lm(*, runner, tokenizer, bos_id: int | None, chat=None) -> Any:
+    """paxlite's lm_eval LM over `runner` (harness.ModelRunner); `chat`: the chat template
+    (data/chat_template.py) lm_eval's --apply_chat_template renders with."""
+    return lm_class()(runner=runner, tokenizer=tokenizer, bos_id=bos_id, chat=chat)
 
 
 def results_tables(results: dict) -> str:
@@ -242,10 +270,15 @@ def evaluate(*, runner, tokenizer, bos_id: int | None, tasks: list[str],
              include_path: str | None = None, log_samples: bool = False,
              bootstrap_iters: int = 100000, manager=None, gen_kwargs: str | None = None,
              random_seed: int | None = 0, numpy_random_seed: int | None = 1234,
-             fewshot_random_seed: int | None = 1234) -> dict | None:
+             fewshot_random_seed: int | None = 1234, chat=None,
+             apply_chat_template: bool | str = False, system_instruction: str | None = None,
+             fewshot_as_multiturn: bool | None = None) -> dict | None:
     """lm_eval's ``simple_evaluate`` of paxlite's model: its results dict on process 0, None on
     the others (which compute the same batches until process 0 is done). Every process calls it.
-    The seeds and `gen_kwargs` are simple_evaluate's (its defaults: the seeds of lm_eval's CLI)."""
+    The seeds, `gen_kwargs`, `apply_chat_template` (True or a template's name),
+    `system_instruction` and `fewshot_as_multiturn` are simple_evaluate's (its defaults: the seeds
+    of lm_eval's CLI; few-shot examples as turns of the chat exactly when a template is
+    applied, as lm_eval's CLI decides); `chat`: the template to apply."""
     import jax
 
     if jax.process_index() != 0:
@@ -259,7 +292,11 @@ def evaluate(*, runner, tokenizer, bos_id: int | None, tasks: list[str],
             manager = task_manager(include_path, tasks)
         with _environment_of_this_process():
             return simple_evaluate(
-                model=make_lm(runner=runner, tokenizer=tokenizer, bos_id=bos_id), tasks=tasks,
+                model=make_lm(runner=runner, tokenizer=tokenizer, bos_id=bos_id, chat=chat),
+                tasks=tasks, apply_chat_template=apply_chat_template,
+                system_instruction=system_instruction,
+                fewshot_as_multiturn=(bool(apply_chat_template) if fewshot_as_multiturn is None
+                                      else fewshot_as_multiturn),
                 num_fewshot=num_fewshot, limit=limit, task_manager=manager,
                 log_samples=log_samples, bootstrap_iters=bootstrap_iters,
                 batch_size=runner.batch_size, gen_kwargs=gen_kwargs, random_seed=random_seed,

@@ -210,6 +210,14 @@ def test_rendering_ids_and_masks_equal_transformers(family, request):
             assert ours.conversation_ids(messages, add_generation_prompt=prompt, where="t") == (
                 theirs.apply_chat_template(messages, tokenize=True, return_dict=False,
                                            add_generation_prompt=prompt))
+        # the last message left open to be continued (lm_eval's --apply_chat_template prefill),
+        # its content with and without trailing space
+        for tail in ("", " "):
+            opened = [*messages[:-1], {**messages[-1],
+                                       "content": messages[-1]["content"] + tail}]
+            assert ours.template.render(opened, add_generation_prompt=False, where="t",
+                                        continue_final_message=True) == (
+                theirs.apply_chat_template(opened, tokenize=False, continue_final_message=True))
         example = ours.encode({"messages": messages}, where=f"row {number}")
         ids, mask = _reference_mask(theirs, messages)
         assert example.ids.tolist() == ids and example.ids.dtype == np.int32
