@@ -203,7 +203,7 @@ def find_tokenizer(request: ConvertRequest) -> str | None:
     if request.vocab_path is not None:
         if not os.path.isfile(request.vocab_path):
             raise NotFoundError(f"--vocab_path={request.vocab_path} does not exist (expected a "
-                                "SentencePiece .model file)")
+                                "SentencePiece .model file or an HF tokenizer.json)")
         return request.vocab_path
     directory = os.path.abspath(request.input)
     candidates = []
@@ -286,19 +286,5 @@ class ConvertSummary:
 def copy_hf_tokenizer_json(source: str, output: str) -> None:
     """An HF input's tokenizer.json and the settings it is read with, beside the converted model
     (commands read it before a tokenizer.model, as transformers does)."""
-    import shutil
-
-    from paxlite.data import tokenizer_hf
-    from paxlite.data.chat_template import ADDITIONAL_TEMPLATES_DIR, CHAT_TEMPLATE_FILE
-    from paxlite.data.tokenizer import HF_TOKENIZER_FILE
-
-    if not os.path.isfile(os.path.join(source, HF_TOKENIZER_FILE)):
-        return
-    # with the chat templates transformers 5 keeps beside tokenizer_config.json, for chat SFT
-    for name in (HF_TOKENIZER_FILE, "tokenizer_config.json", tokenizer_hf.SPECIAL_TOKENS_MAP_FILE,
-                 CHAT_TEMPLATE_FILE):
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copyfile(os.path.join(source, name), os.path.join(output, name))
-    if os.path.isdir(os.path.join(source, ADDITIONAL_TEMPLATES_DIR)):
-        shutil.copytree(os.path.join(source, ADDITIONAL_TEMPLATES_DIR),
-                        os.path.join(output, ADDITIONAL_TEMPLATES_DIR), dirs_exist_ok=True)
+    if hf_write.is_hf_tokenizer(source):
+        hf_write.copy_hf_tokenizer(source, output)

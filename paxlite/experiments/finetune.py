@@ -52,6 +52,7 @@ from paxlite.models.transformer import NormKind, PositionEmbedding, TransformerC
 # The file `python -m paxlite convert` writes beside a checkpoint (checkpointing/pretrained.py's
 # MODEL_CONFIG_FILE; tests/experiments/test_open_models.py checks that they agree).
 MODEL_CONFIG_FILE = "model_config.json"
+JOB_RECORD_FILE = "config.json"  # what a training job records of itself (its hparams)
 _STEP_DIR = re.compile(r"^checkpoint_\d+$")
 
 
@@ -67,6 +68,30 @@ def model_directory(restore_path: str) -> str:
     return directory
 
 
+def model_home(restore_path: str) -> str:
+    """The directory whose model_config.json and tokenizer describe CHECKPOINT_RESTORE_PATH:
+    `model_directory`, or, for the output of a FineTune job (which records no model_config.json
+    of its own: its model is the one it started from), the directory that job started from, as
+    its config.json records it, followed back through FineTune jobs (SFT, then DPO from it)."""
+    directory = model_directory(restore_path)
+    seen = {directory}
+    while not os.path.exists(os.path.join(directory, MODEL_CONFIG_FILE)):
+        try:  # the job's own record (cli/job.py writes it into the job directory)
+            with open(os.path.join(directory, JOB_RECORD_FILE)) as f:
+                job = json.load(f)
+        except (OSError, ValueError):
+            break
+        started_from = job.get("hparams", {}).get("CHECKPOINT_RESTORE_PATH")
+        if job.get("experiment") != "FineTune" or not started_from:
+            break
+        parent = model_directory(started_from)
+        if parent in seen:
+            break
+        seen.add(parent)
+        directory = parent
+    return directory
+
+
 def checkpoint_model(restore_path: str | None) -> TransformerConfig:
     """The TransformerConfig recorded beside the checkpoint; one ConfigError line when there is
     none or it cannot be read."""
@@ -74,7 +99,7 @@ def checkpoint_model(restore_path: str | None) -> TransformerConfig:
         raise ConfigError(
             "FineTune builds its model from the checkpoint it starts from: pass "
             "--fdl.CHECKPOINT_RESTORE_PATH=DIR, a directory `python -m paxlite convert` wrote")
-    path = os.path.join(model_directory(restore_path), MODEL_CONFIG_FILE)
+    path = os.path.join(model_home(restore_path), MODEL_CONFIG_FILE)
     try:
         with open(path) as f:
             fields = json.load(f)
@@ -143,7 +168,7 @@ def _tokenizer_beside(restore_path: str | None) -> str | None:
     """The tokenizer `convert` copied beside the model, when there is one."""
     if not restore_path:
         return None
-    return tokenizer_in(model_directory(restore_path))
+    return tokenizer_in(model_home(restore_path))
 
 
 class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):

@@ -169,8 +169,57 @@ def write_json(path: str, content: Any) -> None:
 
 
 # ---------------------------------------------------------------- tokenizer
+HF_TOKENIZER_FILE = "tokenizer.json"
+# What an HF tokenizer is read with, beside its tokenizer.json: transformers' settings, its special
+# tokens, and the chat templates transformers 5 keeps beside them (a file and a folder)
+HF_TOKENIZER_FILES = (HF_TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
+                      "chat_template.jinja")
+HF_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def is_hf_tokenizer(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face tokenizer.json (or a directory holding one), rather
+    than a SentencePiece model."""
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, HF_TOKENIZER_FILE))
+    return os.path.basename(path) == HF_TOKENIZER_FILE
+
+
+def copy_hf_tokenizer(source: str, output: str) -> list[str]:
+    """The HF tokenizer files of directory ``source`` (those it has of HF_TOKENIZER_FILES and
+    HF_TEMPLATES_DIR) copied into ``output``, as transformers reads them; their names."""
+    copied = []
+    for name in HF_TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(output, name))
+            copied.append(name)
+    if os.path.isdir(os.path.join(source, HF_TEMPLATES_DIR)):
+        shutil.copytree(os.path.join(source, HF_TEMPLATES_DIR),
+                        os.path.join(output, HF_TEMPLATES_DIR), dirs_exist_ok=True)
+        copied.append(HF_TEMPLATES_DIR)
+    return copied
+
+
+def _hf_tokenizer_dir(path: str) -> str:
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
 def check_tokenizer(path: str, *, vocab_size: int, setting: str = "--vocab_path") -> str:
-    """``path`` if it is a SentencePiece model whose pieces fit the model's vocabulary."""
+    """``path`` if it is a SentencePiece model, or an HF tokenizer.json, whose tokens fit the
+    model's vocabulary."""
+    if is_hf_tokenizer(path):
+        from tokenizers import Tokenizer
+
+        file = os.path.join(_hf_tokenizer_dir(path), HF_TOKENIZER_FILE)
+        try:
+            size = Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True)
+        except Exception as e:  # noqa: BLE001  the library's own parse errors, said in one line
+            raise SettingError(f"{setting}={path} is not a tokenizer.json that the tokenizers "
+                               f"library reads ({e})") from None
+        if size > vocab_size:
+            raise SettingError(f"{setting}={path} has {size} tokens but the model's vocab_size "
+                               f"is {vocab_size}: not this model's tokenizer")
+        return path
     import sentencepiece as spm
 
     if not os.path.isfile(path):
@@ -226,6 +275,10 @@ def tokenizer_config(path: str) -> dict[str, Any]:
 
 
 def write_tokenizer(directory: str, *, path: str) -> list[str]:
+    """The tokenizer an HF export ships: an HF tokenizer's own files (with its chat templates),
+    or a SentencePiece model with the LlamaTokenizer settings transformers reads it with."""
+    if is_hf_tokenizer(path):
+        return copy_hf_tokenizer(_hf_tokenizer_dir(path), directory)
     shutil.copyfile(path, os.path.join(directory, TOKENIZER_FILE))
     config = tokenizer_config(path)
     write_json(os.path.join(directory, "tokenizer_config.json"), config)

@@ -229,3 +229,34 @@ def test_dpo_settings_where_nothing_reads_them_are_refused(models):
         _config(_flags(models))
     with pytest.raises(ConfigError, match="DPO_BETA must be a number > 0"):
         _config(_flags(models, "EVAL_TASK=dpo", "DPO_EVAL_DATA=/tmp", "DPO_BETA=0"))
+
+
+def test_the_trained_job_exports_to_transformers_with_its_tokenizer(models, data, straight,
+                                                                     tmp_path):
+    """`convert --from=paxlite --to=hf` of the DPO job: transformers loads the model with the
+    tokenizer and chat template the job trained with, and its logits are the job's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paxlite.__main__ import main
+    from paxlite.cli.conversion import read_paxlite
+
+    tokenizer, policy_dir, *_ = models
+    # the job trained in this process has no config.json (the command line writes one): its
+    # experiment is named here, as the error would ask
+    assert main(["convert", "--from=paxlite", "--to=hf", f"--input={straight}",
+                 f"--output={tmp_path / 'hf'}", "--fdl_config=FineTune",
+                 f"--fdl.CHECKPOINT_RESTORE_PATH={policy_dir}",
+                 f"--vocab_path={tokenizer}/tokenizer.json"]) == 0
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    mine = AutoTokenizer.from_pretrained(tokenizer)
+    messages = [{"role": "user", "content": "hello sky"}]
+    assert theirs.apply_chat_template(messages, add_generation_prompt=True) == (
+        mine.apply_chat_template(messages, add_generation_prompt=True))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = np.asarray([mine.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)])
+    with torch.no_grad():
+        exported = model(torch.tensor(ids)).logits.numpy()
+    ours = read_paxlite(straight, config=_config(_train_flags(models, data)).model)
+    np.testing.assert_allclose(exported, np.asarray(ours.logits(ids)), atol=1e-4)
