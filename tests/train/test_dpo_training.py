@@ -57,6 +57,11 @@ def _rows(seed, *, count):
     return rows
 
 
+def _read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def _write(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
@@ -162,7 +167,7 @@ def test_eval_only_equals_transformers(models, data, tmp_path):
                    f"DPO_REFERENCE_PATH={models[3]}")
     with Run(_config(flags), RunContext(job_dir=str(tmp_path), training=False)) as run:
         metrics = run.run_eval()
-    rows = [json.loads(line) for line in open(data["eval"])]
+    rows = _read(data["eval"])
     want, truncated = _expected_eval(models, rows)
     assert 0 < want["dpo/accuracy"] < 1  # both outcomes occur
     for key, value in want.items():
@@ -190,7 +195,7 @@ def test_step_one_starts_at_log_two_and_evaluates(models, data, straight):
     assert first["loss"] == first["dpo/loss"]
     assert first["dpo/margin"] == pytest.approx(0, abs=1e-6)
     assert first["dpo/rewards_chosen"] == pytest.approx(0, abs=1e-6)
-    rows = [json.loads(line) for line in open(data["train"])]
+    rows = _read(data["train"])
     assert first["data/dpo/dropped"] == sum(index % 5 == 4 for index in range(len(rows)))
     later = [r for r in records if r.get("step") == STEPS and "dpo/loss" in r]
     assert later and later[0]["dpo/margin"] != pytest.approx(0, abs=1e-6)  # it moved
