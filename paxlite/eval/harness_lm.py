@@ -110,8 +110,6 @@ def lm_class() -> type:
 
         def apply_chat_template(self, chat_history: list[dict[str, str]],
                                 add_generation_prompt: bool = True) -> str:
-            from paxlite.data.chat_template import BadRowError
-
             if self.chat is None:
                 raise SettingError("--apply_chat_template: this model's tokenizer has no chat "
                                    "template (chat_template.jinja or tokenizer_config.json)")
@@ -120,7 +118,7 @@ def lm_class() -> type:
                 return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=not add_generation_prompt,
                                         where=where)
-            except BadRowError:  # HFLM's fallback: the history without its system messages
+            except UserError:  # the template refused it (HFLM's fallback: no system messages)
                 history = [m for m in chat_history if m.get("role") != "system"]
                 return self.chat.render(history, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=not add_generation_prompt,
