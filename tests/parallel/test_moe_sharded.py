@@ -38,8 +38,10 @@ GLAM = TransformerConfig(
     moe=MoeConfig(num_experts=8, routing=MoeRouting.GSHARD_TOP2, capacity_factor=2.0,
                   num_groups=8, moe_layer_interval=2, load_balancing_weight=0.01),
 )
+# One layer: every layer is an MoE layer, so a second repeats the first and adds a third to each of
+# the file's Mixtral traces and compiles (the scanned test stacks two).
 MIXTRAL = TransformerConfig(
-    **SIZES, **LLAMA_ARCHITECTURE, num_kv_heads=2, tie_embeddings=False,
+    **{**SIZES, "num_layers": 1}, **LLAMA_ARCHITECTURE, num_kv_heads=2, tie_embeddings=False,
     moe=MoeConfig(num_experts=8, experts_per_token=2, routing=MoeRouting.DROPLESS_TOPK,
                   gated_experts=True, expert_activation=Activation.SILU,
                   load_balancing_weight=0.02, router_z_loss_weight=0.001),
@@ -189,7 +191,8 @@ def test_scanned_rematerialised_moe_on_a_mesh_matches_one_device(name):
     parameters on both (init's mesh invariance is test_moe_mesh_matches_one_device's)."""
     import dataclasses
 
-    config = dataclasses.replace(MODELS[name], scan_layers=True, remat_policy="save_nothing")
+    config = dataclasses.replace(MODELS[name], num_layers=2, scan_layers=True,
+                                 remat_policy="save_nothing")
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
     objective_ref, loss_ref, summaries_ref, _, grads_ref = _loss_and_grads(
         config, one, params=random_host_params)

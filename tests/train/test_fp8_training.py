@@ -28,8 +28,11 @@ from paxlite.train.step import compile_steps
 from tests.train.train_step_gradients import recording_gradients
 
 GLOBAL_BATCH = 8
-# TinySynthetic shrunk further (and bf16 compute, as FP8 runs are): cheap on 2 CPU cores.
-TINY = ("NUM_LAYERS=2", "MODEL_DIMS=32", "HIDDEN_DIMS=64", "NUM_HEADS=2", "DIMS_PER_HEAD=16",
+# TinySynthetic shrunk further (and bf16 compute, as FP8 runs are): cheap on 2 CPU cores. One layer:
+# an FP8 step costs seconds to compile on the CPU, a third less with one layer than with two; the
+# tests of the state's per-layer structure add a second (TWO_LAYERS).
+TWO_LAYERS = "NUM_LAYERS=2"
+TINY = ("NUM_LAYERS=1", "MODEL_DIMS=32", "HIDDEN_DIMS=64", "NUM_HEADS=2", "DIMS_PER_HEAD=16",
         "VOCAB_SIZE=64", "MAX_SEQ_LEN=16", "FPROP_DTYPE=bfloat16", "LEARNING_RATE=3e-3",
         "LR_COS_WARMUP=5", "LR_COS_DECAY_END=100", "FP8_AMAX_HISTORY_LENGTH=16")
 FP8 = (*TINY, "USE_FP8=true")
@@ -98,7 +101,7 @@ def _reference():
 
 
 def test_fp8_state_is_train_state_replicated_and_per_matmul():
-    run = _run(FP8)
+    run = _run((*FP8, TWO_LAYERS))
     mesh = _mesh((1, 4, 2))
     with jax.set_mesh(mesh):
         steps = _steps(run, mesh)
@@ -213,7 +216,7 @@ def test_a_job_trains_evaluates_and_resumes_with_fp8_scanned_layers(tmp_path, mo
         return real_peak(kind, **kwargs)
 
     monkeypatch.setattr(flops_lib, "peak_flops_per_device", peak)
-    common = [*FP8, "USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_NOTHING",
+    common = [*FP8, TWO_LAYERS, "USE_REPEATED_LAYER=true", "CHECKPOINT_POLICY=SAVE_NOTHING",
               "EVAL_INTERVAL_STEPS=2", "EVAL_LOOP_NUM_BATCHES=1", "CHECKPOINT_EVERY_N_STEPS=2",
               "SUMMARY_INTERVAL_STEPS=1"]
     states = []

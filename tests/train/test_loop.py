@@ -38,7 +38,12 @@ def _eval_lines(job_dir):
         return [line for line in map(json.loads, f) if "eval/loss" in line]
 
 
+# One layer: nothing here depends on the depth (the scanned-stack test keeps TinySynthetic's two),
+# and each of the file's ~20 runs traces, lowers and compiles about a third less (this file:
+# 70 -> 48 CPU-s).
+ONE_LAYER = ["NUM_LAYERS=1"]
 COMMON = [
+    *ONE_LAYER,
     "SUMMARY_INTERVAL_STEPS=1",
     f"CHECKPOINT_EVERY_N_STEPS={N}",
     "EVAL_INTERVAL_STEPS=1000",
@@ -52,7 +57,8 @@ COMMON = [
 # A learning rate at which 30 steps learn the permutation about as far as TinySynthetic's own rate
 # takes 80 (on 8 fake devices each step costs about 70 ms of CPU). The runs below that need no
 # particular rate use it too, so that they run the program this test compiles.
-FAST = ["LEARNING_RATE=1e-2"]
+FAST_RATE = ["LEARNING_RATE=1e-2"]
+FAST = [*ONE_LAYER, *FAST_RATE]
 
 
 def test_loss_falls_on_learnable_synthetic_task(tmp_path):
@@ -152,7 +158,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, straight_r
 
 def test_nan_loss_stops_without_saving(tmp_path):
     with pytest.raises(TrainingDivergedError, match=r"at step \d+|after step \d+") as info:
-        _run(tmp_path, ["MAX_STEPS=20", "LEARNING_RATE=1e30", "LR_SCHEDULE=constant",
+        _run(tmp_path, [*ONE_LAYER, "MAX_STEPS=20", "LEARNING_RATE=1e30", "LR_SCHEDULE=constant",
                         "CLIP_GRADIENT_NORM_TO_VALUE=0.0", "CHECKPOINT_EVERY_N_STEPS=1",
                         "SUMMARY_INTERVAL_STEPS=1"])
     message = str(info.value)
@@ -182,7 +188,7 @@ def test_bfloat16_scanned_stack_with_dropout_trains(tmp_path):
     state = _run(
         tmp_path,
         [
-            *FAST,
+            *FAST_RATE,
             "MAX_STEPS=20",
             "SUMMARY_INTERVAL_STEPS=5",
             "FPROP_DTYPE=bfloat16",
@@ -204,6 +210,7 @@ def test_fractional_percore_batch_with_tensor_parallelism(tmp_path):
     """Pax: PERCORE_BATCH_SIZE=0.5 with tensor=2 is one row per model replica; global = 0.5 x 8
     devices = 4."""
     overrides = [
+        *ONE_LAYER,
         "MAX_STEPS=2",
         "SUMMARY_INTERVAL_STEPS=1",
         "PERCORE_BATCH_SIZE=0.5",

@@ -123,7 +123,7 @@ def test_repeated_layers_on_2x2x2_match_one_device():
 
 def test_parameters_are_actually_sharded():
     """The equality above must not come from everything being replicated."""
-    run = _setup("TinySynthetic")
+    run = _setup("TinySynthetic", MESH_CASE_OVERRIDES)
     mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 4)))
     with jax.set_mesh(mesh):
         steps = compile_steps(
