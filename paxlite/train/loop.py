@@ -77,8 +77,7 @@ class Run:
             # metrics.jsonl, and the W&B run WANDB_PROJECT asks for, before anything compiles
             self.writer = on_error.enter_context(run_build.metrics_writer(config, context=context))
             run_build.check_data_position(self.checkpointer, data=self.data)
-            self.steps: CompiledSteps = run_build.compile_run_steps(
-                config, mesh=self.mesh, model=self.model, schedule=self.schedule)
+            self.steps: CompiledSteps = run_build.compile_run_steps(config, mesh=self.mesh)
             on_error.pop_all()
         self._timer = run_build.make_step_timer(config, layout=layout)
         # The step a SIGTERM/SIGINT stopped training at (None: not stopped), and whether its

@@ -15,7 +15,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import optax
 from absl import logging
 from flax import traverse_util
 
@@ -39,6 +38,7 @@ from paxlite.train.lm_eval_hook import LmEvalScorer
 from paxlite.train.metrics import MetricsWriter
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.run_config import RunConfig
+from paxlite.train.schedules import make_schedule
 from paxlite.train.step import CompiledSteps, compile_steps
 from paxlite.train.step_timer import StepTimer
 
@@ -171,27 +171,52 @@ def dpo_steps(config: RunConfig) -> DpoSteps | None:
                     separate_reference=config.dpo.reference_path is not None or not lora)
 
 
-def compile_run_steps(config: RunConfig, *, mesh: jax.sharding.Mesh, model: Transformer,
-                      schedule: optax.Schedule) -> CompiledSteps:
-    """The run's train and eval steps, jitted with its shardings (train/step.py)."""
-    deterministic = config.model.dropout_prob == 0 and config.model.input_dropout_prob == 0
+def compile_run_steps(config: RunConfig, *, mesh: jax.sharding.Mesh) -> CompiledSteps:
+    """The run's train and eval steps, jitted with its shardings (train/step.py).
+
+    The steps of one configuration are built once per process: a second run of it (a resume in
+    the same process, a notebook cell run again, the tests' runs of one model) reuses the jitted
+    functions, and so their traced and lowered programs, instead of tracing the model again (a
+    second or more for a tiny model, minutes for a large one). Everything the steps depend on is
+    in the key, the optimizer's builder included (a test may replace it); a few configurations
+    are kept."""
+    loop = config.loop
+    return _cached_steps(config.model, config.optimizer, config.schedule, mesh=mesh,
+                         make_optimizer=make_optimizer,
+                         seed=loop.seed, grad_accum_steps=loop.grad_accum_steps,
+                         z_loss_weight=loop.z_loss_weight, loss_chunk_size=loop.loss_chunk_size,
+                         dpo=dpo_steps(config))
+
+
+def clear_compiled_steps() -> None:
+    """Forget the steps `compile_run_steps` kept: the next run traces its own (for a caller that
+    observes tracing, or frees the programs)."""
+    _cached_steps.cache_clear()
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_steps(model_config, optimizer_config, schedule_config, *, mesh: jax.sharding.Mesh,
+                  make_optimizer, seed: int, grad_accum_steps: int, z_loss_weight: float,
+                  loss_chunk_size: int | None, dpo: DpoSteps | None) -> CompiledSteps:
+    schedule = make_schedule(schedule_config)
+    deterministic = model_config.dropout_prob == 0 and model_config.input_dropout_prob == 0
     with jax.set_mesh(mesh):
         return compile_steps(
-            model=model,
-            optimizer=make_optimizer(config.optimizer, schedule),
+            model=Transformer(model_config),
+            optimizer=make_optimizer(optimizer_config, schedule),
             schedule=schedule,
             mesh=mesh,
-            seq_len=config.model.max_seq_len,
-            seed=config.loop.seed,
+            seq_len=model_config.max_seq_len,
+            seed=seed,
             deterministic=deterministic,
-            grad_accum_steps=config.loop.grad_accum_steps,
-            z_loss_weight=config.loop.z_loss_weight,
-            loss_chunk_size=config.loop.loss_chunk_size,
+            grad_accum_steps=grad_accum_steps,
+            z_loss_weight=z_loss_weight,
+            loss_chunk_size=loss_chunk_size,
             # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
-            trainable=is_lora_path if config.model.lora_rank is not None else None,
+            trainable=is_lora_path if model_config.lora_rank is not None else None,
             # TE layers (ENABLE_TE) name their parameters TE's way: the table gains them
-            logical_rules=te_logical_axis_rules(config.model, rules_lib.DEFAULT_RULES),
-            dpo=dpo_steps(config),
+            logical_rules=te_logical_axis_rules(model_config, rules_lib.DEFAULT_RULES),
+            dpo=dpo,
         )
 
 

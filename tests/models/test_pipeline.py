@@ -45,11 +45,17 @@ def layer(p, x):
 
 
 def make(num_layers: int, num_micro: int, seed: int = 0):
-    k = jax.random.split(jax.random.key(seed), 4)
-    params = {"w": jax.random.normal(k[0], (num_layers, D, D)) / np.sqrt(D),
-              "b": 0.1 * jax.random.normal(k[1], (num_layers, D))}
-    x = jax.random.normal(k[2], (num_micro, MB, D))
-    cotangent = jax.random.normal(k[3], (num_micro, MB, D))  # weights every output differently
+    """Random weights, inputs and a cotangent, drawn on the host (NumPy): jax.random would compile
+    a small program for each shape drawn."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, scale=1.0):
+        return (scale * rng.normal(size=shape)).astype(np.float32)
+
+    params = {"w": normal(num_layers, D, D, scale=1 / np.sqrt(D)),
+              "b": normal(num_layers, D, scale=0.1)}
+    x = normal(num_micro, MB, D)
+    cotangent = normal(num_micro, MB, D)  # weights every output differently
     return params, x, cotangent
 
 
@@ -68,11 +74,16 @@ def sequential(params, x):
     return jax.lax.map(one, x)
 
 
-def value_and_grads(fn, params, x, cotangent):
+def outputs_and_grads(fn, params, x, cotangent):
+    """fn's outputs, and the gradients (parameters, inputs) of sum(outputs * cotangent)."""
     def loss(p, xs):
         return jnp.sum(fn(p, xs) * cotangent)
 
-    return jax.jit(lambda p, xs: (fn(p, xs), jax.grad(loss, argnums=(0, 1))(p, xs)))(params, x)
+    return fn(params, x), jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+def value_and_grads(fn, params, x, cotangent):
+    return jax.jit(lambda p, xs, ct: outputs_and_grads(fn, p, xs, ct))(params, x, cotangent)
 
 
 def pipelined(num_stages, repeats, **kwargs):
@@ -104,9 +115,12 @@ def test_equals_sequential_with_nan_bubbles(case, references):
     buffer never reaches outputs or gradients, and gives the same numbers as a zero fill."""
     s, r, m, k = case
     params, x, ct = make(s * r * k, m)
-    nan_filled = value_and_grads(pipelined(s, r, bubble_fill=jnp.nan), params, x, ct)
+    # the fill is an argument of the compiled program: NaN and zero run the same program
+    filled = jax.jit(lambda fill, p, xs, c: outputs_and_grads(
+        pipelined(s, r, bubble_fill=fill), p, xs, c))
+    nan_filled = filled(jnp.nan, params, x, ct)
     assert_close(nan_filled, references[case])
-    zero_filled = value_and_grads(pipelined(s, r), params, x, ct)
+    zero_filled = filled(0.0, params, x, ct)
     for a, b in zip(jax.tree.leaves(nan_filled), jax.tree.leaves(zero_filled), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -256,8 +270,9 @@ def test_side_inputs_and_extras_equal_sequential(case, on_mesh):
     s, r, m, k = case
     num_layers = s * r * k
     params, x, ct = make(num_layers, m)
-    side = {"shift": 0.1 * jax.random.normal(jax.random.key(5), (m, MB, D)), "none": None}
-    energy_weights = jnp.linspace(0.5, 1.5, num_layers)
+    side = {"shift": (0.1 * np.random.default_rng(5).normal(size=(m, MB, D))).astype(np.float32),
+            "none": None}
+    energy_weights = np.linspace(0.5, 1.5, num_layers, dtype=np.float32)
 
     def run(p, xs, sd):
         out, extras = pipeline_apply_with_extras(side_layer, p, xs, side=sd, num_stages=s,
@@ -281,9 +296,11 @@ def test_side_inputs_and_extras_equal_sequential(case, on_mesh):
     with (jax.set_mesh(mesh) if on_mesh else contextlib.nullcontext()):
         (out, extras), grads = step(params, x, side)
     energy = extras["energy"]
-    ref_out, ref_energy = side_sequential(params, x, side)
-    ref_grads = jax.grad(lambda p, xs, sd: loss(side_sequential, p, xs, sd), argnums=(0, 1, 2))(
-        params, x, side)
+    # the loop compiled as one program (run op by op, each operation would compile its own)
+    ref_out, ref_energy, ref_grads = jax.jit(lambda p, xs, sd: (
+        *side_sequential(p, xs, sd),
+        jax.grad(lambda *a: loss(side_sequential, *a), argnums=(0, 1, 2))(p, xs, sd)))(
+            params, x, side)
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-6)
     np.testing.assert_allclose(energy, ref_energy, rtol=1e-6)
     np.testing.assert_array_equal(extras["layer"], m * np.arange(num_layers))  # sum over m of l

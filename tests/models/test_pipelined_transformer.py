@@ -40,7 +40,6 @@ from paxlite.models.transformer import (
 )
 from paxlite.models.transformer_config import LayerImplementation, PositionEmbedding
 from paxlite.parallel.rules import DEFAULT_RULES
-from tests.models.test_transformer import random_params
 
 B, T, V = 8, 8, 64
 AXES = ("pipeline", "data", "fsdp", "seq", "tensor", "expert")
@@ -99,10 +98,12 @@ def inputs(seed: int = 0) -> dict[str, jax.Array]:
     segment_ids = np.where(t < split[:, None], 1, 2)
     segment_ids[:, -1] = 0
     positions = np.where(t < split[:, None], t, t - split[:, None])
-    return {"tokens": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
-            "cotangent": jnp.asarray(rng.normal(size=(B, T, V)) / (B * T), jnp.float32),
-            "segment_ids": jnp.asarray(segment_ids, jnp.int32),
-            "positions": jnp.asarray(positions, jnp.int32)}
+    # host arrays: a device array would compile a program for each eager slice of it, and each
+    # reshard onto a mesh
+    return {"tokens": rng.integers(0, V, (B, T)).astype(np.int32),
+            "cotangent": (rng.normal(size=(B, T, V)) / (B * T)).astype(np.float32),
+            "segment_ids": segment_ids.astype(np.int32),
+            "positions": positions.astype(np.int32)}
 
 
 def model_inputs(cfg: TransformerConfig, data: dict) -> dict:
@@ -160,9 +161,24 @@ def params_of(cfg: TransformerConfig, seed: int = 1) -> dict:
 
 
 @functools.cache
+def _abstract_variables(cfg: TransformerConfig) -> Any:
+    """Traced once per model: an abstract init traces the whole model."""
+    return nn.meta.unbox(abstract_variables(cfg))
+
+
+@functools.cache
 def _random_params(cfg: TransformerConfig, *, seed: int) -> Any:
-    """Made once per model and seed: each is an abstract init, which traces the whole model."""
-    return random_params(cfg, seed=seed)
+    """Non-trivial params (biases non-zero, scales != 1; tests/models/test_transformer.py's
+    random_params), made once per model and seed as host arrays: a device array per leaf would
+    compile a conversion per shape, and a reshard per shape onto each mesh."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path: tuple, shape: jax.ShapeDtypeStruct) -> np.ndarray:
+        noise = rng.normal(size=shape.shape)
+        value = 1.0 + 0.2 * noise if path[-1].key == "scale" else 0.3 * noise
+        return value.astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, _abstract_variables(cfg)["params"])
 
 
 def assert_same(got, want, *, atol=1e-5):
@@ -231,7 +247,7 @@ def test_mesh_equals_unpipelined_per_microbatch(name, references):
     assert_same((logits, aux, summaries, grads), references[name])
     assert "collective-permute" in compiled.as_text()
     if cfg.moe is not None:
-        assert aux > 0 and "moe/aux_loss" in summaries
+        assert float(aux) > 0 and "moe/aux_loss" in summaries
         micro = cfg.pipeline.num_microbatches
         assert _sown_shapes(cfg, rows=B) == _sown_shapes(plain(cfg), rows=B // micro)
 
@@ -251,8 +267,9 @@ def test_init_equals_the_unpipelined_model():
     does not depend on the pipeline. Unscanned GLaM keeps layers_0..layers_3 (traced only)."""
     cfg = CASES["scan-gpipe"]
     tokens = inputs()["tokens"]
-    got, want = (jax.jit(Transformer(c).init)({"params": jax.random.key(3)}, tokens)
-                 for c in (cfg, plain(cfg)))
+    # both inits in one program (from the same key)
+    got, want = jax.jit(lambda t: tuple(Transformer(c).init({"params": jax.random.key(3)}, t)
+                                        for c in (cfg, plain(cfg))))(tokens)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     assert nn.get_partition_spec(got) == nn.get_partition_spec(want)
     for a, b in zip(jax.tree.leaves(nn.meta.unbox(got)), jax.tree.leaves(nn.meta.unbox(want)),
@@ -268,13 +285,13 @@ def test_init_equals_the_unpipelined_model():
 def _fp8_state(cfg: TransformerConfig) -> Any:
     """A non-trivial delayed-scaling state: scales near 1, histories with past maxima."""
     rng = np.random.default_rng(7)
-    abstract = nn.meta.unbox(abstract_variables(plain(cfg)))[FP8_COLLECTION]
+    abstract = _abstract_variables(plain(cfg))[FP8_COLLECTION]
 
     def leaf(path, shape):
         name = path[-1].key
         value = 0.5 + rng.uniform(size=shape.shape) if name.endswith("scale") else \
             rng.uniform(0, 2, size=shape.shape)
-        return jnp.asarray(value, jnp.float32)
+        return value.astype(np.float32)
 
     return jax.tree_util.tree_map_with_path(leaf, abstract)
 
@@ -298,9 +315,9 @@ def test_fp8_new_state_is_the_max_over_microbatches():
           bubble_fill_for_tests(jnp.nan)):
         got = jax.jit(lambda d: new_state(cfg, d["tokens"], d["cotangent"]))(data)
     per_micro = jax.jit(jax.vmap(lambda t, c: new_state(plain(cfg), t, c)))(
-        jnp.stack([data["tokens"][m::4] for m in range(4)]),
-        jnp.stack([data["cotangent"][m::4] for m in range(4)]))
-    want = jax.tree.map(lambda a: jnp.max(a, axis=0), per_micro)
+        np.stack([data["tokens"][m::4] for m in range(4)]),
+        np.stack([data["cotangent"][m::4] for m in range(4)]))
+    want = jax.tree.map(lambda a: np.max(np.asarray(a), axis=0), per_micro)
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
                             strict=True):
         assert g.dtype == jnp.float32
@@ -313,10 +330,10 @@ def test_dropout_differs_per_microbatch_and_needs_no_rng_without_it():
     deterministic, no rng is needed (traced without one)."""
     cfg = config(stages=2, micro=2, scan_layers=True, dropout_prob=0.5)
     variables = params_of(cfg)
-    tokens = jnp.tile(inputs()["tokens"][:1], (4, 1))  # rows 0, 2 are microbatch 0; rows 1, 3: 1
+    tokens = np.tile(inputs()["tokens"][:1], (4, 1))  # rows 0, 2 are microbatch 0; rows 1, 3: 1
     run = jax.jit(lambda v, t, key: Transformer(cfg).apply(
         v, t, deterministic=False, rngs={"dropout": key}))
-    out = run(variables, tokens, jax.random.key(0))
+    out = np.asarray(run(variables, tokens, jax.random.key(0)))
     assert np.all(np.isfinite(out))
     assert not np.allclose(out[0], out[1])
     np.testing.assert_array_equal(out, run(variables, tokens, jax.random.key(0)))
@@ -332,8 +349,8 @@ def test_decoding_runs_the_plain_stack_on_the_same_params():
     params = params_of(cfg)["params"]
     cache = init_cache(Transformer(plain(cfg)), batch=3, max_len=T)
     tokens = inputs()["tokens"][:3]
-    positions = jnp.broadcast_to(jnp.arange(T), (3, T))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (3, 1, T, T))
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (3, T))
+    mask = np.broadcast_to(np.tril(np.ones((T, T), bool)), (3, 1, T, T))
 
     def prefill(c):
         return jax.make_jaxpr(lambda p, k: Transformer(c).apply(
@@ -344,17 +361,21 @@ def test_decoding_runs_the_plain_stack_on_the_same_params():
 
 
 def test_bad_settings_are_refused_with_the_numbers():
+    """Refused while tracing (abstractly: nothing is compiled or run)."""
     tokens = inputs()["tokens"]
+
+    def init(cfg):
+        return jax.eval_shape(lambda: Transformer(cfg).init({"params": jax.random.key(0)}, tokens))
+
     with pytest.raises(ValueError, match=r"^num_layers=3 does not split into 2 pipeline stages "
                                          r"x repeats=1: the layer count must be a multiple of 2"):
-        Transformer(config(stages=2, micro=2, num_layers=3)).init({"params": jax.random.key(0)},
-                                                                  tokens)
+        init(config(stages=2, micro=2, num_layers=3))
     cfg = CASES["scan-gpipe"]
     bad_batch = dataclasses.replace(cfg, pipeline=PipelineConfig(num_stages=2, num_microbatches=3))
     with pytest.raises(ValueError, match=r"a batch of 8 rows does not split into 3 pipeline "
                                          r"microbatches"):
-        Transformer(bad_batch).apply(params_of(cfg), tokens)
+        jax.eval_shape(lambda: Transformer(bad_batch).apply(params_of(cfg), tokens))
     te = config(stages=2, micro=2, layer_implementation=LayerImplementation.TRANSFORMER_ENGINE,
                 dims_per_head=8, num_heads=2)
     with pytest.raises(ValueError, match=r"^pipeline parallelism .*transformer_engine"):
-        Transformer(te).init({"params": jax.random.key(0)}, tokens)
+        init(te)

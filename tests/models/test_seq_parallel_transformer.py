@@ -103,13 +103,15 @@ def make_mesh(data: int = 1, fsdp: int = 1, seq: int = 1, tensor: int = 1) -> ja
 
 
 def random_params(cfg: TransformerConfig, *, seed: int) -> Any:
-    """Non-trivial parameters from the abstract tree (no threefry init to compile)."""
+    """Non-trivial parameters from the abstract tree (no threefry init to compile), as host arrays
+    (a device array per leaf would compile a conversion per shape, and a reshard per shape onto
+    each mesh)."""
     rng = np.random.default_rng(seed)
 
-    def leaf(path: tuple, shape: jax.ShapeDtypeStruct) -> jax.Array:
+    def leaf(path: tuple, shape: jax.ShapeDtypeStruct) -> np.ndarray:
         noise = rng.normal(size=shape.shape)
         value = 1.0 + 0.2 * noise if path[-1].key == "scale" else 0.3 * noise
-        return jnp.asarray(value, jnp.float32)
+        return value.astype(np.float32)
 
     return jax.tree_util.tree_map_with_path(leaf, nn.meta.unbox(abstract_variables(cfg))["params"])
 
@@ -173,8 +175,7 @@ def test_loss_and_every_gradient_equal_one_device(reference, case: Case) -> None
         assert "positions" in batch  # added to unpacked rows: tokens keep their true positions
     shardings = nn.logical_to_mesh_sharding(logical_param_axes(cfg), mesh, DEFAULT_RULES)
     sharded_params = jax.device_put(params, shardings)
-    sharded_batch = jax.device_put({k: jnp.asarray(v) for k, v in batch.items()},
-                                   batch_sharding(mesh))
+    sharded_batch = jax.device_put(batch, batch_sharding(mesh))  # from the host
     step = jax.jit(jax.value_and_grad(lambda p, b: weighted_cross_entropy(cfg, p, b)))
     with jax.set_mesh(mesh), nn.logical_axis_rules(DEFAULT_RULES):
         lowered = step.lower(sharded_params, sharded_batch)

@@ -4,10 +4,14 @@ and the saved layout does not depend on the mesh, so a checkpoint of a (data, fs
 uninterrupted (2,2,2) run (same global batch). Evaluation runs on the pipelined mesh too (the eval
 step pipelines).
 
-The run stopped after step N is the straight run's directory cut back to step N (its checkpoints
-and metrics lines up to N: what a run of the same job with MAX_STEPS=N leaves, whose checkpoint at N
-is the same state), not a third run per mesh: a pipelined step is compiled afresh in every run (it
-stays out of the session's compilation cache, train/step.py), and that is most of a run here.
+A pipelined step is compiled afresh in every run (it stays out of the session's compilation cache,
+train/step.py), and that is most of a run here; so the runs form one chain with two pipelined runs:
+the flat run goes straight to step 3N; the pipelined run resumes its checkpoint of step N and goes
+on to 3N, saving at 2N (the flat-to-pipelined case, and the uninterrupted pipelined steps 2N+1..3N);
+its checkpoint of step 2N is resumed once on the pipelined mesh (bit for bit against it) and once on
+the flat one. A run stopped after step S is a finished run's directory cut back to step S (its
+checkpoints and metrics lines up to S: what a run of the same job with MAX_STEPS=S leaves, whose
+checkpoint at S is the same state), not a run of its own.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import pytest
 from paxlite.experiments.build import build_run_config
 from paxlite.train.loop import Run, RunContext
 
-N = 2  # steps before the interruption
+N = 2  # steps between the checkpoints a run resumes from (N, 2N) and to its end (3N)
 COMMON = [
     "NUM_LAYERS=2",
     "SUMMARY_INTERVAL_STEPS=1",
@@ -51,45 +55,48 @@ def _lines(job_dir, key: str) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Straight 2N-step runs on both meshes: (final state, job directory) by mesh name."""
-    return {
-        name: (_run(job, mesh + [f"MAX_STEPS={2 * N}"]), job)
-        for name, mesh in (("flat", FLAT), ("pipelined", PIPELINED))
-        for job in [tmp_path_factory.mktemp(f"{name}_straight")]
-    }
+    """(final state, job directory) by mesh name: "flat", the straight 3N-step run; "pipelined",
+    the flat run stopped after step N and resumed on the pipelined mesh to step 3N (saving)."""
+    flat = tmp_path_factory.mktemp("flat_straight")
+    flat_state = _run(flat, FLAT + [f"MAX_STEPS={3 * N}"])
+    pipelined = tmp_path_factory.mktemp("flat_then_pipelined") / "job"
+    _stopped_after(flat, pipelined, step=N)
+    pipelined_state = _run(pipelined, PIPELINED + [f"MAX_STEPS={3 * N}"])
+    return {"flat": (flat_state, flat), "pipelined": (pipelined_state, pipelined)}
 
 
-def _stopped_after_n(straight_dir, job) -> None:
-    """`job`: the straight run's directory as a run stopped after step N would have left it, its
+def _stopped_after(finished_dir, job, *, step: int) -> None:
+    """`job`: the finished run's directory as a run stopped after `step` would have left it, its
     checkpoints of later steps and its metrics lines of later steps removed."""
 
     def later_checkpoints(_, names):
         return [name for name in names
-                if (m := re.fullmatch(r"checkpoint_(\d+)", name)) and int(m.group(1)) > N]
+                if (m := re.fullmatch(r"checkpoint_(\d+)", name)) and int(m.group(1)) > step]
 
-    shutil.copytree(straight_dir, job, ignore=later_checkpoints)
-    with open(os.path.join(straight_dir, "metrics.jsonl")) as f:
-        kept = [line for line in f if json.loads(line)["step"] <= N]
+    shutil.copytree(finished_dir, job, ignore=later_checkpoints)
+    with open(os.path.join(finished_dir, "metrics.jsonl")) as f:
+        kept = [line for line in f if json.loads(line)["step"] <= step]
     with open(os.path.join(job, "metrics.jsonl"), "w") as f:
         f.writelines(kept)
-    assert sorted(os.listdir(os.path.join(job, "checkpoints"))) == [f"checkpoint_{N:08d}"]
+    saved = sorted(os.listdir(os.path.join(job, "checkpoints")))
+    assert saved[-1] == f"checkpoint_{step:08d}", saved
 
 
-def _resume(tmp_path, straight_dir, mesh):
-    """The straight run of `straight_dir` stopped after step N, resumed on `mesh` to step 2N (its
-    state returned; a checkpoint of step 2N would be read by nothing)."""
+def _resume(tmp_path, finished_dir, mesh):
+    """The pipelined run of `finished_dir` stopped after step 2N, resumed on `mesh` to step 3N
+    (its state returned; a checkpoint of step 3N would be read by nothing)."""
     job = tmp_path / "job"
-    _stopped_after_n(straight_dir, job)
-    state = _run(job, mesh + [f"MAX_STEPS={2 * N}"], saving=False)
+    _stopped_after(finished_dir, job, step=2 * N)
+    state = _run(job, mesh + [f"MAX_STEPS={3 * N}"], saving=False)
     return job, state
 
 
 def test_a_pipelined_run_resumes_bit_for_bit(tmp_path, runs):
-    straight_state, straight_dir = runs["pipelined"]
+    straight_state, straight_dir = runs["pipelined"]  # uninterrupted on the pipelined mesh after N
     job, state = _resume(tmp_path, straight_dir, PIPELINED)
     got, want = _lines(job, "loss"), _lines(straight_dir, "loss")
-    assert sorted(got) == sorted(want) == list(range(1, 2 * N + 1))
-    resumed = [s for s in want if s > N]  # steps 1..N are the straight run's own lines
+    assert sorted(got) == sorted(want) == list(range(1, 3 * N + 1))
+    resumed = [s for s in want if s > 2 * N]  # steps 1..2N are the straight run's own lines
     assert [got[s]["loss"] for s in resumed] == [want[s]["loss"] for s in resumed]
     assert [got[s]["grad_norm"] for s in resumed] == [want[s]["grad_norm"] for s in resumed]
     for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(straight_state), strict=True):
@@ -97,16 +104,24 @@ def test_a_pipelined_run_resumes_bit_for_bit(tmp_path, runs):
     # the pipelined eval step ran at both boundaries and agrees too
     evals, evals_ref = _lines(job, "eval/loss"), _lines(straight_dir, "eval/loss")
     assert (
-        sorted(evals) == [N, 2 * N] and evals[2 * N]["eval/loss"] == evals_ref[2 * N]["eval/loss"]
+        sorted(evals) == [N, 2 * N, 3 * N]
+        and evals[3 * N]["eval/loss"] == evals_ref[3 * N]["eval/loss"]
     )
 
 
 @pytest.mark.parametrize(("start", "finish"), [("flat", "pipelined"), ("pipelined", "flat")])
 def test_a_checkpoint_resumes_on_the_other_mesh(tmp_path, runs, start, finish):
+    """flat -> pipelined: the fixture's pipelined run (resumed from the flat run's step N);
+    pipelined -> flat: its checkpoint of step 2N, resumed on the flat mesh."""
     _, reference_dir = runs["flat"]
-    job, state = _resume(tmp_path, runs[start][1], FLAT if finish == "flat" else PIPELINED)
+    if start == "flat":
+        state, job = runs["pipelined"]
+        first_resumed = N + 1
+    else:
+        job, state = _resume(tmp_path, runs["pipelined"][1], FLAT)
+        first_resumed = 2 * N + 1
     got, want = _lines(job, "loss"), _lines(reference_dir, "loss")
-    assert sorted(got) == list(range(1, 2 * N + 1))
+    assert sorted(got) == list(range(1, 3 * N + 1))
     for step in want:
         assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * abs(want[step]["loss"]), (
             step,
@@ -114,10 +129,11 @@ def test_a_checkpoint_resumes_on_the_other_mesh(tmp_path, runs, start, finish):
             want,
         )
     evals, evals_ref = _lines(job, "eval/loss"), _lines(reference_dir, "eval/loss")
-    assert (
-        abs(evals[2 * N]["eval/loss"] - evals_ref[2 * N]["eval/loss"])
-        <= 1e-5 * evals_ref[2 * N]["eval/loss"]
-    )
+    for step in range(first_resumed + N - 1, 3 * N + 1, N):  # the evaluations after the resume
+        assert (
+            abs(evals[step]["eval/loss"] - evals_ref[step]["eval/loss"])
+            <= 1e-5 * evals_ref[step]["eval/loss"]
+        )
     # the parameters after the resumed steps equal the flat run's (Adam may amplify round-off of
     # gradients that are zero in exact arithmetic, so a relative tolerance on the whole tree)
     flat_params = jax.tree.leaves(runs["flat"][0].params)

@@ -26,7 +26,7 @@ from paxlite.models.transformer import Transformer
 from paxlite.parallel.mesh import build_mesh
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
-from paxlite.train.step import compile_steps
+from paxlite.train.step import TrainState, compile_steps
 from tests.host_params import random_host_params
 from tests.train.train_step_gradients import loss_grads_and_losses
 
@@ -160,8 +160,25 @@ def test_pipeline_times_seq_mesh_equals_one_device(nan_bubbles):
     )
 
 
+def _fresh_fp8_state(steps, optimizer) -> TrainState:
+    """What the model's init gives, but with seeded random parameters (tests/host_params.py), built
+    on the host: the FP8 state as Flax's init writes it (scales 1, amax histories 0) and the
+    optimizer's initial state. The init program (its threefry sampler) is not compiled."""
+    abstract = steps.abstract_state
+    params = random_host_params(abstract.params)
+    fp8 = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: (np.ones if path[-1].key.endswith("scale") else np.zeros)(
+            leaf.shape, leaf.dtype),
+        abstract.fp8)
+    opt_state = jax.jit(optimizer.init, out_shardings=steps.state_shardings.opt_state)(params)
+    return jax.device_put(
+        TrainState(step=np.zeros((), np.int32), params=params, opt_state=opt_state, fp8=fp8),
+        steps.state_shardings)
+
+
 def _fp8_losses_and_state(run, mesh):
-    """Three train steps of an FP8 model from its own init: the losses and the final FP8 state."""
+    """Three train steps of an FP8 model from a fresh FP8 state: the losses and the final FP8
+    state."""
     model = Transformer(run.model)
     schedule = make_schedule(run.schedule)
     optimizer = make_optimizer(run.optimizer, schedule)
@@ -170,7 +187,7 @@ def _fp8_losses_and_state(run, mesh):
         steps = compile_steps(model=model, optimizer=optimizer, schedule=schedule, mesh=mesh,
                               seq_len=run.data.seq_len, seed=run.loop.seed, deterministic=True,
                               grad_accum_steps=run.loop.grad_accum_steps)
-        state = steps.init()
+        state = _fresh_fp8_state(steps, optimizer)
         losses = []
         for index in range(3):
             state, metrics = steps.train(state, data.train_batch(index, steps.batch_sharding))

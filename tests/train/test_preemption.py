@@ -372,6 +372,9 @@ def test_the_vote_rides_in_the_train_step_and_a_signal_while_building_stops_afte
 ):
     """Several processes stop after their first step too (job.py), and voting adds no program to a
     step: the programs a voting run lowers are among those of a run that does not vote."""
+    from paxlite.train import run_build
+
+    run_build.clear_compiled_steps()  # what each run lowers, not what an earlier test kept
     alone_at, alone = _train_signalled_before_the_first_step(
         tmp_path / "alone", voting=False, caplog=caplog
     )
