@@ -23,6 +23,7 @@ from paxlite.models.linear import Fp8Config, fp8_config_problems
 from paxlite.models.lora import LoraTargets, alpha_problems, rank_problems
 from paxlite.models.transformer import RematPolicy, TransformerConfig, num_params
 from paxlite.models.transformer_config import (
+    LayerAttention,
     PositionEmbedding,
     dropout_problems,
     shape_problems,
@@ -120,6 +121,9 @@ class ModelShapeSettings:
             experts_per_token=2 if moe is None else moe.experts_per_token,
             expert_hidden_dims=None if moe is None else moe.expert_hidden_dims,
             gated_experts=False if moe is None else moe.gated_experts,
+            sliding_window=model.sliding_window,
+            num_windowed_layers=None if model.layer_types is None else sum(
+                kind is LayerAttention.SLIDING for kind in model.layer_types),
         )
 
 

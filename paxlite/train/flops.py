@@ -25,6 +25,12 @@ frozen weights need no weight gradient, only the gradient of their input, so the
 
 (The input gradient below the lowest adapter, which XLA may skip, is still counted.)
 
+Sliding-window attention (`sliding_window` W, on `num_windowed_layers` of the layers: Mistral
+v0.1's every layer, Gemma's local ones): a windowed layer's attention term counts min(W, S) keys
+instead of S, MaxText's count for Gemma 2's local layers (halved for the mask as the full term is):
+
+    windowed layer, attention   3 * 2 * min(W, S) * H * h           (replaces 3 * 2 * S * H * h)
+
 Mixture of experts (`num_moe_layers` > 0): an MoE layer replaces its dense MLP term by what one
 token actually runs through, MaxText's count: the router, 2 * D * E, plus the MLP of the
 `experts_per_token` (k) experts it is routed to, each 2 * D * F_e * (3 if gated experts else 2);
@@ -73,6 +79,8 @@ def flops_per_token(
     experts_per_token: int = 2,
     expert_hidden_dims: int | None = None,
     gated_experts: bool = False,
+    sliding_window: int | None = None,
+    num_windowed_layers: int | None = None,
 ) -> int:
     """Training FLOPs per token (see the module docstring for the formula).
 
@@ -80,6 +88,8 @@ def flops_per_token(
     base weights are then frozen, and their weight gradients, never computed, are not counted).
     `num_moe_layers` of the `num_layers` are MoE layers of `num_experts` experts (hidden size
     `expert_hidden_dims`, default `hidden_dims`), of which each token runs `experts_per_token`.
+    `num_windowed_layers` of the layers (default: all of them when `sliding_window` is given)
+    attend over the last `sliding_window` positions only.
     """
     sizes = {
         "num_layers": num_layers,
@@ -122,7 +132,19 @@ def flops_per_token(
     unembedding = 2 * model_dims * vocab_size
     forward_matmuls = (num_layers * (qkv + attention_out) + (num_layers - num_moe_layers) * mlp
                        + num_moe_layers * moe_mlp + unembedding)
-    causal_attention = num_layers * 3 * 2 * seq_len * num_heads * dims_per_head
+    windowed = 0
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or (
+                sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or None, got "
+                             f"{sliding_window!r}.")
+        windowed = num_layers if num_windowed_layers is None else num_windowed_layers
+    if isinstance(windowed, bool) or not isinstance(windowed, int) or not (
+            0 <= windowed <= num_layers):
+        raise ValueError(f"num_windowed_layers must be an integer in [0, num_layers={num_layers}]"
+                         f", got {windowed!r}.")
+    keys = (num_layers - windowed) * seq_len + windowed * min(sliding_window or 0, seq_len)
+    causal_attention = 3 * 2 * keys * num_heads * dims_per_head
     if lora_params is not None:  # frozen: forward + input gradient; adapters: 6 per parameter
         return 2 * forward_matmuls + 6 * lora_params + causal_attention
     return 3 * forward_matmuls + causal_attention
