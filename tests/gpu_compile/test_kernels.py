@@ -87,8 +87,11 @@ def gqa_tensor4():
 
 @pytest.fixture(scope="module")
 def fp8_triton():
-    """FP8 without the preset (no compile options: XLA's defaults, Triton GEMMs on), one layer."""
-    return _compile(*BF16, "NUM_LAYERS=1", "USE_FP8=True", "ICI_MESH_SHAPE=[8,1,1]",
+    """FP8 without the preset (no compile options: XLA's defaults, Triton GEMMs on), one layer.
+    Its attention is Pallas's Triton kernel, whose rows split over the 8 data shards: one compile
+    for both (the kernel is a custom call, the FP8 GEMMs fusions; each test reads its own)."""
+    return _compile(*BF16, "NUM_LAYERS=1", "USE_FP8=True", "ATTENTION_KIND='flash'",
+                    "ATTENTION_IMPLEMENTATION='pallas_triton'", "ICI_MESH_SHAPE=[8,1,1]",
                     compiler_options={})
 
 
@@ -161,6 +164,15 @@ def test_without_the_preset_fp8_projections_are_triton_fp8_gemms(fp8_triton):
     gemms = PROJECTIONS_PER_LAYER * GEMMS_PER_FP8_PROJECTION  # one layer
     assert program.fp8_gemms == {"cublaslt": 0, "cublas": 0, "triton": gemms, "total": gemms}
     assert not any(name.startswith("__cublas") for name in program.kernels)
+
+
+@gpu_compile
+def test_pallas_triton_attention_compiles_with_rows_split_over_data(fp8_triton):
+    """The step's init once traced the model on one row, which Pallas's per-shard kernel cannot
+    split over 8 data shards ("2 does not evenly divide 1" on 2); now one row per batch shard."""
+    kernels = fp8_triton.gpu_program.kernels
+    assert fp8_triton.mesh.data == 8
+    assert any("triton" in name for name in kernels), kernels
 
 
 def _bare_einsum_programs(compiler_options: dict[str, str]) -> dict[str, str]:
