@@ -19,22 +19,31 @@ TINY = ["--fdl.NUM_LAYERS=1", "--fdl.MODEL_DIMS=32", "--fdl.NUM_HEADS=4", "--fdl
         "--fdl.HIDDEN_DIMS=64", "--fdl.VOCAB_SIZE=512", "--fdl.MAX_SEQ_LEN=32"]
 
 
-def _env():
+def _env(*, preset=True):
+    """The scripts' environment. preset=False sets Pax's BASE_XLA_FLAGS to nothing, so the script
+    takes no preset flags and skips the probe of the installed jaxlib that picks their spellings
+    (a JAX start-up, ~0.8 CPU-s): for the tests about something else (failures, stop signals,
+    refused settings). The presets have tests of their own (test_xla_presets.py), and the runs
+    that train and evaluate keep them."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"],
     }
     env["XLA_FLAGS"] = COMPILE_FLAGS
+    if preset:
+        env.pop("BASE_XLA_FLAGS", None)
+    else:
+        env["BASE_XLA_FLAGS"] = ""
     return env
 
 
-def _script(name, *args):
+def _script(name, *args, preset=True):
     return subprocess.run(
         ["bash", os.path.join(ROOT, "scripts_gpu", name), *args],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=_env(preset=preset),
         timeout=600,
         check=False,
     )
@@ -108,6 +117,7 @@ def test_failure_is_reported(tmp_path, assets):
         "2",
         str(tmp_path / "logs"),
         *TINY,
+        preset=False,
     )
     assert result.returncode == 2
     assert "Run failed" in result.stdout and "no_data" in result.stdout
@@ -156,6 +166,9 @@ TINY_LLAMA_ENV = {
     "MAX_STEPS": "2",
     "LR_COS_WARMUP": "1",
 }
+# Extra flags the script passes to each of its runs: one layer, which is all the checks need and
+# shortens every run's trace and compile (the eval-only run must name the same model).
+TINY_LLAMA_FLAGS = ("--fdl.NUM_LAYERS=1",)
 
 
 def _llama(env, *args):
@@ -229,7 +242,7 @@ def test_llama_boolq_trains_then_evaluates_and_eval_only(tmp_path, boolq_assets)
         **TINY_LLAMA_ENV,
     }
     # No BoolQ training feed: the tiny model trains on synthetic tokens, then BoolQ is scored.
-    result = _llama(env, "--fdl.SYNTHETIC_DATA=true")
+    result = _llama(env, "--fdl.SYNTHETIC_DATA=true", *TINY_LLAMA_FLAGS)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     job = tmp_path / "llama" / "llama-TinyLLaMA-mbs-2-te-0-lora-0"
     assert (tmp_path / "llama" / "logs" / "llama-TinyLLaMA-mbs-2-te-0-lora-0.txt").exists()
@@ -247,7 +260,8 @@ def test_llama_boolq_trains_then_evaluates_and_eval_only(tmp_path, boolq_assets)
     assert trained[0]["eval/boolq_acc"] == trained[1]["eval/boolq_acc"]
 
     # EVAL_ONLY=1 scores the checkpoint the path names (here the checkpoints directory itself).
-    only = _llama({**env, "EVAL_ONLY": "1", "CHECKPOINT_RESTORE_PATH": str(job / "checkpoints")})
+    only = _llama({**env, "EVAL_ONLY": "1", "CHECKPOINT_RESTORE_PATH": str(job / "checkpoints")},
+                  *TINY_LLAMA_FLAGS)
     assert only.returncode == 0, only.stdout[-3000:] + only.stderr[-3000:]
     lines = _boolq_lines(job)
     assert len(lines) == 3 and lines[-1]["eval/boolq_acc"] == trained[0]["eval/boolq_acc"]
@@ -278,7 +292,8 @@ def test_llama_boolq_trains_then_evaluates_and_eval_only(tmp_path, boolq_assets)
     ],
 )
 def test_llama_boolq_refuses_missing_settings(tmp_path, env, message):
-    base = {k: v for k, v in _env().items() if k not in ("VOCAB_PATH", "TFDS_DATA_DIR")}
+    base = {k: v for k, v in _env(preset=False).items()
+            if k not in ("VOCAB_PATH", "TFDS_DATA_DIR")}
     result = subprocess.run(
         ["bash", os.path.join(ROOT, "scripts_gpu", "run_llama_boolq.sh")],
         capture_output=True,
@@ -409,7 +424,7 @@ def test_a_stop_signal_reaches_paxlite_and_the_script_waits_for_its_checkpoint(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(),
+        env=_env(preset=False),
         start_new_session=True,
     )
     try:

@@ -24,7 +24,7 @@ from paxlite.experiments.build import build_run_config
 from paxlite.models.transformer import Transformer
 from paxlite.train.loop import Run, RunContext
 from paxlite.train.losses import choice_correct
-from tests.xla_test_flags import COMPILE_FLAGS
+from tests.in_process import paxlite_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_LLAMA = "paxlite.experiments.tiny.TinyLLaMA"
@@ -260,26 +260,8 @@ def _eval_lines(job_dir) -> list[dict]:
         return [line for line in map(json.loads, f) if "eval/boolq_acc" in line]
 
 
-def _main(*flags) -> subprocess.CompletedProcess:
-    """One CPU device (compiles faster than the tests' eight; the checkpoint was written on
-    eight)."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "JAX_PLATFORMS": "cpu"}
-    for name in ("TFDS_DATA_DIR", "VOCAB_PATH"):
-        env.pop(name, None)
-    env["XLA_FLAGS"] = COMPILE_FLAGS
-    return subprocess.run(
-        [sys.executable, "-m", "paxlite.main", *flags],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=ROOT,
-        check=False,
-    )
-
-
-def test_end_to_end_eval_matches_an_independent_computation(tmp_path, vocab, tok) -> None:
+def test_end_to_end_eval_matches_an_independent_computation(tmp_path, vocab, tok, monkeypatch,
+                                                            capfd) -> None:
     examples = _examples(20, seed=3)
     val = _write_jsonl(tmp_path / "val.jsonl", examples)
     job = tmp_path / "job"
@@ -303,6 +285,12 @@ def test_end_to_end_eval_matches_an_independent_computation(tmp_path, vocab, tok
     assert during_training["eval/boolq_acc"] == pytest.approx(want, abs=1e-12)
 
     # --mode=eval from the command line, on the same checkpoint: once from the JSONL file ...
+    # The command line runs in this process (tests/in_process.py), on the eight devices the
+    # checkpoint was written on: its eval step is the training run's program, read back from the
+    # session's compile cache, where a process of its own would start JAX and compile it again.
+    for name in ("TFDS_DATA_DIR", "VOCAB_PATH"):  # the flags alone name the data and vocabulary
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
     flags = [
         f"--fdl_config={TINY_LLAMA}",
         "--mode=eval",
@@ -310,7 +298,8 @@ def test_end_to_end_eval_matches_an_independent_computation(tmp_path, vocab, tok
         "--fdl.EVAL_TASK=boolq",
         f"--fdl.VOCAB_PATH={vocab}",
     ]
-    result = _main(*flags, f"--fdl.BOOLQ_PATH={val}")
+    with paxlite_main(monkeypatch, capfd) as main:
+        result = main(*flags, f"--fdl.BOOLQ_PATH={val}")
     assert result.returncode == 0, result.stderr[-3000:]
     # ... and once from TFDS super_glue/boolq:1.0.2 written by the download script (ArrayRecord).
     raw = tmp_path / "BoolQ"
@@ -323,7 +312,8 @@ def test_end_to_end_eval_matches_an_independent_computation(tmp_path, vocab, tok
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT}, check=False)
     assert made.returncode == 0, made.stderr[-3000:]
-    result = _main(*flags, f"--tfds_data_dir={tfds_dir}")
+    with paxlite_main(monkeypatch, capfd) as main:
+        result = main(*flags, f"--tfds_data_dir={tfds_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = _eval_lines(job)
     assert [line["step"] for line in lines] == [2, 2, 2]

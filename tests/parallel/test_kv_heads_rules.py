@@ -142,8 +142,11 @@ def _train(cfg, mesh, optimizer, schedule):
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa_2_kv_heads", "mqa"])
 def test_training_with_fewer_kv_heads_than_tensor_equals_one_device(kv_heads: int) -> None:
+    # One layer and 16 positions: the kv heads are sharded per layer and per head; a second layer
+    # or longer rows would only lengthen the two compiles (one device, the fsdp x tensor mesh).
     experiment = load_experiment(
-        "paxlite.experiments.tiny.TinyLLaMA", (f"NUM_KV_HEADS={kv_heads}",)
+        "paxlite.experiments.tiny.TinyLLaMA",
+        (f"NUM_KV_HEADS={kv_heads}", "NUM_LAYERS=1", "MAX_SEQ_LEN=16"),
     )
     cfg = fdl.build(experiment.model_config())
     schedule = make_schedule(fdl.build(experiment.schedule_config()))
@@ -168,7 +171,7 @@ def test_training_with_fewer_kv_heads_than_tensor_equals_one_device(kv_heads: in
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa_2_kv_heads", "mqa"])
 def test_decoding_with_fewer_kv_heads_than_tensor_equals_one_device(kv_heads: int) -> None:
     """Greedy tokens as one device; the cache's kv heads (repeated to 4) one per tensor shard."""
-    cfg = llama(num_heads=4, num_kv_heads=kv_heads)
+    cfg = llama(num_heads=4, num_kv_heads=kv_heads, num_layers=1)  # the cache is per layer
     params = _params(cfg)
     want = decode.generate(cfg, params, PROMPTS, max_new_tokens=4)
     mesh = jax.make_mesh(tuple(MESH_SHAPE.values()), tuple(MESH_SHAPE),
