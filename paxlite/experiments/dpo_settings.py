@@ -43,6 +43,9 @@ class DpoSettings:
                 problems.append(f"{name} is read only with {switch}='dpo', and {switch}="
                                 f"{getattr(self, switch)!r}: add --fdl.{switch}=dpo, or drop "
                                 f"{name}")
+        if self.TRAIN_TASK == DPO and "PACKED_INPUT" in self.overridden:
+            problems.append(f"PACKED_INPUT={self.PACKED_INPUT!r} does not apply to "
+                            "TRAIN_TASK='dpo', which trains on one pair a row: drop it")
         if DPO not in (self.TRAIN_TASK, self.EVAL_TASK):
             problems += [f"{name} is read only with TRAIN_TASK='dpo' or EVAL_TASK='dpo': drop it"
                          for name in ("DPO_BETA", "DPO_REFERENCE_PATH") if name in given]

@@ -234,6 +234,8 @@ def test_dpo_settings_where_nothing_reads_them_are_refused(models):
         _config(_flags(models))
     with pytest.raises(ConfigError, match="DPO_BETA must be a number > 0"):
         _config(_flags(models, "EVAL_TASK=dpo", "DPO_EVAL_DATA=/tmp", "DPO_BETA=0"))
+    with pytest.raises(ConfigError, match="PACKED_INPUT=True does not apply to TRAIN_TASK='dpo'"):
+        _config(_flags(models, "TRAIN_TASK=dpo", "DPO_DATA=/tmp", "PACKED_INPUT=true"))
 
 
 def test_the_trained_job_exports_to_transformers_with_its_tokenizer(models, data, straight,
