@@ -35,7 +35,7 @@ from paxlite.errors import SettingError
 
 Batch = Mapping[str, jax.Array]
 CHOSEN_SEGMENT, REJECTED_SEGMENT = 1, 2
-# Per-row log-probability sums of a forward pass; the reference's are these under REFERENCE_PREFIX
+# Per-row log-probability sums of a forward pass (the policy's and the reference's)
 SIDE_KEYS = ("chosen_logp", "rejected_logp")
 # Per-pair terms summed over the pairs, and the metric each makes (its sum / the pairs)
 METRIC_OF_SUM = {"dpo_loss_sum": "loss", "rewards_chosen_sum": "rewards_chosen",

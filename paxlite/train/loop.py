@@ -12,12 +12,14 @@ train/run_build.py; how its steps are timed, train/step_timer.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
 from typing import Self
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -26,14 +28,12 @@ from paxlite.data.chat_pipeline import chat_train_summaries
 from paxlite.data.dpo_pipeline import dpo_train_summaries
 from paxlite.data.feed import mixture_summaries, prefetch_train_batches
 from paxlite.errors import NotFoundError, RunStoppedError
-from paxlite.models.transformer import Transformer
 from paxlite.train import device_metrics, run_build
 from paxlite.train.eval_loop import Evaluator
 from paxlite.train.preemption import Preemption
 from paxlite.train.profiling import StepProfiler
 from paxlite.train.run_build import RunContext
 from paxlite.train.run_config import RunConfig, SaveFailure
-from paxlite.train.schedules import make_schedule
 from paxlite.train.step import CompiledSteps, TrainState, join_params
 from paxlite.train.watchdog import Watchdog
 
@@ -69,8 +69,6 @@ class Run:
         self.data, self.eval_data = run_build.open_feeds(config, layout=layout,
                                                          training=context.training)
         self.lm_eval = run_build.lm_eval_scorer(config, layout=layout)
-        self.schedule = make_schedule(config.schedule)
-        self.model = Transformer(config.model)
         self.checkpointer = run_build.open_checkpointer(config, context=context)
         with contextlib.ExitStack() as on_error:
             on_error.callback(self.checkpointer.close)
@@ -152,28 +150,32 @@ class Run:
                          "provides parameters only", len(jax.tree.leaves(state.fp8)))
         return state.replace(params=join_params(loaded, state.params))
 
-    def _bind_reference(self) -> None:
-        self.steps = self._with_reference()
+    def _bind_reference(self, state: TrainState) -> None:
+        self.steps = self._with_reference(state)
         self._evaluator = Evaluator(self.steps, self.mesh,
                                     num_batches=self.config.loop.eval_num_batches,
                                     steps_ahead=_STEPS_AHEAD)
 
-    def _with_reference(self) -> CompiledSteps:
+    def _with_reference(self, state: TrainState) -> CompiledSteps:
         """The compiled steps with the DPO reference bound (train/dpo.py): DPO_REFERENCE_PATH's
         parameters, else those training starts from (CHECKPOINT_RESTORE_PATH's over a fresh
-        initialisation, as at step 0 of this job, also on a resume). A LoRA run without
+        initialisation, as at step 0 of this job): `state`'s own at step 0 (copied, since the
+        train step donates the state), built again on a resume. A LoRA run without
         DPO_REFERENCE_PATH has no reference of its own (the adapters off)."""
         if not self.steps.abstract_reference:
             return self.steps
         with jax.set_mesh(self.mesh):
             if self.config.dpo.reference_path is not None:
-                reference = run_build.read_reference(self.config, abstract_params=self.steps
-                                                     .abstract_reference[0])
+                return self.steps.with_reference(run_build.read_reference(
+                    self.config, abstract_params=self.steps.abstract_reference[0]))
+            if int(jax.device_get(state.step)) == 0:
+                reference = jax.jit(functools.partial(jax.tree.map, jnp.copy),
+                                    out_shardings=self.steps.state_shardings.params)(state.params)
             else:
                 reference = self._init_state().params
-                logging.info("DPO reference: the parameters this job started from (%s)",
-                             self.config.loop.checkpoint_restore_path
-                             or f"initialised from seed {self.config.loop.seed}")
+        logging.info("DPO reference: the parameters this job started from (%s)",
+                     self.config.loop.checkpoint_restore_path
+                     or f"initialised from seed {self.config.loop.seed}")
         return self.steps.with_reference(reference)
 
     def _plan_pretrained(self) -> run_build.PretrainedPlan:
@@ -207,7 +209,7 @@ class Run:
                 "--fdl.CHECKPOINT_RESTORE_PATH"
             )
         step, state = restored
-        self._bind_reference()
+        self._bind_reference(state)
         metrics = self.evaluate(state)
         self.writer.write_eval(step, metrics)
         if self.lm_eval is not None:
@@ -253,7 +255,7 @@ class Run:
     def _train(self, preemption: Preemption, watchdog: Watchdog) -> TrainState:
         loop = self.config.loop
         state = self.restore_or_init()
-        self._bind_reference()
+        self._bind_reference(state)
         start = int(jax.device_get(state.step))
         if start >= loop.max_steps:
             logging.info("Checkpoint step %d >= MAX_STEPS=%d: nothing to train", start,

@@ -74,16 +74,19 @@ def _train_row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
     return {**per_example_scores(logits, pos), "z_loss_sum": z_rows}
 
 
+def pair_side_logps(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
+    """Each row's chosen and rejected log-probabilities [B] of `logits` (a DPO pair a row:
+    train/dpo.py); `pos` may be one block of a chunked loss."""
+    return side_logps(-token_losses(logits, pos["targets"]), pos)
+
+
 def _pair_row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
-    """`per_example_scores` plus each row's chosen and rejected log-probabilities (a DPO pair a
-    row: train/dpo.py)."""
-    return {**per_example_scores(logits, pos),
-            **side_logps(-token_losses(logits, pos["targets"]), pos)}
+    """`per_example_scores` plus `pair_side_logps`."""
+    return {**per_example_scores(logits, pos), **pair_side_logps(logits, pos)}
 
 
 def _pair_train_row_scores(logits: jax.Array, pos: Batch) -> dict[str, jax.Array]:
-    return {**_train_row_scores(logits, pos),
-            **side_logps(-token_losses(logits, pos["targets"]), pos)}
+    return {**_train_row_scores(logits, pos), **pair_side_logps(logits, pos)}
 
 
 def forward_scores(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool,
@@ -117,12 +120,12 @@ def pair_logps(model: nn.Module, params, batch: Batch, *, loss_chunk_size: int |
     head = apply_model(model, params, batch, dropout_rng=None, deterministic=True,
                        return_hidden=loss_chunk_size is not None, fp8=fp8)
     if loss_chunk_size is None:
-        scores = side_logps(-token_losses(head, batch["targets"]), batch)
+        scores = pair_side_logps(head, batch)
     else:
         scores = chunked_row_sums(
             params, head, {key: batch[key] for key in ("targets", "weights", "segment_ids")},
             project=projection(model),
-            score_fn=lambda logits, pos: side_logps(-token_losses(logits, pos["targets"]), pos),
+            score_fn=pair_side_logps,
             chunk_size=loss_chunk_size)
     return jax.lax.stop_gradient(scores)
 

@@ -41,7 +41,6 @@ from paxlite.train.dpo import (
     DpoSteps,
     pair_mask,
     pair_rows,
-    side_logps,
 )
 from paxlite.train.dpo_step import pair_loss_and_grads
 from paxlite.train.grad_accum import accumulated_loss_and_grads, check_accum_steps
@@ -51,9 +50,9 @@ from paxlite.train.losses import (
     fp8_collection,
     loss_fn,
     pair_logps,
+    pair_side_logps,
     per_example_scores,
     projection,
-    token_losses,
 )
 from paxlite.train.optimizer import global_norm
 
@@ -202,7 +201,7 @@ def eval_step(
                 logits, {**pos, "yn_tokens": batch["yn_tokens"]}
             )
         if dpo_beta is not None:
-            scores.update(side_logps(-token_losses(logits, pos["targets"]), pos))
+            scores.update(pair_side_logps(logits, pos))
         return scores
 
     head = apply_model(model, params, batch, dropout_rng=None, deterministic=True,

@@ -182,7 +182,8 @@ def test_hyperparameter_reaches_the_run(tmp_path):
             batch = run.data.train_batch(0, run.steps.batch_sharding)
             # TinySynthetic's layers are unrolled: the only loop in the step is the microbatch scan.
             assert "while" in run.steps.train.lower(state0, batch).as_text()
-            loss0 = jax.jit(functools.partial(loss_fn, model=run.model))(state0.params, batch)[0]
+            model = Transformer(run.config.model)
+            loss0 = jax.jit(functools.partial(loss_fn, model=model))(state0.params, batch)[0]
     lines = _train_lines(tmp_path)
     # One metrics line per optimizer step, not per microbatch, with the whole batch's loss.
     assert [line["step"] for line in lines] == [1, 2]
