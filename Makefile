@@ -26,7 +26,7 @@ GPU_COMPILE_PACKAGES := jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12 nvid
 	nvidia-cuda-nvcc-cu12 nvidia-nvjitlink-cu12 nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 \
 	nvidia-cuda-cupti-cu12
 
-.PHONY: install gpu-compile test test-cpu-session test-quick test-durations demo bench lint clean
+.PHONY: install gpu-compile test test-cpu-session test-gpu-compile-session test-quick test-durations demo bench lint clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 found (python3.12, ~/.pyenv/versions/3.12*): install one, or make PYTHON=/path/to/python3.12"; exit 2; }
@@ -53,16 +53,26 @@ gpu-compile: $(GPU_COMPILE_STAMP)
 # The whole suite, with the 30 slowest tests at the end of the log so the time budget stays visible
 # (docs/performance.md has the figures). --dist loadfile: a file's tests run on one worker (its
 # module fixtures are built once) and each worker takes the next file, longest first (tests/conftest.py).
-# Then the gpu_compile tests (tests/gpu_compile/: programs compiled for H100/H200 by XLA's GPU compiler)
-# in a session of their own with the plugin on PYTHONPATH, where a missing plugin is an error, not a skip.
+# Beside it (make -j2), the gpu_compile tests (tests/gpu_compile/: programs compiled for H100/H200 by
+# XLA's GPU compiler) in a session of their own with the plugin on PYTHONPATH, where a missing plugin is
+# an error, not a skip: one process, which takes up the CPU time the first session leaves idle (its
+# tests waiting on subprocesses, sleeps, its last files); its log follows the first session's.
 # Then the gpu tests on the GPU, where there is one (tests/gpu_pass.py; without one it says so in a line).
-# On a fresh machine the plugin's install (unpacking ~2.9 GB: one core for ~20 s) runs beside the first
-# session (make -j2) rather than before it, while the second core would otherwise wait.
+# On a fresh machine the plugin's install (unpacking ~2.9 GB: one core for ~20 s) comes first in that
+# second line of work.
+GPU_COMPILE_LOG := build/gpu_compile_tests.log
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 test-cpu-session $(GPU_COMPILE_STAMP)
-	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -n $(TEST_WORKERS) \
-		--dist loadfile --durations=10 tests/gpu_compile $(PYTEST_ARGS)
+	@rm -f $(GPU_COMPILE_LOG); status=0; \
+		$(MAKE) --no-print-directory -j2 test-cpu-session test-gpu-compile-session || status=$$?; \
+		echo "--- tests/gpu_compile (XLA's GPU compiler), beside the session above ---"; \
+		cat $(GPU_COMPILE_LOG) 2>/dev/null || echo "(it did not start)"; exit $$status
 	$(BIN)/python tests/gpu_pass.py
+
+# The gpu_compile session of `make test` (above), its output in $(GPU_COMPILE_LOG).
+test-gpu-compile-session: $(GPU_COMPILE_STAMP)
+	@mkdir -p $(dir $(GPU_COMPILE_LOG))
+	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -p no:xdist \
+		--durations=10 tests/gpu_compile $(PYTEST_ARGS) > $(GPU_COMPILE_LOG) 2>&1
 
 # The first session of `make test`: every test but tests/gpu_compile, on CPU.
 test-cpu-session: $(STAMP)

@@ -14,8 +14,12 @@ is removed when the session ends.
 import json
 import os
 import shutil
+import sys
 import tempfile
 
+from tests.fork_server import DISABLE_VAR as FORK_DISABLE_VAR
+from tests.fork_server import FORK_DIR_VAR, stop_servers, write_client
+from tests.fork_server import OWNER_VAR as FORK_OWNER_VAR
 from tests.xla_test_flags import COMPILE_FLAGS, GPU_COMPILE_FLAGS
 
 # Must happen before JAX is imported anywhere. The compile flags: see tests/xla_test_flags.py (not
@@ -40,6 +44,18 @@ else:
 SESSION_COMPILATION_CACHE = os.environ[_SESSION_CACHE_VAR]
 os.environ["JAX_COMPILATION_CACHE_DIR"] = SESSION_COMPILATION_CACHE
 
+# The fork server (tests/fork_server.py): `python` on PATH is its client for the whole session, so
+# the paxlite commands the tests start (the docs' commands, the launch scripts, the two-process
+# runs) are forked from a process that has JAX, Flax, Orbax and paxlite imported already.
+if FORK_DIR_VAR not in os.environ and os.environ.get(FORK_DISABLE_VAR) != "1":
+    os.environ[FORK_DIR_VAR] = tempfile.mkdtemp(prefix="paxlite-tests-fork-")
+    os.environ[FORK_OWNER_VAR] = str(os.getpid())
+    _OWNED_FORK_DIR = os.environ[FORK_DIR_VAR]
+    _client = write_client(_OWNED_FORK_DIR, sys.executable)
+    os.environ["PATH"] = os.pathsep.join([os.path.dirname(_client), os.environ.get("PATH", "")])
+else:
+    _OWNED_FORK_DIR = None
+
 import jax
 import pytest
 
@@ -54,6 +70,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 def pytest_unconfigure(config):
     if _OWNED_CACHE is not None and not hasattr(config, "workerinput"):
         shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
+    if _OWNED_FORK_DIR is not None and not hasattr(config, "workerinput"):
+        stop_servers(_OWNED_FORK_DIR)
+        shutil.rmtree(_OWNED_FORK_DIR, ignore_errors=True)
 
 
 def _has_gpu() -> bool:

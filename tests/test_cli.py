@@ -5,11 +5,11 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 from typing import NamedTuple
 
 import pytest
 
+from tests.fork_server import paxlite_python
 from tests.in_process import paxlite_command, paxlite_main
 from tests.xla_test_flags import COMPILE_FLAGS
 
@@ -19,7 +19,7 @@ ENV["XLA_FLAGS"] = COMPILE_FLAGS  # one CPU device, as on a plain machine
 
 def _run(*args, timeout=300, cwd=None):
     return subprocess.run(
-        [sys.executable, *args],
+        [paxlite_python(), *args],
         capture_output=True,
         text=True,
         env=ENV,
@@ -169,7 +169,7 @@ def test_an_unknown_or_malformed_flag_is_one_line_and_exit_2(tmp_path, main_in_p
 
 
 def test_listing_into_a_reader_that_stops_early_is_quiet():
-    out = subprocess.run(["bash", "-c", (f"set -o pipefail; {sys.executable} -m paxlite list "
+    out = subprocess.run(["bash", "-c", (f"set -o pipefail; {paxlite_python()} -m paxlite list "
                                          "| head "
                                         "-n 1")],
                          capture_output=True, text=True, env=ENV, timeout=120, check=False)

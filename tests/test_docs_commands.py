@@ -26,12 +26,12 @@ import pathlib
 import re
 import shlex
 import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.docs_blocks import MARKERS, REPO, Block, all_blocks, blocks, doc_files
+from tests.fork_server import paxlite_python
 from tests.in_process import Result, paxlite_command, paxlite_main
 
 BLOCK_TIMEOUT_S = 180  # one block; each file's blocks should take well under 30 s on 2 cores
@@ -50,7 +50,7 @@ def _environment() -> dict[str, str]:
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PAXLITE_REPO"] = str(REPO)
     # `python` is this interpreter, as `. .venv/bin/activate` makes it for a reader.
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([os.path.dirname(paxlite_python()), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
     return env
 

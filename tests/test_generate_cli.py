@@ -5,7 +5,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from paxlite.__main__ import main
+from tests.fork_server import paxlite_python
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -25,7 +25,7 @@ NEW = 5
 def job(tmp_path_factory):
     job = tmp_path_factory.mktemp("gen") / "job"
     trained = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=2",
+        [paxlite_python(), "-m", "paxlite.main", "--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=2",
          f"--job_log_dir={job}"], capture_output=True, text=True, env=ENV, timeout=300, check=False)
     assert trained.returncode == 0, trained.stderr[-3000:]
     return job

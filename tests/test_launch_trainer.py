@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +16,7 @@ from paxlite.config.errors import ConfigError
 from paxlite.config.modifiers import split_over_processes
 from paxlite.experiments import fuji_mesh
 from paxlite.parallel.distributed import DistributedError, Launch, LaunchSource
+from tests.fork_server import paxlite_python
 from tests.in_process import paxlite_main
 from tests.xla_test_flags import COMPILE_FLAGS
 
@@ -29,12 +29,13 @@ def _env(**extra):
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "PAXLITE_", "DISTRIBUTED_", "NUM_PROCESSES", "PROCESS_ID"))
+        or k.startswith("PAXLITE_TEST_")  # the suite's own (tests/fork_server.py)
     }
     return {**env, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **extra}
 
 
 def _launcher(args, *, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "paxlite.launch_trainer_main", *args],
+    return subprocess.run([paxlite_python(), "-m", "paxlite.launch_trainer_main", *args],
                           capture_output=True, text=True, env=env or _env(), timeout=timeout,
                           check=False)
 
@@ -319,7 +320,7 @@ def test_two_processes_from_axlearns_environment_variables(tmp_path):
             procs.append(
                 subprocess.Popen(
                     [
-                        sys.executable,
+                        paxlite_python(),
                         "-m",
                         "paxlite.launch_trainer_main",
                         *[f"--{k}={v}" for k, v in BASE.items()],

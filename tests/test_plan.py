@@ -6,7 +6,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import fiddle as fdl
 import pytest
@@ -27,6 +26,7 @@ from paxlite.planner.results import (
     Plan,
     StepMeasurement,
 )
+from tests.fork_server import paxlite_python
 from tests.in_process import paxlite_command
 from tests.xla_test_flags import COMPILE_FLAGS
 
@@ -284,7 +284,7 @@ def test_a_process_with_fewer_devices_plans_in_a_subprocess():
 
 def _run(*args, cwd=None, env=None, timeout=300):
     return subprocess.run(
-        [sys.executable, *args],
+        [paxlite_python(), *args],
         capture_output=True,
         text=True,
         env=ENV if env is None else env,

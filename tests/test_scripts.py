@@ -6,12 +6,12 @@ import os
 import pathlib
 import random
 import subprocess
-import sys
 
 import pytest
 
 from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
+from tests.fork_server import paxlite_python
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +28,7 @@ def _env(*, preset=True):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"],
+        "PATH": os.path.dirname(paxlite_python()) + ":" + os.environ["PATH"],
     }
     env["XLA_FLAGS"] = COMPILE_FLAGS
     if preset:

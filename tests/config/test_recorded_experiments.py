@@ -4,13 +4,13 @@ never imported, so reading someone else's job cannot run code from it."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from paxlite.config.errors import ConfigError
 from paxlite.config.registry import resolve_registered_experiment
 from paxlite.experiments import EXPERIMENTS
+from tests.fork_server import paxlite_python
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +51,7 @@ def test_reading_a_job_never_imports_the_module_it_names(planted, command):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite", *command, f"--input={job}", f"--output={cwd / 'out'}"],
+        [paxlite_python(), "-m", "paxlite", *command, f"--input={job}", f"--output={cwd / 'out'}"],
         capture_output=True, text=True, env=env, cwd=cwd, timeout=300, check=False)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "is not a registered experiment" in result.stderr

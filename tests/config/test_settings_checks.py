@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 
 import fiddle as fdl
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from paxlite.config.errors import ConfigError
 from paxlite.data import prepare
 from paxlite.experiments.build import load_experiment
+from tests.fork_server import paxlite_python
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,7 +83,7 @@ def test_job_log_dir_url_is_refused_and_nothing_is_written(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic",
+        [paxlite_python(), "-m", "paxlite.main", "--fdl_config=TinySynthetic",
          "--job_log_dir=gs://bucket/job"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -12,6 +12,7 @@ from paxlite.experiments.build import load_experiment
 from paxlite.experiments.gpt import GPT126M
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import AttentionImplementation as Impl
+from tests.fork_server import paxlite_python
 from tests.xla_test_flags import COMPILE_FLAGS
 
 
@@ -107,12 +108,11 @@ def test_cudnn_on_a_cpu_job_stops_with_one_line_and_exit_2(tmp_path):
     """The backend is known when the step is traced: the job stops there, before compiling."""
     import os
     import subprocess
-    import sys
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = COMPILE_FLAGS
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=fuji-test-v3",
+        [paxlite_python(), "-m", "paxlite.main", "--fdl_config=fuji-test-v3",
          "--fdl.USE_CUDNN_FLASH_ATTENTION=True", "--fdl.DIMS_PER_HEAD=8",
          "--fdl.SYNTHETIC_DATA=true", "--fdl.MAX_STEPS=2", f"--job_log_dir={tmp_path}"],
         capture_output=True, text=True, env=env, timeout=300, check=False)

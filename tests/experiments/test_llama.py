@@ -5,7 +5,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 
 import fiddle as fdl
 import flax.linen as nn
@@ -22,6 +21,7 @@ from paxlite.parallel import rules as rules_lib
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from paxlite.train.losses import loss_fn
 from tests.experiments.traced import traced_num_params, traced_variables
+from tests.fork_server import paxlite_python
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # name: (D, F, L, H, KV, parameter count), as docs/migrating_from_pax.md's LLaMA table has them
@@ -103,7 +103,7 @@ def test_flops_per_token_is_maxtext_formula_with_gqa_and_gated_mlp(name: str) ->
 def test_show_reports_the_exact_count() -> None:
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     out = subprocess.run(
-        [sys.executable, "-m", "paxlite", "show", "--fdl_config=LLaMA70B", "--format=json"],
+        [paxlite_python(), "-m", "paxlite", "show", "--fdl_config=LLaMA70B", "--format=json"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=120, check=True,
     ).stdout
     info = json.loads(out)

@@ -9,7 +9,6 @@ the hand formulas here are written out independently of both.
 import json
 import os
 import subprocess
-import sys
 
 import fiddle as fdl
 import pytest
@@ -25,6 +24,7 @@ from paxlite.models.moe_config import MoeRouting
 from paxlite.models.transformer import NormKind, PositionEmbedding
 from paxlite.train import flops as flops_lib
 from tests.experiments.traced import traced_num_params, traced_variables
+from tests.fork_server import paxlite_python
 
 
 def glam_params(*, L, D, H, h, F, V, E, buckets=32):
@@ -111,7 +111,7 @@ def test_show_reports_active_equal_to_total_for_a_dense_model():
 def test_mixtral_show_json_through_the_cli():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite", "show", "--fdl_config=Mixtral8x7B", "--format=json"],
+        [paxlite_python(), "-m", "paxlite", "show", "--fdl_config=Mixtral8x7B", "--format=json"],
         capture_output=True, text=True, env=env, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     info = json.loads(result.stdout)
@@ -296,7 +296,7 @@ def test_moe_misconfiguration_is_one_config_error(name, assignments, message):
 def test_dense_model_given_moe_settings_exits_2_with_one_line():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite", "show", "--fdl_config=Pile126M", "--fdl.NUM_EXPERTS=8"],
+        [paxlite_python(), "-m", "paxlite", "show", "--fdl_config=Pile126M", "--fdl.NUM_EXPERTS=8"],
         capture_output=True, text=True, env=env, timeout=300, check=False)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

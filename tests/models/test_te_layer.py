@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from paxlite.experiments.transformer_engine_settings import env_flag, transforme
 from paxlite.models import te_layer
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig
 from paxlite.models.transformer_config import LayerImplementation
+from tests.fork_server import paxlite_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT = TransformerConfig(vocab_size=64, num_layers=2, model_dims=32, num_heads=4, dims_per_head=8,
@@ -62,7 +62,7 @@ def test_flags_read_like_pax():
 def test_enable_te_without_gpu_exits_2_with_one_line(tmp_path):
     env = {**os.environ, "ENABLE_TE": "1", "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinySynthetic",
+        [paxlite_python(), "-m", "paxlite.main", "--fdl_config=TinySynthetic",
          f"--job_log_dir={tmp_path / 'job'}"], capture_output=True, text=True, env=env, timeout=300,
         check=False)
     lines = [line for line in result.stderr.strip().splitlines() if "error" in line.lower()]

@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from paxlite.__main__ import main
+from tests.fork_server import paxlite_python
 from tests.parallel.test_multiprocess import _env, _free_port
 
 TASKS_DIR = pathlib.Path(__file__).resolve().parents[1] / "testdata" / "lm_eval"
@@ -61,7 +61,7 @@ def test_two_processes_score_as_one(tmp_path, monkeypatch):
     port = _free_port()
     env = {**_env(4), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "paxlite",
+        [paxlite_python(), "-m", "paxlite",
          *_flags(tmp_path / "model", [*fdl, "--fdl.ICI_MESH_SHAPE=[1,2,2]",
                                        "--fdl.DCN_MESH_SHAPE=[2,1,1]"],  # data over processes
                  tmp_path / f"two_{i}.json"),

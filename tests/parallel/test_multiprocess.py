@@ -11,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from paxlite.parallel.distributed import (
     first_slurm_host,
     timeouts_from_env,
 )
+from tests.fork_server import paxlite_python
 from tests.in_process import paxlite_main, train_in_this_process
 from tests.xla_test_flags import COMPILE_FLAGS
 
@@ -206,7 +206,8 @@ def _env(num_cpu_devices: int) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if (not k.startswith(_CLUSTER_VARS) or k == "JAX_COMPILATION_CACHE_DIR")
+        if (not k.startswith(_CLUSTER_VARS) or k == "JAX_COMPILATION_CACHE_DIR"
+            or k.startswith("PAXLITE_TEST_"))  # the suite's own (tests/fork_server.py)
         and k != "JOB_COMPLETION_INDEX"
     }
     env.update(
@@ -229,7 +230,7 @@ def _free_port() -> int:
 def _start(job: Path, flags: list[str], *, log: Path, num_cpu_devices: int) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *flags],
+            [paxlite_python(), "-m", "paxlite.main", f"--job_log_dir={job}", *flags],
             env=_env(num_cpu_devices),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -357,7 +358,7 @@ def test_process_whose_peer_never_comes_gives_up_after_the_init_timeout(tmp_path
     started = time.monotonic()
     with open(log, "ab") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'job'}", *flags],
+            [paxlite_python(), "-m", "paxlite.main", f"--job_log_dir={tmp_path / 'job'}", *flags],
             env={**_env(4), "PAXLITE_INIT_TIMEOUT_S": "1"},  # the least it takes
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -5,12 +5,12 @@ only process 0 prints them."""
 
 import json
 import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.fork_server import paxlite_python
 from tests.parallel.test_multiprocess import _env, _free_port
 
 PROMPTS = ([5, 9, 200, 17], [42], [7, 7, 3])  # 3 rows: padded to 4 for the batch axes
@@ -64,7 +64,7 @@ def test_two_processes_generate_the_one_process_tokens(tmp_path):
     model, params = _checkpoint(tmp_path / "model")
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "paxlite", "generate", f"--checkpoint={tmp_path / 'model'}",
+        [paxlite_python(), "-m", "paxlite", "generate", f"--checkpoint={tmp_path / 'model'}",
          "--fdl_config=TinySynthetic", *MODEL,
          "--fdl.ICI_MESH_SHAPE=[1,2,1]", "--fdl.DCN_MESH_SHAPE=[2,1,1]",  # data over processes
          *[f"--prompt_ids={','.join(map(str, p))}" for p in PROMPTS],

@@ -4,7 +4,6 @@ accumulation agree, and the command line runs full SFT -> LoRA -> merged export 
 import json
 import os
 import subprocess
-import sys
 
 import fiddle as fdl
 import flax.linen as nn
@@ -26,6 +25,7 @@ from paxlite.train.export import base_model_config
 from paxlite.train.optimizer import make_optimizer
 from paxlite.train.schedules import make_schedule
 from paxlite.train.step import compile_steps
+from tests.fork_server import paxlite_python
 from tests.in_process import paxlite_command
 from tests.xla_test_flags import COMPILE_FLAGS
 
@@ -181,7 +181,7 @@ ENV["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [ENV.get("PYTHONPATH")]
 
 
 def _cli(*args):
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV,
+    result = subprocess.run([paxlite_python(), *args], capture_output=True, text=True, env=ENV,
                             timeout=600, cwd=ROOT, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return result

@@ -25,6 +25,7 @@ from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.experiments.build import build_run_config
 from paxlite.train.loop import Run, RunContext
+from tests.fork_server import paxlite_python
 from tests.in_process import paxlite_main
 from tests.xla_test_flags import COMPILE_FLAGS
 
@@ -186,7 +187,7 @@ def test_resume_on_another_device_count_continues_the_same_data(straight, source
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COMPILE_FLAGS}
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinyShakespeare",
+        [paxlite_python(), "-m", "paxlite.main", "--fdl_config=TinyShakespeare",
          *(f"--fdl.{o}" for o in _overrides(sources, 6)), f"--job_log_dir={resumed}"],
         capture_output=True, text=True, env=env, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,10 +8,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 
+from tests.fork_server import paxlite_python
 from tests.train.test_metrics import _scalars
 from tests.xla_test_flags import COMPILE_FLAGS
 
@@ -30,7 +30,7 @@ def trained(request, tmp_path_factory):
              "--fdl.SUMMARY_INTERVAL_STEPS=10", "--fdl.Z_LOSS_WEIGHT=0.0001",
              f"--fdl.NUM_LAYERS={NUM_LAYERS[request.param]}",
              "--enable_checkpoint_saving=false"]  # nothing here reads a checkpoint
-    result = subprocess.run([sys.executable, "-m", "paxlite.main", *flags], capture_output=True,
+    result = subprocess.run([paxlite_python(), "-m", "paxlite.main", *flags], capture_output=True,
                             text=True, env=ENV, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]

@@ -6,7 +6,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -19,6 +18,7 @@ from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.experiments.build import build_run_config
 from paxlite.train import run_build
 from paxlite.train.loop import Run, RunContext
+from tests.fork_server import paxlite_python
 from tests.xla_test_flags import COMPILE_FLAGS
 
 WORDS = ("the king and queen of a far land rode out at dawn to see the sea while bells rang and "
@@ -130,7 +130,7 @@ def test_resume_with_another_batch_size_is_one_line_exit_2(
     env["XLA_FLAGS"] = COMPILE_FLAGS  # one device: PERCORE_BATCH_SIZE=2 is a global batch of 2
     overrides = [o for o in _overrides(dataset, 6) if not o.startswith("PERCORE_BATCH_SIZE=")]
     result = subprocess.run(
-        [sys.executable, "-m", "paxlite.main", "--fdl_config=TinyShakespeare",
+        [paxlite_python(), "-m", "paxlite.main", "--fdl_config=TinyShakespeare",
          *(f"--fdl.{o}" for o in overrides), "--fdl.PERCORE_BATCH_SIZE=2", f"--job_log_dir={job}"],
         capture_output=True, text=True, env=env, timeout=300, check=False)
     assert result.returncode == 2, result.stderr[-3000:]

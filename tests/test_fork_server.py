@@ -1,0 +1,100 @@
+"""The suite's fork server (tests/fork_server.py) starts commands as a fresh interpreter would: the
+same output and exit status, the same absl flags, the environment and working directory of the
+command, signals passed on and the child gone with its client. Each case is checked against the
+real interpreter where there is something to compare with."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.fork_server import FORK_DIR_VAR, paxlite_python, start_server
+
+pytestmark = pytest.mark.skipif(FORK_DIR_VAR not in os.environ,
+                                reason="the fork server is off (PAXLITE_TEST_NO_FORK_SERVER=1)")
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The file where the server for this process's environment lists what it forked."""
+    return start_server(dict(os.environ))
+
+
+def _forked(served: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    before = _served(served)
+    result = subprocess.run([paxlite_python(), *args], capture_output=True, text=True,
+                            timeout=120, check=False, **kwargs)
+    assert [entry[1] for entry in _served(served)[len(before):]] == [list(args)]
+    return result
+
+
+def _fresh(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                          check=False, **kwargs)
+
+
+def _served(served: str) -> list:
+    if not os.path.exists(served):
+        return []
+    with open(served) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("args", [
+    # absl's "Did you mean" names near flags of every module imported: the server's preloaded
+    # modules must add none that the command would not have (Orbax's and Grain's flags would).
+    ("-m", "paxlite.main", "--fdl_config=TinySynthetic", "--exp=1", "--job_log_dir=job"),
+    ("-m", "paxlite", "show", "--fdl_config=TinySynthetc"),
+    ("-m", "paxlite.nosuch"),
+])
+def test_output_and_exit_status_equal_a_fresh_interpreters(served, tmp_path, args):
+    forked, fresh = _forked(served, *args, cwd=tmp_path), _fresh(*args, cwd=tmp_path)
+    assert forked.returncode == fresh.returncode != 0
+    assert (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr)
+
+
+def test_the_command_has_its_own_environment_and_directory(served, tmp_path):
+    # VOCAB_PATH from the environment reaches the experiment (data_settings.py), and a relative
+    # --fdl_config module is found in the working directory, as `python -m` puts it on sys.path.
+    (tmp_path / "my_tiny.py").write_text(
+        "from paxlite.experiments.tiny import TinySynthetic\n\n\n"
+        "class MyTiny(TinySynthetic):\n    NUM_LAYERS = 3\n")
+    env = {**os.environ, "VOCAB_PATH": str(tmp_path / "spm.model")}
+    args = ("-m", "paxlite", "show", "--fdl_config=my_tiny.MyTiny", "--format=json")
+    forked = _forked(served, *args, cwd=tmp_path, env=env)
+    assert forked.returncode == 0, forked.stderr
+    assert forked.stdout == _fresh(*args, cwd=tmp_path, env=env).stdout
+    assert '"NUM_LAYERS": 3' in forked.stdout
+
+
+def test_a_killed_client_takes_its_child_and_a_signal_is_passed_on(served, tmp_path):
+    before = len(_served(served))
+    args = ["-m", "paxlite.main", "--fdl_config=TinySynthetic", "--fdl.MAX_STEPS=100000000",
+            f"--job_log_dir={tmp_path / 'job'}"]
+    for number, status in ((signal.SIGKILL, -signal.SIGKILL), (signal.SIGUSR2, -signal.SIGUSR2)):
+        client = subprocess.Popen([paxlite_python(), *args], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while len(_served(served)) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (pid, _), = _served(served)[before:]
+        before += 1
+        client.send_signal(number)
+        assert client.wait(timeout=60) == status
+        deadline = time.monotonic() + 30
+        while _exists(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _exists(pid), f"the forked child {pid} outlived its client"
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie the server has not reaped yet has ended
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
