@@ -243,7 +243,7 @@ def write_hf(params: Mapping[str, Any], out_dir: str | os.PathLike, *, config: T
             hf_write.write_json(os.path.join(staging, name), content)
             files.append(name)
         if vocab_path is not None:
-            files += hf_write.write_tokenizer(staging, path=vocab_path)
+            files += hf_write.write_tokenizer(staging, path=vocab_path, family=family.value)
     return sorted(files)
 
 

@@ -240,19 +240,33 @@ def check_tokenizer(path: str, *, vocab_size: int, setting: str = "--vocab_path"
     return path
 
 
-def sentencepiece_kind(path: str) -> str:
-    """'BPE', 'UNIGRAM', 'WORD' or 'CHAR': the model type in the SentencePiece model's proto."""
+def _sentencepiece_proto(path: str):
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto()
     with open(path, "rb") as f:
         proto.ParseFromString(f.read())
-    return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
+    return proto
 
 
-def tokenizer_config(path: str) -> dict[str, Any]:
-    """A tokenizer_config.json for transformers' LlamaTokenizer (which converts the SentencePiece
-    model itself); special tokens are the model's own pieces, BOS added only if it has one."""
+def sentencepiece_kind(path: str) -> str:
+    """'BPE', 'UNIGRAM', 'WORD' or 'CHAR': the model type in the SentencePiece model's proto."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model_type = _sentencepiece_proto(path).trainer_spec.model_type
+    return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(model_type)
+
+
+def adds_dummy_prefix(path: str) -> bool:
+    """Whether the SentencePiece model puts "▁" before the text (LLaMA's do; Gemma's do not)."""
+    return _sentencepiece_proto(path).normalizer_spec.add_dummy_prefix
+
+
+def tokenizer_config(path: str, *, family: str | None = None) -> dict[str, Any]:
+    """A tokenizer_config.json for transformers' LlamaTokenizer, or GemmaTokenizer for the Gemma
+    families (``family``: the HF model_type), which convert the SentencePiece model themselves;
+    "▁" before the text as the model itself adds it (add_prefix_space), special tokens the model's
+    own pieces, BOS added only if it has one."""
     import sentencepiece as spm
 
     from paxlite.interop.hf_config import TRANSFORMERS_VERSION_WRITTEN
@@ -262,8 +276,10 @@ def tokenizer_config(path: str) -> dict[str, Any]:
     def piece(index: int) -> str | None:
         return sp.id_to_piece(index) if index >= 0 else None
 
+    gemma = family is not None and family.startswith("gemma")
     config: dict[str, Any] = {
-        "tokenizer_class": "LlamaTokenizer", "legacy": False, "add_prefix_space": True,
+        "tokenizer_class": "GemmaTokenizer" if gemma else "LlamaTokenizer", "legacy": False,
+        "add_prefix_space": adds_dummy_prefix(path),
         "add_bos_token": sp.bos_id() >= 0, "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "transformers_version": TRANSFORMERS_VERSION_WRITTEN,
@@ -274,13 +290,14 @@ def tokenizer_config(path: str) -> dict[str, Any]:
     return config
 
 
-def write_tokenizer(directory: str, *, path: str) -> list[str]:
+def write_tokenizer(directory: str, *, path: str, family: str | None = None) -> list[str]:
     """The tokenizer an HF export ships: an HF tokenizer's own files (with its chat templates),
-    or a SentencePiece model with the LlamaTokenizer settings transformers reads it with."""
+    or a SentencePiece model with the settings transformers reads it with for the model's
+    ``family`` (its HF model_type; tokenizer_config)."""
     if is_hf_tokenizer(path):
         return copy_hf_tokenizer(_hf_tokenizer_dir(path), directory)
     shutil.copyfile(path, os.path.join(directory, TOKENIZER_FILE))
-    config = tokenizer_config(path)
+    config = tokenizer_config(path, family=family)
     write_json(os.path.join(directory, "tokenizer_config.json"), config)
     special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
     write_json(os.path.join(directory, "special_tokens_map.json"), special)

@@ -19,9 +19,10 @@ TOL = 1e-4
 TEXTS = ["hello world!", "the lazy dog said hello to the fox", "a fox, 42 dogs!"]
 
 
-def train_bpe(root) -> str:
+def train_bpe(root, *, dummy_prefix: bool = True) -> str:
     """A tiny LLaMA-like SentencePiece BPE model (unk 0, bos 1, eos 2; no byte fallback, which
-    needs 256 pieces more than the 256-token test model has), 200 pieces, in ``root``."""
+    needs 256 pieces more than the 256-token test model has), 200 pieces, in ``root``;
+    ``dummy_prefix=False``: no "▁" before the text, as Gemma's models."""
     import sentencepiece as spm
 
     root.mkdir(parents=True, exist_ok=True)
@@ -31,8 +32,23 @@ def train_bpe(root) -> str:
     spm.SentencePieceTrainer.train(
         input=str(root / "corpus.txt"), model_prefix=str(root / "tok"), vocab_size=200,
         model_type="bpe", byte_fallback=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        minloglevel=2)
+        add_dummy_prefix=dummy_prefix, minloglevel=2)
     return str(root / "tok.model")
+
+
+def test_a_model_without_the_dummy_prefix_encodes_as_sentencepiece_in_transformers(tmp_path):
+    """add_prefix_space follows the model (the Gemma families' exports: test_hf_gemma.py)."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    vocab = train_bpe(tmp_path / "spm", dummy_prefix=False)
+    (tmp_path / "out").mkdir()
+    hf_write.write_tokenizer(str(tmp_path / "out"), path=vocab, family="llama")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert type(tokenizer).__name__ == "LlamaTokenizer"
+    sp = spm.SentencePieceProcessor(model_file=vocab)
+    for text in TEXTS:
+        assert tokenizer.encode(text) == [sp.bos_id(), *sp.encode(text)], text
 
 
 @pytest.fixture(scope="module")

@@ -136,11 +136,36 @@ def test_greedy_generation_matches_transformers(family_dir):
     assert generate(pretrained.config, pretrained.params, PROMPTS, max_new_tokens=NEW) == want
 
 
+def _gemma_like_sentencepiece(root) -> str:
+    """A SentencePiece BPE model that, as Gemma's, puts no "▁" before the text (200 pieces)."""
+    import sentencepiece as spm
+
+    root.mkdir(parents=True, exist_ok=True)
+    lines = [f"the quick brown fox {i} jumps over the lazy dog, hello world! said {i * 7}"
+             for i in range(200)]
+    (root / "corpus.txt").write_text("\n".join(lines))
+    spm.SentencePieceTrainer.train(
+        input=str(root / "corpus.txt"), model_prefix=str(root / "tok"), vocab_size=200,
+        model_type="bpe", add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        minloglevel=2)
+    return str(root / "tok.model")
+
+
 def test_save_loads_in_transformers_with_the_same_logits(family_dir, tmp_path):
+    import sentencepiece as spm
     import transformers
 
     family, directory, _, want, pretrained = family_dir
-    hf.save(pretrained, tmp_path / "out", max_shard_size="100KB")  # sharded, as big models are
+    vocab = _gemma_like_sentencepiece(tmp_path / "spm")
+    hf.save(pretrained, tmp_path / "out", max_shard_size="100KB",  # sharded, as big models are
+            vocab_path=vocab)
+    # Gemma's tokenizer class, and no "▁" added before the text, as the SentencePiece model adds
+    # none (LlamaTokenizer's settings would add one and encode every text differently)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert type(tokenizer).__name__ == "GemmaTokenizer"
+    sp = spm.SentencePieceProcessor(model_file=vocab)
+    for text in ("hello world!", "the lazy dog said hello to the fox", "a fox, 42 dogs!"):
+        assert tokenizer.encode(text) == [sp.bos_id(), *sp.encode(text)], text
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["model_type"] == family.value
