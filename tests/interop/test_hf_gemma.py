@@ -25,6 +25,7 @@ from paxlite.interop.hf_config import (
 from paxlite.models.decode import generate
 from paxlite.models.open_model_fields import LayerAttention
 from tests.interop.conftest import _perturb_norms, hf_logits
+from tests.interop.test_hf_export import train_bpe
 
 TOKENS = np.random.default_rng(3).integers(0, 256, size=(2, 24)).astype(np.int32)
 WINDOW = 4
@@ -136,27 +137,12 @@ def test_greedy_generation_matches_transformers(family_dir):
     assert generate(pretrained.config, pretrained.params, PROMPTS, max_new_tokens=NEW) == want
 
 
-def _gemma_like_sentencepiece(root) -> str:
-    """A SentencePiece BPE model that, as Gemma's, puts no "▁" before the text (200 pieces)."""
-    import sentencepiece as spm
-
-    root.mkdir(parents=True, exist_ok=True)
-    lines = [f"the quick brown fox {i} jumps over the lazy dog, hello world! said {i * 7}"
-             for i in range(200)]
-    (root / "corpus.txt").write_text("\n".join(lines))
-    spm.SentencePieceTrainer.train(
-        input=str(root / "corpus.txt"), model_prefix=str(root / "tok"), vocab_size=200,
-        model_type="bpe", add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        minloglevel=2)
-    return str(root / "tok.model")
-
-
 def test_save_loads_in_transformers_with_the_same_logits(family_dir, tmp_path):
     import sentencepiece as spm
     import transformers
 
     family, directory, _, want, pretrained = family_dir
-    vocab = _gemma_like_sentencepiece(tmp_path / "spm")
+    vocab = train_bpe(tmp_path / "spm", dummy_prefix=False)  # as Gemma's: no "▁" before the text
     hf.save(pretrained, tmp_path / "out", max_shard_size="100KB",  # sharded, as big models are
             vocab_path=vocab)
     # Gemma's tokenizer class, and no "▁" added before the text, as the SentencePiece model adds
