@@ -388,6 +388,22 @@ def test_glam64b64e_on_512_devices_has_a_verdict_moe_memory_and_expert_levers():
         assert levers["NUM_GROUPS 64 -> 128"].peak_bytes is not None
 
 
+def test_a_dpo_plan_takes_the_reference_parameters_beside_the_state(fsdp_plans, tmp_path):
+    """TRAIN_TASK=dpo plans the DPO step, whose arguments hold the reference model's parameters
+    beside the state: exactly the parameters' bytes, sharded as they are (same batch arrays)."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "a b", "chosen": " c", "rejected": " d"}) + "\n")
+    dpo = _tiny_plan("ICI_MESH_SHAPE=[4,2,1]", "TRAIN_TASK=dpo", f"DPO_DATA={pairs}",
+                     num_devices=8)
+    m, ce = dpo.memory_per_device, fsdp_plans[2].memory_per_device  # the same mesh, no DPO
+    assert ce.reference_bytes is None
+    assert m.reference_bytes == m.parameter_bytes == ce.parameter_bytes
+    assert m.argument_bytes == ce.argument_bytes + m.reference_bytes
+    assert Plan.from_json(json.loads(json.dumps(dpo.to_json()))) == dpo
+    text = plan_lib.format_text(dpo)
+    assert "DPO reference" in text and "(state + batch + DPO reference)" in text
+
+
 def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so(fsdp_plans):
     """The CPU compiler has no Triton or cuDNN kernels: the plan compiles XLA's attention
     instead."""

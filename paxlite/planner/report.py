@@ -34,7 +34,10 @@ def format_text(p: Plan) -> str:
         f"  parameters          {_gib(m.parameter_bytes):>14}",
         f"  optimizer state     {_gib(m.optimizer_state_bytes):>14}",
         f"  gradients           {_gib(m.gradient_bytes):>14}  (live inside temporaries)",
-        f"  arguments           {_gib(m.argument_bytes):>14}  (state + batch)",
+        *([] if m.reference_bytes is None else
+          [f"  DPO reference       {_gib(m.reference_bytes):>14}  (its parameters)"]),
+        (f"  arguments           {_gib(m.argument_bytes):>14}  (state + batch"
+         f"{'' if m.reference_bytes is None else ' + DPO reference'})"),
         f"  outputs             {_gib(m.output_bytes):>14}",
         f"  aliased (donated)   {_gib(m.alias_bytes):>14}",
         f"  temporaries (peak)  {_gib(m.temp_bytes):>14}",

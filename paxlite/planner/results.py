@@ -67,6 +67,9 @@ class DeviceMemory(JsonRecord):
     generated_code_bytes: int
     # Donated state: outputs reuse argument buffers, counted once (PEAK_FORMULA).
     peak_bytes: int
+    # TRAIN_TASK=dpo: the reference model's parameters, an argument of the step beside the state
+    # (None: no DPO, or LoRA's base with the adapters off, which needs no copy)
+    reference_bytes: int | None = optional()
 
     @property
     def state_bytes(self) -> int:

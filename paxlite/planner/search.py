@@ -199,11 +199,13 @@ def compile_train_step(experiment, *, num_devices: int,
     import jax
     import jax.numpy as jnp
 
+    from paxlite.experiments.dpo_settings import DPO
     from paxlite.models.lora import is_lora_path
     from paxlite.models.parallel_config import PIPELINE_AXIS
     from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
     from paxlite.models.transformer import Transformer
     from paxlite.parallel.rules import DEFAULT_RULES
+    from paxlite.train.dpo import DpoSteps
     from paxlite.train.optimizer import make_optimizer
     from paxlite.train.schedules import make_schedule
     from paxlite.train.step import compile_steps
@@ -223,6 +225,12 @@ def compile_train_step(experiment, *, num_devices: int,
              "z_loss_weight": setup.loop.z_loss_weight,
              "trainable": is_lora_path if model_config.lora_rank is not None else None,
              "logical_rules": te_logical_axis_rules(model_config, DEFAULT_RULES)}
+    # TRAIN_TASK=dpo: the DPO step, which also takes the reference model's parameters (the same
+    # batch of [B, T] arrays: one pair a row)
+    dpo = None
+    if getattr(experiment, "TRAIN_TASK", None) == DPO:
+        dpo = DpoSteps.of(beta=experiment.DPO_BETA, reference_path=experiment.DPO_REFERENCE_PATH,
+                          train=True, eval=False, lora=model_config.lora_rank is not None)
     started = time.perf_counter()
     # A compile-only GPU mesh cannot hold arrays: eager work while building the steps (an
     # optimizer's init on placeholders) runs under its abstract mesh, which is what tracing reads.
@@ -237,6 +245,7 @@ def compile_train_step(experiment, *, num_devices: int,
             seq_len=seq_len,
             seed=experiment.SEED,
             deterministic=model_config.dropout_prob == 0 and model_config.input_dropout_prob == 0,
+            dpo=dpo,
             **accum,
         )
         # A packed text batch, the largest the feed produces; synthetic data has the first three.
@@ -245,7 +254,8 @@ def compile_train_step(experiment, *, num_devices: int,
         batch = {key: jax.ShapeDtypeStruct((global_batch, seq_len), dtype,
                                            sharding=steps.batch_sharding)
                  for key, dtype in dtypes.items()}
-        compiled = steps.train.lower(steps.abstract_state, batch).compile(compiler_options)
+        compiled = steps.train.lower(steps.abstract_state, batch,
+                                     *steps.abstract_reference).compile(compiler_options)
     compile_s = time.perf_counter() - started
     stats = compiled.memory_analysis()
     parameter_bytes = _shard_bytes(steps.abstract_state.params)
@@ -266,6 +276,8 @@ def compile_train_step(experiment, *, num_devices: int,
         peak_bytes=(on_device["argument_bytes"] + on_device["output_bytes"]
                     - on_device["alias_bytes"] + on_device["temp_bytes"]
                     + on_device["generated_code_bytes"]),
+        reference_bytes=(_shard_bytes(steps.abstract_reference) if steps.abstract_reference
+                         else None),
     )
     gpu_program = None
     if target.is_gpu:

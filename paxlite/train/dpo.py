@@ -120,3 +120,11 @@ class DpoSteps:
     train: bool  # TRAIN_TASK=dpo
     eval: bool  # EVAL_TASK=dpo
     separate_reference: bool
+
+    @classmethod
+    def of(cls, *, beta: float, reference_path: str | None, train: bool, eval: bool,
+           lora: bool) -> DpoSteps:
+        """The run's (run_build.dpo_steps) and the planner's: the reference is a model of its
+        own unless it is a LoRA model's base (no DPO_REFERENCE_PATH)."""
+        return cls(beta=beta, train=train, eval=eval,
+                   separate_reference=reference_path is not None or not lora)

@@ -165,10 +165,10 @@ def dpo_steps(config: RunConfig) -> DpoSteps | None:
     reference has parameters of its own (not LoRA's base with the adapters off)."""
     if config.dpo is None:
         return None
-    lora = config.model.lora_rank is not None
-    return DpoSteps(beta=config.dpo.beta, train=isinstance(config.data, DpoTrainConfig),
-                    eval=isinstance(config.eval_task, DpoEvalConfig),
-                    separate_reference=config.dpo.reference_path is not None or not lora)
+    return DpoSteps.of(beta=config.dpo.beta, reference_path=config.dpo.reference_path,
+                       train=isinstance(config.data, DpoTrainConfig),
+                       eval=isinstance(config.eval_task, DpoEvalConfig),
+                       lora=config.model.lora_rank is not None)
 
 
 def compile_run_steps(config: RunConfig, *, mesh: jax.sharding.Mesh) -> CompiledSteps:
