@@ -1,20 +1,21 @@
 """A fork server for the suite's `python -m paxlite...` processes: the imports are done once.
 
-Why: about 180 processes of the suite (the docs' commands, the launch scripts, the two-process runs)
-each import JAX, Flax, Optax, Orbax, Fiddle and paxlite before doing anything, about 1.5 CPU-s a
-process on 2 cores, a third of a tiny run's CPU time. Here one server process per environment
-imports them once; each command is a child forked from it, set up as a fresh interpreter would be
-(argv, sys.path[0], the environment, the working directory, the umask, the resource limits,
-stdin/stdout/stderr), which then runs the module or script as `__main__`. What runs is the real
-entry point in a real process: its own JAX backend, devices, distributed runtime, threads, exit.
+Why: about 180 processes of the suite (the docs' commands, the launch scripts, the two-process
+runs) each import JAX, Flax, Optax, Fiddle and paxlite before doing anything: about 1.4 of a tiny
+training run's 3.2 CPU-s (docs/performance.md, the suite's seventh pass). Here one server process
+per environment imports them once; each command is a child forked from it, set up as a fresh
+interpreter would be (argv, sys.path[0], the environment, the working directory, the umask, the
+resource limits, stdin/stdout/stderr), which then runs the module or script as `__main__`. What runs
+is the real entry point in a real process: its own JAX backend, devices, distributed runtime,
+threads, exit.
 
 How a command gets here: conftest.py writes a `python` executable (the client, main() below) into
 the session's fork directory and puts that directory first on PATH, so the docs' commands and the
 launch scripts reach it; a test that starts `python -m paxlite...` itself runs paxlite_python().
 The client execs the real interpreter (exactly what `python ARGS` would have done) for anything
-else: other modules and scripts, `-c`, interpreter options other than -u,
-`PAXLITE_TEST_NO_FORK_SERVER=1`, or an environment whose server is not up yet (it then starts one
-for the next command with that environment).
+else: other modules, scripts outside paxlite/ and examples/, `-c`, interpreter options other
+than -u, `PAXLITE_TEST_NO_FORK_SERVER=1`, or an environment whose server is not up yet (it then
+starts one for the next command with that environment).
 
 What must match between the server and a child, and how it does:
 - Environment variables read at import time (JAX's `JAX_*` configuration, `PYTHON*`, `LD_*`) are
