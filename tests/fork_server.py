@@ -34,6 +34,7 @@ What must match between the server and a child, and how it does:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -90,11 +91,8 @@ def write_client(fork_dir: str, real_python: str) -> str:
 def stop_servers(fork_dir: str) -> None:
     for name in os.listdir(fork_dir):
         if name.endswith(".pid"):
-            try:
-                with open(os.path.join(fork_dir, name)) as f:
-                    os.kill(int(f.read()), signal.SIGTERM)
-            except (OSError, ValueError):
-                pass
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(fork_dir, name)) as f:
+                os.kill(int(f.read()), signal.SIGTERM)
 
 
 def start_server(env: dict[str, str], *, timeout_s: float = 120) -> str:
@@ -120,11 +118,17 @@ def _key(env: dict[str, str], real_python: str) -> str:
     return hashlib.sha1(json.dumps([real_python, items]).encode()).hexdigest()[:16]
 
 
+def _unbuffered(args: list[str]) -> tuple[bool, list[str]]:
+    """Whether `python ARGS` asks for unbuffered stdout and stderr (-u, the one interpreter option
+    served), and the arguments after it."""
+    return (True, args[1:]) if args[:1] == ["-u"] else (False, args)
+
+
 def _command(args: list[str]) -> tuple[str, str] | None:
     """("module", NAME) for `-m paxlite...`, ("script", PATH) for a script of paxlite/ or
     examples/; None: not served (another script may set JAX's environment variables before it
     imports JAX, which a child of a server that has imported it would not see)."""
-    args = args[1:] if args[:1] == ["-u"] else args  # unbuffered stdout and stderr: _become
+    _, args = _unbuffered(args)
     if len(args) >= 2 and args[0] == "-m" and args[1].split(".")[0] == "paxlite":
         return "module", args[1]
     if args and args[0].endswith(".py") and os.path.isfile(args[0]):
@@ -162,11 +166,10 @@ def main() -> None:
     payload = json.dumps(request).encode()
     socket.send_fds(conn, [_HEADER.pack(len(payload)) + payload], [0, 1, 2])
     _, pid = _STATUS.unpack(_recv_exactly(conn, _STATUS.size))
+
     def forward(signum, _frame):
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it has ended; its status is on its way
             os.kill(pid, signum)
-        except ProcessLookupError:  # it has ended; its status is on its way
-            pass
 
     for number in FORWARDED_SIGNALS:
         signal.signal(number, forward)
@@ -278,10 +281,8 @@ def _serve(fork_dir: str, key: str) -> dict:
             else:  # the client of this child went away (killed): the child goes too
                 pid = selected.data
                 if not selected.fileobj.recv(1):
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                     selector.unregister(selected.fileobj)
 
 
@@ -318,14 +319,10 @@ def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) 
         if conn is None:
             continue
         status = os.waitstatus_to_exitcode(raw)
-        try:
+        with contextlib.suppress(KeyError):  # its client's end was seen closed already
             selector.unregister(conn)
-        except KeyError:
-            pass
-        try:
+        with contextlib.suppress(OSError):  # the client is gone
             conn.sendall(_STATUS.pack(b"S", status))
-        except OSError:
-            pass
         conn.close()
 
 
@@ -344,7 +341,7 @@ def _become(request: dict) -> None:
     for limit, (soft, hard) in request["limits"].items():
         if resource.getrlimit(int(limit)) != (soft, hard):
             resource.setrlimit(int(limit), (soft, hard))
-    unbuffered = request["args"][:1] == ["-u"]
+    unbuffered, _ = _unbuffered(request["args"])
     sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=unbuffered)
     sys.stderr.reconfigure(write_through=unbuffered)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -354,7 +351,7 @@ def _run(request: dict) -> None:
     import runpy
     import types
 
-    args = request["args"][1:] if request["args"][:1] == ["-u"] else request["args"]
+    _, args = _unbuffered(request["args"])
     kind, target = _command(args)
     sys.modules["__main__"] = types.ModuleType("__main__")
     if kind == "module":
