@@ -5,6 +5,7 @@ import types
 
 import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from paxlite.cli.job import compilation_cache
 
@@ -28,6 +29,7 @@ def settings(monkeypatch):
     yield mine
     for name, value in before.items():
         jax.config.update(name, value)
+    jax_cache.reset_cache()  # a test's compile bound JAX's cache to its directory
 
 
 def test_settings_come_back_after_a_run_and_after_a_failed_one(settings, tmp_path):
@@ -45,7 +47,22 @@ def test_settings_come_back_after_a_run_and_after_a_failed_one(settings, tmp_pat
     assert {name: getattr(jax.config, name) for name in NAMES} == settings
 
 
-def test_off_changes_nothing(settings, tmp_path):
+def test_off_is_off_even_under_jaxs_own_variable_and_comes_back_on(settings, tmp_path):
+    """JAX_COMPILATION_CACHE_DIR alone would have JAX read and write its directory (for compiles
+    over its own threshold, here 0 s): COMPILATION_CACHE=False writes no entry there."""
+    cache = tmp_path / "jax_own"
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    mine = {name: getattr(jax.config, name) for name in NAMES}
+
+    def compile_once(scale: float) -> None:  # a program no other test compiles
+        jax.jit(lambda x: x * scale + 0.8125).lower(jax.numpy.ones((3, 7))).compile()
+
     with compilation_cache(_run_config(on=False, directory=None), job_dir=str(tmp_path)) as d:
         assert d is None
-        assert {name: getattr(jax.config, name) for name in NAMES} == settings
+        compile_once(1.0625)
+        assert {name: getattr(jax.config, name) for name in NAMES} == mine
+    assert not cache.exists() or not any(cache.iterdir())
+    assert jax.config.jax_enable_compilation_cache
+    compile_once(1.1875)  # the process's own cache is back: the entry is written
+    assert any(cache.iterdir())

@@ -74,6 +74,7 @@ from paxlite.checkpointing.storage_faults import (
     refused_save,
     storage_fault,
     vanished,
+    wait_for_orbax_writers,
 )
 from paxlite.errors import RunStoppedError, UserError
 from paxlite.parallel import multihost
@@ -85,6 +86,7 @@ _STEP_DIGITS = 8
 _ITEM = "state"
 _DATA_ITEM = "data"  # the input iterators' positions, one JSON object per process
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_WRITERS_TIMEOUT_S = 60  # a refused save's other writes still under way (storage_faults.py)
 
 
 class CheckpointExistsError(UserError, FileExistsError):
@@ -142,6 +144,10 @@ class Checkpointer:
                 step_prefix=_STEP_PREFIX,
                 step_format_fixed_length=_STEP_DIGITS,
                 enable_async_checkpointing=async_save,
+                # The step's directories are made before save() returns: made in the background,
+                # a refused one left Orbax's writers waiting for it, the process held at exit for
+                # their timeout (300 s), where now save() itself reports the fault.
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
                 create=True,
                 cleanup_tmp_directories=False,
             )
@@ -227,7 +233,13 @@ class Checkpointer:
         """The error for `step`'s refused save, once its unfinished directory is removed."""
         self._quiet.note(fault)
         leftover = self.step_path(step).parent / (self.step_path(step).name + _TMP_SUFFIX)
-        if jax.process_count() == 1:  # with several, other processes may still be writing in it
+        # with several processes, other processes may still be writing in it; without the
+        # directory (storage refused to make it) Orbax's writers wait for it, not write
+        if jax.process_count() == 1:
+            if leftover.exists() and not wait_for_orbax_writers(timeout_s=_WRITERS_TIMEOUT_S):
+                logging.warning("Orbax still writes the refused save of step %d after %d s; "
+                                "%s is removed at the end of the run", step,
+                                _WRITERS_TIMEOUT_S, leftover)
             shutil.rmtree(leftover, ignore_errors=True)
             self._refused.append(leftover)
         try:
@@ -445,10 +457,12 @@ class Checkpointer:
         try:
             self.wait_until_finished()
         finally:
-            self._manager.close()
-            self._quiet.__exit__()
-            for leftover in self._refused:
-                shutil.rmtree(leftover, ignore_errors=True)
+            try:
+                self._manager.close()
+            finally:
+                self._quiet.__exit__()
+                for leftover in self._refused:
+                    shutil.rmtree(leftover, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self

@@ -27,8 +27,10 @@ import os
 import re
 import sys
 import threading
+import time
 import traceback
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any, Self
 
@@ -126,6 +128,24 @@ def refused_writes(path: str | os.PathLike) -> Iterator[None]:
         raise StorageFaultError(
             f"could not write {os.fspath(path)}: {fault.describe()}; {fault.remedy} and run the "
             "same command again (it resumes from the last complete checkpoint)") from error
+
+
+def wait_for_orbax_writers(*, timeout_s: float) -> bool:
+    """Waits (at most `timeout_s`) for Orbax's writer threads of a failed save to end; whether they
+    all did. Orbax reports a save's first failure while its other writers still run: a directory
+    removed under them makes TensorStore create it again (the leftover stays) and fail with
+    NOT_FOUND, which names no storage fault (its errors would be shown). Orbax's threads are the
+    ones whose class it defines; its thread pools' idle workers are plain threads and not waited
+    for."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and type(thread).__module__.startswith(
+                "orbax."):
+            # threading's own join: Orbax's raises the thread's error, which is the fault's echo
+            threading.Thread.join(thread, timeout=max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+    return True
 
 
 class CheckpointSaveError(StorageFaultError):
@@ -229,7 +249,10 @@ class QuietStorageFaults(logging.Filter):
 
     def __exit__(self, *exc: object) -> None:
         if self._seen.is_set():  # its echoes may come until the process ends: stay installed
-            gc.collect()
+            with warnings.catch_warnings():  # Orbax's abandoned writes, collected here
+                warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited",
+                                        category=RuntimeWarning)
+                gc.collect()
             return
         with self._lock:
             held, self._held = self._held, []

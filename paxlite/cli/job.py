@@ -139,14 +139,13 @@ def compilation_cache(run_config, *, job_dir: str) -> Iterator[str | None]:
     DIR/compilation_cache (shared by every restart of the job). Every compile is cached, however
     quick: a restart waits on the sum of many small ones too. The process's previous cache settings
     come back afterwards (a process may run several jobs: tests, notebooks). Yields the directory
-    (None: off).
+    (None: off). Off is off even where JAX_COMPILATION_CACHE_DIR is set: JAX would otherwise read
+    and write that directory for every compile over its own one-second threshold.
     """
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as jax_cache
-
     loop = run_config.loop
     if not loop.compilation_cache:
-        yield None
+        with _jax_settings({"jax_enable_compilation_cache": False}):
+            yield None
         return
     directory = (loop.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
                  or os.path.join(job_dir, "compilation_cache"))
@@ -154,15 +153,26 @@ def compilation_cache(run_config, *, job_dir: str) -> Iterator[str | None]:
 
     # JAX makes it at the first compile
     require_local_path(directory, setting="COMPILATION_CACHE_DIR")
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    previous = {name: getattr(jax.config, name) for name in names}
-    for name, value in zip(names, (directory, 0.0, 0)):
-        jax.config.update(name, value)
-    jax_cache.reset_cache()  # the cache binds its directory once; make it read the new one
     logging.info("Compilation cache: %s", directory)
-    try:
+    with _jax_settings({"jax_compilation_cache_dir": directory,
+                        "jax_persistent_cache_min_compile_time_secs": 0.0,
+                        "jax_persistent_cache_min_entry_size_bytes": 0}):
         yield directory
+
+
+@contextlib.contextmanager
+def _jax_settings(settings: dict[str, object]) -> Iterator[None]:
+    """JAX's cache settings for the run, the previous ones back afterwards; the cache is reset on
+    both sides (it binds its directory, and whether it is used at all, once)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+    previous = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+    try:
+        yield
     finally:
         for name, value in previous.items():
             jax.config.update(name, value)
