@@ -125,8 +125,8 @@ def _unbuffered(args: list[str]) -> tuple[bool, list[str]]:
 
 
 def _command(args: list[str]) -> tuple[str, str] | None:
-    """("module", NAME) for `-m paxlite...`, ("script", PATH) for a script of paxlite/ or
-    examples/; None: not served (another script may set JAX's environment variables before it
+    """("module", NAME) for `-m paxlite...`, ("script", PATH) for a script of paxlite/,
+    examples/ or benchmarks/; None: not served (another script may set JAX's environment variables before it
     imports JAX, which a child of a server that has imported it would not see)."""
     _, args = _unbuffered(args)
     if len(args) >= 2 and args[0] == "-m" and args[1].split(".")[0] == "paxlite":
@@ -134,7 +134,7 @@ def _command(args: list[str]) -> tuple[str, str] | None:
     if args and args[0].endswith(".py") and os.path.isfile(args[0]):
         script = os.path.realpath(args[0])
         if any(script.startswith(os.path.join(_REPO, part) + os.sep)
-               for part in ("paxlite", "examples")):
+               for part in ("paxlite", "examples", "benchmarks")):
             return "script", args[0]
     return None
 
@@ -160,7 +160,8 @@ def main() -> None:
         _start_server(fork_dir, key, real_python)
         os.execv(real_python, [real_python, *args])
     request = {
-        "args": args, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
+        "args": args, "executable": os.path.abspath(sys.argv[0]), "cwd": os.getcwd(),
+        "env": dict(os.environ), "umask": _umask(),
         "limits": {str(limit): resource.getrlimit(limit) for limit in LIMITS},
     }
     payload = json.dumps(request).encode()
@@ -334,6 +335,9 @@ def _become(request: dict) -> None:
         if fd > 2:
             os.close(fd)
     os.chdir(request["cwd"])
+    # what `python` resolved to in the command, as a fresh interpreter has it: the commands it
+    # starts with sys.executable (a benchmark's runs, the planner's fresh process) come here too
+    sys.executable = request["executable"]
     os.environ.clear()
     os.environ.update(request["env"])
     os.umask(request["umask"])

@@ -144,9 +144,8 @@ class Checkpointer:
                 step_prefix=_STEP_PREFIX,
                 step_format_fixed_length=_STEP_DIGITS,
                 enable_async_checkpointing=async_save,
-                # The step's directories are made before save() returns: made in the background,
-                # a refused one left Orbax's writers waiting for it, the process held at exit for
-                # their timeout (300 s), where now save() itself reports the fault.
+                # the step's directories made by save(): a refused one made in the background
+                # left Orbax's writers waiting for it, holding the process 300 s at exit
                 async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
                 create=True,
                 cleanup_tmp_directories=False,
@@ -233,13 +232,11 @@ class Checkpointer:
         """The error for `step`'s refused save, once its unfinished directory is removed."""
         self._quiet.note(fault)
         leftover = self.step_path(step).parent / (self.step_path(step).name + _TMP_SUFFIX)
-        # with several processes, other processes may still be writing in it; without the
-        # directory (storage refused to make it) Orbax's writers wait for it, not write
+        # (several processes: others may still write in it; no directory: nothing writes in it)
         if jax.process_count() == 1:
             if leftover.exists() and not wait_for_orbax_writers(timeout_s=_WRITERS_TIMEOUT_S):
-                logging.warning("Orbax still writes the refused save of step %d after %d s; "
-                                "%s is removed at the end of the run", step,
-                                _WRITERS_TIMEOUT_S, leftover)
+                logging.warning("Orbax still writes the refused save of step %d after %d s; %s "
+                                "is removed at the end", step, _WRITERS_TIMEOUT_S, leftover)
             shutil.rmtree(leftover, ignore_errors=True)
             self._refused.append(leftover)
         try:
