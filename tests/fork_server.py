@@ -13,9 +13,10 @@ How a command gets here: conftest.py writes a `python` executable (the client, m
 the session's fork directory and puts that directory first on PATH, so the docs' commands and the
 launch scripts reach it; a test that starts `python -m paxlite...` itself runs paxlite_python().
 The client execs the real interpreter (exactly what `python ARGS` would have done) for anything
-else: other modules, scripts outside paxlite/ and examples/, `-c`, interpreter options other
-than -u, `PAXLITE_TEST_NO_FORK_SERVER=1`, or an environment whose server is not up yet (it then
-starts one for the next command with that environment).
+else: other modules, scripts outside paxlite/, examples/ and benchmarks/, `-c`, interpreter
+options other than -u, `PAXLITE_TEST_NO_FORK_SERVER=1`, or an environment whose server is not up
+yet (it then starts one for the next command with that environment). A served command's
+sys.executable is the client, so what it starts with sys.executable is served as well.
 
 What must match between the server and a child, and how it does:
 - Environment variables read at import time (JAX's `JAX_*` configuration, `PYTHON*`, `LD_*`) are
@@ -126,8 +127,9 @@ def _unbuffered(args: list[str]) -> tuple[bool, list[str]]:
 
 def _command(args: list[str]) -> tuple[str, str] | None:
     """("module", NAME) for `-m paxlite...`, ("script", PATH) for a script of paxlite/,
-    examples/ or benchmarks/; None: not served (another script may set JAX's environment variables before it
-    imports JAX, which a child of a server that has imported it would not see)."""
+    examples/ or benchmarks/; None: not served (another script may set JAX's environment
+    variables before it imports JAX, which a child of a server that has imported it would not
+    see)."""
     _, args = _unbuffered(args)
     if len(args) >= 2 and args[0] == "-m" and args[1].split(".")[0] == "paxlite":
         return "module", args[1]
