@@ -22,8 +22,8 @@ Robustness rules, because a checkpoint directory holds days of compute:
 - The data record of a step is restored together with its state, so both come from one step.
 - A save never overwrites: an existing step directory is an error.
 - A save that storage refuses (storage_faults.py) raises CheckpointSaveError naming its step, also
-  when found at the next save or wait; its `<name>.orbax-checkpoint-tmp` is removed (one process)
-  and Orbax's echoes of the fault are kept out of the log.
+  when found after it (`raise_if_refused`, the next save or wait); its
+  `<name>.orbax-checkpoint-tmp` is removed (one process) and Orbax's echoes are kept out of the log.
 - Every process acts on one answer about the directory, process 0's: which steps exist, whether a
   candidate is finished and holds a data record, whether a step about to be saved exists
   (`multihost.decided_by_process_0`). Each host listing for itself could see different steps (NFS
@@ -72,9 +72,9 @@ from paxlite.checkpointing.storage_faults import (
     QuietStorageFaults,
     StorageFault,
     refused_save,
+    remove_refused_save,
     storage_fault,
     vanished,
-    wait_for_orbax_writers,
 )
 from paxlite.errors import RunStoppedError, UserError
 from paxlite.parallel import multihost
@@ -86,7 +86,6 @@ _STEP_DIGITS = 8
 _ITEM = "state"
 _DATA_ITEM = "data"  # the input iterators' positions, one JSON object per process
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-_WRITERS_TIMEOUT_S = 60  # a refused save's other writes still under way (storage_faults.py)
 
 
 class CheckpointExistsError(UserError, FileExistsError):
@@ -231,14 +230,9 @@ class Checkpointer:
     def _save_failed(self, step: int, fault: StorageFault) -> CheckpointSaveError:
         """The error for `step`'s refused save, once its unfinished directory is removed."""
         self._quiet.note(fault)
-        leftover = self.step_path(step).parent / (self.step_path(step).name + _TMP_SUFFIX)
-        # (several processes: others may still write in it; no directory: nothing writes in it)
-        if jax.process_count() == 1:
-            if leftover.exists() and not wait_for_orbax_writers(timeout_s=_WRITERS_TIMEOUT_S):
-                logging.warning("Orbax still writes the refused save of step %d after %d s; %s "
-                                "is removed at the end", step, _WRITERS_TIMEOUT_S, leftover)
-            shutil.rmtree(leftover, ignore_errors=True)
-            self._refused.append(leftover)
+        if jax.process_count() == 1:  # with several, others may still write in it
+            self._refused.append(remove_refused_save(
+                self.step_path(step).parent / (self.step_path(step).name + _TMP_SUFFIX)))
         try:
             self._manager.reload()
             complete = max(self._manager.all_steps(), default=None)
@@ -287,18 +281,14 @@ class Checkpointer:
                 "nothing was moved; fix the cause (permissions, storage) and rerun.") from error
 
     def restore_data(self, step: int) -> Any:
-        """The data record saved with `step`, or None if that checkpoint has none.
-
-        A collective (every process calls it): process 0 decides whether the record is there.
-        """
+        """The data record saved with `step`, or None if that checkpoint has none. A collective
+        (every process calls it): process 0 decides whether the record is there."""
         has_data = self._decided((self.step_path(step) / _DATA_ITEM).exists,
                                  what=f"look for the data record of {self.step_path(step)}")
         if not has_data:
             return None
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(**{_DATA_ITEM: ocp.args.JsonRestore()})
-        )
-        return restored[_DATA_ITEM]
+        args = ocp.args.Composite(**{_DATA_ITEM: ocp.args.JsonRestore()})
+        return self._manager.restore(step, args=args)[_DATA_ITEM]
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree] | None:
         """(step, state) of the newest restorable checkpoint; see `restore_latest_with_data`."""
@@ -449,6 +439,16 @@ class Checkpointer:
             if fault is None or step is None:
                 raise
             raise self._save_failed(step, fault) from error
+
+    def raise_if_refused(self) -> None:
+        """CheckpointSaveError once the save in flight ended refused, not an interval later at the
+        next save. One process only: several would find it at different steps."""
+        if self._in_flight is not None and jax.process_count() == 1 and not self.saving():
+            self.wait_until_finished()
+
+    def saving(self) -> bool:
+        """Whether a save is still being written (not blocking)."""
+        return self._manager.is_saving_in_progress()
 
     def close(self) -> None:
         try:

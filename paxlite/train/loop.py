@@ -296,6 +296,10 @@ class Run:
                     timer.restart()
                 else:
                     timer.count_step()
+                try:  # the last save's fault as soon as it ended, not at the next save
+                    self.checkpointer.raise_if_refused()
+                except CheckpointSaveError as error:
+                    self._go_on_after(error)
                 boundary = self._boundary(step)
                 # The same answer on every process; on the vote of this step where the loop waits
                 # for it anyway (the first step, a boundary), else of the step _STEPS_AHEAD back.
@@ -348,16 +352,21 @@ class Run:
                 try:
                     return self.checkpointer.save(step, state, force=force, data_state=data_state)
                 except CheckpointSaveError as error:
-                    if self.config.loop.checkpoint_save_failure is SaveFailure.STOP:
-                        raise
-                    self._failed_saves += 1
-                    logging.warning("%s; training goes on (CHECKPOINT_SAVE_FAILURE='continue') and "
-                                    "saves again at the next interval", error.failure)
+                    self._go_on_after(error)
                     if error.step == step:
                         return False
                     # the previous save's fault: this step's save is still to be started
         finally:
             self._save_seconds = (self._save_seconds or 0.0) + time.perf_counter() - started
+
+    def _go_on_after(self, error: CheckpointSaveError) -> None:
+        """A refused save stops the run, or with CHECKPOINT_SAVE_FAILURE='continue' is logged in
+        one line and counted."""
+        if self.config.loop.checkpoint_save_failure is SaveFailure.STOP:
+            raise error
+        self._failed_saves += 1
+        logging.warning("%s; training goes on (CHECKPOINT_SAVE_FAILURE='continue') and saves "
+                        "again at the next interval", error.failure)
 
     def _checkpoint_summaries(self) -> dict[str, float]:
         """checkpoint/save_s since the previous train line (if a save was started since) and

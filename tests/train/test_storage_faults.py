@@ -17,9 +17,11 @@ import hashlib
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -115,7 +117,7 @@ def test_continue_logs_each_refused_save_counts_it_and_stops_at_the_last(saved_j
     out = _resume_under_file_size_limit(job, "--fdl.MAX_STEPS=20",
                                         "--fdl.CHECKPOINT_SAVE_FAILURE='continue'")
     assert out.returncode == 75, (out.stderr[-3000:], _tree_sizes(job / "checkpoints"))
-    # an asynchronous save's fault is found when the next save waits for it
+    # an asynchronous save's fault is found once it ended, or when the next save waits for it
     warnings = [line for line in out.stderr.splitlines() if "training goes on" in line]
     assert len(warnings) == 2, out.stderr
     for step, warning in zip((10, 15), warnings, strict=True):
@@ -127,7 +129,9 @@ def test_continue_logs_each_refused_save_counts_it_and_stops_at_the_last(saved_j
     assert "Traceback" not in out.stderr
     records = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
     train = {r["step"]: r for r in records if "loss" in r}
-    assert train[20]["checkpoint/failed_saves"] == 1  # step 10's, found at step 15's save
+    # step 10's (found once it ended, at step 15's save at the latest), and step 15's where it
+    # ended before step 20's line (raise_if_refused: its own test above)
+    assert train[20]["checkpoint/failed_saves"] in (1, 2)
     assert train[20]["checkpoint/save_s"] > 0
     assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000005"]
     assert _tree_digest(job / "checkpoints" / "checkpoint_00000005") == before
@@ -158,6 +162,36 @@ def test_a_removed_job_directory_stops_the_next_save(tmp_path, capsys):
         "filesystem) and run the same command again to resume from the beginning")
     assert exit_status(raised.value) == 75
     assert capsys.readouterr().err == f"paxlite: error: {raised.value}\n"
+
+
+def test_a_refused_background_save_is_found_once_it_ends_not_at_the_next_save(tmp_path):
+    """The save's writes are refused in Orbax's threads, after save() returned: raise_if_refused
+    (the loop's, every step) reports it as soon as the save has ended. The file-size limit is this
+    process's for the save only (nothing else of it writes then: its programs are compiled by the
+    first save), and far below the save's files."""
+    directory = tmp_path / "checkpoints"
+    state = {"w": jnp.arange(65536, dtype=jnp.float32)}  # 256 KB
+    with Checkpointer(directory, save_interval_steps=1, max_to_keep=None) as checkpointer:
+        checkpointer.save(1, state)
+        checkpointer.wait_until_finished()
+        before = _tree_digest(directory)
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+        try:
+            checkpointer.raise_if_refused()  # nothing in flight: nothing to find
+            assert checkpointer.save(2, state)
+            deadline = time.monotonic() + 120
+            while checkpointer.saving() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        with pytest.raises(CheckpointSaveError) as raised:
+            checkpointer.raise_if_refused()
+        checkpointer.raise_if_refused()  # found once
+    assert re.match(rf"checkpoint step 2 was not saved in {re.escape(str(directory))}: File too "
+                    r"large \(EFBIG\)", str(raised.value)), raised.value
+    assert sorted(os.listdir(directory)) == ["checkpoint_00000001"]
+    assert _tree_digest(directory) == before
 
 
 def test_a_removed_job_directory_stops_the_next_metrics_line(tmp_path):
