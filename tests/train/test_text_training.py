@@ -15,6 +15,7 @@ from paxlite.checkpointing.checkpoint import Checkpointer
 from paxlite.data.errors import DatasetError
 from paxlite.data.prepare import prepare
 from paxlite.data.train_tokenizer import train_tokenizer
+from paxlite.errors import exit_status
 from paxlite.experiments.build import build_run_config
 from paxlite.train import run_build
 from paxlite.train.loop import Run, RunContext
@@ -172,6 +173,32 @@ def test_missing_dataset_stops_before_compiling(tmp_path, dataset):
     with pytest.raises(ValueError, match="nowhere"):
         Run(config, RunContext(job_dir=str(tmp_path / "job")))
     assert not (tmp_path / "job" / "checkpoints").exists()
+
+
+def test_files_removed_mid_run_and_before_a_resume(tmp_path, dataset):
+    """The readers open every shard when the run is built: the dataset's directory removed after
+    that, the run trains and evaluates to its end. A shard missing at the next start is one line
+    naming it, before anything compiles (exit 2); back, the same run resumes from its checkpoint."""
+    data_dir = shutil.copytree(dataset[0], tmp_path / "data")
+    overrides = _overrides((str(data_dir), dataset[1]), 3)
+    job = tmp_path / "job"
+    _, config = build_run_config("TinyShakespeare", overrides)
+    with Run(config, RunContext(job_dir=str(job))) as run:
+        shutil.move(data_dir, tmp_path / "away")
+        run.train()
+    assert [step for step, _ in _losses(job)] == [1, 2, 3]
+    shard = "train-00001-of-00002.array_record"
+    shutil.copytree(tmp_path / "away", data_dir, ignore=shutil.ignore_patterns(shard))
+    _, config = build_run_config("TinyShakespeare", _overrides((str(data_dir), dataset[1]), 4))
+    with pytest.raises(DatasetError) as raised:
+        Run(config, RunContext(job_dir=str(job)))
+    assert str(raised.value) == (f"{data_dir / 'paxlite_dataset.json'}: shard {shard} of split "
+                                 "'train' is missing")
+    assert exit_status(raised.value) == 2
+    shutil.copy(tmp_path / "away" / shard, data_dir / shard)
+    with Run(config, RunContext(job_dir=str(job))) as run:
+        run.train()
+    assert [step for step, _ in _losses(job)] == [1, 2, 3, 4]
 
 
 def test_lambada_eval_interleaved_and_eval_only(tmp_path, dataset):
