@@ -20,6 +20,7 @@ from flax import linen as nn
 from paxlite.models.lora import is_lora_path
 from paxlite.models.transformer import Transformer, TransformerConfig, abstract_variables
 from paxlite.parallel.mesh import MeshConfig, build_mesh
+from paxlite.train import losses
 from paxlite.train.dpo import DpoConfig, DpoSteps
 from paxlite.train.step import TrainState, compile_steps, split_trainable
 
@@ -82,12 +83,13 @@ def _reference_loss(params, reference, batch, model):
     return jnp.sum(jnp.where(rows, losses, 0.0)) / (ROWS - 1)
 
 
-def _steps(mesh, *, config=CFG, grad_accum_steps=1, trainable=None, separate=True):
+def _steps(mesh, *, config=CFG, grad_accum_steps=1, trainable=None, separate=True,
+           loss_chunk_size=None):
     schedule = optax.constant_schedule(1.0)
     return compile_steps(
         model=Transformer(config), optimizer=optax.sgd(schedule), schedule=schedule, mesh=mesh,
         seq_len=SEQ, seed=3, deterministic=True, grad_accum_steps=grad_accum_steps,
-        trainable=trainable,
+        trainable=trainable, loss_chunk_size=loss_chunk_size,
         dpo=DpoSteps(beta=BETA, train=True, eval=True, separate_reference=separate))
 
 
@@ -172,6 +174,23 @@ def test_a_sharded_step_equals_one_device(case):
     _assert_same_tree(got, updated, 1e-5)
     for key in ("loss", "dpo/loss", "dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/margin"):
         assert got_metrics[key] == pytest.approx(metrics[key], rel=1e-5), key
+    np.testing.assert_allclose(got_scores["dpo_loss_sum"], scores["dpo_loss_sum"], rtol=1e-5)
+
+
+def test_the_chunked_loss_equals_the_whole_logits_step(case, one_device, monkeypatch):
+    """LOSS_CHUNK_SIZE: both sides' log-probabilities, of the policy and of the reference, from
+    blocks of positions (no [B, T, V] logits) give the same step and scores."""
+    batch, params, reference, (updated, metrics, scores) = case
+    chunked = []  # the traced calls of the chunked sums: the reference's, the policy's
+    real = losses.chunked_row_sums
+    monkeypatch.setattr(losses, "chunked_row_sums",
+                        lambda *a, **k: chunked.append(k["chunk_size"]) or real(*a, **k))
+    got, got_metrics, got_scores = _run(one_device, batch, params, reference, loss_chunk_size=4)
+    assert chunked and set(chunked) == {4}
+    _assert_same_tree(got, updated, 1e-5)
+    for key in ("loss", "dpo/loss", "dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/margin",
+                "dpo/accuracy"):
+        assert got_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
     np.testing.assert_allclose(got_scores["dpo_loss_sum"], scores["dpo_loss_sum"], rtol=1e-5)
 
 
