@@ -13,6 +13,7 @@ themselves are imported only when a coupling is used.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Final
 
 # (distribution, version) of each package reached privately below, as pinned in constraints.txt.
@@ -56,3 +57,17 @@ rescaling leaves them as they are and the interleave is the one the mixture repo
 rather than truncates). Grain documents float weights only, not how it turns them into integers.
 Checked against grain 0.2.18.
 """
+
+
+def is_orbax_writer(thread: threading.Thread) -> bool:
+    """Whether `thread` is one of the threads in which Orbax writes (and finalizes) a save in the
+    background: those are instances of thread classes Orbax defines itself (the private
+    `_FinalizeThread` of its CheckpointManager, `_SignalingThread` of its futures), while the idle
+    workers of its thread pools are plain `threading.Thread`s.
+
+    Orbax has no public way to wait for the writers of a save that failed: its own
+    `wait_until_finished` re-raises the first failure while the other writers still run.
+    checkpointing/storage_faults.py waits for these threads before it removes a refused save.
+    Checked against orbax-checkpoint 0.12.8.
+    """
+    return type(thread).__module__.startswith("orbax.")

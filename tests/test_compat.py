@@ -110,6 +110,32 @@ def test_orbax_restores_a_stream_written_checkpoint_by_the_handler_it_names(tmp_
     np.testing.assert_array_equal(np.asarray(restored["state"]["params"]["w"]), weights)
 
 
+def test_orbax_writes_an_async_save_in_threads_of_its_own_classes(tmp_path, monkeypatch):
+    """The threads started by an asynchronous save: those compat.is_orbax_writer names include the
+    one Orbax finalizes the save in (the step directory is renamed from its temporary name there),
+    and every other one is a plain thread (a pool's worker)."""
+    started = []
+    start = threading.Thread.start
+
+    def recording_start(thread):
+        started.append(thread)
+        return start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=True,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+    with ocp.CheckpointManager(str(tmp_path), options=options) as manager:
+        manager.save(1, args=ocp.args.StandardSave({"x": np.arange(8.0)}))
+        writers = [thread for thread in started if compat.is_orbax_writer(thread)]
+        manager.wait_until_finished()
+    assert writers, [type(thread) for thread in started]
+    assert {type(thread).__name__ for thread in writers} <= {"_FinalizeThread", "_SignalingThread"}
+    assert all(type(thread) is threading.Thread for thread in started if thread not in writers)
+    assert not any(thread.is_alive() for thread in writers)
+    assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
 def test_grain_scales_the_smallest_proportion_to_the_constant():
     from grain._src.python.dataset.transformations import mix
 

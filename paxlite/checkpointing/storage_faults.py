@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Self
 
+from paxlite import compat
 from paxlite.errors import StorageFaultError
 
 # What the user can do about each errno that storage answers with.
@@ -148,12 +149,10 @@ def wait_for_orbax_writers(*, timeout_s: float) -> bool:
     all did. Orbax reports a save's first failure while its other writers still run: a directory
     removed under them makes TensorStore create it again (the leftover stays) and fail with
     NOT_FOUND, which names no storage fault (its errors would be shown). Orbax's threads are the
-    ones whose class it defines; its thread pools' idle workers are plain threads and not waited
-    for."""
+    ones compat.is_orbax_writer names; its thread pools' idle workers are not waited for."""
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
-        if thread is not threading.current_thread() and type(thread).__module__.startswith(
-                "orbax."):
+        if thread is not threading.current_thread() and compat.is_orbax_writer(thread):
             # threading's own join: Orbax's raises the thread's error, which is the fault's echo
             threading.Thread.join(thread, timeout=max(0.0, deadline - time.monotonic()))
             if thread.is_alive():

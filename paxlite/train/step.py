@@ -385,9 +385,11 @@ def compile_steps(
     init = jax.jit(
         _with_rules(init_state, logical_rules, name="init_state"), out_shardings=state_shardings
     )
+    # From the jitted function: its trace is kept, so the first `init()` does not trace the model
+    # (and its optimizer) again.
     abstract_state = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        jax.eval_shape(init_state),
+        init.eval_shape(),
         state_shardings,
     )
     batch_sharding = rules_lib.batch_sharding(mesh)
