@@ -21,6 +21,7 @@ import pytest
 from paxlite.cli.job import PREEMPTED_UNSAVED_EXIT_CODE, preemption_exit_code
 from paxlite.errors import SettingError
 from paxlite.train.preemption import DUPLICATE_WINDOW_S
+from tests.fork_server import paxlite_python
 from tests.in_process import paxlite_main, train_in_this_process
 
 # Steps are milliseconds long, so a run reaches any step long before it would finish.
@@ -45,10 +46,14 @@ def _env(*, own_cache: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
-def _start(job: Path, log: Path, flags=(), **env: str) -> subprocess.Popen:
+def _start(job: Path, log: Path, flags=(), *, stoppable: bool = False,
+           **env: str) -> subprocess.Popen:
+    """A training process, forked by the suite's server (tests/fork_server.py, which passes the
+    signals sent to it on); with `stoppable`, the real interpreter (SIGSTOP cannot be passed on)."""
+    python = sys.executable if stoppable else paxlite_python()
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, *flags],
+            [python, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, *flags],
             env=_env(**env),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -130,7 +135,7 @@ def test_a_second_signal_exits_at_once_and_leaves_the_committed_checkpoints_inta
     job, log = tmp_path / "job", tmp_path / "run.log"
     # the job's committed checkpoint, step 4 (same devices and compile flags as a started run)
     train_in_this_process(job, [*TRAIN, "--fdl.MAX_STEPS=4"])
-    proc = _start(job, log)
+    proc = _start(job, log, stoppable=True)
     # the handlers are in place; the run is being built
     _wait_for_log(proc, log, "Compilation cache:")
     proc.send_signal(signal.SIGTERM)
@@ -284,7 +289,7 @@ def test_the_axlearn_style_launcher_stops_the_same_way(tmp_path):
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [
-                sys.executable,
+                paxlite_python(),
                 "-m",
                 "paxlite.launch_trainer_main",
                 "--module=text.gpt.c4_trainer",
