@@ -13,8 +13,10 @@ limit, and its next save is refused. A full device for one file is /dev/full (EN
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import resource
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 import pytest
 
 from paxlite.checkpointing.checkpoint import Checkpointer, CheckpointSaveError
@@ -192,6 +195,26 @@ def test_a_refused_background_save_is_found_once_it_ends_not_at_the_next_save(tm
                     r"large \(EFBIG\)", str(raised.value)), raised.value
     assert sorted(os.listdir(directory)) == ["checkpoint_00000001"]
     assert _tree_digest(directory) == before
+
+
+def test_close_puts_the_hooks_back_when_orbaxs_close_raises(tmp_path, monkeypatch):
+    """Checkpointer.close() undoes what it installed (the hooks and log filters that quiet a
+    storage fault's echoes) even when Orbax's own close() raises, and that error is not hidden."""
+    loggers = (logging.getLogger("absl"), logging.getLogger("asyncio"))
+    hooks, filters = (sys.unraisablehook, sys.excepthook), [list(log.filters) for log in loggers]
+
+    def refused_close(manager):
+        raise OSError(errno.EIO, "Input/output error")
+
+    checkpointer = Checkpointer(tmp_path / "checkpoints", save_interval_steps=1, max_to_keep=None)
+    checkpointer.save(1, _state(1.0))
+    assert (sys.unraisablehook, sys.excepthook) != hooks  # installed while it saves
+    monkeypatch.setattr(ocp.CheckpointManager, "close", refused_close)
+    with pytest.raises(OSError, match="Input/output error"):
+        checkpointer.close()
+    assert (sys.unraisablehook, sys.excepthook) == hooks
+    assert [list(log.filters) for log in loggers] == filters
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_00000001"]
 
 
 def test_a_removed_job_directory_stops_the_next_metrics_line(tmp_path):
