@@ -48,8 +48,13 @@ def _renormalised(logits_row: np.ndarray, first: int, second: int) -> tuple[floa
 
 def _gate(logits: np.ndarray, *, capacity_factor: float,
           paddings: np.ndarray | None = None) -> Top2Gating:
-    return top2_gating(jnp.asarray(logits, jnp.float32), capacity_factor=capacity_factor,
-                       paddings=None if paddings is None else jnp.asarray(paddings, jnp.float32))
+    return _top2_gating(jnp.asarray(logits, jnp.float32), capacity_factor=capacity_factor,
+                        paddings=None if paddings is None else jnp.asarray(paddings, jnp.float32))
+
+
+# One program per shape, not one per operation run eagerly (eager and jitted routing are compared
+# in test_jit_and_low_precision_logits).
+_top2_gating = jax.jit(top2_gating, static_argnames=("capacity_factor", "expert_capacity_dim"))
 
 
 def _reference(logits: np.ndarray, *, capacity_factor: float,
