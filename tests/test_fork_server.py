@@ -28,7 +28,9 @@ def _forked(served: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
     before = _served(served)
     result = subprocess.run([paxlite_python(), *args], capture_output=True, text=True,
                             timeout=120, check=False, **kwargs)
-    assert [entry[1] for entry in _served(served)[len(before):]] == [list(args)]
+    # The other xdist worker shares this server (same environment) and may fork a command of its
+    # own meanwhile: this command is among those forked since, once.
+    assert [entry[1] for entry in _served(served)[len(before):]].count(list(args)) == 1
     return result
 
 
