@@ -242,11 +242,18 @@ def _serve(fork_dir: str, key: str) -> dict:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(wake_r, selectors.EVENT_READ, "children")
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
+
+    def stop(*_):  # the session ends (stop_servers): no command outlives its server
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     while True:
         events = selector.select(timeout=30)
         if not events and (not os.path.isdir(fork_dir) or (owner and not _alive(owner))):
@@ -275,7 +282,8 @@ def _serve(fork_dir: str, key: str) -> dict:
                     os.close(fd)
                 with open(os.path.join(fork_dir, f"{key}.served"), "a") as served:
                     served.write(json.dumps([pid, request["args"]]) + "\n")
-                conn.sendall(_STATUS.pack(b"P", pid))
+                with contextlib.suppress(OSError):  # a client killed already: its EOF comes next
+                    conn.sendall(_STATUS.pack(b"P", pid))
                 children[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, pid)
             elif selected.data == "children":
@@ -283,7 +291,11 @@ def _serve(fork_dir: str, key: str) -> dict:
                 _reap(children, selector)
             else:  # the client of this child went away (killed): the child goes too
                 pid = selected.data
-                if not selected.fileobj.recv(1):
+                try:
+                    gone = not selected.fileobj.recv(1)
+                except OSError:  # reset by a killed client
+                    gone = True
+                if gone:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                     selector.unregister(selected.fileobj)

@@ -18,19 +18,24 @@ pytestmark = pytest.mark.skipif(FORK_DIR_VAR not in os.environ,
                                 reason="the fork server is off (PAXLITE_TEST_NO_FORK_SERVER=1)")
 
 
+# A variable in the server's key (tests/fork_server.py: JAX_*, PYTHON*, LD_*) that no other test
+# sets: this file's commands go to a server of their own, which no other worker forks commands from
+# meanwhile, so each command is the only one its server lists since it started. Python ignores it.
+ENV = {**os.environ, "PYTHONPAXLITEFORKSERVERTEST": "1"}
+
+
 @pytest.fixture(scope="module")
 def served():
-    """The file where the server for this process's environment lists what it forked."""
-    return start_server(dict(os.environ))
+    """The file where this file's server lists what it forked."""
+    return start_server(dict(ENV))
 
 
-def _forked(served: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+def _forked(served: str, *args: str, env: dict[str, str] = ENV,
+            **kwargs) -> subprocess.CompletedProcess:
     before = _served(served)
     result = subprocess.run([paxlite_python(), *args], capture_output=True, text=True,
-                            timeout=120, check=False, **kwargs)
-    # The other xdist worker shares this server (same environment) and may fork a command of its
-    # own meanwhile: this command is among those forked since, once.
-    assert [entry[1] for entry in _served(served)[len(before):]].count(list(args)) == 1
+                            timeout=120, check=False, env=env, **kwargs)
+    assert [entry[1] for entry in _served(served)[len(before):]] == [list(args)]
     return result
 
 
@@ -69,7 +74,7 @@ def test_the_command_has_its_own_environment_and_directory(served, tmp_path):
     (tmp_path / "my_tiny.py").write_text(
         "from paxlite.experiments.tiny import TinySynthetic\n\n\n"
         "class MyTiny(TinySynthetic):\n    NUM_LAYERS = 3\n")
-    env = {**os.environ, "VOCAB_PATH": str(tmp_path / "spm.model")}
+    env = {**ENV, "VOCAB_PATH": str(tmp_path / "spm.model")}
     args = ("-m", "paxlite", "show", "--fdl_config=my_tiny.MyTiny", "--format=json")
     forked = _forked(served, *args, cwd=tmp_path, env=env)
     assert forked.returncode == 0, forked.stderr
@@ -83,7 +88,7 @@ def test_a_killed_client_takes_its_child_and_a_signal_is_passed_on(served, tmp_p
             f"--job_log_dir={tmp_path / 'job'}"]
     for number, status in ((signal.SIGKILL, -signal.SIGKILL), (signal.SIGUSR2, -signal.SIGUSR2)):
         client = subprocess.Popen([paxlite_python(), *args], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+                                  stderr=subprocess.DEVNULL, env=ENV)
         deadline = time.monotonic() + 60
         while len(_served(served)) == before and time.monotonic() < deadline:
             time.sleep(0.05)
