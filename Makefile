@@ -14,7 +14,14 @@ TEST_WORKERS ?= 2
 # PYTHONDONTWRITEBYTECODE (an empty value turns it off): the suite starts a few hundred Python
 # processes, each of which would compile paxlite's sources again, and each xdist worker would
 # rewrite every test module's assertions again (collection: 6.0 -> 2.8 CPU-s a worker).
-PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
+# The test sessions (and every process they start) allocate with jemalloc where the machine's Debian
+# archive has it (libjemalloc2, unpacked into the venv: no root, nothing installed system-wide):
+# XLA's compiler, which is most of the suite's time, allocates and frees millions of small objects,
+# and under glibc's allocator the same tests took 9-16% more CPU (docs/performance.md). Without it
+# (no apt-get, no archive) the tests run as they are, slower, and `make` says so in one line.
+JEMALLOC := $(VENV)/jemalloc/libjemalloc.so.2
+TEST_PRELOAD := LD_PRELOAD="$$(test -f $(JEMALLOC) && echo $(abspath $(JEMALLOC)))$${LD_PRELOAD:+:$$LD_PRELOAD}"
+PYTEST := $(TEST_PRELOAD) PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # XLA's GPU compiler for the gpu_compile tests (and `plan --target=h100` in this checkout): JAX's CUDA
 # plugin and the CUDA libraries it compiles with, ~2.9 GB, kept out of the venv so that `make install`
@@ -43,6 +50,16 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+$(JEMALLOC):
+	@mkdir -p $(dir $@); tmp=$$(mktemp -d); \
+	if (cd $$tmp && apt-get download libjemalloc2 >/dev/null 2>&1) \
+		&& dpkg-deb -x $$tmp/libjemalloc2_*.deb $$tmp/root \
+		&& cp $$tmp/root/usr/lib/*/libjemalloc.so.2 $@; then \
+		echo "tests allocate with $$(basename $$tmp/libjemalloc2_*.deb) ($@)"; \
+	else \
+		echo "no libjemalloc2 from apt-get download here: the tests run with glibc's allocator (9-16% slower)"; \
+	fi; rm -rf $$tmp
+
 $(GPU_COMPILE_STAMP): $(STAMP) constraints.txt
 	rm -rf $(GPU_COMPILE)
 	$(BIN)/pip install --quiet --no-compile --no-deps --target $(GPU_COMPILE) -c constraints.txt $(GPU_COMPILE_PACKAGES)
@@ -61,7 +78,7 @@ gpu-compile: $(GPU_COMPILE_STAMP)
 # On a fresh machine the plugin's install (unpacking ~2.9 GB: one core for ~20 s) comes first in that
 # second line of work.
 GPU_COMPILE_LOG := build/gpu_compile_tests.log
-test: $(STAMP)
+test: $(STAMP) $(JEMALLOC)
 	@rm -f $(GPU_COMPILE_LOG); status=0; \
 		$(MAKE) --no-print-directory -j2 test-cpu-session test-gpu-compile-session || status=$$?; \
 		echo "--- tests/gpu_compile (XLA's GPU compiler), beside the session above ---"; \
@@ -69,24 +86,24 @@ test: $(STAMP)
 	$(BIN)/python tests/gpu_pass.py
 
 # The gpu_compile session of `make test` (above), its output in $(GPU_COMPILE_LOG).
-test-gpu-compile-session: $(GPU_COMPILE_STAMP)
+test-gpu-compile-session: $(GPU_COMPILE_STAMP) $(JEMALLOC)
 	@mkdir -p $(dir $(GPU_COMPILE_LOG))
 	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -p no:xdist \
 		--durations=10 tests/gpu_compile $(PYTEST_ARGS) > $(GPU_COMPILE_LOG) 2>&1
 
 # The first session of `make test`: every test but tests/gpu_compile, on CPU.
-test-cpu-session: $(STAMP)
+test-cpu-session: $(STAMP) $(JEMALLOC)
 	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile $(PYTEST_ARGS)
 
 # The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
 # `slow`: marked in the test file, or measured over 2 s in tests/durations.json (tests/conftest.py).
-test-quick: $(STAMP)
+test-quick: $(STAMP) $(JEMALLOC)
 	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess" --durations=10 $(PYTEST_ARGS)
 
 # The whole suite, recording each test's seconds in tests/durations.json (commit it): the suite runs
 # longest first from it, and make test-quick leaves out what it measured as slow. The gpu_compile
 # session records its own tests' seconds into the same file (--record-durations updates it).
-test-durations: $(STAMP) $(GPU_COMPILE_STAMP)
+test-durations: $(STAMP) $(GPU_COMPILE_STAMP) $(JEMALLOC)
 	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile \
 		--record-durations=tests/durations.json $(PYTEST_ARGS)
 	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -n $(TEST_WORKERS) \
