@@ -19,8 +19,11 @@ TEST_WORKERS ?= 2
 # XLA's compiler, which is most of the suite's time, allocates and frees millions of small objects,
 # and under glibc's allocator the same tests took 9-16% more CPU (docs/performance.md). Without it
 # (no apt-get, no archive) the tests run as they are, slower, and `make` says so in one line.
+# MALLOC_CONF (jemalloc's settings, unless set already): keep freed pages instead of returning them
+# to the system after 10 s, which saved another ~5% of CPU for ~20% more resident memory.
 JEMALLOC := $(VENV)/jemalloc/libjemalloc.so.2
-TEST_PRELOAD := LD_PRELOAD="$$(test -f $(JEMALLOC) && echo $(abspath $(JEMALLOC)))$${LD_PRELOAD:+:$$LD_PRELOAD}"
+TEST_PRELOAD := LD_PRELOAD="$$(test -f $(JEMALLOC) && echo $(abspath $(JEMALLOC)))$${LD_PRELOAD:+:$$LD_PRELOAD}" \
+	MALLOC_CONF="$${MALLOC_CONF:-dirty_decay_ms:-1,muzzy_decay_ms:-1}"
 PYTEST := $(TEST_PRELOAD) PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # XLA's GPU compiler for the gpu_compile tests (and `plan --target=h100` in this checkout): JAX's CUDA
