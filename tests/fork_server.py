@@ -247,18 +247,20 @@ def _serve(fork_dir: str, key: str) -> dict:
     selector.register(wake_r, selectors.EVENT_READ, "children")
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
 
-    def stop(*_):  # the session ends (stop_servers): no command outlives its server
+    def kill_children():  # no command outlives its server
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def stop(*_):  # the session ends (stop_servers)
+        kill_children()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     while True:
         events = selector.select(timeout=30)
         if not events and (not os.path.isdir(fork_dir) or (owner and not _alive(owner))):
-            for pid in children:
-                os.kill(pid, signal.SIGKILL)
+            kill_children()
             return {}
         for selected, _ in events:
             if selected.data == "accept":

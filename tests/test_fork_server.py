@@ -102,6 +102,30 @@ def test_a_killed_client_takes_its_child_and_a_signal_is_passed_on(served, tmp_p
         assert not _exists(pid), f"the forked child {pid} outlived its client"
 
 
+def test_a_stopped_server_takes_the_commands_it_still_runs(tmp_path):
+    """stop_servers (the session's end) sends each server SIGTERM: a command it forked and still
+    runs must not go on alone. A server of its own (another key): the shared one keeps serving."""
+    env = {**ENV, "PYTHONPAXLITEFORKSERVERSTOPTEST": "1"}
+    served = start_server(dict(env))
+    with open(served[: -len(".served")] + ".pid") as f:
+        server = int(f.read())
+    client = subprocess.Popen(
+        [paxlite_python(), "-m", "paxlite.main", "--fdl_config=TinySynthetic",
+         "--fdl.MAX_STEPS=100000000", f"--job_log_dir={tmp_path / 'job'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 60
+    while not _served(served) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (pid, _), = _served(served)
+    os.kill(server, signal.SIGTERM)
+    client.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while (_exists(pid) or _exists(server)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _exists(pid), f"the forked child {pid} outlived its stopped server"
+    assert not _exists(server)
+
+
 def _exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
