@@ -231,8 +231,9 @@ class Checkpointer:
         """The error for `step`'s refused save, once its unfinished directory is removed."""
         self._quiet.note(fault)
         if jax.process_count() == 1:  # with several, others may still write in it
-            self._refused.append(remove_refused_save(
-                self.step_path(step).parent / (self.step_path(step).name + _TMP_SUFFIX)))
+            leftover = self.step_path(step).parent / (self.step_path(step).name + _TMP_SUFFIX)
+            remove_refused_save(leftover)
+            self._refused.append(leftover)  # removed again at the end of the run
         try:
             self._manager.reload()
             complete = max(self._manager.all_steps(), default=None)
@@ -354,8 +355,7 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def _check_step(self, step: int) -> dict[str, Any]:
-        """On process 0 only: why `step` is not finished (or None), and whether it holds a data
-        record."""
+        """On process 0: why `step` is not finished (or None), whether it holds a data record."""
         path = self.step_path(step)
         problem = incomplete(path)
         return {"problem": problem, "data": problem is None and (path / _DATA_ITEM).exists(),

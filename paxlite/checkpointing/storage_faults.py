@@ -132,16 +132,16 @@ def refused_writes(path: str | os.PathLike) -> Iterator[None]:
             "same command again (it resumes from the last complete checkpoint)") from error
 
 
-def remove_refused_save(leftover: Any, *, timeout_s: float = 60) -> Any:
+def remove_refused_save(leftover: Any, *, timeout_s: float = 60) -> None:
     """Removes the unfinished directory `leftover` (an epath.Path) of a refused save, once Orbax's
     writers of it have ended (at most `timeout_s`; without the directory, storage refused to make
-    it and nothing writes in it). Returns it, to be removed again at the end of the run."""
+    it and nothing writes in it). A writer still running may make it again: the caller removes it
+    once more at the end of the run."""
     if leftover.exists() and not wait_for_orbax_writers(timeout_s=timeout_s):
         logging.getLogger("absl").warning(
             "Orbax still writes the refused save %s after %d s; it is removed at the end",
             leftover, timeout_s)
     shutil.rmtree(leftover, ignore_errors=True)
-    return leftover
 
 
 def wait_for_orbax_writers(*, timeout_s: float) -> bool:
