@@ -71,3 +71,31 @@ def is_orbax_writer(thread: threading.Thread) -> bool:
     Checked against orbax-checkpoint 0.12.8.
     """
     return type(thread).__module__.startswith("orbax.")
+
+
+def save_replicas_whole_in_one_process() -> None:
+    """In a run of one process, makes Orbax save each replicated array from one replica's whole
+    shard rather than from a slice of every replica's ("replica-parallel" saving).
+
+    Replica-parallel saving spreads the bytes of a replicated array over the processes that hold
+    its replicas, which shortens a save when there are many hosts. With one process, that process
+    writes every slice itself: the split saves nothing, and it costs one eager slice program per
+    local device and array shape, compiled at a run's first save (on 8 CPU devices, a tenth of the
+    CPU time of the suite's checkpointing tests: docs/performance.md). Runs of more processes keep
+    Orbax's choice (its default: replica-parallel unless JAX_PLATFORMS names a GPU).
+
+    Orbax takes the choice only as an argument of its `ArrayHandler` (in the process-wide registry
+    that its StandardCheckpointHandler saves through); the handler registered by default also keeps
+    per-host array metadata, whose store only the private
+    `orbax.checkpoint._src.metadata.array_metadata_store.Store` makes. Checked against
+    orbax-checkpoint 0.12.8.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    if jax.process_count() > 1:
+        return
+    handler = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False, array_metadata_store=array_metadata_store.Store())
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)

@@ -136,6 +136,47 @@ def test_orbax_writes_an_async_save_in_threads_of_its_own_classes(tmp_path, monk
     assert sorted(os.listdir(tmp_path)) == ["1"]
 
 
+def test_one_process_saves_each_replicated_array_from_one_whole_shard(tmp_path, monkeypatch):
+    """A replicated array on 8 devices: Orbax's replica-parallel handler slices each replica's
+    shard (8 slices), the handler `save_replicas_whole_in_one_process` registers slices none, and
+    the array restores equal from both saves. With 2 processes the registry is left alone."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    sliced = []
+    slice_in_dim = jax.lax.slice_in_dim
+    monkeypatch.setattr(jax.lax, "slice_in_dim",
+                        lambda *a, **k: sliced.append(a[0].shape) or slice_in_dim(*a, **k))
+    mesh = jax.make_mesh((8,), ("data",))
+    value = jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4),
+                           NamedSharding(mesh, PartitionSpec()))
+    target = {"w": jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)}
+
+    def save_and_restore(name: str) -> np.ndarray:
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp_path / name, {"w": value})
+            checkpointer.wait_until_finished()
+            return np.asarray(checkpointer.restore(tmp_path / name, target)["w"])
+
+    replica_parallel = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=True, array_metadata_store=array_metadata_store.Store())
+    ocp.type_handlers.register_type_handler(jax.Array, replica_parallel, override=True)
+    np.testing.assert_array_equal(save_and_restore("replica_parallel"), np.asarray(value))
+    assert sliced == [(16, 4)] * 8
+
+    with monkeypatch.context() as two_processes:
+        two_processes.setattr(jax, "process_count", lambda: 2)
+        compat.save_replicas_whole_in_one_process()
+        assert ocp.type_handlers.get_type_handler(jax.Array) is replica_parallel
+
+    sliced.clear()
+    compat.save_replicas_whole_in_one_process()
+    assert ocp.type_handlers.get_type_handler(jax.Array) is not replica_parallel
+    np.testing.assert_array_equal(save_and_restore("whole"), np.asarray(value))
+    assert sliced == []
+
+
 def test_grain_scales_the_smallest_proportion_to_the_constant():
     from grain._src.python.dataset.transformations import mix
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -89,16 +90,12 @@ def test_a_killed_client_takes_its_child_and_a_signal_is_passed_on(served, tmp_p
     for number, status in ((signal.SIGKILL, -signal.SIGKILL), (signal.SIGUSR2, -signal.SIGUSR2)):
         client = subprocess.Popen([paxlite_python(), *args], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, env=ENV)
-        deadline = time.monotonic() + 60
-        while len(_served(served)) == before and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_until(lambda n=before: len(_served(served)) > n, seconds=60)
         (pid, _), = _served(served)[before:]
         before += 1
         client.send_signal(number)
         assert client.wait(timeout=60) == status
-        deadline = time.monotonic() + 30
-        while _exists(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_until(lambda child=pid: not _exists(child), seconds=30)
         assert not _exists(pid), f"the forked child {pid} outlived its client"
 
 
@@ -113,17 +110,21 @@ def test_a_stopped_server_takes_the_commands_it_still_runs(tmp_path):
         [paxlite_python(), "-m", "paxlite.main", "--fdl_config=TinySynthetic",
          "--fdl.MAX_STEPS=100000000", f"--job_log_dir={tmp_path / 'job'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 60
-    while not _served(served) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_until(lambda: bool(_served(served)), seconds=60)
     (pid, _), = _served(served)
     os.kill(server, signal.SIGTERM)
     client.wait(timeout=60)
-    deadline = time.monotonic() + 30
-    while (_exists(pid) or _exists(server)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_until(lambda: not (_exists(pid) or _exists(server)), seconds=30)
     assert not _exists(pid), f"the forked child {pid} outlived its stopped server"
     assert not _exists(server)
+
+
+def _wait_until(done: Callable[[], bool], *, seconds: float) -> None:
+    """Polls `done` every 50 ms for at most `seconds`; the caller's assertion after it says what
+    was awaited, so a deadline passed fails there with its own message."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _exists(pid: int) -> bool:

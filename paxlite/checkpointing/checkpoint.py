@@ -48,6 +48,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from paxlite import compat
 from paxlite.checkpointing import opt_state_layout as layout
 from paxlite.checkpointing.checkpoint_damage import (
     FORMAT_KEY,
@@ -138,6 +139,7 @@ class Checkpointer:
         self._interval = save_interval_steps
         self._enable_saving = enable_saving
         if enable_saving:
+            compat.save_replicas_whole_in_one_process()
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
                 step_prefix=_STEP_PREFIX,
@@ -220,8 +222,7 @@ class Checkpointer:
             started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True,
                                               custom_metadata={FORMAT_KEY: FORMAT_VERSION}))
         except Exception as error:  # TensorStore raises a bare ValueError; re-raised if not storage
-            fault = storage_fault(error)
-            if fault is None:
+            if (fault := storage_fault(error)) is None:
                 raise
             raise self._save_failed(step, fault) from error
         self._in_flight = step if started else None
@@ -284,9 +285,8 @@ class Checkpointer:
     def restore_data(self, step: int) -> Any:
         """The data record saved with `step`, or None if that checkpoint has none. A collective
         (every process calls it): process 0 decides whether the record is there."""
-        has_data = self._decided((self.step_path(step) / _DATA_ITEM).exists,
-                                 what=f"look for the data record of {self.step_path(step)}")
-        if not has_data:
+        if not self._decided((self.step_path(step) / _DATA_ITEM).exists,
+                             what=f"look for the data record of {self.step_path(step)}"):
             return None
         args = ocp.args.Composite(**{_DATA_ITEM: ocp.args.JsonRestore()})
         return self._manager.restore(step, args=args)[_DATA_ITEM]

@@ -31,6 +31,7 @@ from absl import logging
 from etils import epath
 from flax import traverse_util
 
+from paxlite import compat
 from paxlite.checkpointing import checkpoint, pax_layout
 from paxlite.checkpointing.checkpoint_damage import (
     CheckpointFormatError,
@@ -196,6 +197,7 @@ def _save_state_into(root: epath.Path, state: PyTree, *, step: int,
         lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, dict(state)
     )
     state["step"] = jnp.asarray(step, jnp.int32)
+    compat.save_replicas_whole_in_one_process()
     with ocp.CheckpointManager(checkpoints, options=options, item_names=(_ITEM,)) as manager:
         save = ocp.args.StandardSave(state, save_args=checkpoint.layer_chunked_save_args(state))
         manager.save(step, args=ocp.args.Composite(**{_ITEM: save}), force=True)
