@@ -167,15 +167,23 @@ def main() -> None:
         "limits": {str(limit): resource.getrlimit(limit) for limit in LIMITS},
     }
     payload = json.dumps(request).encode()
-    socket.send_fds(conn, [_HEADER.pack(len(payload)) + payload], [0, 1, 2])
-    _, pid = _STATUS.unpack(_recv_exactly(conn, _STATUS.size))
+    pid = None
+    early: list[int] = []  # signals that came before the child's pid: passed on once it is known
 
     def forward(signum, _frame):
+        if pid is None:
+            early.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError):  # it has ended; its status is on its way
             os.kill(pid, signum)
 
-    for number in FORWARDED_SIGNALS:
+    for number in FORWARDED_SIGNALS:  # before the child exists, so that no signal is lost
         signal.signal(number, forward)
+    socket.send_fds(conn, [_HEADER.pack(len(payload)) + payload], [0, 1, 2])
+    _, pid = _STATUS.unpack(_recv_exactly(conn, _STATUS.size))
+    for signum in early:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
     _, status = _STATUS.unpack(_recv_exactly(conn, _STATUS.size))
     if status >= 0:
         os._exit(status)

@@ -114,9 +114,14 @@ def test_plan_fields_and_flops(fsdp_plans):
     assert Plan.from_json(json.loads(json.dumps(as_json))) == p
 
 
-def test_fits_flips_and_levers_are_computed(fsdp_plans):
+def test_fits_flips_and_levers_are_computed(fsdp_plans, monkeypatch):
     fits = fsdp_plans[2]  # mesh data 4 x fsdp 2
     peak = fits.memory_per_device.peak_bytes
+    # Two compiled levers, the two checked below (the first two candidates to compile; the seq lever
+    # after them is "not compiled"), and no combination of them: the seq lever and the levers
+    # compiled together are covered by the lever plan below (test_gradient_accumulation_...).
+    monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 2)
+    monkeypatch.setattr(plan_levers, "_combined_lever", lambda *args, **kwargs: None)
     tight = _tiny_plan("ICI_MESH_SHAPE=[4,2,1]", num_devices=8, device_memory_gib=peak / 2**30 / 2)
     assert fits.verdict.fits and not tight.verdict.fits
     assert tight.memory_per_device == fits.memory_per_device

@@ -21,7 +21,7 @@ import pytest
 from paxlite.cli.job import PREEMPTED_UNSAVED_EXIT_CODE, preemption_exit_code
 from paxlite.errors import SettingError
 from paxlite.train.preemption import DUPLICATE_WINDOW_S
-from tests.fork_server import paxlite_python
+from tests.fork_server import FORK_DIR_VAR, paxlite_python, start_server
 from tests.in_process import paxlite_main, train_in_this_process
 
 # Steps are milliseconds long, so a run reaches any step long before it would finish.
@@ -38,23 +38,36 @@ _CLUSTER_VARS = ("SLURM_", "PAXLITE_", "OMPI_", "PMI_")
 
 def _env(*, own_cache: bool = False, **extra: str) -> dict[str, str]:
     """The test's environment without cluster variables; ``own_cache``: without the suite's shared
-    compilation cache too (conftest.py), so that the job's own cache settings are what is tested."""
+    compilation cache too (conftest.py), so that the job's own cache settings are what is tested.
+    The suite's own PAXLITE_TEST_* variables stay: without the fork server's directory among them
+    the client paxlite_python() gives would start the real interpreter (tests/fork_server.py)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_CLUSTER_VARS) and k != "JOB_COMPLETION_INDEX"
+           if (k.startswith("PAXLITE_TEST_") or not k.startswith(_CLUSTER_VARS))
+           and k != "JOB_COMPLETION_INDEX"
            and not (own_cache and k == "JAX_COMPILATION_CACHE_DIR")}
     env.update(JAX_PLATFORMS="cpu", **extra)
     return env
+
+
+def _served(env: dict[str, str]) -> str:
+    """The interpreter that forks a paxlite command from the suite's server for `env`
+    (tests/fork_server.py), the server started first if it is not up yet: otherwise that command
+    would be a fresh interpreter, starting the server beside it for the next one."""
+    if FORK_DIR_VAR in env:
+        start_server(env)
+    return paxlite_python()
 
 
 def _start(job: Path, log: Path, flags=(), *, stoppable: bool = False,
            **env: str) -> subprocess.Popen:
     """A training process, forked by the suite's server (tests/fork_server.py, which passes the
     signals sent to it on); with `stoppable`, the real interpreter (SIGSTOP cannot be passed on)."""
-    python = sys.executable if stoppable else paxlite_python()
+    environment = _env(**env)
+    python = sys.executable if stoppable else _served(environment)
     with open(log, "ab") as out:
         return subprocess.Popen(
             [python, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, *flags],
-            env=_env(**env),
+            env=environment,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -262,12 +275,17 @@ def test_watchdog_timeouts_are_checked():
 def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path, monkeypatch, capfd):
     cache = tmp_path / "cache"
     runs = []
+    env = _env(own_cache=True)
+    # Both runs forked from one server of this environment (it has imported JAX without the
+    # suite's cache directory, and compiles nothing itself): each is a process of its own, with
+    # its own backend and its own in-memory caches, so the second finds only what the first wrote.
+    python = _served(env)
     for name in ("a", "b"):
         out = subprocess.run(
-            [sys.executable, "-m", "paxlite.main", f"--job_log_dir={tmp_path / name}", *TRAIN,
+            [python, "-m", "paxlite.main", f"--job_log_dir={tmp_path / name}", *TRAIN,
              "--fdl.MAX_STEPS=3", f"--fdl.COMPILATION_CACHE_DIR='{cache}'",
              "--enable_checkpoint_saving=false"],  # the steps' programs are the point, not a save
-            check=False, env=_env(own_cache=True), capture_output=True, text=True, timeout=300)
+            check=False, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         runs.append(sorted(os.listdir(cache)))
     assert any(name.startswith("jit_train_step") for name in runs[0]), runs[0]
@@ -286,10 +304,11 @@ def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path, monkeypatch
 
 def test_the_axlearn_style_launcher_stops_the_same_way(tmp_path):
     trainer_dir, log = tmp_path / "trainer", tmp_path / "launcher.log"
+    env = _env(PAXLITE_PREEMPTION_EXIT_CODE="143")
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [
-                paxlite_python(),
+                _served(env),
                 "-m",
                 "paxlite.launch_trainer_main",
                 "--module=text.gpt.c4_trainer",
@@ -302,7 +321,7 @@ def test_the_axlearn_style_launcher_stops_the_same_way(tmp_path):
                 "--fdl.EVAL_INTERVAL_STEPS=1000000",
                 "--fdl.CHECKPOINT_EVERY_N_STEPS=1000000",
             ],
-            env=_env(PAXLITE_PREEMPTION_EXIT_CODE="143"),
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         )

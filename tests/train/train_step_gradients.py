@@ -67,7 +67,8 @@ def loss_grads_and_losses(
             host = initial_params(steps.abstract_state.params)
             state = jax.device_put(
                 TrainState(step=np.zeros((), np.int32), params=host,
-                           opt_state=optimizer.init(host)),
+                           # one program, not an eager op (and a compile) per state leaf
+                           opt_state=jax.jit(optimizer.init)(host)),
                 steps.state_shardings)
         params = jax.device_get(state.params)
         losses, grads = [], None
