@@ -280,6 +280,15 @@ class _NotPersistentlyCached:
         with thread_cache_min_compile_time(float("inf")):
             return self._fn(*args, **kwargs)
 
+    def lower(self, *args, **kwargs):
+        """The jitted function's `lower`, whose `compile` (the planner's) stays out of the cache
+        too: a CPU run of the same step would read the planned program back."""
+        return _NotPersistentlyCached(self._fn.lower(*args, **kwargs))
+
+    def compile(self, *args, **kwargs):
+        with thread_cache_min_compile_time(float("inf")):
+            return self._fn.compile(*args, **kwargs)
+
     def __getattr__(self, name):
         return getattr(self._fn, name)
 

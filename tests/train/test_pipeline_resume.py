@@ -162,20 +162,34 @@ def test_a_pipelined_checkpoint_decodes_as_the_flat_one(runs, capsys):
 def test_cpu_programs_with_pipeline_or_seq_loops_stay_out_of_the_persistent_cache():
     """XLA:CPU deadlocked in the collectives of a pipelined step read back from JAX's persistent
     cache (train/step.py `_NotPersistentlyCached`): such steps compile with an infinite minimum
-    compile time for the cache, so they are never written; other meshes keep the cache."""
+    compile time for the cache, so they are never written, also when the planner compiles them
+    through `lower` (a CPU run of the same step would read the planned program back); other meshes
+    keep the cache."""
     from jax._src import config as jax_config
 
     from paxlite.train.step import _cache_safe
 
     seen = []
 
-    def step():
+    def record():
         seen.append(jax_config.persistent_cache_min_compile_time_secs.value)
+
+    class Step:  # a jitted step's surface: called, or lowered and compiled (the planner)
+        def __call__(self):
+            record()
+
+        def lower(self):
+            return self
+
+        def compile(self):
+            record()
 
     for shape, guarded in (((1, 1, 1, 1, 2), True), ((1, 1, 1, 1, 1, 2), True), ((2, 2, 2), False)):
         seen.clear()
-        _cache_safe(step, _mesh_of(shape))()
-        assert (seen == [float("inf")]) is guarded, (shape, seen)
+        step = _cache_safe(Step(), _mesh_of(shape))
+        step()
+        step.lower().compile()
+        assert (seen == [float("inf")] * 2) is guarded, (shape, seen)
     assert jax_config.persistent_cache_min_compile_time_secs.value != float("inf")
 
 
