@@ -74,6 +74,15 @@ def paxlite_python() -> str:
     return client if client and os.path.exists(client) else sys.executable
 
 
+def served_python(env: dict[str, str]) -> str:
+    """paxlite_python() for commands started with `env`, its server started first if it is not up
+    yet: otherwise the first such command is a fresh interpreter, which starts the server beside
+    it for the next one."""
+    if FORK_DIR_VAR in env:
+        start_server(env)
+    return paxlite_python()
+
+
 def write_client(fork_dir: str, real_python: str) -> str:
     """bin/python in `fork_dir`: the real interpreter without site (the client needs the standard
     library only) running main() of this file."""

@@ -15,7 +15,7 @@ import pytest
 
 from paxlite.experiments.build import load_recorded_experiment
 from paxlite.planner.search import compile_train_step
-from tests.fork_server import FORK_DIR_VAR, paxlite_python, start_server
+from tests.fork_server import paxlite_python, served_python
 from tests.xla_test_flags import COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,11 +35,9 @@ def bench(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items() if k not in ("BASE_XLA_FLAGS", "XLA_PRESET")}
     env["XLA_FLAGS"] = COMPILE_FLAGS
-    if FORK_DIR_VAR in env:  # the bench and its runs forked, not each a fresh interpreter
-        start_server(env)
     result = subprocess.run(
         [
-            paxlite_python(),  # the suite's fork server: its runs are forked too
+            served_python(env),  # the bench and its runs forked, not each a fresh interpreter
             BENCH,
             "--cpu",
             "--tiny",

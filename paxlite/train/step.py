@@ -263,7 +263,8 @@ class CompiledSteps:
 
 
 class _NotPersistentlyCached:
-    """A jitted step whose compiled program stays out of JAX's persistent compilation cache.
+    """A jitted step (or its lowered form) whose compiled program stays out of JAX's persistent
+    compilation cache.
 
     Why: on XLA:CPU a program with a pipeline's collective-permutes inside its loop, read back from
     that cache, intermittently deadlocks in its collectives (jax 0.12.0.1, 8 host devices: "Expected

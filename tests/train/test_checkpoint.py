@@ -530,3 +530,32 @@ def test_a_checkpoint_of_a_newer_format_is_refused_in_one_line(tmp_path: pathlib
         step, restored = ckpt.restore_latest(_abstract())
     assert step == 2
     _assert_state_equal(restored, _state(2), _abstract())
+
+
+def test_both_writers_save_replicated_arrays_without_slicing_them(tmp_path, monkeypatch):
+    """The checkpointer and the pretrained-model writer install the one-process handler themselves
+    (compat.save_replicas_whole_in_one_process): each saves an array replicated over 8 devices
+    without a slice of it, after Orbax's replica-parallel handler was put back in the registry."""
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    from paxlite.checkpointing.pretrained import save_params
+
+    sliced = []
+    slice_in_dim = jax.lax.slice_in_dim
+    monkeypatch.setattr(jax.lax, "slice_in_dim",
+                        lambda *a, **k: sliced.append(a[0].shape) or slice_in_dim(*a, **k))
+    replicated = jax.device_put(jnp.arange(16.0).reshape(8, 2),
+                                NamedSharding(jax.make_mesh((8,), ("data",)), P()))
+
+    def replica_parallel_registered():
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=True, array_metadata_store=array_metadata_store.Store()),
+            override=True)
+
+    replica_parallel_registered()
+    checkpointer = Checkpointer(tmp_path / "ckpt", save_interval_steps=1, max_to_keep=None)
+    checkpointer.save(1, {"w": replicated})
+    checkpointer.close()
+    replica_parallel_registered()
+    save_params(tmp_path / "pretrained", {"w": replicated})
+    assert sliced == []

@@ -21,7 +21,7 @@ import pytest
 from paxlite.cli.job import PREEMPTED_UNSAVED_EXIT_CODE, preemption_exit_code
 from paxlite.errors import SettingError
 from paxlite.train.preemption import DUPLICATE_WINDOW_S
-from tests.fork_server import FORK_DIR_VAR, paxlite_python, start_server
+from tests.fork_server import served_python
 from tests.in_process import paxlite_main, train_in_this_process
 
 # Steps are milliseconds long, so a run reaches any step long before it would finish.
@@ -49,21 +49,12 @@ def _env(*, own_cache: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
-def _served(env: dict[str, str]) -> str:
-    """The interpreter that forks a paxlite command from the suite's server for `env`
-    (tests/fork_server.py), the server started first if it is not up yet: otherwise that command
-    would be a fresh interpreter, starting the server beside it for the next one."""
-    if FORK_DIR_VAR in env:
-        start_server(env)
-    return paxlite_python()
-
-
 def _start(job: Path, log: Path, flags=(), *, stoppable: bool = False,
            **env: str) -> subprocess.Popen:
     """A training process, forked by the suite's server (tests/fork_server.py, which passes the
     signals sent to it on); with `stoppable`, the real interpreter (SIGSTOP cannot be passed on)."""
     environment = _env(**env)
-    python = sys.executable if stoppable else _served(environment)
+    python = sys.executable if stoppable else served_python(environment)
     with open(log, "ab") as out:
         return subprocess.Popen(
             [python, "-m", "paxlite.main", f"--job_log_dir={job}", *TRAIN, *flags],
@@ -279,7 +270,7 @@ def test_a_second_run_of_the_same_job_compiles_nothing_new(tmp_path, monkeypatch
     # Both runs forked from one server of this environment (it has imported JAX without the
     # suite's cache directory, and compiles nothing itself): each is a process of its own, with
     # its own backend and its own in-memory caches, so the second finds only what the first wrote.
-    python = _served(env)
+    python = served_python(env)
     for name in ("a", "b"):
         out = subprocess.run(
             [python, "-m", "paxlite.main", f"--job_log_dir={tmp_path / name}", *TRAIN,
@@ -308,7 +299,7 @@ def test_the_axlearn_style_launcher_stops_the_same_way(tmp_path):
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [
-                _served(env),
+                served_python(env),
                 "-m",
                 "paxlite.launch_trainer_main",
                 "--module=text.gpt.c4_trainer",
