@@ -72,6 +72,7 @@ from paxlite.checkpointing.storage_faults import (
     CheckpointSaveError,
     QuietStorageFaults,
     StorageFault,
+    newest_complete,
     refused_save,
     remove_refused_save,
     storage_fault,
@@ -235,13 +236,12 @@ class Checkpointer:
             leftover = self.step_path(step).parent / (self.step_path(step).name + _TMP_SUFFIX)
             remove_refused_save(leftover)
             self._refused.append(leftover)  # removed again at the end of the run
-        try:
-            self._manager.reload()
-            complete = max(self._manager.all_steps(), default=None)
-        except OSError:
-            complete = None
         return refused_save(step=step, directory=str(self._directory), fault=fault,
-                            complete=complete)
+                            complete=self.newest_complete_step())
+
+    def newest_complete_step(self) -> int | None:
+        """The newest committed step on disk, as this process finds it (no collective)."""
+        return newest_complete(self._manager)
 
     def _prepare_save(self, step: int) -> bool:
         """On process 0 only: whether `step` is saved (or being saved); if not, a killed save's

@@ -1,10 +1,13 @@
-"""Storage that refuses a write: which failures are the disk's, and keeping Orbax quiet about them.
+"""Storage that refuses a write or a read: which failures are the disk's, and keeping Orbax quiet
+about them.
 
 A full disk, a quota, a file-size limit, a read-only or unmounted filesystem, lost permissions or
 a job directory removed under a running job are not bugs: the user frees space or fixes the mount
 and runs the same command again. So they are recognised here, from Python's OSError or from the
 `[os_error_code='N']` TensorStore puts in its messages, and reported in one line naming the path,
-the OS's words and, where TensorStore says it, the bytes it was writing.
+the OS's words and, where TensorStore says it, the bytes it was writing. An input file that
+vanishes under a running job (a removed shard, an unmounted data filesystem) is the same kind of
+fault, read instead of written: `unreadable_input` names the file and the step.
 
 Orbax reports such a failure several times before it reaches the thread that waits for the save:
 each of its worker threads logs it with a traceback, the write callbacks still in flight raise
@@ -32,7 +35,7 @@ import time
 import traceback
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 from paxlite import compat
@@ -116,9 +119,9 @@ def check_not_removed(path: str | os.PathLike, file: Any) -> None:
 
 
 @contextlib.contextmanager
-def refused_writes(path: str | os.PathLike) -> Iterator[None]:
-    """A storage fault inside (an OSError of the kinds above) becomes one StorageFaultError line
-    naming `path`; any other error propagates as it is."""
+def _faults_as_one_line(line: Callable[[StorageFault], str]) -> Iterator[None]:
+    """A storage fault inside (an OSError of the kinds above) becomes one StorageFaultError saying
+    `line(fault)`; any other error, or a StorageFaultError already made, propagates as it is."""
     try:
         yield
     except StorageFaultError:
@@ -127,9 +130,46 @@ def refused_writes(path: str | os.PathLike) -> Iterator[None]:
         fault = storage_fault(error)
         if fault is None:
             raise
-        raise StorageFaultError(
-            f"could not write {os.fspath(path)}: {fault.describe()}; {fault.remedy} and run the "
-            "same command again (it resumes from the last complete checkpoint)") from error
+        raise StorageFaultError(line(fault)) from error
+
+
+def refused_writes(path: str | os.PathLike) -> contextlib.AbstractContextManager[None]:
+    """A storage fault inside becomes one StorageFaultError line naming `path`."""
+    return _faults_as_one_line(lambda fault: (
+        f"could not write {os.fspath(path)}: {fault.describe()}; {fault.remedy} and run the same "
+        "command again (it resumes from the last complete checkpoint)"))
+
+
+# What the user can do about an input file that cannot be read (removed, unmounted, unreadable).
+_READ_REMEDIES = types.MappingProxyType({
+    errno.ENOENT: "put it back (or remount its filesystem)",
+    errno.EACCES: "make it readable for this user again",
+    errno.EPERM: "make it readable for this user again",
+})
+
+
+def reading_inputs(*, step: int,
+                   complete: Callable[[], int | None]) -> contextlib.AbstractContextManager[None]:
+    """An input file storage would not give while the batch (or the evaluation) of `step` is read
+    (removed, its filesystem unmounted) becomes one StorageFaultError line naming the file and the
+    step, instead of the reader's traceback. `complete()`: the newest complete checkpoint, which
+    the same command resumes from once the file is back."""
+    def line(fault: StorageFault) -> str:
+        newest = complete()
+        return (f"could not read {fault.path or 'an input file'} for step {step}: {fault.words}; "
+                f"{_READ_REMEDIES.get(fault.code, fault.remedy)} and run the same command again "
+                f"to resume from {'the beginning' if newest is None else f'step {newest}'}")
+    return _faults_as_one_line(line)
+
+
+def newest_complete(manager: Any) -> int | None:
+    """The newest committed step an Orbax CheckpointManager finds on disk now (no collective: for
+    one process's error message), None if there is none or the directory cannot be read."""
+    try:
+        manager.reload()
+        return max(manager.all_steps(), default=None)
+    except OSError:
+        return None
 
 
 def remove_refused_save(leftover: Any, *, timeout_s: float = 60) -> None:

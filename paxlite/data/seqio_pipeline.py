@@ -15,12 +15,15 @@ per row, and shuffled with a 100,000-example buffer, as in Pax.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import errno
 import functools
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -42,6 +45,22 @@ from paxlite.data.seqio_tasks import (
 )
 
 _STATE_VERSION = 1
+# TensorFlow names the file it could not open first: "{...} PATH; No such file or directory [Op:..."
+_TF_MISSING_FILE = re.compile(r"(?:^|\s)(\S+); No such file or directory")
+
+
+@contextlib.contextmanager
+def _tf_reads() -> Iterator[None]:
+    """A file tf.data cannot find (removed, or its filesystem unmounted, after the run started) as
+    Python's FileNotFoundError naming it, which the training loop reports in one line with the
+    step; TensorFlow's own NotFoundError would end the run with a traceback. Other errors pass."""
+    _, tf = import_seqio()
+    try:
+        yield
+    except tf.errors.NotFoundError as error:
+        found = _TF_MISSING_FILE.search(str(error))
+        path = found.group(1) if found else None
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from error
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,10 +185,11 @@ class SeqIOTrainIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        if self._numpy is None:
-            self._numpy = self._make_dataset().skip(self._consumed).as_numpy_iterator()
         try:
-            features = next(self._numpy)
+            with _tf_reads():
+                if self._numpy is None:
+                    self._numpy = self._make_dataset().skip(self._consumed).as_numpy_iterator()
+                features = next(self._numpy)
         except StopIteration:
             raise DatasetError(
                 f"SeqIO task {self._meta['task']!r} gave process {self._meta['process_index']} of "
@@ -295,7 +315,8 @@ class SeqIOData(ProcessShare):
             counts = []
             for shard in range(self.process_count):
                 ds = self._dataset(split=self.config.eval_split, shard_index=shard, train=False)
-                rows = ds.unbatch().reduce(np.int64(0), lambda count, _: count + 1)
+                with _tf_reads():
+                    rows = ds.unbatch().reduce(np.int64(0), lambda count, _: count + 1)
                 counts.append(int(rows))
             self._eval_batch_count = max(math.ceil(n / self.local_batch_size) for n in counts)
         return self._eval_batch_count
@@ -324,7 +345,8 @@ class SeqIOData(ProcessShare):
         batches = ds.as_numpy_iterator()
         shape = (self.local_batch_size, self.config.seq_len)
         for _ in range(count):
-            features = next(batches, None)
+            with _tf_reads():
+                features = next(batches, None)
             padded = {}
             for key in ("decoder_target_tokens", "decoder_input_tokens", "decoder_loss_weights"):
                 padded[key] = np.zeros(shape, dtype=np.int32)

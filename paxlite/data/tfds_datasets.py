@@ -17,9 +17,11 @@ features, so a directory made by either tool serves both. Two things differ from
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -157,6 +159,10 @@ def open_split(spec: TfdsName, data_dir: str, split: str):
     return _tfds().builder_from_directory(directory).as_data_source(split=split)
 
 
+# ArrayRecord's words for a file that is not there (removed, or its filesystem unmounted)
+_MISSING_FILE = re.compile(r"open\(\) failed: No such file or directory; opening (\S+)")
+
+
 class TextFeatureSource:
     """One text feature of a TFDS split as UTF-8 bytes: the record interface paxlite's text pipeline
     reads."""
@@ -169,10 +175,19 @@ class TextFeatureSource:
         return len(self._source)
 
     def __getitem__(self, index: int) -> bytes:
-        return self._source[index][self._feature]
+        return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[bytes]:
-        return [example[self._feature] for example in self._source.__getitems__(list(indices))]
+        try:
+            examples = self._source.__getitems__(list(indices))
+        except RuntimeError as error:  # ArrayRecord opens each file at its first read
+            found = _MISSING_FILE.search(str(error))
+            if found is None:
+                raise
+            # Python's error naming the file: the loop reports it in one line with the step
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT),
+                                    found.group(1)) from error
+        return [example[self._feature] for example in examples]
 
 
 def _text(value: Any) -> str:

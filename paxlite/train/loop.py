@@ -24,6 +24,7 @@ import numpy as np
 from absl import logging
 
 from paxlite.checkpointing.checkpoint import CheckpointSaveError
+from paxlite.checkpointing.storage_faults import reading_inputs
 from paxlite.data.chat_pipeline import chat_train_summaries
 from paxlite.data.dpo_pipeline import dpo_train_summaries
 from paxlite.data.feed import mixture_summaries, prefetch_train_batches
@@ -281,7 +282,7 @@ class Run:
         with jax.set_mesh(self.mesh), contextlib.closing(profiler), contextlib.closing(batches):
             for index in range(start, loop.max_steps):
                 step = index + 1
-                with profiler.step(step):
+                with profiler.step(step), self._reading_inputs(step):
                     batch, position = timer.next_batch(batches)
                     if preemption.voting:  # the processes' stop flags reduced inside the step
                         state, metrics, vote = self.steps.train_voting(
@@ -318,7 +319,9 @@ class Run:
                                              **dpo_train_summaries(self.data)})
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
-                    self.writer.write_eval(step, self.evaluate(state, watchdog=watchdog))
+                    with self._reading_inputs(step):
+                        evaluated = self.evaluate(state, watchdog=watchdog)
+                    self.writer.write_eval(step, evaluated)
                 if self.lm_eval is not None and self.lm_eval.due(step):
                     with watchdog.compiling():  # scoring compiles programs of its own: not a step
                         self.writer.write_lm_eval(step, self.lm_eval.score(state.params))
@@ -339,6 +342,11 @@ class Run:
         with watchdog.committing():
             self.checkpointer.wait_until_finished()
         return state
+
+    def _reading_inputs(self, step: int):
+        """An input file that vanished while `step`'s batch or evaluation was read: one line naming
+        it and the step, exit status 75; the same command resumes once it is back."""
+        return reading_inputs(step=step, complete=self.checkpointer.newest_complete_step)
 
     def _save(self, step: int, state: TrainState, *, force: bool, data_state) -> bool:
         """Starts `step`'s checkpoint save, its seconds counted into checkpoint/save_s. A save that

@@ -21,6 +21,7 @@ from flax import traverse_util
 from paxlite.checkpointing import pretrained
 from paxlite.checkpointing.checkpoint import Checkpointer
 from paxlite.checkpointing.pretrained import PretrainedCheckpointError
+from paxlite.checkpointing.storage_faults import reading_inputs
 from paxlite.data.context_order import check_seq_divides
 from paxlite.data.dpo_pipeline import DpoEvalConfig, DpoTrainConfig
 from paxlite.data.errors import DatasetError
@@ -156,8 +157,9 @@ def check_data_position(checkpointer: Checkpointer, *, data: Feed | None) -> Non
         record = checkpointer.restore_data(steps[-1])
     except Exception:  # noqa: BLE001  damage is judged, reported and walked back by the restore
         return
-    if record is not None:
-        data.restore(record, step=steps[-1])
+    if record is not None:  # reads the next batch's records: a vanished file is named here
+        with reading_inputs(step=steps[-1] + 1, complete=lambda: steps[-1]):
+            data.restore(record, step=steps[-1])
 
 
 def dpo_steps(config: RunConfig) -> DpoSteps | None:

@@ -3,6 +3,8 @@
 scores the same."""
 
 import dataclasses
+import glob
+import hashlib
 import json
 import os
 import random
@@ -14,6 +16,7 @@ import pytest
 
 from paxlite.data import tfds_datasets
 from paxlite.data.train_tokenizer import train_tokenizer
+from paxlite.errors import StorageFaultError, exit_status
 from paxlite.experiments.build import build_run_config
 from paxlite.train.loop import Run, RunContext
 
@@ -114,6 +117,35 @@ def grain_first_three_steps(tfds_dirs, tmp_path_factory):
     return job
 
 
+def _digests(directory) -> dict[str, str]:
+    return {path: hashlib.sha256(open(path, "rb").read()).hexdigest()
+            for path in sorted(glob.glob(os.path.join(directory, "**"), recursive=True))
+            if os.path.isfile(path)}
+
+
+def _stops_on_each_vanished_file(job, overrides, tfds_dir, file_format):
+    """A training file, then an evaluation file, moved away (a removed shard, an unmounted
+    filesystem) before `job` resumes from its step-3 checkpoint: each stops the run in one line
+    naming the file and the step that read it (4: its first batch; 6: the evaluation after training
+    steps 4 to 6), exit status 75, with the checkpoint untouched; each is put back after."""
+    checkpoints = _digests(job / "checkpoints")
+    for split, step in (("train", 4), ("validation", 6)):
+        (path,) = glob.glob(os.path.join(tfds_dir, "the_pile", "**", f"*-{split}.{file_format}-*"),
+                            recursive=True)
+        os.rename(path, path + ".away")
+        try:
+            with pytest.raises(StorageFaultError) as stopped:
+                _train(job, overrides)
+        finally:
+            os.rename(path + ".away", path)
+        assert str(stopped.value) == (
+            f"could not read {path} for step {step}: No such file or directory (ENOENT); put it "
+            "back (or remount its filesystem) and run the same command again to resume from step "
+            "3"), split
+        assert exit_status(stopped.value) == 75
+        assert _digests(job / "checkpoints") == checkpoints
+
+
 # slow: three training runs each; the SeqIO one also starts TensorFlow (~12 s on 2 cores)
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline,file_format", [("grain", "array_record"), ("seqio", "tfrecord")])
@@ -128,8 +160,13 @@ def test_resume_from_tfds_consumes_exactly_the_uninterrupted_batches(
         shutil.copytree(request.getfixturevalue("grain_first_three_steps"), tmp_path / "resumed")
     else:
         _train(tmp_path / "resumed", _overrides(*settings, 3, extra))
+    _stops_on_each_vanished_file(tmp_path / "resumed", _overrides(*settings, 6, extra),
+                                 dirs[file_format], file_format)
     resumed = _train(tmp_path / "resumed", _overrides(*settings, 6, extra))
-    assert _records(tmp_path / "resumed", "loss") == _records(tmp_path / "straight", "loss")
+    got = _records(tmp_path / "resumed", "loss")
+    # the run the evaluation file stopped had trained steps 4 to 6, as the last run did again
+    assert [step for step, _ in got] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    assert got[3:6] == got[6:] and got[:6] == _records(tmp_path / "straight", "loss")
     assert len(_records(tmp_path / "straight", "loss")) == 6
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
