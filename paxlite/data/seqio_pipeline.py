@@ -54,7 +54,8 @@ def _tf_reads() -> Iterator[None]:
     """A file tf.data cannot find (removed, or its filesystem unmounted, after the run started) as
     Python's FileNotFoundError naming it, which the training loop reports in one line with the
     step; TensorFlow's own NotFoundError would end the run with a traceback. Other errors pass."""
-    _, tf = import_seqio()
+    import tensorflow as tf  # imported already (import_seqio), as every batch that gets here
+
     try:
         yield
     except tf.errors.NotFoundError as error:
