@@ -49,16 +49,21 @@ _STATE_VERSION = 1
 _TF_MISSING_FILE = re.compile(r"(?:^|\s)(\S+); No such file or directory")
 
 
+@functools.cache
+def _tf_not_found() -> type[Exception]:
+    """TensorFlow's NotFoundError, looked up once (import_seqio also sets TensorFlow's devices)."""
+    _, tf = import_seqio()
+    return tf.errors.NotFoundError
+
+
 @contextlib.contextmanager
 def _tf_reads() -> Iterator[None]:
     """A file tf.data cannot find (removed, or its filesystem unmounted, after the run started) as
     Python's FileNotFoundError naming it, which the training loop reports in one line with the
     step; TensorFlow's own NotFoundError would end the run with a traceback. Other errors pass."""
-    import tensorflow as tf  # imported already (import_seqio), as every batch that gets here
-
     try:
         yield
-    except tf.errors.NotFoundError as error:
+    except _tf_not_found() as error:
         found = _TF_MISSING_FILE.search(str(error))
         path = found.group(1) if found else None
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from error
