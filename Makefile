@@ -99,7 +99,7 @@ test-cpu-session: $(STAMP) $(JEMALLOC)
 	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile $(PYTEST_ARGS)
 
 # The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
-# `slow`: marked in the test file, or measured over 2 s in tests/durations.json (tests/conftest.py).
+# `slow`: marked in the test file, or measured over 1.5 s in tests/durations.json (tests/conftest.py).
 test-quick: $(STAMP) $(JEMALLOC)
 	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not multiprocess" --durations=10 $(PYTEST_ARGS)
 

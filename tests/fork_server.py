@@ -285,11 +285,14 @@ def _serve(fork_dir: str, key: str) -> dict:
                 request, fds = _read_request(conn)
                 sys.stdout.flush()
                 sys.stderr.flush()
+                # SIGTERM (stop) waits until the new child is in `children`, so it is killed too
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     for number in (signal.SIGCHLD, signal.SIGTERM):
                         signal.signal(number, signal.SIG_DFL)
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                     selector.close()
                     for open_socket in (listener, conn, *children.values()):
                         open_socket.close()
@@ -297,13 +300,16 @@ def _serve(fork_dir: str, key: str) -> dict:
                     os.close(wake_w)
                     request["fds"] = fds
                     return request
+                # Known as a child before anyone can learn its pid (the .served record, the
+                # client) or stop the server: a stop in between would leave it running alone.
+                children[pid] = conn
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                 for fd in fds:
                     os.close(fd)
                 with open(os.path.join(fork_dir, f"{key}.served"), "a") as served:
                     served.write(json.dumps([pid, request["args"]]) + "\n")
                 with contextlib.suppress(OSError):  # a client killed already: its EOF comes next
                     conn.sendall(_STATUS.pack(b"P", pid))
-                children[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, pid)
             elif selected.data == "children":
                 os.read(wake_r, 4096)

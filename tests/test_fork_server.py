@@ -3,6 +3,7 @@ same output and exit status, the same absl flags, the environment and working di
 command, signals passed on and the child gone with its client. Each case is checked against the
 real interpreter where there is something to compare with."""
 
+import contextlib
 import json
 import os
 import signal
@@ -112,11 +113,16 @@ def test_a_stopped_server_takes_the_commands_it_still_runs(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     _wait_until(lambda: bool(_served(served)), seconds=60)
     (pid, _), = _served(served)
-    os.kill(server, signal.SIGTERM)
-    client.wait(timeout=60)
-    _wait_until(lambda: not (_exists(pid) or _exists(server)), seconds=30)
-    assert not _exists(pid), f"the forked child {pid} outlived its stopped server"
-    assert not _exists(server)
+    try:
+        os.kill(server, signal.SIGTERM)
+        client.wait(timeout=60)
+        _wait_until(lambda: not (_exists(pid) or _exists(server)), seconds=30)
+        assert not _exists(pid), f"the forked child {pid} outlived its stopped server"
+        assert not _exists(server)
+    finally:  # a failure here must not leave a training run going on beside the suite
+        for process in (pid, server):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process, signal.SIGKILL)
 
 
 def _wait_until(done: Callable[[], bool], *, seconds: float) -> None:
