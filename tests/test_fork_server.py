@@ -119,10 +119,12 @@ def test_a_stopped_server_takes_the_commands_it_still_runs(tmp_path):
         _wait_until(lambda: not (_exists(pid) or _exists(server)), seconds=30)
         assert not _exists(pid), f"the forked child {pid} outlived its stopped server"
         assert not _exists(server)
-    finally:  # a failure here must not leave a training run going on beside the suite
-        for process in (pid, server):
+    except BaseException:  # a failure must not leave a training run going on beside the suite
+        for process in (pid, server):  # (after a pass both are gone: their pids may be reused)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(process, signal.SIGKILL)
+                if _exists(process):
+                    os.kill(process, signal.SIGKILL)
+        raise
 
 
 def _wait_until(done: Callable[[], bool], *, seconds: float) -> None:
