@@ -282,8 +282,9 @@ class Run:
         with jax.set_mesh(self.mesh), contextlib.closing(profiler), contextlib.closing(batches):
             for index in range(start, loop.max_steps):
                 step = index + 1
-                with profiler.step(step), self._reading_inputs(step):
-                    batch, position = timer.next_batch(batches)
+                with profiler.step(step):
+                    with self._reading_inputs(step):  # the batch only, not the step's dispatch
+                        batch, position = timer.next_batch(batches)
                     if preemption.voting:  # the processes' stop flags reduced inside the step
                         state, metrics, vote = self.steps.train_voting(
                             state, batch, preemption.votes(self.steps.vote_sharding))
