@@ -124,7 +124,7 @@ class Run:
             if restored is not None:
                 step, state, data_record = restored
                 if self.data is not None:
-                    self.data.restore(data_record, step=step)
+                    run_build.restore_data_position(self.data, data_record, step=step)
                 logging.info("Resumed from checkpoint step %d in %s", step, self.context.job_dir)
                 if restore_path is not None:
                     logging.info("CHECKPOINT_RESTORE_PATH=%s is ignored: it only initialises a run "

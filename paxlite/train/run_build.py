@@ -157,9 +157,17 @@ def check_data_position(checkpointer: Checkpointer, *, data: Feed | None) -> Non
         record = checkpointer.restore_data(steps[-1])
     except Exception:  # noqa: BLE001  damage is judged, reported and walked back by the restore
         return
-    if record is not None:  # reads the next batch's records: a vanished file is named here
-        with reading_inputs(step=steps[-1] + 1, complete=lambda: steps[-1]):
-            data.restore(record, step=steps[-1])
+    if record is not None:
+        restore_data_position(data, record, step=steps[-1])
+
+
+def restore_data_position(data: Feed, record, *, step: int) -> None:
+    """Put the input pipeline where a resume from `step` continues. This reads the next batch's
+    records, so a file that vanished meanwhile stops the run here with one line (exit 75) naming
+    it, step + 1 and the checkpoint to resume from. Both restores of a resume come here: the check
+    above, and the one with the state (from an older step where the newest was damaged)."""
+    with reading_inputs(step=step + 1, complete=lambda: step):
+        data.restore(record, step=step)
 
 
 def dpo_steps(config: RunConfig) -> DpoSteps | None:

@@ -146,6 +146,29 @@ def _stops_on_each_vanished_file(job, overrides, tfds_dir, file_format):
         assert _digests(job / "checkpoints") == checkpoints
 
 
+def _stops_after_walking_back(job, overrides, tfds_dir, file_format):
+    """`job`'s newest checkpoint (step 6) damaged, state and data record, and the training file
+    moved away: the resume walks back to step 3, sets step 6 aside, and stops where it puts the
+    input pipeline at step 3's position, in the same line as a resume from step 3 does."""
+    newest = job / "checkpoints" / "checkpoint_00000006"
+    for damaged in [newest / "state" / "_METADATA", *(newest / "data").rglob("*")]:
+        if damaged.is_file():
+            damaged.write_text("{oops")
+    (path,) = glob.glob(os.path.join(tfds_dir, "the_pile", "**", f"*-train.{file_format}-*"),
+                        recursive=True)
+    os.rename(path, path + ".away")
+    try:
+        with pytest.raises(StorageFaultError) as stopped:
+            _train(job, overrides)
+    finally:
+        os.rename(path + ".away", path)
+    assert str(stopped.value) == (
+        f"could not read {path} for step 4: No such file or directory (ENOENT); put it back (or "
+        "remount its filesystem) and run the same command again to resume from step 3")
+    assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000003"]
+    assert os.listdir(job / "checkpoints_corrupted") == ["checkpoint_00000006"]
+
+
 # slow: three training runs each; the SeqIO one also starts TensorFlow (~12 s on 2 cores)
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline,file_format", [("grain", "array_record"), ("seqio", "tfrecord")])
@@ -163,6 +186,9 @@ def test_resume_from_tfds_consumes_exactly_the_uninterrupted_batches(
     _stops_on_each_vanished_file(tmp_path / "resumed", _overrides(*settings, 6, extra),
                                  dirs[file_format], file_format)
     resumed = _train(tmp_path / "resumed", _overrides(*settings, 6, extra))
+    if pipeline == "grain":  # SeqIO reads nothing when its position is restored
+        _stops_after_walking_back(tmp_path / "straight", _overrides(*settings, 6, extra),
+                                  dirs[file_format], file_format)
     got = _records(tmp_path / "resumed", "loss")
     # the run the evaluation file stopped had trained steps 4 to 6, as the last run did again
     assert [step for step, _ in got] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
