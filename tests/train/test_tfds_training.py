@@ -123,26 +123,36 @@ def _digests(directory) -> dict[str, str]:
             if os.path.isfile(path)}
 
 
+def _stopped_without(split, job, overrides, tfds_dir, file_format) -> tuple[str, Exception]:
+    """(the file, the error) of a run of `job` with `split`'s file moved away (a removed shard, an
+    unmounted filesystem); the file is put back after."""
+    (path,) = glob.glob(os.path.join(tfds_dir, "the_pile", "**", f"*-{split}.{file_format}-*"),
+                        recursive=True)
+    os.rename(path, path + ".away")
+    try:
+        with pytest.raises(StorageFaultError) as stopped:
+            _train(job, overrides)
+    finally:
+        os.rename(path + ".away", path)
+    assert exit_status(stopped.value) == 75
+    return path, stopped.value
+
+
+def _vanished_line(path, step, resume_step) -> str:
+    return (f"could not read {path} for step {step}: No such file or directory (ENOENT); put it "
+            "back (or remount its filesystem) and run the same command again to resume from step "
+            f"{resume_step}")
+
+
 def _stops_on_each_vanished_file(job, overrides, tfds_dir, file_format):
-    """A training file, then an evaluation file, moved away (a removed shard, an unmounted
-    filesystem) before `job` resumes from its step-3 checkpoint: each stops the run in one line
-    naming the file and the step that read it (4: its first batch; 6: the evaluation after training
-    steps 4 to 6), exit status 75, with the checkpoint untouched; each is put back after."""
+    """A training file, then an evaluation file, moved away before `job` resumes from its step-3
+    checkpoint: each stops the run in one line naming the file and the step that read it (4: its
+    first batch; 6: the evaluation after training steps 4 to 6), exit status 75, with the
+    checkpoint untouched."""
     checkpoints = _digests(job / "checkpoints")
     for split, step in (("train", 4), ("validation", 6)):
-        (path,) = glob.glob(os.path.join(tfds_dir, "the_pile", "**", f"*-{split}.{file_format}-*"),
-                            recursive=True)
-        os.rename(path, path + ".away")
-        try:
-            with pytest.raises(StorageFaultError) as stopped:
-                _train(job, overrides)
-        finally:
-            os.rename(path + ".away", path)
-        assert str(stopped.value) == (
-            f"could not read {path} for step {step}: No such file or directory (ENOENT); put it "
-            "back (or remount its filesystem) and run the same command again to resume from step "
-            "3"), split
-        assert exit_status(stopped.value) == 75
+        path, error = _stopped_without(split, job, overrides, tfds_dir, file_format)
+        assert str(error) == _vanished_line(path, step, 3), split
         assert _digests(job / "checkpoints") == checkpoints
 
 
@@ -154,17 +164,8 @@ def _stops_after_walking_back(job, overrides, tfds_dir, file_format):
     for damaged in [newest / "state" / "_METADATA", *(newest / "data").rglob("*")]:
         if damaged.is_file():
             damaged.write_text("{oops")
-    (path,) = glob.glob(os.path.join(tfds_dir, "the_pile", "**", f"*-train.{file_format}-*"),
-                        recursive=True)
-    os.rename(path, path + ".away")
-    try:
-        with pytest.raises(StorageFaultError) as stopped:
-            _train(job, overrides)
-    finally:
-        os.rename(path + ".away", path)
-    assert str(stopped.value) == (
-        f"could not read {path} for step 4: No such file or directory (ENOENT); put it back (or "
-        "remount its filesystem) and run the same command again to resume from step 3")
+    path, error = _stopped_without("train", job, overrides, tfds_dir, file_format)
+    assert str(error) == _vanished_line(path, 4, 3)
     assert sorted(os.listdir(job / "checkpoints")) == ["checkpoint_00000003"]
     assert os.listdir(job / "checkpoints_corrupted") == ["checkpoint_00000006"]
 
