@@ -21,7 +21,6 @@ Examples are packed.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -43,16 +42,13 @@ from paxlite.data.feeding import FeedPlan
 from paxlite.data.row_feeds import (
     ChatBadRows,
     RowEvalFeed,
-    RowFile,
     RowFormat,
     RowSourceConfig,
     RowTrainFeed,
-    read_row_file,
 )
-from paxlite.data.row_feeds import now as _now
 
 __all__ = ["ChatBadRows", "ChatEvalConfig", "ChatEvalFeed", "ChatTrainConfig", "ChatTrainFeed",
-           "chat_eval_metrics", "chat_train_summaries", "make_chat_feed", "read_chat_file"]
+           "chat_eval_metrics", "chat_train_summaries", "make_chat_feed"]
 
 EVAL_METRIC_PREFIX = "chat/"  # eval/chat/... in metrics.jsonl
 
@@ -84,23 +80,12 @@ CHAT_ROWS = RowFormat(encode=RowEncoder.encode, needs_template=lambda row: MESSA
                       bad_reason=_bad_row_reason)
 
 
-def read_chat_file(config: ChatTrainConfig | ChatEvalConfig, *,
-                   instant: datetime.datetime) -> RowFile[ChatExample]:
-    """Every row of `config.path` as an example (the template's clock at `instant`); a bad row
-    raises its one line, or is skipped and counted (CHAT_BAD_ROWS=skip)."""
-    return read_row_file(config, instant=instant, row_format=CHAT_ROWS)
-
-
 class ChatTrainFeed(RowTrainFeed[ChatExample]):
     """Packed chat rows for training (module docstring), with an exact saved position."""
 
     task, data_setting, eval_setting, unit = "chat", "CHAT_DATA", "CHAT_EVAL_DATA", "examples"
+    row_format = CHAT_ROWS
 
-    def __init__(self, config: ChatTrainConfig, *, plan: FeedPlan):
-        super().__init__(config, plan=plan, instant=_now())
-
-    def _read(self, instant: datetime.datetime) -> RowFile[ChatExample]:
-        return read_chat_file(self._config, instant=instant)
 
     def _length(self, item: ChatExample) -> int:
         return item.ids.shape[0]
@@ -128,8 +113,10 @@ class ChatTrainFeed(RowTrainFeed[ChatExample]):
 class ChatEvalFeed(RowEvalFeed):
     """Every example of CHAT_EVAL_DATA once (module docstring); reported as eval/chat/..."""
 
+    row_format = CHAT_ROWS
+
     def __init__(self, config: ChatEvalConfig, *, plan: FeedPlan):
-        read = read_chat_file(config, instant=_now())
+        read = self._read_file(config)
         self.examples = len(read.items)
         self.truncated = sum(e.ids.shape[0] > config.seq_len for e in read.items)
         self.skipped_rows = read.skipped.total

@@ -14,7 +14,6 @@ holds one pair.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,13 +33,10 @@ from paxlite.data.dpo_rows import (
 from paxlite.data.feeding import FeedPlan
 from paxlite.data.row_feeds import (
     RowEvalFeed,
-    RowFile,
     RowFormat,
     RowSourceConfig,
     RowTrainFeed,
-    read_row_file,
 )
-from paxlite.data.row_feeds import now as _now
 
 EVAL_METRIC_PREFIX = "dpo/"  # eval/dpo/... in metrics.jsonl
 PAIR_ROWS = RowFormat(encode=encode_pair, needs_template=needs_template,
@@ -60,23 +56,12 @@ class DpoEvalConfig(RowSourceConfig):
     """EVAL_TASK=dpo: every pair of `path` once."""
 
 
-def read_dpo_file(config: DpoTrainConfig | DpoEvalConfig, *,
-                  instant: datetime.datetime) -> RowFile[PreferencePair]:
-    """Every row of `config.path` as a pair (the template's clock at `instant`); a bad row raises
-    its one line, or is skipped and counted (CHAT_BAD_ROWS=skip)."""
-    return read_row_file(config, instant=instant, row_format=PAIR_ROWS)
-
-
 class DpoTrainFeed(RowTrainFeed[PreferencePair]):
     """One pair a row for training (module docstring), with an exact saved position."""
 
     task, data_setting, eval_setting, unit = "dpo", "DPO_DATA", "DPO_EVAL_DATA", "pairs"
+    row_format = PAIR_ROWS
 
-    def __init__(self, config: DpoTrainConfig, *, plan: FeedPlan):
-        super().__init__(config, plan=plan, instant=_now())
-
-    def _read(self, instant: datetime.datetime) -> RowFile[PreferencePair]:
-        return read_dpo_file(self._config, instant=instant)
 
     def _length(self, item: PreferencePair) -> int:
         return item.length
@@ -99,9 +84,10 @@ class DpoEvalFeed(RowEvalFeed):
     of segment 0; reported as eval/dpo/..."""
 
     metric_prefix = EVAL_METRIC_PREFIX
+    row_format = PAIR_ROWS
 
     def __init__(self, config: DpoEvalConfig, *, plan: FeedPlan):
-        read = read_dpo_file(config, instant=_now())
+        read = self._read_file(config)
         self.pairs = len(read.items)
         self.truncated = sum(pair.length > config.seq_len for pair in read.items)
         self.skipped_rows = read.skipped.total

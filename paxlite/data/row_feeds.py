@@ -165,18 +165,19 @@ class RowTrainFeed(abc.ABC, Generic[Item]):
     data_setting: ClassVar[str]  # the setting naming the training rows
     eval_setting: ClassVar[str]  # the one naming the evaluation rows
     unit: ClassVar[str]  # what an item is called ("examples", "pairs")
+    row_format: ClassVar[RowFormat]  # how a row of the file becomes an item
 
-    def __init__(self, config: Any, *, plan: FeedPlan, instant: datetime.datetime):
+    def __init__(self, config: Any, *, plan: FeedPlan):
         self._config = config
         self._plan = plan
-        self._load(instant)
+        self._load(now())
         self._next_index = 0  # batches built
         self._epoch, self._cursor = 0, 0
         self._rows: Iterator[tuple[int, PackedRow]] | None = None
 
-    @abc.abstractmethod
     def _read(self, instant: datetime.datetime) -> RowFile[Item]:
         """The file's items, the template's clock at `instant`."""
+        return read_row_file(self._config, instant=instant, row_format=self.row_format)
 
     @abc.abstractmethod
     def _length(self, item: Item) -> int:
@@ -333,6 +334,12 @@ class RowEvalFeed(abc.ABC):
 
     metric_prefix = ""
     has_eval_data = True
+    row_format: ClassVar[RowFormat]  # how a row of the file becomes an item
+
+    @classmethod
+    def _read_file(cls, config: RowSourceConfig) -> RowFile:
+        """The file's items, the template's clock at the instant the feed opens."""
+        return read_row_file(config, instant=now(), row_format=cls.row_format)
 
     def __init__(self, *, seq_len: int, plan: FeedPlan, rows: list[PackedRow]):
         self._seq_len = seq_len

@@ -55,6 +55,9 @@ EXPERIMENTS = Registry(
         **{cls.__name__: cls for cls in gemma.GEMMA_EXPERIMENTS},
         "FineTune": finetune.FineTune,
     },
-    aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES, **llama3.HF_NAMES, **mistral.HF_NAMES,
-             **qwen.HF_NAMES, **gemma.HF_NAMES},
+    aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES,
+             **{hf_id: cls.__name__ for cls in (*llama3.LLAMA3_EXPERIMENTS,
+                                                *mistral.MISTRAL_EXPERIMENTS,
+                                                *qwen.QWEN_EXPERIMENTS, *gemma.GEMMA_EXPERIMENTS)
+                for hf_id in cls.hf_ids}},
 )

@@ -6,7 +6,8 @@
   pretraining rates (3e-4 to 1.5e-4), reached after 100 warm-up steps (a tenth of a shorter run)
   and followed by a cosine to a tenth of it at MAX_STEPS=1000. A family lowers or raises the peak
   per size.
-- The loop: short runs report every 10 steps, evaluate every 100 and save every 500.
+- The loop: short runs report every 10 steps, evaluate every 100 (10 batches of the dataset's
+  validation split) and save every 500.
 - Memory: the weights, gradients and Adam state take 16 bytes per parameter (128 GB for an 8B
   model, 16 GB per GPU under FSDP over 8), and a step's activations at 2 x 8,192 tokens per GPU
   must fit beside them: fused attention (ATTENTION_KIND='flash': cuDNN on GPUs, XLA elsewhere)
@@ -18,12 +19,18 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from paxlite.config.experiment import Derived
 from paxlite.experiments.optimizer_settings import GPT3Optimizer
 
 
 class FineTuningRecipe(GPT3Optimizer):
     """Mixin: the module docstring's defaults; listed first among a family's bases."""
+
+    # The Hugging Face repository ids that name this experiment too (`--fdl_config=ID`): the base
+    # and the post-trained models of a size share its shapes, so both ids name one experiment.
+    hf_ids: ClassVar[tuple[str, ...]] = ()
 
     LEARNING_RATE = 2e-5
     WEIGHT_DECAY = 0.1
@@ -37,3 +44,6 @@ class FineTuningRecipe(GPT3Optimizer):
     ATTENTION_KIND = "flash"
     USE_REPEATED_LAYER = True
     CHECKPOINT_POLICY = "SAVE_NOTHING"
+    PERCORE_BATCH_SIZE = 2
+    EVAL_TASK = "validation"
+    EVAL_LOOP_NUM_BATCHES = 10

@@ -272,9 +272,7 @@ class FineTune(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings
         doc="'flash', or 'dot_product' for a checkpoint whose attention logits are soft-capped")
     ICI_MESH_SHAPE = [1, 8, 1]
     DCN_MESH_SHAPE = [1, 1, 1]
-    PERCORE_BATCH_SIZE = 2
     PACKED_INPUT = False
-    EVAL_TASK = "validation"
 
 
 # Under its row in docs/experiments.md (`python -m paxlite list --format=markdown`).

@@ -83,6 +83,8 @@ class Gemma2_9B(FineTuningRecipe, GemmaSettings, TiedEmbeddingSettings, Attentio
     """Gemma 2 9B: 42 layers, 16 query and 8 key/value heads x 256, d_model 3584, ffn 14336,
     vocabulary 256000, tied; 9,241,705,984 parameters."""
 
+    hf_ids = ("google/gemma-2-9b", "google/gemma-2-9b-it")
+
     NUM_LAYERS = 42
     NUM_HEADS = 16
     NUM_KV_HEADS = 8
@@ -96,17 +98,9 @@ class Gemma2_9B(FineTuningRecipe, GemmaSettings, TiedEmbeddingSettings, Attentio
     SLIDING_WINDOW = 4096
     MAX_SEQ_LEN = 4096
     ATTENTION_KIND = "dot_product"
-    PERCORE_BATCH_SIZE = 2
-    EVAL_TASK = "validation"
-    EVAL_LOOP_NUM_BATCHES = 10
 
 
 GEMMA_EXPERIMENTS = (Gemma2_9B,)
-# Hugging Face repository ids -> registered names (base and instruct share the shapes).
-HF_NAMES = {
-    "google/gemma-2-9b": "Gemma2_9B",
-    "google/gemma-2-9b-it": "Gemma2_9B",
-}
 # Under the family's table in docs/experiments.md: what `plan` said of the defaults.
 CATALOGUE_NOTE = """\
 Planned 2026-12-05 as llama3.py's rows (`python -m paxlite plan --fdl_config=Gemma2_9B

@@ -48,14 +48,13 @@ class BaseLLaMA3(FineTuningRecipe, TiedEmbeddingSettings, RopeScalingSettings, R
     ROPE_SCALING_HIGH_FREQ_FACTOR = 4.0
     ROPE_SCALING_ORIGINAL_MAX_POSITION = 8192
     MAX_SEQ_LEN = 8192
-    PERCORE_BATCH_SIZE = 2
-    EVAL_TASK = "validation"
-    EVAL_LOOP_NUM_BATCHES = 10
 
 
 class LLaMA3_1_8B(BaseLLaMA3):
     """LLaMA-3.1 8B: 32 layers, 32 query and 8 key/value heads x 128, d_model 4096, ffn 14336;
     8,030,261,248 parameters."""
+
+    hf_ids = ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct")
 
     NUM_LAYERS = 32
     NUM_HEADS = 32
@@ -66,6 +65,8 @@ class LLaMA3_1_8B(BaseLLaMA3):
 class LLaMA3_1_70B(BaseLLaMA3):
     """LLaMA-3.1 70B: 80 layers, 64 query and 8 key/value heads x 128, d_model 8192, ffn 28672;
     70,553,706,496 parameters; four nodes, or LoRA on one (module docstring)."""
+
+    hf_ids = ("meta-llama/Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct")
 
     NUM_LAYERS = 80
     NUM_HEADS = 64
@@ -79,6 +80,8 @@ class LLaMA3_1_70B(BaseLLaMA3):
 class LLaMA3_2_1B(BaseLLaMA3):
     """LLaMA-3.2 1B: 16 layers, 32 query and 8 key/value heads x 64, d_model 2048, ffn 8192, tied
     embeddings, RoPE scaling factor 32; 1,235,814,400 parameters."""
+
+    hf_ids = ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct")
 
     NUM_LAYERS = 16
     NUM_HEADS = 32
@@ -95,6 +98,8 @@ class LLaMA3_2_3B(BaseLLaMA3):
     """LLaMA-3.2 3B: 28 layers, 24 query and 8 key/value heads x 128, d_model 3072, ffn 8192, tied
     embeddings, RoPE scaling factor 32; 3,212,749,824 parameters."""
 
+    hf_ids = ("meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.2-3B-Instruct")
+
     NUM_LAYERS = 28
     NUM_HEADS = 24
     MODEL_DIMS = 3072
@@ -105,18 +110,6 @@ class LLaMA3_2_3B(BaseLLaMA3):
 
 
 LLAMA3_EXPERIMENTS = (LLaMA3_1_8B, LLaMA3_1_70B, LLaMA3_2_1B, LLaMA3_2_3B)
-# Hugging Face repository ids -> registered names (the base and instruction-tuned models share
-# their shapes, so both ids name one experiment).
-HF_NAMES = {
-    "meta-llama/Llama-3.1-8B": "LLaMA3_1_8B",
-    "meta-llama/Llama-3.1-8B-Instruct": "LLaMA3_1_8B",
-    "meta-llama/Llama-3.1-70B": "LLaMA3_1_70B",
-    "meta-llama/Llama-3.1-70B-Instruct": "LLaMA3_1_70B",
-    "meta-llama/Llama-3.2-1B": "LLaMA3_2_1B",
-    "meta-llama/Llama-3.2-1B-Instruct": "LLaMA3_2_1B",
-    "meta-llama/Llama-3.2-3B": "LLaMA3_2_3B",
-    "meta-llama/Llama-3.2-3B-Instruct": "LLaMA3_2_3B",
-}
 # Under the family's table in docs/experiments.md (`python -m paxlite list --format=markdown`):
 # what `plan` said of the defaults, re-planned by hand when they change.
 CATALOGUE_NOTE = """\

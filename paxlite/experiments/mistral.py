@@ -27,6 +27,8 @@ class Mistral7B(FineTuningRecipe, AttentionVariantSettings, RotarySettings, Base
     """Mistral 7B v0.3: 32 layers, 32 query and 8 key/value heads x 128, d_model 4096, ffn 14336,
     vocabulary 32768; 7,248,023,552 parameters."""
 
+    hf_ids = ("mistralai/Mistral-7B-v0.3", "mistralai/Mistral-7B-Instruct-v0.3")
+
     NUM_LAYERS = 32
     NUM_HEADS = 32
     NUM_KV_HEADS = 8
@@ -36,17 +38,9 @@ class Mistral7B(FineTuningRecipe, AttentionVariantSettings, RotarySettings, Base
     ROPE_THETA = 1e6
     SLIDING_WINDOW = None
     MAX_SEQ_LEN = 8192
-    PERCORE_BATCH_SIZE = 2
-    EVAL_TASK = "validation"
-    EVAL_LOOP_NUM_BATCHES = 10
 
 
 MISTRAL_EXPERIMENTS = (Mistral7B,)
-# Hugging Face repository ids -> registered names (base and instruct share the shapes).
-HF_NAMES = {
-    "mistralai/Mistral-7B-v0.3": "Mistral7B",
-    "mistralai/Mistral-7B-Instruct-v0.3": "Mistral7B",
-}
 # Under the family's table in docs/experiments.md: what `plan` said of the defaults.
 CATALOGUE_NOTE = """\
 Planned 2026-12-05 as llama3.py's rows (`python -m paxlite plan --fdl_config=Mistral7B

@@ -56,14 +56,13 @@ class BaseQwen(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings
     ROPE_THETA = 1e6
     VOCAB_SIZE = 151_936
     MAX_SEQ_LEN = 8192
-    PERCORE_BATCH_SIZE = 2
-    EVAL_TASK = "validation"
-    EVAL_LOOP_NUM_BATCHES = 10
 
 
 class Qwen2_5_0_5B(BaseQwen):
     """Qwen2.5 0.5B: 24 layers, 14 query and 2 key/value heads x 64, d_model 896, ffn 4864, q/k/v
     biases, tied embeddings; 494,032,768 parameters."""
+
+    hf_ids = ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B-Instruct")
 
     NUM_LAYERS = 24
     NUM_HEADS = 14
@@ -81,6 +80,8 @@ class Qwen2_5_7B(BaseQwen):
     """Qwen2.5 7B: 28 layers, 28 query and 4 key/value heads x 128, d_model 3584, ffn 18944, q/k/v
     biases, vocabulary 152064; 7,615,616,512 parameters."""
 
+    hf_ids = ("Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct")
+
     NUM_LAYERS = 28
     NUM_HEADS = 28
     NUM_KV_HEADS = 4
@@ -94,6 +95,8 @@ class Qwen3_8B(BaseQwen):
     """Qwen3 8B: 36 layers, 32 query and 8 key/value heads x 128, d_model 4096, ffn 12288, q/k
     norms; 8,190,735,360 parameters."""
 
+    hf_ids = ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B-Base")
+
     NUM_LAYERS = 36
     NUM_HEADS = 32
     NUM_KV_HEADS = 8
@@ -106,6 +109,8 @@ class Qwen3_30B_A3B(MoeSettings, BaseQwen):
     """Qwen3-30B-A3B: 48 layers, 32 query and 4 key/value heads x 128, d_model 2048, q/k norms, on
     every layer 128 experts of ffn 768, 8 per token (renormalised); 30,532,122,624 parameters,
     3,353,032,704 active per token (module docstring)."""
+
+    hf_ids = ("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B-Base")
 
     moe_layer_interval: ClassVar[int] = 1  # every layer sparse (decoder_sparse_step 1)
     gated_experts: ClassVar[bool] = True  # HF gate_proj = wi_gate, up_proj = wi, down_proj = wo
@@ -132,18 +137,6 @@ class Qwen3_30B_A3B(MoeSettings, BaseQwen):
 
 
 QWEN_EXPERIMENTS = (Qwen2_5_0_5B, Qwen2_5_7B, Qwen3_8B, Qwen3_30B_A3B)
-# Hugging Face repository ids -> registered names (base and instruct share the shapes; Qwen3's
-# one repository is the post-trained model, its base is `Qwen3-8B-Base`).
-HF_NAMES = {
-    "Qwen/Qwen2.5-0.5B": "Qwen2_5_0_5B",
-    "Qwen/Qwen2.5-0.5B-Instruct": "Qwen2_5_0_5B",
-    "Qwen/Qwen2.5-7B": "Qwen2_5_7B",
-    "Qwen/Qwen2.5-7B-Instruct": "Qwen2_5_7B",
-    "Qwen/Qwen3-8B": "Qwen3_8B",
-    "Qwen/Qwen3-8B-Base": "Qwen3_8B",
-    "Qwen/Qwen3-30B-A3B": "Qwen3_30B_A3B",
-    "Qwen/Qwen3-30B-A3B-Base": "Qwen3_30B_A3B",
-}
 # Under the family's table in docs/experiments.md: what `plan` said of the defaults.
 CATALOGUE_NOTE = """\
 Planned 2026-12-05 as llama3.py's rows (`python -m paxlite plan --fdl_config=NAME --devices=8

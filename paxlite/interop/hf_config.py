@@ -22,6 +22,7 @@ from typing import Any
 from paxlite.interop import hf_gemma, hf_moe
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
+from paxlite.interop.layouts import hf_decoder_shape
 from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.transformer import (
     LLAMA_ARCHITECTURE,
@@ -418,13 +419,7 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
-            "vocab_size": config.vocab_size,
-            "hidden_size": config.model_dims,
-            "intermediate_size": config.hidden_dims,
-            "num_hidden_layers": config.num_layers,
-            "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.kv_heads,
-            "head_dim": config.dims_per_head,
+            **hf_decoder_shape(config),
             "hidden_act": "silu",
             "max_position_embeddings": config.max_seq_len,
             "rms_norm_eps": config.norm_epsilon,

@@ -27,7 +27,7 @@ from typing import Any
 
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import rope_entry, rope_of, rope_of_entry
-from paxlite.interop.layouts import HF_LLAMA, LlamaNaming
+from paxlite.interop.layouts import HF_LLAMA, LlamaNaming, hf_decoder_shape
 from paxlite.models.activations import Activation
 from paxlite.models.norms import NormKind
 from paxlite.models.open_model_fields import LayerAttention
@@ -219,13 +219,7 @@ def gemma_hf_config(config: TransformerConfig, *, model_type: str) -> dict[str, 
     out: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type]],
         "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.model_dims,
-        "intermediate_size": config.hidden_dims,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.dims_per_head,
+        **hf_decoder_shape(config),
         "hidden_activation": _HF_NAMES[config.activation],
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_epsilon,

@@ -179,6 +179,20 @@ HF_LLAMA = LlamaNaming(
 )
 
 
+def hf_decoder_shape(config: TransformerConfig) -> dict[str, int]:
+    """The shape fields of a Hugging Face decoder's config.json, under the names LLaMA's config
+    gave them and Mistral's, Qwen's and Gemma's kept."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.model_dims,
+        "intermediate_size": config.hidden_dims,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.dims_per_head,
+    }
+
+
 def _llama_dims(c: TransformerConfig, n: LlamaNaming) -> dict[str, Dim]:
     h, heads, kv = c.dims_per_head, c.num_heads, c.kv_heads
     return {

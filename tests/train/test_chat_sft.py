@@ -397,7 +397,7 @@ def test_a_resume_renders_the_template_at_the_jobs_clock(model, data, tmp_path, 
     renders the rows at the saved instant, so it builds the batches the first run would."""
     import datetime
 
-    from paxlite.data import chat_pipeline
+    from paxlite.data import row_feeds
 
     template = tmp_path / "dated.jinja"
     template.write_text("{{ strftime_now('%d %b %Y') }}" + TEMPLATE)
@@ -407,7 +407,7 @@ def test_a_resume_renders_the_template_at_the_jobs_clock(model, data, tmp_path, 
     plan = plan_feeding(sharding, global_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN)
 
     def feed_on(day):
-        monkeypatch.setattr(chat_pipeline, "_now", lambda: datetime.datetime(2024, 1, day, 9))
+        monkeypatch.setattr(row_feeds, "now", lambda: datetime.datetime(2024, 1, day, 9))
         return ChatTrainFeed(config.data, plan=plan)
 
     first = feed_on(5)
