@@ -113,17 +113,17 @@ class ChatTrainFeed(RowTrainFeed[ChatExample]):
 class ChatEvalFeed(RowEvalFeed):
     """Every example of CHAT_EVAL_DATA once (module docstring); reported as eval/chat/..."""
 
-    row_format = CHAT_ROWS
+    row_format, unit = CHAT_ROWS, "examples"
 
     def __init__(self, config: ChatEvalConfig, *, plan: FeedPlan):
         read = self._read_file(config)
-        self.examples = len(read.items)
+        self.items = len(read.items)
         self.truncated = sum(e.ids.shape[0] > config.seq_len for e in read.items)
         self.skipped_rows = read.skipped.total
         super().__init__(seq_len=config.seq_len, plan=plan, rows=list(pack_examples(
             read.items, seq_len=config.seq_len, overlong=Overlong.TRUNCATE)))
         logging.info("CHAT_EVAL_DATA %s: %d examples in %d rows, %d truncated to MAX_SEQ_LEN=%d; "
-                     "%d bad rows skipped", config.path, self.examples, len(self._rows),
+                     "%d bad rows skipped", config.path, self.items, len(self._rows),
                      self.truncated, config.seq_len, self.skipped_rows)
 
     def _batch(self, rows: Sequence[PackedRow]) -> dict[str, np.ndarray]:
@@ -143,10 +143,7 @@ def chat_eval_metrics(feed: Any, metrics: dict[str, float]) -> dict[str, float]:
     if not isinstance(feed, ChatEvalFeed):
         return {}
     return {f"{EVAL_METRIC_PREFIX}loss": metrics["loss"],
-            f"{EVAL_METRIC_PREFIX}tokens": metrics["num_tokens"],
-            f"{EVAL_METRIC_PREFIX}examples": feed.examples,
-            f"{EVAL_METRIC_PREFIX}truncated": feed.truncated,
-            f"{EVAL_METRIC_PREFIX}skipped_rows": feed.skipped_rows}
+            f"{EVAL_METRIC_PREFIX}tokens": metrics["num_tokens"], **feed.counts(EVAL_METRIC_PREFIX)}
 
 
 def make_chat_feed(config: ChatTrainConfig | ChatEvalConfig, *,

@@ -84,18 +84,18 @@ class DpoEvalFeed(RowEvalFeed):
     of segment 0; reported as eval/dpo/..."""
 
     metric_prefix = EVAL_METRIC_PREFIX
-    row_format = PAIR_ROWS
+    row_format, unit = PAIR_ROWS, "pairs"
 
     def __init__(self, config: DpoEvalConfig, *, plan: FeedPlan):
         read = self._read_file(config)
-        self.pairs = len(read.items)
+        self.items = len(read.items)
         self.truncated = sum(pair.length > config.seq_len for pair in read.items)
         self.skipped_rows = read.skipped.total
         super().__init__(seq_len=config.seq_len, plan=plan, rows=[
             pair_row(pair, seq_len=config.seq_len, index=index)
             for index, pair in enumerate(read.items)])
         logging.info("DPO_EVAL_DATA %s: %d pairs, %d truncated to MAX_SEQ_LEN=%d; %d bad rows "
-                     "skipped", config.path, self.pairs, self.truncated, config.seq_len,
+                     "skipped", config.path, self.items, self.truncated, config.seq_len,
                      self.skipped_rows)
 
     def _batch(self, rows: Sequence[PackedRow]) -> dict[str, np.ndarray]:
@@ -112,11 +112,7 @@ def dpo_eval_counts(feed: Any) -> dict[str, float]:
     """`dpo/pairs`, `dpo/truncated` (of them, those longer than MAX_SEQ_LEN, scored cut),
     `dpo/skipped_rows` of a DPO evaluation feed (eval/dpo/... in metrics.jsonl, beside the
     loss and rewards the evaluation step sums); {} for any other feed."""
-    if not isinstance(feed, DpoEvalFeed):
-        return {}
-    return {f"{EVAL_METRIC_PREFIX}pairs": feed.pairs,
-            f"{EVAL_METRIC_PREFIX}truncated": feed.truncated,
-            f"{EVAL_METRIC_PREFIX}skipped_rows": feed.skipped_rows}
+    return feed.counts(EVAL_METRIC_PREFIX) if isinstance(feed, DpoEvalFeed) else {}
 
 
 def make_dpo_feed(config: DpoTrainConfig | DpoEvalConfig, *,

@@ -335,11 +335,22 @@ class RowEvalFeed(abc.ABC):
     metric_prefix = ""
     has_eval_data = True
     row_format: ClassVar[RowFormat]  # how a row of the file becomes an item
+    unit: ClassVar[str]  # what an item is called ("examples", "pairs")
+    # The file's items, of them those longer than MAX_SEQ_LEN (scored cut), and its bad rows
+    # skipped: set by the subclass from `_read_file`.
+    items: int
+    truncated: int
+    skipped_rows: int
 
     @classmethod
     def _read_file(cls, config: RowSourceConfig) -> RowFile:
         """The file's items, the template's clock at the instant the feed opens."""
         return read_row_file(config, instant=now(), row_format=cls.row_format)
+
+    def counts(self, prefix: str) -> dict[str, float]:
+        """`<prefix><unit>`, `<prefix>truncated`, `<prefix>skipped_rows` (eval/... metrics)."""
+        return {f"{prefix}{self.unit}": self.items, f"{prefix}truncated": self.truncated,
+                f"{prefix}skipped_rows": self.skipped_rows}
 
     def __init__(self, *, seq_len: int, plan: FeedPlan, rows: list[PackedRow]):
         self._seq_len = seq_len

@@ -64,21 +64,30 @@ class RMSNorm(_Float32Norm):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        features = x.shape[-1]
-        scale = self._per_feature("scale", nn.initializers.ones, features)
-        y = _normalised(x, self.epsilon) * scale.astype(jnp.float32)
+        scale = self._per_feature("scale", self._scale_init(), x.shape[-1])
+        y = _normalised(x, self.epsilon) * self._gain(scale.astype(jnp.float32))
         return y.astype(self.dtype)
 
+    @staticmethod
+    def _scale_init() -> nn.initializers.Initializer:
+        return nn.initializers.ones
 
-class GemmaRMSNorm(_Float32Norm):
+    @staticmethod
+    def _gain(scale: jax.Array) -> jax.Array:
+        """What the normalised features are multiplied by (float32)."""
+        return scale
+
+
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + scale), scale starting at 0."""
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        features = x.shape[-1]
-        scale = self._per_feature("scale", nn.initializers.zeros, features)
-        y = _normalised(x, self.epsilon) * (1.0 + scale.astype(jnp.float32))
-        return y.astype(self.dtype)
+    @staticmethod
+    def _scale_init() -> nn.initializers.Initializer:
+        return nn.initializers.zeros
+
+    @staticmethod
+    def _gain(scale: jax.Array) -> jax.Array:
+        return 1.0 + scale
 
 
 def _normalised(x: jax.Array, epsilon: float) -> jax.Array:
