@@ -49,7 +49,7 @@ from paxlite.models.attention_kernels import (
 )
 from paxlite.models.context_parallel import context_parallel_attention
 from paxlite.models.kv_cache import extend_cache
-from paxlite.models.linear import Fp8Config, Linear
+from paxlite.models.linear import Fp8Config, Linear, projection
 from paxlite.models.lora import LoraSpec
 from paxlite.models.norms import NormKind, norm_class
 from paxlite.models.parallel_config import SEQ_AXIS, ContextParallelStrategy, mesh_axis_size
@@ -209,18 +209,9 @@ class Attention(nn.Module):
                 name: str, lora_groups: int = 0) -> Linear:
         """A q, k, v (or fused qkv) projection; its bias follows ``qkv_bias``."""
         bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
-        return Linear(
-            equation=equation,
-            kernel_shape=shape,
-            kernel_axes=axes,
-            bias_axes=axes[1:] if bias else None,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            lora=None if self.lora is None else self.lora.with_groups(lora_groups),
-            fp8=self.fp8,
-            name=name,
-        )
+        return projection(self, equation=equation, shape=shape, axes=axes,
+                          bias_axes=axes[1:] if bias else None, name=name,
+                          lora=None if self.lora is None else self.lora.with_groups(lora_groups))
 
     @nn.compact
     def __call__(
@@ -289,18 +280,11 @@ class Attention(nn.Module):
         out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)  # [B, T, N, H]
         out = checkpoint_name(out, CONTEXT_NAME)
 
-        out = Linear(
-            equation="BTNH,NHD->BTD",
-            kernel_shape=(self.num_heads, self.dims_per_head, x.shape[-1]),
-            kernel_axes=("heads", "kv", "embed"),
-            bias_axes=("norm",) if self.use_bias else None,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            lora=self.lora,
-            fp8=self.fp8,
-            name="out",
-        )(out)  # [B, T, D]
+        out = projection(
+            self, equation="BTNH,NHD->BTD",
+            shape=(self.num_heads, self.dims_per_head, x.shape[-1]),
+            axes=("heads", "kv", "embed"), bias_axes=("norm",) if self.use_bias else None,
+            name="out", lora=self.lora)(out)  # [B, T, D]
         return checkpoint_name(out, OUT_PROJ_NAME)
 
     def _project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array,

@@ -229,3 +229,13 @@ def grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *,
     x = jnp.where(valid, x, jnp.zeros((), x.dtype))
     y = kernel_fn(x, kernel, group_sizes)  # [M, N]
     return jnp.where(valid, y, jnp.zeros((), y.dtype))
+
+
+def projection(layer: nn.Module, *, equation: str, shape: tuple[int, ...],
+               axes: tuple[str, ...], bias_axes: tuple[str, ...] | None, name: str,
+               lora: LoraSpec | None) -> Linear:
+    """A `Linear` of `layer` (an attention or MLP block), which gives it its initialisation,
+    precision and FP8 settings (`init_std`, `dtype`, `param_dtype`, `fp8`) as its own."""
+    return Linear(equation=equation, kernel_shape=shape, kernel_axes=axes, bias_axes=bias_axes,
+                  lora=lora, name=name, init_std=layer.init_std, dtype=layer.dtype,
+                  param_dtype=layer.param_dtype, fp8=layer.fp8)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.typing import DTypeLike
 
-from paxlite.models.linear import Fp8Config, Linear
+from paxlite.models.linear import Fp8Config, Linear, projection
 from paxlite.models.lora import LoraSpec
 
 MLP_ACTIVATION_AXES: tuple[str, ...] = ("activation_batch", "activation_length", "activation_mlp")
@@ -41,18 +41,9 @@ class Mlp(nn.Module):
 
     def _linear(self, *, equation: str, shape: tuple[int, int], axes: tuple[str, str],
                 bias_axes: tuple[str, ...], name: str) -> Linear:
-        return Linear(
-            equation=equation,
-            kernel_shape=shape,
-            kernel_axes=axes,
-            bias_axes=bias_axes if self.use_bias else None,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            lora=self.lora,
-            fp8=self.fp8,
-            name=name,
-        )
+        return projection(self, equation=equation, shape=shape, axes=axes,
+                          bias_axes=bias_axes if self.use_bias else None, name=name,
+                          lora=self.lora)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
