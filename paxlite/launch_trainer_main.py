@@ -54,42 +54,39 @@ from paxlite.errors import exit_usage, report_errors
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("module", DEFAULTS["module"], "AXLearn's config module: "
-                                                  f"{', '.join(CONFIG_MODULES)}.")
+# AXLearn's flags that paxlite maps (module docstring): name, absl's definer, help; the defaults
+# are launch_plan.DEFAULTS.
+_FLAGS = (
+    ("module", flags.DEFINE_string, f"AXLearn's config module: {', '.join(CONFIG_MODULES)}."),
+    ("config", flags.DEFINE_string, "AXLearn config name, e.g. fuji-7B-v2-flash."),
+    ("trainer_dir", flags.DEFINE_string,
+     "Job directory: checkpoints/, summaries/, metrics, configs."),
+    ("data_dir", flags.DEFINE_string, ("TFDS directory or paxlite dataset; FAKE: synthetic "
+                                       "data. Default $DATA_DIR, else ~/tensorflow_datasets.")),
+    ("jax_backend", flags.DEFINE_string,
+     f"Required: {', '.join(BACKENDS)} (checked against the devices)."),
+    ("mesh_selector", flags.DEFINE_string,
+     "Picks a Fuji mesh rule, e.g. gpu-p5.48xlarge-256, tpu-v5p-512."),
+    ("distributed_coordinator", flags.DEFINE_string,
+     "HOST:PORT of process 0 (default $DISTRIBUTED_COORDINATOR)."),
+    ("num_processes", flags.DEFINE_integer, "Processes in the job (default $NUM_PROCESSES)."),
+    ("process_id", flags.DEFINE_integer, "This process's index (default $PROCESS_ID)."),
+    ("initialization_timeout", flags.DEFINE_integer,
+     "Seconds to wait for every process to join (default PAXLITE_INIT_TIMEOUT_S, 300)."),
+    ("trainer_prng_seed", flags.DEFINE_integer, "Seed of the run (SEED)."),
+    ("trace_at_steps", flags.DEFINE_list, "Step at which to start a profiler trace (one step)."),
+    ("n_steps_for_each_trace", flags.DEFINE_integer, "Steps in the trace (PROFILER_NUM_STEPS)."),
+    ("trainer_watchdog_timeout_seconds", flags.DEFINE_float,
+     "No step for this long: log every thread's stack (WATCHDOG_TIMEOUT_SECONDS)."),
+    ("trainer_crash_on_hang_timeout_seconds", flags.DEFINE_float,
+     "No step for this long: exit non-zero (CRASH_ON_HANG_TIMEOUT_SECONDS)."),
+    ("trainer_log_every_n_steps", flags.DEFINE_integer,
+     "Summary interval (SUMMARY_INTERVAL_STEPS)."),
+    ("jax_profiler_port", flags.DEFINE_integer, "Start JAX's profiler server on this port."),
+)
+for _name, _define, _help in _FLAGS:
+    _define(_name, DEFAULTS[_name], _help)
 flags.DEFINE_alias("config_module", "module")
-flags.DEFINE_string("config", DEFAULTS["config"], "AXLearn config name, e.g. fuji-7B-v2-flash.")
-flags.DEFINE_string("trainer_dir", DEFAULTS["trainer_dir"],
-                    "Job directory: checkpoints/, summaries/, metrics, configs.")
-flags.DEFINE_string("data_dir", DEFAULTS["data_dir"],
-                    "TFDS directory or paxlite dataset; FAKE: synthetic data. Default $DATA_DIR, "
-                    "else ~/tensorflow_datasets.")
-flags.DEFINE_string("jax_backend", DEFAULTS["jax_backend"],
-                    f"Required: {', '.join(BACKENDS)} (checked against the devices).")
-flags.DEFINE_string("mesh_selector", DEFAULTS["mesh_selector"],
-                    "Picks a Fuji mesh rule, e.g. gpu-p5.48xlarge-256, tpu-v5p-512.")
-flags.DEFINE_string("distributed_coordinator", DEFAULTS["distributed_coordinator"],
-                    "HOST:PORT of process 0 (default $DISTRIBUTED_COORDINATOR).")
-flags.DEFINE_integer("num_processes", DEFAULTS["num_processes"],
-                     "Processes in the job (default $NUM_PROCESSES).")
-flags.DEFINE_integer("process_id", DEFAULTS["process_id"], "This process's index (default "
-                                                           "$PROCESS_ID).")
-flags.DEFINE_integer("initialization_timeout", DEFAULTS["initialization_timeout"],
-                     "Seconds to wait for every process to join (default PAXLITE_INIT_TIMEOUT_S, "
-                     "300).")
-flags.DEFINE_integer("trainer_prng_seed", DEFAULTS["trainer_prng_seed"], "Seed of the run (SEED).")
-flags.DEFINE_list("trace_at_steps", DEFAULTS["trace_at_steps"],
-                  "Step at which to start a profiler trace (one step).")
-flags.DEFINE_integer("n_steps_for_each_trace", DEFAULTS["n_steps_for_each_trace"],
-                     "Steps in the trace (PROFILER_NUM_STEPS).")
-flags.DEFINE_float("trainer_watchdog_timeout_seconds", DEFAULTS["trainer_watchdog_timeout_seconds"],
-                   "No step for this long: log every thread's stack (WATCHDOG_TIMEOUT_SECONDS).")
-flags.DEFINE_float("trainer_crash_on_hang_timeout_seconds",
-                   DEFAULTS["trainer_crash_on_hang_timeout_seconds"],
-                   "No step for this long: exit non-zero (CRASH_ON_HANG_TIMEOUT_SECONDS).")
-flags.DEFINE_integer("trainer_log_every_n_steps", DEFAULTS["trainer_log_every_n_steps"],
-                     "Summary interval (SUMMARY_INTERVAL_STEPS).")
-flags.DEFINE_integer("jax_profiler_port", DEFAULTS["jax_profiler_port"],
-                     "Start JAX's profiler server on this port.")
 for _name, _why in REFUSED.items():
     flags.DEFINE_string(_name, None, f"AXLearn's flag; refused here: {_why}.")
 

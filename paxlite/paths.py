@@ -71,6 +71,20 @@ def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
+NOT_EMPTY = "exists and is not empty"
+NOT_A_DIRECTORY = "exists and is not a directory"
+
+
+def output_dir_problem(path: str) -> str | None:
+    """Why `path` cannot be written as a new output directory (NOT_A_DIRECTORY, NOT_EMPTY), or
+    None when it does not exist or is an empty directory: nothing a user saved is overwritten."""
+    if not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        return NOT_A_DIRECTORY
+    return NOT_EMPTY if os.listdir(path) else None
+
+
 def check_output_dir(
     output: str | os.PathLike, *, setting: str, inputs: Sequence[str | os.PathLike] = ()
 ) -> str:
@@ -86,13 +100,11 @@ def check_output_dir(
             raise OutputPathError(
                 f"{setting}={os.fspath(output)!r} is (or holds) the input {os.fspath(given)!r}; "
                 "write to a new directory")
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise OutputPathError(f"{setting}={path!r} exists and is not a directory")
-        if os.listdir(path):
-            raise OutputExistsError(
-                f"{setting}={path!r} exists and is not empty; refusing to overwrite it "
-                "(choose a new or empty directory)")
+    if problem := output_dir_problem(path):
+        error = OutputExistsError if problem == NOT_EMPTY else OutputPathError
+        raise error(f"{setting}={path!r} {problem}" + (
+            "; refusing to overwrite it (choose a new or empty directory)"
+            if problem == NOT_EMPTY else ""))
     staging = partial_dir(path)
     if os.path.exists(staging) and not os.path.exists(os.path.join(staging, PARTIAL_MARKER)):
         raise OutputExistsError(

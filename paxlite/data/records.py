@@ -25,6 +25,7 @@ from array_record.python import array_record_module
 
 from paxlite.data.errors import DatasetError
 from paxlite.data.inputs import Progress
+from paxlite.paths import NOT_EMPTY, output_dir_problem
 
 if TYPE_CHECKING:
     from paxlite.data.tokenizer import Tokenizer
@@ -85,14 +86,11 @@ def _shard_count(requested: int | None, *, documents: int, nbytes: int) -> int:
 
 def _prepare_directory(directory: str) -> bool:
     """Creates `directory` if needed; returns whether it was created. Refuses anything non-empty."""
-    if os.path.exists(directory):
-        if not os.path.isdir(directory):
-            raise DatasetError(f"output path {directory} exists and is not a directory")
-        if os.listdir(directory):
-            raise DatasetError(
-                f"output directory {directory} is not empty; choose a new or empty directory "
-                "(existing data is never overwritten)"
-            )
+    if problem := output_dir_problem(directory):
+        raise DatasetError(f"output path {directory} {problem}" + (
+            "; choose a new or empty directory (existing data is never overwritten)"
+            if problem == NOT_EMPTY else ""))
+    if os.path.isdir(directory):
         return False
     os.makedirs(directory)
     return True
