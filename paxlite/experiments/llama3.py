@@ -77,7 +77,16 @@ class LLaMA3_1_70B(BaseLLaMA3):
     LEARNING_RATE = 1e-5
 
 
-class LLaMA3_2_1B(BaseLLaMA3):
+class BaseLLaMA3_2(BaseLLaMA3):
+    """LLaMA-3.2's small models: tied input and output embeddings, RoPE frequencies scaled by
+    32 (config.json's rope_scaling factor), and a peak rate of 5e-5 for their size."""
+
+    TIE_EMBEDDINGS = True
+    ROPE_SCALING_FACTOR = 32.0
+    LEARNING_RATE = 5e-5
+
+
+class LLaMA3_2_1B(BaseLLaMA3_2):
     """LLaMA-3.2 1B: 16 layers, 32 query and 8 key/value heads x 64, d_model 2048, ffn 8192, tied
     embeddings, RoPE scaling factor 32; 1,235,814,400 parameters."""
 
@@ -88,13 +97,10 @@ class LLaMA3_2_1B(BaseLLaMA3):
     DIMS_PER_HEAD = 64
     MODEL_DIMS = 2048
     HIDDEN_DIMS = 8192
-    TIE_EMBEDDINGS = True
-    ROPE_SCALING_FACTOR = 32.0
     PERCORE_BATCH_SIZE = 8
-    LEARNING_RATE = 5e-5
 
 
-class LLaMA3_2_3B(BaseLLaMA3):
+class LLaMA3_2_3B(BaseLLaMA3_2):
     """LLaMA-3.2 3B: 28 layers, 24 query and 8 key/value heads x 128, d_model 3072, ffn 8192, tied
     embeddings, RoPE scaling factor 32; 3,212,749,824 parameters."""
 
@@ -104,9 +110,6 @@ class LLaMA3_2_3B(BaseLLaMA3):
     NUM_HEADS = 24
     MODEL_DIMS = 3072
     HIDDEN_DIMS = 8192
-    TIE_EMBEDDINGS = True
-    ROPE_SCALING_FACTOR = 32.0
-    LEARNING_RATE = 5e-5
 
 
 LLAMA3_EXPERIMENTS = (LLaMA3_1_8B, LLaMA3_1_70B, LLaMA3_2_1B, LLaMA3_2_3B)

@@ -300,33 +300,36 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
     return family, dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
 
 
-def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tuple[Any, Any]]]:
-    """Per family, each field it constrains as (the model's value, the value the family needs)."""
-    llama = {
-        "norm": (config.norm, NormKind.RMS_NORM),
-        "activation": (config.activation, Activation.SILU),
-        "gated_mlp": (config.gated_mlp, True),
-        "use_bias": (config.use_bias, False),
-        "position_kind": (config.position_kind, PositionEmbedding.ROTARY),
+def _block_requirements(config: TransformerConfig, *, norm: NormKind, activation: Activation,
+                        gated: bool, bias: bool,
+                        position: PositionEmbedding) -> dict[str, tuple[Any, Any]]:
+    """The block a dense family's layout has: its norm, MLP, biases and positions, no experts."""
+    return {
+        "norm": (config.norm, norm),
+        "activation": (config.activation, activation),
+        "gated_mlp": (config.gated_mlp, gated),
+        "use_bias": (config.use_bias, bias),
+        "position_kind": (config.position_kind, position),
         "moe": ("set" if config.moe else None, None),
     }
+
+
+def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tuple[Any, Any]]]:
+    """Per family, each field it constrains as (the model's value, the value the family needs)."""
+    llama = _block_requirements(config, norm=NormKind.RMS_NORM, activation=Activation.SILU,
+                                gated=True, bias=False, position=PositionEmbedding.ROTARY)
     plain = {"qkv_bias (resolved)": (config.uses_qkv_bias, False),
              "qk_norm": (config.qk_norm, False),
              "sliding_window": ("set" if config.sliding_window else None, None),
              **hf_gemma.gemma_off(config)}
     unscaled = {"rope_scaling": (config.rope_scaling, None)}
-    moe = config.moe
     mixtral = {**llama, **plain, **unscaled, **hf_moe.mixtral_requirements(config)}
     gpt2 = {
-        "norm": (config.norm, NormKind.LAYER_NORM),
-        "activation": (config.activation, Activation.GELU_TANH),
-        "gated_mlp": (config.gated_mlp, False),
-        "use_bias": (config.use_bias, True),
-        "position_kind": (config.position_kind, PositionEmbedding.LEARNED),
+        **_block_requirements(config, norm=NormKind.LAYER_NORM, activation=Activation.GELU_TANH,
+                              gated=False, bias=True, position=PositionEmbedding.LEARNED),
         "tie_embeddings": (config.tie_embeddings, True),
         "num_heads*dims_per_head": (config.num_heads * config.dims_per_head, config.model_dims),
         "kv_heads": (config.kv_heads, config.num_heads),
-        "moe": ("set" if moe else None, None),
         **plain, **unscaled,
         "qkv_bias (resolved)": (config.uses_qkv_bias, True),  # GPT-2's biases are everywhere
     }

@@ -71,13 +71,8 @@ def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None =
         experiment_class=f"{type(experiment).__module__}.{type(experiment).__qualname__}",
         overrides={name: experiment.hparams()[name] for name in sorted(experiment.overridden)},
         num_devices=num_devices,
-        compiled_for=measured.compiled_for,
+        **measured.layout(),
         memory_note=memory_note,
-        mesh=measured.mesh,
-        ici_mesh_shape=measured.ici_mesh_shape,
-        dcn_mesh_shape=measured.dcn_mesh_shape,
-        global_batch_size=measured.global_batch_size,
-        seq_len=measured.seq_len,
         tokens_per_step=tokens,
         # traced with XLA's attention (the same parameters): AUTO resolved here, off the target's
         # mesh, would log a fall-back to XLA that a GPU program does not make

@@ -105,6 +105,13 @@ class StepMeasurement(JsonRecord):
     attention_note: str | None = optional()  # a fused kernel compiled as XLA's attention on cpu
     gpu_program: GpuProgram | None = optional(flatten=True)  # None for cpu
 
+    def layout(self) -> dict[str, Any]:
+        """The fields a `Plan` reports as the compile found them: the target, the mesh and the
+        batch's shape."""
+        return {name: getattr(self, name) for name in (
+            "compiled_for", "mesh", "ici_mesh_shape", "dcn_mesh_shape", "global_batch_size",
+            "seq_len")}
+
 
 @_record
 class Verdict(JsonRecord):
