@@ -203,3 +203,16 @@ def test_grain_mixes_float_weights_as_the_scaled_integer_proportions():
     mixed = order(weights)
     assert mixed == order(list(grain_proportions(weights)))
     assert sum(mixed) == 100 * 123  # each period of 100 + 123 rows holds 123 of source 1
+
+
+def test_the_distributed_client_is_none_in_one_process_and_has_the_store_calls():
+    """One process: no client (train/peer_faults.py then does nothing). The client type XLA builds
+    for several processes has the key-value calls peer_faults.py makes, with their arguments."""
+    from jax._src.lib import _jax
+
+    assert compat.distributed_client() is None
+    client = _jax.DistributedRuntimeClient
+    for name, arguments in (("key_value_set", "(self, key: str, value: str"),
+                            ("key_value_try_get", "(self, key: str)"),
+                            ("key_value_dir_get", "(self, key: str)")):
+        assert getattr(client, name).__doc__.startswith(f"{name}{arguments}"), name

@@ -58,6 +58,7 @@ from paxlite.checkpointing.checkpoint_damage import (
     Outcome,
     incomplete,
     is_damage,
+    move_aside,
     newer_format,
     short_error,
     worst_over_processes,
@@ -170,6 +171,7 @@ class Checkpointer:
         # The step of the save started last and not yet known to be committed; the unfinished
         # directories of refused saves, removed again at close (Orbax may still write in them).
         self._in_flight: int | None = None
+        self._last_started: int | None = None  # set before `save`: a write may fail within it
         self._refused: list[epath.Path] = []
 
     @property
@@ -219,6 +221,7 @@ class Checkpointer:
         items = {_ITEM: ocp.args.StandardSave(state, save_args=layer_chunked_save_args(state))}
         if data_state is not None:
             items[_DATA_ITEM] = ocp.args.JsonSave(data_state)
+        self._last_started = step
         try:
             started = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True,
                                               custom_metadata={FORMAT_KEY: FORMAT_VERSION}))
@@ -228,6 +231,14 @@ class Checkpointer:
             raise self._save_failed(step, fault) from error
         self._in_flight = step if started else None
         return started
+
+    def on_refused_save(self, report: Callable[[CheckpointSaveError], None]) -> None:
+        """`report` gets the error of the save in flight as soon as one of Orbax's background
+        threads meets a storage fault: with several processes the main thread may be waiting at
+        an Orbax barrier the other processes never reach (train/peer_faults.py)."""
+        self._quiet.report_refusals(report, step=lambda: self._last_started,
+                                    directory=str(self._directory),
+                                    complete=self.newest_complete_step)
 
     def _save_failed(self, step: int, fault: StorageFault) -> CheckpointSaveError:
         """The error for `step`'s refused save, once its unfinished directory is removed."""
@@ -251,8 +262,9 @@ class Checkpointer:
             return True
         leftover = path.parent / (path.name + _TMP_SUFFIX)
         if leftover.exists():
+            moved = move_aside(leftover, directory=self._directory)
             logging.warning("Moved the unfinished save %s out of the way to %s before saving "
-                            "step %d.", leftover, self._move_aside(leftover), step)
+                            "step %d.", leftover, moved, step)
         return False
 
     def _processes_still_listing(self, step: int) -> list[int]:
@@ -475,7 +487,7 @@ class Checkpointer:
             for step in steps:
                 path = self.step_path(step)
                 if path.exists():
-                    moved = self._move_aside(path)
+                    moved = move_aside(path, directory=self._directory)
                     logging.warning("Moved the damaged checkpoint %s to %s.", path, moved)
         elif not self._enable_saving:
             logging.warning(
@@ -486,15 +498,3 @@ class Checkpointer:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("paxlite_checkpoint_set_aside")
         self._manager.reload()
-
-    def _move_aside(self, path: epath.Path) -> epath.Path:
-        """Renames `path` into `<directory>_corrupted/`, adding .1, .2, ... on a name clash."""
-        target_dir = self._directory.parent / f"{self._directory.name}_corrupted"
-        target_dir.mkdir(parents=True, exist_ok=True)
-        target = target_dir / path.name
-        suffix = 0
-        while target.exists():
-            suffix += 1
-            target = target_dir / f"{path.name}.{suffix}"
-        path.rename(target)
-        return target

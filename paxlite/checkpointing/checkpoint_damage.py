@@ -126,3 +126,16 @@ def worst_over_processes(outcome: Outcome) -> Outcome:
         return outcome
     codes = multihost_utils.process_allgather(np.array(int(outcome), dtype=np.int32))
     return Outcome(int(np.max(codes)))
+
+
+def move_aside(path: epath.Path, *, directory: epath.Path) -> epath.Path:
+    """Renames `path` into `<directory>_corrupted/`, adding .1, .2, ... on a name clash."""
+    target_dir = directory.parent / f"{directory.name}_corrupted"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / path.name
+    suffix = 0
+    while target.exists():
+        suffix += 1
+        target = target_dir / f"{path.name}.{suffix}"
+    path.rename(target)
+    return target

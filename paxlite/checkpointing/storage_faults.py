@@ -243,13 +243,36 @@ class QuietStorageFaults(logging.Filter):
         self._previous_excepthook: Any = None
         # absl's: Orbax logs there; asyncio's: a failed task or future of Orbax's nobody awaited
         self._loggers = (logging.getLogger("absl"), logging.getLogger("asyncio"))
+        # Called once, with the first storage fault seen, in whichever thread sees it.
+        self.on_fault: Callable[[StorageFault], None] | None = None
+
+    def report_refusals(self, report: Callable[[CheckpointSaveError], None], *,
+                        step: Callable[[], int | None], directory: str,
+                        complete: Callable[[], int | None]) -> None:
+        """From now on the first storage fault seen, in whichever thread, is also given to
+        `report` as the refused save of `step()` under `directory` (`complete()`: the newest
+        complete step), unless no save was started."""
+        def refused(fault: StorageFault) -> None:
+            saving = step()
+            if saving is None:
+                return
+            try:
+                newest = complete()
+            except Exception:  # noqa: BLE001  the same storage may refuse the listing too
+                newest = None
+            report(refused_save(step=saving, directory=directory, fault=fault, complete=newest))
+
+        self.on_fault = refused
 
     def note(self, fault: StorageFault | None) -> None:
         """A storage fault the caller found itself: its echoes are dropped from now on."""
         if fault is not None:
+            first = not self._seen.is_set()
             self._seen.set()
             with self._lock:
                 self._held.clear()
+            if first and self.on_fault is not None:
+                self.on_fault(fault)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:

@@ -31,6 +31,7 @@ from paxlite.data.feed import mixture_summaries, prefetch_train_batches
 from paxlite.errors import NotFoundError, RunStoppedError
 from paxlite.train import device_metrics, run_build
 from paxlite.train.eval_loop import Evaluator
+from paxlite.train.peer_faults import PeerFaults
 from paxlite.train.preemption import Preemption
 from paxlite.train.profiling import StepProfiler
 from paxlite.train.run_build import RunContext
@@ -238,7 +239,15 @@ class Run:
                 watchdog = Watchdog(timeout_s=loop.watchdog_timeout_seconds,
                                     crash_timeout_s=loop.crash_on_hang_timeout_seconds)
             stack.enter_context(watchdog)
-            state = self._train(preemption, watchdog)
+            # Several processes: a fault on one stops them all with its line (peer_faults.py).
+            peers = stack.enter_context(PeerFaults())
+            if peers.active:
+                self.checkpointer.on_refused_save(peers.publish)
+            try:
+                state = self._train(preemption, watchdog)
+            except RunStoppedError as error:
+                peers.stop_every_process(error)
+                raise
         if self.preempted_at is not None and self.preempted_saved:
             logging.warning("%s: stopped after step %d with its checkpoint committed in %s; run "
                             "the same command again to resume", preemption.signal_name,

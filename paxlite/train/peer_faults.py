@@ -1,0 +1,123 @@
+"""One process's fault stops every process of a run, each with the same line and exit status.
+
+Why: in a run of several processes a fault may reach one of them only (its disk is full, its input
+file vanished), and the others then wait for it in a collective or an Orbax barrier. A checkpoint
+save refused on one process leaves the two sides waiting at different Orbax barriers until Orbax's
+own timeout, 20 minutes later (docs/troubleshooting.md). So the process that meets the fault
+publishes its one line and exit status in the key-value store of JAX's distributed runtime, and a
+thread in every process (the publisher too) watches that key: whatever the main thread is waiting
+for, the watcher prints the line as `paxlite: error: ...` and ends the process with the status.
+
+Order of the ends: process 0 holds the coordination service, so it ends last: every other process
+marks that it has seen the fault, then exits; process 0 waits for those marks (at most
+`GRACE_S`), then exits. The end skips Python's clean-up (`os._exit`): a main thread blocked in a
+barrier cannot be unwound. What a run saved before is untouched; a save in flight stays under
+Orbax's temporary name, which the next start ignores.
+
+One process has nothing to tell: there `PeerFaults` does nothing and faults are raised as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Self
+
+import jax
+from absl import logging
+
+from paxlite.compat import distributed_client
+from paxlite.errors import (
+    STORAGE_FAULT_EXIT_STATUS,
+    RunStoppedError,
+    StorageFaultError,
+    exit_status,
+)
+
+FAULT_KEY = "paxlite/run_fault"
+SEEN_KEY = "paxlite/run_fault_seen/"  # + the process index
+POLL_S = 0.2
+GRACE_S = 10.0  # process 0's wait for the others' marks
+PUBLISHER_WAIT_S = 60.0  # the publisher's main thread waits this long for its watcher
+
+
+def fault_status(error: RunStoppedError) -> int:
+    """The exit status of a stopped run (errors.exit_status's rule)."""
+    return STORAGE_FAULT_EXIT_STATUS if isinstance(error, StorageFaultError) else 1
+
+
+class PeerFaults:
+    """The watcher of one run's processes (a context manager; nothing with one process)."""
+
+    def __init__(self, *, poll_s: float = POLL_S) -> None:
+        self._client = distributed_client() if jax.process_count() > 1 else None
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._published = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self._client is not None
+
+    def __enter__(self) -> Self:
+        if self.active:
+            self._thread = threading.Thread(target=self._watch, name="paxlite-peer-faults",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def publish(self, error: RunStoppedError) -> None:
+        """Tell every process of the run to stop with `error`'s line (the first fault wins)."""
+        if not self.active or not self._published.acquire(blocking=False):
+            return
+        value = json.dumps({"process": jax.process_index(), "status": fault_status(error),
+                            "line": str(error)})
+        try:
+            self._client.key_value_set(FAULT_KEY, value)
+        except Exception as e:  # noqa: BLE001  another process's fault was published first
+            logging.info("A fault of another process was published first (%s)", e)
+
+    def stop_every_process(self, error: RunStoppedError) -> None:
+        """`publish`, then wait for the watcher to end this process; returns (the caller raises
+        `error` as usual) only with one process, or if the watcher did not end it in time."""
+        if not self.active:
+            return
+        self.publish(error)
+        deadline = time.monotonic() + PUBLISHER_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(self._poll_s)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                value = self._client.key_value_try_get(FAULT_KEY)
+            except Exception:  # noqa: BLE001, S112  NOT_FOUND until a fault is published
+                continue
+            self._end(json.loads(value))
+
+    def _end(self, fault: dict[str, Any]) -> None:
+        me = jax.process_index()
+        logging.info("Process %d stopped the run:", fault["process"])
+        storage = fault["status"] == STORAGE_FAULT_EXIT_STATUS
+        # the line and the status, as every entry point prints and picks them
+        status = exit_status((StorageFaultError if storage else RunStoppedError)(fault["line"]))
+        sys.stderr.flush()
+        try:
+            self._client.key_value_set(f"{SEEN_KEY}{me}", "1")
+            if me == 0:
+                others = jax.process_count() - 1
+                deadline = time.monotonic() + GRACE_S
+                while (len(self._client.key_value_dir_get(SEEN_KEY)) < others + 1
+                       and time.monotonic() < deadline):
+                    time.sleep(self._poll_s)
+        finally:
+            logging.flush()
+            sys.stdout.flush()
+            os._exit(status)

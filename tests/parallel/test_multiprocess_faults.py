@@ -1,0 +1,95 @@
+"""A fault on one process of two stops both, each with the same one line and exit status
+(train/peer_faults.py), where before both waited at different Orbax barriers for 20 minutes.
+
+The fault: process 1's disk is full while it saves step 6 of a resumed job (RLIMIT_FSIZE in that
+process only; Python ignores SIGXFSZ, so its writes past the limit fail with EFBIG). Its output goes
+through a pipe, which the limit does not cover. Process 0's storage is fine, and it learns of the
+fault only through the distributed runtime's key-value store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.parallel.test_multiprocess import (
+    EXPERIMENT,
+    _env,
+    _finish,
+    _free_port,
+    _start,
+    _start_pair,
+)
+
+# Below every save's fixed-size files, above what else the resumed process writes
+# (tests/train/test_storage_faults.py says why).
+FILE_SIZE_LIMIT = 16_000
+# 2 devices a process (fsdp 2 within, data over the two); the limited process writes no cache entry
+FLAGS = [*EXPERIMENT, "--fdl.ICI_MESH_SHAPE=[1,2,1]", "--fdl.COMPILATION_CACHE=False"]
+
+
+def _tree_digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _start_limited(job: Path, flags: list[str]) -> subprocess.Popen:
+    """Process 1 as `python -m paxlite.main`, in an interpreter that sets the limit first (a
+    preexec_fn would fork the multithreaded test process)."""
+    argv = ["paxlite.main", f"--job_log_dir={job}", *flags]
+    start = (f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, "
+             f"({FILE_SIZE_LIMIT}, resource.RLIM_INFINITY)); sys.argv = {argv!r}; "
+             "runpy.run_module('paxlite.main', run_name='__main__', alter_sys=True)")
+    # no compiled module written past the limit (a truncated __pycache__ file)
+    env = {**_env(2), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.Popen([sys.executable, "-c", start], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow  # three two-process phases' worth of processes (~20 s on 2 cores)
+@pytest.mark.multiprocess
+def test_a_full_disk_on_one_process_stops_both_with_its_line(tmp_path):
+    job = tmp_path / "job"
+    _finish(_start_pair(job, [*FLAGS, "--fdl.MAX_STEPS=3"], tmp_path, devices_per_process=2),
+            [tmp_path / "process0.log", tmp_path / "process1.log"], timeout=180)
+    kept = _tree_digest(job / "checkpoints" / "checkpoint_00000003")
+
+    port = _free_port()
+    multiprocess = ["--multiprocess_gpu", f"--server_addr=127.0.0.1:{port}", "--num_hosts=2"]
+    resumed = [*FLAGS, "--fdl.MAX_STEPS=6", *multiprocess]
+    log0 = tmp_path / "resumed0.log"
+    started = time.monotonic()
+    first = _start(job, [*resumed, "--host_idx=0"], log=log0, num_cpu_devices=2)
+    limited = _start_limited(job, [*resumed, "--host_idx=1"])
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.append(limited.stdout.read()))
+    reader.start()
+    try:
+        codes = [first.wait(timeout=120), limited.wait(timeout=60)]
+    finally:
+        for p in (first, limited):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        reader.join()
+    elapsed = time.monotonic() - started
+    logs = [log0.read_text(), output[0]]
+    tails = "\n".join(f"--- process {i}\n{text[-3000:]}" for i, text in enumerate(logs))
+    assert codes == [75, 75], tails
+    lines = [[line for line in text.splitlines() if line.startswith("paxlite: error: ")]
+             for text in logs]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, tails
+    assert lines[0][0].startswith(
+        f"paxlite: error: checkpoint step 6 was not saved in {job / 'checkpoints'}: File too "
+        "large (EFBIG)"), lines
+    assert "the last complete checkpoint, step 3, is untouched" in lines[0][0]
+    assert elapsed < 90, elapsed  # not Orbax's 20-minute barrier timeout
+    assert _tree_digest(job / "checkpoints" / "checkpoint_00000003") == kept
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()
+                  if not p.name.endswith(".orbax-checkpoint-tmp")) == ["checkpoint_00000003"]
