@@ -12,7 +12,8 @@ Order of the ends: process 0 holds the coordination service, so it ends last: ev
 marks that it has seen the fault, then exits; process 0 waits for those marks (at most
 `GRACE_S`), then exits. The end skips Python's clean-up (`os._exit`): a main thread blocked in a
 barrier cannot be unwound. What a run saved before is untouched; a save in flight stays under
-Orbax's temporary name, which the next start ignores.
+Orbax's temporary name, which the next start ignores; metrics.jsonl is flushed line by line, while
+TensorBoard's last queued events may be lost.
 
 One process has nothing to tell: there `PeerFaults` does nothing and faults are raised as usual.
 """
