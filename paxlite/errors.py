@@ -55,6 +55,11 @@ class UsageError(UserError, ValueError):
     """A bad command line (not a bad hyperparameter)."""
 
 
+def stopped_status(error: RunStoppedError) -> int:
+    """The exit status of a run that stopped with `error`: 75 for a storage fault, else 1."""
+    return STORAGE_FAULT_EXIT_STATUS if isinstance(error, StorageFaultError) else 1
+
+
 def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException], ...] = (),
                 program: str = "paxlite") -> int:
     """The status a command exits with after `error`, its one line `PROGRAM: error: MESSAGE`
@@ -73,7 +78,7 @@ def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException],
         log = logging.getLogger(__name__)
         if log.hasHandlers():
             log.error("%s", error)
-        status = STORAGE_FAULT_EXIT_STATUS if isinstance(error, StorageFaultError) else 1
+        status = stopped_status(error)
     else:
         raise error
     print(f"{program}: error: {error}", file=sys.stderr)

@@ -36,6 +36,7 @@ from paxlite.errors import (
     RunStoppedError,
     StorageFaultError,
     exit_status,
+    stopped_status,
 )
 
 FAULT_KEY = "paxlite/run_fault"
@@ -45,11 +46,6 @@ GRACE_S = 10.0  # process 0's wait for the others' marks
 PUBLISHER_WAIT_S = 60.0  # the publisher's main thread waits this long for its watcher
 
 
-def fault_status(error: RunStoppedError) -> int:
-    """The exit status of a stopped run (errors.exit_status's rule)."""
-    return STORAGE_FAULT_EXIT_STATUS if isinstance(error, StorageFaultError) else 1
-
-
 class PeerFaults:
     """The watcher of one run's processes (a context manager; nothing with one process)."""
 
@@ -57,7 +53,6 @@ class PeerFaults:
         self._client = distributed_client() if jax.process_count() > 1 else None
         self._poll_s = poll_s
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._published = threading.Lock()
 
     @property
@@ -66,9 +61,7 @@ class PeerFaults:
 
     def __enter__(self) -> Self:
         if self.active:
-            self._thread = threading.Thread(target=self._watch, name="paxlite-peer-faults",
-                                            daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._watch, name="paxlite-peer-faults", daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -78,7 +71,7 @@ class PeerFaults:
         """Tell every process of the run to stop with `error`'s line (the first fault wins)."""
         if not self.active or not self._published.acquire(blocking=False):
             return
-        value = json.dumps({"process": jax.process_index(), "status": fault_status(error),
+        value = json.dumps({"process": jax.process_index(), "status": stopped_status(error),
                             "line": str(error)})
         try:
             self._client.key_value_set(FAULT_KEY, value)
@@ -91,9 +84,7 @@ class PeerFaults:
         if not self.active:
             return
         self.publish(error)
-        deadline = time.monotonic() + PUBLISHER_WAIT_S
-        while time.monotonic() < deadline:
-            time.sleep(self._poll_s)
+        time.sleep(PUBLISHER_WAIT_S)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s):
@@ -113,9 +104,8 @@ class PeerFaults:
         try:
             self._client.key_value_set(f"{SEEN_KEY}{me}", "1")
             if me == 0:
-                others = jax.process_count() - 1
                 deadline = time.monotonic() + GRACE_S
-                while (len(self._client.key_value_dir_get(SEEN_KEY)) < others + 1
+                while (len(self._client.key_value_dir_get(SEEN_KEY)) < jax.process_count()
                        and time.monotonic() < deadline):
                     time.sleep(self._poll_s)
         finally:
