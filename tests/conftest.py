@@ -11,6 +11,7 @@ Tests that check the cache itself set their own directory or remove the variable
 is removed when the session ends.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import sys
 import tempfile
 
 from tests.fork_server import DISABLE_VAR as FORK_DISABLE_VAR
-from tests.fork_server import FORK_DIR_VAR, stop_servers, write_client
+from tests.fork_server import FORK_DIR_VAR, GC_THRESHOLDS, stop_servers, write_client
 from tests.fork_server import OWNER_VAR as FORK_OWNER_VAR
 from tests.xla_test_flags import COMPILE_FLAGS, GPU_COMPILE_FLAGS
 
@@ -65,6 +66,17 @@ import pytest
 # test_preemption.py together: 125.3 -> 120.3 CPU-s against a threshold of 0.3 s, 2026-12-05).
 jax.config.update("jax_compilation_cache_dir", SESSION_COMPILATION_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+# Fewer collections (tests/fork_server.py says why), and none of them walks what is imported.
+gc.set_threshold(*GC_THRESHOLDS)
+
+
+def pytest_collection_finish(session):
+    """Everything imported so far (JAX, the models, every collected test module) lives until the
+    process ends: frozen, the collector never walks it again (pytest_collection_modifyitems has run
+    by now)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_unconfigure(config):
