@@ -31,6 +31,8 @@ What must match between the server and a child, and how it does:
   status or dies of the child's signal. SIGSTOP cannot be passed on: the preemption tests that stop
   a run start the real interpreter.
 - The child's process id is not the client's, and both share the server's hash seed.
+- The garbage collector differs from a fresh interpreter's in when it runs, not in what it
+  frees: the preloaded objects are frozen and the thresholds are GC_THRESHOLDS (below).
 """
 
 from __future__ import annotations
