@@ -163,6 +163,13 @@ class TextFeed:
     def position(self) -> dict:
         return {"batches_consumed": self._next_index, "iterator": self._iterator.get_state()}
 
+    def close(self) -> None:
+        """Release the reader threads of SeqIO's tf.data iterator (Grain reads on the calling
+        thread: nothing to release)."""
+        close = getattr(self._iterator, "close", None)
+        if close is not None:
+            close()
+
     def mixture_fractions(self, position: dict | None = None) -> dict[str, float]:
         """A mixture's share of weighted tokens per source name over the batches up to `position`
         (default: the current one), summed over every process (a collective when there are
@@ -461,6 +468,14 @@ def prefetch_eval_batches(feed: Feed, *, num_batches: int, sharding: Sharding,
                           depth: int = DEFAULT_DEPTH) -> Prefetcher[Batch]:
     """`feed.eval_batches` built `depth` ahead in a producer thread."""
     return Prefetcher(feed.eval_batches(num_batches, sharding), depth=depth, name="eval-batches")
+
+
+def close_feeds(*feeds: Feed | None) -> None:
+    """Release what a feed holds besides memory (SeqIO's tf.data reader threads) when its run
+    ends, not whenever the garbage collector frees the run."""
+    for feed in feeds:
+        if isinstance(feed, TextFeed):
+            feed.close()
 
 
 def make_feed(config, *, plan: FeedPlan) -> Feed:

@@ -29,7 +29,8 @@ class Prefetcher(Generic[T]):
     """Iterates `items` in a daemon thread, at most `depth` items ahead of `next()`.
 
     Use as a context manager (or call `close()`): closing stops the producer after the item it is
-    building, so an interrupted run leaves no thread behind.
+    building, then closes `items` where it can be closed (a generator's `finally` blocks run), so
+    an interrupted run leaves no thread behind, its own or a reader's.
     """
 
     def __init__(self, items: Iterable[T], *, depth: int = DEFAULT_DEPTH, name: str = "prefetch"):
@@ -83,6 +84,9 @@ class Prefetcher(Generic[T]):
         self._stop.set()
         self._slots.release()  # wakes a producer waiting for a free slot
         self._thread.join(timeout=60)
+        close = getattr(self._items, "close", None)  # a generator: its `finally` blocks run now
+        if close is not None and not self._thread.is_alive():
+            close()
         while True:  # drop what was built but never taken
             try:
                 self._queue.get_nowait()

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -64,6 +65,10 @@ def _tf_reads() -> Iterator[None]:
     try:
         yield
     except _tf_not_found() as error:
+        # TensorFlow's frames in the error's traceback hold the tf.data iterator: their locals go,
+        # so the iterator (and its reader threads) is released with its owner, not whenever the
+        # garbage collector frees the error. Names and line numbers stay.
+        traceback.clear_frames(error.__traceback__)
         found = _TF_MISSING_FILE.search(str(error))
         path = found.group(1) if found else None
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from error
@@ -223,7 +228,13 @@ class SeqIOTrainIterator:
         if not isinstance(consumed, int) or consumed < 0:
             raise DatasetError(f"batches_consumed must be an int >= 0, got {consumed!r}")
         self._consumed = consumed
-        self._numpy = None  # rebuilt, and the consumed batches skipped, on the next batch
+        self.close()  # rebuilt, and the consumed batches skipped, on the next batch
+
+    def close(self) -> None:
+        """Release the tf.data iterator and its reader threads now. Left to Python's garbage
+        collector (a Run is freed in a collection), the iterator's destructor runs at some later
+        moment, on whatever thread triggers that collection, and waits there for its threads."""
+        self._numpy = None
 
 
 class SeqIOData(ProcessShare):
@@ -350,12 +361,16 @@ class SeqIOData(ProcessShare):
         ds = self._dataset(split=split, shard_index=self.process_index, train=False)
         batches = ds.as_numpy_iterator()
         shape = (self.local_batch_size, self.config.seq_len)
-        for _ in range(count):
-            with _tf_reads():
-                features = next(batches, None)
-            padded = {}
-            for key in ("decoder_target_tokens", "decoder_input_tokens", "decoder_loss_weights"):
-                padded[key] = np.zeros(shape, dtype=np.int32)
-                if features is not None:
-                    padded[key][: len(features[key])] = features[key]
-            yield _paxlite_batch(padded)
+        try:
+            for _ in range(count):
+                with _tf_reads():
+                    features = next(batches, None)
+                padded = {}
+                for key in ("decoder_target_tokens", "decoder_input_tokens",
+                            "decoder_loss_weights"):
+                    padded[key] = np.zeros(shape, dtype=np.int32)
+                    if features is not None:
+                        padded[key][: len(features[key])] = features[key]
+                yield _paxlite_batch(padded)
+        finally:  # an error's traceback keeps this frame: release the reader threads now
+            batches = None

@@ -27,7 +27,7 @@ from paxlite.checkpointing.checkpoint import CheckpointSaveError
 from paxlite.checkpointing.storage_faults import reading_inputs
 from paxlite.data.chat_pipeline import chat_train_summaries
 from paxlite.data.dpo_pipeline import dpo_train_summaries
-from paxlite.data.feed import mixture_summaries, prefetch_train_batches
+from paxlite.data.feed import close_feeds, mixture_summaries, prefetch_train_batches
 from paxlite.errors import NotFoundError, RunStoppedError
 from paxlite.train import device_metrics, run_build
 from paxlite.train.eval_loop import Evaluator
@@ -106,6 +106,7 @@ class Run:
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
+        close_feeds(self.data, self.eval_data)
 
     def __enter__(self) -> Self:
         return self

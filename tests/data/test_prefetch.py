@@ -93,6 +93,23 @@ def test_close_stops_a_blocked_producer():
         next(items)
 
 
+def test_close_closes_a_generator_source_half_way():
+    """Closing a half-read source runs its `finally`: a reader it holds is released then, not at
+    some later garbage collection."""
+    released = []
+
+    def rows():
+        try:
+            yield from range(10**9)
+        finally:
+            released.append(True)
+
+    items = Prefetcher(rows(), depth=2)
+    assert next(items) == 0
+    items.close()
+    assert released == [True]
+
+
 def test_bad_depth_is_one_line():
     with pytest.raises(ValueError, match="depth must be an integer >= 1, got 0"):
         Prefetcher(range(3), depth=0)
