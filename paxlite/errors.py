@@ -34,6 +34,8 @@ class RunStoppedError(Exception):
     """A correctly configured job that cannot go on; reported in one line, exit status 1."""
 
 
+USER_ERROR_EXIT_STATUS = 2  # as argparse and absl exit after a bad command line
+
 # sysexits.h's EX_TEMPFAIL: a temporary failure, the same command succeeds once storage is fixed.
 STORAGE_FAULT_EXIT_STATUS = 75
 
@@ -73,7 +75,7 @@ def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException],
     up (absl's handler in a training job), so that the job's log says why it ended; with nothing
     set up Python would print the message a second time."""
     if isinstance(error, (UserError, *user_errors)):
-        status = 2
+        status = USER_ERROR_EXIT_STATUS
     elif isinstance(error, RunStoppedError):
         log = logging.getLogger(__name__)
         if log.hasHandlers():

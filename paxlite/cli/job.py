@@ -22,7 +22,7 @@ from absl import logging
 
 import paxlite
 from paxlite.checkpointing.storage_faults import refused_writes
-from paxlite.errors import NotFoundError, SettingError
+from paxlite.errors import NotFoundError, RunStoppedError, SettingError, UserError
 
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
 # Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint committed
@@ -205,6 +205,7 @@ def run_job(
     import jax
 
     from paxlite.train.loop import Run, RunContext, stop_signals
+    from paxlite.train.peer_faults import PeerFaults
 
     exit_code_if_preempted = preemption_exit_code()  # a bad value is reported before any work
     job_dir = os.path.abspath(job_dir)
@@ -218,15 +219,22 @@ def run_job(
         # with several processes too, whichever of them got it (the first step's vote is read once
         # it is computed).
         preemption = stack.enter_context(stop_signals()) if training else None
-        stack.enter_context(compilation_cache(run_config, job_dir=job_dir))
-        run = stack.enter_context(Run(run_config, RunContext(
-            job_dir=job_dir, enable_checkpoint_saving=enable_checkpoint_saving, training=training)))
-        if jax.process_index() == 0:
-            write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=argv)
-        if not training:
-            run.run_eval()
-            return 0
-        run.train(preemption=preemption)
+        # Several processes: a fault one of them meets from here on stops them all with its line.
+        peers = stack.enter_context(PeerFaults())
+        try:
+            stack.enter_context(compilation_cache(run_config, job_dir=job_dir))
+            run = stack.enter_context(Run(run_config, RunContext(
+                job_dir=job_dir, enable_checkpoint_saving=enable_checkpoint_saving,
+                training=training)))
+            if jax.process_index() == 0:
+                write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=argv)
+            if not training:
+                run.run_eval()
+                return 0
+        except (UserError, RunStoppedError) as error:
+            peers.stop_every_process(error)
+            raise
+        run.train(preemption=preemption, peers=peers)
         if run.preempted_at is not None:
             return exit_code_if_preempted if run.preempted_saved else PREEMPTED_UNSAVED_EXIT_CODE
     return 0

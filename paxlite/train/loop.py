@@ -28,7 +28,7 @@ from paxlite.checkpointing.storage_faults import reading_inputs
 from paxlite.data.chat_pipeline import chat_train_summaries
 from paxlite.data.dpo_pipeline import dpo_train_summaries
 from paxlite.data.feed import close_feeds, mixture_summaries, prefetch_train_batches
-from paxlite.errors import NotFoundError, RunStoppedError
+from paxlite.errors import NotFoundError, RunStoppedError, UserError
 from paxlite.train import device_metrics, run_build
 from paxlite.train.eval_loop import Evaluator
 from paxlite.train.peer_faults import PeerFaults
@@ -222,15 +222,16 @@ class Run:
         return metrics
 
     # ---------------------------------------------------------------- train
-    def train(self, *, preemption: Preemption | None = None,
-              watchdog: Watchdog | None = None) -> TrainState:
+    def train(self, *, preemption: Preemption | None = None, watchdog: Watchdog | None = None,
+              peers: PeerFaults | None = None) -> TrainState:
         """Train to MAX_STEPS, or until SIGTERM/SIGINT (then `preempted_at` is the step it stopped
         after, and `preempted_saved` whether that step's checkpoint was committed).
 
         `preemption`: handlers the caller installed earlier (job.py does, before the run is built
         and compiled, from `stop_signals()`); else they are installed here. `watchdog`: a hang
         watchdog not yet started; by default one with WATCHDOG_TIMEOUT_SECONDS /
-        CRASH_ON_HANG_TIMEOUT_SECONDS."""
+        CRASH_ON_HANG_TIMEOUT_SECONDS. `peers`: the watcher of a run of several processes that
+        the caller started (job.py does, before the run is built); else one is started here."""
         loop = self.config.loop
         # From here a stop signal waits for a step and its checkpoint, and a hang is reported.
         with contextlib.ExitStack() as stack:
@@ -241,12 +242,13 @@ class Run:
                                     crash_timeout_s=loop.crash_on_hang_timeout_seconds)
             stack.enter_context(watchdog)
             # Several processes: a fault on one stops them all with its line (peer_faults.py).
-            peers = stack.enter_context(PeerFaults())
+            if peers is None:
+                peers = stack.enter_context(PeerFaults())
             if peers.active:
                 self.checkpointer.on_refused_save(peers.publish)
             try:
                 state = self._train(preemption, watchdog)
-            except RunStoppedError as error:
+            except (UserError, RunStoppedError) as error:
                 peers.stop_every_process(error)
                 raise
         if self.preempted_at is not None and self.preempted_saved:

@@ -15,6 +15,12 @@ barrier cannot be unwound. What a run saved before is untouched; a save in fligh
 Orbax's temporary name, which the next start ignores; metrics.jsonl is flushed line by line, while
 TensorBoard's last queued events may be lost.
 
+The command's entry point (cli/job.py) starts the watcher before the run is built, so a fault met
+while building it (its data opened, its checkpoint read, the job's config written) or while
+evaluating (--mode=eval) is told the same way; a mistake only one process can see (an input file
+its disk lacks) is a one-line fault too, with its status 2. A bug keeps its traceback and is not
+told.
+
 One process has nothing to tell: there `PeerFaults` does nothing and faults are raised as usual.
 """
 
@@ -33,11 +39,17 @@ from absl import logging
 from paxlite.compat import distributed_client
 from paxlite.errors import (
     STORAGE_FAULT_EXIT_STATUS,
+    USER_ERROR_EXIT_STATUS,
     RunStoppedError,
     StorageFaultError,
+    UserError,
     exit_status,
     stopped_status,
 )
+
+# What a process reports in one line: a stopped run, or a mistake only it found (a file its own
+# disk lacks). Anything else is a bug, which ends its process with its traceback.
+OneLineError = UserError | RunStoppedError
 
 FAULT_KEY = "paxlite/run_fault"
 SEEN_KEY = "paxlite/run_fault_seen/"  # + the process index
@@ -67,18 +79,20 @@ class PeerFaults:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
 
-    def publish(self, error: RunStoppedError) -> None:
+    def publish(self, error: OneLineError) -> None:
         """Tell every process of the run to stop with `error`'s line (the first fault wins)."""
         if not self.active or not self._published.acquire(blocking=False):
             return
-        value = json.dumps({"process": jax.process_index(), "status": stopped_status(error),
+        status = (USER_ERROR_EXIT_STATUS if isinstance(error, UserError)
+                  else stopped_status(error))
+        value = json.dumps({"process": jax.process_index(), "status": status,
                             "line": str(error)})
         try:
             self._client.key_value_set(FAULT_KEY, value)
         except Exception as e:  # noqa: BLE001  another process's fault was published first
             logging.info("A fault of another process was published first (%s)", e)
 
-    def stop_every_process(self, error: RunStoppedError) -> None:
+    def stop_every_process(self, error: OneLineError) -> None:
         """`publish`, then wait for the watcher to end this process; returns (the caller raises
         `error` as usual) only with one process, or if the watcher did not end it in time."""
         if not self.active:
@@ -97,9 +111,10 @@ class PeerFaults:
     def _end(self, fault: dict[str, Any]) -> None:
         me = jax.process_index()
         logging.info("Process %d stopped the run:", fault["process"])
-        storage = fault["status"] == STORAGE_FAULT_EXIT_STATUS
+        kind = {STORAGE_FAULT_EXIT_STATUS: StorageFaultError,
+                USER_ERROR_EXIT_STATUS: UserError}.get(fault["status"], RunStoppedError)
         # the line and the status, as every entry point prints and picks them
-        status = exit_status((StorageFaultError if storage else RunStoppedError)(fault["line"]))
+        status = exit_status(kind(fault["line"]))
         sys.stderr.flush()
         try:
             self._client.key_value_set(f"{SEEN_KEY}{me}", "1")

@@ -30,6 +30,8 @@ from tests.parallel.test_multiprocess import (
 # Below every save's fixed-size files, above what else the resumed process writes
 # (tests/train/test_storage_faults.py says why).
 FILE_SIZE_LIMIT = 16_000
+# Below the job's config.json, above the files a run opens before it (metrics, summaries)
+BUILD_FILE_SIZE_LIMIT = 2_000
 # 2 devices a process (fsdp 2 within, data over the two); the limited process writes no cache entry
 FLAGS = [*EXPERIMENT, "--fdl.ICI_MESH_SHAPE=[1,2,1]", "--fdl.COMPILATION_CACHE=False"]
 
@@ -39,17 +41,51 @@ def _tree_digest(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def _start_limited(job: Path, flags: list[str]) -> subprocess.Popen:
-    """Process 1 as `python -m paxlite.main`, in an interpreter that sets the limit first (a
+def _start_limited(job: Path, flags: list[str], *, limit: int) -> subprocess.Popen:
+    """A process as `python -m paxlite.main`, in an interpreter that sets the limit first (a
     preexec_fn would fork the multithreaded test process)."""
     argv = ["paxlite.main", f"--job_log_dir={job}", *flags]
     start = (f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, "
-             f"({FILE_SIZE_LIMIT}, resource.RLIM_INFINITY)); sys.argv = {argv!r}; "
+             f"({limit}, resource.RLIM_INFINITY)); sys.argv = {argv!r}; "
              "runpy.run_module('paxlite.main', run_name='__main__', alter_sys=True)")
     # no compiled module written past the limit (a truncated __pycache__ file)
     env = {**_env(2), "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.Popen([sys.executable, "-c", start], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def _one_limited_pair(job: Path, flags: list[str], tmp_path: Path, *, limited: int,
+                      limit: int) -> tuple[list[int], str, float]:
+    """Runs both processes of a job, process `limited` under the file-size limit; (their exit
+    statuses, the one `paxlite: error:` line both printed, seconds until both ended). Fails unless
+    both printed exactly one such line, the same one."""
+    port = _free_port()
+    multiprocess = ["--multiprocess_gpu", f"--server_addr=127.0.0.1:{port}", "--num_hosts=2"]
+    log = tmp_path / f"unlimited{1 - limited}.log"
+    started = time.monotonic()
+    processes = [None, None]
+    processes[limited] = _start_limited(job, [*flags, *multiprocess, f"--host_idx={limited}"],
+                                        limit=limit)
+    processes[1 - limited] = _start(job, [*flags, *multiprocess, f"--host_idx={1 - limited}"],
+                                    log=log, num_cpu_devices=2)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.append(processes[limited].stdout.read()))
+    reader.start()
+    try:
+        codes = [processes[0].wait(timeout=120), processes[1].wait(timeout=60)]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        reader.join()
+    elapsed = time.monotonic() - started
+    logs = [output[0], log.read_text()] if limited == 0 else [log.read_text(), output[0]]
+    tails = "\n".join(f"--- process {i}\n{text[-3000:]}" for i, text in enumerate(logs))
+    lines = [[line for line in text.splitlines() if line.startswith("paxlite: error: ")]
+             for text in logs]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, tails
+    return codes, lines[0][0], elapsed
 
 
 @pytest.mark.slow  # three two-process phases' worth of processes (~20 s on 2 cores)
@@ -60,36 +96,31 @@ def test_a_full_disk_on_one_process_stops_both_with_its_line(tmp_path):
             [tmp_path / "process0.log", tmp_path / "process1.log"], timeout=180)
     kept = _tree_digest(job / "checkpoints" / "checkpoint_00000003")
 
-    port = _free_port()
-    multiprocess = ["--multiprocess_gpu", f"--server_addr=127.0.0.1:{port}", "--num_hosts=2"]
-    resumed = [*FLAGS, "--fdl.MAX_STEPS=6", *multiprocess]
-    log0 = tmp_path / "resumed0.log"
-    started = time.monotonic()
-    first = _start(job, [*resumed, "--host_idx=0"], log=log0, num_cpu_devices=2)
-    limited = _start_limited(job, [*resumed, "--host_idx=1"])
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.append(limited.stdout.read()))
-    reader.start()
-    try:
-        codes = [first.wait(timeout=120), limited.wait(timeout=60)]
-    finally:
-        for p in (first, limited):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        reader.join()
-    elapsed = time.monotonic() - started
-    logs = [log0.read_text(), output[0]]
-    tails = "\n".join(f"--- process {i}\n{text[-3000:]}" for i, text in enumerate(logs))
-    assert codes == [75, 75], tails
-    lines = [[line for line in text.splitlines() if line.startswith("paxlite: error: ")]
-             for text in logs]
-    assert lines[0] == lines[1] and len(lines[0]) == 1, tails
-    assert lines[0][0].startswith(
+    codes, line, elapsed = _one_limited_pair(job, [*FLAGS, "--fdl.MAX_STEPS=6"], tmp_path,
+                                             limited=1, limit=FILE_SIZE_LIMIT)
+    assert codes == [75, 75], line
+    assert line.startswith(
         f"paxlite: error: checkpoint step 6 was not saved in {job / 'checkpoints'}: File too "
-        "large (EFBIG)"), lines
-    assert "the last complete checkpoint, step 3, is untouched" in lines[0][0]
+        "large (EFBIG)"), line
+    assert "the last complete checkpoint, step 3, is untouched" in line
     assert elapsed < 90, elapsed  # not Orbax's 20-minute barrier timeout
     assert _tree_digest(job / "checkpoints" / "checkpoint_00000003") == kept
     assert sorted(p.name for p in (job / "checkpoints").iterdir()
                   if not p.name.endswith(".orbax-checkpoint-tmp")) == ["checkpoint_00000003"]
+
+
+@pytest.mark.slow  # a two-process start (~8 s on 2 cores)
+@pytest.mark.multiprocess
+def test_a_fault_while_the_run_is_built_stops_both_with_its_line(tmp_path):
+    """Process 0's disk refuses the job's config.json, which it writes once the run is built, while
+    process 1 goes on to restore and waits for it: both stop with process 0's line and status.
+    Before, process 0's end broke the runtime's shutdown barrier, and the runtime aborted both
+    (SIGABRT) with a page of fatal-error stacks and no line on process 1."""
+    job = tmp_path / "job"
+    codes, line, elapsed = _one_limited_pair(job, [*FLAGS, "--fdl.MAX_STEPS=3"], tmp_path,
+                                             limited=0, limit=BUILD_FILE_SIZE_LIMIT)
+    assert codes == [75, 75], line
+    assert line.startswith(f"paxlite: error: could not write {job / 'config.json'}: File too "
+                           "large (EFBIG)"), line
+    assert elapsed < 90, elapsed
+    assert not (job / "checkpoints").exists() or not any((job / "checkpoints").iterdir())
