@@ -60,6 +60,7 @@ from paxlite.checkpointing.checkpoint_damage import (
     is_damage,
     move_aside,
     newer_format,
+    passes_first_look,
     short_error,
     worst_over_processes,
 )
@@ -302,6 +303,12 @@ class Checkpointer:
             return None
         args = ocp.args.Composite(**{_DATA_ITEM: ocp.args.JsonRestore()})
         return self._manager.restore(step, args=args)[_DATA_ITEM]
+
+    def passes_first_look(self, step: int) -> bool:
+        """Whether a restore would get past `step`'s cheap checks (checkpoint_damage.py);
+        process 0 looks. A collective."""
+        return self._decided(functools.partial(passes_first_look, self.step_path(step),
+                                               item=_ITEM), what=f"look at {self.step_path(step)}")
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree] | None:
         """(step, state) of the newest restorable checkpoint; see `restore_latest_with_data`."""

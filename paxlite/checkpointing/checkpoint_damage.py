@@ -76,6 +76,24 @@ def incomplete(step_dir: epath.Path) -> str | None:
     return None
 
 
+def passes_first_look(step_dir: epath.Path, *, item: str) -> bool:
+    """What a restore checks before it reads any array: the step is finished, in a format this
+    paxlite reads, and its `item`'s metadata parses. False for a step a restore would walk past or
+    refuse; damage only the arrays show is left to the restore."""
+    import orbax.checkpoint as ocp
+
+    if incomplete(step_dir) is not None or newer_format(step_dir) is not None:
+        return False
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        handler.metadata(step_dir / item)
+    except Exception:  # noqa: BLE001  TensorStore and Orbax raise bare Exception for bad files
+        return False
+    finally:
+        handler.close()
+    return True
+
+
 def _causes(error: BaseException) -> list[BaseException]:
     chain: list[BaseException] = []
     while error is not None and error not in chain and len(chain) < 10:

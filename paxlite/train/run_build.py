@@ -149,9 +149,11 @@ def open_checkpointer(config: RunConfig, *, context: RunContext) -> Checkpointer
 def check_data_position(checkpointer: Checkpointer, *, data: Feed | None) -> None:
     """A resume whose saved input position cannot fit this run's data settings (another batch
     size or process count) fails here, before anything is compiled. The position the run
-    continues from is restored later with the state, from the step the state comes from."""
+    continues from is restored later with the state, from the step the state comes from. A newest
+    step whose state the restore will walk past is not looked at: a fault found here would name
+    it as the step to resume from."""
     steps = checkpointer.all_steps()
-    if data is None or not steps:
+    if data is None or not steps or not checkpointer.passes_first_look(steps[-1]):
         return
     try:
         record = checkpointer.restore_data(steps[-1])
