@@ -237,7 +237,27 @@ def check_tokenizer(path: str, *, vocab_size: int, setting: str = "--vocab_path"
     if processor.get_piece_size() > vocab_size:
         raise SettingError(f"{setting}={path} has {processor.get_piece_size()} pieces but the "
                            f"model's vocab_size is {vocab_size}: not this model's tokenizer")
+    normalizer = _unshipped_normalization(path)
+    if normalizer is not None:
+        raise SettingError(
+            f"{setting}={path} {normalizer} before encoding, and transformers' tokenizers built "
+            "from a SentencePiece model (what --to=hf ships) do not, so transformers would encode "
+            "text into other ids than this model was trained on. Ship it with a SentencePiece "
+            "model that has normalization_rule_name='identity' and remove_extra_whitespaces=false "
+            "(as LLaMA's, Gemma's and paxlite's train_tokenizer's have), or an HF tokenizer.json")
     return path
+
+
+def _unshipped_normalization(path: str) -> str | None:
+    """What the SentencePiece model does to text that transformers' LlamaTokenizer and
+    GemmaTokenizer (a Metaspace pre-tokenizer over the model's pieces, no normalizer) leave out,
+    in words; None when nothing."""
+    spec = _sentencepiece_proto(path).normalizer_spec
+    if spec.precompiled_charsmap:  # the compiled rule; empty for 'identity'
+        return f"normalizes text (normalization_rule_name={spec.name!r})"
+    if spec.remove_extra_whitespaces:
+        return "collapses runs of whitespace (remove_extra_whitespaces=true)"
+    return None
 
 
 def _sentencepiece_proto(path: str):
@@ -264,7 +284,8 @@ def adds_dummy_prefix(path: str) -> bool:
 
 def tokenizer_config(path: str, *, family: str | None = None) -> dict[str, Any]:
     """A tokenizer_config.json for transformers' LlamaTokenizer, or GemmaTokenizer for the Gemma
-    families (``family``: the HF model_type), which convert the SentencePiece model themselves;
+    families' models without the dummy prefix (``family``: the HF model_type), which convert the
+    SentencePiece model themselves;
     "▁" before the text as the model itself adds it (add_prefix_space), special tokens the model's
     own pieces, BOS added only if it has one."""
     import sentencepiece as spm
@@ -276,7 +297,9 @@ def tokenizer_config(path: str, *, family: str | None = None) -> dict[str, Any]:
     def piece(index: int) -> str | None:
         return sp.id_to_piece(index) if index >= 0 else None
 
-    gemma = family is not None and family.startswith("gemma")
+    # GemmaTokenizer never puts "▁" before the text: a Gemma model with a tokenizer that does
+    # (paxlite's train_tokenizer's default) ships LlamaTokenizer, which follows add_prefix_space.
+    gemma = family is not None and family.startswith("gemma") and not adds_dummy_prefix(path)
     config: dict[str, Any] = {
         "tokenizer_class": "GemmaTokenizer" if gemma else "LlamaTokenizer", "legacy": False,
         "add_prefix_space": adds_dummy_prefix(path),

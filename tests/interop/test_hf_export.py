@@ -20,9 +20,10 @@ TEXTS = ["hello world!", "the lazy dog said hello to the fox", "a fox, 42 dogs!"
 
 
 def train_bpe(root, *, dummy_prefix: bool = True) -> str:
-    """A tiny LLaMA-like SentencePiece BPE model (unk 0, bos 1, eos 2; no byte fallback, which
-    needs 256 pieces more than the 256-token test model has), 200 pieces, in ``root``;
-    ``dummy_prefix=False``: no "▁" before the text, as Gemma's models."""
+    """A tiny LLaMA-like SentencePiece BPE model (unk 0, bos 1, eos 2; identity normalization,
+    whitespace kept; no byte fallback, which needs 256 pieces more than the 256-token test model
+    has), 200 pieces, in ``root``; ``dummy_prefix=False``: no "▁" before the text, as Gemma's
+    models."""
     import sentencepiece as spm
 
     root.mkdir(parents=True, exist_ok=True)
@@ -32,23 +33,60 @@ def train_bpe(root, *, dummy_prefix: bool = True) -> str:
     spm.SentencePieceTrainer.train(
         input=str(root / "corpus.txt"), model_prefix=str(root / "tok"), vocab_size=200,
         model_type="bpe", byte_fallback=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        add_dummy_prefix=dummy_prefix, minloglevel=2)
+        add_dummy_prefix=dummy_prefix, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, minloglevel=2)
     return str(root / "tok.model")
 
 
-def test_a_model_without_the_dummy_prefix_encodes_as_sentencepiece_in_transformers(tmp_path):
-    """add_prefix_space follows the model (the Gemma families' exports: test_hf_gemma.py)."""
+# Whitespace runs inside the text; a text that starts with a space is encoded with one "▁" fewer
+# by transformers' Metaspace pre-tokenizer than by SentencePiece (docs/interop.md).
+SPACED_TEXTS = [*TEXTS, "hello  world!", "a   fox ,  42"]
+
+
+@pytest.mark.parametrize("dummy_prefix,family", [(False, "llama"), (True, "gemma2")])
+def test_the_prefix_space_follows_the_model_in_transformers(tmp_path, dummy_prefix, family):
+    """add_prefix_space follows the model, and a Gemma model whose tokenizer puts "▁" before the
+    text ships LlamaTokenizer, which honours it (GemmaTokenizer never adds it; Gemma's own
+    tokenizers, without the prefix: test_hf_gemma.py)."""
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
-    vocab = train_bpe(tmp_path / "spm", dummy_prefix=False)
+    vocab = train_bpe(tmp_path / "spm", dummy_prefix=dummy_prefix)
     (tmp_path / "out").mkdir()
-    hf_write.write_tokenizer(str(tmp_path / "out"), path=vocab, family="llama")
+    hf_write.write_tokenizer(str(tmp_path / "out"), path=vocab, family=family)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert type(tokenizer).__name__ == "LlamaTokenizer"
     sp = spm.SentencePieceProcessor(model_file=vocab)
-    for text in TEXTS:
+    for text in SPACED_TEXTS:
         assert tokenizer.encode(text) == [sp.bos_id(), *sp.encode(text)], text
+
+
+@pytest.mark.parametrize("normalization", [
+    {"normalization_rule_name": "nmt_nfkc", "remove_extra_whitespaces": False},
+    {"normalization_rule_name": "identity", "remove_extra_whitespaces": True},
+])
+def test_a_normalizing_tokenizer_is_refused(llama_gqa, tmp_path, normalization):
+    """transformers' LlamaTokenizer, built from such a model, skips its normalization and encodes
+    other ids than SentencePiece (checked here first): refused in one line, nothing written."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    (tmp_path / "c.txt").write_text("\n".join(f"a fox {i} and a dog" for i in range(300)))
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "n"), vocab_size=60,
+        model_type="bpe", unk_id=0, bos_id=1, eos_id=2, minloglevel=2, **normalization)
+    vocab = str(tmp_path / "n.model")
+    (tmp_path / "shipped").mkdir()
+    hf_write.write_tokenizer(str(tmp_path / "shipped"), path=vocab)
+    text = "a  fox \uff14\uff12"  # a run of spaces, full-width digits (NFKC: 42)
+    sp = spm.SentencePieceProcessor(model_file=vocab)
+    assert AutoTokenizer.from_pretrained(tmp_path / "shipped").encode(text)[1:] != sp.encode(text)
+    field = ("normalization_rule_name='nmt_nfkc'" if normalization["normalization_rule_name"]
+             != "identity" else "remove_extra_whitespaces=true")
+    with pytest.raises(UserError, match=rf"n\.model .*\({field}\) before encoding, and "
+                                        "transformers' tokenizers built from a SentencePiece"):
+        _convert(llama_gqa[0], tmp_path / "never", vocab_path=vocab)
+    assert not os.path.exists(tmp_path / "never")
 
 
 @pytest.fixture(scope="module")
