@@ -5,33 +5,29 @@ Layout: `directory/checkpoint_00000100/state/...` (Pax's `checkpoint_%08d`), wri
 items (the data iterator's position) can be added beside it without changing the layout.
 
 Robustness rules, because a checkpoint directory holds days of compute:
-- Orbax writes to `<name>.orbax-checkpoint-tmp` and renames on success; such leftovers from a
-  killed save are not steps and are ignored. A leftover for a step about to be saved is moved
-  aside (Orbax would delete it) rather than lost.
+- Orbax writes to `<name>.orbax-checkpoint-tmp` and renames on success; a killed save's leftover
+  is no step and is ignored, or moved aside (not deleted, as Orbax would) when that step is saved.
 - Restoring walks back from the latest step, but only past checkpoints that are *damaged*: no
   commit marker, missing or garbled metadata, missing or truncated array files, failed integrity
   checks (`is_damage`, checkpoint_damage.py). Those are reported with a warning; once an
   older one restores, they are moved to `<directory>_corrupted/<name>` - never deleted - so a later
   save of the same step cannot collide with them. Any other failure (a permission or transient I/O
   error) stops with `CheckpointReadError` and moves nothing: an older checkpoint would silently
-  discard progress. A checkpoint that is intact but holds another train state (another model
-  shape) stops with `CheckpointMismatchError`, naming the entries (checkpoint_match.py); the
-  one exception is optimizer state saved in the earlier layout of the optax chain (disabled stages
-  left out), which is read into the current one (`opt_state_layout.py`). If none restores, nothing
-  is moved and the error lists every checkpoint: silently starting from scratch would discard a run.
+  discard progress. An intact checkpoint of another train state (another model shape) stops with
+  `CheckpointMismatchError`, naming the entries (checkpoint_match.py), except optimizer state of
+  the optax chain's earlier layout, read into the current one (`opt_state_layout.py`). If none
+  restores, nothing moves and the error lists every checkpoint (starting afresh would lose a run).
 - The data record of a step is restored together with its state, so both come from one step.
 - A save never overwrites: an existing step directory is an error.
 - A save that storage refuses (storage_faults.py) raises CheckpointSaveError naming its step, also
-  when found after it (`raise_if_refused`, the next save or wait); its
-  `<name>.orbax-checkpoint-tmp` is removed (one process) and Orbax's echoes are kept out of the log.
-- Every process acts on one answer about the directory, process 0's: which steps exist, whether a
-  candidate is finished and holds a data record, whether a step about to be saved exists
-  (`multihost.decided_by_process_0`). Each host listing for itself could see different steps (NFS
-  attribute caching, a rename in flight) and then make a different number of collectives (a hang)
-  or restore different steps. A process that reads a step's files and fails still counts: the
-  worst result over processes decides, as above. A process whose own Orbax bookkeeping still lists
-  a step process 0 found absent (Orbax refuses such a save there alone) stops every process before
-  the save with CheckpointViewsDifferError.
+  when found after it (`raise_if_refused`, the next save or wait); its temporary directory is
+  removed (one process) and Orbax's echoes are kept out of the log.
+- Every process acts on process 0's answer about the directory (which steps exist, whether one is
+  finished, holds a data record, or is about to be saved over: `multihost.decided_by_process_0`):
+  hosts listing for themselves could see different steps (NFS caching, a rename in flight), then
+  make different collectives (a hang) or restore different steps. A process that fails to read a
+  step still counts: the worst result over processes decides. One whose Orbax bookkeeping lists a
+  step process 0 found absent stops every process before the save (CheckpointViewsDifferError).
 """
 
 from __future__ import annotations
@@ -305,10 +301,9 @@ class Checkpointer:
         return self._manager.restore(step, args=args)[_DATA_ITEM]
 
     def passes_first_look(self, step: int) -> bool:
-        """Whether a restore would get past `step`'s cheap checks (checkpoint_damage.py);
-        process 0 looks. A collective."""
-        return self._decided(functools.partial(passes_first_look, self.step_path(step),
-                                               item=_ITEM), what=f"look at {self.step_path(step)}")
+        """checkpoint_damage.passes_first_look of `step`, process 0's answer (a collective)."""
+        look = functools.partial(passes_first_look, self.step_path(step), item=_ITEM)
+        return self._decided(look, what=f"look at {self.step_path(step)}")
 
     def restore_latest(self, abstract_state: PyTree) -> tuple[int, PyTree] | None:
         """(step, state) of the newest restorable checkpoint; see `restore_latest_with_data`."""
@@ -319,12 +314,10 @@ class Checkpointer:
         """Restores the newest intact checkpoint's state and data record, or returns None.
 
         Args:
-            abstract_state: Pytree of `jax.ShapeDtypeStruct` with shardings (or arrays); the
-                restored arrays are placed with those shardings.
+            abstract_state: `jax.ShapeDtypeStruct`s with shardings (or arrays): where it goes.
 
         Returns:
-            (step, state, data record or None), both from the same step; None if the directory
-            holds no checkpoint.
+            (step, state, data record or None) of one step; None if there is no checkpoint.
 
         Raises:
             NoRestorableCheckpointError: checkpoints exist but every one is damaged.

@@ -122,9 +122,10 @@ class MoeSettings:
     Z_LOSS_WEIGHT: float = 0.0
     # AXLearn's router z-loss per MoE layer; 0: off.
     ROUTER_Z_LOSS_WEIGHT: float = 0.0
-    # dropless_topk only: the grouped-matmul kernel the experts run (models/moe.py
-    # GROUPED_MATMUL_KERNELS; "ragged_dot", jax.lax.ragged_dot, is the one kernel today).
-    MOE_GROUPED_MATMUL: Literal["ragged_dot"] = "ragged_dot"
+    # dropless_topk only: the grouped-matmul kernel the experts run (models/moe_config.py
+    # GroupedMatmul): "ragged_dot", jax.lax.ragged_dot, or "tiled", one batched matmul over row
+    # tiles, whose memory does not grow with the local experts on GPUs.
+    MOE_GROUPED_MATMUL: Literal["ragged_dot", "tiled"] = "ragged_dot"
     # Hidden size of each expert; None: HIDDEN_DIMS.
     EXPERT_HIDDEN_DIMS: int | None = None
 

@@ -126,6 +126,9 @@ class Qwen3_30B_A3B(MoeSettings, BaseQwen):
     NUM_EXPERTS_PER_TOKEN = 8
     EXPERT_HIDDEN_DIMS = 768
     MOE_ROUTING = "dropless_topk"
+    # XLA:GPU expands jax.lax.ragged_dot to [32 local experts, 262,144 rows, 2,048] per matmul
+    # (32 GiB); the tiled kernel keeps the step's memory in proportion to the rows (the note below)
+    MOE_GROUPED_MATMUL = "tiled"
     LOAD_BALANCING_WEIGHT = 0.008
     ICI_MESH_SHAPE = [1, 2, 1, 4]
     PERCORE_BATCH_SIZE = 1
@@ -148,14 +151,16 @@ step at the defaults:
 | `Qwen2_5_0_5B` | 8 | 64 x 8,192 | 61.37 GiB | fits, 17.74 GiB to spare |
 | `Qwen2_5_7B` | 8 | 16 x 8,192 | 31.14 GiB | fits, 47.97 GiB to spare |
 | `Qwen3_8B` | 8 | 16 x 8,192 | 33.95 GiB | fits, 45.16 GiB to spare |
-| `Qwen3_30B_A3B` | 8 | 8 x 8,192 | 186.27 GiB | no, 107.16 GiB short |
-| `Qwen3_30B_A3B` (`MAX_SEQ_LEN=2048`) | 8 | 8 x 2,048 | 106.31 GiB | no, 27.20 GiB short |
-| `Qwen3_30B_A3B` (LoRA on `attention`) | 8 | 8 x 8,192 | 100.64 GiB | no, 21.53 GiB short |
+| `Qwen3_30B_A3B` | 8 | 8 x 8,192 | 95.69 GiB | no, 16.58 GiB short |
+| `Qwen3_30B_A3B` (`MAX_SEQ_LEN=4096`) | 8 | 8 x 4,096 | 88.03 GiB | no, 8.92 GiB short |
+| `Qwen3_30B_A3B` (LoRA on `attention`) | 8 | 8 x 8,192 | 46.41 GiB | fits, 32.70 GiB to spare |
 
-`Qwen3_30B_A3B` (planned the same day, 4 to 6 minutes each) does not fit one node of H100s yet:
-its state alone (float32 weights and Adam, 16 bytes a parameter) takes 49.11 GiB a device, and
-the dropless experts' training step (each device sorts 4 x 8,192 x 8 = 262,144 token rows through
-its 32 experts) adds 137.15 GiB of temporaries at 8,192 tokens a device, 57.19 GiB at 2,048; none
-of `plan`'s levers (expert 8, two pipeline stages) brings it under 80 GiB. The default is the
-layout a fitting run would use; the experts' memory is what to fix first.
+`Qwen3_30B_A3B`'s rows were planned on 2026-12-06 with its default `MOE_GROUPED_MATMUL=tiled`
+(LoRA: `--fdl.USE_LORA=true --fdl.LORA_TARGET_LAYERS=attention`, plus the checkpoint to adapt).
+With `MOE_GROUPED_MATMUL=ragged_dot` the same step peaked at 186.27 GiB (2026-12-05): XLA's
+GPU compiler expands each grouped matmul to a dense [32 experts, 262,144 rows, 2,048] array per
+device (32 GiB). A full fine-tune still does not fit one node of H100s: its state alone (float32
+weights and Adam, 16 bytes a parameter) takes 49.11 GiB a device, and about 31 GiB of the step's
+temporaries (the gradients, 16.37 GiB, among them) do not shrink with the tokens; none of
+`plan`'s levers (expert 8, two pipeline stages) brings it under 80 GiB. LoRA fits.
 """

@@ -51,6 +51,7 @@ from paxlite.models.moe_gating import (
     topk_routing,
 )
 from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
+from paxlite.models.tiled_grouped_matmul import tiled_grouped_matmul
 
 __all__ = ["GROUPED_MATMUL_KERNELS", "MoeMlp", "Top2Gating", "grouped_matmul_kernel", "top2_gating",
            "topk_routing"]
@@ -59,6 +60,7 @@ __all__ = ["GROUPED_MATMUL_KERNELS", "MoeMlp", "Top2Gating", "grouped_matmul_ker
 # its kernel here; one without is refused by grouped_matmul_kernel, never replaced by another).
 GROUPED_MATMUL_KERNELS: Mapping[GroupedMatmul, GroupedMatmulKernel] = types.MappingProxyType({
     GroupedMatmul.RAGGED_DOT: ragged_dot,
+    GroupedMatmul.TILED: tiled_grouped_matmul,
 })
 
 

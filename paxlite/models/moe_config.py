@@ -30,12 +30,16 @@ class MoeRouting(str, enum.Enum):
 class GroupedMatmul(str, enum.Enum):
     """The kernel of the dropless experts' grouped matmul (tokens sorted by expert).
 
-    ``RAGGED_DOT`` is ``jax.lax.ragged_dot``: on GPUs it lowers to XLA's ragged-dot instruction, on
-    CPU to a masked dense matmul (experts x the FLOPs). JAX 0.11 removed the Pallas-Triton lowering
-    that an earlier ``PALLAS_TRITON`` value selected; the enum stays the place a new kernel goes.
+    ``RAGGED_DOT`` is ``jax.lax.ragged_dot``: on GPUs it lowers to XLA's ragged-dot instruction,
+    which XLA:GPU expands to a zero-padded dense array per group ([groups, rows, K]: memory and
+    FLOPs x the local experts), on CPU to a masked dense matmul (the same). ``TILED`` pads each
+    group to whole tiles of rows and runs one batched matmul over the tiles
+    (models/tiled_grouped_matmul.py): memory and FLOPs in proportion to the rows. JAX 0.11 removed
+    the Pallas-Triton lowering that an earlier ``PALLAS_TRITON`` value selected.
     """
 
     RAGGED_DOT = "ragged_dot"
+    TILED = "tiled"
 
 
 def _enum(value: object, enum_cls: type[enum.Enum], *, field: str) -> enum.Enum:
