@@ -134,3 +134,23 @@ def test_a_pipeline_refuses_cudnn_on_packed_rows_and_auto_runs_xla_there(gpipe):
     kernels = gpipe.gpu_program.kernels
     assert not [name for name in kernels if name.startswith("__cudnn")], kernels
     assert kernels["__cublas$lt$matmul"] > 0
+
+
+# One dropless MoE layer of 32 experts, 8 on each device (expert 4), bf16: each device sorts
+# ep 4 x 2,048 tokens x k 2 = 16,384 rows of D 256 (global batch 16 x 1,024 over 8 batch shards).
+DROPLESS_ROWS = ("NUM_LAYERS=1", "NUM_EXPERTS=32", "MAX_SEQ_LEN=1024", "MODEL_DIMS=256",
+                 "ICI_MESH_SHAPE=[2,1,1,4]")
+# XLA's ragged-dot lowering pads those rows once per local expert: bf16 [8, 16384, 256]
+EXPANSION_BYTES = 8 * 16_384 * 256 * 2
+
+
+def test_the_tiled_grouped_matmul_holds_no_copy_of_the_rows_per_local_expert():
+    """The same step with each kernel: ragged_dot's temporaries hold at least one [local experts,
+    rows, D] expansion more than the tiled kernel's (models/tiled_grouped_matmul.py), whose
+    matmuls are library GEMMs too."""
+    steps = {kernel: _compile("TinyMixtral", *CUDNN, *DROPLESS_ROWS,
+                              f"MOE_GROUPED_MATMUL={kernel}") for kernel in ("ragged_dot", "tiled")}
+    ragged, tiled = (steps[k].memory.temp_bytes for k in ("ragged_dot", "tiled"))
+    assert ragged - tiled >= EXPANSION_BYTES, (ragged, tiled)
+    assert steps["tiled"].gpu_program.kernels["__cublas$lt$matmul"] > 0
+    _the_gpu_holds_the_state(steps["tiled"])
