@@ -57,8 +57,11 @@ class UsageError(UserError, ValueError):
     """A bad command line (not a bad hyperparameter)."""
 
 
-def stopped_status(error: RunStoppedError) -> int:
-    """The exit status of a run that stopped with `error`: 75 for a storage fault, else 1."""
+def line_status(error: UserError | RunStoppedError) -> int:
+    """The exit status that goes with a one-line failure: 2 for a user's mistake, 75 for a storage
+    fault, 1 for another stopped run."""
+    if isinstance(error, UserError):
+        return USER_ERROR_EXIT_STATUS
     return STORAGE_FAULT_EXIT_STATUS if isinstance(error, StorageFaultError) else 1
 
 
@@ -74,13 +77,14 @@ def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException],
     point words and numbers its failures alike. A stopped run is also logged where logging is set
     up (absl's handler in a training job), so that the job's log says why it ended; with nothing
     set up Python would print the message a second time."""
-    if isinstance(error, (UserError, *user_errors)):
-        status = USER_ERROR_EXIT_STATUS
-    elif isinstance(error, RunStoppedError):
+    if isinstance(error, RunStoppedError):
         log = logging.getLogger(__name__)
         if log.hasHandlers():
             log.error("%s", error)
-        status = stopped_status(error)
+    if isinstance(error, (UserError, RunStoppedError)):
+        status = line_status(error)
+    elif isinstance(error, user_errors):
+        status = USER_ERROR_EXIT_STATUS
     else:
         raise error
     print(f"{program}: error: {error}", file=sys.stderr)

@@ -44,7 +44,7 @@ from paxlite.errors import (
     StorageFaultError,
     UserError,
     exit_status,
-    stopped_status,
+    line_status,
 )
 
 # What a process reports in one line: a stopped run, or a mistake only it found (a file its own
@@ -83,9 +83,7 @@ class PeerFaults:
         """Tell every process of the run to stop with `error`'s line (the first fault wins)."""
         if not self.active or not self._published.acquire(blocking=False):
             return
-        status = (USER_ERROR_EXIT_STATUS if isinstance(error, UserError)
-                  else stopped_status(error))
-        value = json.dumps({"process": jax.process_index(), "status": status,
+        value = json.dumps({"process": jax.process_index(), "status": line_status(error),
                             "line": str(error)})
         try:
             self._client.key_value_set(FAULT_KEY, value)
