@@ -116,10 +116,11 @@ def routing_memory(config: TransformerConfig, *, global_tokens: int, mesh: dict[
     GShard: the dispatch mask and the float32 combine weights are ``[G, S, E, C]`` each, which is
     ``capacity_factor x tokens x S`` elements over the whole batch; each device holds its groups'
     share. Dropless: each device gathers its expert group's tokens and sorts ``k`` rows per token
-    (``ep x tokens_per_device x k`` rows of D and of F / tensor); XLA's default ``ragged_dot``
-    lowering expands those rows once per local expert.
+    (``ep x tokens_per_device x k`` rows of D and of F / tensor); XLA's ``ragged_dot`` lowering
+    expands those rows once per local expert (``MOE_GROUPED_MATMUL=ragged_dot``), the tiled
+    kernel does not (0).
     """
-    from paxlite.models.moe_config import MoeRouting
+    from paxlite.models.moe_config import GroupedMatmul, MoeRouting
     from paxlite.models.moe_gating import expert_capacity
 
     moe = config.moe
@@ -145,5 +146,6 @@ def routing_memory(config: TransformerConfig, *, global_tokens: int, mesh: dict[
     row_bytes = rows * (config.model_dims + hidden) * dtype_bytes
     return {"routing": moe.routing.value, "sorted_rows_per_device": rows,
             "sorted_rows_bytes_per_device": row_bytes,
-            "ragged_dot_dense_expansion_bytes_per_device": row_bytes * (e // ep),
+            "ragged_dot_dense_expansion_bytes_per_device": (
+                row_bytes * (e // ep) if moe.grouped_matmul is GroupedMatmul.RAGGED_DOT else 0),
             "formula": "rows = expert x tokens/device x k; bytes = rows x (D + F/tensor) x dtype B"}

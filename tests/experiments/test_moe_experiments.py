@@ -51,6 +51,21 @@ def model_of(name, *assignments):
     return fdl.build(load_experiment(name, list(assignments)).model_config())
 
 
+@pytest.mark.parametrize("kernel, local_copies", [("ragged_dot", 32), ("tiled", 0)])
+def test_the_dropless_routing_memory_is_counted_by_hand(kernel, local_copies):
+    """Qwen3_30B_A3B's default layout (fsdp 2 x expert 4, 8 x 8,192 tokens): each device sorts
+    expert 4 x 8,192 tokens x k 8 = 262,144 rows of D 2,048 and F 768 in bf16; ragged_dot's
+    lowering copies them once per local expert (128 / 4), the tiled kernel does not."""
+    model = model_of("Qwen3_30B_A3B", "FPROP_DTYPE='bfloat16'", f"MOE_GROUPED_MATMUL='{kernel}'")
+    got = moe_params.routing_memory(model, global_tokens=8 * 8192,
+                                    mesh={"data": 1, "fsdp": 2, "tensor": 1, "expert": 4})
+    rows = 4 * 8192 * 8
+    assert got["sorted_rows_per_device"] == rows == 262_144
+    assert got["sorted_rows_bytes_per_device"] == rows * (2048 + 768) * 2
+    assert got["ragged_dot_dense_expansion_bytes_per_device"] == (
+        local_copies * rows * (2048 + 768) * 2)
+
+
 # --------------------------------------------------------------------- parameter counts
 def test_mixtral_8x7b_has_exactly_the_published_count():
     model = model_of("Mixtral8x7B")
