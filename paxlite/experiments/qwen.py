@@ -159,8 +159,9 @@ step at the defaults:
 (LoRA: `--fdl.USE_LORA=true --fdl.LORA_TARGET_LAYERS=attention`, plus the checkpoint to adapt).
 With `MOE_GROUPED_MATMUL=ragged_dot` the same step peaked at 186.27 GiB (2026-12-05): XLA's
 GPU compiler expands each grouped matmul to a dense [32 experts, 262,144 rows, 2,048] array per
-device (32 GiB). A full fine-tune still does not fit one node of H100s: its state alone (float32
-weights and Adam, 16 bytes a parameter) takes 49.11 GiB a device, and about 31 GiB of the step's
-temporaries (the gradients, 16.37 GiB, among them) do not shrink with the tokens; none of
-`plan`'s levers (expert 8, two pipeline stages) brings it under 80 GiB. LoRA fits.
+device (32 GiB). A full fine-tune still does not fit one node of H100s: its float32 state
+(weights and Adam's two moments, 49.11 GiB a device) and float32 gradients (16.37 GiB) take 65.48
+of the 79.11 GiB before anything else, and the rest of the step's temporaries take 30.21 GiB at
+8,192 tokens a device (22.55 at 4,096); none of `plan`'s levers (expert 8, two pipeline stages)
+brings it under. LoRA fits.
 """
