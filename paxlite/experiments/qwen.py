@@ -154,6 +154,8 @@ step at the defaults:
 | `Qwen3_30B_A3B` | 8 | 8 x 8,192 | 95.69 GiB | no, 16.58 GiB short |
 | `Qwen3_30B_A3B` (`MAX_SEQ_LEN=4096`) | 8 | 8 x 4,096 | 88.03 GiB | no, 8.92 GiB short |
 | `Qwen3_30B_A3B` (LoRA on `attention`) | 8 | 8 x 8,192 | 46.41 GiB | fits, 32.70 GiB to spare |
+| `Qwen3_30B_A3B` (`ICI_MESH_SHAPE=[1,8,1,1]`) | 8 | 8 x 8,192 | 81.03 GiB | no, 1.92 GiB short |
+| `Qwen3_30B_A3B` (same, `MAX_SEQ_LEN=2048`) | 8 | 8 x 2,048 | 77.79 GiB | fits, 1.32 to spare |
 
 `Qwen3_30B_A3B`'s rows were planned on 2026-12-06 with its default `MOE_GROUPED_MATMUL=tiled`
 (LoRA: `--fdl.USE_LORA=true --fdl.LORA_TARGET_LAYERS=attention`, plus the checkpoint to adapt).
@@ -163,5 +165,7 @@ device (32 GiB). A full fine-tune still does not fit one node of H100s: its floa
 (weights and Adam's two moments, 49.11 GiB a device) and float32 gradients (16.37 GiB) take 65.48
 of the 79.11 GiB before anything else, and the rest of the step's temporaries take 30.21 GiB at
 8,192 tokens a device (22.55 at 4,096); none of `plan`'s levers (expert 8, two pipeline stages)
-brings it under. LoRA fits.
+brings it under. LoRA fits. FSDP over all 8 devices without an expert axis holds every
+parameter 8 ways (state 42.66 GiB) and comes within 1.92 GiB at 8,192 tokens; at 2,048 it fits,
+but with too little to spare for a default.
 """
