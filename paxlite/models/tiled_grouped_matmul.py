@@ -39,7 +39,8 @@ def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array
     tile = tile_rows(m, g)
     num_tiles = -(-(m + g * (tile - 1)) // tile)  # a static bound on the padded tiles
     sizes = group_sizes.astype(jnp.int32)  # [G]
-    starts = jnp.cumsum(sizes) - sizes  # [G] each group's first row in x
+    ends = jnp.cumsum(sizes)  # [G]
+    starts = ends - sizes  # [G] each group's first row in x
     padded = (sizes + tile - 1) // tile * tile  # [G]
     padded_ends = jnp.cumsum(padded)  # [G]
     padded_starts = padded_ends - padded  # [G] each group's first row in the tiled layout
@@ -58,6 +59,6 @@ def tiled_grouped_matmul(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array
 
     # x -> tiled layout: each row's slot (rows past the groups: any slot, unspecified).
     rows = jnp.arange(m)  # [M]
-    row_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), rows, side="right"), g - 1)
+    row_group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), g - 1)
     slot = jnp.clip(padded_starts[row_group] + rows - starts[row_group], 0, num_tiles * tile - 1)
     return y_tiles.reshape(num_tiles * tile, n)[slot]  # [M, N]

@@ -51,6 +51,18 @@ from paxlite.errors import (
 # disk lacks). Anything else is a bug, which ends its process with its traceback.
 OneLineError = UserError | RunStoppedError
 
+def fault_record(error: OneLineError) -> dict[str, Any]:
+    """What a process publishes of its fault: its index, the line and the exit status."""
+    return {"process": jax.process_index(), "status": line_status(error), "line": str(error)}
+
+
+def error_of(record: dict[str, Any]) -> OneLineError:
+    """The published fault as an error that every process reports with its line and status."""
+    kind = {STORAGE_FAULT_EXIT_STATUS: StorageFaultError,
+            USER_ERROR_EXIT_STATUS: UserError}.get(record["status"], RunStoppedError)
+    return kind(record["line"])
+
+
 FAULT_KEY = "paxlite/run_fault"
 SEEN_KEY = "paxlite/run_fault_seen/"  # + the process index
 POLL_S = 0.2
@@ -83,8 +95,7 @@ class PeerFaults:
         """Tell every process of the run to stop with `error`'s line (the first fault wins)."""
         if not self.active or not self._published.acquire(blocking=False):
             return
-        value = json.dumps({"process": jax.process_index(), "status": line_status(error),
-                            "line": str(error)})
+        value = json.dumps(fault_record(error))
         try:
             self._client.key_value_set(FAULT_KEY, value)
         except Exception as e:  # noqa: BLE001  another process's fault was published first
@@ -109,10 +120,8 @@ class PeerFaults:
     def _end(self, fault: dict[str, Any]) -> None:
         me = jax.process_index()
         logging.info("Process %d stopped the run:", fault["process"])
-        kind = {STORAGE_FAULT_EXIT_STATUS: StorageFaultError,
-                USER_ERROR_EXIT_STATUS: UserError}.get(fault["status"], RunStoppedError)
         # the line and the status, as every entry point prints and picks them
-        status = exit_status(kind(fault["line"]))
+        status = exit_status(error_of(fault))
         sys.stderr.flush()
         try:
             self._client.key_value_set(f"{SEEN_KEY}{me}", "1")

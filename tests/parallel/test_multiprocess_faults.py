@@ -10,6 +10,7 @@ fault only through the distributed runtime's key-value store.
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 import threading
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from paxlite.errors import RunStoppedError, StorageFaultError, UserError, exit_status
+from paxlite.train import peer_faults
 from tests.parallel.test_multiprocess import (
     EXPERIMENT,
     _env,
@@ -124,3 +127,18 @@ def test_a_fault_while_the_run_is_built_stops_both_with_its_line(tmp_path):
                            "large (EFBIG)"), line
     assert elapsed < 90, elapsed
     assert not (job / "checkpoints").exists() or not any((job / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("error, status", [
+    (UserError("no such file: /data/train.jsonl"), 2),
+    (StorageFaultError("could not write /job/config.json: No space left on device"), 75),
+    (RunStoppedError("the loss diverged at step 7"), 1),
+])
+def test_every_process_reports_a_published_fault_with_its_line_and_status(error, status, capsys):
+    """What the watcher of every process prints and exits with, from the record the faulting
+    process published (through JSON, as the key-value store carries it): the same line and status
+    that process would have reported itself."""
+    record = json.loads(json.dumps(peer_faults.fault_record(error)))
+    assert exit_status(peer_faults.error_of(record)) == exit_status(error) == status
+    out = capsys.readouterr().err.splitlines()
+    assert out == [f"paxlite: error: {error}"] * 2
