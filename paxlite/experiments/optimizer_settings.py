@@ -38,6 +38,7 @@ OPTIMIZER_FIELD_NAMES = {
     "weight_decay": "WEIGHT_DECAY",
     "clip_gradient_norm_to_value": "CLIP_GRADIENT_NORM_TO_VALUE",
     "clip_threshold": "ADAM_CLIP_THRESHOLD",
+    "mu_dtype": "ADAM_MU_DTYPE",
 }
 
 
@@ -77,6 +78,9 @@ class OptimizerSettings:
     ADAM_EPSILON: float = 1e-6
     ADAM_EPSILON_ROOT: float = 0.0
     ADAM_CLIP_THRESHOLD: float = 1.0
+    # The dtype of Adam's first moment; bfloat16 saves 2 bytes a parameter (the second moment and
+    # the weights stay float32).
+    ADAM_MU_DTYPE: Literal["float32", "bfloat16"] = "float32"
     WEIGHT_DECAY: float = 1e-3
     CLIP_GRADIENT_NORM_TO_VALUE: float = 5.0
 

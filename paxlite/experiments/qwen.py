@@ -20,12 +20,16 @@ cosine over MAX_STEPS=1000).
 
 Qwen3-30B-A3B is Qwen3's attention with every feed-forward block a dropless top-8 mixture of 128
 SwiGLU experts (Mixtral's routing, mixtral.py; the 8 weights renormalised, config.json's
-`norm_topk_prob: true`), no shared expert. Its weights, gradients and Adam state (~490 GB) fill
-8 GPUs whatever the mesh, so the 128 experts are split over an expert axis of 4 and FSDP of 2
-(ICI [1, 2, 1, 4]: each device holds 32 experts, half of each), and each GPU takes one sequence of
-8,192 tokens. The load-balancing loss is on: HF's router_aux_loss_coef 0.001 times top-k 8, spread
-over the 48 layers as interop/hf_moe.py maps it (Qwen's config.json ships it switched off,
-output_router_logits false; a fine-tune that drops it can unbalance the experts).
+`norm_topk_prob: true`), no shared expert. Its float32 weights, gradients and Adam state (~490 GB)
+overfill 8 80-GB GPUs, so its defaults trade three things for memory (the catalogue note below has
+`plan`'s figures): FSDP over all 8 GPUs without an expert axis (ICI [1, 8, 1, 1]: every parameter
+held 8 ways; an expert axis leaves the attention and embeddings less sharded), Adam's first moment
+in bfloat16 (ADAM_MU_DTYPE, 2 bytes a parameter less; the second moment and the weights stay
+float32), and the loss over blocks of 1,024 positions (LOSS_CHUNK_SIZE: the [8,192, 151,936] logits
+are never whole). Each GPU takes one sequence of 8,192 tokens. The load-balancing loss is on: HF's
+router_aux_loss_coef 0.001 times top-k 8, spread over the 48 layers as interop/hf_moe.py maps it
+(Qwen's config.json ships it switched off, output_router_logits false; a fine-tune that drops it can
+unbalance the experts).
 """
 
 from __future__ import annotations
@@ -130,7 +134,10 @@ class Qwen3_30B_A3B(MoeSettings, BaseQwen):
     # (32 GiB); the tiled kernel keeps the step's memory in proportion to the rows (the note below)
     MOE_GROUPED_MATMUL = "tiled"
     LOAD_BALANCING_WEIGHT = 0.008
-    ICI_MESH_SHAPE = [1, 2, 1, 4]
+    # A full fine-tune on 8 H100s: the module docstring and the catalogue note
+    ICI_MESH_SHAPE = [1, 8, 1, 1]
+    ADAM_MU_DTYPE = "bfloat16"
+    LOSS_CHUNK_SIZE = 1024
     PERCORE_BATCH_SIZE = 1
 
     def model_config(self) -> fdl.Config[TransformerConfig]:
@@ -151,21 +158,22 @@ step at the defaults:
 | `Qwen2_5_0_5B` | 8 | 64 x 8,192 | 61.37 GiB | fits, 17.74 GiB to spare |
 | `Qwen2_5_7B` | 8 | 16 x 8,192 | 31.14 GiB | fits, 47.97 GiB to spare |
 | `Qwen3_8B` | 8 | 16 x 8,192 | 33.95 GiB | fits, 45.16 GiB to spare |
-| `Qwen3_30B_A3B` | 8 | 8 x 8,192 | 95.69 GiB | no, 16.58 GiB short |
-| `Qwen3_30B_A3B` (`MAX_SEQ_LEN=4096`) | 8 | 8 x 4,096 | 88.03 GiB | no, 8.92 GiB short |
-| `Qwen3_30B_A3B` (LoRA on `attention`) | 8 | 8 x 8,192 | 46.41 GiB | fits, 32.70 GiB to spare |
-| `Qwen3_30B_A3B` (`ICI_MESH_SHAPE=[1,8,1,1]`) | 8 | 8 x 8,192 | 81.03 GiB | no, 1.92 GiB short |
-| `Qwen3_30B_A3B` (same, `MAX_SEQ_LEN=2048`) | 8 | 8 x 2,048 | 77.79 GiB | fits, 1.32 to spare |
+| `Qwen3_30B_A3B` | 8 | 8 x 8,192 | 73.73 GiB | fits, 5.38 GiB to spare |
+| `Qwen3_30B_A3B` (`ADAM_MU_DTYPE=float32`) | 8 | 8 x 8,192 | 80.84 GiB | no, 1.73 GiB short |
+| `Qwen3_30B_A3B` (`LOSS_CHUNK_SIZE=None`) | 8 | 8 x 8,192 | 75.64 GiB | fits, 3.47 GiB to spare |
+| `Qwen3_30B_A3B` (`ICI_MESH_SHAPE=[1,2,1,4]`) | 8 | 8 x 8,192 | 86.01 GiB | no, 6.90 GiB short |
+| `Qwen3_30B_A3B` (same, `ADAM_MU_DTYPE=float32`) | 8 | 8 x 8,192 | 94.20 GiB | no, 15.09 short |
+| `Qwen3_30B_A3B` (LoRA on `attention`) | 8 | 8 x 8,192 | 36.36 GiB | fits, 42.75 GiB to spare |
 
-`Qwen3_30B_A3B`'s rows were planned on 2026-12-06 with its default `MOE_GROUPED_MATMUL=tiled`
-(LoRA: `--fdl.USE_LORA=true --fdl.LORA_TARGET_LAYERS=attention`, plus the checkpoint to adapt).
-With `MOE_GROUPED_MATMUL=ragged_dot` the same step peaked at 186.27 GiB (2026-12-05): XLA's
-GPU compiler expands each grouped matmul to a dense [32 experts, 262,144 rows, 2,048] array per
-device (32 GiB). A full fine-tune still does not fit one node of H100s: its float32 state
-(weights and Adam's two moments, 49.11 GiB a device) and float32 gradients (16.37 GiB) take 65.48
-of the 79.11 GiB before anything else, and the rest of the step's temporaries take 30.21 GiB at
-8,192 tokens a device (22.55 at 4,096); none of `plan`'s levers (expert 8, two pipeline stages)
-brings it under. LoRA fits. FSDP over all 8 devices without an expert axis holds every
-parameter 8 ways (state 42.66 GiB) and comes within 1.92 GiB at 8,192 tokens; at 2,048 it fits,
-but with too little to spare for a default.
+`Qwen3_30B_A3B`'s rows were planned on 2026-12-07 with its defaults (`MOE_GROUPED_MATMUL=tiled`,
+`ICI_MESH_SHAPE=[1,8,1,1]`, `ADAM_MU_DTYPE=bfloat16`, `LOSS_CHUNK_SIZE=1024`), each row changing the
+one setting it names (LoRA: `--fdl.USE_LORA=true --fdl.LORA_TARGET_LAYERS=attention`, planned with
+`--fdl.LORA_RANDOM_BASE=true` in place of the checkpoint to adapt). A full fine-tune in float32 fits
+no mesh of 8 H100s: the float32 weights, gradients and both Adam moments are 16 bytes a parameter,
+56.9 GiB a device at best, and the rest of the step takes 24 GiB more. The bfloat16 first moment
+saves 7.1 GiB a device, the chunked loss 1.9. An expert axis (fsdp 2 x expert 4, the layout of the
+2026-12-06 plan) holds the attention and embedding weights (1.5 billion parameters) only 2 ways.
+With `MOE_GROUPED_MATMUL=ragged_dot` the step peaked at 186.27 GiB (2026-12-05, fsdp 2 x expert 4):
+XLA's GPU compiler expands each grouped matmul to a dense [32 experts, 262,144 rows, 2,048] array
+per device (32 GiB).
 """

@@ -19,6 +19,14 @@ holds - does not depend on values users change between restarts of one job. Disa
 the updates untouched (no multiply by 1, no `+ 0 * param`), so the updates are bit-identical to a
 chain without them.
 
+Adam's first moment may be stored in bfloat16 (`mu_dtype`, MaxText's setting of that name): it
+halves mu's memory, a sixth of a float32 Adam state, and mu's decay (beta1 ~0.9) moves each step by
+far more than bfloat16's resolution. The second moment stays float32: with beta2 ~0.99 or more its
+per-step change is below bfloat16's resolution and the average would stall. Only the stored moment
+is rounded: each step widens it to float32, updates and uses it there, and rounds the new moment.
+(optax's own `mu_dtype` multiplies the bfloat16 moment by beta1 in bfloat16, which rounds beta1
+itself: 0.9 acts as 0.8984375.)
+
 Unlike Pax, a zero is taken at its word: `beta1=0.0` gives beta1 = 0 (Pax's `X if X else default`
 turned GLaM's ADAM_BETA1 = 0 into 0.9).
 """
@@ -35,6 +43,7 @@ import jax.numpy as jnp
 import optax
 
 PyTree = Any
+MU_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +59,7 @@ class OptimizerConfig:
         clip_gradient_norm_to_value: Global-norm clipping before Adam; <= 0 disables.
         clip_threshold: Pax ADAM_CLIP_THRESHOLD, RMS cap on each tensor's Adam update;
             <= 0 disables.
+        mu_dtype: The dtype Adam's first moment is stored in, one of MU_DTYPES.
     """
 
     beta1: float = 0.9
@@ -59,6 +69,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     clip_gradient_norm_to_value: float = 0.0
     clip_threshold: float = -1.0
+    mu_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         problems = optimizer_problems(**{f.name: getattr(self, f.name)
@@ -67,7 +78,7 @@ class OptimizerConfig:
             raise ValueError("; ".join(problems) + ".")
 
 
-def optimizer_problems(**fields: float) -> list[str]:
+def optimizer_problems(**fields: float | str) -> list[str]:
     """What the values given cannot be, one clause each in OptimizerConfig's field names: the
     rules a config is refused by when it is made, which an experiment reports for its settings
     before it builds one."""
@@ -80,6 +91,8 @@ def optimizer_problems(**fields: float) -> list[str]:
             problems.append(f"{name} must be a finite number >= 0, got {value!r}")
         elif name in ("clip_gradient_norm_to_value", "clip_threshold") and math.isnan(value):
             problems.append(f"{name} must be a number (<= 0 disables it), got {value!r}")
+        elif name == "mu_dtype" and value not in MU_DTYPES:
+            problems.append(f"{name} must be one of {', '.join(MU_DTYPES)}, got {value!r}")
     return problems
 
 
@@ -147,6 +160,26 @@ def _add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
     return optax.add_decayed_weights(weight_decay) if weight_decay > 0 else optax.identity()
 
 
+def _store_mu_as(dtype: str, adam: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`adam` (a float32 `scale_by_adam`) with its first moment stored in `dtype` between steps."""
+    if dtype == "float32":
+        return adam
+
+    def store(state: optax.ScaleByAdamState, like: str | jnp.dtype) -> optax.ScaleByAdamState:
+        mu = jax.tree.map(lambda m: m.astype(like), state.mu)
+        return state._replace(mu=mu)
+
+    def init(params: PyTree) -> optax.ScaleByAdamState:
+        return store(adam.init(params), dtype)
+
+    def update(updates: PyTree, state: optax.ScaleByAdamState,
+               params: PyTree | None = None) -> tuple[PyTree, optax.ScaleByAdamState]:
+        updates, state = adam.update(updates, store(state, jnp.float32), params)
+        return updates, store(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(
     config: OptimizerConfig, schedule: optax.Schedule
 ) -> optax.GradientTransformation:
@@ -157,9 +190,9 @@ def make_optimizer(
     """
     return optax.chain(
         _clip_by_global_norm(config.clip_gradient_norm_to_value),
-        optax.scale_by_adam(
+        _store_mu_as(config.mu_dtype, optax.scale_by_adam(
             b1=config.beta1, b2=config.beta2, eps=config.epsilon, eps_root=config.epsilon_root
-        ),
+        )),
         _cap_update_rms(config.clip_threshold),
         _add_decayed_weights(config.weight_decay),
         optax.scale_by_learning_rate(schedule),

@@ -53,7 +53,7 @@ def model_of(name, *assignments):
 
 @pytest.mark.parametrize("kernel, local_copies", [("ragged_dot", 32), ("tiled", 0)])
 def test_the_dropless_routing_memory_is_counted_by_hand(kernel, local_copies):
-    """Qwen3_30B_A3B's default layout (fsdp 2 x expert 4, 8 x 8,192 tokens): each device sorts
+    """Qwen3_30B_A3B with an expert axis (fsdp 2 x expert 4, 8 x 8,192 tokens): each device sorts
     expert 4 x 8,192 tokens x k 8 = 262,144 rows of D 2,048 and F 768 in bf16; ragged_dot's
     lowering copies them once per local expert (128 / 4), the tiled kernel does not."""
     model = model_of("Qwen3_30B_A3B", "FPROP_DTYPE='bfloat16'", f"MOE_GROUPED_MATMUL='{kernel}'")

@@ -109,7 +109,8 @@ def test_fine_tuning_defaults() -> None:
 def test_qwen3_moe_experts_and_mesh() -> None:
     """Qwen3-30B-A3B's published config.json: 128 experts of moe_intermediate_size 768 on every
     layer (decoder_sparse_step 1, no mlp_only_layers), top-8 renormalised (norm_topk_prob true),
-    no shared expert; the experts split over an expert axis on 8 devices."""
+    no shared expert; a full fine-tune's memory defaults on 8 devices (FSDP over all of them,
+    Adam's first moment in bfloat16, the loss in blocks of 1,024 positions)."""
     model = _model("Qwen3_30B_A3B")
     moe = model.moe
     assert (moe.num_experts, moe.experts_per_token, moe.routing.value, moe.moe_layer_interval,
@@ -118,8 +119,10 @@ def test_qwen3_moe_experts_and_mesh() -> None:
     assert moe.load_balancing_weight == pytest.approx(0.001 * 8 / 48)  # HF coef x top-k / layers
     assert parameter_counts(model)[1] == 3_353_032_704  # active per token
     e = load_experiment("Qwen3_30B_A3B")
-    assert (e.ICI_MESH_SHAPE, e.DCN_MESH_SHAPE, e.PERCORE_BATCH_SIZE, e.LEARNING_RATE) == (
-        [1, 2, 1, 4], [1, 1, 1], 1, 2e-5)
+    assert (e.ICI_MESH_SHAPE, e.DCN_MESH_SHAPE, e.PERCORE_BATCH_SIZE, e.LEARNING_RATE,
+            e.ADAM_MU_DTYPE, e.LOSS_CHUNK_SIZE) == ([1, 8, 1, 1], [1, 1, 1], 1, 2e-5,
+                                                    "bfloat16", 1024)
+    assert fdl.build(e.optimizer_config()).mu_dtype == "bfloat16"
 
 
 def test_rope_scaling_settings_are_checked_in_their_names() -> None:

@@ -7,6 +7,7 @@ import shutil
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -234,13 +235,16 @@ def test_fractional_percore_batch_with_tensor_parallelism(tmp_path):
         Run(bad, RunContext(job_dir=str(tmp_path / "bad")))
 
 
-_OFF = ["WEIGHT_DECAY=0.0", "CLIP_GRADIENT_NORM_TO_VALUE=0.0", "ADAM_CLIP_THRESHOLD=-1.0"]
-_ON = ["WEIGHT_DECAY=0.1", "CLIP_GRADIENT_NORM_TO_VALUE=1.0", "ADAM_CLIP_THRESHOLD=1.0"]
+_OFF = ["WEIGHT_DECAY=0.0", "CLIP_GRADIENT_NORM_TO_VALUE=0.0", "ADAM_CLIP_THRESHOLD=-1.0",
+        "ADAM_MU_DTYPE=float32"]
+_ON = ["WEIGHT_DECAY=0.1", "CLIP_GRADIENT_NORM_TO_VALUE=1.0", "ADAM_CLIP_THRESHOLD=1.0",
+       "ADAM_MU_DTYPE=bfloat16"]
 
 
 @pytest.mark.parametrize(("first", "second"), [(_OFF, _ON), (_ON, _OFF)], ids=["off_on", "on_off"])
 def test_resume_after_toggling_optimizer_settings(tmp_path, first, second):
-    """Clipping, the Adam RMS cap and weight decay switched between 0 and > 0 across a restart."""
+    """Clipping, the Adam RMS cap and weight decay switched between 0 and > 0 across a restart,
+    and Adam's first moment between float32 and bfloat16 (the restore casts it)."""
     # COMMON's settings: the _OFF run is the program the earlier-layout test resumes with.
     short = COMMON + ["CHECKPOINT_EVERY_N_STEPS=2"]
     stopped = _run(tmp_path, short + first + ["MAX_STEPS=2"])
@@ -253,6 +257,9 @@ def test_resume_after_toggling_optimizer_settings(tmp_path, first, second):
               if "count" in jax.tree_util.keystr(path)]
     assert counts and all(int(c) == 3 for c in counts)
     assert int(stopped.step) == 2
+    mu_dtype = jnp.dtype(second[-1].removeprefix("ADAM_MU_DTYPE="))
+    assert {leaf.dtype for leaf in jax.tree.leaves(resumed.opt_state[1].mu)} == {mu_dtype}
+    assert {leaf.dtype for leaf in jax.tree.leaves(stopped.opt_state[1].mu)} != {mu_dtype}
 
 
 def _earlier_make_optimizer(config, schedule):

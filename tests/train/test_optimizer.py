@@ -4,6 +4,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -185,9 +186,10 @@ def test_global_norm_matches_numpy() -> None:
         ("epsilon_root", -1.0),
         ("weight_decay", -0.1),
         ("clip_threshold", float("nan")),
+        ("mu_dtype", "float16"),
     ],
 )
-def test_invalid_values_are_named(field: str, value: float) -> None:
+def test_invalid_values_are_named(field: str, value: float | str) -> None:
     with pytest.raises(ValueError, match=field):
         OptimizerConfig(**{field: value})
 
@@ -223,3 +225,51 @@ def test_disabled_stages_are_bit_identical_to_leaving_them_out() -> None:
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         for k in params:
             assert g[k].tobytes() == w[k].tobytes(), f"{k}@{step}"
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _adam_with_bf16_mu_reference(
+    params: dict[str, np.ndarray], grads: list[dict[str, np.ndarray]], *, b1: float, b2: float,
+    eps: float,
+) -> list[dict[str, np.ndarray]]:
+    """Adam in float64 whose stored first moment (the raw one, bias-corrected only when used) is
+    rounded to bfloat16 after each step; the step itself uses the unrounded new moment, and beta1
+    is not rounded. nu is not rounded."""
+    params = {k: v.astype(np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in params.items()}
+    v = {k: np.zeros_like(p) for k, p in params.items()}
+    history = []
+    for t in range(1, len(grads) + 1):
+        lr = LR * _multiplier(t - 1)
+        for k in params:
+            g = grads[t - 1][k].astype(np.float64)
+            new_m = b1 * m[k] + (1 - b1) * g
+            v[k] = b2 * v[k] + (1 - b2) * g**2
+            u = (new_m / (1 - b1**t)) / (np.sqrt(v[k] / (1 - b2**t)) + eps)
+            params[k] = params[k] - lr * u
+            m[k] = _bf16(new_m)
+        history.append({k: p.copy() for k, p in params.items()})
+    return history
+
+
+def test_bfloat16_first_moment_matches_a_rounded_reference() -> None:
+    """ADAM_MU_DTYPE=bfloat16: mu is stored in bfloat16 (nu and the weights stay float32) and the
+    steps equal Adam whose first moment is rounded to bfloat16 each step."""
+    params, grads = _problem()
+    config = OptimizerConfig(beta1=0.9, beta2=0.95, epsilon=1e-8, mu_dtype="bfloat16")
+    state = make_optimizer(config, _schedule()).init(jax.tree.map(jnp.asarray, params))
+    adam = state[1]
+    assert {leaf.dtype for leaf in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(adam.nu)} == {jnp.dtype(jnp.float32)}
+    got = _run_optax(params, grads, config)
+    want = _adam_with_bf16_mu_reference(params, grads, b1=0.9, b2=0.95, eps=1e-8)
+    float32_mu = _run_optax(params, grads, OptimizerConfig(beta1=0.9, beta2=0.95, epsilon=1e-8))
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        for k in w:
+            assert g[k].dtype == np.float32
+            np.testing.assert_allclose(g[k], w[k], rtol=1e-5, atol=1e-7, err_msg=f"{k}@{step}")
+    # The rounding is real: the float32 moment gives other weights.
+    assert not np.allclose(got[-1]["w"], float32_mu[-1]["w"], rtol=1e-6, atol=0)
