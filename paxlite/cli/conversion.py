@@ -195,9 +195,11 @@ def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
 
 
 def find_tokenizer(request: ConvertRequest) -> str | None:
-    """The SentencePiece model an HF export ships: --vocab_path, else the input's own
-    ``tokenizer.model`` (HF directory; Meta directory or its parent), else a paxlite training job's
-    VOCAB_PATH; None when there is none."""
+    """The tokenizer an HF export ships: --vocab_path, else the input's own ``tokenizer.model``
+    (HF directory; Meta directory or its parent), else, for a paxlite checkpoint, the tokenizer a
+    conversion copied beside its model_config.json (tokenizer.json before tokenizer.model, as
+    transformers reads them), else a paxlite training job's VOCAB_PATH; None when there is none."""
+    from paxlite.data.tokenizer import tokenizer_in
     from paxlite.errors import NotFoundError
 
     if request.vocab_path is not None:
@@ -212,18 +214,33 @@ def find_tokenizer(request: ConvertRequest) -> str | None:
     if request.source is Source.META:
         candidates.append(os.path.join(os.path.dirname(directory), hf_write.TOKENIZER_FILE))
     if request.source is Source.PAXLITE:
-        candidates += _job_vocab_paths(directory)
+        candidates += [tokenizer_in(home) or "" for home in _model_homes(directory)]
+        candidates += [tokenizer_in(path) or "" if os.path.isdir(path) else path
+                       for path in _job_vocab_paths(directory)]
     return next((c for c in candidates if os.path.isfile(c)), None)
+
+
+def _ancestors(directory: str) -> list[str]:
+    """``directory`` and the three directories above it: where a checkpoint's conversion output
+    or training job may start (DIR, DIR/checkpoints, DIR/checkpoints/checkpoint_N, its state)."""
+    found = [directory]
+    for _ in range(3):
+        found.append(os.path.dirname(found[-1]))
+    return found
+
+
+def _model_homes(directory: str) -> list[str]:
+    """The conversion output holding ``directory``: the nearest of its ancestors with a
+    model_config.json (none for a training job)."""
+    from paxlite.checkpointing.pretrained import MODEL_CONFIG_FILE
+
+    return [home for home in _ancestors(directory)
+            if os.path.isfile(os.path.join(home, MODEL_CONFIG_FILE))][:1]
 
 
 def _job_vocab_paths(directory: str) -> list[str]:
     """VOCAB_PATH recorded in the config.json of the training job holding ``directory``."""
-    for parent in (
-        directory,
-        os.path.dirname(directory),
-        os.path.dirname(os.path.dirname(directory)),
-        os.path.dirname(os.path.dirname(os.path.dirname(directory))),
-    ):
+    for parent in _ancestors(directory):
         path = os.path.join(parent, "config.json")
         if os.path.isfile(path):
             try:

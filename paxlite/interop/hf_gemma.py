@@ -22,17 +22,25 @@ naming the field. The multimodal ``gemma3`` wrapper is refused by name.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
-from paxlite.interop.hf_rope import rope_entry, rope_of, rope_of_entry
+from paxlite.interop.hf_rope import (
+    refuse_partial_rotation,
+    rope_entry,
+    rope_of,
+    rope_of_entry,
+)
 from paxlite.interop.layouts import HF_LLAMA, LlamaNaming, hf_decoder_shape
 from paxlite.models.activations import Activation
 from paxlite.models.norms import NormKind
 from paxlite.models.open_model_fields import LayerAttention
 from paxlite.models.rotary import RopeScalingKind
 from paxlite.models.transformer_config import PositionEmbedding, TransformerConfig
+
+_log = logging.getLogger(__name__)
 
 GEMMA2 = "gemma2"
 GEMMA3_TEXT = "gemma3_text"
@@ -103,27 +111,36 @@ def _rope(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     if model_type == GEMMA2:
         theta, scaling = rope_of(hf, default=defaults["rope_theta"], kinds=_GEMMA_SCALINGS)
         return {"rope_theta": theta, "rope_scaling": scaling}
-    # 4.x: rope_theta / rope_scaling for the global layers, rope_local_base_freq for the others
+    # As transformers 5 reads either form: one entry per layer type (5.x rope_parameters, each
+    # absent one plain RoPE), 4.x's rope_scaling merged into the global layers' entry, and a
+    # base each entry lacks from rope_theta / rope_local_base_freq
+    refuse_partial_rotation(hf)
+    per_type = hf.get("rope_parameters") or {}
+    kinds = {kind.value for kind in LayerAttention}
+    refuse_if(not isinstance(per_type, Mapping) or not set(per_type) <= kinds, "rope_parameters",
+              per_type, f"Gemma 3 keeps one entry per layer type ({sorted(kinds)})")
+    full = dict(per_type.get("full_attention") or {"rope_type": "default"})
+    if hf.get("rope_scaling") is not None:
+        refuse_if(not isinstance(hf["rope_scaling"], Mapping), "rope_scaling", hf["rope_scaling"],
+                  "it must be null or an object holding rope_type")
+        full.update(hf["rope_scaling"])
+        if "type" in hf["rope_scaling"] and full.get("rope_type") != full["type"]:
+            _log.warning("config.json rope_scaling spells its kind 'type' (%r), which "
+                            "transformers does not read for Gemma 3: the global layers keep "
+                            "rope_type %r, as transformers runs them", full["type"],
+                            full.get("rope_type"))
+            full = {"rope_type": full.get("rope_type", "default"),
+                    **({"rope_theta": full["rope_theta"]} if "rope_theta" in full else {})}
+    theta = defaults["rope_theta"] if hf.get("rope_theta") is None else float(hf["rope_theta"])
+    theta, scaling = rope_of_entry("rope_parameters['full_attention']", full, theta=theta,
+                                   kinds=_GEMMA_SCALINGS)
     local = hf.get("rope_local_base_freq")
     local = defaults["rope_local_base_freq"] if local is None else float(local)
-    theta = defaults["rope_theta"] if hf.get("rope_theta") is None else float(hf["rope_theta"])
-    theta, scaling = rope_of_entry("rope_scaling", hf.get("rope_scaling"), theta=theta,
-                                   kinds=_GEMMA_SCALINGS)
-    per_type = hf.get("rope_parameters")
-    if per_type is not None:  # 5.x: one entry per layer type, read last, wins
-        kinds = {kind.value for kind in LayerAttention}
-        refuse_if(not isinstance(per_type, Mapping) or not set(per_type) <= kinds,
-                  "rope_parameters", per_type,
-                  f"Gemma 3 keeps one entry per layer type ({sorted(kinds)})")
-        theta, scaling = rope_of_entry("rope_parameters['full_attention']",
-                                       per_type.get("full_attention"), theta=theta,
-                                       kinds=_GEMMA_SCALINGS)
-        local, local_scaling = rope_of_entry("rope_parameters['sliding_attention']",
-                                             per_type.get("sliding_attention"), theta=local,
-                                             kinds=_GEMMA_SCALINGS)
-        refuse_if(local_scaling is not None, "rope_parameters['sliding_attention']",
-                  per_type.get("sliding_attention"),
-                  "paxlite scales RoPE on the global layers only")
+    local, local_scaling = rope_of_entry("rope_parameters['sliding_attention']",
+                                         per_type.get("sliding_attention"), theta=local,
+                                         kinds=_GEMMA_SCALINGS)
+    refuse_if(local_scaling is not None, "rope_parameters['sliding_attention']",
+              per_type.get("sliding_attention"), "paxlite scales RoPE on the global layers only")
     return {"rope_theta": theta, "rope_scaling": scaling, "local_rope_theta": local}
 
 
@@ -140,8 +157,9 @@ def gemma_config(hf: Mapping[str, Any]) -> TransformerConfig:
     num_layers = _count(hf, "num_hidden_layers")
     layer_types = _layer_types(hf, model_type, num_layers)
     window = hf.get("sliding_window", 4096)
-    refuse_if(window is None and LayerAttention.SLIDING in layer_types, "sliding_window",
-              window, "the 'sliding_attention' layers need a window")
+    refuse_if(window is None, "sliding_window", window,
+              "transformers' Gemma builds a sliding-window mask for every model, even one whose "
+              "layers are all global, and cannot run without a window")
     scalar = hf.get("query_pre_attn_scalar", 256)
     refuse_if(isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0
               or scalar != int(scalar), "query_pre_attn_scalar", scalar,
@@ -174,7 +192,8 @@ def gemma_config(hf: Mapping[str, Any]) -> TransformerConfig:
         query_scale_dims=int(scalar),
         **{name: None if value is None else float(value) for name, value in caps.items()},
         layer_types=layer_types,
-        sliding_window=None if window is None else int(window),
+        # a window no layer slides over is not part of the model
+        sliding_window=int(window) if LayerAttention.SLIDING in layer_types else None,
         **_rope(hf, model_type),
     )
 
@@ -227,7 +246,8 @@ def gemma_hf_config(config: TransformerConfig, *, model_type: str) -> dict[str, 
         "attention_bias": False,
         "attention_dropout": 0.0,
         "query_pre_attn_scalar": config.query_scale_dims or config.dims_per_head,
-        "sliding_window": config.sliding_window,
+        # transformers needs a window even where no layer slides: then one over the whole context
+        "sliding_window": config.sliding_window or config.max_seq_len,
         "layer_types": types,
         "final_logit_softcapping": config.final_logit_cap,
         "attn_logit_softcapping": config.attention_logit_cap,

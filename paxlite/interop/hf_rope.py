@@ -70,18 +70,27 @@ def rope_of_entry(field: str, params: Any, *, theta: float,
     return theta, _rope_scaling_of(field, params, kinds)
 
 
+def refuse_partial_rotation(hf: Mapping[str, Any]) -> None:
+    """A top-level ``partial_rotary_factor`` (transformers moves it into the RoPE object)."""
+    partial = hf.get("partial_rotary_factor")
+    refuse_if(partial is not None and partial != 1.0, "partial_rotary_factor", partial,
+              "paxlite rotates every dimension of a head")
+
+
 def rope_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA,
             kinds: Collection[RopeScalingKind] = LLAMA3_ONLY
             ) -> tuple[float, RopeScaling | None]:
-    """(RoPE base, frequency scaling) from either spelling: 5.x ``rope_parameters``, else 4.x's
+    """(RoPE base, frequency scaling) from either spelling: 5.x ``rope_parameters`` or 4.x's
     top-level ``rope_theta`` and ``rope_scaling`` (whose kind older files spell ``type``);
-    ``kinds``: the scalings the model type may have."""
+    ``kinds``: the scalings the model type may have. As transformers 5 reads a file holding
+    both: a non-empty ``rope_scaling`` replaces ``rope_parameters`` whole, and the base is then
+    its own ``rope_theta``, else the top-level one, else ``default``."""
+    refuse_partial_rotation(hf)
     theta = default if hf.get("rope_theta") is None else float(hf["rope_theta"])
-    scaling = None
-    for field in ("rope_scaling", "rope_parameters"):  # 5.x's rope_parameters, read last, wins
-        if hf.get(field) is not None:
-            theta, scaling = rope_of_entry(field, hf[field], theta=theta, kinds=kinds)
-    return theta, scaling
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    if not hf.get(field):
+        return theta, None
+    return rope_of_entry(field, hf[field], theta=theta, kinds=kinds)
 
 
 def rope_theta_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA) -> float:

@@ -314,11 +314,19 @@ def tokenizer_config(path: str, *, family: str | None = None) -> dict[str, Any]:
 
 
 def write_tokenizer(directory: str, *, path: str, family: str | None = None) -> list[str]:
-    """The tokenizer an HF export ships: an HF tokenizer's own files (with its chat templates),
-    or a SentencePiece model with the settings transformers reads it with for the model's
-    ``family`` (its HF model_type; tokenizer_config)."""
+    """The tokenizer an HF export ships: an HF tokenizer's own files (with its chat templates, and
+    the SentencePiece model beside them if there is one), or a SentencePiece model with the
+    settings transformers reads it with for the model's ``family`` (its HF model_type;
+    tokenizer_config)."""
     if is_hf_tokenizer(path):
-        return copy_hf_tokenizer(_hf_tokenizer_dir(path), directory)
+        source = _hf_tokenizer_dir(path)
+        copied = copy_hf_tokenizer(source, directory)
+        # HF repositories that have a SentencePiece model ship it beside tokenizer.json
+        if os.path.isfile(os.path.join(source, TOKENIZER_FILE)):
+            shutil.copyfile(os.path.join(source, TOKENIZER_FILE),
+                            os.path.join(directory, TOKENIZER_FILE))
+            copied.append(TOKENIZER_FILE)
+        return copied
     shutil.copyfile(path, os.path.join(directory, TOKENIZER_FILE))
     config = tokenizer_config(path, family=family)
     write_json(os.path.join(directory, "tokenizer_config.json"), config)

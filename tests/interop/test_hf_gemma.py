@@ -166,6 +166,24 @@ def test_save_loads_in_transformers_with_the_same_logits(family_dir, tmp_path):
         np.testing.assert_array_equal(value.numpy(), source[name].numpy(), err_msg=name)
 
 
+def test_a_model_without_sliding_layers_saves_a_window_transformers_runs(family_dir, tmp_path):
+    """transformers' Gemma needs a `sliding_window` even when every layer is global: `hf.save`
+    writes one over the whole context, and reading it back gives the model without a window."""
+    import transformers
+
+    _, _, _, _, pretrained = family_dir
+    config = dataclasses.replace(pretrained.config, layer_types=(F,) * 4, sliding_window=None)
+    global_only = dataclasses.replace(pretrained, config=config)
+    hf.save(global_only, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["sliding_window"] == config.max_seq_len
+    assert hf.load(tmp_path / "out").config == config
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    np.testing.assert_allclose(hf_logits(model, TOKENS), global_only.logits(TOKENS), atol=1e-4,
+                               rtol=0)
+
+
 def test_convert_into_gemma2_9b_stacks_whole_periods(family_dir, tmp_path, monkeypatch, capfd):
     """`convert --fdl_config=Gemma2_9B` (shrunk to the tiny shapes) writes the experiment's scanned
     stack, units of one sliding and one global layer, which reads back as the same model and
@@ -230,6 +248,8 @@ def _gemma_json(**changes):
     (dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types=["),
     (dict(layer_types=["full_attention"]), "it has 1 entries for num_hidden_layers=2"),
     (dict(sliding_window=None), "sliding_window=None"),
+    # transformers builds the sliding mask whatever the layers, and fails without a window
+    (dict(sliding_window=None, layer_types=["full_attention"] * 2), "sliding_window=None"),
     (dict(query_pre_attn_scalar=20.5), "query_pre_attn_scalar=20.5"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
      "rope_type 'yarn' is not one"),

@@ -70,3 +70,12 @@ def test_generate_reads_the_tokenizer_json_a_conversion_copied(llama_gqa, tmp_pa
         assert record["ids"] == want[0, len(ids):].tolist()
         assert record["prompt"] == theirs.decode(ids)
         assert record["prompt"] + record["text"] == theirs.decode(ids + record["ids"])
+    # ... and converted back, it ships the same tokenizer files, which transformers reads alike
+    back = tmp_path / "hf_again"
+    assert main(["convert", "--from=paxlite", "--to=hf", f"--input={out}",
+                 f"--output={back}"]) == 0
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", template):
+        assert (back / name).read_bytes() == (hf_dir / name).read_bytes(), name
+    again = AutoTokenizer.from_pretrained(back)
+    for text in TEXTS:
+        assert again(text)["input_ids"] == theirs(text)["input_ids"]
