@@ -37,10 +37,10 @@ def _save(tokenizer, directory, **special):
     return directory
 
 
-def _check_against_transformers(directory):
+def _check_against_transformers(directory, texts=tuple(TEXTS)):
     ours, theirs = Tokenizer(directory), AutoTokenizer.from_pretrained(directory)
     assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
-    for text in TEXTS:
+    for text in texts:
         assert ours.encode(text, add_bos=ours.adds_bos) == theirs(text)["input_ids"], text
         plain = theirs(text, add_special_tokens=False)["input_ids"]
         assert ours.encode(text) == plain, text
@@ -133,6 +133,39 @@ def test_byte_fallback_tokenizer_json_equals_transformers(byte_fallback):
     for ids in ([3 + 0xE6, n, 3 + 0xB1], [3 + 0xE6, 3 + 0xB1], [3 + 0xFF, n]):
         assert ours.decode(ids) == theirs.decode(ids)
     assert ours.decode([3 + 0xE6, 3 + 0xB1]) == "\ufffd\ufffd"
+
+
+# (tokenizer_config.json settings, config.json's model_type or None for no config.json)
+LLAMA_CLASS_CASES = {
+    "legacy": (dict(tokenizer_class="LlamaTokenizer", legacy=True), "llama"),
+    "not legacy": (dict(tokenizer_class="LlamaTokenizerFast", legacy=False), "llama"),
+    "legacy unset, no config.json": (dict(tokenizer_class="LlamaTokenizer"), None),
+    "no prefix space": (dict(tokenizer_class="LlamaTokenizer", add_prefix_space=False), None),
+    # transformers reads these as written (its Mistral or generic reader)
+    "mistral": (dict(tokenizer_class="LlamaTokenizer", legacy=False), "mistral"),
+}
+# text beside special tokens: where "▁" is put differs between the pipelines
+AROUND_SPECIALS = ("Hi</s>there", "<s>hello</s>", " Hello", "a </s> b", "  x</s>  y")
+
+
+@pytest.mark.parametrize("settings, model_type", LLAMA_CLASS_CASES.values(),
+                         ids=LLAMA_CLASS_CASES.keys())
+def test_a_llama_tokenizer_class_is_built_as_transformers_builds_it(
+        tmp_path, byte_fallback, settings, model_type):
+    """transformers 5 rebuilds a non-byte-level tokenizer.json whose config names LlamaTokenizer
+    (LLaMA-2's hub files: a Prepend + Replace normalizer, which puts one more "▁" before a text
+    that starts with a space, and one before the text after each special token)."""
+    directory = tmp_path / "llama2"
+    shutil.copytree(byte_fallback, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, **settings}))
+    if model_type is not None:
+        (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    ours = _check_against_transformers(directory, texts=(*TEXTS, *AROUND_SPECIALS))
+    as_written = Tokenizer(byte_fallback)
+    rebuilt = model_type != "mistral"
+    assert (ours.encode(" Hello") != as_written.encode(" Hello")) is rebuilt
+    assert ours.sha256() != as_written.sha256()  # tokenizer_config.json differs
 
 
 def test_no_post_processor_adds_no_bos_and_config_tokens_are_added(tmp_path, byte_fallback):
