@@ -148,7 +148,6 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
             stack.enter_context(nn.logical_axis_rules(DEFAULT_RULES))
         outputs = generate(model.config, params, prompt_ids, max_new_tokens=args.max_new_tokens,
                            sampling=sampling, seed=args.seed, eos_id=eos,
-                           vocab_limit=None if tokenizer is None else tokenizer.vocab_size,
                            batch_multiple=batch_multiple)
     if process != 0:  # every process has all the ids; one prints them
         return 0

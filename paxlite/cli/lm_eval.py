@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
     mesh, _ = model_source.build_mesh(model)  # a mesh that does not fit is an error before reading
     params = model_source.restore_params(model, mesh)
     runner = ModelRunner(model_config=model.config, params=params, mesh=mesh,
-                         batch_size=args.batch_size, vocab_limit=tokenizer.vocab_size,
+                         batch_size=args.batch_size,
                          eos_id=tokenizer.eos_id if tokenizer.eos_id >= 0 else None,
                          decode=tokenizer.decode)
     results = evaluate(runner=runner, tokenizer=tokenizer, bos_id=bos, tasks=tasks,

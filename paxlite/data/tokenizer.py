@@ -224,8 +224,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens included; for a tokenizer.json exactly what
-        transformers' `tokenizer.decode(ids)` returns."""
-        return self._backend.decode([int(i) for i in ids])
+        transformers' `tokenizer.decode(ids)` returns. An id the tokenizer does not have (a model's
+        vocabulary is often padded beyond its tokenizer's) decodes to nothing, as transformers'
+        tokenizers decode it."""
+        return self._backend.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
     def sha256(self) -> str:
         """Hex sha256 of the file(s) read (see `_files_sha256`)."""

@@ -279,7 +279,7 @@ def score_tasks(*, model_config: TransformerConfig, params: PyTree, mesh, tokeni
     from paxlite.eval.harness_lm import evaluate
 
     runner = ModelRunner(model_config=model_config, params=params, mesh=mesh, rules=rules,
-                         batch_size=batch_size, vocab_limit=tokenizer.vocab_size,
+                         batch_size=batch_size,
                          eos_id=tokenizer.eos_id if tokenizer.eos_id >= 0 else None,
                          decode=tokenizer.decode)
     results = evaluate(runner=runner, tokenizer=tokenizer, bos_id=bos_id, tasks=list(tasks),

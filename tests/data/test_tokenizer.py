@@ -72,6 +72,14 @@ def test_round_trip_is_exact(tok):
     assert tok.encode_batch([]) == []
 
 
+def test_ids_past_the_vocabulary_decode_to_nothing(tok):
+    """A model's vocabulary is often padded past its tokenizer's; generation may pick those ids,
+    and they decode to nothing, as transformers' tokenizers decode them (SentencePiece raises)."""
+    ids = tok.encode("The time is now.")
+    padded = [tok.vocab_size, *ids[:2], tok.vocab_size + 5, *ids[2:], 10**6]
+    assert tok.decode(padded) == "The time is now."
+
+
 def test_byte_fallback_round_trips_unseen_characters(tok):
     text = "naïve ✓ 中文 emoji 🙂"
     ids = tok.encode(text)

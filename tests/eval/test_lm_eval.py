@@ -75,7 +75,6 @@ def _paxlite(pax, *, batch_size, add_bos=True, mesh_shape=None, tasks=TASKS):
         params=model_source.restore_params(source, mesh),
         mesh=mesh,
         batch_size=batch_size,
-        vocab_limit=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,
         decode=tokenizer.decode,
     )

@@ -72,7 +72,7 @@ def _paxlite(model):
     tokenizer = model_source.load_tokenizer(source)
     runner = ModelRunner(model_config=source.config,
                          params=model_source.restore_params(source, None), mesh=None,
-                         batch_size=4, vocab_limit=tokenizer.vocab_size,
+                         batch_size=4,
                          eos_id=tokenizer.eos_id, decode=tokenizer.decode)
     return evaluate(runner=runner, tokenizer=tokenizer, bos_id=None, tasks=TASKS, num_fewshot=1,
                     include_path=str(TASKS_DIR), log_samples=True, bootstrap_iters=0,

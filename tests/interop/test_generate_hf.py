@@ -49,14 +49,14 @@ TEXT_NEW = 6
 
 
 def _hf_text_greedy(model, ids, *, vocab: int, eos: int):
-    """transformers' greedy continuation of `ids`, restricted as paxlite's generate restricts it
-    to the ids the tokenizer can decode (suppress_tokens: the model's padded vocabulary beyond)."""
+    """transformers' greedy continuation of `ids`, over the model's whole vocabulary (padded
+    beyond the tokenizer's ``vocab``, as real models' are)."""
     import torch
 
+    assert vocab < model.config.vocab_size
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=TEXT_NEW,
-                             eos_token_id=eos, pad_token_id=eos,
-                             suppress_tokens=list(range(vocab, model.config.vocab_size)))
+                             eos_token_id=eos, pad_token_id=eos)
     return out[0, len(ids):].tolist()
 
 
