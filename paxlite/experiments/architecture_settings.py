@@ -36,10 +36,11 @@ class RopeScalingSettings:
     """RoPE frequency scaling for contexts longer than the pretraining one (models/rotary.py)."""
 
     # Hugging Face's rope_type: "llama3" (LLaMA-3.1/3.2/3.3) divides the low frequencies by
-    # ROPE_SCALING_FACTOR, keeps the high ones and blends in between; "none": plain RoPE. The
-    # other four are its parameters, as config.json's rope_scaling names them (3.1/3.3: factor 8,
-    # 3.2: 32; low 1, high 4, original context 8192 for all).
-    ROPE_SCALING: Literal["none", "llama3"] = "none"
+    # ROPE_SCALING_FACTOR, keeps the high ones and blends in between; "linear" (Gemma 3's global
+    # layers) divides every frequency by it; "none": plain RoPE. The other four are llama3's
+    # parameters, as config.json's rope_scaling names them (3.1/3.3: factor 8, 3.2: 32; low 1,
+    # high 4, original context 8192 for all).
+    ROPE_SCALING: Literal["none", "llama3", "linear"] = "none"
     ROPE_SCALING_FACTOR: float = 8.0
     ROPE_SCALING_LOW_FREQ_FACTOR: float = 1.0
     ROPE_SCALING_HIGH_FREQ_FACTOR: float = 4.0
@@ -53,6 +54,10 @@ class RopeScalingSettings:
                 problems.append(f"{', '.join(given)} set but ROPE_SCALING='none', so RoPE is not "
                                 "rescaled: add --fdl.ROPE_SCALING=llama3, or drop them")
             return problems
+        unread = [name for name in given if name != "ROPE_SCALING_FACTOR"]
+        if self.ROPE_SCALING == "linear" and unread:
+            problems.append(f"{', '.join(unread)} set but ROPE_SCALING='linear' reads only "
+                            "ROPE_SCALING_FACTOR: drop them")
         try:
             self.rope_scaling()
         except ValueError as e:

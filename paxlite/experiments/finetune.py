@@ -194,6 +194,11 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
     def is_moe(self) -> bool:
         return self.checkpoint_model().moe is not None
 
+    def layers_per_scan_unit(self) -> int:
+        """The checkpoint model's scanned unit (what a pipeline splits): its MoE interval, or one
+        period of its layer kinds (Gemma's sliding and global layers)."""
+        return self.checkpoint_model().layers_per_scan_unit
+
     def validate(self) -> None:
         model = self.checkpoint_model()
         problems = []

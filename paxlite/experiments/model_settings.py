@@ -216,6 +216,10 @@ class LoraSettings:
     def lora_problems(self) -> list[str]:
         """LORA_RANK / LORA_ALPHA out of range (the first is raised: each stands alone)."""
         problems = rank_problems(self.LORA_RANK) + alpha_problems(self.LORA_ALPHA)
+        if self.USE_LORA and self.LORA_TARGET_LAYERS != "attention" and self.is_moe():
+            problems.append(f"LORA_TARGET_LAYERS={self.LORA_TARGET_LAYERS!r} puts adapters on "
+                            "the MLP matmuls, and paxlite has none for a mixture of experts: use "
+                            "--fdl.LORA_TARGET_LAYERS=attention with an MoE model")
         return in_hparam_names(problems, names=LORA_FIELD_NAMES)
 
     def unread_lora_problems(self) -> list[str]:

@@ -327,3 +327,56 @@ def test_finetune_of_a_gemma2_checkpoint(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"^ATTENTION_KIND='flash' with the checkpoint's "
                                           r"attention logit soft-cap 50.0 \(Gemma 2\)"):
         load_experiment("FineTune", [path, "ATTENTION_KIND=flash"])
+
+
+def _recorded(tmp_path, hf_config: dict) -> str:
+    """CHECKPOINT_RESTORE_PATH=DIR of a model_config.json as `convert` records ``hf_config``."""
+    from paxlite.checkpointing.pretrained import MODEL_CONFIG_FILE, model_config_to_json
+    from paxlite.interop.hf_config import from_hf_config
+
+    _, recorded = from_hf_config(hf_config)
+    (tmp_path / MODEL_CONFIG_FILE).write_text(model_config_to_json(recorded))
+    return f"CHECKPOINT_RESTORE_PATH={tmp_path}"
+
+
+_SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+
+
+def test_finetune_of_a_gemma3_checkpoint_with_linear_rope_and_a_pipeline(tmp_path) -> None:
+    """Gemma 3's linear RoPE scaling on its global layers is the checkpoint's, and a pipeline
+    splits whole periods of its sliding and global layers, refusing in one line what does not
+    split (FineTune's scanned unit is the checkpoint's)."""
+    path = _recorded(tmp_path, {**_SMALL, "model_type": "gemma3_text", "sliding_window": 4,
+                                "sliding_window_pattern": 2, "rope_theta": 1e6,
+                                "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    e = load_experiment("FineTune", [path])
+    assert (e.ROPE_SCALING, e.ROPE_SCALING_FACTOR) == ("linear", 8.0)
+    model = fdl.build(e.model_config())
+    assert (model.rope_scaling.kind.value, model.rope_scaling.factor) == ("linear", 8.0)
+    assert e.layers_per_scan_unit() == 2
+    two_stages = load_experiment("FineTune", [path, "ICI_MESH_SHAPE=[1,1,1,1,2]"])
+    assert fdl.build(two_stages.model_config()).pipeline.num_stages == 2
+    with pytest.raises(ConfigError, match=r"NUM_LAYERS=4 \(2 units of 2 layers\) does not split "
+                                          r"into 4 pipeline stages"):
+        load_experiment("FineTune", [path, "ICI_MESH_SHAPE=[1,1,1,1,4]"])
+    with pytest.raises(ConfigError, match=r"ROPE_SCALING_LOW_FREQ_FACTOR set but "
+                                          r"ROPE_SCALING='linear' reads only ROPE_SCALING_FACTOR"):
+        load_experiment("FineTune", [path, "ROPE_SCALING_LOW_FREQ_FACTOR=2.0"])
+
+
+def test_finetune_of_a_qwen3_moe_checkpoint_with_lora_and_a_pipeline(tmp_path) -> None:
+    """An MoE checkpoint: LoRA on the MLP matmuls is refused in the setting's name; a pipeline
+    splits the checkpoint's units (every layer sparse: one layer each)."""
+    path = _recorded(tmp_path, {**_SMALL, "model_type": "qwen3_moe", "num_experts": 4,
+                                "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                "norm_topk_prob": True})
+    for targets in ("all", "mlp"):
+        with pytest.raises(ConfigError, match=rf"LORA_TARGET_LAYERS='{targets}' puts adapters on "
+                                              r"the MLP matmuls.*LORA_TARGET_LAYERS=attention"):
+            load_experiment("FineTune", [path, "USE_LORA=true", f"LORA_TARGET_LAYERS={targets}"])
+    lora = load_experiment("FineTune", [path, "USE_LORA=true", "LORA_TARGET_LAYERS=attention"])
+    assert lora.with_lora(lora.model_config()).lora_rank == 8
+    e = load_experiment("FineTune", [path, "ICI_MESH_SHAPE=[1,1,1,1,2]"])
+    assert e.layers_per_scan_unit() == 1
+    assert fdl.build(e.model_config()).pipeline.num_stages == 2
