@@ -159,7 +159,25 @@ def model_config_from_job(job_dir: Any) -> TransformerConfig:
             f"cannot rebuild the model from {path} ({type(e).__name__}: {e}); pass "
             "--fdl_config=NAME "
             "and the job's --fdl.X overrides instead") from e
-    return fdl.build(experiment.model_config())
+    return _with_base_context(fdl.build(experiment.model_config()),
+                              restore_path=hparams.get("CHECKPOINT_RESTORE_PATH"))
+
+
+def _with_base_context(model: TransformerConfig, *, restore_path: str | None
+                       ) -> TransformerConfig:
+    """A fine-tuned RoPE model keeps the context of the model it started from: the job's
+    MAX_SEQ_LEN is the length it trained at (often shorter), and RoPE has no table that it
+    bounds. A model with a learned position table keeps the table's rows."""
+    from paxlite.checkpointing.pretrained import load_model_config
+    from paxlite.experiments.finetune import model_home
+    from paxlite.models.transformer_config import PositionEmbedding
+
+    if not restore_path or model.position_kind is not PositionEmbedding.ROTARY:
+        return model
+    base = load_model_config(model_home(restore_path))  # None once that directory is gone
+    if base is None or base.max_seq_len <= model.max_seq_len:
+        return model
+    return dataclasses.replace(model, max_seq_len=base.max_seq_len)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

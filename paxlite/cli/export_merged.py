@@ -1,5 +1,6 @@
 """`python -m paxlite export_merged --input=JOB_DIR --output=DIR`: a LoRA run's parameters with
-the adapters folded in, a checkpoint of the base model (paxlite/train/export.py)."""
+the adapters folded in, a checkpoint of the base model (paxlite/train/export.py), with the run's
+tokenizer copied beside it as `convert` copies one (so `generate` and `--to=hf` find it)."""
 
 from __future__ import annotations
 
@@ -35,5 +36,33 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
                                               fdl_config=args.fdl_config)
     model = fdl.build(experiment.with_lora(experiment.model_config()))
     return_freed_buffers()
-    print(export.export_merged(args.input, output, model_config=model))
+    step_dir = export.export_merged(args.input, output, model_config=model)
+    _copy_tokenizer(experiment.VOCAB_PATH, output)
+    print(step_dir)
     return 0
+
+
+def _copy_tokenizer(vocab_path: str | None, output: str) -> None:
+    """The run's tokenizer (VOCAB_PATH, else the environment's) beside the merged model: an HF
+    tokenizer.json with the files read with it (and a tokenizer.model beside it), or a
+    SentencePiece model as tokenizer.model with the tokenizer_config.json beside it; nothing for a
+    run without a tokenizer (synthetic data)."""
+    import os
+    import shutil
+
+    from paxlite.data.tokenizer import VOCAB_PATH_ENV, find_tokenizer_file, resolve_vocab_path
+    from paxlite.interop import hf_write
+
+    if not vocab_path and not os.environ.get(VOCAB_PATH_ENV):
+        return
+    path = find_tokenizer_file(resolve_vocab_path(vocab_path))
+    source = os.path.dirname(path)
+    if hf_write.is_hf_tokenizer(path):
+        hf_write.copy_hf_tokenizer(source, output)
+        beside = [(hf_write.TOKENIZER_FILE, hf_write.TOKENIZER_FILE)]
+    else:
+        beside = [(os.path.basename(path), hf_write.TOKENIZER_FILE),
+                  ("tokenizer_config.json", "tokenizer_config.json")]
+    for name, as_name in beside:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(output, as_name))

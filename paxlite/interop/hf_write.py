@@ -204,6 +204,15 @@ def _hf_tokenizer_dir(path: str) -> str:
     return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
 
 
+def special_token_ids(path: str) -> tuple[int | None, int | None]:
+    """(BOS id, EOS id) of the tokenizer an export ships, as transformers reads it (None where it
+    has none): what config.json and generation_config.json carry, so `generate` stops at EOS."""
+    from paxlite.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(path)
+    return tokenizer.bos_id, None if tokenizer.eos_id < 0 else tokenizer.eos_id
+
+
 def check_tokenizer(path: str, *, vocab_size: int, setting: str = "--vocab_path") -> str:
     """``path`` if it is a SentencePiece model, or an HF tokenizer.json, whose tokens fit the
     model's vocabulary."""

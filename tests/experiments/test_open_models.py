@@ -10,6 +10,7 @@ process.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -380,3 +381,17 @@ def test_finetune_of_a_qwen3_moe_checkpoint_with_lora_and_a_pipeline(tmp_path) -
     e = load_experiment("FineTune", [path, "ICI_MESH_SHAPE=[1,1,1,1,2]"])
     assert e.layers_per_scan_unit() == 1
     assert fdl.build(e.model_config()).pipeline.num_stages == 2
+
+
+def test_an_export_of_a_finetune_job_keeps_the_base_models_context(converted: str,
+                                                                   tmp_path) -> None:
+    """The job trained at MAX_SEQ_LEN=16; the HF export of its model says the 64 positions of
+    the converted model it started from (RoPE has no table that the training length bounds)."""
+    from paxlite.cli.conversion import model_config_from_job
+
+    overrides = {"CHECKPOINT_RESTORE_PATH": converted, "MAX_SEQ_LEN": 16}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "experiment": "FineTune", "hparams": overrides, "overridden": sorted(overrides)}))
+    assert load_experiment("FineTune", [f"{k}={v}" for k, v in overrides.items()]).MAX_SEQ_LEN \
+        == 16
+    assert model_config_from_job(tmp_path).max_seq_len == 64

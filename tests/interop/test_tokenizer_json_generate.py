@@ -75,6 +75,12 @@ def test_generate_reads_the_tokenizer_json_a_conversion_copied(llama_gqa, tmp_pa
                  f"--output={back}"]) == 0
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", template):
         assert (back / name).read_bytes() == (hf_dir / name).read_bytes(), name
+    # a paxlite checkpoint records no BOS / EOS ids: they are the shipped tokenizer's, so
+    # transformers' generate stops at EOS as it does on the source
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((back / name).read_text())
+        assert (written["bos_token_id"], written["eos_token_id"]) == (
+            theirs.bos_token_id, theirs.eos_token_id) == (1, 2), name
     again = AutoTokenizer.from_pretrained(back)
     for text in TEXTS:
         assert again(text)["input_ids"] == theirs(text)["input_ids"]

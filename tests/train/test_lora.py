@@ -234,3 +234,37 @@ def test_full_sft_then_lora_then_merged_export_from_the_command_line(tmp_path, m
     assert not np.array_equal(got["layers_0/mlp/wo/kernel"], flat_a["layers_0/mlp/wo/kernel"])
     lines = [json.loads(x) for x in (job_b / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [1, 2]
+
+
+def test_a_merged_export_carries_the_runs_tokenizer(tmp_path, monkeypatch):
+    """export_merged copies VOCAB_PATH's tokenizer beside the merged model, as `convert` copies
+    one: an HF tokenizer.json with the files read with it (and the tokenizer.model beside it), or
+    a SentencePiece model as tokenizer.model with its tokenizer_config.json; `generate` and
+    `--to=hf` then find it there."""
+    from paxlite.cli.export_merged import _copy_tokenizer
+    from paxlite.data.tokenizer import tokenizer_in
+
+    hf_dir, spm_dir = tmp_path / "hf", tmp_path / "spm"
+    hf_dir.mkdir()
+    spm_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "tokenizer.model"):
+        (hf_dir / name).write_text(f"{name} of the HF directory")
+    (spm_dir / "my.model").write_text("a SentencePiece model")
+    (spm_dir / "tokenizer_config.json").write_text("its settings")
+    for source, want in ((hf_dir, {"tokenizer.json": "tokenizer.json of the HF directory",
+                                   "tokenizer_config.json": "tokenizer_config.json of the HF "
+                                                            "directory",
+                                   "special_tokens_map.json": "special_tokens_map.json of the HF "
+                                                              "directory",
+                                   "tokenizer.model": "tokenizer.model of the HF directory"}),
+                         (spm_dir / "my.model", {"tokenizer.model": "a SentencePiece model",
+                                                 "tokenizer_config.json": "its settings"})):
+        out = tmp_path / f"out_{source.name}"
+        out.mkdir()
+        _copy_tokenizer(str(source), str(out))
+        assert {p.name: p.read_text() for p in out.iterdir()} == want
+        assert tokenizer_in(out) is not None
+    monkeypatch.delenv("VOCAB_PATH", raising=False)
+    _copy_tokenizer(None, str(tmp_path / "nothing"))  # synthetic data: no tokenizer, no error
+    assert not (tmp_path / "nothing").exists()
