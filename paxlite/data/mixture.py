@@ -216,7 +216,7 @@ class MixtureIterator:
                 for key, value in got.items():
                     cut[key][rows] = value
         self._next_row += self._global
-        return lm_features(cut)
+        return lm_features(cut, start_id=self._streams[0].start_id)  # one tokenizer (MixtureData)
 
     def get_state(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,7 @@ the targets shifted right within each segment, with 0 at every segment start.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -20,15 +21,26 @@ import numpy as np
 from array_record.python import array_record_module
 
 
-def lm_features(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """[B, L] targets/segment_ids/positions -> the full batch; vectorised, no per-token Python."""
+class DocumentStart(str, enum.Enum):
+    """What each document's first input is (the token its first token is predicted from)."""
+
+    ZERO = "zero"  # id 0, as SeqIO's LM feature converter and Pax feed it
+    BOS = "bos"  # the tokenizer's BOS, as Hugging Face models train and are prompted
+
+
+def lm_features(rows: dict[str, np.ndarray], *, start_id: int = 0) -> dict[str, np.ndarray]:
+    """[B, L] targets/segment_ids/positions -> the full batch; vectorised, no per-token Python.
+
+    Each segment's first input is `start_id`, from which its first token is predicted: 0 as
+    SeqIO and Pax feed it, or the tokenizer's BOS, as a Hugging Face model is trained
+    (`DocumentStart`)."""
     targets = rows["targets"].astype(np.int32, copy=False)
     positions = rows["positions"].astype(np.int32, copy=False)
     segment_ids = rows["segment_ids"].astype(np.int32, copy=False)
     inputs = np.zeros_like(targets)
     inputs[:, 1:] = targets[:, :-1]
     # Every segment (and all padding) starts at position 0: nothing is predicted across documents.
-    inputs[positions == 0] = 0
+    inputs[positions == 0] = start_id
     return {
         "inputs": inputs,
         "targets": targets,
@@ -124,8 +136,10 @@ class DocumentStream:
     """
 
     def __init__(self, *, source, indices: np.ndarray, encode: ChunkEncoder, shuffle: bool,
-                 seed: int, seq_len: int, rows: int, packed: bool, chunk: int | None = None):
+                 seed: int, seq_len: int, rows: int, packed: bool, chunk: int | None = None,
+                 start_id: int = 0):
         self._source, self._indices, self._encode = source, indices, encode
+        self.start_id = start_id  # each segment's first input (lm_features)
         self._shuffle, self._seed = shuffle, seed
         self._seq_len, self._rows, self._packed, self._fixed_chunk = seq_len, rows, packed, chunk
         self._read_docs, self._read_tokens = 0, 0
@@ -234,7 +248,7 @@ class DocumentStream:
             cut = {"targets": empty, "segment_ids": empty, "positions": empty}
         else:
             cut = self._next_packed(rows) if self._packed else self._next_unpacked(rows)
-        return lm_features(cut) if features else cut
+        return lm_features(cut, start_id=self.start_id) if features else cut
 
     def _next_unpacked(self, count: int) -> dict[str, np.ndarray]:
         while len(self._starts) - self._first_unfinished() < count:

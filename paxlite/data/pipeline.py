@@ -30,6 +30,7 @@ from paxlite.data import records
 from paxlite.data import tokenizer as tokenizer_lib
 from paxlite.data.feeding import ProcessShare, check_vocab_and_seed
 from paxlite.data.packing import (
+    DocumentStart,
     DocumentStream,
     ShardedRecords,
     lm_features,
@@ -65,6 +66,8 @@ class TextDataConfig:
         train_split, eval_split: split names in the manifest; `eval_split=None` means no eval data.
         tfds_name: when set (e.g. "the_pile:1.0.0"), `data_dir` is a TFDS data directory and this
             dataset's text feature is read from its ArrayRecord files (no TensorFlow needed).
+        document_start: each document's (and each row's) first input, from which its first token
+            is predicted: 0 (SeqIO's and Pax's), or the tokenizer's BOS (DocumentStart).
     """
 
     data_dir: str
@@ -77,20 +80,25 @@ class TextDataConfig:
     train_split: str = "train"
     eval_split: str | None = DEFAULT_EVAL_SPLIT
     tfds_name: str | None = None
+    document_start: DocumentStart = DocumentStart.ZERO
 
     def __post_init__(self):
+        object.__setattr__(self, "document_start", DocumentStart(self.document_start))
         if self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         check_vocab_and_seed(vocab_size=self.vocab_size, seed=self.seed)
 
 
 class _EncodeDocument:
-    """One record's bytes -> int32 token ids with EOS appended (the SeqIO LM convention)."""
+    """One record's bytes -> int32 token ids with EOS appended (the SeqIO LM convention);
+    `start_id` is what each document's first input is (lm_features)."""
 
-    def __init__(self, *, kind: str, tokenizer: tokenizer_lib.Tokenizer | None, eos_id: int):
+    def __init__(self, *, kind: str, tokenizer: tokenizer_lib.Tokenizer | None, eos_id: int,
+                 start_id: int = 0):
         self._kind = kind
         self.tokenizer = tokenizer
         self.eos_id = eos_id
+        self.start_id = start_id
         self._eos = np.asarray([eos_id], dtype=np.int32)
 
     def __call__(self, record: bytes) -> np.ndarray:
@@ -299,8 +307,22 @@ class TextData(ProcessShare):
                 f"tokenizer for {self._data_dir!r} defines no EOS id; the LM pipeline appends EOS"
             )
         return _EncodeDocument(
-            kind=info.kind, tokenizer=tok if info.kind == "text" else None, eos_id=eos_id
+            kind=info.kind, tokenizer=tok if info.kind == "text" else None, eos_id=eos_id,
+            start_id=self._start_id(tok),
         )
+
+    def _start_id(self, tok: tokenizer_lib.Tokenizer | None) -> int:
+        """Each document's first input: 0, or (DocumentStart.BOS) the tokenizer's BOS where it
+        defines one; a tokenizer without BOS (Qwen's) starts with 0, as evaluation and `generate`
+        add no BOS for it."""
+        if self.config.document_start is DocumentStart.ZERO:
+            return 0
+        if tok is None:
+            raise tokenizer_lib.VocabError(
+                f"document_start='bos' starts every document of {self._data_dir!r} with the "
+                "tokenizer's BOS, and no tokenizer is given: set vocab_path (VOCAB_PATH) to the "
+                "tokenizer that tokenised it")
+        return 0 if tok.bos_id is None or tok.bos_id < 0 else int(tok.bos_id)
 
     def _documents(self, split: _Split) -> grain.MapDataset:
         """This process's records, in file order: the slice is taken before any shuffle."""
@@ -348,6 +370,7 @@ class TextData(ProcessShare):
             seq_len=config.seq_len,
             rows=self.local_batch_size,
             packed=config.packed,
+            start_id=encode.start_id,
         )
 
     def num_eval_batches(self) -> int:
@@ -392,4 +415,4 @@ class TextData(ProcessShare):
             for i, row in zip(range(self.local_batch_size), rows, strict=False):
                 for key, value in row.items():
                     batch[key][i] = value
-            yield lm_features(batch)
+            yield lm_features(batch, start_id=self._encode.start_id)

@@ -19,6 +19,7 @@ from paxlite.config.errors import ConfigError
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import BoolQEvalConfig, LambadaEvalConfig
 from paxlite.data.mixture import MixtureDataConfig, MixtureSource, weight_problems
+from paxlite.data.packing import DocumentStart
 from paxlite.data.pipeline import TextDataConfig
 from paxlite.data.synthetic import SyntheticDataConfig
 
@@ -64,6 +65,11 @@ class DataSettings:
     # prompt/completion rows from CHAT_DATA, loss on what the assistant says; chat_settings.py),
     # or "dpo" (preference pairs from DPO_DATA; dpo_settings.py).
     TRAIN_TASK: Literal["text", "boolq", "chat", "dpo"] = "text"
+    # Each text document's first input, from which its first token is predicted: "zero" (id 0, as
+    # SeqIO and Pax feed it) or "bos" (the tokenizer's BOS where it defines one, else 0: as a
+    # Hugging Face model is trained, and as evaluation and `generate` prompt it). Read by the
+    # text pipeline (DATA_DIR, TFDS_DATASET on grain, DATA_MIXTURE).
+    DOCUMENT_START: Literal["zero", "bos"] = "zero"
 
     def uses_synthetic_data(self) -> bool:
         return self.SYNTHETIC_DATA or self.data_source is DataSource.SYNTHETIC
@@ -87,13 +93,22 @@ class DataSettings:
                     f"{name} is read only with {switch}={value!r}, and "
                     f"{switch}={getattr(self, switch)!r}: add --fdl.{switch}={value!r}, or drop "
                     f"{name}")
+        text_pipeline = (self.TRAIN_TASK == "text" and not self.uses_synthetic_data()
+                         and self.INPUT_PIPELINE == "grain")
+        if "DOCUMENT_START" in given and not text_pipeline:
+            problems.append(
+                f"DOCUMENT_START={self.DOCUMENT_START!r} is read by the text pipeline only "
+                f"(TRAIN_TASK='text' on INPUT_PIPELINE='grain', not synthetic), and this run "
+                f"trains with TRAIN_TASK={self.TRAIN_TASK!r}, INPUT_PIPELINE="
+                f"{self.INPUT_PIPELINE!r}, SYNTHETIC_DATA={self.uses_synthetic_data()}: drop it")
         return problems + self.unread_chat_problems() + self.unread_dpo_problems()
 
     def row_fields(self, config_class: type) -> dict[str, Any]:
         """How every data config cuts rows (tokenizer, vocabulary, sequence length, packing, seed),
         mapped once: the fields of these that `config_class` has."""
         fields = {"vocab_path": self.vocab_path(), "vocab_size": self.VOCAB_SIZE,
-                  "seq_len": self.MAX_SEQ_LEN, "packed": self.PACKED_INPUT, "seed": self.SEED}
+                  "seq_len": self.MAX_SEQ_LEN, "packed": self.PACKED_INPUT, "seed": self.SEED,
+                  "document_start": DocumentStart(self.DOCUMENT_START)}
         names = {f.name for f in dataclasses.fields(config_class)}
         return {name: value for name, value in fields.items() if name in names}
 

@@ -34,6 +34,9 @@ class FineTuningRecipe(GPT3Optimizer):
 
     LEARNING_RATE = 2e-5
     WEIGHT_DECAY = 0.1
+    # Text starts as the model was pretrained and is prompted: with its tokenizer's BOS, where the
+    # tokenizer defines one (Qwen's does not: 0, data_settings.py)
+    DOCUMENT_START = "bos"
     LR_COS_WARMUP = Derived(lambda hp: min(100, hp.MAX_STEPS // 10),
                             doc="min(100, MAX_STEPS // 10)")
     LR_COS_DECAY_END = Derived(lambda hp: hp.MAX_STEPS, doc="MAX_STEPS")

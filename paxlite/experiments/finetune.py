@@ -126,6 +126,13 @@ def checkpoint_model(restore_path: str | None) -> TransformerConfig:
                           f"config: {e}") from None
 
 
+def _starts_with_bos(model: TransformerConfig) -> bool:
+    """LLaMA-style models (RMSNorm and RoPE: LLaMA, Mistral, Qwen, Gemma, ...) start text with
+    BOS where their tokenizer has one (Qwen's has none); GPT-style ones do not."""
+    return (model.norm in (NormKind.RMS_NORM, NormKind.GEMMA_RMS_NORM)
+            and model.position_kind is PositionEmbedding.ROTARY)
+
+
 def _rope_scaling_of(model: TransformerConfig) -> RopeScaling:
     """The checkpoint's RoPE scaling, or RopeScaling's defaults (read only with scaling)."""
     return model.rope_scaling if model.rope_scaling is not None else RopeScaling()
@@ -144,6 +151,7 @@ _FROM_CHECKPOINT: dict[str, Any] = {
     "QKV_BIAS": lambda m: m.qkv_bias is True,
     "QK_NORM": lambda m: m.qk_norm,
     "SLIDING_WINDOW": lambda m: m.sliding_window,
+    "DOCUMENT_START": lambda m: "bos" if _starts_with_bos(m) else "zero",
     "ROPE_SCALING": lambda m: "none" if m.rope_scaling is None else m.rope_scaling.kind.value,
     "ROPE_SCALING_FACTOR": lambda m: _rope_scaling_of(m).factor,
     "ROPE_SCALING_LOW_FREQ_FACTOR": lambda m: _rope_scaling_of(m).low_freq_factor,
@@ -182,11 +190,7 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
 
     @property
     def family_adds_bos(self) -> bool:
-        """LLaMA-style models (RMSNorm and RoPE: LLaMA, Mistral, Qwen, ...) start text with BOS
-        where their tokenizer has one (Qwen's has none); GPT-style ones do not."""
-        model = self.checkpoint_model()
-        return (model.norm in (NormKind.RMS_NORM, NormKind.GEMMA_RMS_NORM)
-                and model.position_kind is PositionEmbedding.ROTARY)
+        return _starts_with_bos(self.checkpoint_model())
 
     def position_kind(self) -> PositionEmbedding:
         return self.checkpoint_model().position_kind
@@ -264,6 +268,7 @@ class FineTune(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings
     QK_NORM = _from_checkpoint("QK_NORM")
     SLIDING_WINDOW = _from_checkpoint("SLIDING_WINDOW")
     ROPE_SCALING = _from_checkpoint("ROPE_SCALING")
+    DOCUMENT_START = _from_checkpoint("DOCUMENT_START")
     ROPE_SCALING_FACTOR = _from_checkpoint("ROPE_SCALING_FACTOR")
     ROPE_SCALING_LOW_FREQ_FACTOR = _from_checkpoint("ROPE_SCALING_LOW_FREQ_FACTOR")
     ROPE_SCALING_HIGH_FREQ_FACTOR = _from_checkpoint("ROPE_SCALING_HIGH_FREQ_FACTOR")

@@ -13,7 +13,7 @@ import grain
 import numpy as np
 import pytest
 
-from paxlite.data.errors import DatasetError
+from paxlite.data.errors import DatasetError, VocabError
 from paxlite.data.mixture import MixtureData, MixtureDataConfig, MixtureSource, grain_proportions
 from paxlite.data.pipeline import TextData, TextDataConfig
 from tests.data.test_pipeline import token_manifest, write_dataset
@@ -305,3 +305,20 @@ def test_selection_table_is_grains_choice_anywhere(weights):
         np.testing.assert_array_equal(
             selection.sources(start, 300), _grain_sources(weights, range(start, start + 300))
         )
+
+
+def test_rows_start_with_the_sources_start_id(dirs):
+    """Each mixed row's segments start with the sources' document start (one tokenizer, so one
+    id): the streams' `start_id` (TextData sets it from DOCUMENT_START and the tokenizer)."""
+    it = MixtureData(_config(dirs, {"web": 1.0, "books": 3.0}), global_batch_size=4
+                     ).train_iterator()
+    zero = next(it)
+    np.testing.assert_array_equal(zero["inputs"][zero["positions"] == 0], 0)
+    for stream in it._streams:
+        stream.start_id = 9
+    batch = next(it)
+    first = batch["positions"] == 0
+    assert np.count_nonzero(first & (batch["weights"] > 0)) >= 4
+    np.testing.assert_array_equal(batch["inputs"][first], 9)
+    with pytest.raises(VocabError, match="no tokenizer is given"):
+        MixtureData(_config(dirs, {"web": 1.0}, document_start="bos"), global_batch_size=4)

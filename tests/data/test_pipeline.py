@@ -436,3 +436,44 @@ def test_errors_name_the_problem(tmp_path, spm_model):
     absent_model = str(tmp_path / "absent.model")
     with pytest.raises(tokenizer_lib.VocabError, match=absent_model):
         make_data(text, seq_len=4, batch=1, vocab_size=320, vocab_path=absent_model)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_documents_start_with_bos_where_the_tokenizer_has_one(tmp_path, spm_model, packed):
+    """document_start='bos': every segment's first input is the tokenizer's BOS (as a Hugging Face
+    model trains); everything else is the 'zero' run's. A tokenizer without BOS starts with 0."""
+    from paxlite.data.packing import DocumentStart
+
+    prefix = str(tmp_path / "with_bos")
+    corpus = tmp_path / "corpus.txt"
+    rnd = random.Random(3)
+    corpus.write_text("\n".join(" ".join(rnd.choices(_WORDS, k=12)) for _ in range(300)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=prefix, model_type="bpe",
+                                   vocab_size=300, pad_id=0, eos_id=1, unk_id=2, bos_id=3,
+                                   byte_fallback=True, num_threads=1, minloglevel=2)
+    texts = [" ".join(rnd.choices(_WORDS, k=rnd.randint(1, 20))) for _ in range(20)]
+    text_dir = write_dataset(tmp_path / "text", {"train": texts, "validation": texts[:5]},
+                             kind="text")
+
+    def batches(vocab, start):
+        data = make_data(text_dir, vocab_path=vocab, vocab_size=320, seq_len=16, batch=4,
+                         packed=packed, shuffle=False, document_start=start)
+        return take(data.train_iterator(), 3) + list(data.eval_batches(-1))
+
+    zero, bos = batches(prefix + ".model", "zero"), batches(prefix + ".model", DocumentStart.BOS)
+    starts = 0
+    for a, b in zip(zero, bos, strict=True):
+        first = a["positions"] == 0
+        np.testing.assert_array_equal(a["inputs"][first], 0)
+        np.testing.assert_array_equal(b["inputs"][first], 3)
+        np.testing.assert_array_equal(a["inputs"][~first], b["inputs"][~first])
+        for key in ("targets", "weights", "positions", "segment_ids"):
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+        starts += int(np.count_nonzero(first & (a["weights"] > 0)))
+    assert starts > 12  # documents (and continued rows) do start in these batches
+    for a, b in zip(batches(spm_model, "zero"), batches(spm_model, "bos"), strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])  # no BOS: 0, as evaluation
+    ids_dir = write_dataset(tmp_path / "ids", {"train": [[5, 6], [7]], "validation": [[5]]},
+                            tokenizer=token_manifest())
+    with pytest.raises(tokenizer_lib.VocabError, match="no tokenizer is given: set vocab_path"):
+        make_data(ids_dir, vocab_path=None, seq_len=4, batch=2, document_start="bos")

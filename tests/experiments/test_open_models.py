@@ -395,3 +395,26 @@ def test_an_export_of_a_finetune_job_keeps_the_base_models_context(converted: st
     assert load_experiment("FineTune", [f"{k}={v}" for k, v in overrides.items()]).MAX_SEQ_LEN \
         == 16
     assert model_config_from_job(tmp_path).max_seq_len == 64
+
+
+def test_fine_tuning_text_starts_with_bos_as_the_model_is_prompted(converted: str,
+                                                                  tmp_path) -> None:
+    """FineTune of a LLaMA-style checkpoint and the registered open families feed each document's
+    first token from BOS (the text pipeline falls back to 0 for a tokenizer without one); a GPT-2
+    checkpoint and Pax's experiments keep SeqIO's 0. Set where nothing reads it: one line."""
+    from paxlite.data.packing import DocumentStart
+
+    data = f"DATA_DIR={tmp_path}"
+    llama = load_experiment("FineTune", [f"CHECKPOINT_RESTORE_PATH={converted}", data])
+    assert llama.DOCUMENT_START == "bos"
+    assert fdl.build(llama.data_config()).document_start is DocumentStart.BOS
+    gpt2 = _recorded(tmp_path, {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32,
+                                "n_layer": 2, "n_head": 4, "n_positions": 16})
+    assert load_experiment("FineTune", [gpt2]).DOCUMENT_START == "zero"
+    assert [load_experiment(name).DOCUMENT_START for name in (
+        "LLaMA3_1_8B", "Qwen3_8B", "Gemma2_9B", "GPT126M", "LLaMA7B")] == [
+        "bos", "bos", "bos", "zero", "zero"]
+    with pytest.raises(ConfigError, match=r"DOCUMENT_START='zero' is read by the text pipeline "
+                                          r"only .*SYNTHETIC_DATA=True: drop it"):
+        load_experiment("FineTune", [f"CHECKPOINT_RESTORE_PATH={converted}",
+                                     "SYNTHETIC_DATA=true", "DOCUMENT_START=zero"])
