@@ -214,7 +214,8 @@ def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
 
 def find_tokenizer(request: ConvertRequest) -> str | None:
     """The tokenizer an HF export ships: --vocab_path, else the input's own ``tokenizer.model``
-    (HF directory; Meta directory or its parent), else, for a paxlite checkpoint, the tokenizer a
+    (HF directory, whose tokenizer.json comes first when the output is HF too; Meta directory or
+    its parent), else, for a paxlite checkpoint, the tokenizer a
     conversion copied beside its model_config.json (tokenizer.json before tokenizer.model, as
     transformers reads them), else a paxlite training job's VOCAB_PATH; None when there is none."""
     from paxlite.data.tokenizer import tokenizer_in
@@ -227,7 +228,9 @@ def find_tokenizer(request: ConvertRequest) -> str | None:
         return request.vocab_path
     directory = os.path.abspath(request.input)
     candidates = []
-    if request.source in (Source.HF, Source.META):
+    if request.source is Source.HF and request.target is Target.HF:
+        candidates.append(tokenizer_in(directory) or "")
+    elif request.source in (Source.HF, Source.META):
         candidates.append(os.path.join(directory, hf_write.TOKENIZER_FILE))
     if request.source is Source.META:
         candidates.append(os.path.join(os.path.dirname(directory), hf_write.TOKENIZER_FILE))

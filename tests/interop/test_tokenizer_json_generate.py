@@ -81,6 +81,12 @@ def test_generate_reads_the_tokenizer_json_a_conversion_copied(llama_gqa, tmp_pa
         written = json.loads((back / name).read_text())
         assert (written["bos_token_id"], written["eos_token_id"]) == (
             theirs.bos_token_id, theirs.eos_token_id) == (1, 2), name
+    # an HF -> HF conversion (a dtype change, say) ships the same files
+    direct = tmp_path / "hf_direct"
+    assert main(["convert", "--from=hf", "--to=hf", f"--input={hf_dir}",
+                 f"--output={direct}"]) == 0
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", template):
+        assert (direct / name).read_bytes() == (hf_dir / name).read_bytes(), name
     again = AutoTokenizer.from_pretrained(back)
     for text in TEXTS:
         assert again(text)["input_ids"] == theirs(text)["input_ids"]
