@@ -127,6 +127,13 @@ PRESETS: dict[str, Preset] = {
             _COMMON_ENV,
         ),
         Preset(
+            "moe-fsdp",
+            "common.env's flags, memory fraction 0.95: an MoE fine-tune whose whole state is "
+            "sharded over 8 GPUs (Qwen3-30B-A3B: 73.73 GiB planned of an H100's 79.11)",
+            _COMMON,
+            (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")),
+        ),
+        Preset(
             "moe-large",
             "Pax grok-proxy.env: large combine thresholds, pipelined collectives, "
             "while-loop double buffering, no rematerialization pass",
@@ -152,6 +159,7 @@ PRESETS: dict[str, Preset] = {
 # GLaM126M64E.
 _EXPERIMENT_PATTERNS = (
     (r"grok", "moe-large"),
+    (r"30b_a3b", "moe-fsdp"),
     (r"glam|mixtral|moe", "moe"),
     (r"lora", "llama-lora"),
     (r"llama|fuji", "llama"),

@@ -101,6 +101,7 @@ def test_user_flags_win_flag_by_flag():
         ("GLaM126M64E", "moe"),
         ("SyntheticGLaM126M64E", "moe"),
         ("TinyMixtral", "moe"),
+        ("Qwen3_30B_A3B", "moe-fsdp"),
         ("LLaMA7B", "llama"),
         ("fuji-1B-v3-flash", "llama"),
         ("Synthetic5B", "gpt5b"),

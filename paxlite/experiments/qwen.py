@@ -176,4 +176,9 @@ saves 7.1 GiB a device, the chunked loss 1.9. An expert axis (fsdp 2 x expert 4,
 With `MOE_GROUPED_MATMUL=ragged_dot` the step peaked at 186.27 GiB (2026-12-05, fsdp 2 x expert 4):
 XLA's GPU compiler expands each grouped matmul to a dense [32 experts, 262,144 rows, 2,048] array
 per device (32 GiB).
+
+73.73 GiB is more than JAX hands its allocator by default (75 % of the device, 59.33 GiB) and more
+than the 0.8 of the other presets (63.29 GiB): run `Qwen3_30B_A3B` with
+`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95` (75.15 GiB), which scripts_gpu's preset for it (`moe-fsdp`)
+exports; `python -m paxlite.main` run by hand needs the variable set.
 """
