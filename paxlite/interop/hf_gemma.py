@@ -126,14 +126,16 @@ def _rope(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         full.update(hf["rope_scaling"])
         if "type" in hf["rope_scaling"] and full.get("rope_type") != full["type"]:
             _log.warning("config.json rope_scaling spells its kind 'type' (%r), which "
-                            "transformers does not read for Gemma 3: the global layers keep "
-                            "rope_type %r, as transformers runs them", full["type"],
-                            full.get("rope_type"))
+                         "transformers does not read for Gemma 3: the global layers keep "
+                         "rope_type %r, as transformers runs them", full["type"],
+                         full.get("rope_type"))
             full = {"rope_type": full.get("rope_type", "default"),
                     **({"rope_theta": full["rope_theta"]} if "rope_theta" in full else {})}
     theta = defaults["rope_theta"] if hf.get("rope_theta") is None else float(hf["rope_theta"])
-    theta, scaling = rope_of_entry("rope_parameters['full_attention']", full, theta=theta,
-                                   kinds=_GEMMA_SCALINGS)
+    # named as the file spells it: 4.x's rope_scaling, or 5.x's global entry
+    field = ("rope_scaling" if hf.get("rope_scaling") is not None
+             else "rope_parameters['full_attention']")
+    theta, scaling = rope_of_entry(field, full, theta=theta, kinds=_GEMMA_SCALINGS)
     local = hf.get("rope_local_base_freq")
     local = defaults["rope_local_base_freq"] if local is None else float(local)
     local, local_scaling = rope_of_entry("rope_parameters['sliding_attention']",
