@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from paxlite.data.tokenizer_hf import MODEL_TYPE_FILE
 from paxlite.interop import hf_write
 from paxlite.interop.errors import ConversionError
 from paxlite.paths import require_local_path
@@ -279,6 +280,7 @@ CONVERSION_OUTPUT_NAMES = frozenset({
     "checkpoints", "model_config.json", "config.json", "generation_config.json",
     hf_write.INDEX_FILE, hf_write.TOKENIZER_FILE, "tokenizer_config.json",
     "special_tokens_map.json", "tokenizer.json", "chat_template.jinja", "additional_chat_templates",
+    MODEL_TYPE_FILE,
 })
 
 
@@ -326,3 +328,10 @@ def copy_hf_tokenizer_json(source: str, output: str) -> None:
     (commands read it before a tokenizer.model, as transformers does)."""
     if hf_write.is_hf_tokenizer(source):
         hf_write.copy_hf_tokenizer(source, output)
+        try:
+            with open(os.path.join(source, "config.json")) as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(model_type, str):
+            hf_write.write_json(os.path.join(output, MODEL_TYPE_FILE), {"model_type": model_type})

@@ -51,6 +51,7 @@ def _copy_tokenizer(vocab_path: str | None, output: str) -> None:
     import shutil
 
     from paxlite.data.tokenizer import VOCAB_PATH_ENV, find_tokenizer_file, resolve_vocab_path
+    from paxlite.data.tokenizer_hf import MODEL_TYPE_FILE
     from paxlite.interop import hf_write
 
     if not vocab_path and not os.environ.get(VOCAB_PATH_ENV):
@@ -59,7 +60,8 @@ def _copy_tokenizer(vocab_path: str | None, output: str) -> None:
     source = os.path.dirname(path)
     if hf_write.is_hf_tokenizer(path):
         hf_write.copy_hf_tokenizer(source, output)
-        beside = [(hf_write.TOKENIZER_FILE, hf_write.TOKENIZER_FILE)]
+        beside = [(hf_write.TOKENIZER_FILE, hf_write.TOKENIZER_FILE),
+                  (MODEL_TYPE_FILE, MODEL_TYPE_FILE)]
     else:
         beside = [(os.path.basename(path), hf_write.TOKENIZER_FILE),
                   ("tokenizer_config.json", "tokenizer_config.json")]

@@ -7,15 +7,12 @@ classes (`PreTrainedTokenizerFast`, which LLaMA-3 names). From the tokenizer_con
 `pad_token`, ...) and its `added_tokens_decoder`; a named or added token the tokenizer.json lacks
 is added to it, as transformers adds it, so it is matched in text and gets the same id.
 
-One class is rebuilt as transformers 5 rebuilds it: a tokenizer_config.json naming
-`LlamaTokenizer` (LLaMA-2's, and converted SentencePiece models') makes transformers keep only the
-vocabulary, merges, added tokens and post-processor of a tokenizer.json that is not byte-level, and
-build the rest itself (no normalizer; a Metaspace pre-tokenizer that puts "▁" before the text, or
-before its first piece unless `legacy`; its own decoder). transformers hands a directory whose
-config.json says `mistral` or `mixtral` to its generic reader instead (the tokenizer.json as
-written), and so does paxlite: only a directory without config.json or with `model_type: llama` is
-rebuilt (config.json is read for that one field; the tokenizer's sha256 covers the tokenizer files
-alone).
+A model-specific class is built as transformers 5 builds it (tokenizer_hf_classes.py): where
+tokenizer_config.json and config.json make transformers pick `LlamaTokenizer` (LLaMA-2's hub
+files), `GemmaTokenizer` or `Qwen2Tokenizer`, only the tokenizer.json's vocabulary, merges, added
+tokens and post-processor are kept, and the class's own pipeline and special-token defaults are
+used (config.json is read for its model_type alone; the tokenizer's sha256 covers the tokenizer
+files).
 
 Whether BOS is added is the post-processor's answer (e.g. a TemplateProcessing that writes
 `<|begin_of_text|> $A`): with a tokenizer.json, transformers ignores `add_bos_token` and
@@ -36,6 +33,10 @@ SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # older directories; read a
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
 EXTRA_SPECIAL_TOKENS = ("extra_special_tokens", "additional_special_tokens")
+# What `convert --to=paxlite` writes beside the tokenizer files it copies: the HF model's
+# model_type, which transformers' choice of tokenizer class depends on (the HF config.json is not
+# copied: a paxlite directory's config.json is a training job's)
+MODEL_TYPE_FILE = "tokenizer_model_type.json"
 HF_EXTRA = "pip install 'paxlite[hf]'"
 
 
@@ -89,58 +90,39 @@ def _added_token(value: Any, *, special: bool):
     return AddedToken(value, special=special)
 
 
-# The model types whose directories transformers reads through the class tokenizer_config.json
-# names, when that class is LlamaTokenizer (none: no config.json beside the tokenizer)
-_LLAMA_CLASS_MODEL_TYPES = (None, "", "llama")
-
-
 def _model_type_beside(path: str) -> str | None:
-    """config.json's model_type in the tokenizer's directory; None without one."""
-    try:
-        with open(os.path.join(os.path.dirname(path), "config.json"), "rb") as f:
-            value = json.loads(f.read().decode("utf-8")).get("model_type")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
+    """config.json's model_type in the tokenizer's directory, else the one a conversion recorded
+    beside the tokenizer it copied (MODEL_TYPE_FILE: the HF model's); None without either."""
+    for name in ("config.json", MODEL_TYPE_FILE):
+        try:
+            with open(os.path.join(os.path.dirname(path), name), "rb") as f:
+                value = json.loads(f.read().decode("utf-8")).get("model_type")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue
+        if isinstance(value, str):
+            return value
+    return None
 
 
-def _rebuilt_as_llama(text: str, settings: dict[str, Any], *, model_type: str | None) -> bool:
-    """Whether transformers 5's AutoTokenizer builds this tokenizer.json's pipeline itself, as
-    `LlamaTokenizer` (a byte-level tokenizer.json it reads as written, whatever the class)."""
-    named = settings.get("tokenizer_class")
-    return (isinstance(named, str) and named.removesuffix("Fast") == "LlamaTokenizer"
-            and '"ByteLevel"' not in text and model_type in _LLAMA_CLASS_MODEL_TYPES)
+def _as_transformers_builds(text: str, settings: dict[str, Any], *, path: str
+                            ) -> tuple[str, dict[str, Any]]:
+    """(the tokenizer.json, the settings) as transformers builds the class it picks for them
+    (tokenizer_hf_classes.py): unchanged for a file read as written."""
+    from paxlite.data import tokenizer_hf_classes as classes
 
-
-def _as_llama_tokenizer_builds(text: str, settings: dict[str, Any]) -> str:
-    """The tokenizer.json of the pipeline transformers' LlamaTokenizer builds from ``text``: its
-    BPE vocabulary, merges, added tokens and post-processor; no normalizer; Metaspace with "▁"
-    before the text (``add_prefix_space``, default true), before every piece between added
-    tokens (``legacy``) or only the first (not legacy, the default), without splitting on it; a
-    decoder that turns "▁" into spaces, joins byte pieces and drops the prefix space."""
+    name = classes.transformers_class(settings, model_type=_model_type_beside(path),
+                                      byte_level='"ByteLevel"' in text)
+    if name is None:
+        return text, settings
     try:
         spec = json.loads(text)
     except ValueError:
-        return text  # tokenizers says what is wrong with it
+        return text, settings  # tokenizers says what is wrong with it
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict) or spec[
             "model"].get("type") != "BPE":
-        return text  # not a BPE model: tokenizers refuses or reads it as it stands
-    add_prefix_space = settings.get("add_prefix_space")
-    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
-    scheme = ("always" if settings.get("legacy", False) else "first") if add_prefix_space \
-        else "never"
-    spec["model"] = {**spec["model"], "dropout": None, "unk_token": None, "fuse_unk": True,
-                     "byte_fallback": True, "continuing_subword_prefix": None,
-                     "end_of_word_suffix": None, "ignore_merges": False}
-    spec["normalizer"] = None
-    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme,
-                             "split": False}
-    steps = [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-             {"type": "ByteFallback"}, {"type": "Fuse"}]
-    if add_prefix_space:
-        steps.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-    spec["decoder"] = {"type": "Sequence", "decoders": steps}
-    return json.dumps(spec)
+        return text, settings  # the classes built here are BPE; tokenizers reads the rest
+    return (json.dumps(classes.built_as(spec, settings, name)),
+            {**classes.CLASS_SPECIAL_TOKENS[name], **settings})
 
 
 class HfTokenizerBackend:
@@ -157,8 +139,7 @@ class HfTokenizerBackend:
             text = contents[0][1].decode("utf-8")
         except UnicodeDecodeError as e:
             raise VocabError(f"{path} is not a valid Hugging Face tokenizer.json: {e}") from None
-        if _rebuilt_as_llama(text, settings, model_type=_model_type_beside(path)):
-            text = _as_llama_tokenizer_builds(text, settings)
+        text, settings = _as_transformers_builds(text, settings, path=path)
         try:
             backend = tokenizers.Tokenizer.from_str(text)
         except Exception as e:  # noqa: BLE001 (tokenizers raises plain Exception)

@@ -168,6 +168,71 @@ def test_a_llama_tokenizer_class_is_built_as_transformers_builds_it(
     assert ours.sha256() != as_written.sha256()  # tokenizer_config.json differs
 
 
+# (fixture, tokenizer_config.json settings, config.json's model_type or None): directories whose
+# tokenizer.json is not what the class transformers picks builds, so transformers rebuilds it
+OTHER_CLASS_CASES = {
+    # Qwen's regex (one digit a piece) and NFC over LLaMA-3's regex; unk/pad '<|endoftext|>' added
+    "Qwen2Tokenizer, qwen2": ("llama3_like", dict(tokenizer_class="Qwen2Tokenizer"), "qwen2"),
+    "no class, qwen3": ("llama3_like", dict(tokenizer_class=None), "qwen3"),
+    # qwen2's hub class is overridden by the registered Qwen2Tokenizer
+    "generic class, qwen2": ("llama3_like", dict(tokenizer_class="PreTrainedTokenizerFast"),
+                             "qwen2"),
+    # read as written: a generic class named under another model type
+    "generic class, qwen3": ("llama3_like", dict(tokenizer_class="PreTrainedTokenizerFast"),
+                             "qwen3"),
+    # Gemma's Replace normalizer and Split pre-tokenizer; its '<pad>' and '<mask>' added
+    "GemmaTokenizer, gemma2": ("byte_fallback", dict(tokenizer_class="GemmaTokenizer"), "gemma2"),
+    "no class, gemma3_text": ("byte_fallback", dict(tokenizer_class=None), "gemma3_text"),
+}
+
+
+@pytest.mark.parametrize("fixture, settings, model_type", OTHER_CLASS_CASES.values(),
+                         ids=OTHER_CLASS_CASES.keys())
+def test_the_class_transformers_picks_is_built_as_it_builds_it(
+        tmp_path, request, fixture, settings, model_type):
+    source = request.getfixturevalue(fixture)
+    source = source[0] if isinstance(source, tuple) else source
+    directory = tmp_path / "tok"
+    shutil.copytree(source, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config = {key: value for key, value in {**config, **settings}.items() if value is not None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    texts = (*TEXTS, "e\u0301t\u00e9 1,234,567 dollars", "x  y\t\tz")
+    ours = _check_against_transformers(directory, texts=texts)
+    written = Tokenizer(source)
+    as_written = "generic" in request.node.callspec.id and "qwen3" in request.node.callspec.id
+    assert (ours.encode(texts[-2]) == written.encode(texts[-2])) is as_written
+    assert (ours.vocab_size == written.vocab_size) is as_written
+
+
+def test_a_converted_directory_reads_its_tokenizer_as_its_source_did(tmp_path, byte_fallback):
+    """A converted directory holds the tokenizer files but not the HF config.json: the
+    model_type `convert` records beside them (tokenizer_model_type.json) keeps transformers'
+    choice of class, so a Mistral directory's LlamaTokenizer-named file stays as written there
+    too; without the record the directory reads as transformers reads it (rebuilt)."""
+    source = tmp_path / "mistral"
+    shutil.copytree(byte_fallback, source)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "tokenizer_class": "LlamaTokenizer", "legacy": False}))
+    (source / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    converted, bare = tmp_path / "converted", tmp_path / "bare"
+    for directory in (converted, bare):
+        directory.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, directory / name)
+    (converted / "tokenizer_model_type.json").write_text(json.dumps({"model_type": "mistral"}))
+    theirs = AutoTokenizer.from_pretrained(source)
+    texts = (*TEXTS, *AROUND_SPECIALS)
+    ours = Tokenizer(converted)
+    for text in texts:
+        assert ours.encode(text, add_bos=ours.adds_bos) == theirs(text)["input_ids"], text
+    assert Tokenizer(bare).encode(" Hello") != ours.encode(" Hello")  # rebuilt without it
+    _check_against_transformers(bare, texts=texts)
+
+
 def test_no_post_processor_adds_no_bos_and_config_tokens_are_added(tmp_path, byte_fallback):
     """transformers ignores add_bos_token beside a tokenizer.json; without a post-processor it adds
     no BOS; a named special token the tokenizer.json lacks is added (and matched in text)."""

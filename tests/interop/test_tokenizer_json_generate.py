@@ -52,6 +52,8 @@ def test_generate_reads_the_tokenizer_json_a_conversion_copied(llama_gqa, tmp_pa
     assert main([*convert, "--overwrite"]) == 0  # every file it wrote is a conversion's
     capsys.readouterr()
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer.model").is_file()
+    # the HF model's model_type, which transformers' choice of tokenizer class reads
+    assert json.loads((out / "tokenizer_model_type.json").read_text()) == {"model_type": "llama"}
     template = "chat_template.jinja"
     assert (out / template).read_bytes() == (hf_dir / template).read_bytes()
     assert main(["generate", f"--checkpoint={out}", *[f"--prompt={t}" for t in TEXTS],

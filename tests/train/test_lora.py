@@ -248,7 +248,7 @@ def test_a_merged_export_carries_the_runs_tokenizer(tmp_path, monkeypatch):
     hf_dir.mkdir()
     spm_dir.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "tokenizer.model"):
+                 "tokenizer.model", "tokenizer_model_type.json"):
         (hf_dir / name).write_text(f"{name} of the HF directory")
     (spm_dir / "my.model").write_text("a SentencePiece model")
     (spm_dir / "tokenizer_config.json").write_text("its settings")
@@ -257,7 +257,9 @@ def test_a_merged_export_carries_the_runs_tokenizer(tmp_path, monkeypatch):
                                                             "directory",
                                    "special_tokens_map.json": "special_tokens_map.json of the HF "
                                                               "directory",
-                                   "tokenizer.model": "tokenizer.model of the HF directory"}),
+                                   "tokenizer.model": "tokenizer.model of the HF directory",
+                                   "tokenizer_model_type.json": "tokenizer_model_type.json of "
+                                                                "the HF directory"}),
                          (spm_dir / "my.model", {"tokenizer.model": "a SentencePiece model",
                                                  "tokenizer_config.json": "its settings"})):
         out = tmp_path / f"out_{source.name}"
