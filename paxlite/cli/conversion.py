@@ -214,11 +214,11 @@ def read_paxlite(path: str | os.PathLike, *, config: TransformerConfig | None = 
 
 
 def find_tokenizer(request: ConvertRequest) -> str | None:
-    """The tokenizer an HF export ships: --vocab_path, else the input's own ``tokenizer.model``
-    (HF directory, whose tokenizer.json comes first when the output is HF too; Meta directory or
-    its parent), else, for a paxlite checkpoint, the tokenizer a
-    conversion copied beside its model_config.json (tokenizer.json before tokenizer.model, as
-    transformers reads them), else a paxlite training job's VOCAB_PATH; None when there is none."""
+    """The tokenizer an HF export ships: --vocab_path, else the input's own (an HF directory's
+    tokenizer.json before its tokenizer.model, as transformers reads them; a Meta directory's or
+    its parent's tokenizer.model), else, for a paxlite checkpoint, the tokenizer a conversion
+    copied beside its model_config.json (json first too), else a paxlite training job's
+    VOCAB_PATH; None when there is none."""
     from paxlite.data.tokenizer import tokenizer_in
     from paxlite.errors import NotFoundError
 
@@ -229,35 +229,30 @@ def find_tokenizer(request: ConvertRequest) -> str | None:
         return request.vocab_path
     directory = os.path.abspath(request.input)
     candidates = []
-    if request.source is Source.HF and request.target is Target.HF:
+    if request.source is Source.HF:
         candidates.append(tokenizer_in(directory) or "")
-    elif request.source in (Source.HF, Source.META):
-        candidates.append(os.path.join(directory, hf_write.TOKENIZER_FILE))
     if request.source is Source.META:
-        candidates.append(os.path.join(os.path.dirname(directory), hf_write.TOKENIZER_FILE))
+        candidates += [os.path.join(directory, hf_write.TOKENIZER_FILE),
+                       os.path.join(os.path.dirname(directory), hf_write.TOKENIZER_FILE)]
     if request.source is Source.PAXLITE:
-        candidates += [tokenizer_in(home) or "" for home in _model_homes(directory)]
+        from paxlite.checkpointing.pretrained import MODEL_CONFIG_FILE
+        from paxlite.experiments.finetune import model_directory
+
+        home = model_directory(directory)  # a conversion's output, whichever spelling is given
+        if os.path.isfile(os.path.join(home, MODEL_CONFIG_FILE)):
+            candidates.append(tokenizer_in(home) or "")
         candidates += [tokenizer_in(path) or "" if os.path.isdir(path) else path
                        for path in _job_vocab_paths(directory)]
     return next((c for c in candidates if os.path.isfile(c)), None)
 
 
 def _ancestors(directory: str) -> list[str]:
-    """``directory`` and the three directories above it: where a checkpoint's conversion output
-    or training job may start (DIR, DIR/checkpoints, DIR/checkpoints/checkpoint_N, its state)."""
+    """``directory`` and the three directories above it: where a training job may start (DIR,
+    DIR/checkpoints, DIR/checkpoints/checkpoint_N, its state)."""
     found = [directory]
     for _ in range(3):
         found.append(os.path.dirname(found[-1]))
     return found
-
-
-def _model_homes(directory: str) -> list[str]:
-    """The conversion output holding ``directory``: the nearest of its ancestors with a
-    model_config.json (none for a training job)."""
-    from paxlite.checkpointing.pretrained import MODEL_CONFIG_FILE
-
-    return [home for home in _ancestors(directory)
-            if os.path.isfile(os.path.join(home, MODEL_CONFIG_FILE))][:1]
 
 
 def _job_vocab_paths(directory: str) -> list[str]:
@@ -323,15 +318,32 @@ class ConvertSummary:
     num_params: int
 
 
-def copy_hf_tokenizer_json(source: str, output: str) -> None:
-    """An HF input's tokenizer.json and the settings it is read with, beside the converted model
-    (commands read it before a tokenizer.model, as transformers does)."""
-    if hf_write.is_hf_tokenizer(source):
+def copy_tokenizer_beside_model(path: str, output: str) -> None:
+    """The tokenizer file ``path`` copied beside a paxlite model in ``output``, where `generate`,
+    FineTune and `--to=hf` look for it: an HF tokenizer.json with the files read with it (and the
+    tokenizer.model and recorded model type beside it), or a SentencePiece or tiktoken model as
+    tokenizer.model, with the tokenizer_config.json beside it (`generate` reads add_bos_token)."""
+    import shutil
+
+    source = os.path.dirname(path)
+    if hf_write.is_hf_tokenizer(path):
         hf_write.copy_hf_tokenizer(source, output)
-        try:
-            with open(os.path.join(source, "config.json")) as f:
-                model_type = json.load(f).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            return
-        if isinstance(model_type, str):
-            hf_write.write_json(os.path.join(output, MODEL_TYPE_FILE), {"model_type": model_type})
+        beside = [(hf_write.TOKENIZER_FILE,) * 2, (MODEL_TYPE_FILE,) * 2]
+    else:
+        beside = [(os.path.basename(path), hf_write.TOKENIZER_FILE), ("tokenizer_config.json",) * 2]
+    for name, as_name in beside:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(output, as_name))
+
+
+def record_model_type(source: str, output: str) -> None:
+    """The HF model's model_type (config.json of directory ``source``) beside the tokenizer.json
+    copied into ``output``: transformers' choice of tokenizer class reads it, and a paxlite
+    directory's own config.json is a training job's, so the HF one is not copied."""
+    try:
+        with open(os.path.join(source, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(model_type, str):
+        hf_write.write_json(os.path.join(output, MODEL_TYPE_FILE), {"model_type": model_type})

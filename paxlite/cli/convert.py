@@ -45,11 +45,12 @@ from paxlite.cli.conversion import (
     adopt_config,
     adopted_config,
     architecture_differences,
-    copy_hf_tokenizer_json,
+    copy_tokenizer_beside_model,
     experiment_model_config,
     find_tokenizer,
     model_config_from_job,
     read_paxlite,
+    record_model_type,
     refuse_input_inside,
     replaceable,
 )
@@ -104,17 +105,12 @@ def _convert_replacing(request: ConvertRequest, target: str) -> Pretrained | Con
     return result
 
 
-TOKENIZER_SETTINGS_FILE = "tokenizer_config.json"
-
-
 def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
     """Reads the input, checks it against --fdl_config if given, writes the output. A paxlite
-    output of an HF or Meta input also gets the input's own ``tokenizer.model`` (when it has one),
-    and an HF input's ``tokenizer_config.json``, so that ``python -m paxlite generate
-    --checkpoint=OUTPUT --prompt=...`` finds the tokenizer and whether to add BOS. An existing
-    output is refused unless ``overwrite`` (and it is an earlier conversion's output)."""
-    import shutil
-
+    output of an HF or Meta input also gets the input's own tokenizer (`find_tokenizer`, copied
+    by `copy_tokenizer_beside_model`), so that ``python -m paxlite generate --checkpoint=OUTPUT
+    --prompt=...`` finds the tokenizer and whether to add BOS. An existing output is refused
+    unless ``overwrite`` (and it is an earlier conversion's output)."""
     if request.overwrite:
         target = replaceable(request.output, inputs=[request.input])
         if target is not None:
@@ -132,13 +128,9 @@ def convert(request: ConvertRequest) -> Pretrained | ConvertSummary:
         tokenizer = find_tokenizer(dataclasses.replace(request, vocab_path=None))
     result = _convert(request)
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, os.path.join(request.output, hf_write.TOKENIZER_FILE))
-        # transformers' tokenizer settings beside it: `generate` reads add_bos_token from there
-        settings = os.path.join(os.path.dirname(tokenizer), TOKENIZER_SETTINGS_FILE)
-        if request.source is Source.HF and os.path.isfile(settings):
-            shutil.copyfile(settings, os.path.join(request.output, TOKENIZER_SETTINGS_FILE))
-    if request.target is Target.PAXLITE and request.source is Source.HF:
-        copy_hf_tokenizer_json(request.input, request.output)
+        copy_tokenizer_beside_model(tokenizer, request.output)
+        if request.source is Source.HF and hf_write.is_hf_tokenizer(tokenizer):
+            record_model_type(request.input, request.output)
     return result
 
 

@@ -43,28 +43,13 @@ def run(args: argparse.Namespace, assignments: Sequence[str]) -> int:
 
 
 def _copy_tokenizer(vocab_path: str | None, output: str) -> None:
-    """The run's tokenizer (VOCAB_PATH, else the environment's) beside the merged model: an HF
-    tokenizer.json with the files read with it (and a tokenizer.model beside it), or a
-    SentencePiece model as tokenizer.model with the tokenizer_config.json beside it; nothing for a
-    run without a tokenizer (synthetic data)."""
+    """The run's tokenizer (VOCAB_PATH, else the environment's) beside the merged model, as
+    `convert` copies one; nothing for a run without a tokenizer (synthetic data)."""
     import os
-    import shutil
 
+    from paxlite.cli.conversion import copy_tokenizer_beside_model
     from paxlite.data.tokenizer import VOCAB_PATH_ENV, find_tokenizer_file, resolve_vocab_path
-    from paxlite.data.tokenizer_hf import MODEL_TYPE_FILE
-    from paxlite.interop import hf_write
 
     if not vocab_path and not os.environ.get(VOCAB_PATH_ENV):
         return
-    path = find_tokenizer_file(resolve_vocab_path(vocab_path))
-    source = os.path.dirname(path)
-    if hf_write.is_hf_tokenizer(path):
-        hf_write.copy_hf_tokenizer(source, output)
-        beside = [(hf_write.TOKENIZER_FILE, hf_write.TOKENIZER_FILE),
-                  (MODEL_TYPE_FILE, MODEL_TYPE_FILE)]
-    else:
-        beside = [(os.path.basename(path), hf_write.TOKENIZER_FILE),
-                  ("tokenizer_config.json", "tokenizer_config.json")]
-    for name, as_name in beside:
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copyfile(os.path.join(source, name), os.path.join(output, as_name))
+    copy_tokenizer_beside_model(find_tokenizer_file(resolve_vocab_path(vocab_path)), output)

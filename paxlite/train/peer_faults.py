@@ -51,6 +51,7 @@ from paxlite.errors import (
 # disk lacks). Anything else is a bug, which ends its process with its traceback.
 OneLineError = UserError | RunStoppedError
 
+
 def fault_record(error: OneLineError) -> dict[str, Any]:
     """What a process publishes of its fault: its index, the line and the exit status."""
     return {"process": jax.process_index(), "status": line_status(error), "line": str(error)}
