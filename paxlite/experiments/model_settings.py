@@ -173,7 +173,8 @@ class ModelLayerSettings:
     """How the layers are stacked, rematerialised, regularised and initialised."""
 
     USE_REPEATED_LAYER: bool = False
-    # Pax remat policy of the repeated (scanned) stack; docs/training.md says what each saves.
+    # Remat policy of each layer (Pax's names; docs/training.md says what each saves): of the
+    # repeated (scanned) stack always; of unrolled layers only where set explicitly (remat_policy).
     CHECKPOINT_POLICY: Literal[
         "SAVE_NOTHING", "SAVE_EVERYTHING", "SAVE_DOT_ONLY", "SAVE_DOT_WITH_NO_BATCH_DIM",
         "SAVE_DOT_FOR_MLPERF_200B", "SAVE_ITERATION_INPUT", "SAVE_QKV_OUT_PROJ", "SAVE_OUT_PROJ",
@@ -191,11 +192,43 @@ class ModelLayerSettings:
                                                            names=DROPOUT_FIELD_NAMES)
 
     def remat_policy(self) -> RematPolicy:
-        """Pax applies CHECKPOINT_POLICY to the repeated (scanned) stack only; unrolled layers
-        keep everything."""
-        if not self.USE_REPEATED_LAYER:
-            return RematPolicy.NONE
-        return RematPolicy.parse(self.CHECKPOINT_POLICY)
+        """The policy each layer is remat'd with (RematPolicy.NONE: no jax.checkpoint at all).
+
+        The scanned stack (USE_REPEATED_LAYER) takes CHECKPOINT_POLICY, as in Pax. Pax ignores it
+        on unrolled layers, which keep every activation; paxlite keeps that where the policy is
+        the inherited default, so Pax's unrolled experiments (GPT126M) compile the same step at
+        the same speed. A policy set explicitly (``checkpoint_policy_set``) is applied to each
+        unrolled layer instead, with the same jax.checkpoint policy the scanned stack would use
+        (models/layer_stacks.py): that is what a user who sets it expects, and on a TPU v5e it is
+        the difference between an out-of-memory 507M step (20 GB of temporaries unrolled with the
+        policy ignored) and 5.9 GB with a checkpoint per layer. Refusing it instead would send
+        the user to USE_REPEATED_LAYER=true, which stores the parameters stacked: a checkpoint
+        saved unrolled would no longer restore as it is.
+        """
+        if self.USE_REPEATED_LAYER or self.checkpoint_policy_set():
+            return RematPolicy.parse(self.CHECKPOINT_POLICY)
+        return RematPolicy.NONE
+
+    def checkpoint_policy_set(self) -> bool:
+        """Whether CHECKPOINT_POLICY was chosen rather than inherited: given as an override
+        (--fdl.CHECKPOINT_POLICY, a config modifier, ``resolve``: the experiment's ``overridden``)
+        or an experiment's own value other than the default declared here. An experiment that
+        writes the default out (GPT126M's SAVE_NOTHING) has not chosen anything for its
+        unrolled layers: Pax's value had no effect there."""
+        return ("CHECKPOINT_POLICY" in self.overridden
+                or self.CHECKPOINT_POLICY != ModelLayerSettings.CHECKPOINT_POLICY)
+
+    def remat_description(self) -> str:
+        """The remat each layer of the step really has, in words (the plan reports it)."""
+        policy = self.remat_policy()
+        if policy is RematPolicy.NONE:
+            return ("none (unrolled layers keep every activation; CHECKPOINT_POLICY applies to "
+                    "scanned layers, and to unrolled ones only where set explicitly)")
+        where = ("each scanned layer" if self.USE_REPEATED_LAYER
+                 else "each unrolled layer (CHECKPOINT_POLICY set explicitly)")
+        if self.pipeline_config() is not None:
+            where = "each pipeline iteration (a stage's layers)"
+        return f"{policy.name} on {where}"
 
 
 class LoraSettings:

@@ -141,8 +141,13 @@ def test_unknown_policy_lists_valid_names() -> None:
         build_run_config("TinySyntheticRepeated", ["CHECKPOINT_POLICY=SAVE_CONTXT"])
 
 
-def test_policy_reaches_the_scanned_model_only() -> None:
+def test_policy_reaches_the_scanned_model_and_unrolled_layers_where_set() -> None:
     _, config = build_run_config("TinySyntheticRepeated", ["CHECKPOINT_POLICY=SAVE_QKV_OUT_PROJ"])
     assert config.model.scan_layers and config.model.remat_policy is RematPolicy.SAVE_QKV_OUT_PROJ
-    _, config = build_run_config("TinySynthetic", ["CHECKPOINT_POLICY=SAVE_QKV_OUT_PROJ"])
+    # unrolled: the inherited default keeps everything, as in Pax; a policy set is applied
+    # (tests/experiments/test_checkpoint_policy.py: its memory and gradients)
+    _, config = build_run_config("TinySynthetic", [])
     assert not config.model.scan_layers and config.model.remat_policy is RematPolicy.NONE
+    _, config = build_run_config("TinySynthetic", ["CHECKPOINT_POLICY=SAVE_QKV_OUT_PROJ"])
+    assert not config.model.scan_layers
+    assert config.model.remat_policy is RematPolicy.SAVE_QKV_OUT_PROJ
