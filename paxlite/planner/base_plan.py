@@ -77,6 +77,7 @@ def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None =
         # traced with XLA's attention (the same parameters): AUTO resolved here, off the target's
         # mesh, would log a fall-back to XLA that a GPU program does not make
         num_params=num_params(dataclasses.replace(model, attention_implementation="xla")),
+        remat=experiment.remat_description(),
         memory_per_device=measured.memory,
         device_memory_bytes=device_bytes,
         verdict=Verdict.of(peak_bytes=measured.memory.peak_bytes, device_bytes=device_bytes),

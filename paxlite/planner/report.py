@@ -30,6 +30,7 @@ def format_text(p: Plan) -> str:
          f"(ICI {list(p.ici_mesh_shape)} x DCN {list(p.dcn_mesh_shape)})"),
         (f"  {p.num_params:,} parameters; global batch {p.global_batch_size} x {p.seq_len}"
          f" = {p.tokens_per_step:,} tokens per step"),
+        f"  remat: {p.remat}",
         *_compiler_lines(p),
         f"  parameters          {_gib(m.parameter_bytes):>14}",
         f"  optimizer state     {_gib(m.optimizer_state_bytes):>14}",

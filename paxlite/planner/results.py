@@ -331,6 +331,9 @@ class Plan(JsonRecord):
     seq_len: int
     tokens_per_step: int
     num_params: int
+    # The remat each layer of the step really has (the experiment's remat_description): a policy
+    # name and where it applies, or "none (...)" where unrolled layers keep every activation.
+    remat: str
     memory_per_device: DeviceMemory
     peak_formula: str = PEAK_FORMULA
     device_memory_bytes: int

@@ -131,3 +131,18 @@ def test_remat_of_unrolled_layers_gives_the_plain_gradients(compiled_steps):
                                  jax.tree.leaves(remat)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_plan_says_which_remat_the_step_has():
+    """`plan`'s text and JSON name the remat the compiled step has (one tiny compile)."""
+    from paxlite.planner import plan as plan_lib
+    from paxlite.planner.results import Plan
+
+    experiment = load_experiment("TinySynthetic", ["NUM_LAYERS=1", "MAX_SEQ_LEN=32",
+                                                   "PERCORE_BATCH_SIZE=1",
+                                                   "CHECKPOINT_POLICY=SAVE_NOTHING"])
+    plan = plan_lib.plan_experiment(experiment, num_devices=8)
+    want = "SAVE_NOTHING on each unrolled layer (CHECKPOINT_POLICY set explicitly)"
+    assert plan.to_json()["remat"] == want
+    assert Plan.from_json(plan.to_json()) == plan
+    assert f"\n  remat: {want}\n" in plan_lib.format_text(plan)
