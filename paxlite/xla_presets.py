@@ -26,6 +26,18 @@ What changed from Pax's files (docs/performance.md, "XLA flag presets"):
 The user's XLA_FLAGS win flag by flag: a flag the user sets replaces the preset's flag of the same
 name, the rest of the preset stays. An environment variable the user has set is likewise kept.
 
+Every preset declares its platform, and every one here is a GPU preset. None is ever applied to a
+TPU run: its `JAX_OPTIMIZATION_LEVEL=O1` applies to TPU compiles too, and halved GPT126M's step on
+one TPU v5e (batch 4, seq 2048: 0.150 -> 0.305 s per step, 2026-12-07), while its `--xla_gpu_*`
+flags are ignored there and only hide what runs. No TPU preset exists (none has been measured to
+help). The platform is read without opening an accelerator, since presets are exported before
+JAX starts (`detect_platform`): JAX_PLATFORMS's first entry; else TPU_ACCELERATOR_TYPE set means
+a TPU; else an NVIDIA device node (/dev/nvidia0, /dev/nvidiactl) a GPU; else a TPU device node
+(/dev/accel<N>: v4, v5e; /dev/vfio/<N>: v5p, v6e) a TPU; else unknown. A preset applies on its
+own platform, on the CPU and where the platform is unknown (as before platforms were declared),
+never on another accelerator: there the command prints one line saying so and exports nothing, or,
+given `--platform` and a preset by name (`--model`), exits 2 with one line.
+
     python -m paxlite.xla_presets --model=gpt126m                 # the XLA_FLAGS string
     python -m paxlite.xla_presets --experiment=Pile126M --format=shell   # export lines for a script
     python -m paxlite.xla_presets --list
@@ -35,7 +47,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import json
+import logging
 import os
 import re
 import shlex
@@ -44,6 +58,8 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from paxlite.errors import UserError, exit_status
+
+_log = logging.getLogger(__name__)
 
 
 def flag_name(token: str) -> str:
@@ -62,12 +78,34 @@ class Flag:
         return flag_name(self.spellings[0])
 
 
-@dataclasses.dataclass(frozen=True)
+class Platform(str, enum.Enum):
+    """A run's JAX backend, as far as presets care."""
+
+    GPU = "gpu"
+    TPU = "tpu"
+    CPU = "cpu"
+
+    @classmethod
+    def parse(cls, value: str | Platform) -> Platform:
+        try:
+            return cls(str(value.value if isinstance(value, Platform) else value).lower())
+        except ValueError:
+            raise UserError(f"platform {value!r} is not valid; expected one of "
+                            f"{', '.join(p.value for p in cls)}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Preset:
     name: str
     doc: str
     flags: tuple[Flag, ...]
     env: tuple[tuple[str, str], ...]
+    platform: Platform  # the only accelerator it is for (module docstring: where it applies)
+
+    def applies_on(self, platform: Platform | None) -> bool:
+        """On its own platform, on the CPU, and where the platform is unknown (None); never on
+        another accelerator."""
+        return platform in (None, Platform.CPU, self.platform)
 
 
 def _flag(*spellings: str) -> Flag:
@@ -102,42 +140,48 @@ _COMMON_ENV = (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTIO
 PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in (
+        Preset(name="common", doc="Pax common.env: the defaults of every other preset",
+               flags=_COMMON, env=_COMMON_ENV, platform=Platform.GPU),
         Preset(
-            "common", "Pax common.env: the defaults of every other preset", _COMMON, _COMMON_ENV
+            name="gpt126m",
+            doc="Pax gpt-126m.env: all-reduce combine threshold 32 MiB (Pile126M, Synthetic126M)",
+            flags=_with(_COMMON, _flag("--xla_gpu_all_reduce_combine_threshold_bytes=33554432")),
+            env=_COMMON_ENV,
+            platform=Platform.GPU,
+        ),
+        Preset(name="gpt5b", doc="Pax common.env, as Pax used for GPT-5B", flags=_COMMON,
+               env=_COMMON_ENV, platform=Platform.GPU),
+        Preset(name="gpt175b", doc="Pax common.env, as Pax used for GPT-175B", flags=_COMMON,
+               env=_COMMON_ENV, platform=Platform.GPU),
+        Preset(name="llama", doc="Pax llama-7b.env / common.env (LLaMA, Fuji)", flags=_COMMON,
+               env=_COMMON_ENV, platform=Platform.GPU),
+        Preset(
+            name="llama-lora",
+            doc="Pax llama-7b-lora.env: memory fraction 0.85",
+            flags=_COMMON,
+            env=(("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")),
+            platform=Platform.GPU,
         ),
         Preset(
-            "gpt126m",
-            "Pax gpt-126m.env: all-reduce combine threshold 32 MiB (Pile126M, Synthetic126M)",
-            _with(_COMMON, _flag("--xla_gpu_all_reduce_combine_threshold_bytes=33554432")),
-            _COMMON_ENV,
-        ),
-        Preset("gpt5b", "Pax common.env, as Pax used for GPT-5B", _COMMON, _COMMON_ENV),
-        Preset("gpt175b", "Pax common.env, as Pax used for GPT-175B", _COMMON, _COMMON_ENV),
-        Preset("llama", "Pax llama-7b.env / common.env (LLaMA, Fuji)", _COMMON, _COMMON_ENV),
-        Preset(
-            "llama-lora",
-            "Pax llama-7b-lora.env: memory fraction 0.85",
-            _COMMON,
-            (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")),
+            name="moe",
+            doc="Pax common.env, as Pax used for GLaM-126M/64E and GLaM-64B/64E (GLaM, Mixtral)",
+            flags=_COMMON,
+            env=_COMMON_ENV,
+            platform=Platform.GPU,
         ),
         Preset(
-            "moe",
-            "Pax common.env, as Pax used for GLaM-126M/64E and GLaM-64B/64E (GLaM, Mixtral)",
-            _COMMON,
-            _COMMON_ENV,
+            name="moe-fsdp",
+            doc="common.env's flags, memory fraction 0.95: an MoE fine-tune whose whole state is "
+                "sharded over 8 GPUs (Qwen3-30B-A3B: 73.73 GiB planned of an H100's 79.11)",
+            flags=_COMMON,
+            env=(("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")),
+            platform=Platform.GPU,
         ),
         Preset(
-            "moe-fsdp",
-            "common.env's flags, memory fraction 0.95: an MoE fine-tune whose whole state is "
-            "sharded over 8 GPUs (Qwen3-30B-A3B: 73.73 GiB planned of an H100's 79.11)",
-            _COMMON,
-            (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")),
-        ),
-        Preset(
-            "moe-large",
-            "Pax grok-proxy.env: large combine thresholds, pipelined collectives, "
-            "while-loop double buffering, no rematerialization pass",
-            _with(
+            name="moe-large",
+            doc="Pax grok-proxy.env: large combine thresholds, pipelined collectives, "
+                "while-loop double buffering, no rematerialization pass",
+            flags=_with(
                 _COMMON,
                 _flag("--xla_gpu_all_reduce_combine_threshold_bytes=3221225472"),
                 _flag("--xla_gpu_all_gather_combine_threshold_bytes=3221225472"),
@@ -150,7 +194,8 @@ PRESETS: dict[str, Preset] = {
                 _flag("--xla_gpu_enable_reduce_scatter_combine_by_dim=false"),
                 _flag("--xla_disable_hlo_passes=rematerialization"),
             ),
-            (("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")),
+            env=(("JAX_OPTIMIZATION_LEVEL", "O1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")),
+            platform=Platform.GPU,
         ),
     )
 }
@@ -178,6 +223,71 @@ def preset_for_experiment(experiment: str) -> str:
         if re.search(pattern, short, re.IGNORECASE):
             return preset
     return "common"
+
+
+def preset_name(*, model: str | None = None, experiment: str | None = None) -> str:
+    """A preset by name (`model`, checked by get_preset), or an experiment's family preset; with
+    neither, 'common'."""
+    if model is not None and experiment is not None:
+        raise UserError(f"give a preset (model={model!r}) or an experiment "
+                        f"(experiment={experiment!r}), not both")
+    return preset_for_experiment(experiment) if experiment is not None else (model or "common")
+
+
+# ------------------------------------------------------------------------------------------------
+# The platform a run will have, read before JAX starts (module docstring: the rule)
+
+# JAX_PLATFORMS entries -> platform (jax's names; "gpu" is its older name for cuda/rocm)
+_JAX_PLATFORM_NAMES = {"tpu": Platform.TPU, "cuda": Platform.GPU, "rocm": Platform.GPU,
+                       "gpu": Platform.GPU, "cpu": Platform.CPU}
+_NVIDIA_NODES = ("nvidia0", "nvidiactl")
+_TPU_NODE = re.compile(r"accel\d+")  # /dev/accel0...: TPU v2-v5e chips (DRM's accel/ is a folder)
+
+
+@dataclasses.dataclass(frozen=True)
+class DetectedPlatform:
+    platform: Platform | None  # None: nothing tells (a preset then applies, as it always did)
+    evidence: str  # what told, for the line that says a preset was not applied
+
+
+def detect_platform(*, environ: Mapping[str, str] | None = None,
+                    dev_dir: str = "/dev") -> DetectedPlatform:
+    """The platform a JAX process started here would have, from its environment and device
+    nodes only: nothing is opened, so a launch script can ask before JAX holds the chip."""
+    environ = os.environ if environ is None else environ
+    first = environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if first in _JAX_PLATFORM_NAMES:
+        return DetectedPlatform(_JAX_PLATFORM_NAMES[first],
+                                f"JAX_PLATFORMS={environ['JAX_PLATFORMS']}")
+    if environ.get("TPU_ACCELERATOR_TYPE"):
+        return DetectedPlatform(Platform.TPU,
+                                f"TPU_ACCELERATOR_TYPE={environ['TPU_ACCELERATOR_TYPE']}")
+    for node in _NVIDIA_NODES:
+        if os.path.exists(os.path.join(dev_dir, node)):
+            return DetectedPlatform(Platform.GPU, os.path.join(dev_dir, node))
+    try:
+        nodes = sorted(os.listdir(dev_dir))
+    except OSError:
+        nodes = []
+    accel = [n for n in nodes if _TPU_NODE.fullmatch(n)]
+    if accel:
+        return DetectedPlatform(Platform.TPU, os.path.join(dev_dir, accel[0]))
+    vfio = os.path.join(dev_dir, "vfio")
+    groups = sorted(n for n in os.listdir(vfio) if n.isdigit()) if os.path.isdir(vfio) else []
+    if groups:
+        return DetectedPlatform(Platform.TPU, os.path.join(vfio, groups[0]))
+    return DetectedPlatform(None, "no JAX_PLATFORMS, TPU_ACCELERATOR_TYPE or device node")
+
+
+def not_applied_line(preset: Preset, detected: DetectedPlatform, *, detected_here: bool) -> str:
+    """The one line that says a preset was left out, and why (`detected_here`: the platform is
+    detect_platform's guess, which the line says how to correct)."""
+    platform = detected.platform.value.upper() if detected.platform else "unknown"
+    hint = ("; if this is a GPU run, set JAX_PLATFORMS=cuda" if detected_here
+            and preset.platform is Platform.GPU else "")
+    return (f"paxlite.xla_presets: {preset.name} is a {preset.platform.value.upper()} preset and "
+            f"this is a {platform} run ({detected.evidence}): no XLA flags or variables set "
+            f"(GPU presets' JAX_OPTIMIZATION_LEVEL=O1 slows TPU steps{hint})")
 
 
 def get_preset(name: str) -> Preset:
@@ -274,6 +384,34 @@ def environment(preset: Preset, *, base_flags: str | None, environ: Mapping[str,
     return out, dropped
 
 
+def environment_for(*, model: str | None = None, experiment: str | None = None,
+                    platform: Platform | str, base_flags: str | None = None,
+                    environ: Mapping[str, str] | None = None,
+                    probe_jaxlib: bool = True) -> dict[str, str]:
+    """The variables to export for a run of preset `model` (or `experiment`'s family preset) on
+    `platform` ("auto": detect_platform's answer): `environment`'s, or {} where the preset is not
+    for that platform (any preset on a TPU), logged in one line. A left-out flag is logged too.
+    `environ` (default os.environ) holds the user's XLA_FLAGS and variables, which win."""
+    environ = os.environ if environ is None else environ
+    preset = get_preset(preset_name(model=model, experiment=experiment))
+    detected = (detect_platform(environ=environ) if str(platform) == "auto"
+                else DetectedPlatform(Platform.parse(platform), f"platform={platform!s}"))
+    if not preset.applies_on(detected.platform):
+        _log.warning("%s", not_applied_line(preset, detected,
+                                            detected_here=str(platform) == "auto"))
+        return {}
+    env, dropped = environment(preset, base_flags=base_flags, environ=environ,
+                               probe_jaxlib=probe_jaxlib)
+    for flag in dropped:
+        _log.warning("%s", _dropped_line(preset, flag))
+    return env
+
+
+def _dropped_line(preset: Preset, flag: Flag) -> str:
+    return (f"paxlite.xla_presets: {preset.name}: left out {' / '.join(flag.spellings)}: this "
+            "jaxlib knows none of these spellings")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
@@ -287,38 +425,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     which.add_argument("--list", action="store_true", help="print the presets and their flags")
     parser.add_argument("--format", default="flags", choices=("flags", "shell", "json"),
                         help="flags: the XLA_FLAGS string; shell: export lines; json: everything")
+    parser.add_argument("--platform", default="auto",
+                        choices=("auto", *(p.value for p in Platform)),
+                        help="the run's platform; auto: from JAX_PLATFORMS, TPU_ACCELERATOR_TYPE "
+                             "and the device nodes (no preset is applied on a TPU)")
     parser.add_argument("--no_probe", action="store_true",
                         help="print the newest spellings without asking the installed jaxlib")
     args = parser.parse_args(argv)
     try:
         if args.list:
             for preset in PRESETS.values():
-                print(f"{preset.name}: {preset.doc}")
+                print(f"{preset.name}: {preset.doc} [{preset.platform.value} only]")
                 print("    " + " ".join(" | ".join(f.spellings) for f in preset.flags))
                 print("    " + " ".join(f"{k}={v}" for k, v in preset.env))
             return 0
-        name = (
-            preset_for_experiment(args.experiment) if args.experiment else (args.model or "common")
-        )
-        preset = get_preset(name)
-        env, dropped = environment(
-            preset,
-            base_flags=os.environ.get("BASE_XLA_FLAGS"),
-            environ=os.environ,
-            probe_jaxlib=not args.no_probe,
-        )
+        preset = get_preset(preset_name(model=args.model, experiment=args.experiment))
+        if args.platform == "auto":
+            detected = detect_platform(environ=os.environ)
+        else:
+            detected = DetectedPlatform(Platform(args.platform), f"--platform={args.platform}")
+        applied = preset.applies_on(detected.platform)
+        if not applied and args.platform != "auto" and args.model is not None:
+            raise UserError(
+                f"--model={args.model} is a {preset.platform.value.upper()} preset and "
+                f"--platform={args.platform}: its JAX_OPTIMIZATION_LEVEL=O1 slows TPU steps "
+                "(halved GPT126M's on a TPU v5e) and TPUs ignore --xla_gpu_* flags; paxlite has "
+                f"no {args.platform.upper()} presets: run without one")
+        dropped: tuple[Flag, ...] = ()
+        env: dict[str, str] = {}
+        if applied:
+            env, dropped = environment(
+                preset,
+                base_flags=os.environ.get("BASE_XLA_FLAGS"),
+                environ=os.environ,
+                probe_jaxlib=not args.no_probe,
+            )
     except UserError as e:
         return exit_status(e)
+    if not applied:
+        print(not_applied_line(preset, detected, detected_here=args.platform == "auto"),
+              file=sys.stderr)
     for flag in dropped:
-        print(f"paxlite.xla_presets: {preset.name}: left out {' / '.join(flag.spellings)}: this "
-              "jaxlib knows none of these spellings", file=sys.stderr)
-    if args.format == "flags":
-        print(env["XLA_FLAGS"])
+        print(_dropped_line(preset, flag), file=sys.stderr)
+    if args.format == "flags":  # not applied: the user's own, unchanged
+        print(env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
     elif args.format == "shell":
         for key, value in env.items():
             print(f"export {key}={shlex.quote(value)}")
     else:
-        print(json.dumps({"preset": preset.name, "env": env,
+        print(json.dumps({"preset": preset.name, "platform": preset.platform.value,
+                          "applied": applied, "env": env,
                           "dropped": [list(f.spellings) for f in dropped]}, indent=2))
     return 0
 

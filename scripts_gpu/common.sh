@@ -7,6 +7,8 @@
 # XLA_PRESET=NAME in the environment picks another. The user's XLA_FLAGS win flag by flag, a variable the
 # user set is kept, and BASE_XLA_FLAGS (Pax's name) replaces the preset's flags. Each flag is spelt as the
 # installed jaxlib accepts it (XLA aborts on an unknown flag), so this starts a short probe of JAX on the CPU.
+# Every preset is a GPU preset: on a TPU (JAX_PLATFORMS=tpu, TPU_ACCELERATOR_TYPE, /dev/accel<N> or /dev/vfio/<N>;
+# paxlite/xla_presets.py has the rule) nothing is exported and one line on stderr says so.
 paxlite_set_xla_flags() {
     local which=$1 exports
     if [ -n "${XLA_PRESET:-}" ]; then which="--model=$XLA_PRESET"; fi

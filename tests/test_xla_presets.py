@@ -146,3 +146,115 @@ def test_script_exports_the_preset_and_keeps_the_users_settings():
         ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.splitlines() == ["--xla_gpu_enable_triton_gemm=true", "O1", "0.9"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Platforms: every preset is a GPU preset, and none reaches a TPU run
+
+
+def _devices(tmp_path, *nodes):
+    """A fake /dev holding `nodes` (a name ending in / is a folder)."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for node in nodes:
+        path = dev / node.rstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if node.endswith("/"):
+            path.mkdir()
+        else:
+            path.touch()
+    return str(dev)
+
+
+@pytest.mark.parametrize("environ, nodes, want", [
+    ({"JAX_PLATFORMS": "tpu"}, (), xp.Platform.TPU),
+    ({"JAX_PLATFORMS": "cuda,cpu"}, ("accel0",), xp.Platform.GPU),  # JAX_PLATFORMS first
+    ({"JAX_PLATFORMS": "cpu"}, ("accel0",), xp.Platform.CPU),
+    ({"TPU_ACCELERATOR_TYPE": "v5litepod-1"}, (), xp.Platform.TPU),
+    ({}, ("nvidia0", "nvidiactl"), xp.Platform.GPU),
+    ({}, ("nvidiactl", "vfio/0"), xp.Platform.GPU),  # a GPU host with a VFIO group
+    ({}, ("accel0", "accel1"), xp.Platform.TPU),  # v4, v5e
+    ({}, ("vfio/vfio", "vfio/0"), xp.Platform.TPU),  # v5p, v6e
+    ({}, ("vfio/vfio",), None),  # the VFIO control node alone: no device
+    ({}, ("accel/accel0",), None),  # the kernel's DRM accel folder is not a TPU
+    ({"JAX_PLATFORMS": ""}, (), None),
+])
+def test_the_platform_is_read_from_the_environment_and_device_nodes(tmp_path, environ, nodes,
+                                                                      want):
+    detected = xp.detect_platform(environ=environ, dev_dir=_devices(tmp_path, *nodes))
+    assert detected.platform is want, detected
+
+
+def test_every_preset_is_a_gpu_preset_and_none_applies_on_a_tpu():
+    for preset in xp.PRESETS.values():
+        assert preset.platform is xp.Platform.GPU
+        assert not preset.applies_on(xp.Platform.TPU)
+        # as before platforms were declared: on the CPU and where nothing tells
+        assert all(preset.applies_on(p) for p in (xp.Platform.GPU, xp.Platform.CPU, None))
+
+
+def test_a_tpu_run_gets_no_preset_env_and_a_gpu_run_todays(caplog):
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/x", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    today, _ = xp.environment(xp.PRESETS["gpt126m"], base_flags=None, environ=environ,
+                              probe_jaxlib=False)
+    assert today["JAX_OPTIMIZATION_LEVEL"] == "O1"
+    for platform in ("gpu", xp.Platform.GPU, "cpu"):
+        assert xp.environment_for(experiment="Pile126M", platform=platform, environ=environ,
+                                  probe_jaxlib=False) == today
+    caplog.clear()
+    with caplog.at_level("INFO", logger=xp.__name__):
+        assert xp.environment_for(experiment="Pile126M", platform="tpu", environ=environ) == {}
+        assert xp.environment_for(model="moe-large", platform="auto",
+                                  environ={"JAX_PLATFORMS": "tpu"}) == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        ("paxlite.xla_presets: gpt126m is a GPU preset and this is a TPU run (platform=tpu): no "
+         "XLA flags or variables set (GPU presets' JAX_OPTIMIZATION_LEVEL=O1 slows TPU steps)"),
+        ("paxlite.xla_presets: moe-large is a GPU preset and this is a TPU run "
+         "(JAX_PLATFORMS=tpu): no XLA flags or variables set (GPU presets' "
+         "JAX_OPTIMIZATION_LEVEL=O1 slows TPU steps; if this is a GPU run, set "
+         "JAX_PLATFORMS=cuda)"),
+    ]
+
+
+def test_cli_refuses_a_gpu_preset_asked_for_a_tpu_in_one_line(capfd):
+    capfd.readouterr()
+    assert xp.main(["--model=gpt126m", "--platform=tpu"]) == 2
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        ("paxlite: error: --model=gpt126m is a GPU preset and --platform=tpu: its "
+         "JAX_OPTIMIZATION_LEVEL=O1 slows TPU steps (halved GPT126M's on a TPU v5e) and TPUs "
+         "ignore --xla_gpu_* flags; paxlite has no TPU presets: run without one")]
+
+
+def test_cli_on_a_tpu_exports_nothing_and_says_so(capfd, monkeypatch):
+    """An experiment's preset on a TPU (asked with --platform, or detected: JAX_PLATFORMS): no
+    export line, the user's XLA_FLAGS as they are, one line on stderr. --platform=gpu keeps the
+    preset."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    capfd.readouterr()
+    assert xp.main(["--experiment=Pile126M", "--platform=tpu", "--format=shell"]) == 0
+    out, err = capfd.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err.startswith("paxlite.xla_presets: gpt126m is a GPU preset and this is a TPU run")
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert xp.main(["--experiment=Pile126M"]) == 0
+    out, err = capfd.readouterr()
+    assert out == "--xla_dump_to=/tmp/x\n" and "(JAX_PLATFORMS=tpu)" in err
+    assert xp.main(["--experiment=Pile126M", "--platform=gpu", "--format=shell",
+                    "--no_probe"]) == 0
+    out, err = capfd.readouterr()
+    assert "export JAX_OPTIMIZATION_LEVEL=O1" in out.splitlines() and err == ""
+
+
+def test_script_on_a_tpu_exports_nothing():
+    script = ('source scripts_gpu/common.sh; paxlite_set_xla_flags --experiment=Pile126M; '
+              'echo "$XLA_FLAGS|${JAX_OPTIMIZATION_LEVEL:-unset}|'
+              '${XLA_PYTHON_CLIENT_MEM_FRACTION:-unset}"')
+    env = {k: v for k, v in _env(JAX_PLATFORMS="tpu", XLA_FLAGS="--xla_dump_to=/tmp/x").items()
+           if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.splitlines() == ["--xla_dump_to=/tmp/x|unset|unset"]
+    assert len(result.stderr.splitlines()) == 1 and "TPU run" in result.stderr
