@@ -28,8 +28,13 @@ from tests.xla_test_flags import COMPILE_FLAGS, GPU_COMPILE_FLAGS
 # already set (by the developer, or by the controlling process for an xdist worker) is kept as it
 # is.
 GPU_PASS = os.environ.get("PAXLITE_TEST_GPU_PASS") == "1"
+# tests/tpu_pass.py: the `tpu` tests on the chip, in this one process (only one program can hold
+# the chip: no fork server, no subprocess that opens it), compiled as in a run.
+TPU_PASS = os.environ.get("PAXLITE_TEST_TPU_PASS") == "1"
+if TPU_PASS:
+    os.environ[FORK_DISABLE_VAR] = "1"
 _flags = os.environ.get("XLA_FLAGS", "").split()
-_TEST_FLAGS = () if GPU_PASS else (COMPILE_FLAGS, *GPU_COMPILE_FLAGS.split())
+_TEST_FLAGS = () if GPU_PASS or TPU_PASS else (COMPILE_FLAGS, *GPU_COMPILE_FLAGS.split())
 for _flag in _TEST_FLAGS + ("--xla_force_host_platform_device_count=8",):
     if not any(f.split("=")[0] == _flag.split("=")[0] for f in _flags):
         _flags.append(_flag)
@@ -94,6 +99,13 @@ def _has_gpu() -> bool:
         return False
 
 
+def _has_tpu() -> bool:
+    try:
+        return any(d.platform == "tpu" for d in jax.devices("tpu"))
+    except RuntimeError:
+        return False
+
+
 # Seconds each test took (setup, call and teardown) in the last recorded run on 2 cores, written by
 # `make test-durations` (pytest --record-durations, which updates the entries of the files it
 # runs). Tests missing from it (new ones) count as 0 s.
@@ -132,8 +144,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _has_tpu():
+        reason = ("needs a TPU: tests/tpu_pass.py runs the tpu tests on a machine with one "
+                  "(benchmarks/tpu/run.sh)")
+        for item in items:
+            if "tpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
     _mark_gpu_compile(items)
-    if GPU_PASS:
+    if GPU_PASS or TPU_PASS:
         return  # tests/gpu_pass.py gives the files most telling first: a timeout cuts the rest
     durations = _recorded_durations()
     slow = pytest.mark.slow(reason=f"measured over {QUICK_LIMIT_S:g} s on 2 cores "

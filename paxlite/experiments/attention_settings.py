@@ -23,6 +23,7 @@ from paxlite.models.attention_kernels import (
     cudnn_problems,
     pallas_problems,
 )
+from paxlite.models.splash_attention import splash_problems
 from paxlite.models.transformer_config import PositionEmbedding
 
 
@@ -35,16 +36,19 @@ class AttentionSettings:
     USE_CUDNN_FLASH_ATTENTION: bool = False
     # The kernel of fused attention: "auto" (cuDNN where it fits, else XLA), "xla", "cudnn", or
     # "pallas_triton" (JAX's Pallas-Triton flash attention, which reads packed rows' segment ids in
-    # the kernel instead of a dense mask; GPU only, no relative position bias).
-    ATTENTION_IMPLEMENTATION: Literal["auto", "xla", "cudnn", "pallas_triton"] = Derived(
+    # the kernel instead of a dense mask; GPU only, no relative position bias), or "splash" (JAX's
+    # Pallas splash attention for TPUs: segment ids, grouped kv heads, sliding windows and logit
+    # soft-capping in the kernel; TPU only, no relative position bias).
+    ATTENTION_IMPLEMENTATION: Literal["auto", "xla", "cudnn", "pallas_triton", "splash"] = Derived(
         lambda hp: "cudnn" if hp.USE_CUDNN_FLASH_ATTENTION else "auto",
         doc="'cudnn' if USE_CUDNN_FLASH_ATTENTION else 'auto'")
     # How attention computes softmax(q k^T) v: "dot_product" (einsums, Pax) or "flash" (a fused
     # kernel, ATTENTION_IMPLEMENTATION's). Same parameters, same result.
     ATTENTION_KIND: Literal["dot_product", "flash"] = Derived(
-        lambda hp: ("flash" if hp.ATTENTION_IMPLEMENTATION in ("cudnn", "pallas_triton")
+        lambda hp: ("flash" if hp.ATTENTION_IMPLEMENTATION in ("cudnn", "pallas_triton", "splash")
                     else "dot_product"),
-        doc="'flash' if ATTENTION_IMPLEMENTATION is 'cudnn' or 'pallas_triton' else 'dot_product'")
+        doc="'flash' if ATTENTION_IMPLEMENTATION is 'cudnn', 'pallas_triton' or 'splash' else "
+            "'dot_product'")
 
 
 def check_attention_settings(experiment) -> None:
@@ -59,8 +63,8 @@ def check_attention_settings(experiment) -> None:
         problems.append(
             f"USE_CUDNN_FLASH_ATTENTION=true asks for cuDNN and ATTENTION_IMPLEMENTATION="
             f"{implementation.value!r} for another kernel: drop one of them")
-    fused = implementation in (AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON)
-    if fused and experiment.ATTENTION_KIND == AttentionKind.DOT_PRODUCT.value:
+    einsums = experiment.ATTENTION_KIND == AttentionKind.DOT_PRODUCT.value
+    if implementation.is_fused_kernel and einsums:
         problems.append(
             f"ATTENTION_IMPLEMENTATION={implementation.value!r} is a fused kernel and "
             "ATTENTION_KIND='dot_product' runs einsums: set ATTENTION_KIND='flash' (or leave it "
@@ -90,6 +94,9 @@ def check_attention_settings(experiment) -> None:
                 f"{experiment.FPROP_DTYPE!r}, DIMS_PER_HEAD={experiment.DIMS_PER_HEAD}, "
                 f"MAX_SEQ_LEN={experiment.MAX_SEQ_LEN}); or use ATTENTION_IMPLEMENTATION='auto' "
                 "(cuDNN where it fits, else XLA)")
+    if implementation is AttentionImplementation.SPLASH and relative_bias:
+        raise ConfigError(f"ATTENTION_IMPLEMENTATION='splash' cannot run {experiment.name}: "
+                          + splash_problems(has_bias=True)[0])
     if implementation is AttentionImplementation.PALLAS_TRITON:
         problems = pallas_problems(has_bias=relative_bias)
         if problems:

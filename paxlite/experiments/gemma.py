@@ -14,7 +14,7 @@ The weights come from a converted checkpoint (`python -m paxlite convert --from=
 --fdl_config=Gemma2_9B`, which writes the experiment's scanned stack: units of one sliding and one
 global layer; then --fdl.CHECKPOINT_RESTORE_PATH=DIR). Fine-tuning defaults as llama3.py's
 (fine_tuning.py: peak rate 2e-5, FSDP over the 8 GPUs, the scanned stack recomputed in the
-backward pass), except where the soft-cap decides: JAX's fused attention kernels (XLA's, cuDNN's
+backward pass), except where the soft-cap decides: JAX's GPU attention kernels (XLA's, cuDNN's
 and Pallas-Triton's) have no logit soft-capping, so attention runs Pax's einsums
 (ATTENTION_KIND 'dot_product'), which hold each layer's [heads, T, T] logits; sequences are
 therefore 4,096 tokens (the sliding window; config.json allows 8,192), 2 per GPU.
@@ -56,11 +56,14 @@ class GemmaSettings:
 
     def hparam_problems(self) -> list[str]:
         problems = super().hparam_problems()
-        if self.ATTENTION_LOGIT_SOFTCAP is not None and self.ATTENTION_KIND == "flash":
+        if (self.ATTENTION_LOGIT_SOFTCAP is not None and self.ATTENTION_KIND == "flash"
+                and self.ATTENTION_IMPLEMENTATION != "splash"):
             problems.append(
                 f"ATTENTION_LOGIT_SOFTCAP={self.ATTENTION_LOGIT_SOFTCAP} with "
-                "ATTENTION_KIND='flash': JAX's fused attention kernels have no logit "
-                "soft-capping; use ATTENTION_KIND='dot_product'")
+                f"ATTENTION_KIND='flash' and ATTENTION_IMPLEMENTATION="
+                f"{self.ATTENTION_IMPLEMENTATION!r}: JAX's XLA, cuDNN and Pallas-Triton attention "
+                "kernels have no logit soft-capping; use ATTENTION_KIND='dot_product', or "
+                "ATTENTION_IMPLEMENTATION='splash' on a TPU")
         return problems
 
     def model_config(self) -> fdl.Config[TransformerConfig]:

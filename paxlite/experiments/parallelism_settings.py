@@ -153,7 +153,7 @@ class ParallelismSettings:
                     f"of ICI {self.ICI_MESH_SHAPE} x DCN {self.DCN_MESH_SHAPE} is 1, NUM_STAGES "
                     "unset): give the mesh a pipeline axis (5th entry), or drop them")
         if seq > 1:
-            if self.ATTENTION_IMPLEMENTATION in ("cudnn", "pallas_triton"):
+            if self.ATTENTION_IMPLEMENTATION in ("cudnn", "pallas_triton", "splash"):
                 problems.append(
                     f"ATTENTION_IMPLEMENTATION={self.ATTENTION_IMPLEMENTATION!r} with a seq axis "
                     f"of {seq}: sequence-parallel attention runs the XLA implementation (the "

@@ -99,8 +99,7 @@ def check_attention_choice(kind: AttentionKind | str,
     """A named kernel (cuDNN, Pallas-Triton) is a FLASH implementation; with DOT_PRODUCT it would
     be silently ignored, so that combination is refused."""
     kind, implementation = AttentionKind(kind), AttentionImplementation(implementation)
-    fused = (AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON)
-    if kind is AttentionKind.DOT_PRODUCT and implementation in fused:
+    if kind is AttentionKind.DOT_PRODUCT and implementation.is_fused_kernel:
         raise ValueError(
             f"attention implementation {implementation.value!r} is a fused kernel and attention "
             f"kind 'dot_product' runs einsums: use attention kind 'flash' with it")
@@ -360,8 +359,7 @@ class Attention(nn.Module):
                 "segment_ids: pass segment_ids [B, T] with the mask they make, not a mask alone")
         implementation = AttentionImplementation(self.attention_implementation)
         if AttentionKind(self.attention_kind) is AttentionKind.FLASH:
-            if implementation in (AttentionImplementation.CUDNN,
-                                  AttentionImplementation.PALLAS_TRITON):
+            if implementation.is_fused_kernel:
                 raise SettingError(
                     f"attention implementation {implementation.value!r} cannot run with sequence "
                     f"parallelism ({where}): the kernel would see one shard of each row; use "

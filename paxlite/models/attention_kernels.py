@@ -2,14 +2,16 @@
 
 ``AttentionImplementation`` names the kernel: JAX's XLA attention, cuDNN's fused flash attention
 (both through the public ``jax.nn.dot_product_attention``), or JAX's Pallas-Triton flash attention
-(``jax.experimental.pallas.ops.gpu.attention.mha``), or AUTO (cuDNN where it can run, else XLA).
+(``jax.experimental.pallas.ops.gpu.attention.mha``), JAX's Pallas splash attention for TPUs
+(models/splash_attention.py), or AUTO (cuDNN where it can run, else XLA; XLA on a TPU until a
+measurement there says splash is faster for the shape).
 
-Why three: the public cuDNN API takes packed rows (segment ids) only as a dense [B, 1, T, S] mask,
-which it turns into an additive bias that has to be read from memory in both passes; the
-Pallas-Triton kernel reads the [B, T] segment ids themselves and masks inside the kernel, so it is
-the fused path for packed training. Which of the two packed paths is faster on a given GPU is
-measured by ``benchmarks/attention_kernels.py``; AUTO keeps cuDNN (with its dense mask) until a
-measurement says otherwise (docs/attention.md).
+Why three on a GPU: the public cuDNN API takes packed rows (segment ids) only as a dense
+[B, 1, T, S] mask, which it turns into an additive bias that has to be read from memory in both
+passes; the Pallas-Triton kernel reads the [B, T] segment ids themselves and masks inside the
+kernel, so it is the fused path for packed training. Which of the two packed paths is faster on a
+given GPU is measured by ``benchmarks/attention_kernels.py``; AUTO keeps cuDNN (with its dense
+mask) until a measurement says otherwise (docs/attention.md).
 
 A kernel asked for by name where it cannot run is a ``SettingError`` naming why (backend, dtype,
 head dims, bias), raised while the step is traced, before anything is compiled; the experiment
@@ -41,6 +43,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from paxlite.errors import SettingError
+from paxlite.models.splash_attention import require_splash, splash_attention
 from paxlite.parallel.gpu_target import compile_platform
 
 # cuDNN's flash kernels (JAX check_is_flash_attention): these dtypes, head dims a multiple of 8,
@@ -143,6 +146,13 @@ class AttentionImplementation(str, enum.Enum):
     XLA = "xla"  # jax.nn.dot_product_attention(implementation='xla'): any backend, any dtype
     CUDNN = "cudnn"  # cuDNN fused flash attention; packed rows through a dense mask
     PALLAS_TRITON = "pallas_triton"  # JAX's Pallas-Triton flash attention, segment ids in-kernel
+    SPLASH = "splash"  # JAX's Pallas splash attention for TPUs, segment ids in-kernel
+
+    @property
+    def is_fused_kernel(self) -> bool:
+        """A kernel asked for by name (not XLA's attention, not AUTO's choice)."""
+        return self in (AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON,
+                        AttentionImplementation.SPLASH)
 
 
 def cudnn_max_head_dim(compute_capability: str | None) -> int:
@@ -232,6 +242,9 @@ def resolve_implementation(
     if requested is AttentionImplementation.AUTO:
         log_auto_choice(cudnn)
         return AttentionImplementation.CUDNN if not cudnn else AttentionImplementation.XLA
+    if requested is AttentionImplementation.SPLASH:
+        require_splash(has_bias=has_bias, backend=backend)
+        return requested
     if requested is AttentionImplementation.CUDNN and cudnn:
         raise SettingError(
             "attention implementation 'cudnn' (USE_CUDNN_FLASH_ATTENTION) cannot run: "
@@ -248,6 +261,10 @@ def auto_choice_message(cudnn: list[str]) -> str:
     """What AUTO runs, given why cuDNN cannot run here (``cudnn_problems``; [] when it can)."""
     if not cudnn:
         return "ATTENTION_IMPLEMENTATION='auto' runs cuDNN flash attention"
+    if any("backend is 'tpu'" in reason for reason in cudnn):
+        return ("ATTENTION_IMPLEMENTATION='auto' runs XLA attention (jax.nn.dot_product_attention "
+                "implementation='xla') on this TPU; ATTENTION_IMPLEMENTATION='splash' runs the "
+                "TPU splash attention kernel")
     return ("ATTENTION_IMPLEMENTATION='auto' runs XLA attention (jax.nn.dot_product_attention "
             "implementation='xla'), not cuDNN flash attention: " + "; ".join(cudnn))
 
@@ -268,14 +285,15 @@ def flash_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: AttentionImplementation,
     mask: jax.Array | None = None, bias: jax.Array | None = None,
     segment_ids: jax.Array | None = None, interpret: bool = False,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, logit_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of prescaled q [B, T, N, H] over k, v [B, S, K, H] -> [B, T, N, H].
 
     sliding_window: query slot i sees key slots j > i - sliding_window only: JAX's local window
     (sliding_window - 1 keys to the left, none to the right), which the XLA kernel masks as
-    ``i <= j + left`` and cuDNN runs as its window of left + 1; the Pallas kernel has none
-    (SettingError). Slots equal positions within each packed segment, so this is exact there too.
+    ``i <= j + left``, cuDNN runs as its window of left + 1 and splash as a local mask; the
+    Pallas-Triton kernel has none (SettingError). Slots equal positions within each packed
+    segment, so this is exact there too.
 
     implementation: a resolved kernel (not AUTO). mask: bool [B|1, 1, T, S], a subset of causal
     (None: causal only); the XLA and cuDNN kernels read it, the Pallas kernel reads segment_ids
@@ -296,6 +314,20 @@ def flash_attention(
             raise ValueError(
                 "the Pallas-Triton kernel masks by segment ids: pass segment_ids [B, T] for a mask")
         return pallas_attention(q, k, v, segment_ids=segment_ids, interpret=interpret)
+    if implementation is AttentionImplementation.SPLASH:
+        if bias is not None:
+            raise SettingError(splash_problems_text())
+        if mask is not None and segment_ids is None:
+            raise ValueError(
+                "the splash kernel masks by segment ids: pass segment_ids [B, T] for a mask")
+        return splash_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window,
+                                logit_cap=logit_cap, interpret=interpret)
+    if logit_cap is not None:
+        raise SettingError(
+            f"attention_logit_cap={logit_cap} cannot run with attention implementation "
+            f"{implementation.value!r}: JAX's XLA, cuDNN and Pallas-Triton fused kernels have no "
+            "logit soft-capping; use attention implementation 'splash' (TPU) or attention kind "
+            "'dot_product'")
     if bias is not None and implementation is AttentionImplementation.CUDNN:
         # cuDNN folds the mask into a bias of q's dtype; Pax computes the relative bias in the
         # activation dtype too.
@@ -316,20 +348,22 @@ def fused_attention(
 
     Causal kernels; a mask (same-segment for packed rows) is a subset of causal, and the Pallas
     kernel reads segment_ids instead. Resolved per call: what a kernel can run depends on the
-    traced dtype, sizes and bias, and on a pipeline's vmap. None of them soft-caps the logits
-    (JAX 0.12's APIs take no cap): a ``logit_cap`` is a SettingError."""
-    if logit_cap is not None:
-        raise SettingError(
-            f"attention_logit_cap={logit_cap} cannot run with attention kind 'flash': JAX's "
-            "fused kernels (XLA, cuDNN, Pallas-Triton) have no logit soft-capping; use "
-            "attention kind 'dot_product'")
+    traced dtype, sizes and bias, and on a pipeline's vmap. Only splash soft-caps the logits (the
+    public XLA, cuDNN and Pallas-Triton APIs take no cap): a ``logit_cap`` with another kernel is
+    a SettingError."""
     resolved = resolve_implementation(
         implementation, dtype=q.dtype, head_dim=q.shape[3], seq_len=q.shape[1],
         dense_bias=mask is not None or bias is not None, has_bias=bias is not None,
         vmapped_stages=vmapped_stages,
     )
     return flash_attention(q, k, v, implementation=resolved, mask=mask, bias=bias,
-                           segment_ids=segment_ids, sliding_window=sliding_window)
+                           segment_ids=segment_ids, sliding_window=sliding_window,
+                           logit_cap=logit_cap)
+
+
+def splash_problems_text() -> str:
+    return ("attention implementation 'splash' cannot run: the splash attention kernel takes no "
+            "logit bias (relative position bias): use 'xla'")
 
 
 def _next_power_of_two(n: int) -> int:

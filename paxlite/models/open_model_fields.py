@@ -88,10 +88,12 @@ def _check_gemma_fields(config: Any) -> None:
             raise ValueError(f"TransformerConfig.{name}={value!r} must be None or a positive "
                              "number")
     cap = config.attention_logit_cap
-    if cap is not None and config.attention_kind.value == "flash":
+    if (cap is not None and config.attention_kind.value == "flash"
+            and config.attention_implementation.value != "splash"):
         raise ValueError(f"TransformerConfig.attention_logit_cap={cap} with attention kind "
-                         "'flash': JAX's fused kernels (XLA, cuDNN, Pallas-Triton) have no logit "
-                         "soft-capping; use attention kind 'dot_product'")
+                         f"'flash': JAX's fused kernels (XLA, cuDNN, Pallas-Triton) have no logit "
+                         f"soft-capping; use attention kind 'dot_product', or attention "
+                         f"implementation 'splash' on a TPU")
     _check_layer_types(config)
 
 

@@ -170,7 +170,7 @@ def test_fused_kernels_refuse_a_soft_cap():
                       attention_kind=AttentionKind.FLASH,
                       attention_implementation=AttentionImplementation.XLA)
     with pytest.raises(SettingError, match=r"^attention_logit_cap=5.0 cannot run with attention "
-                                           "kind 'flash'"):
+                                           "implementation 'xla'"):
         layer.init(jax.random.key(0), jnp.zeros((1, 4, 16)), None)
 
 

@@ -1,0 +1,137 @@
+"""The attention implementations that run on a TPU, on the chip (tests/tpu_pass.py): XLA's
+attention (what 'auto' runs there) and the splash kernel, forward and gradients, against Pax's
+einsum attention computed on the CPU in float32 at "highest" precision, and against each other.
+
+Cases: causal rows, packed rows (segment ids), grouped kv heads, a sliding window, logit
+soft-capping (splash only: XLA's fused API takes no cap), a length that is not a whole number of
+128-slot lanes (the kernel pads it), a sharded call (batch and heads over two CPU meshes is the
+CPU test's part; one chip has one device), and bfloat16 activations. The splash kernel must be a
+Mosaic custom call in the compiled program: a fallback to XLA would pass every number here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paxlite.models.attention_kernels import (
+    AttentionImplementation,
+    einsum_attention,
+    flash_attention,
+    make_attention_mask,
+    sliding_window_mask,
+)
+
+CASES = {
+    # name: (batch, length, heads, kv heads, head dim, packed, window, cap)
+    "causal": (2, 512, 4, 4, 128, False, None, None),
+    "packed_gqa": (2, 512, 8, 2, 128, True, None, None),
+    "window_64": (1, 512, 4, 2, 64, True, 64, None),
+    "soft_cap": (2, 256, 4, 4, 128, False, None, 5.0),
+    "padded_300": (2, 300, 4, 1, 64, True, None, None),
+}
+
+
+def _inputs(batch, length, heads, kv, dims, packed, *, dtype=jnp.float32):
+    rng = np.random.default_rng(length + heads + kv)
+    q = rng.standard_normal((batch, length, heads, dims)) * dims**-0.5  # prescaled
+    k = rng.standard_normal((batch, length, kv, dims))
+    v = rng.standard_normal((batch, length, kv, dims))
+    segments = None
+    if packed:  # three documents a row, of different lengths in each row
+        cuts = [(length // 3 + 7 * b, 2 * length // 3 + 11 * b) for b in range(batch)]
+        segments = np.stack([np.searchsorted(np.asarray(c), np.arange(length), side="right") + 1
+                             for c in cuts]).astype(np.int32)
+    return tuple(np.asarray(a, dtype) for a in (q, k, v)), segments
+
+
+def _mask(length, segments, window, batch):
+    mask = make_attention_mask(seq_len=length, segment_ids=None if segments is None
+                               else jnp.asarray(segments))
+    if window is not None:
+        positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+        mask = mask & sliding_window_mask(positions, positions, window=window)
+    return mask
+
+
+def reference(case, device):
+    """(output, gradients of sum(out * cotangent)) of Pax's einsum attention on `device`."""
+    batch, length, heads, kv, dims, packed, window, cap = CASES[case]
+    (q, k, v), segments = _inputs(batch, length, heads, kv, dims, packed)
+    cotangent = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+
+    def f(q, k, v):
+        mask = _mask(length, segments, window, batch)
+        return einsum_attention(q, k, v, mask=mask, logit_cap=cap)
+
+    with jax.default_device(device), jax.default_matmul_precision("highest"):
+        out, vjp = jax.vjp(jax.jit(f), q, k, v)
+        return jax.device_get(out), jax.device_get(vjp(jnp.asarray(cotangent)))
+
+
+def kernel_run(case, implementation, device, *, dtype=jnp.float32, interpret=False):
+    """(output, gradients, compiled program text) of `implementation` on `device`."""
+    batch, length, heads, kv, dims, packed, window, cap = CASES[case]
+    (q, k, v), segments = _inputs(batch, length, heads, kv, dims, packed, dtype=dtype)
+    cotangent = np.random.default_rng(1).standard_normal(q.shape).astype(dtype)
+    segment_ids = None if segments is None else jnp.asarray(segments)
+    implementation = AttentionImplementation(implementation)
+
+    def f(q, k, v):
+        mask = None
+        if implementation is AttentionImplementation.XLA and (segments is not None):
+            mask = _mask(length, segments, None, batch)
+        return flash_attention(q, k, v, implementation=implementation, mask=mask,
+                               segment_ids=segment_ids, sliding_window=window, logit_cap=cap,
+                               interpret=interpret)
+
+    def forward_and_backward(q, k, v, cotangent):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(cotangent)
+
+    with jax.default_device(device), jax.default_matmul_precision("highest"):
+        compiled = jax.jit(forward_and_backward).lower(q, k, v, cotangent).compile()
+        out, grads = compiled(q, k, v, cotangent)
+        return jax.device_get(out), jax.device_get(grads), compiled.as_text()
+
+
+def assert_close(got, want, *, rtol):
+    """Every array within `rtol` of the reference's largest entry (attention outputs and
+    gradients are sums of many terms: an elementwise relative test fails on cancellations)."""
+    out, grads = got
+    ref_out, ref_grads = want
+    for name, a, b in (("out", out, ref_out), *(
+            (f"d{x}", g, r) for x, g, r in zip("qkv", grads, ref_grads, strict=True))):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        error = np.max(np.abs(a - b)) / np.max(np.abs(b))
+        assert error < rtol, f"{name}: {error:.2e} of the largest entry"
+
+
+TPU_KERNELS = [(case, "splash") for case in CASES] + [
+    (case, "xla") for case, spec in CASES.items() if spec[7] is None]
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case, implementation", TPU_KERNELS)
+def test_tpu_attention_equals_einsum_attention(case, implementation):
+    # float32 at "highest": the chip's exp and reciprocal agree with the CPU's to ~1e-6.
+    out, grads, program = kernel_run(case, implementation, jax.devices("tpu")[0])
+    assert_close((out, grads), reference(case, jax.devices("cpu")[0]), rtol=2e-5)
+    if implementation == "splash":  # the kernel ran, forward and backward (Mosaic custom calls)
+        assert program.count("tpu_custom_call") >= 2, "no splash kernel in the compiled program"
+    else:
+        assert "tpu_custom_call" not in program
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", ["packed_gqa", "window_64"])
+def test_tpu_bfloat16_splash_follows_xla(case):
+    # bfloat16 activations: the kernel and XLA's attention round in different places (8 mantissa
+    # bits); both stay within 2% of the largest float32 entry.
+    tpu = jax.devices("tpu")[0]
+    want = reference(case, jax.devices("cpu")[0])
+    for implementation in ("splash", "xla"):
+        out, grads, _ = kernel_run(case, implementation, tpu, dtype=jnp.bfloat16)
+        assert_close((out, grads), want, rtol=2e-2)
