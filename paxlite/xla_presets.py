@@ -33,10 +33,11 @@ flags are ignored there and only hide what runs. No TPU preset exists (none has 
 help). The platform is read without opening an accelerator, since presets are exported before
 JAX starts (`detect_platform`): JAX_PLATFORMS's first entry; else TPU_ACCELERATOR_TYPE set means
 a TPU; else an NVIDIA device node (/dev/nvidia0, /dev/nvidiactl) a GPU; else a TPU device node
-(/dev/accel<N>: v4, v5e; /dev/vfio/<N>: v5p, v6e) a TPU; else unknown. A preset applies on its
-own platform, on the CPU and where the platform is unknown (as before platforms were declared),
-never on another accelerator: there the command prints one line saying so and exports nothing, or,
-given `--platform` and a preset by name (`--model`), exits 2 with one line.
+(/dev/accel<N>, or a VFIO group /dev/vfio/<N>: a TPU v5e VM seen on 2026-12-07 had /dev/vfio/1,
+no /dev/accel*, and TPU_ACCELERATOR_TYPE=v5litepod-4) a TPU; else unknown. A preset applies on
+its own platform, on the CPU and where the platform is unknown (as before platforms were
+declared), never on another accelerator: there the command prints one line saying so and exports
+nothing, or, given `--platform` and a preset by name (`--model`), exits 2 with one line.
 
     python -m paxlite.xla_presets --model=gpt126m                 # the XLA_FLAGS string
     python -m paxlite.xla_presets --experiment=Pile126M --format=shell   # export lines for a script
@@ -241,7 +242,7 @@ def preset_name(*, model: str | None = None, experiment: str | None = None) -> s
 _JAX_PLATFORM_NAMES = {"tpu": Platform.TPU, "cuda": Platform.GPU, "rocm": Platform.GPU,
                        "gpu": Platform.GPU, "cpu": Platform.CPU}
 _NVIDIA_NODES = ("nvidia0", "nvidiactl")
-_TPU_NODE = re.compile(r"accel\d+")  # /dev/accel0...: TPU v2-v5e chips (DRM's accel/ is a folder)
+_TPU_NODE = re.compile(r"accel\d+")  # /dev/accel0, ... (the kernel's DRM accel/ is a folder)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,8 +173,8 @@ def _devices(tmp_path, *nodes):
     ({"TPU_ACCELERATOR_TYPE": "v5litepod-1"}, (), xp.Platform.TPU),
     ({}, ("nvidia0", "nvidiactl"), xp.Platform.GPU),
     ({}, ("nvidiactl", "vfio/0"), xp.Platform.GPU),  # a GPU host with a VFIO group
-    ({}, ("accel0", "accel1"), xp.Platform.TPU),  # v4, v5e
-    ({}, ("vfio/vfio", "vfio/0"), xp.Platform.TPU),  # v5p, v6e
+    ({}, ("accel0", "accel1"), xp.Platform.TPU),
+    ({}, ("vfio/vfio", "vfio/1"), xp.Platform.TPU),  # a TPU v5e VM's nodes
     ({}, ("vfio/vfio",), None),  # the VFIO control node alone: no device
     ({}, ("accel/accel0",), None),  # the kernel's DRM accel folder is not a TPU
     ({"JAX_PLATFORMS": ""}, (), None),
