@@ -185,11 +185,16 @@ def _stage_order_rounds(stages: int, repeats: int, devices: int) -> tuple:
     return tuple(rounds)
 
 
-def _move_chunks(local: jax.Array, axis: str, rounds) -> jax.Array:
+def _move_chunks(local: jax.Array, me: jax.Array, axis: str, rounds) -> jax.Array:
     """Inside a ``shard_map`` manual over ``axis``: round t sends this device's slot
     ``src[t][me]`` to device ``perm[t]``, which writes it at its slot ``dst[t][me]``. Written into
-    one buffer by in-place updates: no gather, no scatter, no [per, ...] stack of rounds."""
-    me = lax.axis_index(axis)
+    one buffer by in-place updates: no gather, no scatter, no [per, ...] stack of rounds.
+
+    ``me`` is this device's index along ``axis``, passed in as data ([1], the shard of an arange)
+    rather than read with ``lax.axis_index``: in a ``shard_map`` manual over some axes only, jax
+    0.10.2 lowers ``axis_index`` to a PartitionId that its SPMD partitioner refuses
+    (UNIMPLEMENTED) whenever another mesh axis has more than one device."""
+    me = me[0]
     out = jnp.zeros_like(local)
     for src, pairs, dst in rounds:
         chunk = lax.dynamic_index_in_dim(local, jnp.asarray(src)[me], 0)
@@ -198,20 +203,20 @@ def _move_chunks(local: jax.Array, axis: str, rounds) -> jax.Array:
     return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _permute_chunks(local: jax.Array, axis: str, rounds) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _permute_chunks(local: jax.Array, me: jax.Array, axis: str, rounds) -> jax.Array:
     """``_move_chunks`` whose gradient is the inverse move (a permutation's transpose), so the
     backward pass is the same rounds reversed rather than per-round scatter-adds into zeros."""
-    return _move_chunks(local, axis, rounds)
+    return _move_chunks(local, me, axis, rounds)
 
 
-def _permute_chunks_fwd(local, axis, rounds):
-    return _move_chunks(local, axis, rounds), None
+def _permute_chunks_fwd(local, me, axis, rounds):
+    return _move_chunks(local, me, axis, rounds), me
 
 
-def _permute_chunks_bwd(axis, rounds, _, cotangent):
+def _permute_chunks_bwd(axis, rounds, me, cotangent):
     back = tuple((dst, tuple((d, p) for p, d in pairs), src) for src, pairs, dst in rounds)
-    return (_move_chunks(cotangent, axis, back),)
+    return _move_chunks(cotangent, me, axis, back), None
 
 
 _permute_chunks.defvjp(_permute_chunks_fwd, _permute_chunks_bwd)
@@ -232,9 +237,10 @@ def _to_stage_order(leaf: jax.Array, *, stages: int, repeats: int, axis: str) ->
     rounds = _stage_order_rounds(stages, repeats, mesh.shape[axis])
     k = leaf.shape[0] // (stages * repeats)
     chunks = leaf.reshape((stages * repeats, k) + leaf.shape[1:])  # chunk c: layers c*K ...
-    staged = jax.shard_map(lambda local: _permute_chunks(local, axis, rounds), mesh=mesh,
-                           in_specs=PartitionSpec(axis), out_specs=PartitionSpec(axis),
-                           axis_names={axis})(chunks)
+    index = jnp.arange(mesh.shape[axis], dtype=jnp.int32)  # device p's shard: [p]
+    staged = jax.shard_map(lambda local, me: _permute_chunks(local, me, axis, rounds), mesh=mesh,
+                           in_specs=(PartitionSpec(axis), PartitionSpec(axis)),
+                           out_specs=PartitionSpec(axis), axis_names={axis})(chunks, index)
     return staged.reshape((stages, repeats, k) + leaf.shape[1:])  # slot (s % q)*R + r
 
 
