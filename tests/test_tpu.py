@@ -53,10 +53,12 @@ def test_tpu_training_matches_cpu_parameters_and_losses():
     # At "highest" precision both backends compute float32 matmuls in float32; the TPU's
     # transcendental functions (exp, log, tanh, erf) agree with the CPU's to four or five digits
     # only, which 20 Adam steps grow. 1e-3 of the distance each parameter travelled is still 1000
-    # times smaller than what a wrong gradient of one leaf does (tests/test_gpu.py).
+    # times smaller than what a wrong gradient of one leaf does (tests/test_gpu.py). The same seed
+    # gives the same initialisation up to the chip's inverse error function, which draws the
+    # normal samples: 2.6e-5 relative at most (first run on the chip, 2026-12-07).
     tpu = train_tiny(tpus())
     cpu = train_tiny(cpus())
-    assert_same_training(tpu, cpu, loss_rtol=1e-4, param_rtol=1e-3)
+    assert_same_training(tpu, cpu, loss_rtol=1e-4, param_rtol=1e-3, init_rtol=1e-4)
 
 
 @pytest.mark.tpu
@@ -80,7 +82,7 @@ def test_tpu_splash_training_matches_xla_attention_on_the_chip():
 # --------------------------------------------------------------------------------- checkpoints
 def _steps_on(devices: Sequence[jax.Device]):
     run = fdl.build(load_experiment("TinySynthetic", list(OVERRIDES)).run_config())
-    mesh = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=list(devices))
+    mesh = build_mesh(MeshConfig(ici_mesh_shape=(len(devices), 1, 1)), devices=list(devices))
     schedule = make_schedule(run.schedule)
     with jax.set_mesh(mesh):
         steps = compile_steps(model=Transformer(run.model),

@@ -11,7 +11,7 @@ PAXLITE_TPU_INDEX=${PAXLITE_TPU_INDEX:-file:///opt/pypi/simple}
 PAXLITE_TPU_SITE=${PAXLITE_TPU_SITE:-/tmp/paxlite-site}
 _paxlite_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 _paxlite_need=(flax optax orbax-checkpoint absl-py sentencepiece tensorstore numpy fiddle grain array-record
-  tensorboardX zstandard portpicker lm_eval)
+  tensorboardX zstandard portpicker lm_eval safetensors)
 if [ ! -f "$PAXLITE_TPU_SITE/.installed" ]; then
   _paxlite_links=()
   if compgen -G "$_paxlite_root/.whl-tpu/*.whl" > /dev/null; then
@@ -25,6 +25,8 @@ if [ ! -f "$PAXLITE_TPU_SITE/.installed" ]; then
   else
     echo "paxlite: installing paxlite's dependencies from $PAXLITE_TPU_INDEX and .whl-tpu/ failed (above);" \
       "run benchmarks/tpu/fetch_wheels.sh where pip reaches PyPI and carry .whl-tpu/" >&2
+    # sourced: return to the caller's shell; run as a script: exit
+    # shellcheck disable=SC2317
     return 1 2> /dev/null || exit 1
   fi
 fi

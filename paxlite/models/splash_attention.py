@@ -160,13 +160,19 @@ def splash_attention(
 
         kernel = _kernel(heads=q.shape[2], padded=padded, sliding_window=sliding_window,
                          logit_cap=logit_cap, interpret=interpret)
+        # Mosaic compiles a kernel's bfloat16 matmuls at the chip's native precision only (a
+        # float32 contract precision on bfloat16 operands fails to compile: "Bad lhs type"), so a
+        # caller's jax.default_matmul_precision('highest') applies to float32 inputs alone.
+        precision = "highest" if q.dtype == jnp.float32 else "default"
         # [B, T, N, H] -> [B, N, T, H]: one example's heads first, as the kernel takes them
         qt, kt, vt = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
-        if segment_ids is None:
-            out = jax.vmap(lambda a, b, c: kernel(a, b, c))(qt, kt, vt)
-        else:
-            ids = sk.SegmentIds(q=segment_ids, kv=segment_ids)
-            out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=s))(qt, kt, vt, ids)
+        with jax.default_matmul_precision(precision):
+            if segment_ids is None:
+                out = jax.vmap(lambda a, b, c: kernel(a, b, c))(qt, kt, vt)
+            else:
+                ids = sk.SegmentIds(q=segment_ids, kv=segment_ids)
+                out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=s))(qt, kt, vt,
+                                                                                    ids)
         return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # [B, T, N, H]
 
     kernel = per_shard

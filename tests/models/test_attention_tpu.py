@@ -91,7 +91,11 @@ def kernel_run(case, implementation, device, *, dtype=jnp.float32, interpret=Fal
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(cotangent)
 
-    with jax.default_device(device), jax.default_matmul_precision("highest"):
+    # "highest" for float32 (exact comparisons); bfloat16 at the chip's native precision, as
+    # training runs it: Mosaic refuses a float32 contract precision on bfloat16 operands, and
+    # the kernel's backward pass is traced outside the forward's own precision scope.
+    precision = "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
+    with jax.default_device(device), jax.default_matmul_precision(precision):
         compiled = jax.jit(forward_and_backward).lower(q, k, v, cotangent).compile()
         out, grads = compiled(q, k, v, cotangent)
         return jax.device_get(out), jax.device_get(grads), compiled.as_text()
@@ -116,9 +120,11 @@ TPU_KERNELS = [(case, "splash") for case in CASES] + [
 @pytest.mark.tpu
 @pytest.mark.parametrize("case, implementation", TPU_KERNELS)
 def test_tpu_attention_equals_einsum_attention(case, implementation):
-    # float32 at "highest": the chip's exp and reciprocal agree with the CPU's to ~1e-6.
+    # float32 at "highest": the kernel's online softmax (exp and its running rescaling on the
+    # chip) left at most 5.3e-5 of the largest entry (dq, first run on the chip, 2026-12-07);
+    # a wrong mask or head mapping is off by order 1.
     out, grads, program = kernel_run(case, implementation, jax.devices("tpu")[0])
-    assert_close((out, grads), reference(case, jax.devices("cpu")[0]), rtol=2e-5)
+    assert_close((out, grads), reference(case, jax.devices("cpu")[0]), rtol=1e-4)
     if implementation == "splash":  # the kernel ran, forward and backward (Mosaic custom calls)
         assert program.count("tpu_custom_call") >= 2, "no splash kernel in the compiled program"
     else:
