@@ -82,17 +82,21 @@ gpu-compile: $(GPU_COMPILE_STAMP)
 # second line of work.
 GPU_COMPILE_LOG := build/gpu_compile_tests.log
 test: $(STAMP) $(JEMALLOC)
-	@rm -f $(GPU_COMPILE_LOG); status=0; \
+	@rm -f $(GPU_COMPILE_LOG) $(PY311_LOG); status=0; \
 		$(MAKE) --no-print-directory -j2 test-cpu-session test-gpu-compile-session || status=$$?; \
 		echo "--- tests/gpu_compile (XLA's GPU compiler), beside the session above ---"; \
-		cat $(GPU_COMPILE_LOG) 2>/dev/null || echo "(it did not start)"; exit $$status
+		cat $(GPU_COMPILE_LOG) 2>/dev/null || echo "(it did not start)"; \
+		echo "--- make test-py311 (the oldest supported stack, installed), after tests/gpu_compile ---"; \
+		cat $(PY311_LOG) 2>/dev/null || echo "(it did not start)"; exit $$status
 	$(BIN)/python tests/gpu_pass.py
 
-# The gpu_compile session of `make test` (above), its output in $(GPU_COMPILE_LOG).
+# The gpu_compile session of `make test` (above), its output in $(GPU_COMPILE_LOG); then, in the same
+# line of work, make test-py311 (below), its output in $(PY311_LOG).
 test-gpu-compile-session: $(GPU_COMPILE_STAMP) $(JEMALLOC)
 	@mkdir -p $(dir $(GPU_COMPILE_LOG))
 	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -p no:xdist \
 		--durations=10 tests/gpu_compile $(PYTEST_ARGS) > $(GPU_COMPILE_LOG) 2>&1
+	$(MAKE) --no-print-directory test-py311 > $(PY311_LOG) 2>&1
 
 # The first session of `make test`: every test but tests/gpu_compile, on CPU.
 test-cpu-session: $(STAMP) $(JEMALLOC)
@@ -111,6 +115,38 @@ test-durations: $(STAMP) $(GPU_COMPILE_STAMP) $(JEMALLOC)
 		--record-durations=tests/durations.json $(PYTEST_ARGS)
 	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -n $(TEST_WORKERS) \
 		--dist loadfile --durations=10 tests/gpu_compile --record-durations=tests/durations.json $(PYTEST_ARGS)
+
+# The oldest supported stack, installed as a user installs it: Python 3.11 with constraints-py311.txt
+# (jax 0.10.2, the TPU image's versions) in a venv of its own, paxlite installed (not editable) from a
+# copy of the checkout's sources, then tests/installed_check.py from a directory outside the checkout:
+# the installed copy and versions, and TinySynthetic trained 3 steps on the CPU with a finite loss. The
+# dependencies are installed once (again when setup.cfg, pyproject.toml or the constraints change);
+# paxlite itself is reinstalled on every run, so the check sees the current code. `make test` runs it in
+# its second line of work, after the gpu_compile session; its log follows that session's.
+# The first Python 3.11 found, as for PYTHON (one with ensurepip: a venv needs it).
+PYTHON311 ?= $(shell for p in python3.11 $$HOME/.pyenv/versions/3.11*/bin/python3.11 /usr/bin/python3.11; do \
+	$$p -c 'import ensurepip' 2>/dev/null && { echo $$p; break; }; done)
+PY311 := $(VENV)/py311
+PY311_STAMP := $(PY311)/.installed
+PY311_LOG := build/py311_check.log
+# The sources pip builds from: a copy, so that no build/ is left in the checkout (nor a stale file of it
+# in the wheel).
+PY311_SOURCES := src=$$(mktemp -d) && trap 'rm -rf $$src' EXIT && \
+	cp -r paxlite setup.cfg pyproject.toml README.md $$src/
+.PHONY: test-py311
+
+$(PY311_STAMP): setup.cfg pyproject.toml constraints-py311.txt
+	@test -n "$(PYTHON311)" || { echo "no Python 3.11 found (python3.11, ~/.pyenv/versions/3.11*, /usr/bin/python3.11): make test-py311 checks the oldest supported stack with it; install one, or make PYTHON311=/path/to/python3.11"; exit 2; }
+	rm -rf $(PY311)
+	$(PYTHON311) -m venv $(PY311)
+	$(PY311)/bin/pip install --quiet --upgrade pip
+	@$(PY311_SOURCES) && $(PY311)/bin/pip install --quiet -c constraints-py311.txt $$src
+	touch $@
+
+test-py311: $(PY311_STAMP)
+	@$(PY311_SOURCES) && $(PY311)/bin/pip install --quiet --no-deps --force-reinstall $$src && \
+		cd $$src/.. && $(abspath $(PY311))/bin/python $(abspath tests/installed_check.py) --python=3.11 \
+			--constraints=$(abspath constraints-py311.txt) --checkout=$(CURDIR)
 
 demo: $(STAMP)
 	$(BIN)/python -m paxlite.demo --work_dir=build/demo --job_log_dir=$(DEMO_DIR)

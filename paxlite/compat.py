@@ -5,6 +5,9 @@ notice. Keeping each one here, with what it reaches and why no public API does, 
 has one file to re-check, and tests/test_compat.py fails loudly when an installed version no longer
 behaves as relied on. `CHECKED_VERSIONS` are the versions each coupling was last checked against;
 the test keeps them equal to the pins in constraints.txt, so bumping a pin means re-checking here.
+`OLDEST_CHECKED_VERSIONS` are the same packages at the bottom of the supported range
+(constraints-py311.txt, setup.cfg's floors), where tests/test_compat.py passed as well; bumping one
+of those pins means running it again under that stack (docs/quickstart.md#supported-versions).
 
 The bottom layer: the standard library at import, so that any module may use it; the packages
 themselves are imported only when a coupling is used.
@@ -18,6 +21,9 @@ from typing import Any, Final
 
 # (distribution, version) of each package reached privately below, as pinned in constraints.txt.
 CHECKED_VERSIONS: Final = (("jax", "0.12.0.1"), ("orbax-checkpoint", "0.12.8"), ("grain", "0.2.18"))
+# The same, as pinned in constraints-py311.txt (Python 3.11: the oldest supported stack).
+OLDEST_CHECKED_VERSIONS: Final = (
+    ("jax", "0.10.2"), ("orbax-checkpoint", "0.12.4"), ("grain", "0.2.12"))
 
 
 def thread_cache_min_compile_time(seconds: float) -> contextlib.AbstractContextManager[None]:
