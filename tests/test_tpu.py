@@ -248,3 +248,19 @@ def test_a_changed_leaf_is_not_bit_for_bit():
     with pytest.raises(AssertionError, match=r"\['a'\]\['w'\]"):
         _assert_bitwise_equal(changed, state)
 
+
+
+def test_fp8_on_a_tpu_is_one_setting_error():
+    """USE_FP8 on a TPU stops before anything compiles; the CPU (and a GPU) keep running it."""
+    from types import SimpleNamespace
+
+    from paxlite.errors import SettingError
+    from paxlite.train.run_build import check_fp8_platform
+
+    v5e = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")  # what the chip reports
+    with pytest.raises(SettingError, match=r"^USE_FP8=true cannot run on a TPU v5 lite: TPUs "
+                                           r"have no FP8 matmul units") as error:
+        check_fp8_platform(fp8=True, device=v5e)
+    assert "\n" not in str(error.value)
+    check_fp8_platform(fp8=False, device=v5e)
+    check_fp8_platform(fp8=True, device=jax.devices("cpu")[0])

@@ -27,6 +27,7 @@ from paxlite.data.dpo_pipeline import DpoEvalConfig, DpoTrainConfig
 from paxlite.data.errors import DatasetError
 from paxlite.data.feed import Feed, make_feed
 from paxlite.data.feeding import plan_feeding
+from paxlite.errors import SettingError
 from paxlite.models.lora import is_lora_path
 from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
 from paxlite.models.transformer import Transformer
@@ -78,6 +79,7 @@ def batch_layout(config: RunConfig) -> BatchLayout:
     """The mesh and global batch; a batch that its microbatches, the pipeline's microbatches or
     the sequence shards cannot split is said here, before compiling."""
     mesh = mesh_lib.build_mesh(config.mesh)
+    check_fp8_platform(fp8=config.model.fp8 is not None, device=mesh.devices.flat[0])
     loop = config.loop
     batch_split = rules_lib.batch_split(mesh)
     global_batch_size = mesh_lib.global_batch_size(
@@ -95,6 +97,17 @@ def batch_layout(config: RunConfig) -> BatchLayout:
                       load_balance=loop.seq_load_balance)
     return BatchLayout(mesh=mesh, global_batch_size=global_batch_size,
                        tokens_per_step=global_batch_size * seq_len)
+
+
+def check_fp8_platform(*, fp8: bool, device) -> None:
+    """USE_FP8 on a TPU is one SettingError: TPUs v4, v5e, v5p and v6e have no FP8 matmul units,
+    so XLA would run each FP8 matmul as a bfloat16 one with casts around it (a slower bfloat16
+    run that the user believes is FP8; measured on a v5e: "fp8" operands ran at the bf16 rate)."""
+    if fp8 and device.platform == "tpu":
+        raise SettingError(
+            f"USE_FP8=true cannot run on a {device.device_kind}: TPUs have no FP8 matmul units "
+            "(its FP8 matmuls would be bfloat16 ones with casts around them); drop USE_FP8, "
+            "and train in bfloat16 (FPROP_DTYPE='bfloat16')")
 
 
 def open_feeds(config: RunConfig, *, layout: BatchLayout,
