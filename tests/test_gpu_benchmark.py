@@ -239,3 +239,13 @@ def test_unknown_plan_target_is_one_line_exit_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "bench: error: --plan_target='b200': expected one of cpu, h100, h200, a100"]
+
+
+def test_on_a_tpu_host_it_points_to_the_tpu_benchmark(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="tpu")  # what a TPU host's launch would say
+    done = subprocess.run([paxlite_python(), BENCH, f"--log_dir={tmp_path}"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        ("bench: error: this host has a TPU (JAX_PLATFORMS=tpu): run the TPU benchmark, bash "
+         "benchmarks/tpu/run.sh (splash attention, int8 ceilings, TPU peaks)")]

@@ -506,6 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     if args._matmul_child:
         _matmul_child(args._matmul_child, [int(n) for n in args._sizes.split(",")])
         return 0
+    platform = xla_presets.detect_platform()
+    if not args.cpu and platform.platform is xla_presets.Platform.TPU:
+        # cuDNN flash rows, FP8 GEMMs and GPU presets mean nothing there: the TPU has its own
+        print(f"bench: error: this host has a TPU ({platform.evidence}): run the TPU benchmark, "
+              "bash benchmarks/tpu/run.sh (splash attention, int8 ceilings, TPU peaks)",
+              file=sys.stderr)
+        return 2
     peak_override = None
     if args.peak_tflops:
         try:
