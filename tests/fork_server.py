@@ -14,8 +14,11 @@ the session's fork directory and puts that directory first on PATH, so the docs'
 launch scripts reach it; a test that starts `python -m paxlite...` itself runs paxlite_python().
 The client execs the real interpreter (exactly what `python ARGS` would have done) for anything
 else: other modules, scripts outside paxlite/, examples/ and benchmarks/, `-c`, interpreter
-options other than -u, `PAXLITE_TEST_NO_FORK_SERVER=1`, or an environment whose server is not up
-yet (it then starts one for the next command with that environment). A served command's
+options other than -u, `PAXLITE_TEST_NO_FORK_SERVER=1`, or an environment whose server does not
+come up. A command whose environment has no server yet starts one (or finds one starting) and
+waits for it, so that the first command of an environment is forked too: a pair of processes
+started together (the two-process tests) costs one import of JAX and paxlite instead of three (two
+interpreters, and a server that only later commands would use). A served command's
 sys.executable is the client, so what it starts with sys.executable is served as well.
 
 What must match between the server and a child, and how it does:
@@ -71,6 +74,10 @@ LIMITS = (resource.RLIMIT_FSIZE, resource.RLIMIT_NOFILE, resource.RLIMIT_AS, res
 # test_transformer.py in one process: 2,379 collections took 2.94 of the ~54 CPU-s; with these
 # thresholds and conftest.py's gc.freeze() after collection, 235 took 0.55 CPU-s.
 GC_THRESHOLDS = (20_000, 20, 20)
+# How long a command waits for its environment's server to listen before it runs in the real
+# interpreter instead (a server imports JAX, Flax, Optax, Fiddle and paxlite: 2-3 s on an idle
+# machine, several times that beside a loaded test session).
+SERVER_START_TIMEOUT_S = 120
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HEADER = struct.Struct("!I")
 _STATUS = struct.Struct("!ci")  # b"P" + the child's pid, then b"S" + its status (-N: signal N)
@@ -82,6 +89,12 @@ def paxlite_python() -> str:
     fork_dir = os.environ.get(FORK_DIR_VAR)
     client = os.path.join(fork_dir, "bin", "python") if fork_dir else ""
     return client if client and os.path.exists(client) else sys.executable
+
+
+def served_file(env: dict[str, str]) -> str:
+    """The file where the server for commands started with `env` lists what it forked (one JSON
+    [pid, args] a line); nothing is started."""
+    return os.path.join(env[FORK_DIR_VAR], f"{_key(env, sys.executable)}.served")
 
 
 def served_python(env: dict[str, str]) -> str:
@@ -130,7 +143,7 @@ def start_server(env: dict[str, str], *, timeout_s: float = 120) -> str:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no fork server at {socket_path} after {timeout_s} s")
         time.sleep(0.1)
-    return os.path.join(fork_dir, f"{key}.served")
+    return served_file(env)
 
 
 def _key(env: dict[str, str], real_python: str) -> str:
@@ -172,13 +185,11 @@ def main() -> None:
     if command is None or not fork_dir or os.environ.get(DISABLE_VAR) == "1":
         os.execv(real_python, [real_python, *args])
     key = _key(dict(os.environ), real_python)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(os.path.join(fork_dir, f"{key}.sock"))
-    except OSError as e:
-        conn.close()
-        _log(fork_dir, f"{key} not served ({e.strerror}): {args[:2]}")
-        _start_server(fork_dir, key, real_python)
+    conn = _connect(fork_dir, key)
+    if conn is None:
+        conn = _connect_once_up(fork_dir, key, _start_server(fork_dir, key, real_python))
+    if conn is None:
+        _log(fork_dir, f"{key} not served (its server did not come up): {args[:2]}")
         os.execv(real_python, [real_python, *args])
     request = {
         "args": args, "executable": os.path.abspath(sys.argv[0]), "cwd": os.getcwd(),
@@ -211,6 +222,42 @@ def main() -> None:
     os._exit(128 - status)
 
 
+def _connect(fork_dir: str, key: str) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(os.path.join(fork_dir, f"{key}.sock"))
+    except OSError:
+        conn.close()
+        return None
+    return conn
+
+
+def _connect_once_up(fork_dir: str, key: str,
+                     server: subprocess.Popen | None) -> socket.socket | None:
+    """A connection to the server of `key` once it listens (a server imports for a few seconds),
+    or None when it has exited or is not listening after SERVER_START_TIMEOUT_S. `server`: the one
+    this command started (None: another command started it)."""
+    import time
+
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        conn = _connect(fork_dir, key)
+        if conn is not None:
+            return conn
+        if server is not None:
+            gone = server.poll() is not None  # reaped here: for the others it is gone, not a zombie
+        else:
+            try:
+                with open(os.path.join(fork_dir, f"{key}.starting")) as f:
+                    gone = not _alive(int(f.read()))
+            except (OSError, ValueError):  # the command that took the lock is writing it
+                gone = False
+        if gone:
+            return _connect(fork_dir, key)
+        time.sleep(0.05)
+    return None
+
+
 def _log(fork_dir: str, line: str) -> None:
     """clients.log in the session's directory: the commands started without the server."""
     with open(os.path.join(fork_dir, "clients.log"), "a") as f:
@@ -234,16 +281,23 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes:
 
 
 def _start_server(fork_dir: str, key: str, real_python: str, *,
-                  env: dict[str, str] | None = None) -> None:
-    """Start the server for this environment unless another command has (the lock file)."""
+                  env: dict[str, str] | None = None) -> subprocess.Popen | None:
+    """Start the server for this environment unless another command has (the lock file); the
+    server, or None where another command started it."""
     try:
         os.close(os.open(os.path.join(fork_dir, f"{key}.lock"), os.O_CREAT | os.O_EXCL))
     except FileExistsError:
-        return
+        return None
     with open(os.path.join(fork_dir, f"{key}.log"), "ab") as log:
-        subprocess.Popen([real_python, os.path.abspath(__file__), fork_dir, key], env=env,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                         start_new_session=True, close_fds=True)
+        server = subprocess.Popen([real_python, os.path.abspath(__file__), fork_dir, key], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                  start_new_session=True, close_fds=True)
+    # for the commands that wait for it (_connect_once_up): whether it is still starting
+    with open(os.path.join(fork_dir, f"{key}.starting.tmp"), "w") as f:
+        f.write(str(server.pid))
+    os.rename(os.path.join(fork_dir, f"{key}.starting.tmp"),
+              os.path.join(fork_dir, f"{key}.starting"))
+    return server
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.fork_server import FORK_DIR_VAR, paxlite_python, start_server
+from tests.fork_server import FORK_DIR_VAR, paxlite_python, served_file, start_server
 
 pytestmark = pytest.mark.skipif(FORK_DIR_VAR not in os.environ,
                                 reason="the fork server is off (PAXLITE_TEST_NO_FORK_SERVER=1)")
@@ -102,27 +102,33 @@ def test_a_killed_client_takes_its_child_and_a_signal_is_passed_on(served, tmp_p
 
 def test_a_stopped_server_takes_the_commands_it_still_runs(tmp_path):
     """stop_servers (the session's end) sends each server SIGTERM: a command it forked and still
-    runs must not go on alone. A server of its own (another key): the shared one keeps serving."""
+    runs must not go on alone. A server of its own (another key): the shared one keeps serving.
+    That server is started by the command itself, the first of its environment, which waits for
+    it and is forked too (not run in the real interpreter beside a server started for later
+    commands)."""
     env = {**ENV, "PYTHONPAXLITEFORKSERVERSTOPTEST": "1"}
-    served = start_server(dict(env))
-    with open(served[: -len(".served")] + ".pid") as f:
-        server = int(f.read())
+    served = served_file(env)
+    assert not os.path.exists(served[: -len(".served")] + ".lock")  # no server for it yet
     client = subprocess.Popen(
         [paxlite_python(), "-m", "paxlite.main", "--fdl_config=TinySynthetic",
          "--fdl.MAX_STEPS=100000000", f"--job_log_dir={tmp_path / 'job'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    _wait_until(lambda: bool(_served(served)), seconds=60)
-    (pid, _), = _served(served)
+    pid = server = None
     try:
+        _wait_until(lambda: bool(_served(served)), seconds=120)
+        (pid, _), = _served(served)
+        with open(served[: -len(".served")] + ".pid") as f:
+            server = int(f.read())
         os.kill(server, signal.SIGTERM)
         client.wait(timeout=60)
         _wait_until(lambda: not (_exists(pid) or _exists(server)), seconds=30)
         assert not _exists(pid), f"the forked child {pid} outlived its stopped server"
         assert not _exists(server)
     except BaseException:  # a failure must not leave a training run going on beside the suite
+        client.kill()  # (a command run by the real interpreter is the client's own process)
         for process in (pid, server):  # (after a pass both are gone: their pids may be reused)
             with contextlib.suppress(ProcessLookupError):
-                if _exists(process):
+                if process is not None and _exists(process):
                     os.kill(process, signal.SIGKILL)
         raise
 
