@@ -36,7 +36,13 @@ GPU_COMPILE_PACKAGES := jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12 nvid
 	nvidia-cuda-nvcc-cu12 nvidia-nvjitlink-cu12 nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 \
 	nvidia-cuda-cupti-cu12
 
-.PHONY: install gpu-compile test test-cpu-session test-gpu-compile-session test-quick test-durations demo bench lint clean
+# The TPU compiler for the tpu_compile tests (and `plan --target=v5e-8` in this checkout): libtpu (a 214 MB
+# wheel, ~640 MB unpacked), kept out of the venv as the CUDA plugin is; only the tpu_compile session puts it
+# on PYTHONPATH. Pinned in constraints.txt.
+TPU_COMPILE := $(VENV)/tpu_compile
+TPU_COMPILE_STAMP := $(TPU_COMPILE)/.installed
+
+.PHONY: install gpu-compile tpu-compile test test-cpu-session test-gpu-compile-session test-tpu-compile-session test-quick test-durations demo bench lint clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 found (python3.12, ~/.pyenv/versions/3.12*): install one, or make PYTHON=/path/to/python3.12"; exit 2; }
@@ -70,6 +76,13 @@ $(GPU_COMPILE_STAMP): $(STAMP) constraints.txt
 
 gpu-compile: $(GPU_COMPILE_STAMP)
 
+$(TPU_COMPILE_STAMP): $(STAMP) constraints.txt
+	rm -rf $(TPU_COMPILE)
+	$(BIN)/pip install --quiet --no-compile --no-deps --target $(TPU_COMPILE) -c constraints.txt libtpu
+	touch $@
+
+tpu-compile: $(TPU_COMPILE_STAMP)
+
 # The whole suite, with the 30 slowest tests at the end of the log so the time budget stays visible
 # (docs/performance.md has the figures). --dist loadfile: a file's tests run on one worker (its
 # module fixtures are built once) and each worker takes the next file, longest first (tests/conftest.py).
@@ -81,11 +94,14 @@ gpu-compile: $(GPU_COMPILE_STAMP)
 # On a fresh machine the plugin's install (unpacking ~2.9 GB: one core for ~20 s) comes first in that
 # second line of work.
 GPU_COMPILE_LOG := build/gpu_compile_tests.log
+TPU_COMPILE_LOG := build/tpu_compile_tests.log
 test: $(STAMP) $(JEMALLOC)
-	@rm -f $(GPU_COMPILE_LOG) $(PY311_LOG); status=0; \
+	@rm -f $(GPU_COMPILE_LOG) $(TPU_COMPILE_LOG) $(PY311_LOG); status=0; \
 		$(MAKE) --no-print-directory -j2 test-cpu-session test-gpu-compile-session || status=$$?; \
 		echo "--- tests/gpu_compile (XLA's GPU compiler), beside the session above ---"; \
 		cat $(GPU_COMPILE_LOG) 2>/dev/null || echo "(it did not start)"; \
+		echo "--- tests/tpu_compile (the TPU compiler, libtpu), after tests/gpu_compile ---"; \
+		cat $(TPU_COMPILE_LOG) 2>/dev/null || echo "(it did not start)"; \
 		echo "--- make test-py311 (the oldest supported stack, installed), after tests/gpu_compile ---"; \
 		cat $(PY311_LOG) 2>/dev/null || echo "(it did not start)"; exit $$status
 	$(BIN)/python tests/gpu_pass.py
@@ -96,11 +112,20 @@ test-gpu-compile-session: $(GPU_COMPILE_STAMP) $(JEMALLOC)
 	@mkdir -p $(dir $(GPU_COMPILE_LOG))
 	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -p no:xdist \
 		--durations=10 tests/gpu_compile $(PYTEST_ARGS) > $(GPU_COMPILE_LOG) 2>&1
+	$(MAKE) --no-print-directory test-tpu-compile-session
 	$(MAKE) --no-print-directory test-py311 > $(PY311_LOG) 2>&1
 
-# The first session of `make test`: every test but tests/gpu_compile, on CPU.
+# The tpu_compile session (tests/tpu_compile: plans compiled by the TPU compiler, libtpu on PYTHONPATH,
+# a missing libtpu an error), in the gpu_compile session's line of work; its output in $(TPU_COMPILE_LOG).
+test-tpu-compile-session: $(TPU_COMPILE_STAMP) $(JEMALLOC)
+	@mkdir -p $(dir $(TPU_COMPILE_LOG))
+	PYTHONPATH=$(abspath $(TPU_COMPILE)) PAXLITE_REQUIRE_TPU_COMPILE=1 $(PYTEST) -q -p no:xdist \
+		--durations=10 tests/tpu_compile $(PYTEST_ARGS) > $(TPU_COMPILE_LOG) 2>&1
+
+# The first session of `make test`: every test but tests/gpu_compile and tests/tpu_compile, on CPU.
 test-cpu-session: $(STAMP) $(JEMALLOC)
-	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile $(PYTEST_ARGS)
+	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/gpu_compile \
+		--ignore=tests/tpu_compile $(PYTEST_ARGS)
 
 # The inner loop: everything but the slow and multi-process tests (under 3 minutes on 2 cores).
 # `slow`: marked in the test file, or measured over 1.5 s in tests/durations.json (tests/conftest.py).

@@ -189,7 +189,7 @@ REQUIRE_GPU_COMPILE = os.environ.get("PAXLITE_REQUIRE_GPU_COMPILE") == "1"
 
 
 def _mark_gpu_compile(items) -> None:
-    from paxlite.parallel.gpu_target import plugin_problem
+    from paxlite.parallel.compile_targets import plugin_problem
 
     problem = plugin_problem() if any("gpu_compile" in item.keywords for item in items) else None
     if problem is None:

@@ -13,7 +13,7 @@ import pytest
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.models.transformer import num_params
-from paxlite.parallel.gpu_target import CompileTarget
+from paxlite.parallel.compile_targets import CompileTarget
 from paxlite.parallel.mesh import MeshError
 from paxlite.planner import levers as plan_levers
 from paxlite.planner import longest_seq as plan_longest_seq

@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 if __name__ == "__main__":
     sys.path[0] = ROOT  # as `python -m paxlite.main` from the repository root, not this folder
 
-from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget
+from paxlite.parallel.compile_targets import GPU_SPECS, CompileTarget
 
 TARGETS = tuple(t.value for t in CompileTarget)
 PLAN_FILE = "plan.jsonl"
@@ -146,7 +146,7 @@ def planning_summary(plans: dict[str, dict], *, target_note: str, cases: list[st
 
 def _plan_child(cases_path: str, out_path: str, target: str, num_devices: int) -> None:
     from paxlite.experiments.build import load_experiment
-    from paxlite.parallel.gpu_target import plugin_problem
+    from paxlite.parallel.compile_targets import plugin_problem
     from paxlite.planner.search import compile_train_step
 
     with open(cases_path) as f:

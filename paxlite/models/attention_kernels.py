@@ -44,7 +44,7 @@ from jax.typing import DTypeLike
 
 from paxlite.errors import SettingError
 from paxlite.models.splash_attention import require_splash, splash_attention
-from paxlite.parallel.gpu_target import compile_platform
+from paxlite.parallel.compile_targets import compile_platform
 
 # cuDNN's flash kernels (JAX check_is_flash_attention): these dtypes, head dims a multiple of 8,
 # at most 256 on Hopper and later (compute capability >= 9.0), at most 128 before.

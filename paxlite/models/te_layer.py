@@ -50,7 +50,7 @@ from paxlite.models.transformer_config import (
     TransformerConfig,
     te_mlp_activations,
 )
-from paxlite.parallel.gpu_target import compile_platform
+from paxlite.parallel.compile_targets import compile_platform
 from paxlite.parallel.rules import LogicalRules
 
 TE_INSTALL_HINT = (

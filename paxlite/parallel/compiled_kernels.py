@@ -1,10 +1,16 @@
 """What a compiled program launches, read from XLA's optimized HLO text.
 
-On a GPU target (parallel/gpu_target.py) the optimized HLO is the GPU's: library calls are custom
-calls (`__cudnn$fmhaSoftmax`, `__cublas$lt$matmul$f8`, ...) and generated GEMMs are fusions whose
-backend config names Triton. The planner reports these, and the `gpu_compile` tests assert on them,
-because they are what a CPU compile cannot show: whether FP8 einsums became FP8 GEMMs, whether
+On a GPU target (parallel/compile_targets/gpu.py) the optimized HLO is the GPU's: library calls are
+custom calls (`__cudnn$fmhaSoftmax`, `__cublas$lt$matmul$f8`, ...) and generated GEMMs are fusions
+whose backend config names Triton. The planner reports these, and the `gpu_compile` tests assert on
+them, because they are what a CPU compile cannot show: whether FP8 einsums became FP8 GEMMs, whether
 attention became cuDNN's fused kernel.
+
+On a TPU target (parallel/compile_targets/tpu.py) a Pallas kernel, compiled by Mosaic, is a
+`tpu_custom_call`; every kernel has that one target, so `custom_calls` names each by its kernel
+(`tpu_custom_call:splash_mha_fwd_segmented_residuals`), from the call's `op_name` metadata (the
+Pallas call's name) or else the instruction's own name. The TPU compiler's other custom calls
+(`AssumeGatherIndicesInBound`, `ConcatBitcast`, ...) are its own helpers, counted as they are.
 
 Counts are of instructions in the program text: a scanned layer stack's body (a while loop) appears
 once however many layers it runs.
@@ -18,6 +24,8 @@ import re
 
 FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz")
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+MOSAIC_CALL = "tpu_custom_call"  # a Pallas kernel on a TPU (Mosaic)
+_OP_NAME = re.compile(r'\bop_name="([^"]+)"')
 # One instruction: `%name = <result type> <opcode>(<operands>), <attributes>`
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 # A computation's first line: `%name (<parameters>) -> <type> {` (or `ENTRY %name ...`)
@@ -30,9 +38,25 @@ _TRITON_GEMM_KINDS = ("__triton_nested_gemm_fusion", "__triton_gemm")
 
 
 def custom_calls(hlo_text: str) -> dict[str, int]:
-    """Every custom-call target in the program with the number of its call sites, sorted by name."""
-    counts = collections.Counter(_CUSTOM_CALL.findall(hlo_text))
+    """Every custom-call target in the program with the number of its call sites, sorted by name;
+    a TPU Pallas kernel as `tpu_custom_call:<kernel>` (module docstring)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in hlo_text.splitlines():
+        for target in _CUSTOM_CALL.findall(line):
+            counts[f"{target}:{_mosaic_kernel(line)}" if target == MOSAIC_CALL else target] += 1
     return dict(sorted(counts.items()))
+
+
+def _mosaic_kernel(line: str) -> str:
+    """The kernel a `tpu_custom_call` instruction runs: the Pallas call's name in its op_name
+    (`.../splash_mha_fwd/pallas_call`), else the instruction's name less XLA's `.N` suffix."""
+    op_name = _OP_NAME.search(line)
+    if op_name:
+        parts = op_name.group(1).split("/")
+        if len(parts) > 1 and parts[-1] == "pallas_call":
+            return parts[-2]
+    instruction = _INSTRUCTION.match(line)
+    return re.sub(r"\.\d+$", "", instruction.group(1)) if instruction else "unnamed"
 
 
 def _operands(rest: str) -> str:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from paxlite.parallel.gpu_target import CompileTarget
+from paxlite.parallel.compile_targets import CompileTarget
 from paxlite.planner.results import (
     GIB,
+    PEAK_FORMULA,
+    TPU_PEAK_FORMULA,
     FlopsPerStep,
     MoePlan,
     PipelinePlan,
@@ -22,29 +24,44 @@ from paxlite.planner.results import (
 )
 from paxlite.planner.search import compile_train_step, target_defaults
 
-# A fused attention kernel's custom call in a GPU program (prefix -> attention implementation)
-_FUSED_ATTENTION_CALLS = (("__cudnn$fmha", "cudnn"), ("__gpu$xla.gpu.triton", "pallas_triton"))
+# A fused attention kernel's custom call in a GPU or TPU program (prefix -> attention
+# implementation); a TPU Pallas kernel is a `tpu_custom_call` named by compiled_kernels.
+_FUSED_ATTENTION_CALLS = (("__cudnn$fmha", "cudnn"), ("__gpu$xla.gpu.triton", "pallas_triton"),
+                          ("tpu_custom_call:splash", "splash"))
 
 
 def _compiler_notes(measured: StepMeasurement) -> tuple[str, str | None]:
     """(where the memory figures come from, why there are no compiler FLOPs or None): the reader is
     told which compiler measured, and a missing number is never filled with another compiler's."""
-    target = measured.compiled_for.value
+    target = measured.compiled_for
     memory = ("XLA's CPU compiler: parameter, optimizer and gradient bytes are exact; GPU kernels, "
               "fusion and buffer assignment differ, so the temporaries are an estimate")
     flops = "XLA's CPU compiler gave no cost analysis"
-    if measured.gpu_program is not None:
+    if target.is_gpu:
         memory = (f"XLA's GPU compiler for {target} (compile-only devices, XLA preset "
-                  f"{measured.gpu_program.xla_preset!r}): the run's kernels and buffer "
+                  f"{measured.program.xla_preset!r}): the run's kernels and buffer "
                   "assignment, without autotuning (default GEMM configurations); temporaries "
                   "include cuBLAS workspaces")
         flops = (f"XLA's GPU compiler gives no cost analysis for a compile-only {target}: the "
                  "analytic count stands, and no CPU compile's count is put in its place")
+    elif target.is_tpu:
+        chip = target.tpu.chip
+        memory = (f"the TPU compiler (libtpu) for {target.describe()}, compile-only, no XLA "
+                  "preset (paxlite's are for GPUs): the run's fusion, memory-space and buffer "
+                  f"assignment; the device memory is the HBM it lets a program use "
+                  f"({chip.usable_hbm_bytes / GIB:.2f} GiB of a {chip.published_hbm_gib} GiB "
+                  f"{chip.generation.value} chip)")
+        if measured.refused is not None:
+            memory += (": it refused this program, which needs "
+                       f"{measured.refused.needed_bytes / GIB:.2f} GiB (its figure, to 0.01 GiB; "
+                       "the temporaries are that less the arguments)")
+        flops = (f"the TPU compiler gave no cost analysis for {target}: the analytic count "
+                 "stands")
     return memory, None if measured.compiler_flops_per_device is not None else flops
 
 
 def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None = None,
-              peak_tflops: float | None = None, target: CompileTarget | str = CompileTarget.CPU,
+              peak_tflops: float | None = None, target: CompileTarget = CompileTarget.CPU,
               ) -> tuple[Plan, StepMeasurement]:
     """(the plan without levers, compile_train_step's measurement it was made of).
     Memory and peak not given are the target's (target_defaults)."""
@@ -52,7 +69,6 @@ def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None =
 
     from paxlite.models.transformer import num_params
 
-    target = CompileTarget.parse(target)
     default_bytes, default_tflops = target_defaults(target)
     device_bytes = default_bytes if device_memory_gib is None else int(device_memory_gib * GIB)
     peak_tflops = default_tflops if peak_tflops is None else peak_tflops
@@ -63,9 +79,11 @@ def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None =
     compiler = measured.compiler_flops_per_device
     ideal_step_s = analytic / (num_devices * peak_tflops * 1e12)
     memory_note, flops_note = _compiler_notes(measured)
-    kernels = measured.gpu_program.kernels if measured.gpu_program is not None else {}
+    kernels = (measured.program.kernels if measured.program is not None else None) or {}
     attention = next((name for prefix, name in _FUSED_ATTENTION_CALLS
                       if any(call.startswith(prefix) for call in kernels)), "xla")
+    if measured.refused is not None and model.attention_implementation.value == "splash":
+        attention = "splash"  # the program was not compiled: its kernels are not known
     plan = Plan(
         experiment=experiment.name,
         experiment_class=f"{type(experiment).__module__}.{type(experiment).__qualname__}",
@@ -79,6 +97,7 @@ def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None =
         num_params=num_params(dataclasses.replace(model, attention_implementation="xla")),
         remat=experiment.remat_description(),
         memory_per_device=measured.memory,
+        peak_formula=TPU_PEAK_FORMULA if measured.compiled_for.is_tpu else PEAK_FORMULA,
         device_memory_bytes=device_bytes,
         verdict=Verdict.of(peak_bytes=measured.memory.peak_bytes, device_bytes=device_bytes),
         attention_kernel=attention,
@@ -88,7 +107,8 @@ def plan_base(experiment, *, num_devices: int, device_memory_gib: float | None =
         sequence_parallel=_seq_plan(experiment, model, measured),
         moe=moe_plan(experiment, measured),
         attention_note=measured.attention_note,
-        gpu_program=measured.gpu_program,
+        program=measured.program,
+        refused=measured.refused,
         flops_per_step=FlopsPerStep(
             analytic=analytic,
             analytic_per_token=experiment.flops_per_token(),

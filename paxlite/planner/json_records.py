@@ -81,8 +81,9 @@ def _to_json(value: Any) -> Any:
 
 
 def _from_json(value: Any, hint: Any) -> Any:
-    """`value` as the type `hint` names: records, enums and tuples are rebuilt; the rest (numbers,
-    strings, dicts of them) is the JSON's own."""
+    """`value` as the type `hint` names: records, enums, tuples and types with a `from_json` (a
+    compile target, written as its name) are rebuilt; the rest (numbers, strings, dicts of them) is
+    the JSON's own."""
     if value is None:
         return None
     origin = typing.get_origin(hint)
@@ -92,8 +93,10 @@ def _from_json(value: Any, hint: Any) -> Any:
     if origin is tuple:
         item_hint = typing.get_args(hint)[0]
         return tuple(_from_json(item, item_hint) for item in value)
-    if isinstance(hint, type) and issubclass(hint, (JsonRecord, enum.Enum)):
-        return hint.from_json(value) if issubclass(hint, JsonRecord) else hint(value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
+    if isinstance(hint, type) and hasattr(hint, "from_json"):  # records, a CompileTarget's name
+        return hint.from_json(value)
     return value
 
 

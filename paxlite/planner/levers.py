@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any
 
-from paxlite.parallel.gpu_target import CompileTarget
+from paxlite.parallel.compile_targets import CompileTarget
 from paxlite.planner.base_plan import moe_plan
 from paxlite.planner.results import Lever, StepMeasurement
 from paxlite.planner.search import check_runs, compile_variants, variant
@@ -82,7 +82,7 @@ def _moved(named: dict[str, dict[str, int]], moves: list[tuple[str, str, str, in
 
 
 def levers(experiment, base: StepMeasurement, *, num_devices: int, device_bytes: int,
-           target: CompileTarget | str = CompileTarget.CPU) -> list[Lever]:
+           target: CompileTarget = CompileTarget.CPU) -> list[Lever]:
     """Ways to make the run fit, each measured: analytic where the change is exact arithmetic,
     compiled (at most _MAX_COMPILED_LEVERS compiles) where the compiler decides. Candidates come in
     order of preference; one the run would refuse is reported with the refusal, not compiled."""
@@ -308,7 +308,7 @@ def _expert_candidates(experiment, base: StepMeasurement, named,
 
 
 def _combined_lever(experiment, levers: list[Lever], *, num_devices: int,
-                    device_bytes: int, target: CompileTarget | str) -> Lever | None:
+                    device_bytes: int, target: CompileTarget) -> Lever | None:
     """When no single lever fits, the applicable same-training levers at once, compiled.
 
     Large models often need several (LLaMA70B on 16 devices: the scanned stack with SAVE_NOTHING and

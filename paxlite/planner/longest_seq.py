@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from paxlite.parallel.gpu_target import CompileTarget
+from paxlite.parallel.compile_targets import CompileTarget
 from paxlite.planner.results import CompiledLength, LongestSeqFound, SeqFit, StepMeasurement
 from paxlite.planner.search import compile_variants
 
@@ -19,7 +19,7 @@ MAX_SEQ_SEARCH_COMPILES = 8
 
 def find_longest_seq(experiment, base: StepMeasurement, *, num_devices: int, device_bytes: int,
                      step: int = DEFAULT_SEQ_STEP, max_compiles: int = MAX_SEQ_SEARCH_COMPILES,
-                     target: CompileTarget | str = CompileTarget.CPU) -> LongestSeqFound:
+                     target: CompileTarget = CompileTarget.CPU) -> LongestSeqFound:
     """The longest MAX_SEQ_LEN, a multiple of `step`, whose train step fits `device_bytes` per
     device, at the run's mesh and rows per device.
 
@@ -37,7 +37,7 @@ def find_longest_seq(experiment, base: StepMeasurement, *, num_devices: int, dev
     step = math.lcm(step, chunks)
     peaks: dict[int, int | str] = {base.seq_len: base.memory.peak_bytes}
     # cpu is compile_variants' default (and a stand-in compiler taking no target stays usable)
-    on_target = {"target": target} if CompileTarget.parse(target).is_gpu else {}
+    on_target = {"target": target} if target.compile_only else {}
     first: list[int] = []
     compiles = 0
 

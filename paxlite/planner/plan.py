@@ -2,12 +2,14 @@
 
 Nothing is allocated: the state and the batch are ShapeDtypeStructs carrying their shardings, and
 `jit(...).lower(...).compile()` runs XLA's SPMD partitioner and buffer assignment for one device's
-program. The target (`--target`) says which compiler: `cpu` (the default) compiles for fake CPU
-devices, whose temporaries are an estimate (GPU kernels and fusion differ); `h100`, `h200`, `a100`
-compile with XLA's GPU compiler for compile-only GPUs of that model (JAX's CUDA plugin, no GPU
-needed; paxlite/parallel/gpu_target.py): the run's own kernels (cuDNN attention, cuBLAS, Triton),
-without autotuning, and no FLOPs (its cost analysis is empty). Parameter, optimizer-state and
-gradient bytes are exact either way (they follow from shapes and shardings alone).
+program. The target (`--target`, paxlite/parallel/compile_targets/) says which compiler: `cpu`
+(the default) compiles for fake CPU devices, whose temporaries are an estimate (GPU kernels and
+fusion differ); `h100`, `h200`, `a100` compile with XLA's GPU compiler for compile-only GPUs of
+that model (JAX's CUDA plugin, no GPU needed): the run's own kernels (cuDNN attention, cuBLAS,
+Triton), without autotuning, and no FLOPs (its cost analysis is empty); a TPU slice (`v5e-8`,
+`v5p-512`, `v6e-256`, `v5e:2x4`) compiles with the TPU compiler (libtpu, no TPU needed) for its
+chips, whose number is the plan's device count. Parameter, optimizer-state and gradient bytes are
+exact either way (they follow from shapes and shardings alone).
 
 This module finds the devices and puts the plan together: one compile and its reading
 (paxlite/planner/search.py, base_plan.py), then, when the run does not fit, the levers
@@ -17,9 +19,9 @@ whose JSON (`Plan.to_json`) is `--format=json`'s and plan.json's. For `cpu` the 
 many JAX devices as the mesh has: fake CPU devices are set by
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` before JAX starts; a process whose JAX
 already started with fewer devices (pytest has 8, `python -m paxlite.main` has its real ones) plans
-in a fresh `python -m paxlite plan` subprocess instead. A GPU target needs only JAX started on the
-CPU platform (JAX_PLATFORMS=cpu: the plugin then compiles without initialising CUDA); a process
-whose JAX runs on a GPU plans it in a subprocess.
+in a fresh `python -m paxlite plan` subprocess instead. A GPU or TPU target needs only JAX started
+on the CPU platform (JAX_PLATFORMS=cpu: the plugin then compiles without initialising CUDA, libtpu
+without a TPU); a process whose JAX runs on an accelerator plans it in a subprocess.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import time
 from collections.abc import Sequence
 
 from paxlite.errors import UserError, exit_status
-from paxlite.parallel.gpu_target import CompileTarget, GpuCompileUnavailableError, plugin_problem
+from paxlite.parallel.compile_targets import CompileTarget, compiler_problem, unavailable_error
+from paxlite.parallel.compile_targets.tpu import COMPILE_ONLY_ENV
 from paxlite.planner.base_plan import plan_base
 from paxlite.planner.levers import levers
 from paxlite.planner.longest_seq import DEFAULT_SEQ_STEP, find_longest_seq
@@ -83,18 +86,22 @@ class LongestSeq(str, enum.Enum):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
     """What to plan: the experiment as typed on the command line, and the hardware to plan for
-    (memory and peak not given are the target's: target_defaults)."""
+    (memory and peak not given are the target's: target_defaults; devices not given are a TPU
+    slice's chips, and must be given for cpu and GPU targets)."""
 
     name: str
     assignments: tuple[str, ...] = ()
-    num_devices: int
-    target: CompileTarget = CompileTarget.CPU  # which compiler measures (a name is parsed)
+    num_devices: int | None = None
+    target: CompileTarget = CompileTarget.CPU  # which compiler measures (a name is parsed, once)
     device_memory_gib: float | None = None
     peak_tflops: float | None = None
     longest_seq: LongestSeq = LongestSeq.AUTO
     seq_step: int = DEFAULT_SEQ_STEP  # the longest sequence's granularity, in tokens
 
     def __post_init__(self) -> None:
+        target = CompileTarget.parse(self.target)  # UserError: names every valid form
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "num_devices", _num_devices(target, self.num_devices))
         for flag, value in (("--devices", self.num_devices), ("--seq_step", self.seq_step)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag}={value!r}: expected a positive integer")
@@ -103,11 +110,43 @@ class PlanRequest:
         except ValueError:
             raise ValueError(f"--longest_seq={self.longest_seq!r}: expected one of "
                              f"{', '.join(mode.value for mode in LongestSeq)}") from None
-        object.__setattr__(self, "target", CompileTarget.parse(self.target))  # UserError: names all
         for flag, value in (("--device_memory_gib", self.device_memory_gib),
                             ("--peak_tflops", self.peak_tflops)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{flag}={value!r}: expected a positive number")
+        usable = target.memory_bytes
+        if target.is_tpu and self.device_memory_gib is not None and (
+                self.device_memory_gib * GIB > usable):
+            raise ValueError(
+                f"--device_memory_gib={self.device_memory_gib!r} is more than the "
+                f"{usable / GIB:.2f} GiB of HBM a {target.tpu.generation.value} chip gives a "
+                "program: the TPU compiler refuses anything larger (leave it out, or pass less)")
+
+
+def _num_devices(target: CompileTarget, given: int | None) -> int | None:
+    """--devices, or a TPU slice's chips; for a TPU slice the two must agree (ValueError)."""
+    chips = target.num_devices
+    if given is None:
+        if chips is None:
+            raise ValueError(f"--devices is required for --target={target} (a TPU target's "
+                             "default is its chips)")
+        return chips
+    if chips is not None and given != chips:
+        same = [t for t in (f"{target.tpu.generation.value}-{given * n}" for n in (1, 2))
+                if _parses(t) and CompileTarget.parse(t).num_devices == given]
+        raise ValueError(
+            f"--devices={given} but --target={target} is {chips} chips (topology "
+            f"{target.tpu.topology}): leave --devices out"
+            + (f", or plan --target={same[0]}" if same else ""))
+    return given
+
+
+def _parses(text: str) -> bool:
+    try:
+        CompileTarget.parse(text)
+    except UserError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,11 +157,16 @@ def fake_device_env(num_devices: int, base: dict[str, str] | None = None, *,
                     target: CompileTarget | str = CompileTarget.CPU) -> dict[str, str]:
     """`base` (default os.environ) with XLA_FLAGS asking for exactly `num_devices` CPU devices, and
     for LLVM's quickest code generation (_CODEGEN_LEVEL_FLAG) unless XLA_FLAGS already sets a level.
-    A GPU target compiles on compile-only GPUs: it needs JAX on the CPU platform only (the CUDA
-    plugin registers its compiler without initialising CUDA), and XLA_FLAGS is left as it is."""
+    A GPU or TPU target compiles on compile-only devices: it needs JAX on the CPU platform only
+    (the CUDA plugin registers its compiler without initialising CUDA; libtpu compiles without a
+    TPU, with tpu.COMPILE_ONLY_ENV where unset: beside other processes that loaded libtpu, and
+    quietly), and XLA_FLAGS is left as it is."""
     env = dict(os.environ if base is None else base)
     env["JAX_PLATFORMS"] = "cpu"
-    if CompileTarget.parse(target).is_gpu:
+    target = CompileTarget.parse(target)
+    if target.is_tpu:
+        env = {**COMPILE_ONLY_ENV, **env}
+    if target.compile_only:
         return env
     flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", env.get("XLA_FLAGS", "")).split()
     if not any(flag.startswith(_CODEGEN_LEVEL_FLAG + "=") for flag in flags):
@@ -142,7 +186,7 @@ def prepare_this_process(num_devices: int, *,
     import jax
 
     devices = jax.devices()
-    if CompileTarget.parse(target).is_gpu:  # compile-only GPUs: any number, beside the CPU
+    if CompileTarget.parse(target).compile_only:  # compile-only devices, beside the CPU
         return devices[0].platform == "cpu"
     return devices[0].platform == "cpu" and len(devices) >= num_devices
 
@@ -181,12 +225,13 @@ def plan_in_subprocess(request: PlanRequest) -> Plan:
 
 def plan(request: PlanRequest) -> Plan:
     """The plan of `request`, in this process when its devices allow, else in a subprocess. A GPU
-    target without JAX's CUDA plugin is a GpuCompileUnavailableError saying how to install it."""
+    target without JAX's CUDA plugin, or a TPU target without libtpu, is a
+    CompileUnavailableError saying how to install it."""
     if not prepare_this_process(request.num_devices, target=request.target):
         return plan_in_subprocess(request)
-    problem = plugin_problem() if request.target.is_gpu else None
+    problem = compiler_problem(request.target)
     if problem:  # before the experiment is loaded: nothing else would be of use
-        raise GpuCompileUnavailableError(problem)
+        raise unavailable_error(request.target, problem)
     from paxlite.experiments.build import load_experiment
 
     return plan_experiment(
@@ -207,8 +252,8 @@ def plan_experiment(experiment, *, num_devices: int,
                     longest_seq: LongestSeq = LongestSeq.AUTO,
                     seq_step: int = DEFAULT_SEQ_STEP) -> Plan:
     """The plan of `experiment` on `num_devices` devices of `target` (this process's CPU devices,
-    or compile-only GPUs): the compiled step, levers when it does not fit, the longest sequence
-    when `longest_seq` asks, every re-plan compiled for the same target."""
+    compile-only GPUs or a TPU slice's chips): the compiled step, levers when it does not fit, the
+    longest sequence when `longest_seq` asks, every re-plan compiled for the same target."""
     started = time.perf_counter()
     target = CompileTarget.parse(target)
     result, base = plan_base(experiment, num_devices=num_devices, target=target,
@@ -242,7 +287,7 @@ def run_plan_command(request: PlanRequest, *, output_format: OutputFormat) -> in
             request.num_devices, target=request.target)).returncode
     try:
         print(emit(plan(request), output_format))
-    except (UserError, PlanError, ValueError) as e:  # ConfigError, MeshError, no CUDA plugin
+    except (UserError, PlanError, ValueError) as e:  # ConfigError, MeshError, no compiler
         return exit_status(e, user_errors=(PlanError, ValueError))
     return 0
 

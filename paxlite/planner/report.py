@@ -82,18 +82,30 @@ def _lever_line(lever: Lever) -> str:
 
 
 def _compiler_lines(p: Plan) -> list[str]:
-    """Which compiler measured, and what a GPU program launches (custom calls, FP8 GEMMs)."""
-    program = p.gpu_program
+    """Which compiler measured, and what a GPU or TPU program launches (custom calls, FP8 GEMMs)."""
+    program, target = p.program, p.compiled_for
     if program is None:
         lines = ["Memory per device (train step compiled for CPU; GPU temporaries differ):"]
         if p.attention_note:
             lines.append(f"  ({p.attention_note})")
         return lines
-    lines = [(f"Memory per device (train step compiled for {p.compiled_for.value} by XLA's GPU "
-              f"compiler, preset {program.xla_preset!r}; no autotuning; temporaries include "
-              "cuBLAS workspaces):")]
-    calls = ", ".join(f"{name} x{count}" for name, count in program.kernels.items()) or "none"
-    lines.append(f"  kernels (custom calls, each call site once): {calls}")
+    if target.is_tpu:
+        lines = [(f"Memory per device (train step compiled for {target.describe()} by the TPU "
+                  "compiler, no XLA preset):")]
+        if p.refused is not None:
+            lines.append(f"  (the TPU compiler refused the program: it needs "
+                         f"{_gib(p.refused.needed_bytes)} of the chip's "
+                         f"{_gib(p.refused.available_bytes)}; its temporaries below are that "
+                         "figure less the arguments)")
+    else:
+        lines = [(f"Memory per device (train step compiled for {target.value} by XLA's GPU "
+                  f"compiler, preset {program.xla_preset!r}; no autotuning; temporaries include "
+                  "cuBLAS workspaces):")]
+    if p.attention_note:
+        lines.append(f"  ({p.attention_note})")
+    if program.kernels is not None:
+        calls = ", ".join(f"{name} x{count}" for name, count in program.kernels.items()) or "none"
+        lines.append(f"  kernels (custom calls, each call site once): {calls}")
     fp8 = program.fp8_gemms
     if fp8:
         lines.append(f"  FP8 GEMMs: {fp8['total']} (cuBLASLt {fp8['cublaslt']}, cuBLAS "

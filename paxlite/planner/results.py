@@ -13,11 +13,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Self
 
-from paxlite.parallel.gpu_target import CompileTarget
+from paxlite.parallel.compile_targets import CompileTarget
 from paxlite.planner.json_records import JsonRecord, flattened, json_key, optional
 
 GIB = 2**30
 PEAK_FORMULA = "argument + output - alias + temp + generated_code"
+# On a TPU target the plan's peak is the TPU compiler's own figure: within 0.6% of the peak the
+# runtime measured on a v5e chip for a 507M GPT, where the sum above was 20% over
+# (docs/performance.md); for a program it refuses, the need its refusal states (the same quantity:
+# 16.16 GiB refused on v5e, 16.15 GiB compiled for v6e).
+TPU_PEAK_FORMULA = "the TPU compiler's peak_memory_in_bytes (or the need its refusal states)"
 BUBBLE_FORMULA = "(S - 1) / (R*M + S - 1)"
 
 _record = dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,13 +83,25 @@ class DeviceMemory(JsonRecord):
 
 
 @_record
-class GpuProgram(JsonRecord):
-    """What a program compiled for a GPU target launches, and the options it was compiled with."""
+class CompiledProgram(JsonRecord):
+    """What a program compiled for a GPU or TPU target launches, and the options it was compiled
+    with."""
 
-    kernels: dict[str, int]  # custom call -> call sites (a scanned stack's body once)
-    fp8_gemms: dict[str, int]  # parallel/compiled_kernels.py fp8_gemms
-    xla_preset: str | None
+    # custom call -> call sites (a scanned stack's body once); None: the TPU compiler refused it
+    kernels: dict[str, int] | None
+    fp8_gemms: dict[str, int] | None  # parallel/compiled_kernels.py fp8_gemms; GPU targets only
+    xla_preset: str | None  # None: no preset applies to the target (every preset is a GPU one)
     compiler_options: dict[str, str]
+
+
+@_record
+class HbmRefusal(JsonRecord):
+    """The TPU compiler's refusal of a program that does not fit the chip's HBM: how much the
+    program needs and how much the chip has, as its message states them (to 0.01 GiB)."""
+
+    needed_bytes: int
+    available_bytes: int
+    message: str
 
 
 @_record
@@ -92,6 +109,8 @@ class StepMeasurement(JsonRecord):
     """One compile of a run's train step for N devices of a target, read for one device."""
 
     compiled_for: CompileTarget
+    # the compile-only devices' layout: a TPU slice's ("v5e:2x4") or the GPUs' ("1x2x8"); None: cpu
+    topology: str | None = optional()
     mesh: MeshSizes
     ici_mesh_shape: tuple[int, ...]
     dcn_mesh_shape: tuple[int, ...]
@@ -102,15 +121,21 @@ class StepMeasurement(JsonRecord):
     pipeline_split_parameter_bytes: int
     compiler_flops_per_device: float | None  # None: the compiler gave no cost analysis
     compile_s: float
-    attention_note: str | None = optional()  # a fused kernel compiled as XLA's attention on cpu
-    gpu_program: GpuProgram | None = optional(flatten=True)  # None for cpu
+    attention_note: str | None = optional()  # a fused kernel compiled as XLA's attention
+    program: CompiledProgram | None = optional(flatten=True)  # None for cpu
+    refused: HbmRefusal | None = optional()  # a TPU program too big for the chip
+
+    @property
+    def gpu_program(self) -> CompiledProgram | None:
+        """`program` of a GPU target (None for cpu and TPU targets)."""
+        return self.program if self.compiled_for.is_gpu else None
 
     def layout(self) -> dict[str, Any]:
         """The fields a `Plan` reports as the compile found them: the target, the mesh and the
         batch's shape."""
         return {name: getattr(self, name) for name in (
-            "compiled_for", "mesh", "ici_mesh_shape", "dcn_mesh_shape", "global_batch_size",
-            "seq_len")}
+            "compiled_for", "topology", "mesh", "ici_mesh_shape", "dcn_mesh_shape",
+            "global_batch_size", "seq_len")}
 
 
 @_record
@@ -323,6 +348,7 @@ class Plan(JsonRecord):
     overrides: dict[str, Any]  # the hyperparameters the experiment overrides
     num_devices: int
     compiled_for: CompileTarget
+    topology: str | None = optional()  # StepMeasurement.topology
     memory_note: str  # which compiler measured, and how exact that is
     mesh: MeshSizes
     ici_mesh_shape: tuple[int, ...]
@@ -346,7 +372,8 @@ class Plan(JsonRecord):
     moe: MoePlan | None
     # A cuDNN / Pallas-Triton run is compiled for cpu with XLA's attention, and says so.
     attention_note: str | None
-    gpu_program: GpuProgram | None = flattened()  # GPU targets; each key null for cpu
+    program: CompiledProgram | None = flattened()  # GPU and TPU targets; each key null for cpu
+    refused: HbmRefusal | None = optional()  # the TPU compiler's refusal: it does not fit
     flops_per_step: FlopsPerStep
     peak_tflops_per_device: float
     step_time_at_100pct_mfu_s: float
@@ -355,3 +382,8 @@ class Plan(JsonRecord):
     compile_s: float
     longest_seq: LongestSeqFound | None = None
     plan_s: float | None = None  # the whole plan's seconds, set when it is complete
+
+    @property
+    def gpu_program(self) -> CompiledProgram | None:
+        """`program` of a GPU target (None for cpu and TPU targets)."""
+        return self.program if self.compiled_for.is_gpu else None

@@ -52,14 +52,9 @@ from __future__ import annotations
 
 import math
 
-# Dense peak FLOP/s per device (no sparsity), bf16 and fp8 (None: no FP8 tensor cores).
-# Ordered most specific first: device kinds are matched by case-insensitive substring.
-_PEAKS: tuple[tuple[str, float, float | None], ...] = (
-    ("h100 pcie", 756e12, 1513e12),
-    ("h100", 989e12, 1979e12),
-    ("h200", 989e12, 1979e12),
-    ("a100", 312e12, None),
-)
+# The peaks per device (GPUs and TPUs, bf16, FP8 and int8) are the accelerators' table, shared
+# with the planner's compile targets: paxlite/parallel/compile_targets/chips.py.
+from paxlite.parallel.compile_targets.chips import peaks_for_device_kind
 
 
 def flops_per_token(
@@ -153,13 +148,13 @@ def flops_per_token(
 def peak_flops_per_device(
     device_kind: str, *, override_tflops: float | None = None, fp8: bool = False
 ) -> float | None:
-    """Dense peak FLOP/s of one device, or None where it is unknown (CPU, unlisted GPUs).
+    """Dense peak FLOP/s of one device, or None where it is unknown (CPU, unlisted parts).
 
     Args:
-        device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H100 80GB HBM3".
+        device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H100 80GB HBM3" or "TPU v5 lite".
         override_tflops: The user's --fdl.PEAK_TFLOPS in TFLOP/s; wins over the table.
-        fp8: Use the FP8 peak; None on devices without FP8 tensor cores, because an FP8 run
-            there does not run at any published FP8 rate.
+        fp8: Use the FP8 peak; None on devices without FP8 matmul units (A100, TPU v4, v5e,
+            v5p), because an FP8 run there does not run at any published FP8 rate.
     """
     if override_tflops is not None:
         if not (math.isfinite(override_tflops) and override_tflops > 0):
@@ -167,11 +162,19 @@ def peak_flops_per_device(
                 f"override_tflops must be a finite number of TFLOP/s > 0, got {override_tflops!r}."
             )
         return float(override_tflops) * 1e12
-    kind = device_kind.lower()
-    for key, bf16_peak, fp8_peak in _PEAKS:
-        if key in kind:
-            return fp8_peak if fp8 else bf16_peak
-    return None
+    peaks = peaks_for_device_kind(device_kind)
+    if peaks is None:
+        return None
+    tflops = peaks.fp8_tflops if fp8 else peaks.bf16_tflops
+    return None if tflops is None else tflops * 1e12
+
+
+def peak_int8_ops_per_device(device_kind: str) -> float | None:
+    """Dense int8 peak ops/s of one device (the low-precision matmul path of TPU v5e, v5p and
+    v6e: the ceiling an int8 matmul benchmark is measured against), or None where none is
+    recorded."""
+    peaks = peaks_for_device_kind(device_kind)
+    return None if peaks is None or peaks.int8_tops is None else peaks.int8_tops * 1e12
 
 
 def model_flops_utilization(

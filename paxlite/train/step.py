@@ -344,7 +344,8 @@ def compile_steps(
     check_accum_steps(grad_accum_steps, name="grad_accum_steps")
     check_chunk_size(loss_chunk_size)
     # The keys are made inside the traced functions, not here: an eager key is an array on this
-    # process's devices, which a compile-only mesh (a GPU target, parallel/gpu_target.py) lacks.
+    # process's devices, which a compile-only mesh (a GPU or TPU target: parallel/compile_targets/)
+    # lacks.
     def params_key() -> jax.Array:
         return jax.random.key(seed)
 

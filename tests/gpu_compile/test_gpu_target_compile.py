@@ -8,8 +8,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paxlite.models.attention_kernels import AttentionImplementation, resolve_implementation
+from paxlite.parallel.compile_targets import (
+    CompileTarget,
+    GpuTopology,
+    compile_platform,
+    gpu_devices,
+)
 from paxlite.parallel.compiled_kernels import custom_calls
-from paxlite.parallel.gpu_target import CompileTarget, GpuTopology, compile_platform, gpu_devices
 
 pytestmark = pytest.mark.gpu_compile
 

@@ -28,12 +28,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
 from paxlite.models.te_layer import TransformerEngineUnavailableError
+from paxlite.parallel.compile_targets import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
 from paxlite.parallel.compiled_kernels import (
     cublaslt_fp8_operand_types,
     custom_calls,
     fp8_gemms,
 )
-from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
 from paxlite.planner.results import StepMeasurement
 from paxlite.planner.search import compile_train_step, gpu_compile_options
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from paxlite.config.errors import ConfigError
 from paxlite.experiments.build import load_experiment
-from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
+from paxlite.parallel.compile_targets import GPU_SPECS, CompileTarget, GpuTopology, gpu_devices
 from paxlite.planner.results import StepMeasurement
 from paxlite.planner.search import compile_train_step
 

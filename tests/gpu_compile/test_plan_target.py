@@ -19,7 +19,7 @@ import pytest
 from paxlite import __main__ as cli
 from paxlite.errors import UserError
 from paxlite.experiments.build import load_experiment
-from paxlite.parallel.gpu_target import GPU_SPECS, CompileTarget
+from paxlite.parallel.compile_targets import GPU_SPECS, CompileTarget
 from paxlite.planner import levers as plan_levers
 from paxlite.planner import plan as plan_lib
 from paxlite.planner.results import Plan
@@ -158,7 +158,9 @@ def test_a_bad_target_is_one_line_naming_the_valid_ones(capsys):
         plan_lib.PlanRequest(name="TinySynthetic", num_devices=8, target="tpu")
     assert cli.main(["plan", "--fdl_config=TinySynthetic", "--devices=8", "--target=tpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["paxlite: error: --target='tpu': expected one of cpu, h100, h200, a100"]
+    assert err == [("paxlite: error: --target='tpu': expected one of cpu, h100, h200, a100, or a "
+                    "TPU slice v4-N, v5e-N, v5p-N, v6e-N (e.g. v5e-8) or topology (e.g. v5e:2x4); "
+                    "did you mean 'v5e-8'?")]
 
 
 def test_a_gpu_target_without_the_plugin_is_one_line_and_exit_2():

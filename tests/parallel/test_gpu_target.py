@@ -4,8 +4,8 @@ options (tests/gpu_compile/test_gpu_target_compile.py compiles with them)."""
 import pytest
 
 from paxlite.errors import UserError
-from paxlite.parallel import gpu_target
-from paxlite.parallel.gpu_target import CompileTarget, GpuTopology
+from paxlite.parallel import compile_targets as gpu_target
+from paxlite.parallel.compile_targets import CompileTarget, GpuTopology
 
 
 def test_topologies_are_slices_by_hosts_by_gpus():

@@ -13,14 +13,13 @@ needs (a process that asks JAX for the `cuda` platform without a GPU fails in th
 with `JAX_PLATFORMS=cpu` the plugin still registers its topology factory), how a GPU model is
 described to it, and how a run's XLA flags become per-compile options.
 
-The device descriptions below are the published facts of each part (SM count, memory, caches,
-clocks, bandwidth); the fields XLA plans with are those of its `GpuTargetConfigProto`.
+The device descriptions are the published facts of each part (SM count, memory, caches, clocks,
+bandwidth: chips.py's GpuSpec); the fields XLA plans with are those of its `GpuTargetConfigProto`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import importlib.metadata
 import importlib.util
@@ -29,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paxlite.errors import UserError
+from paxlite.parallel.compile_targets.target import CompileTarget, CompileUnavailableError
 
 # The plugin JAX loads for CUDA 12 GPUs (`pip install 'jax[cuda12]'` brings it and the CUDA, cuDNN
 # and ptxas wheels it compiles with).
@@ -42,84 +42,8 @@ FALLBACK_CUDA_VERSION = "12.9.0"
 DEFAULT_GPUS_PER_HOST = 8
 
 
-class GpuCompileUnavailableError(UserError):
+class GpuCompileUnavailableError(CompileUnavailableError):
     """The GPU compiler cannot run in this process (plugin missing, or JAX started for a GPU)."""
-
-
-class CompileTarget(str, enum.Enum):
-    """What the planner compiles for: this process's CPU devices (fake ones, `cpu`) or a GPU
-    model."""
-
-    CPU = "cpu"
-    H100 = "h100"
-    H200 = "h200"
-    A100 = "a100"
-
-    @property
-    def is_gpu(self) -> bool:
-        return self is not CompileTarget.CPU
-
-    @property
-    def spec(self) -> GpuSpec:
-        if not self.is_gpu:
-            raise ValueError("the cpu target has no GPU description")
-        return GPU_SPECS[self]
-
-    @classmethod
-    def parse(cls, value: str | CompileTarget) -> CompileTarget:
-        try:
-            return cls(str(value.value if isinstance(value, CompileTarget) else value).lower())
-        except ValueError:
-            raise UserError(f"--target={value!r}: expected one of "
-                            f"{', '.join(t.value for t in cls)}") from None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GpuSpec:
-    """One GPU model's description, as XLA's GPU compiler plans with it."""
-
-    device_kind: str  # what the CUDA driver calls it (jax's Device.device_kind)
-    compute_capability: tuple[int, int]
-    sm_count: int
-    fp32_units_per_sm: int
-    memory_bytes: int  # what the driver reports as total memory
-    memory_bandwidth_bytes_per_s: int
-    memory_clock_ghz: float
-    l2_cache_bytes: int
-    shared_memory_per_sm: int
-    shared_memory_per_block_optin: int
-    sm_clock_ghz: float
-    dense_bf16_tflops: float  # the part's datasheet peak (dense, no sparsity)
-
-    @property
-    def memory_gib(self) -> float:
-        return self.memory_bytes / 2**30
-
-    @property
-    def compute_capability_text(self) -> str:
-        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
-
-
-_H100_SXM = GpuSpec(  # H100 SXM5 80 GB
-    device_kind="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132,
-    fp32_units_per_sm=128, memory_bytes=84_942_979_072,
-    memory_bandwidth_bytes_per_s=3_352_320_000_000, memory_clock_ghz=2.619,
-    l2_cache_bytes=50 * 2**20, shared_memory_per_sm=228 * 1024,
-    shared_memory_per_block_optin=227 * 1024, sm_clock_ghz=1.98, dense_bf16_tflops=989.0)
-
-GPU_SPECS: dict[CompileTarget, GpuSpec] = {
-    CompileTarget.H100: _H100_SXM,
-    # H200 SXM 141 GB: H100's die (the same SMs, caches and clocks), more and faster HBM3e
-    CompileTarget.H200: dataclasses.replace(
-        _H100_SXM, device_kind="NVIDIA H200", memory_bytes=151_397_597_184,
-        memory_bandwidth_bytes_per_s=4_800_000_000_000, memory_clock_ghz=3.75),
-    CompileTarget.A100: GpuSpec(  # A100 SXM4 80 GB
-        device_kind="NVIDIA A100-SXM4-80GB", compute_capability=(8, 0), sm_count=108,
-        fp32_units_per_sm=64, memory_bytes=85_100_068_864,
-        memory_bandwidth_bytes_per_s=2_039_040_000_000, memory_clock_ghz=1.593,
-        l2_cache_bytes=40 * 2**20, shared_memory_per_sm=164 * 1024,
-        shared_memory_per_block_optin=163 * 1024, sm_clock_ghz=1.41, dense_bf16_tflops=312.0),
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -268,11 +192,12 @@ def gpu_devices(target: CompileTarget, topology: GpuTopology) -> list[Any]:
 
     A missing plugin, or a process whose JAX asked for the CUDA platform without a GPU, is one
     GpuCompileUnavailableError saying what to do."""
+    target = CompileTarget.parse(target)
     problem = plugin_problem()
     if problem:
         raise GpuCompileUnavailableError(problem)
     try:
-        return list(_topology_devices(CompileTarget.parse(target), str(topology)))
+        return list(_topology_devices(target, str(topology)))
     except Exception as error:  # the plugin's own message, kept on the one line
         text = " ".join(str(error).split())[:300]
         if "not implemented" in text or "cuInit" in text:
@@ -310,33 +235,3 @@ def preset_compiler_options(preset_name: str) -> dict[str, str]:
 
     preset = xla_presets.get_preset(preset_name)
     return compiler_options(xla_presets.resolve(preset).flags, preset.env)
-
-
-# ------------------------------------------------------------------------------------------------
-# Which platform a program is being built for (the models' kernel choices read this)
-
-
-def spec_for_device_kind(device_kind: str) -> GpuSpec | None:
-    for spec in GPU_SPECS.values():
-        if spec.device_kind == device_kind:
-            return spec
-    return None
-
-
-def compile_platform() -> tuple[str, str | None]:
-    """(platform, compute capability) of the devices the program being traced is for.
-
-    Inside `jax.set_mesh(mesh)` (how paxlite builds every step) that is the mesh's devices, which
-    for a compile-only GPU target are GPUs while this process's default backend is the CPU; with no
-    mesh set, this process's default backend and its first device."""
-    import jax
-
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    backend = jax.default_backend()
-    if device is None or device.platform == backend:
-        capability = None
-        if backend == "gpu":
-            capability = getattr(jax.devices()[0], "compute_capability", None)
-        return backend, capability
-    spec = spec_for_device_kind(device.device_kind or "")
-    return device.platform, spec.compute_capability_text if spec else None
