@@ -8,8 +8,9 @@ its `device_kind`, so no number is written twice. Nothing here imports JAX.
 
 Peaks are dense (no sparsity) per JAX device. Where a part has no FP8 matmul units (A100, TPU v4,
 v5e, v5p) its FP8 peak is None: an FP8 run there is a bf16 run with casts and has no FP8 rate to
-be measured against. Int8 peaks are recorded where they are published for the low-precision path
-(TPU v5e, v5p, v6e: AQT-style int8); elsewhere None.
+be measured against; so is v6e's, for which no FP8 rate is published. Int8 peaks are recorded
+where they are published for the low-precision path (TPU v5e, v5p, v6e: AQT-style int8); elsewhere
+None.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Peaks:
     kind_substring: str | None = None
     kind_exact: tuple[str, ...] = ()
     bf16_tflops: float
-    fp8_tflops: float | None = None  # None: no FP8 matmul units
+    fp8_tflops: float | None = None  # None: no FP8 matmul units (or none published: v6e)
     int8_tops: float | None = None  # None: not recorded
 
     def matches(self, device_kind: str) -> bool:
