@@ -21,7 +21,7 @@ trap 'rm -rf "$tmp"' EXIT
 # Python) into a wheel and try again.
 for _ in $(seq 10); do
   if out=$("$PYTHON" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
-      "${PLATFORMS[@]}" --find-links "$tmp" -c constraints.txt -d "$tmp" "${WANT[@]}" 2>&1); then
+      "${PLATFORMS[@]}" --find-links "$tmp" -c constraints-py311.txt -d "$tmp" "${WANT[@]}" 2>&1); then
     break
   fi
   missing=$(sed -n 's/.*No matching distribution found for \([^ ;<>=!]*\).*/\1/p' <<<"$out" | head -n 1)
