@@ -7,6 +7,8 @@
 # here. Run where pip reaches PyPI:
 #   bash benchmarks/tpu/fetch_wheels.sh        (then carry .whl-tpu/ to the TPU host with the checkout)
 # On the host, `source benchmarks/tpu/setup_env.sh` installs them beside the host's index (docs/quickstart.md).
+# Versions are CI's (constraints.txt) where it names them: constraints-py311.txt, the image's own
+# stack, pins zstandard and grain lower than lm_eval's dependencies allow together.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PYTHON=${PYTHON:-python3}
@@ -21,7 +23,7 @@ trap 'rm -rf "$tmp"' EXIT
 # Python) into a wheel and try again.
 for _ in $(seq 10); do
   if out=$("$PYTHON" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
-      "${PLATFORMS[@]}" --find-links "$tmp" -c constraints-py311.txt -d "$tmp" "${WANT[@]}" 2>&1); then
+      "${PLATFORMS[@]}" --find-links "$tmp" -c constraints.txt -d "$tmp" "${WANT[@]}" 2>&1); then
     break
   fi
   missing=$(sed -n 's/.*No matching distribution found for \([^ ;<>=!]*\).*/\1/p' <<<"$out" | head -n 1)
