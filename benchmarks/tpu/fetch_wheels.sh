@@ -7,8 +7,8 @@
 # here. Run where pip reaches PyPI:
 #   bash benchmarks/tpu/fetch_wheels.sh        (then carry .whl-tpu/ to the TPU host with the checkout)
 # On the host, `source benchmarks/tpu/setup_env.sh` installs them beside the host's index (docs/quickstart.md).
-# Versions are CI's (constraints.txt) where it names them: constraints-py311.txt, the image's own
-# stack, pins zstandard and grain lower than lm_eval's dependencies allow together.
+# Versions are CI's (constraints.txt) where it names them: under constraints-py311.txt (the image's
+# own stack) pip found no lm_eval whose dependencies resolve (ResolutionImpossible, 2026-12-07).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 PYTHON=${PYTHON:-python3}
