@@ -188,12 +188,9 @@ def _stage_order_rounds(stages: int, repeats: int, devices: int) -> tuple:
 def _move_chunks(local: jax.Array, me: jax.Array, axis: str, rounds) -> jax.Array:
     """Inside a ``shard_map`` manual over ``axis``: round t sends this device's slot
     ``src[t][me]`` to device ``perm[t]``, which writes it at its slot ``dst[t][me]``. Written into
-    one buffer by in-place updates: no gather, no scatter, no [per, ...] stack of rounds.
-
-    ``me`` is this device's index along ``axis``, passed in as data ([1], the shard of an arange)
-    rather than read with ``lax.axis_index``: in a ``shard_map`` manual over some axes only, jax
-    0.10.2 lowers ``axis_index`` to a PartitionId that its SPMD partitioner refuses
-    (UNIMPLEMENTED) whenever another mesh axis has more than one device."""
+    one buffer by in-place updates: no gather, no scatter, no [per, ...] stack of rounds. ``me``
+    ([1], this device's shard of an arange) is the index along ``axis`` as data: jax 0.10.2 lowers
+    ``lax.axis_index`` in a partly manual ``shard_map`` to a PartitionId it cannot partition."""
     me = me[0]
     out = jnp.zeros_like(local)
     for src, pairs, dst in rounds:
@@ -231,8 +228,7 @@ def _to_stage_order(leaf: jax.Array, *, stages: int, repeats: int, axis: str) ->
     blocks onto [R, S, K]: it replicates the whole stack on every device (GPT175B, 8 stages, R =
     12: 216 GiB for one MLP kernel). Here each device sends its chunks to their stages by
     collective-permutes (``_stage_order_rounds``), inside a ``shard_map`` manual only over ``axis``,
-    so the other axes (FSDP) keep their split; the gradient travels the same way back.
-    """
+    so the other axes (FSDP) keep their split; the gradient travels the same way back."""
     mesh = jax.sharding.get_abstract_mesh()
     rounds = _stage_order_rounds(stages, repeats, mesh.shape[axis])
     k = leaf.shape[0] // (stages * repeats)
