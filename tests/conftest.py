@@ -181,10 +181,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(shared)
 
 
-# `gpu_compile` tests compile for H100/H200 with JAX's CUDA plugin (paxlite/parallel/gpu_target.py),
-# which `make test` installs apart from the venv (.venv/gpu_compile, on PYTHONPATH in its own pytest
-# session: see the Makefile). Elsewhere they are skipped, unless PAXLITE_REQUIRE_GPU_COMPILE=1 (that
-# session sets it) makes a missing plugin an error instead.
+# `gpu_compile` tests compile for H100/H200 with JAX's CUDA plugin
+# (paxlite/parallel/compile_targets/gpu.py), which `make test` installs apart from the venv
+# (.venv/gpu_compile, on PYTHONPATH in its own pytest session: see the Makefile). Elsewhere they are
+# skipped, unless PAXLITE_REQUIRE_GPU_COMPILE=1 (that session sets it) makes a missing plugin an
+# error instead.
 REQUIRE_GPU_COMPILE = os.environ.get("PAXLITE_REQUIRE_GPU_COMPILE") == "1"
 
 

@@ -8,7 +8,7 @@ benchmark that spends GPU time anyway measures both and prints their ratio, the 
 - **Planned**: before the training runs, one subprocess (`JAX_PLATFORMS=cpu`: the planner never
   holds the GPU the runs need; imports paid once) compiles each case's train step, the same
   experiment and `--fdl.` flags as its run, on one device of the local GPU model (`nvidia-smi`'s
-  name, which is the device kind JAX reports, mapped through `paxlite.parallel.gpu_target`'s
+  name, which is the device kind JAX reports, mapped through `paxlite.parallel.compile_targets`'s
   GPU_SPECS), or of the CPU with `--cpu`. One JSON line per case, so a capped planner keeps what
   it did.
 - **Measured**: the run is `paxlite.main` started by this module's `watch` command: a thread waits

@@ -219,8 +219,8 @@ def pallas_problems(*, has_bias: bool, backend: str | None = None) -> list[str]:
 
 
 def _device_facts() -> tuple[str, str | None]:
-    # The platform of the mesh the step is built on: a compile-only GPU target's, not this
-    # process's CPU backend, when the planner compiles for a GPU (parallel/gpu_target.py).
+    # The platform of the mesh the step is built on: a compile-only target's (a GPU or a TPU,
+    # parallel/compile_targets), not this process's CPU backend, when the planner compiles for it.
     return compile_platform()
 
 

@@ -1,5 +1,6 @@
-"""Compile-only GPUs from JAX's CUDA plugin (paxlite/parallel/gpu_target.py): what they are, and
-that the models' kernel choices see the target's platform, not this process's CPU backend."""
+"""Compile-only GPUs from JAX's CUDA plugin (paxlite/parallel/compile_targets/gpu.py): what they
+are, and that the models' kernel choices see the target's platform, not this process's CPU
+backend."""
 
 import jax
 import jax.numpy as jnp
