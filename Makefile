@@ -184,7 +184,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check paxlite tests benchmarks examples
 	$(BIN)/lint-imports
-	$(BIN)/shellcheck -x scripts_gpu/*.sh slurm/*.sub benchmarks/gpu/*.sh
+	$(BIN)/shellcheck -x scripts_gpu/*.sh slurm/*.sub benchmarks/gpu/*.sh benchmarks/tpu/*.sh
 	$(BIN)/hadolint docker/Dockerfile
 	$(BIN)/yamllint --strict .yamllint k8s/
 
