@@ -105,15 +105,18 @@ test: $(STAMP) $(JEMALLOC)
 		echo "--- make test-py311 (the oldest supported stack, installed), after tests/tpu_compile ---"; \
 		cat $(PY311_LOG) 2>/dev/null || echo "(it did not start)"; exit $$status
 	$(BIN)/python tests/gpu_pass.py
+	$(BIN)/python tests/tpu_pass.py
 
 # The gpu_compile session of `make test` (above), its output in $(GPU_COMPILE_LOG); then, in the same
 # line of work, make test-py311 (below), its output in $(PY311_LOG).
 test-gpu-compile-session: $(GPU_COMPILE_STAMP) $(JEMALLOC)
 	@mkdir -p $(dir $(GPU_COMPILE_LOG))
+	@status=0; \
 	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -p no:xdist \
-		--durations=10 tests/gpu_compile $(PYTEST_ARGS) > $(GPU_COMPILE_LOG) 2>&1
-	$(MAKE) --no-print-directory test-tpu-compile-session
-	$(MAKE) --no-print-directory test-py311 > $(PY311_LOG) 2>&1
+		--durations=10 tests/gpu_compile $(PYTEST_ARGS) > $(GPU_COMPILE_LOG) 2>&1 || status=$$?; \
+	$(MAKE) --no-print-directory test-tpu-compile-session || status=$$?; \
+	$(MAKE) --no-print-directory test-py311 > $(PY311_LOG) 2>&1 || status=$$?; \
+	exit $$status
 
 # The tpu_compile session (tests/tpu_compile: plans compiled by the TPU compiler, libtpu on PYTHONPATH,
 # a missing libtpu an error), in the gpu_compile session's line of work; its output in $(TPU_COMPILE_LOG).
