@@ -68,12 +68,13 @@ def environment(base: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, devices: str = "/dev",
+         environ: dict[str, str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--timeout_s", type=float, default=None,
                         help="stop the tests after this many seconds (exit 124)")
     args, extra = parser.parse_known_args(argv)
-    if not has_tpu():
+    if not has_tpu(devices=devices, environ=environ):
         print("TPU tests: no TPU here (no /dev/accel* or /dev/vfio chip); the CPU pass skipped "
               "them", flush=True)
         return 0

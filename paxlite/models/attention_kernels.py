@@ -39,11 +39,10 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 from flax import linen as nn
-from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from paxlite.errors import SettingError
-from paxlite.models.splash_attention import require_splash, splash_attention
+from paxlite.models.splash_attention import mesh_spec, require_splash, splash_attention
 from paxlite.parallel.compile_targets import compile_platform
 
 # cuDNN's flash kernels (JAX check_is_flash_attention): these dtypes, head dims a multiple of 8,
@@ -385,16 +384,6 @@ def pallas_block_sizes(seq_len: int) -> tuple[Any, int]:
     return sizes, -(-seq_len // multiple) * multiple
 
 
-def _mesh_spec(logical: tuple[str, ...], mesh: Any) -> PartitionSpec:
-    """The PartitionSpec the current logical rules give, keeping only axes this mesh has."""
-    entries = []
-    for entry in nn.logical_to_mesh_axes(logical):
-        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-        kept = tuple(a for a in axes if a in mesh.axis_names)
-        entries.append(kept if kept else None)
-    return PartitionSpec(*entries)
-
-
 def pallas_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
     interpret: bool = False,
@@ -435,10 +424,10 @@ def pallas_attention(
 
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:
-        head_spec = _mesh_spec(_HEAD_AXES, mesh)
+        head_spec = mesh_spec(_HEAD_AXES, mesh)
         specs = [head_spec] * 3
         if segment_ids is not None:
-            specs.append(_mesh_spec(_SEGMENT_AXES, mesh))
+            specs.append(mesh_spec(_SEGMENT_AXES, mesh))
         kernel = jax.shard_map(kernel, mesh=mesh, in_specs=tuple(specs), out_specs=head_spec,
                                check_vma=False)
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)

@@ -101,7 +101,7 @@ def _kernel(*, heads: int, padded: int, sliding_window: int | None, logit_cap: f
         interpret=interpret)
 
 
-def _mesh_spec(logical: tuple[str, ...], mesh: Any) -> PartitionSpec:
+def mesh_spec(logical: tuple[str, ...], mesh: Any) -> PartitionSpec:
     """The PartitionSpec the current logical rules give, keeping only axes this mesh has."""
     entries = []
     for entry in nn.logical_to_mesh_axes(logical):
@@ -134,7 +134,7 @@ def splash_attention(
     if n % kv:
         raise ValueError(f"{n} query heads cannot share {kv} kv heads evenly")
     mesh = jax.sharding.get_abstract_mesh()
-    head_spec = None if mesh.empty else _mesh_spec(_HEAD_AXES, mesh)
+    head_spec = None if mesh.empty else mesh_spec(_HEAD_AXES, mesh)
     head_shards = 1 if head_spec is None else _shards(head_spec[2], mesh)
     if kv % head_shards:
         # Each shard's query heads need their own kv heads: repeat them to N (head i reads kv
@@ -179,7 +179,7 @@ def splash_attention(
     if head_spec is not None:
         specs = [head_spec] * 3
         if segment_ids is not None:
-            specs.append(_mesh_spec(_SEGMENT_AXES, mesh))
+            specs.append(mesh_spec(_SEGMENT_AXES, mesh))
         kernel = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=head_spec,
                                check_vma=False)
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
