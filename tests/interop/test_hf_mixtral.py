@@ -70,7 +70,7 @@ def golden():
 def test_golden_files_are_what_transformers_computes():
     logits, count = _hf_model_logits(GOLDEN)
     assert count == NUM_PARAMS
-    np.testing.assert_allclose(logits, HF_LOGITS, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(logits, HF_LOGITS, atol=ATOL, rtol=0)
 
 
 def test_logits_match_saved_transformers_logits(golden):
@@ -121,7 +121,7 @@ def test_save_is_loaded_by_transformers_and_reads_back_identical(golden, tmp_pat
         "mixtral", 4, 2, 1e6, None, 0.001, False)
     logits, count = _hf_model_logits(tmp_path / "out")
     assert count == golden.num_params
-    np.testing.assert_allclose(logits, HF_LOGITS, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(logits, HF_LOGITS, atol=ATOL, rtol=0)
     _assert_same_params(hf.load(tmp_path / "out").params, golden.params)
 
 
@@ -170,7 +170,7 @@ def test_cli_converts_both_ways(tmp_path, monkeypatch, capfd):
     for name in original:
         assert back[name].tobytes() == original[name].tobytes(), name
     logits, _ = _hf_model_logits(tmp_path / "back")
-    np.testing.assert_allclose(logits, HF_LOGITS, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(logits, HF_LOGITS, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("change, message", [

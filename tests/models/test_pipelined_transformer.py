@@ -181,7 +181,9 @@ def _random_params(cfg: TransformerConfig, *, seed: int) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, _abstract_variables(cfg)["params"])
 
 
-def assert_same(got, want, *, atol=1e-5):
+def assert_same(got, want, *, atol=1e-5, rtol=1e-5):
+    """Float32 sums in another order: 1e-5 absolute, plus 1e-5 relative for the large gradients (an
+    embedding row that gathers many tokens reaches ~3, where one reordered sum differs by ~1e-5)."""
     logits, aux, summaries, grads = got
     ref_logits, ref_aux, ref_summaries, ref_grads = want
     assert np.all(np.isfinite(logits))
@@ -196,7 +198,9 @@ def assert_same(got, want, *, atol=1e-5):
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     for (path, g), r in zip(flat, jax.tree.leaves(ref_grads), strict=True):
         assert np.all(np.isfinite(g)), jax.tree_util.keystr(path)
-        np.testing.assert_allclose(g, r, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            g, r, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @pytest.fixture(scope="module")
