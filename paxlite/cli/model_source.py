@@ -159,10 +159,10 @@ def load_tokenizer(model: ModelSource):
     """The model's tokenizer (checked to fit its vocabulary), or None when it names none."""
     if model.vocab_path is None:
         return None
-    from paxlite.data.tokenizer import Tokenizer, check_vocab_fits
+    from paxlite.data.tokenizer import Tokenizer, bind_model_vocab
 
     tokenizer = Tokenizer(model.vocab_path)
-    check_vocab_fits(tokenizer, vocab_size=model.config.vocab_size)
+    bind_model_vocab(tokenizer, vocab_size=model.config.vocab_size)
     return tokenizer
 
 

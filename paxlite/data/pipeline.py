@@ -291,7 +291,7 @@ class TextData(ProcessShare):
                     f"sha256 {manifest_tok['sha256']})"
                 )
         if tok is not None:
-            tokenizer_lib.check_vocab_fits(tok, vocab_size=config.vocab_size)
+            tokenizer_lib.bind_model_vocab(tok, vocab_size=config.vocab_size)
             eos_id = tok.eos_id
         else:
             manifest_vocab = int(manifest_tok["vocab_size"])

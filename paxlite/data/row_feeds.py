@@ -116,10 +116,10 @@ def read_row_file(config: RowSourceConfig, *, instant: datetime.datetime,
                   row_format: RowFormat[Item]) -> RowFile[Item]:
     """Every row of `config.path` as an item (the template's clock at `instant`); a bad row raises
     its one line, or is skipped and counted (CHAT_BAD_ROWS=skip)."""
-    from paxlite.data.tokenizer import Tokenizer, check_vocab_fits
+    from paxlite.data.tokenizer import Tokenizer, bind_model_vocab
 
     tokenizer = Tokenizer(config.vocab_path)
-    check_vocab_fits(tokenizer, vocab_size=config.vocab_size)
+    bind_model_vocab(tokenizer, vocab_size=config.vocab_size)
     clock = _FixedClock(instant)
     try:
         template = chat_template_for(tokenizer, template_file=config.template_file,

@@ -276,7 +276,12 @@ class SeqIOData(ProcessShare):
                 f"SeqIO's tasks read a SentencePiece model and {tokenizer.path} is a "
                 f"{tokenizer.format.value} tokenizer: prepare the text with `python -m "
                 "paxlite.data.prepare` and train from DATA_DIR instead")
-        tokenizer_lib.check_vocab_fits(tokenizer, vocab_size=config.vocab_size)
+        if tokenizer.vocab_size > config.vocab_size:  # SeqIO encodes with its own vocabulary,
+            # past paxlite's per-text check, so a larger tokenizer is refused here as a whole
+            raise tokenizer_lib.VocabError(
+                f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the model's "
+                f"VOCAB_SIZE is {config.vocab_size}; SeqIO's tasks can emit every piece, so set "
+                f"--fdl.VOCAB_SIZE to at least {tokenizer.vocab_size}")
         if tokenizer.eos_id < 1:
             raise tokenizer_lib.VocabError(
                 f"tokenizer {tokenizer.path} has eos_id {tokenizer.eos_id}; SeqIO needs an EOS id "

@@ -171,6 +171,8 @@ class Tokenizer:
             post-processor, as transformers applies it); None when the format does not say.
         special_tokens: the named special tokens' strings (`bos_token`, `eos_token`, ...), the
             variables a chat template is rendered with (transformers' `special_tokens_map`).
+        model_vocab_size: the embedding rows of the model the ids feed (``bind_model_vocab``);
+            None: unbound, every id the tokenizer has is accepted.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -201,6 +203,7 @@ class Tokenizer:
         self.bos_id: int | None = backend.bos_id
         self.adds_bos: bool | None = backend.adds_bos
         self.special_tokens: dict[str, str] = dict(backend.named_special_tokens)
+        self.model_vocab_size: int | None = None  # set by bind_model_vocab
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
@@ -209,7 +212,7 @@ class Tokenizer:
         """Token ids of `text`, no EOS added; BOS first only when asked (paxlite's data pipeline
         adds none, but LLaMA-family models were trained with every document starting with it, so
         prompting them needs it). Special tokens written in the text are their ids."""
-        ids = self._backend.encode(text)
+        ids = self._check_ids(self._backend.encode(text))
         if not add_bos:
             return ids
         if self.bos_id is None:
@@ -220,7 +223,23 @@ class Tokenizer:
         """Token ids of many texts (no BOS, no EOS), spread over the CPU's threads."""
         if not texts:
             return []
-        return self._backend.encode_batch(list(texts))
+        return [self._check_ids(ids) for ids in self._backend.encode_batch(list(texts))]
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        """``ids``, unless one is past the bound model's embedding table. Checked only when the
+        tokenizer has more pieces than the model has rows: otherwise no id can be."""
+        limit = self.model_vocab_size
+        if limit is None or self.vocab_size <= limit or not ids or max(ids) < limit:
+            return ids
+        bad = next(i for i in ids if i >= limit)
+        raise VocabError(
+            f"the text holds token {self.id_to_piece(bad)!r} (id {bad}), past the model's "
+            f"vocabulary: it embeds ids 0..{limit - 1} and tokenizer {self.path} has "
+            f"{self.vocab_size} pieces; use text without it, or a model with VOCAB_SIZE >= "
+            f"{bad + 1}")
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._backend.id_to_piece(int(token_id))
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens included; for a tokenizer.json exactly what
@@ -232,9 +251,6 @@ class Tokenizer:
     def sha256(self) -> str:
         """Hex sha256 of the file(s) read (see `_files_sha256`)."""
         return self._sha256
-
-    def id_to_piece(self, token_id: int) -> str:
-        return self._backend.id_to_piece(int(token_id))
 
 
 def resolve_vocab_path(value: str | None, *, environ: Mapping[str, str] = os.environ) -> str:
@@ -257,11 +273,12 @@ def resolve_vocab_path(value: str | None, *, environ: Mapping[str, str] = os.env
     return resolved
 
 
-def check_vocab_fits(tokenizer: Tokenizer, *, vocab_size: int) -> None:
-    """Every id the tokenizer can emit must index the model's embedding table."""
-    if tokenizer.vocab_size > vocab_size:
-        raise VocabError(
-            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but the model's "
-            f"VOCAB_SIZE is {vocab_size}; set --fdl.VOCAB_SIZE to at least {tokenizer.vocab_size}"
-        )
+def bind_model_vocab(tokenizer: Tokenizer, *, vocab_size: int) -> None:
+    """Ties ``tokenizer`` to a model of ``vocab_size`` embedding rows: from now on it refuses to
+    encode a text into an id past them.
+
+    A tokenizer with more pieces than the model has rows is not refused by itself: transformers
+    runs such a model (its logits never produce those ids) and fails only when an input holds one.
+    paxlite does the same, with a clear error at the encode instead of an index error."""
+    tokenizer.model_vocab_size = vocab_size
 

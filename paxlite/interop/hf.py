@@ -223,7 +223,7 @@ def write_hf(params: Mapping[str, Any], out_dir: str | os.PathLike, *, config: T
     family = family_of_config(config, prefer=family)
     layouts.check_params(dict(stand_ins), config=config)
     if vocab_path is not None:
-        hf_write.check_tokenizer(vocab_path, vocab_size=config.vocab_size, setting=vocab_setting)
+        hf_write.check_tokenizer(vocab_path, setting=vocab_setting)
         if bos_token_id is None and eos_token_id is None:  # a paxlite source records neither
             bos_token_id, eos_token_id = hf_write.special_token_ids(vocab_path)
     target = _numpy_dtype(dtype)

@@ -29,7 +29,7 @@ class LmEvalScorer:
 
     def __init__(self, config: LmEvalConfig, *, model_config: TransformerConfig, mesh,
                  batch_size: int, max_steps: int):
-        from paxlite.data.tokenizer import Tokenizer, check_vocab_fits
+        from paxlite.data.tokenizer import Tokenizer, bind_model_vocab
         from paxlite.eval.harness_lm import task_manager
 
         self.config = config
@@ -38,7 +38,7 @@ class LmEvalScorer:
         self._batch_size = batch_size
         self._max_steps = max_steps
         self._tokenizer = Tokenizer(config.vocab_path)
-        check_vocab_fits(self._tokenizer, vocab_size=model_config.vocab_size)
+        bind_model_vocab(self._tokenizer, vocab_size=model_config.vocab_size)
         task_manager(config.include_path, list(config.tasks))  # an unknown task: one error, now
         bos = self._tokenizer.bos_id
         self._bos_id = bos if config.add_bos and bos is not None and bos >= 0 else None

@@ -3,6 +3,7 @@
 import hashlib
 import os
 import random
+import re
 
 import pytest
 import sentencepiece as spm
@@ -10,7 +11,7 @@ import sentencepiece as spm
 from paxlite.data.tokenizer import (
     Tokenizer,
     VocabError,
-    check_vocab_fits,
+    bind_model_vocab,
     resolve_vocab_path,
 )
 from paxlite.data.train_tokenizer import sample_sentences, train_tokenizer
@@ -126,11 +127,29 @@ def test_resolve_vocab_path_precedence(tmp_path):
         resolve_vocab_path(None, environ={"VOCAB_PATH": str(tmp_path / "gone.model")})
 
 
-def test_check_vocab_fits(tok):
-    check_vocab_fits(tok, vocab_size=VOCAB)
-    check_vocab_fits(tok, vocab_size=512)
-    with pytest.raises(VocabError, match=rf"{VOCAB}.*{VOCAB - 1}"):
-        check_vocab_fits(tok, vocab_size=VOCAB - 1)
+def test_a_tokenizer_larger_than_the_model_refuses_only_texts_past_its_rows(model_path, tok):
+    """As transformers runs such a model: binding is never refused; a text is, once it holds an id
+    the embedding has no row for, naming the piece and the id; texts below the bound encode as
+    they did unbound."""
+    last = VOCAB - 1
+    piece = tok.id_to_piece(last)
+    text = piece.replace("\u2581", " ")
+    assert last in tok.encode(text)  # the piece's own text holds it
+    plain = "the cat"
+    assert max(tok.encode(plain)) < last
+    for rows in (VOCAB, 512):
+        bound = Tokenizer(model_path)
+        bind_model_vocab(bound, vocab_size=rows)
+        assert bound.encode(text) == tok.encode(text)
+    bound = Tokenizer(model_path)
+    bind_model_vocab(bound, vocab_size=last)
+    assert bound.encode(plain) == tok.encode(plain)
+    assert bound.encode_batch([plain, plain]) == [tok.encode(plain)] * 2
+    said = rf"{re.escape(repr(piece))} \(id {last}\).*0\.\.{last - 1}"
+    with pytest.raises(VocabError, match=said):
+        bound.encode(text)
+    with pytest.raises(VocabError, match=rf"id {last}"):
+        bound.encode_batch([plain, text])
 
 
 def test_sample_sentences_is_a_seeded_uniform_subset():

@@ -203,8 +203,12 @@ def test_hf_flags_refused_for_other_targets(llama_gqa, tmp_path):
                                output=str(tmp_path / "x"), max_shard_size="1GB"))
 
 
-def test_tokenizer_larger_than_model_vocab_refused(llama_gqa, tmp_path):
+def test_tokenizer_larger_than_model_vocab_is_shipped_as_transformers_runs_it(llama_gqa, tmp_path):
+    """transformers loads a model whose tokenizer has more pieces than its embedding has rows,
+    and runs it on a text whose ids fit: so the export does not refuse it."""
     import sentencepiece as spm
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     lines = [f"w{i} x{i * 3} y{i * 7} zz{i}" for i in range(2000)]
     (tmp_path / "c.txt").write_text("\n".join(lines))
@@ -213,11 +217,20 @@ def test_tokenizer_larger_than_model_vocab_refused(llama_gqa, tmp_path):
         model_prefix=str(tmp_path / "big"),
         vocab_size=400,
         model_type="bpe",
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
         minloglevel=2,
     )
-    with pytest.raises(UserError, match="has 400 pieces but the model's vocab_size is 256"):
-        _convert(llama_gqa[0], tmp_path / "never", vocab_path=str(tmp_path / "big.model"))
-    assert not os.path.exists(tmp_path / "never")
+    out = tmp_path / "shipped"
+    _convert(llama_gqa[0], out, vocab_path=str(tmp_path / "big.model"))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert len(tokenizer) == 400 and model.config.vocab_size == 256
+    ids = [i for i in tokenizer.encode("w1 x3 y7 zz1") if i < 256]
+    assert len(ids) >= 2
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), 256)
 
 
 def test_unigram_tokenizer_refused(llama_gqa, tmp_path):

@@ -92,3 +92,46 @@ def test_generate_reads_the_tokenizer_json_a_conversion_copied(llama_gqa, tmp_pa
     again = AutoTokenizer.from_pretrained(back)
     for text in TEXTS:
         assert again(text)["input_ids"] == theirs(text)["input_ids"]
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_generates_as_transformers_does(
+        llama_gqa, tmp_path, capsys):
+    """transformers runs a model whose tokenizer has more tokens than its embedding has rows (the
+    logits never produce the extra ids): a prompt below the rows continues as transformers
+    continues it, and one holding an id past them is refused in one line (transformers fails there
+    with an index error)."""
+    pytest.importorskip("tokenizers")
+    import torch
+    from transformers import AutoTokenizer
+
+    source, model = llama_gqa
+    rows = model.config.vocab_size
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(source, hf_dir)
+    _tokenizer_json(hf_dir)
+    theirs = AutoTokenizer.from_pretrained(hf_dir)
+    theirs.add_tokens([f"<extra_{i}>" for i in range(rows + 10 - len(theirs))])
+    theirs.save_pretrained(hf_dir)
+    theirs = AutoTokenizer.from_pretrained(hf_dir)
+    assert len(theirs) == rows + 10
+    out = tmp_path / "pax"
+    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={hf_dir}",
+                 f"--output={out}"]) == 0
+    capsys.readouterr()
+    text = TEXTS[0]
+    assert main(["generate", f"--checkpoint={out}", f"--prompt={text}",
+                 f"--max_new_tokens={NEW}", "--format=json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    ids = theirs(text)["input_ids"]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
+                              eos_token_id=theirs.eos_token_id, pad_token_id=theirs.eos_token_id)
+    assert record["prompt_ids"] == ids and record["ids"] == want[0, len(ids):].tolist()
+    extra = f"<extra_{rows + 5 - 120}>"
+    assert theirs.convert_tokens_to_ids(extra) >= rows
+    with pytest.raises(IndexError):
+        model(torch.tensor([theirs(f"{text} {extra}")["input_ids"]]))
+    assert main(["generate", f"--checkpoint={out}", f"--prompt={text} {extra}",
+                 "--max_new_tokens=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"'{extra}'" in err[0] and f"0..{rows - 1}" in err[0], err
