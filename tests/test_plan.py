@@ -480,29 +480,41 @@ def _tiny_plan_of(base: tuple[str, ...], *more: str, num_devices: int, **kwargs)
     )
 
 
-def test_the_longest_sequence_fits_and_the_next_step_does_not():
-    """A seq run: the search's answer and the step above it, compiled again here on their own."""
+def test_the_longest_sequence_fits_and_the_next_step_does_not(monkeypatch):
+    """A seq run: the search's answer and the step above it are what the compiler measured at those
+    two lengths. Every compile the search makes is recorded here, keyed by the MAX_SEQ_LEN of the
+    experiment it was given, so the two are checked against compiles of their own lengths without
+    compiling them a second time (the seq axis keeps these programs out of the persistent cache:
+    train/step.py's _NotPersistentlyCached). Step 128 (the default) at 10.24 MiB: the first fit,
+    through T = 128, 256, 512 beside the plan's 32, lands on the answer, in 4 compiles beyond the
+    plan's (step 16 took 6 there, and this test compiled 2 more to check them)."""
     memory_gib = 0.01
-    step = 16
+    step = 128
+    compiled = {}  # MAX_SEQ_LEN -> the measurement compile_train_step returned for it
+    measure = plan_search.compile_train_step
+
+    def recording_compile(experiment, **kwargs):
+        measured = measure(experiment, **kwargs)
+        assert measured.seq_len == experiment.MAX_SEQ_LEN
+        assert experiment.MAX_SEQ_LEN not in compiled  # each length compiled once
+        compiled[experiment.MAX_SEQ_LEN] = measured
+        return measured
+
+    monkeypatch.setattr(plan_search, "compile_train_step", recording_compile)
     p = _tiny_plan_of(TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]", num_devices=2,
                       device_memory_gib=memory_gib, seq_step=step)
     assert p.sequence_parallel.to_json() == {
         "seq": 2, "strategy": "all_gather", "load_balance": True, "tokens_per_shard": 16,
         "rows_per_device": 1, "tokens_per_device": 16}
     found = p.longest_seq  # a seq run: searched without being asked
-    assert found.pinned and found.step == 16  # lcm(16, 2 x seq chunks)
+    assert found.pinned and found.step == 128  # lcm(128, 2 x seq chunks)
     length = found.seq_len
-    assert length % 16 == 0 and found.tokens_per_shard == length // 2
+    assert length % 128 == 0 and found.tokens_per_shard == length // 2
     assert found.method.startswith(
-        "peak(T) = a + b*T + c*T^2 fitted to compiles at T = 32, 64, 128")
-    assert found.compiles <= plan_longest_seq.MAX_SEQ_SEARCH_COMPILES
+        "peak(T) = a + b*T + c*T^2 fitted to compiles at T = 32, 128, 256, 512")
+    assert found.compiles == len(compiled) <= plan_longest_seq.MAX_SEQ_SEARCH_COMPILES
     device_bytes = int(memory_gib * 2**30)
-    experiment = load_experiment(
-        "TinySynthetic", (*TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]")
-    )
-    at, above = plan_search.compile_variants(
-        experiment, [{"MAX_SEQ_LEN": length}, {"MAX_SEQ_LEN": length + step}], num_devices=2
-    )
+    at, above = compiled[length], compiled[length + step]
     assert at.memory.peak_bytes == found.peak_bytes <= device_bytes
     assert above.memory.peak_bytes == found.next_peak_bytes > device_bytes
     assert (
