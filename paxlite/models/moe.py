@@ -51,6 +51,7 @@ from paxlite.models.moe_gating import (
     top2_gating,
     topk_routing,
 )
+from paxlite.models.moe_router_deepseek import SCORE_BIAS_NAME, deepseek_routing
 from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
 from paxlite.models.tiled_grouped_matmul import tiled_grouped_matmul
 
@@ -298,8 +299,17 @@ class MoeMlp(nn.Module):
         batch, length, model_dims = x.shape
         logits = router(x)  # [B, T, E] float32
         flat_logits = logits.reshape(batch * length, -1)
-        weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
-                                               renormalize=cfg.renormalize_top_k)  # [N, K]
+        if cfg.deepseek_router is None:
+            weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
+                                                   renormalize=cfg.renormalize_top_k)  # [N, K]
+        else:
+            bias = (self.param(SCORE_BIAS_NAME,
+                               nn.with_logical_partitioning(nn.initializers.zeros, ("router",)),
+                               (cfg.num_experts,), jnp.float32)
+                    if cfg.deepseek_router.uses_bias else None)  # [E], never trained
+            weights, experts, probs = deepseek_routing(
+                flat_logits, bias, cfg.deepseek_router, k=cfg.experts_per_token,
+                renormalize=cfg.renormalize_top_k)
         pad = None if paddings is None else paddings.reshape(-1).astype(jnp.float32)
         aux = load_balancing_loss_topk(probs, experts, num_experts=cfg.num_experts, paddings=pad)
         z_loss = router_z_loss(flat_logits, pad)

@@ -18,6 +18,7 @@ import dataclasses
 import enum
 
 from paxlite.models.activations import Activation
+from paxlite.models.moe_router_deepseek import DeepseekRouter, router_problems
 
 
 class MoeRouting(str, enum.Enum):
@@ -93,6 +94,8 @@ class MoeConfig:
             layer i is MoE when ``i >= first_moe_layer`` and
             ``(i - first_moe_layer) % moe_layer_interval == 0``. A stack whose first layers
             differ from the rest has no period to scan or pipeline, so those refuse a value > 0.
+        deepseek_router: dropless only: DeepSeek-V2/V3's scores and choice
+            (models/moe_router_deepseek.py) instead of the softmax top-k; None: softmax top-k.
     """
 
     num_experts: int
@@ -110,11 +113,14 @@ class MoeConfig:
     renormalize_top_k: bool = True
     shared_expert_hidden_dims: int | None = None
     first_moe_layer: int = 0
+    deepseek_router: DeepseekRouter | None = None
 
     def __post_init__(self) -> None:
         for field, enum_cls in (("routing", MoeRouting), ("expert_activation", Activation),
                                 ("grouped_matmul", GroupedMatmul)):
             object.__setattr__(self, field, _enum(getattr(self, field), enum_cls, field=field))
+        if isinstance(self.deepseek_router, dict):  # read back from JSON
+            object.__setattr__(self, "deepseek_router", DeepseekRouter(**self.deepseek_router))
         problems = moe_problems(**{f.name: getattr(self, f.name)
                                    for f in dataclasses.fields(self)})
         if problems:
@@ -171,6 +177,15 @@ def moe_problems(**fields: object) -> list[str]:
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         problems.append(f"first_moe_layer={first!r} must be an integer >= 0 (0: MoE layers from "
                         "layer 0)")
+    router = fields.get("deepseek_router")
+    if router is not None:
+        if not isinstance(router, DeepseekRouter):
+            problems.append(f"deepseek_router={router!r} must be None or a DeepseekRouter")
+        else:
+            if routing is not None and MoeRouting(routing) is not MoeRouting.DROPLESS_TOPK:
+                problems.append("deepseek_router needs routing='dropless_topk'")
+            problems += router_problems(router, num_experts=experts,
+                                        renormalize_top_k=fields.get("renormalize_top_k"))
     for name in ("gated_experts", "renormalize_top_k"):
         if name in fields and not isinstance(fields[name], bool):
             problems.append(f"{name}={fields[name]!r} must be True or False")
