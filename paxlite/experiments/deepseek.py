@@ -136,3 +136,11 @@ class DeepSeekV3(BaseDeepSeek):
 
 
 DEEPSEEK_EXPERIMENTS = (DeepSeekV2Lite, DeepSeekV3)
+# Under the family's table in docs/experiments.md.
+CATALOGUE_NOTE = """\
+The parameters are paxlite's count, which for `DeepSeekV3` includes its 58 MoE layers' router
+choice biases (58 x 256 = 14,848, `moe/score_correction_bias`, never trained); transformers keeps
+them as buffers and counts 671,026,404,352. `DeepSeekV2Lite` has no such bias: 15,706,484,224 in
+both. Dense first layers (`first_k_dense_replace`) leave the stack no period to scan, so both run
+unrolled (`USE_REPEATED_LAYER=False`) and without a pipeline. Not planned yet.
+"""
