@@ -18,6 +18,7 @@ _FAMILIES = types.MappingProxyType({  # module -> section title, in the order th
     "mistral": "Mistral (fine-tuning Mistral AI's models)",
     "qwen": "Qwen 2.5 and 3 (fine-tuning Alibaba's models)",
     "gemma": "Gemma 2 (fine-tuning Google's models)",
+    "deepseek": "DeepSeek-V3 and V2-Lite (fine-tuning DeepSeek-AI's models)",
     "finetune": "Any converted model (FineTune)",
     "tiny": "CPU-sized experiments (tests, demos, smoke runs)",
 })

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from paxlite.config.registry import Registry
 from paxlite.experiments import (
+    deepseek,
     finetune,
     fuji,
     gemma,
@@ -54,10 +55,12 @@ EXPERIMENTS = Registry(
         **{cls.__name__: cls for cls in qwen.QWEN_EXPERIMENTS},
         **{cls.__name__: cls for cls in gemma.GEMMA_EXPERIMENTS},
         "FineTune": finetune.FineTune,
+        **{cls.__name__: cls for cls in deepseek.DEEPSEEK_EXPERIMENTS},
     },
     aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES,
              **{hf_id: cls.__name__ for cls in (*llama3.LLAMA3_EXPERIMENTS,
                                                 *mistral.MISTRAL_EXPERIMENTS,
-                                                *qwen.QWEN_EXPERIMENTS, *gemma.GEMMA_EXPERIMENTS)
+                                                *qwen.QWEN_EXPERIMENTS, *gemma.GEMMA_EXPERIMENTS,
+                                                *deepseek.DEEPSEEK_EXPERIMENTS)
                 for hf_id in cls.hf_ids}},
 )

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.interop import hf_gemma, hf_moe
+from paxlite.interop import hf_deepseek, hf_gemma, hf_moe
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
 from paxlite.interop.layouts import hf_decoder_shape
@@ -48,6 +48,8 @@ class Family(str, enum.Enum):
     GPT2 = "gpt2"
     GEMMA2 = "gemma2"  # Gemma 2 and Gemma 3's text model: hf_gemma.py
     GEMMA3_TEXT = "gemma3_text"
+    DEEPSEEK_V3 = "deepseek_v3"  # DeepSeek-V3 and V2 (V2-Lite): hf_deepseek.py
+    DEEPSEEK_V2 = "deepseek_v2"
 
 
 # The families whose tensors are LLaMA's (interop/layouts.py), with their extra tensors.
@@ -101,6 +103,8 @@ _MOE_FIELDS: tuple[str, ...] = (
 
 def _refuse_shared_or_unknown_moe(hf: Mapping[str, Any]) -> None:
     model_type = hf.get("model_type")
+    if model_type in hf_deepseek.MODEL_TYPES:  # shared experts are part of DeepSeek's layout
+        return
     for field in _SHARED_EXPERT_FIELDS:
         if hf.get(field):  # absent, null and 0 mean no shared expert
             raise UnsupportedCheckpointError(
@@ -293,6 +297,8 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
         config = hf_moe.qwen3_moe_config(hf, dense=_llama_config(hf, family=family))
     elif family.value in hf_gemma.GEMMA_MODEL_TYPES:
         config = hf_gemma.gemma_config(hf)
+    elif family.value in hf_deepseek.MODEL_TYPES:
+        config = hf_deepseek.deepseek_config(hf)
     elif family is Family.GPT2:
         config = _gpt2_config(hf)
     else:
@@ -321,7 +327,7 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
     plain = {"qkv_bias (resolved)": (config.uses_qkv_bias, False),
              "qk_norm": (config.qk_norm, False),
              "sliding_window": ("set" if config.sliding_window else None, None),
-             **hf_gemma.gemma_off(config)}
+             **hf_gemma.gemma_off(config), **hf_deepseek.off(config)}
     unscaled = {"rope_scaling": (config.rope_scaling, None)}
     mixtral = {**llama, **plain, **unscaled, **hf_moe.mixtral_requirements(config)}
     gpt2 = {
@@ -344,6 +350,7 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
         Family.QWEN3_MOE: {**llama, **plain, **unscaled, **hf_moe.qwen3_moe_requirements(config)},
         Family.GPT2: gpt2,
         **{Family(t): wanted for t, wanted in hf_gemma.gemma_requirements(config).items()},
+        **{Family(t): wanted for t, wanted in hf_deepseek.requirements(config).items()},
     }
 
 
@@ -369,6 +376,7 @@ _NAMES: Mapping[Family, str] = {
     Family.LLAMA: "LLaMA", Family.MISTRAL: "Mistral", Family.QWEN2: "Qwen2",
     Family.QWEN3: "Qwen3", Family.MIXTRAL: "Mixtral", Family.QWEN3_MOE: "Qwen3-MoE",
     Family.GPT2: "GPT-2", Family.GEMMA2: "Gemma 2", Family.GEMMA3_TEXT: "Gemma 3 (text)",
+    Family.DEEPSEEK_V3: "DeepSeek-V3", Family.DEEPSEEK_V2: "DeepSeek-V2",
 }
 
 
@@ -417,7 +425,9 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
     """The ``config.json`` transformers 5.x writes for this model (plus 4.x's ``rope_theta``)."""
     if family_of_config(config, prefer=family) is not family:
         raise UnsupportedCheckpointError(f"the model does not fit the {family.value} layout")
-    if family in LLAMA_LAYOUT_FAMILIES:
+    if family.value in hf_deepseek.MODEL_TYPES:
+        out = hf_deepseek.deepseek_hf_config(config)
+    elif family in LLAMA_LAYOUT_FAMILIES:
         rope, legacy_scaling = rope_fields(config)
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],

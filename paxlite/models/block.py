@@ -15,6 +15,7 @@ from flax import linen as nn
 
 from paxlite.models.activations import activation_fn
 from paxlite.models.attention import Attention
+from paxlite.models.mla_attention import MlaAttention
 from paxlite.models.mlp import Mlp
 from paxlite.models.moe import MoeMlp
 from paxlite.models.norms import norm_class
@@ -115,9 +116,17 @@ class Block(nn.Module):
         x = nn.with_logical_constraint(x, EMBED_ACTIVATION_AXES)
         return x, None
 
-    def _attention(self) -> Attention:
+    def _attention(self) -> Attention | MlaAttention:
         cfg = self.config
         rope_theta, rope_scaling = layer_rope(cfg, layer_index=self.layer_index)
+        if cfg.mla is not None:  # DeepSeek's latent attention (its options checked by the config)
+            return MlaAttention(
+                config=cfg.mla, num_heads=cfg.num_heads, rope_theta=rope_theta,
+                rope_scaling=rope_scaling, init_std=cfg.init_std, dtype=jnp.dtype(cfg.dtype),
+                param_dtype=jnp.dtype(cfg.param_dtype), attention_kind=cfg.attention_kind,
+                attention_implementation=cfg.attention_implementation,
+                lora=cfg.lora_spec if cfg.lora_targets.attention else None, fp8=cfg.fp8,
+                decode=self.decode, pipelined=cfg.pipeline is not None, name="attention")
         kind = layer_attention(cfg, layer_index=self.layer_index)
         window = None if kind is LayerAttention.FULL else cfg.sliding_window
         return Attention(

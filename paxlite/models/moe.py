@@ -42,6 +42,7 @@ from paxlite.models.linear import (
     grouped_matmul,
     ragged_dot,
 )
+from paxlite.models.mlp import Mlp
 from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
 from paxlite.models.moe_gating import (
     Top2Gating,
@@ -50,6 +51,7 @@ from paxlite.models.moe_gating import (
     top2_gating,
     topk_routing,
 )
+from paxlite.models.moe_router_deepseek import SCORE_BIAS_NAME, deepseek_routing
 from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
 from paxlite.models.tiled_grouped_matmul import tiled_grouped_matmul
 
@@ -184,7 +186,8 @@ def _dropless_experts(
 
 
 class MoeMlp(nn.Module):
-    """x [B, T, D] -> [B, T, D]: router, then the experts of ``config.routing``.
+    """x [B, T, D] -> [B, T, D]: router, then the experts of ``config.routing``, plus the shared
+    expert (``shared_expert``, a gated Mlp) where the config has one.
 
     Sows into AUX_LOSS_COLLECTION the weighted load-balancing (and router z-) loss, and into
     SUMMARIES_COLLECTION ``moe``: aux_loss (unweighted; 1.0 for perfectly uniform routing),
@@ -232,6 +235,10 @@ class MoeMlp(nn.Module):
             y, stats = self._gshard(x, paddings, router, wi, wi_gate, wo, act)
         else:
             y, stats = self._dropless(x, paddings, router, wi, wi_gate, wo, act)
+        if cfg.shared_expert_hidden_dims is not None:  # every token, beside its routed experts
+            y = y + Mlp(hidden_dims=cfg.shared_expert_hidden_dims, activation=act, gated=True,
+                        use_bias=False, init_std=self.init_std, dtype=self.dtype,
+                        param_dtype=self.param_dtype, fp8=self.fp8, name="shared_expert")(x)
         aux_loss, z_loss, assignments, dropped = stats
         share = assignments / jnp.maximum(jnp.sum(assignments), 1.0)  # [E]
         summaries = {
@@ -292,8 +299,17 @@ class MoeMlp(nn.Module):
         batch, length, model_dims = x.shape
         logits = router(x)  # [B, T, E] float32
         flat_logits = logits.reshape(batch * length, -1)
-        weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
-                                               renormalize=cfg.renormalize_top_k)  # [N, K]
+        if cfg.deepseek_router is None:
+            weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
+                                                   renormalize=cfg.renormalize_top_k)  # [N, K]
+        else:
+            bias = (self.param(SCORE_BIAS_NAME,
+                               nn.with_logical_partitioning(nn.initializers.zeros, ("router",)),
+                               (cfg.num_experts,), jnp.float32)
+                    if cfg.deepseek_router.uses_bias else None)  # [E], never trained
+            weights, experts, probs = deepseek_routing(
+                flat_logits, bias, cfg.deepseek_router, k=cfg.experts_per_token,
+                renormalize=cfg.renormalize_top_k)
         pad = None if paddings is None else paddings.reshape(-1).astype(jnp.float32)
         aux = load_balancing_loss_topk(probs, experts, num_experts=cfg.num_experts, paddings=pad)
         z_loss = router_z_loss(flat_logits, pad)

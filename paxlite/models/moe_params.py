@@ -41,9 +41,19 @@ def router_params(config: TransformerConfig) -> int:
     return config.model_dims * config.moe.num_experts
 
 
+def shared_expert_params(config: TransformerConfig) -> int:
+    """The shared expert of one MoE layer (gated: three matrices, no biases); 0 without one."""
+    hidden = config.moe.shared_expert_hidden_dims
+    return 0 if hidden is None else 3 * config.model_dims * hidden
+
+
 def expert_params_per_layer(config: TransformerConfig) -> int:
-    """Every parameter of one MoE layer's feed-forward block: the router and all E experts."""
-    return router_params(config) + config.moe.num_experts * params_per_expert(config)
+    """Every parameter of one MoE layer's feed-forward block: the router, all E experts and the
+    shared expert."""
+    router = config.moe.deepseek_router
+    bias = config.moe.num_experts if router is not None and router.uses_bias else 0
+    return (router_params(config) + bias + config.moe.num_experts * params_per_expert(config)
+            + shared_expert_params(config))
 
 
 def num_moe_layers(config: TransformerConfig) -> int:
@@ -57,7 +67,19 @@ def _dense_mlp_params(config: TransformerConfig) -> int:
     return matrices * d * f + biases
 
 
+def _mla_params(config: TransformerConfig) -> int:
+    """Multi-head latent attention's projections and latent norms (no biases)."""
+    mla, d, n = config.mla, config.model_dims, config.num_heads
+    query = (d * n * mla.qk_head_dims if mla.q_lora_rank is None
+             else d * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * n * mla.qk_head_dims)
+    kv = (d * (mla.kv_lora_rank + mla.qk_rope_head_dims) + mla.kv_lora_rank
+          + mla.kv_lora_rank * n * (mla.qk_nope_head_dims + mla.v_head_dims))
+    return query + kv + n * mla.v_head_dims * d
+
+
 def _attention_params(config: TransformerConfig) -> int:
+    if config.mla is not None:
+        return _mla_params(config)
     d, h = config.model_dims, config.dims_per_head
     q, kv = config.num_heads * h, config.kv_heads * h
     weights = d * (q + 2 * kv) + q * d

@@ -18,6 +18,7 @@ from paxlite.models.attention import AttentionKind, check_attention_choice
 from paxlite.models.attention_kernels import AttentionImplementation
 from paxlite.models.linear import Fp8Config
 from paxlite.models.lora import LoraSpec, LoraTargets, check_alpha, check_rank
+from paxlite.models.mla_attention import MlaConfig, mla_problems
 from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.norms import NormKind
 from paxlite.models.open_model_fields import (
@@ -307,6 +308,8 @@ class TransformerConfig:
     final_logit_cap: float | None = None
     layer_types: tuple[LayerAttention, ...] | None = None
     local_rope_theta: float | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3, models/mla_attention.py); None: Attention.
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, Mapping):  # read back from JSON
@@ -379,6 +382,10 @@ class TransformerConfig:
                     f"moe_layer_interval={interval} to scan the layers (the scanned unit is "
                     f"{interval} layers, the first of them MoE)"
                 )
+            if self.moe.first_moe_layer and (self.scan_layers or self.pipeline is not None):
+                raise ValueError(
+                    f"moe.first_moe_layer={self.moe.first_moe_layer} needs scan_layers=False and "
+                    "pipeline=None: dense first layers leave the stack no period to scan")
             if self.lora_rank is not None and self.lora_targets.mlp:
                 raise ValueError(
                     "LoRA adapters on MoE experts are not supported: use "
@@ -386,6 +393,10 @@ class TransformerConfig:
                 )
 
         check_open_model_fields(self)  # after the enums above are coerced
+        if isinstance(self.mla, Mapping):  # read back from JSON
+            object.__setattr__(self, "mla", MlaConfig(**self.mla))
+        if self.mla is not None and (problems := mla_problems(self)):
+            raise ValueError("TransformerConfig.mla: " + "; ".join(problems))
         if self.layer_implementation is LayerImplementation.TRANSFORMER_ENGINE:
             _check_transformer_engine(self)
         elif self.te is not None:

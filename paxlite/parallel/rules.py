@@ -57,6 +57,7 @@ DEFAULT_RULES: LogicalRules = (
     ("router", None),  # the router's [D, E] output dimension stays whole: every token scores all E
     ("relpos_buckets", None),  # T5 relative-position bias table [heads, buckets]: buckets whole
     ("lora_rank", None),  # LoRA adapters' rank dimension (models/lora.py): small, whole
+    ("mla_latent", None),  # multi-head latent attention's latent ranks (models/mla_attention.py)
 )
 
 # Names whose mesh axes apply only as far as they divide the dimension (``fitted_spec``): the

@@ -29,6 +29,7 @@ from paxlite.data.feed import Feed, make_feed
 from paxlite.data.feeding import plan_feeding
 from paxlite.errors import SettingError
 from paxlite.models.lora import is_lora_path
+from paxlite.models.moe_router_deepseek import trainable_paths
 from paxlite.models.te_layer import logical_axis_rules as te_logical_axis_rules
 from paxlite.models.transformer import Transformer
 from paxlite.parallel import mesh as mesh_lib
@@ -238,7 +239,8 @@ def _cached_steps(model_config, optimizer_config, schedule_config, *, mesh: jax.
             z_loss_weight=z_loss_weight,
             loss_chunk_size=loss_chunk_size,
             # LoRA trains only the adapters (Pax bprop_variable_inclusion=[r"^.*lora.*$"]).
-            trainable=is_lora_path if model_config.lora_rank is not None else None,
+            # DeepSeek-V3's router bias is state, never trained (models/moe_router_deepseek.py).
+            trainable=trainable_paths(model_config),
             # TE layers (ENABLE_TE) name their parameters TE's way: the table gains them
             logical_rules=te_logical_axis_rules(model_config, rules_lib.DEFAULT_RULES),
             dpo=dpo,

@@ -1,0 +1,146 @@
+"""DeepSeek-V3 and DeepSeek-V2-Lite (Hugging Face `deepseek-ai/DeepSeek-V3`,
+`deepseek-ai/DeepSeek-V2-Lite`) at their published sizes, set up for fine-tuning.
+
+The shapes are those of each model's published config.json as transformers 5.24 builds it (no
+multi-token-prediction layer: transformers has none): LLaMA's block (RMSNorm eps 1e-6, SwiGLU,
+untied head) with multi-head latent attention (models/mla_attention.py) and, from layer
+``first_k_dense_replace`` on, MoE layers with a shared expert (models/moe_config.py) routed as
+models/moe_router_deepseek.py says; RoPE base 1e4 with YaRN (factor 40 over 4,096 positions, the
+softmax scaled by mscale_all_dim's mscale squared). The weights come from a converted checkpoint
+(`python -m paxlite convert --from=hf --to=paxlite`, then --fdl.CHECKPOINT_RESTORE_PATH=DIR).
+
+V3's router keeps a per-expert choice bias (``e_score_correction_bias``) as a parameter the train
+step never trains; transformers keeps it as a buffer, so paxlite's count of V3 is transformers'
+plus 58 x 256 = 14,848 (`num_trainable_params` is transformers' count).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import fiddle as fdl
+
+from paxlite.experiments.fine_tuning import FineTuningRecipe
+from paxlite.experiments.llama import BaseLLaMA
+from paxlite.experiments.model_settings import RotarySettings
+from paxlite.models.activations import Activation
+from paxlite.models.mla_attention import MlaConfig
+from paxlite.models.moe_config import MoeConfig
+from paxlite.models.moe_router_deepseek import DeepseekRouter
+from paxlite.models.rotary import RopeScaling
+from paxlite.models.transformer import TransformerConfig
+
+
+def _yarn_scale(*, qk_head_dims: int, factor: float, mscale_all_dim: float) -> float:
+    from paxlite.interop.hf_deepseek import softmax_scale
+
+    return softmax_scale(qk_head_dims=qk_head_dims, scaling=RopeScaling(
+        kind="yarn", factor=factor, original_max_position_embeddings=4096,
+        mscale_all_dim=mscale_all_dim))
+
+
+class BaseDeepSeek(FineTuningRecipe, RotarySettings, BaseLLaMA):
+    """DeepSeek's shared architecture; not registered. The class attributes below are the
+    published config.json's fields that paxlite's settings do not name."""
+
+    family_adds_bos = True
+
+    q_lora_rank: ClassVar[int | None] = None
+    kv_lora_rank: ClassVar[int] = 512
+    qk_nope_head_dim: ClassVar[int] = 128
+    qk_rope_head_dim: ClassVar[int] = 64
+    v_head_dim: ClassVar[int] = 128
+    n_routed_experts: ClassVar[int] = 64
+    n_shared_experts: ClassVar[int] = 2
+    moe_intermediate_size: ClassVar[int] = 1408
+    top_k: ClassVar[int] = 6
+    first_k_dense: ClassVar[int] = 1
+    score: ClassVar[str] = "softmax"
+    topk_method: ClassVar[str] = "greedy"
+    n_group: ClassVar[int] = 1
+    topk_group: ClassVar[int] = 1
+    routed_scaling: ClassVar[float] = 1.0
+    norm_topk_prob: ClassVar[bool] = False
+    yarn_mscale: ClassVar[float] = 0.707
+
+    LAYERNORM_EPSILON = 1e-6
+    ROPE_THETA = 1e4
+    MAX_SEQ_LEN = 4096
+    DIMS_PER_HEAD = 192  # qk_nope_head_dim + qk_rope_head_dim
+    PERCORE_BATCH_SIZE = 1
+    USE_REPEATED_LAYER = False  # dense first layers: no period to scan (moe_config.py)
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        config = super().model_config()
+        qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+        config.rope_scaling = RopeScaling(
+            kind="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+            beta_slow=1.0, mscale=self.yarn_mscale, mscale_all_dim=self.yarn_mscale)
+        config.mla = MlaConfig(
+            kv_lora_rank=self.kv_lora_rank, qk_nope_head_dims=self.qk_nope_head_dim,
+            qk_rope_head_dims=self.qk_rope_head_dim, v_head_dims=self.v_head_dim,
+            q_lora_rank=self.q_lora_rank, softmax_scale=_yarn_scale(
+                qk_head_dims=qk_head, factor=40.0, mscale_all_dim=self.yarn_mscale))
+        config.moe = MoeConfig(
+            num_experts=self.n_routed_experts, experts_per_token=self.top_k,
+            routing="dropless_topk", gated_experts=True, expert_activation=Activation.SILU,
+            expert_hidden_dims=self.moe_intermediate_size, grouped_matmul="tiled",
+            renormalize_top_k=self.norm_topk_prob,
+            shared_expert_hidden_dims=self.n_shared_experts * self.moe_intermediate_size,
+            first_moe_layer=self.first_k_dense, deepseek_router=DeepseekRouter(
+                score=self.score, choice=self.topk_method, num_groups=self.n_group,
+                top_groups=self.topk_group, routed_scaling=self.routed_scaling))
+        return config
+
+
+class DeepSeekV2Lite(BaseDeepSeek):
+    """DeepSeek-V2-Lite: 27 layers (the first dense, ffn 10944), 16 heads, d_model 2048, MLA
+    (kv rank 512, one query projection), 64 routed experts of ffn 1408 (top-6, softmax) and 2
+    shared; 15,706,484,224 parameters."""
+
+    hf_ids = ("deepseek-ai/DeepSeek-V2-Lite",)
+
+    VOCAB_SIZE = 102_400
+    NUM_LAYERS = 27
+    NUM_HEADS = 16
+    MODEL_DIMS = 2048
+    HIDDEN_DIMS = 10944
+
+
+class DeepSeekV3(BaseDeepSeek):
+    """DeepSeek-V3: 61 layers (the first 3 dense, ffn 18432), 128 heads, d_model 7168, MLA (q rank
+    1536, kv rank 512), 256 routed experts of ffn 2048 (top-8 of 4 of 8 groups, sigmoid with a
+    choice bias, x2.5) and 1 shared; 671,026,404,352 parameters as transformers counts them."""
+
+    hf_ids = ("deepseek-ai/DeepSeek-V3",)
+
+    q_lora_rank: ClassVar[int | None] = 1536
+    n_routed_experts: ClassVar[int] = 256
+    n_shared_experts: ClassVar[int] = 1
+    moe_intermediate_size: ClassVar[int] = 2048
+    top_k: ClassVar[int] = 8
+    first_k_dense: ClassVar[int] = 3
+    score: ClassVar[str] = "sigmoid"
+    topk_method: ClassVar[str] = "noaux_tc"
+    n_group: ClassVar[int] = 8
+    topk_group: ClassVar[int] = 4
+    routed_scaling: ClassVar[float] = 2.5
+    norm_topk_prob: ClassVar[bool] = True
+    yarn_mscale: ClassVar[float] = 1.0
+
+    VOCAB_SIZE = 129_280
+    NUM_LAYERS = 61
+    NUM_HEADS = 128
+    MODEL_DIMS = 7168
+    HIDDEN_DIMS = 18432
+
+
+DEEPSEEK_EXPERIMENTS = (DeepSeekV2Lite, DeepSeekV3)
+# Under the family's table in docs/experiments.md.
+CATALOGUE_NOTE = """\
+The parameters are paxlite's count, which for `DeepSeekV3` includes its 58 MoE layers' router
+choice biases (58 x 256 = 14,848, `moe/score_correction_bias`, never trained); transformers keeps
+them as buffers and counts 671,026,404,352. `DeepSeekV2Lite` has no such bias: 15,706,484,224 in
+both. Dense first layers (`first_k_dense_replace`) leave the stack no period to scan, so both run
+unrolled (`USE_REPEATED_LAYER=False`) and without a pipeline. Not planned yet.
+"""

@@ -1,0 +1,64 @@
+"""The registered DeepSeek experiments against the published config.json values: transformers 5.24
+builds each on the meta device and counts its parameters, and paxlite's count of the experiment
+(traced, and the closed form) equals it, plus V3's router choice biases, which transformers keeps
+as buffers and paxlite as parameters it never trains."""
+
+from __future__ import annotations
+
+import fiddle as fdl
+import pytest
+
+from paxlite.experiments import EXPERIMENTS
+from paxlite.models.moe_params import closed_form_num_params
+from tests.experiments.traced import traced_num_params
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+        "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+PUBLISHED = {  # name: (transformers config class, the published values, the count asked for)
+    "DeepSeekV3": ("DeepseekV3Config", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+        topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8,
+        first_k_dense_replace=3, norm_topk_prob=True, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, max_position_embeddings=163840,
+        rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}), 671_026_404_352),
+    "DeepSeekV2Lite": ("DeepseekV2Config", dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+        topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=6,
+        first_k_dense_replace=1, norm_topk_prob=False, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, max_position_embeddings=163840,
+        rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}), 15_706_484_224),
+}
+
+
+def _transformers_count(config_class: str, values: dict) -> tuple[int, int]:
+    """(parameters, e_score_correction_bias entries) of the model transformers builds on meta."""
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_class)(**values)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    return sum(p.numel() for p in model.parameters()), bias
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_equal_transformers(name: str) -> None:
+    config_class, values, asked = PUBLISHED[name]
+    count, bias = _transformers_count(config_class, values)
+    assert count == asked
+    model = fdl.build(EXPERIMENTS[name].resolve({}).model_config())
+    assert traced_num_params(model) == closed_form_num_params(model) == count + bias
+    assert bias == (58 * 256 if name == "DeepSeekV3" else 0)
+
+
+def test_hugging_face_ids_name_the_experiments() -> None:
+    for hf_id, name in {"deepseek-ai/DeepSeek-V3": "DeepSeekV3",
+                        "deepseek-ai/DeepSeek-V2-Lite": "DeepSeekV2Lite"}.items():
+        assert EXPERIMENTS[hf_id] is EXPERIMENTS[name]
