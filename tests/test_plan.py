@@ -252,24 +252,26 @@ def test_fake_device_env_replaces_the_device_count():
     assert mine == "--xla_backend_optimization_level=2 --xla_force_host_platform_device_count=4"
 
 
-def test_the_quick_code_generation_plans_the_same_bytes_and_flops():
+def test_the_quick_code_generation_plans_the_same_bytes_and_flops(fsdp_plans):
     """This process compiles at LLVM level 0 (tests/xla_test_flags.py); a planner process given
     level 3 must measure the same memory and FLOPs, or the planner's own level 0 would change its
-    answers."""
-    mesh = ("ICI_MESH_SHAPE=[1,2,1]",)
+    answers. The level-0 plan is the module's data 4 x fsdp 2 plan, compiled once for the tests
+    above (before: a plan of its own on 2 devices, one more compile here)."""
+    mesh = ("ICI_MESH_SHAPE=[4,2,1]",)
     result = _run(
         "-m",
         "paxlite",
         "plan",
         "--fdl_config=TinySynthetic",
         *(f"--fdl.{a}" for a in TINY + mesh),
-        "--devices=2",
+        "--devices=8",
         "--format=json",
         env={**ENV, "XLA_FLAGS": "--xla_backend_optimization_level=3"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     level3 = json.loads(result.stdout)
-    level0 = _tiny_plan(*mesh, num_devices=2)
+    level0 = fsdp_plans[2]
+    assert level0.ici_mesh_shape == (4, 2, 1) and level3["ici_mesh_shape"] == [4, 2, 1]
     assert level3["memory_per_device"]["peak_bytes"] > 0
     assert level3["memory_per_device"] == level0.memory_per_device.to_json()
     assert level3["flops_per_step"]["compiler_per_device"] == \
