@@ -375,10 +375,11 @@ def compile_steps(
 
     if not jax.tree.leaves(trained(abstract_params)):
         raise ValueError("the trainable-parameter filter accepts no parameter: nothing would train")
+    abstract_opt_state = jax.eval_shape(optimizer.init, trained(abstract_params))
     opt_shardings = optax.tree_map_params(
         optimizer,
         lambda _, sharding: sharding,
-        jax.eval_shape(optimizer.init, trained(abstract_params)),
+        abstract_opt_state,
         trained(param_shardings),
         transform_non_params=lambda _: replicated,
     )
@@ -396,11 +397,13 @@ def compile_steps(
     init = jax.jit(
         _with_rules(init_state, logical_rules, name="init_state"), out_shardings=state_shardings
     )
-    # From the jitted function: its trace is kept, so the first `init()` does not trace the model
-    # (and its optimizer) again.
+    # From the shapes traced above, not from `init.eval_shape()`: that would trace the model's
+    # init a second time, which a plan (it compiles the steps and never runs init) pays for
+    # nothing; a run traces init once, when it calls it.
     abstract_state = jax.tree.map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        init.eval_shape(),
+        TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
+                   opt_state=abstract_opt_state, fp8=abstract_fp8),
         state_shardings,
     )
     batch_sharding = rules_lib.batch_sharding(mesh)

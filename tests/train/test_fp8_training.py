@@ -105,6 +105,11 @@ def test_fp8_state_is_train_state_replicated_and_per_matmul():
     mesh = _mesh((1, 4, 2))
     with jax.set_mesh(mesh):
         steps = _steps(run, mesh)
+        traced = steps.init.eval_shape()  # what init returns; abstract_state is built without it
+    assert jax.tree.structure(traced) == jax.tree.structure(steps.abstract_state)
+    for got, want in zip(jax.tree.leaves(steps.abstract_state), jax.tree.leaves(traced),
+                         strict=True):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
     fp8 = _flat(steps.abstract_state.fp8)
     matmuls = {k.rsplit("/", 2)[0] for k in fp8}
     # qkv, out, wi, wo of each of the 2 layers; the softmax (tied embedding) stays out
