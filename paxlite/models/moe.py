@@ -42,6 +42,7 @@ from paxlite.models.linear import (
     grouped_matmul,
     ragged_dot,
 )
+from paxlite.models.mlp import Mlp
 from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting
 from paxlite.models.moe_gating import (
     Top2Gating,
@@ -184,7 +185,8 @@ def _dropless_experts(
 
 
 class MoeMlp(nn.Module):
-    """x [B, T, D] -> [B, T, D]: router, then the experts of ``config.routing``.
+    """x [B, T, D] -> [B, T, D]: router, then the experts of ``config.routing``, plus the shared
+    expert (``shared_expert``, a gated Mlp) where the config has one.
 
     Sows into AUX_LOSS_COLLECTION the weighted load-balancing (and router z-) loss, and into
     SUMMARIES_COLLECTION ``moe``: aux_loss (unweighted; 1.0 for perfectly uniform routing),
@@ -232,6 +234,10 @@ class MoeMlp(nn.Module):
             y, stats = self._gshard(x, paddings, router, wi, wi_gate, wo, act)
         else:
             y, stats = self._dropless(x, paddings, router, wi, wi_gate, wo, act)
+        if cfg.shared_expert_hidden_dims is not None:  # every token, beside its routed experts
+            y = y + Mlp(hidden_dims=cfg.shared_expert_hidden_dims, activation=act, gated=True,
+                        use_bias=False, init_std=self.init_std, dtype=self.dtype,
+                        param_dtype=self.param_dtype, fp8=self.fp8, name="shared_expert")(x)
         aux_loss, z_loss, assignments, dropped = stats
         share = assignments / jnp.maximum(jnp.sum(assignments), 1.0)  # [E]
         summaries = {

@@ -69,7 +69,8 @@ class MoeConfig:
             num_groups). None: one group per batch shard of the mesh in use, as Pax derives it;
             an integer fixes it, so two meshes route identically.
         moe_layer_interval: layer i is an MoE layer when ``i % moe_layer_interval == 0``
-            (GLaM 2: every other layer from layer 0; Mixtral 1: every layer).
+            (GLaM 2: every other layer from layer 0; Mixtral 1: every layer), counted from
+            ``first_moe_layer``.
         expert_hidden_dims: hidden size of each expert; None: the dense ``hidden_dims``.
         gated_experts: False: ``act(x wi) wo`` (GLaM's experts, ReLU); True:
             ``act(x wi_gate) * (x wi) wo`` (Mixtral's SwiGLU experts).
@@ -84,6 +85,14 @@ class MoeConfig:
             sum (Mixtral; Qwen3-MoE's ``norm_topk_prob: true``); False keeps them as the softmax
             over all experts gave them, summing to less than 1 (``norm_topk_prob: false``).
             GShard's top-2 always renormalises.
+        shared_expert_hidden_dims: the hidden size of a gated MLP (``expert_activation``, no
+            biases) that every token passes through beside its routed experts, its output added
+            to theirs (DeepSeek's ``n_shared_experts * moe_intermediate_size``, Llama 4's
+            ``shared_expert``); None: no shared expert.
+        first_moe_layer: the layers before it are dense (DeepSeek's ``first_k_dense_replace``);
+            layer i is MoE when ``i >= first_moe_layer`` and
+            ``(i - first_moe_layer) % moe_layer_interval == 0``. A stack whose first layers
+            differ from the rest has no period to scan or pipeline, so those refuse a value > 0.
     """
 
     num_experts: int
@@ -99,6 +108,8 @@ class MoeConfig:
     router_z_loss_weight: float = 0.0
     grouped_matmul: GroupedMatmul = GroupedMatmul.RAGGED_DOT
     renormalize_top_k: bool = True
+    shared_expert_hidden_dims: int | None = None
+    first_moe_layer: int = 0
 
     def __post_init__(self) -> None:
         for field, enum_cls in (("routing", MoeRouting), ("expert_activation", Activation),
@@ -110,7 +121,8 @@ class MoeConfig:
             raise ValueError("MoeConfig: " + "; ".join(problems))
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer % self.moe_layer_interval == 0
+        offset = layer - self.first_moe_layer
+        return offset >= 0 and offset % self.moe_layer_interval == 0
 
     def num_moe_layers(self, num_layers: int) -> int:
         return sum(1 for i in range(num_layers) if self.is_moe_layer(i))
@@ -129,7 +141,8 @@ def moe_problems(**fields: object) -> list[str]:
         if name in fields and not _is_count(fields[name]):
             problems.append(f"{name}={fields[name]!r} must be a positive integer")
     for name, none_means in (("num_groups", "one group per batch shard"),
-                             ("expert_hidden_dims", "the dense MLP's hidden size")):
+                             ("expert_hidden_dims", "the dense MLP's hidden size"),
+                             ("shared_expert_hidden_dims", "no shared expert")):
         value = fields.get(name)
         if value is not None and not _is_count(value):
             problems.append(f"{name}={value!r} must be a positive integer or None ({none_means})")
@@ -154,6 +167,10 @@ def moe_problems(**fields: object) -> list[str]:
         value = fields.get(name, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             problems.append(f"{name}={value!r} must be >= 0 (0: off)")
+    first = fields.get("first_moe_layer", 0)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        problems.append(f"first_moe_layer={first!r} must be an integer >= 0 (0: MoE layers from "
+                        "layer 0)")
     for name in ("gated_experts", "renormalize_top_k"):
         if name in fields and not isinstance(fields[name], bool):
             problems.append(f"{name}={fields[name]!r} must be True or False")

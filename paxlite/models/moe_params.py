@@ -41,9 +41,17 @@ def router_params(config: TransformerConfig) -> int:
     return config.model_dims * config.moe.num_experts
 
 
+def shared_expert_params(config: TransformerConfig) -> int:
+    """The shared expert of one MoE layer (gated: three matrices, no biases); 0 without one."""
+    hidden = config.moe.shared_expert_hidden_dims
+    return 0 if hidden is None else 3 * config.model_dims * hidden
+
+
 def expert_params_per_layer(config: TransformerConfig) -> int:
-    """Every parameter of one MoE layer's feed-forward block: the router and all E experts."""
-    return router_params(config) + config.moe.num_experts * params_per_expert(config)
+    """Every parameter of one MoE layer's feed-forward block: the router, all E experts and the
+    shared expert."""
+    return (router_params(config) + config.moe.num_experts * params_per_expert(config)
+            + shared_expert_params(config))
 
 
 def num_moe_layers(config: TransformerConfig) -> int:

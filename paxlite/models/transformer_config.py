@@ -379,6 +379,10 @@ class TransformerConfig:
                     f"moe_layer_interval={interval} to scan the layers (the scanned unit is "
                     f"{interval} layers, the first of them MoE)"
                 )
+            if self.moe.first_moe_layer and (self.scan_layers or self.pipeline is not None):
+                raise ValueError(
+                    f"moe.first_moe_layer={self.moe.first_moe_layer} needs scan_layers=False and "
+                    "pipeline=None: dense first layers leave the stack no period to scan")
             if self.lora_rank is not None and self.lora_targets.mlp:
                 raise ValueError(
                     "LoRA adapters on MoE experts are not supported: use "
