@@ -166,6 +166,11 @@ _SHAPE_SETTINGS = ("VOCAB_SIZE", "NUM_LAYERS", "MODEL_DIMS", "NUM_HEADS", "DIMS_
                    "USE_REPEATED_LAYER")
 
 
+def _fused_fits(model: TransformerConfig) -> bool:
+    """Whether a fused attention kernel can run the model's attention."""
+    return model.attention_logit_cap is None and model.attention_chunk_size is None
+
+
 def _from_checkpoint(name: str) -> Derived:
     read = _FROM_CHECKPOINT[name]
     return Derived(lambda hp: read(checkpoint_model(hp.CHECKPOINT_RESTORE_PATH)),
@@ -275,11 +280,13 @@ class FineTune(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings
     ROPE_SCALING_ORIGINAL_MAX_POSITION = _from_checkpoint("ROPE_SCALING_ORIGINAL_MAX_POSITION")
     VOCAB_PATH = Derived(lambda hp: _tokenizer_beside(hp.CHECKPOINT_RESTORE_PATH),
                          doc="the tokenizer.json or tokenizer.model beside the checkpoint")
-    # fused kernels where they can run the checkpoint's attention (not Gemma 2's soft-cap)
+    # fused kernels where they can run the checkpoint's attention (not Gemma 2's soft-cap, not
+    # Llama 4's chunks)
     ATTENTION_KIND = Derived(
-        lambda hp: "flash" if checkpoint_model(hp.CHECKPOINT_RESTORE_PATH).attention_logit_cap
-        is None else "dot_product",
-        doc="'flash', or 'dot_product' for a checkpoint whose attention logits are soft-capped")
+        lambda hp: "flash" if _fused_fits(checkpoint_model(hp.CHECKPOINT_RESTORE_PATH))
+        else "dot_product",
+        doc="'flash', or 'dot_product' for a checkpoint whose attention logits are soft-capped "
+            "or whose layers attend in chunks")
     ICI_MESH_SHAPE = [1, 8, 1]
     DCN_MESH_SHAPE = [1, 1, 1]
     PACKED_INPUT = False

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.interop import hf_deepseek, hf_gemma, hf_moe
+from paxlite.interop import hf_deepseek, hf_gemma, hf_llama4, hf_moe
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
 from paxlite.interop.layouts import hf_decoder_shape
@@ -50,6 +50,7 @@ class Family(str, enum.Enum):
     GEMMA3_TEXT = "gemma3_text"
     DEEPSEEK_V3 = "deepseek_v3"  # DeepSeek-V3 and V2 (V2-Lite): hf_deepseek.py
     DEEPSEEK_V2 = "deepseek_v2"
+    LLAMA4_TEXT = "llama4_text"  # Llama 4's text model: hf_llama4.py
 
 
 # The families whose tensors are LLaMA's (interop/layouts.py), with their extra tensors.
@@ -125,6 +126,7 @@ def family_of(hf: Mapping[str, Any]) -> Family:
     _refuse_shared_or_unknown_moe(hf)
     model_type = hf.get("model_type")
     hf_gemma.refuse_multimodal(model_type)
+    hf_llama4.refuse_multimodal(model_type)
     try:
         return Family(model_type)
     except ValueError:
@@ -301,6 +303,8 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
         config = hf_deepseek.deepseek_config(hf)
     elif family is Family.GPT2:
         config = _gpt2_config(hf)
+    elif family is Family.LLAMA4_TEXT:
+        config = hf_llama4.llama4_config(hf)
     else:
         config = _llama_config(hf, family=family)
     return family, dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
@@ -339,7 +343,7 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
         **plain, **unscaled,
         "qkv_bias (resolved)": (config.uses_qkv_bias, True),  # GPT-2's biases are everywhere
     }
-    return {
+    table = {
         Family.LLAMA: {**llama, **plain},
         Family.MISTRAL: {**llama, **unscaled, **{k: v for k, v in plain.items()
                                                  if k != "sliding_window"}},
@@ -352,6 +356,9 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
         **{Family(t): wanted for t, wanted in hf_gemma.gemma_requirements(config).items()},
         **{Family(t): wanted for t, wanted in hf_deepseek.requirements(config).items()},
     }
+    off = hf_llama4.llama4_off(config)  # every other family has none of Llama 4's fields
+    return {**{family: {**wanted, **off} for family, wanted in table.items()},
+            Family.LLAMA4_TEXT: hf_llama4.llama4_requirements(config)}
 
 
 def family_of_config(config: TransformerConfig, *, prefer: Family | None = None) -> Family:
@@ -377,6 +384,7 @@ _NAMES: Mapping[Family, str] = {
     Family.QWEN3: "Qwen3", Family.MIXTRAL: "Mixtral", Family.QWEN3_MOE: "Qwen3-MoE",
     Family.GPT2: "GPT-2", Family.GEMMA2: "Gemma 2", Family.GEMMA3_TEXT: "Gemma 3 (text)",
     Family.DEEPSEEK_V3: "DeepSeek-V3", Family.DEEPSEEK_V2: "DeepSeek-V2",
+    Family.LLAMA4_TEXT: "Llama 4 (text)",
 }
 
 
@@ -455,6 +463,8 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
             out.update(hf_moe.qwen3_moe_fields(config, router_aux_loss_coef=router_aux_loss_coef))
         if family.value in hf_gemma.GEMMA_MODEL_TYPES:
             out = hf_gemma.gemma_hf_config(config, model_type=family.value)
+    elif family is Family.LLAMA4_TEXT:
+        out = hf_llama4.llama4_hf_config(config)
     else:
         out = {
             "architectures": ["GPT2LMHeadModel"],

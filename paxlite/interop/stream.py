@@ -19,7 +19,7 @@ import numpy as np
 
 from paxlite.checkpointing.stream_write import write_subtrees
 from paxlite.errors import NotFoundError
-from paxlite.interop import gpt2_layout, hf_deepseek, hf_gemma, layouts
+from paxlite.interop import gpt2_layout, hf_deepseek, hf_gemma, hf_llama4, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import Family, from_hf_config
 from paxlite.models.transformer import TransformerConfig
@@ -167,6 +167,8 @@ class HfSource:
             return gpt2_layout.iter_gpt2_params(tensors, config=config)
         if self.family.value in hf_deepseek.MODEL_TYPES:
             return hf_deepseek.iter_deepseek_params(tensors, config=config)
+        if self.family is Family.LLAMA4_TEXT:
+            return hf_llama4.iter_llama4_params(tensors, config=config)
         return layouts.iter_llama_params(tensors, config=config,
                                          naming=hf_gemma.tensor_naming(self.family.value))
 

@@ -52,6 +52,7 @@ from paxlite.models.moe_gating import (
     topk_routing,
 )
 from paxlite.models.moe_router_deepseek import SCORE_BIAS_NAME, deepseek_routing
+from paxlite.models.moe_sigmoid_gating import sigmoid_topk_routing
 from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
 from paxlite.models.tiled_grouped_matmul import tiled_grouped_matmul
 
@@ -146,8 +147,11 @@ def _dropless_experts(
     expert_axis: str | None,
     tensor_axes: tuple[str, ...],
     kernel_fn: GroupedMatmulKernel,
+    weights_on_input: bool = False,
 ) -> jax.Array:
-    """The body run per shard (or once, without a mesh): [N, D] -> [N, D] in x's dtype."""
+    """The body run per shard (or once, without a mesh): [N, D] -> [N, D] in x's dtype.
+    ``weights_on_input`` (Llama 4): each expert gets its token times the weight, and the K
+    outputs are summed unweighted."""
     local_experts = wi.shape[0]
     if expert_axis is not None:  # every shard of the expert group sees every token of the group
         x = jax.lax.all_gather(x, expert_axis, tiled=True)  # [N', D], N' = N * ep
@@ -165,6 +169,9 @@ def _dropless_experts(
     group_sizes = jnp.bincount(sort_key, length=local_experts + 1)[:local_experts]  # [E_local]
 
     rows = jnp.repeat(x, k, axis=0)  # [M, D]: row m is token m // K
+    if weights_on_input:
+        rows = (rows * weights.reshape(-1, 1)).astype(x.dtype)
+        weights = (weights != 0).astype(jnp.float32)  # padding (weight 0) stays out
     rows = _permute(rows, order, inverse)  # sorted by local expert
     # Rows past sum(group_sizes) belong to other shards' experts (with an expert axis). The kernel
     # may leave anything there; grouped_matmul masks them to zero in its output and keeps their
@@ -299,10 +306,7 @@ class MoeMlp(nn.Module):
         batch, length, model_dims = x.shape
         logits = router(x)  # [B, T, E] float32
         flat_logits = logits.reshape(batch * length, -1)
-        if cfg.deepseek_router is None:
-            weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
-                                                   renormalize=cfg.renormalize_top_k)  # [N, K]
-        else:
+        if cfg.deepseek_router is not None:
             bias = (self.param(SCORE_BIAS_NAME,
                                nn.with_logical_partitioning(nn.initializers.zeros, ("router",)),
                                (cfg.num_experts,), jnp.float32)
@@ -310,6 +314,11 @@ class MoeMlp(nn.Module):
             weights, experts, probs = deepseek_routing(
                 flat_logits, bias, cfg.deepseek_router, k=cfg.experts_per_token,
                 renormalize=cfg.renormalize_top_k)
+        elif cfg.routing is MoeRouting.SIGMOID_TOPK:
+            weights, experts, probs = sigmoid_topk_routing(flat_logits, k=cfg.experts_per_token)
+        else:
+            weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
+                                                   renormalize=cfg.renormalize_top_k)  # [N, K]
         pad = None if paddings is None else paddings.reshape(-1).astype(jnp.float32)
         aux = load_balancing_loss_topk(probs, experts, num_experts=cfg.num_experts, paddings=pad)
         z_loss = router_z_loss(flat_logits, pad)
@@ -330,7 +339,7 @@ class MoeMlp(nn.Module):
         run = functools.partial(
             _dropless_experts, activation=act,
             expert_axis=expert_axes[0] if ep > 1 else None, tensor_axes=tensor_axes,
-            kernel_fn=kernel_fn)
+            kernel_fn=kernel_fn, weights_on_input=cfg.routing is MoeRouting.SIGMOID_TOPK)
         gate_kernel = None if wi_gate is None else wi_gate.kernel_value()
         x2 = x.reshape(batch * length, model_dims).astype(self.dtype)
         weights = weights * real[:, None]  # padding contributes nothing

@@ -26,6 +26,9 @@ class MoeRouting(str, enum.Enum):
 
     GSHARD_TOP2 = "gshard_top2"  # GLaM: top-2 with a capacity per group; over-capacity tokens drop
     DROPLESS_TOPK = "dropless_topk"  # Mixtral: softmax -> top-k (-> renormalise); nothing drops
+    # Llama 4: top-k logits -> sigmoid gates that scale each token's input to its experts;
+    # dropless (models/moe_sigmoid_gating.py)
+    SIGMOID_TOPK = "sigmoid_topk"
 
 
 class GroupedMatmul(str, enum.Enum):
@@ -193,4 +196,8 @@ def moe_problems(**fields: object) -> list[str]:
             and MoeRouting(routing) is MoeRouting.GSHARD_TOP2):
         problems.append("renormalize_top_k=False with routing='gshard_top2': GShard's top-2 "
                         "always renormalises its two gates; use routing='dropless_topk'")
+    if (fields.get("renormalize_top_k") is True and routing in tuple(MoeRouting)
+            and MoeRouting(routing) is MoeRouting.SIGMOID_TOPK):
+        problems.append("renormalize_top_k=True with routing='sigmoid_topk': its sigmoid gates "
+                        "are never renormalised; set renormalize_top_k=False")
     return problems
