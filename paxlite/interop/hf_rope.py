@@ -3,10 +3,10 @@
 transformers 4.x writes a top-level ``rope_theta`` and ``rope_scaling`` (``{"rope_type":
 "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``,
 whose kind older files spell ``type``); 5.x one ``rope_parameters`` object holding all of them.
-Both are read; a kind paxlite does not implement for the model type (dynamic, yarn, longrope,
-...; 'linear' for Gemma only) is one error naming the field and its value, never a model with
-plain RoPE in its place. Gemma 3's per-layer-type ``rope_parameters`` are read in hf_gemma.py,
-one entry at a time through `rope_of_entry`.
+Both are read; a kind paxlite does not implement for the model type (dynamic, longrope, ...;
+'linear' for Gemma only, 'yarn' for the types that pass it in ``kinds``) is one error naming
+the field and its value, never a model with plain RoPE in its place. Gemma 3's per-layer-type
+``rope_parameters`` are read in hf_gemma.py, one entry at a time through `rope_of_entry`.
 """
 
 from __future__ import annotations
@@ -26,13 +26,34 @@ _KIND_FIELDS: Mapping[RopeScalingKind, tuple[str, ...]] = {
     RopeScalingKind.LLAMA3: ("factor", "low_freq_factor", "high_freq_factor",
                              "original_max_position_embeddings"),
     RopeScalingKind.LINEAR: ("factor",),
+    RopeScalingKind.YARN: ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                           "mscale", "mscale_all_dim", "attention_factor", "truncate"),
 }
 LLAMA3_ONLY: tuple[RopeScalingKind, ...] = (RopeScalingKind.LLAMA3,)
+YARN_ONLY: tuple[RopeScalingKind, ...] = (RopeScalingKind.YARN,)
+# YaRN's fields a file may leave out: RopeScaling's defaults (transformers') or None stand in;
+# a missing original context is filled in as transformers does (`_yarn_context`).
+_YARN_OPTIONAL = frozenset({"beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                            "attention_factor", "truncate"})
+
+
+def _yarn_context(params: Mapping[str, Any], hf: Mapping[str, Any] | None) -> dict[str, Any]:
+    """YaRN's original context as transformers fills it in: a top-level
+    ``original_max_position_embeddings`` when the file has one, else the rope object's, else
+    ``max_position_embeddings``."""
+    hf = hf or {}
+    for original in (hf.get("original_max_position_embeddings"),
+                     params.get("original_max_position_embeddings")):
+        if original is not None:
+            return {"original_max_position_embeddings": original}
+    return {"original_max_position_embeddings": hf.get("max_position_embeddings")}
 
 
 def _rope_scaling_of(field: str, params: Mapping[str, Any],
-                     kinds: Collection[RopeScalingKind]) -> RopeScaling | None:
-    """The scaling of one rope object (4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+                     kinds: Collection[RopeScalingKind],
+                     hf: Mapping[str, Any] | None = None) -> RopeScaling | None:
+    """The scaling of one rope object (4.x ``rope_scaling`` or 5.x ``rope_parameters``);
+    ``hf``: the whole config.json, where YaRN's missing fields are filled from."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", 1.0)
     refuse_if(partial != 1.0, field, dict(params),
@@ -44,22 +65,37 @@ def _rope_scaling_of(field: str, params: Mapping[str, Any],
                f"rope_type {rope_type!r} is not one paxlite implements for this model type "
                f"(plain RoPE, 'default', and {supported})")
     kind = RopeScalingKind(rope_type)
-    missing = [name for name in _KIND_FIELDS[kind] if params.get(name) is None]
+    if kind is RopeScalingKind.YARN:
+        params = {**params, **_yarn_context(params, hf)}
+    missing = [name for name in _KIND_FIELDS[kind]
+               if params.get(name) is None and not (kind is RopeScalingKind.YARN
+                                                    and name in _YARN_OPTIONAL)]
     if missing:
         raise UnsupportedCheckpointError(
             f"config.json {field} (rope_type={rope_type!r}) has no {', '.join(missing)}")
-    fields = {name: (int if name == "original_max_position_embeddings" else float)(params[name])
-              for name in _KIND_FIELDS[kind]}
+    fields = {name: _field_value(name, params[name]) for name in _KIND_FIELDS[kind]
+              if params.get(name) is not None}
     try:
         return RopeScaling(kind=kind, **fields)
     except ValueError as error:
         raise UnsupportedCheckpointError(f"config.json {field}: {error}") from None
 
 
+def _field_value(name: str, value: Any) -> Any:
+    """A scaling field's value as RopeScaling holds it (booleans and counts kept, the rest
+    float; a value of another type is left for RopeScaling to refuse by name)."""
+    if name == "truncate" or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if name == "original_max_position_embeddings":
+        return int(value) if float(value).is_integer() else value
+    return float(value)
+
+
 def rope_of_entry(field: str, params: Any, *, theta: float,
-                  kinds: Collection[RopeScalingKind] = LLAMA3_ONLY
-                  ) -> tuple[float, RopeScaling | None]:
-    """(RoPE base, scaling) of one rope object ``field`` (null: ``theta``, unscaled)."""
+                  kinds: Collection[RopeScalingKind] = LLAMA3_ONLY,
+                  hf: Mapping[str, Any] | None = None) -> tuple[float, RopeScaling | None]:
+    """(RoPE base, scaling) of one rope object ``field`` (null: ``theta``, unscaled); ``hf``:
+    the whole config.json, for YaRN's fields that transformers fills in from it."""
     if params is None:
         return theta, None
     if not isinstance(params, Mapping):
@@ -67,7 +103,7 @@ def rope_of_entry(field: str, params: Any, *, theta: float,
             f"config.json {field}={params!r} must be null or an object holding rope_type")
     if params.get("rope_theta") is not None:
         theta = float(params["rope_theta"])
-    return theta, _rope_scaling_of(field, params, kinds)
+    return theta, _rope_scaling_of(field, params, kinds, hf)
 
 
 def refuse_partial_rotation(hf: Mapping[str, Any]) -> None:
@@ -90,7 +126,7 @@ def rope_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA,
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     if not hf.get(field):
         return theta, None
-    return rope_of_entry(field, hf[field], theta=theta, kinds=kinds)
+    return rope_of_entry(field, hf[field], theta=theta, kinds=kinds, hf=hf)
 
 
 def rope_theta_of(hf: Mapping[str, Any], *, default: float = DEFAULT_ROPE_THETA) -> float:
@@ -115,5 +151,8 @@ def rope_entry(*, theta: float, scaling: RopeScaling | None
     legacy = {"rope_type": scaling.kind.value}
     for name in _KIND_FIELDS[scaling.kind]:
         value = getattr(scaling, name)
-        legacy[name] = value if name == "original_max_position_embeddings" else float(value)
+        if value is None:  # YaRN's optional fields the file did not have
+            continue
+        keep = name in ("original_max_position_embeddings", "truncate")
+        legacy[name] = value if keep else float(value)
     return {**legacy, "rope_theta": theta}, legacy
