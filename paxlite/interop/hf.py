@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from paxlite.errors import NotFoundError, SettingError
-from paxlite.interop import gpt2_layout, hf_gemma, hf_write, layouts
+from paxlite.interop import gpt2_layout, gpt_oss_layout, hf_gemma, hf_write, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
     LLAMA_LAYOUT_FAMILIES,
@@ -151,7 +151,9 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
         hf_config = json.load(f)
     family, config = from_hf_config(hf_config, dtype=_check_dtype(dtype))
     tensors = read_hf_tensors(directory)
-    if family in LLAMA_LAYOUT_FAMILIES:
+    if family is Family.GPT_OSS:
+        params = gpt_oss_layout.gpt_oss_to_params(tensors, config=config)
+    elif family in LLAMA_LAYOUT_FAMILIES:
         params = layouts.llama_to_params(tensors, config=config,
                                          naming=hf_gemma.tensor_naming(family.value))
     else:
@@ -201,6 +203,8 @@ def stand_in(array: Any) -> np.ndarray:
 
 
 def _hf_tensors(params: Mapping[str, Any], *, config: TransformerConfig, family: Family):
+    if family is Family.GPT_OSS:
+        return gpt_oss_layout.iter_gpt_oss_tensors(params, config=config)
     if family in LLAMA_LAYOUT_FAMILIES:
         return layouts.iter_llama_tensors(params, config=config,
                                           naming=hf_gemma.tensor_naming(family.value))

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.interop import hf_gemma, hf_moe
+from paxlite.interop import hf_gemma, hf_gpt_oss, hf_moe
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
 from paxlite.interop.layouts import hf_decoder_shape
@@ -48,13 +48,14 @@ class Family(str, enum.Enum):
     GPT2 = "gpt2"
     GEMMA2 = "gemma2"  # Gemma 2 and Gemma 3's text model: hf_gemma.py
     GEMMA3_TEXT = "gemma3_text"
+    GPT_OSS = "gpt_oss"  # hf_gpt_oss.py, its tensors gpt_oss_layout.py
 
 
 # The families whose tensors are LLaMA's (interop/layouts.py), with their extra tensors.
 LLAMA_LAYOUT_FAMILIES: frozenset[Family] = frozenset(
     {Family.LLAMA, Family.MISTRAL, Family.QWEN2, Family.QWEN3, Family.MIXTRAL, Family.QWEN3_MOE,
      Family.GEMMA2, Family.GEMMA3_TEXT})
-MOE_FAMILIES: frozenset[Family] = frozenset({Family.MIXTRAL, Family.QWEN3_MOE})
+MOE_FAMILIES: frozenset[Family] = frozenset({Family.MIXTRAL, Family.QWEN3_MOE, Family.GPT_OSS})
 _ARCHITECTURES: Mapping[Family, str] = {
     Family.LLAMA: "LlamaForCausalLM", Family.MISTRAL: "MistralForCausalLM",
     Family.QWEN2: "Qwen2ForCausalLM", Family.QWEN3: "Qwen3ForCausalLM",
@@ -127,8 +128,8 @@ def family_of(hf: Mapping[str, Any]) -> Family:
         raise UnsupportedCheckpointError(
             f"config.json model_type={model_type!r} is not supported; supported: 'llama' "
             "(LLaMA-1/2/3 shapes, GQA, any rope_theta, head_dim, 'llama3' RoPE scaling), "
-            "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'gemma2', 'gemma3_text' and "
-            "'gpt2'") from None
+            "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'gemma2', 'gemma3_text', "
+            "'gpt2' and 'gpt_oss'") from None
 
 
 def _refuse_qwen_windows(hf: Mapping[str, Any]) -> None:
@@ -295,6 +296,8 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
         config = hf_gemma.gemma_config(hf)
     elif family is Family.GPT2:
         config = _gpt2_config(hf)
+    elif family is Family.GPT_OSS:
+        config = hf_gpt_oss.gpt_oss_config(hf)
     else:
         config = _llama_config(hf, family=family)
     return family, dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
@@ -333,7 +336,7 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
         **plain, **unscaled,
         "qkv_bias (resolved)": (config.uses_qkv_bias, True),  # GPT-2's biases are everywhere
     }
-    return {
+    others = {
         Family.LLAMA: {**llama, **plain},
         Family.MISTRAL: {**llama, **unscaled, **{k: v for k, v in plain.items()
                                                  if k != "sliding_window"}},
@@ -345,6 +348,9 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
         Family.GPT2: gpt2,
         **{Family(t): wanted for t, wanted in hf_gemma.gemma_requirements(config).items()},
     }
+    off = hf_gpt_oss.gpt_oss_off(config)
+    return {**{family: {**wanted, **off} for family, wanted in others.items()},
+            Family.GPT_OSS: hf_gpt_oss.gpt_oss_requirements(config)}
 
 
 def family_of_config(config: TransformerConfig, *, prefer: Family | None = None) -> Family:
@@ -369,6 +375,7 @@ _NAMES: Mapping[Family, str] = {
     Family.LLAMA: "LLaMA", Family.MISTRAL: "Mistral", Family.QWEN2: "Qwen2",
     Family.QWEN3: "Qwen3", Family.MIXTRAL: "Mixtral", Family.QWEN3_MOE: "Qwen3-MoE",
     Family.GPT2: "GPT-2", Family.GEMMA2: "Gemma 2", Family.GEMMA3_TEXT: "Gemma 3 (text)",
+    Family.GPT_OSS: "gpt-oss",
 }
 
 
@@ -417,7 +424,9 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
     """The ``config.json`` transformers 5.x writes for this model (plus 4.x's ``rope_theta``)."""
     if family_of_config(config, prefer=family) is not family:
         raise UnsupportedCheckpointError(f"the model does not fit the {family.value} layout")
-    if family in LLAMA_LAYOUT_FAMILIES:
+    if family is Family.GPT_OSS:
+        out = hf_gpt_oss.gpt_oss_hf_config(config, router_aux_loss_coef=router_aux_loss_coef)
+    elif family in LLAMA_LAYOUT_FAMILIES:
         rope, legacy_scaling = rope_fields(config)
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],

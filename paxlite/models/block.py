@@ -151,6 +151,8 @@ class Block(nn.Module):
                           else NormKind.RMS_NORM),
             query_scale_dims=cfg.query_scale_dims,
             logit_cap=cfg.attention_logit_cap,
+            sinks=cfg.attention_sinks,
+            out_bias=cfg.out_bias,
             name="attention",
         )
 

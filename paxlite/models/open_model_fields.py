@@ -71,6 +71,21 @@ def check_open_model_fields(config: Any) -> None:
         raise ValueError(f"TransformerConfig.rope_scaling is set but the position embedding is "
                          f"{config.position_kind.value!r}: it rescales rotary embeddings only")
     _check_gemma_fields(config)
+    _check_gpt_oss_fields(config)
+
+
+def _check_gpt_oss_fields(config: Any) -> None:
+    """attention_sinks and out_bias (gpt-oss)."""
+    if not isinstance(config.attention_sinks, bool):
+        raise ValueError(f"TransformerConfig.attention_sinks={config.attention_sinks!r} must be "
+                         "True or False")
+    if config.out_bias is not None and not isinstance(config.out_bias, bool):
+        raise ValueError(f"TransformerConfig.out_bias={config.out_bias!r} must be None (as "
+                         "use_bias), True or False")
+    if config.attention_sinks and config.attention_kind.value == "flash":
+        raise ValueError("TransformerConfig.attention_sinks=True with attention kind 'flash': "
+                         "JAX's fused kernels (XLA, cuDNN, Pallas-Triton, splash) have no sink "
+                         "logit; use attention kind 'dot_product'")
 
 
 def _check_gemma_fields(config: Any) -> None:
@@ -124,10 +139,12 @@ def _check_layer_types(config: Any) -> None:
         raise ValueError("TransformerConfig.layer_types has 'sliding_attention' layers but "
                          "sliding_window is None: set the window they attend over")
     period = layer_pattern_period(types)
-    if period > 1 and config.moe is not None:
+    interval = None if config.moe is None else config.moe.moe_layer_interval
+    if period > 1 and interval is not None and max(period, interval) % min(period, interval):
         raise ValueError(f"TransformerConfig.layer_types (a pattern of period {period}) with "
-                         "moe: paxlite's scan unit is either a pattern period or an MoE unit; "
-                         "give every layer the same attention, or moe=None")
+                         f"moe_layer_interval={interval}: paxlite's scan unit is the longer of "
+                         "the two, which the other must divide (gpt-oss: period 2, MoE on every "
+                         "layer); give every layer the same attention, or such an interval")
     stacked = [what for what, on in (("scan_layers=True", config.scan_layers),
                                      ("a pipeline", config.pipeline is not None)) if on]
     if period > 1 and config.num_layers % period and stacked:
@@ -141,10 +158,11 @@ def transformer_engine_problems(config: Any) -> list[str]:
     """What of these fields TE's TransformerLayer cannot express, one clause each."""
     problems = [f"{name}={getattr(config, name)!r} is paxlite's attention option"
                 for name in ("rope_scaling", "qkv_bias", "sliding_window", "query_scale_dims",
-                             "attention_logit_cap", "layer_types", "local_rope_theta")
+                             "attention_logit_cap", "layer_types", "local_rope_theta",
+                             "out_bias")
                 if getattr(config, name) is not None]
     problems += [f"{name}=True is paxlite's option"
-                 for name in ("qk_norm", "post_norms", "scale_embeddings")
+                 for name in ("qk_norm", "post_norms", "scale_embeddings", "attention_sinks")
                  if getattr(config, name)]
     if config.final_logit_cap is not None:
         problems.append(f"final_logit_cap={config.final_logit_cap!r} is paxlite's output option")

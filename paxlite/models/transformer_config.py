@@ -307,6 +307,10 @@ class TransformerConfig:
     final_logit_cap: float | None = None
     layer_types: tuple[LayerAttention, ...] | None = None
     local_rope_theta: float | None = None
+    # gpt-oss (models/open_model_fields.py): a learned logit per head in every attention softmax
+    # (models/attention_sinks.py); a bias on the attention output projection (None: as use_bias).
+    attention_sinks: bool = False
+    out_bias: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, Mapping):  # read back from JSON
