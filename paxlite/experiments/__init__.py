@@ -17,6 +17,7 @@ from paxlite.experiments import (
     gemma,
     glam,
     gpt,
+    gpt_oss,
     llama,
     llama3,
     mistral,
@@ -54,10 +55,12 @@ EXPERIMENTS = Registry(
         **{cls.__name__: cls for cls in qwen.QWEN_EXPERIMENTS},
         **{cls.__name__: cls for cls in gemma.GEMMA_EXPERIMENTS},
         "FineTune": finetune.FineTune,
+        **{cls.__name__: cls for cls in gpt_oss.GPT_OSS_EXPERIMENTS},
     },
     aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES,
              **{hf_id: cls.__name__ for cls in (*llama3.LLAMA3_EXPERIMENTS,
                                                 *mistral.MISTRAL_EXPERIMENTS,
-                                                *qwen.QWEN_EXPERIMENTS, *gemma.GEMMA_EXPERIMENTS)
+                                                *qwen.QWEN_EXPERIMENTS, *gemma.GEMMA_EXPERIMENTS,
+                                                *gpt_oss.GPT_OSS_EXPERIMENTS)
                 for hf_id in cls.hf_ids}},
 )

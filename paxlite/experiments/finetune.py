@@ -46,7 +46,7 @@ from paxlite.experiments.model_settings import (
     KeyValueHeadSettings,
     RotarySettings,
 )
-from paxlite.models.rotary import RopeScaling
+from paxlite.models.rotary import RopeScaling, RopeScalingKind
 from paxlite.models.transformer import NormKind, PositionEmbedding, TransformerConfig
 
 # The file `python -m paxlite convert` writes beside a checkpoint (checkpointing/pretrained.py's
@@ -124,6 +124,12 @@ def checkpoint_model(restore_path: str | None) -> TransformerConfig:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"CHECKPOINT_RESTORE_PATH={restore_path}: {path} is not a valid model "
                           f"config: {e}") from None
+
+
+def _needs_einsums(model: TransformerConfig) -> bool:
+    """Whether the checkpoint's attention has what no fused kernel computes: Gemma 2's logit
+    soft-cap, gpt-oss's sinks."""
+    return model.attention_logit_cap is not None or model.attention_sinks
 
 
 def _starts_with_bos(model: TransformerConfig) -> bool:
@@ -220,6 +226,10 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
             raise ConfigError(f"ATTENTION_KIND='flash' with the checkpoint's attention logit "
                               f"soft-cap {cap} (Gemma 2): JAX's fused attention kernels have "
                               "none; use ATTENTION_KIND='dot_product' (its default for it)")
+        if model.attention_sinks and self.ATTENTION_KIND == "flash":  # nor has a sink logit
+            raise ConfigError("ATTENTION_KIND='flash' with the checkpoint's attention sinks "
+                              "(gpt-oss): JAX's fused attention kernels have none; use "
+                              "ATTENTION_KIND='dot_product' (its default for it)")
         if problems:
             raise ConfigError(
                 f"{'; '.join(problems)}: the weights in CHECKPOINT_RESTORE_PATH="
@@ -275,11 +285,27 @@ class FineTune(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings
     ROPE_SCALING_ORIGINAL_MAX_POSITION = _from_checkpoint("ROPE_SCALING_ORIGINAL_MAX_POSITION")
     VOCAB_PATH = Derived(lambda hp: _tokenizer_beside(hp.CHECKPOINT_RESTORE_PATH),
                          doc="the tokenizer.json or tokenizer.model beside the checkpoint")
-    # fused kernels where they can run the checkpoint's attention (not Gemma 2's soft-cap)
+    # fused kernels where they can run the checkpoint's attention (not Gemma 2's soft-cap, not
+    # gpt-oss's sinks)
     ATTENTION_KIND = Derived(
-        lambda hp: "flash" if checkpoint_model(hp.CHECKPOINT_RESTORE_PATH).attention_logit_cap
-        is None else "dot_product",
-        doc="'flash', or 'dot_product' for a checkpoint whose attention logits are soft-capped")
+        lambda hp: "dot_product" if _needs_einsums(checkpoint_model(hp.CHECKPOINT_RESTORE_PATH))
+        else "flash",
+        doc="'flash', or 'dot_product' for a checkpoint whose attention logits are soft-capped "
+            "or have sinks")
+
+    def rope_scaling(self) -> RopeScaling | None:
+        """The settings' scaling; for a YaRN checkpoint kept YaRN, its fields no setting names
+        (beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate) the
+        checkpoint's."""
+        scaling = super().rope_scaling()
+        recorded = self.checkpoint_model().rope_scaling
+        yarn = RopeScalingKind.YARN
+        if scaling is None or scaling.kind is not yarn or recorded is None or (
+                recorded.kind is not yarn):
+            return scaling
+        return dataclasses.replace(
+            recorded, factor=scaling.factor,
+            original_max_position_embeddings=scaling.original_max_position_embeddings)
     ICI_MESH_SHAPE = [1, 8, 1]
     DCN_MESH_SHAPE = [1, 1, 1]
     PACKED_INPUT = False
