@@ -20,6 +20,7 @@ _FAMILIES = types.MappingProxyType({  # module -> section title, in the order th
     "gemma": "Gemma 2 (fine-tuning Google's models)",
     "finetune": "Any converted model (FineTune)",
     "tiny": "CPU-sized experiments (tests, demos, smoke runs)",
+    "gpt_oss": "gpt-oss (fine-tuning OpenAI's models)",
 })
 
 

@@ -1,5 +1,6 @@
 """Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models (LLaMA-1/2/3,
-Mistral, Qwen2/2.5, Qwen3), Mixtral, Qwen3-MoE (their experts in hf_moe.py) and GPT-2.
+Mistral, Qwen2/2.5, Qwen3), Mixtral, Qwen3-MoE (their experts in hf_moe.py), GPT-2 and gpt-oss
+(hf_gpt_oss.py).
 
 Readers accept both transformers 4.x spellings (``rope_theta`` at the top level, ``torch_dtype``)
 and 5.x spellings (a ``rope_parameters`` object, ``dtype``). Writers emit the 5.x form, and also the
