@@ -16,8 +16,9 @@ The weights come from a converted checkpoint (`python -m paxlite convert --from=
 then --fdl.CHECKPOINT_RESTORE_PATH=DIR). The sinks have no fused attention kernel, so attention
 runs Pax's einsums (ATTENTION_KIND 'dot_product'); the stack is scanned by units of a sliding and
 a full layer. The load-balancing loss is HF's router_aux_loss_coef 0.001 times top-k 4, spread
-over the layers as interop/hf_moe.py maps it. These defaults have not been planned on a device;
-`python -m paxlite plan` sizes them.
+over the layers as interop/hf_moe.py maps it. The memory defaults follow Qwen3-30B-A3B's (qwen.py):
+Adam's first moment in bfloat16, the loss in blocks of 1,024 positions, the tiled grouped matmul
+(the catalogue note has what `plan` said).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class BaseGptOss(FineTuningRecipe, MoeSettings, TiedEmbeddingSettings, Attention
     USE_REPEATED_LAYER = True
     MAX_SEQ_LEN = 4096
     PERCORE_BATCH_SIZE = 1
+    # memory (the catalogue note): Adam's first moment in bfloat16, the loss over blocks of 1,024
+    # positions, the grouped matmul over row tiles (ragged_dot's dense expansion: 98 GiB planned)
+    ADAM_MU_DTYPE = "bfloat16"
+    LOSS_CHUNK_SIZE = 1024
+    MOE_GROUPED_MATMUL = "tiled"
 
     def layers_per_scan_unit(self) -> int:
         """A sliding and a full layer, both MoE: what the model scans and a pipeline splits."""
@@ -114,3 +120,12 @@ class GptOss120B(BaseGptOss):
 
 
 GPT_OSS_EXPERIMENTS = (GptOss20B, GptOss120B)
+# Under the family's table in docs/experiments.md: what `plan` said of the defaults.
+CATALOGUE_NOTE = """\
+Planned 2026-12-07 with the CPU compiler (`python -m paxlite plan --fdl_config=GptOss20B
+--devices=8`: 8 fake CPU devices of 80 GiB, compile-only; GPU temporaries differ): 8 x 4,096 tokens
+per step, einsum attention (one layer's float32 logits: 4.00 GiB), peak 65.58 GiB per device, fits
+with 14.42 GiB to spare. With `MOE_GROUPED_MATMUL=ragged_dot` and float32 Adam moments the same
+plan peaked at 99.87 GiB (19.87 GiB short); with only the first two memory settings, 97.95 GiB.
+`GptOss120B` was not planned.
+"""

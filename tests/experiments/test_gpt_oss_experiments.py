@@ -50,6 +50,7 @@ def test_parameter_counts_are_transformers_count_of_the_published_config(name: s
              "attention_implementation", "init_std", "softmax_init_std", "moe")
     assert dataclasses.replace(model, **{f: getattr(converted, f) for f in setup}) == converted
     moe, want = model.moe, converted.moe
-    assert dataclasses.replace(moe, load_balancing_weight=want.load_balancing_weight) == want
+    assert dataclasses.replace(moe, load_balancing_weight=want.load_balancing_weight,
+                               grouped_matmul=want.grouped_matmul) == want
     assert family_of_config(model) is Family.GPT_OSS
     assert (model.attention_kind.value, model.layers_per_scan_unit) == ("dot_product", 2)
