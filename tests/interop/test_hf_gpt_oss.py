@@ -198,6 +198,13 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(tiny, tmp_path):
     np.testing.assert_allclose(pretrained.logits(TOKENS), hf_logits(reference, TOKENS),
                                atol=1e-4, rtol=0)
     assert not np.allclose(hf_logits(reference, TOKENS), hf_logits(model, TOKENS), atol=1e-3)
+    # the streaming conversion (its layout first walked on stand-ins) reads the same weights
+    from paxlite.__main__ import main
+
+    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={tmp_path}",
+                 f"--output={tmp_path / 'pax'}"]) == 0
+    streamed = hf.from_paxlite(tmp_path / "pax")
+    jax.tree.map(np.testing.assert_array_equal, streamed.params, pretrained.params)
 
 
 # ---------------------------------------------------------------- the command line
