@@ -18,6 +18,7 @@ from paxlite.experiments import (
     gemma,
     glam,
     gpt,
+    gpt_oss,
     llama,
     llama3,
     llama4,
@@ -58,12 +59,14 @@ EXPERIMENTS = Registry(
         "FineTune": finetune.FineTune,
         **{cls.__name__: cls for cls in deepseek.DEEPSEEK_EXPERIMENTS},
         **{cls.__name__: cls for cls in llama4.LLAMA4_EXPERIMENTS},
+        **{cls.__name__: cls for cls in gpt_oss.GPT_OSS_EXPERIMENTS},
     },
     aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES,
              **{hf_id: cls.__name__ for cls in (*llama3.LLAMA3_EXPERIMENTS,
                                                 *mistral.MISTRAL_EXPERIMENTS,
                                                 *qwen.QWEN_EXPERIMENTS, *gemma.GEMMA_EXPERIMENTS,
                                                 *deepseek.DEEPSEEK_EXPERIMENTS,
-                                                *llama4.LLAMA4_EXPERIMENTS)
+                                                *llama4.LLAMA4_EXPERIMENTS,
+                                                *gpt_oss.GPT_OSS_EXPERIMENTS)
                 for hf_id in cls.hf_ids}},
 )

@@ -26,7 +26,15 @@ from typing import Any
 import numpy as np
 
 from paxlite.errors import NotFoundError, SettingError
-from paxlite.interop import gpt2_layout, hf_deepseek, hf_gemma, hf_llama4, hf_write, layouts
+from paxlite.interop import (
+    gpt2_layout,
+    gpt_oss_layout,
+    hf_deepseek,
+    hf_gemma,
+    hf_llama4,
+    hf_write,
+    layouts,
+)
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
     LLAMA_LAYOUT_FAMILIES,
@@ -153,6 +161,8 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
     tensors = read_hf_tensors(directory)
     if family.value in hf_deepseek.MODEL_TYPES:
         params = dict(hf_deepseek.iter_deepseek_params(tensors, config=config))
+    elif family is Family.GPT_OSS:
+        params = gpt_oss_layout.gpt_oss_to_params(tensors, config=config)
     elif family in LLAMA_LAYOUT_FAMILIES:
         params = layouts.llama_to_params(tensors, config=config,
                                          naming=hf_gemma.tensor_naming(family.value))
@@ -207,6 +217,8 @@ def stand_in(array: Any) -> np.ndarray:
 def _hf_tensors(params: Mapping[str, Any], *, config: TransformerConfig, family: Family):
     if family.value in hf_deepseek.MODEL_TYPES:
         return hf_deepseek.iter_deepseek_tensors(params, config=config)
+    if family is Family.GPT_OSS:
+        return gpt_oss_layout.iter_gpt_oss_tensors(params, config=config)
     if family in LLAMA_LAYOUT_FAMILIES:
         return layouts.iter_llama_tensors(params, config=config,
                                           naming=hf_gemma.tensor_naming(family.value))

@@ -46,6 +46,7 @@ from paxlite.models.attention_kernels import (
     fused_attention,
     make_attention_mask,
 )
+from paxlite.models.attention_sinks import sinks_param
 from paxlite.models.chunked_attention import local_mask, refuse_fused_chunks, tune_query_key
 from paxlite.models.context_parallel import context_parallel_attention
 from paxlite.models.kv_cache import extend_cache
@@ -165,6 +166,10 @@ class Attention(nn.Module):
         query_scale_dims: the query is scaled by this ** -0.5 (Gemma); None: dims_per_head.
         logit_cap: the logits become ``cap * tanh(logits / cap)`` before the mask (Gemma 2), in
             the einsum cores only; the fused and sequence-parallel ones refuse it (SettingError).
+        sinks: a learned logit per head (``sinks`` [N]) in every softmax (gpt-oss,
+            models/attention_sinks.py), in the einsum cores only, as ``logit_cap``.
+        out_bias: a bias on the output projection; None: as ``use_bias`` (gpt-oss: True beside
+            use_bias False, whose MLP has none).
         context_parallel_strategy: how the keys and values of other ``seq`` shards reach a
             shard's queries (ALL_GATHER or RING, models/context_parallel.py); read only when the
             mesh has a ``seq`` axis larger than 1. There, FLASH runs the same XLA einsum core
@@ -209,6 +214,8 @@ class Attention(nn.Module):
     chunk_size: int | None = None
     qk_l2_norm: bool = False
     query_temperature: tuple[int, float] | None = None
+    sinks: bool = False
+    out_bias: bool | None = None
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -268,13 +275,15 @@ class Attention(nn.Module):
                               segment_ids=segment_ids, window=self.sliding_window,
                               chunk=self.chunk_size)
 
+        sinks = sinks_param(self, einsum_core=core in (AttentionCore.EINSUM,
+                                                       AttentionCore.CACHED), core=core.value)
         if core is AttentionCore.SEQUENCE_PARALLEL:
             out = self._sequence_parallel_core(q, k, v, mask=mask, bias=bias,
                                                positions=positions, segment_ids=segment_ids,
                                                seq_shards=seq_shards)
         elif core is AttentionCore.CACHED:  # the caller's mask over the whole cache
             out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype,
-                                   logit_cap=self.logit_cap)
+                                   logit_cap=self.logit_cap, sinks=sinks)
         elif core is AttentionCore.FUSED:
             refuse_fused_chunks(self.chunk_size)
             out = fused_attention(q, k, v, implementation=self.attention_implementation,
@@ -283,14 +292,15 @@ class Attention(nn.Module):
                                   sliding_window=self.sliding_window, logit_cap=self.logit_cap)
         else:
             out = einsum_attention(q, k, v, mask=mask, bias=bias, segment_ids=segment_ids,
-                                   dtype=self.dtype, logit_cap=self.logit_cap)
+                                   dtype=self.dtype, logit_cap=self.logit_cap, sinks=sinks)
         out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)  # [B, T, N, H]
         out = checkpoint_name(out, CONTEXT_NAME)
 
+        out_bias = self.use_bias if self.out_bias is None else self.out_bias
         out = projection(
             self, equation="BTNH,NHD->BTD",
             shape=(self.num_heads, self.dims_per_head, x.shape[-1]),
-            axes=("heads", "kv", "embed"), bias_axes=("norm",) if self.use_bias else None,
+            axes=("heads", "kv", "embed"), bias_axes=("norm",) if out_bias else None,
             name="out", lora=self.lora)(out)  # [B, T, D]
         return checkpoint_name(out, OUT_PROJ_NAME)
 

@@ -166,6 +166,8 @@ class Block(nn.Module):
             chunk_size=cfg.attention_chunk_size if kind is LayerAttention.CHUNKED else None,
             qk_l2_norm=cfg.qk_l2_norm and rope_theta is not None,
             query_temperature=temperature,
+            sinks=cfg.attention_sinks,
+            out_bias=cfg.out_bias,
             name="attention",
         )
 

@@ -79,6 +79,7 @@ def check_open_model_fields(config: Any) -> None:
                          f"{config.position_kind.value!r}: it rescales rotary embeddings only")
     _check_gemma_fields(config)
     _check_llama4_fields(config)
+    _check_gpt_oss_fields(config)
 
 
 def _check_llama4_fields(config: Any) -> None:
@@ -113,6 +114,21 @@ def _check_llama4_fields(config: Any) -> None:
     if chunk is not None and config.attention_kind.value == "flash":
         raise ValueError(f"TransformerConfig.attention_chunk_size={chunk} with attention kind "
                          "'flash': no fused kernel has a chunk pattern; use 'dot_product'")
+
+
+
+def _check_gpt_oss_fields(config: Any) -> None:
+    """attention_sinks and out_bias (gpt-oss)."""
+    if not isinstance(config.attention_sinks, bool):
+        raise ValueError(f"TransformerConfig.attention_sinks={config.attention_sinks!r} must be "
+                         "True or False")
+    if config.out_bias is not None and not isinstance(config.out_bias, bool):
+        raise ValueError(f"TransformerConfig.out_bias={config.out_bias!r} must be None (as "
+                         "use_bias), True or False")
+    if config.attention_sinks and config.attention_kind.value == "flash":
+        raise ValueError("TransformerConfig.attention_sinks=True with attention kind 'flash': "
+                         "JAX's fused kernels (XLA, cuDNN, Pallas-Triton, splash) have no sink "
+                         "logit; use attention kind 'dot_product'")
 
 
 def _check_gemma_fields(config: Any) -> None:
@@ -186,10 +202,11 @@ def transformer_engine_problems(config: Any) -> list[str]:
     problems = [f"{name}={getattr(config, name)!r} is paxlite's attention option"
                 for name in ("rope_scaling", "qkv_bias", "sliding_window", "query_scale_dims",
                              "attention_logit_cap", "layer_types", "local_rope_theta",
-                             "attention_chunk_size", "query_temperature_floor")
+                             "attention_chunk_size", "query_temperature_floor", "out_bias")
                 if getattr(config, name) is not None]
     problems += [f"{name}=True is paxlite's option"
-                 for name in ("qk_norm", "post_norms", "scale_embeddings", "qk_l2_norm")
+                 for name in ("qk_norm", "post_norms", "scale_embeddings", "qk_l2_norm",
+                              "attention_sinks")
                  if getattr(config, name)]
     if config.final_logit_cap is not None:
         problems.append(f"final_logit_cap={config.final_logit_cap!r} is paxlite's output option")

@@ -317,6 +317,10 @@ class TransformerConfig:
     qk_l2_norm: bool = False
     query_temperature_floor: int | None = None
     query_temperature_scale: float = 0.1
+    # gpt-oss (models/open_model_fields.py): a learned logit per head in every attention softmax
+    # (models/attention_sinks.py); a bias on the attention output projection (None: as use_bias).
+    attention_sinks: bool = False
+    out_bias: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, Mapping):  # read back from JSON
