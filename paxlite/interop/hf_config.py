@@ -366,7 +366,8 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
     deepseek_off = hf_deepseek.off(config)
     return {**{family: {**wanted, **llama4_off, **gpt_oss_off} for family, wanted in table.items()},
             Family.LLAMA4_TEXT: {**hf_llama4.llama4_requirements(config), **gpt_oss_off,
-                                 **deepseek_off},
+                                 **{k: v for k, v in deepseek_off.items()  # Llama 4 has its own
+                                    if k in ("mla", "moe.deepseek_router")}},  # shared experts
             Family.GPT_OSS: {**hf_gpt_oss.gpt_oss_requirements(config), **llama4_off,
                              **deepseek_off}}
 

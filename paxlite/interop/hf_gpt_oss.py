@@ -86,7 +86,7 @@ def _layer_types(hf: Mapping[str, Any], num_layers: int) -> tuple[LayerAttention
     if given is None:
         return tuple(LayerAttention.SLIDING if (i + 1) % 2 else LayerAttention.FULL
                      for i in range(num_layers))
-    valid = {kind.value for kind in LayerAttention}
+    valid = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}  # Llama 4's are not here
     refuse_if(not isinstance(given, list) or any(kind not in valid for kind in given),
               "layer_types", given, f"each entry must be one of {sorted(valid)}")
     refuse_if(len(given) != num_layers, "layer_types", given,
