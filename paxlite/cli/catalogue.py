@@ -21,6 +21,7 @@ _FAMILIES = types.MappingProxyType({  # module -> section title, in the order th
     "deepseek": "DeepSeek-V3 and V2-Lite (fine-tuning DeepSeek-AI's models)",
     "finetune": "Any converted model (FineTune)",
     "tiny": "CPU-sized experiments (tests, demos, smoke runs)",
+    "gpt_oss": "gpt-oss (fine-tuning OpenAI's models)",
 })
 
 

@@ -59,11 +59,14 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     # Gemma's (models/open_model_fields.py)
     "post_norms", "scale_embeddings", "query_scale_dims", "attention_logit_cap", "final_logit_cap",
     "layer_types", "local_rope_theta",
+    # gpt-oss's
+    "attention_sinks", "out_bias",
 )
 # The same for the experts, compared when both models have them (routing decides the function).
 MOE_ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "num_experts", "experts_per_token", "routing", "moe_layer_interval", "gated_experts",
     "expert_activation", "renormalize_top_k",
+    "use_bias", "swiglu_limit", "swiglu_alpha",  # gpt-oss's
 )
 
 

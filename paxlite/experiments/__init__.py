@@ -18,8 +18,10 @@ from paxlite.experiments import (
     gemma,
     glam,
     gpt,
+    gpt_oss,
     llama,
     llama3,
+    llama4,
     mistral,
     mixtral,
     qwen,
@@ -56,11 +58,15 @@ EXPERIMENTS = Registry(
         **{cls.__name__: cls for cls in gemma.GEMMA_EXPERIMENTS},
         "FineTune": finetune.FineTune,
         **{cls.__name__: cls for cls in deepseek.DEEPSEEK_EXPERIMENTS},
+        **{cls.__name__: cls for cls in llama4.LLAMA4_EXPERIMENTS},
+        **{cls.__name__: cls for cls in gpt_oss.GPT_OSS_EXPERIMENTS},
     },
     aliases={**fuji.AXLEARN_NAMES, **glam.PAX_NAMES,
              **{hf_id: cls.__name__ for cls in (*llama3.LLAMA3_EXPERIMENTS,
                                                 *mistral.MISTRAL_EXPERIMENTS,
                                                 *qwen.QWEN_EXPERIMENTS, *gemma.GEMMA_EXPERIMENTS,
-                                                *deepseek.DEEPSEEK_EXPERIMENTS)
+                                                *deepseek.DEEPSEEK_EXPERIMENTS,
+                                                *llama4.LLAMA4_EXPERIMENTS,
+                                                *gpt_oss.GPT_OSS_EXPERIMENTS)
                 for hf_id in cls.hf_ids}},
 )

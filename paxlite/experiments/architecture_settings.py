@@ -39,8 +39,10 @@ class RopeScalingSettings:
     # ROPE_SCALING_FACTOR, keeps the high ones and blends in between; "linear" (Gemma 3's global
     # layers) divides every frequency by it; "none": plain RoPE. The other four are llama3's
     # parameters, as config.json's rope_scaling names them (3.1/3.3: factor 8, 3.2: 32; low 1,
-    # high 4, original context 8192 for all).
-    ROPE_SCALING: Literal["none", "llama3", "linear"] = "none"
+    # high 4, original context 8192 for all). "yarn" (gpt-oss) reads the factor and the original
+    # context; its other fields are RopeScaling's defaults here (a converted model's own under
+    # FineTune).
+    ROPE_SCALING: Literal["none", "llama3", "linear", "yarn"] = "none"
     ROPE_SCALING_FACTOR: float = 8.0
     ROPE_SCALING_LOW_FREQ_FACTOR: float = 1.0
     ROPE_SCALING_HIGH_FREQ_FACTOR: float = 4.0
@@ -58,6 +60,10 @@ class RopeScalingSettings:
         if self.ROPE_SCALING == "linear" and unread:
             problems.append(f"{', '.join(unread)} set but ROPE_SCALING='linear' reads only "
                             "ROPE_SCALING_FACTOR: drop them")
+        unread = [name for name in given if "FREQ" in name]
+        if self.ROPE_SCALING == "yarn" and unread:
+            problems.append(f"{', '.join(unread)} set but ROPE_SCALING='yarn' reads only "
+                            "ROPE_SCALING_FACTOR and ROPE_SCALING_ORIGINAL_MAX_POSITION: drop them")
         try:
             self.rope_scaling()
         except ValueError as e:

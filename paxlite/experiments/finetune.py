@@ -46,7 +46,7 @@ from paxlite.experiments.model_settings import (
     KeyValueHeadSettings,
     RotarySettings,
 )
-from paxlite.models.rotary import RopeScaling
+from paxlite.models.rotary import RopeScaling, RopeScalingKind
 from paxlite.models.transformer import NormKind, PositionEmbedding, TransformerConfig
 
 # The file `python -m paxlite convert` writes beside a checkpoint (checkpointing/pretrained.py's
@@ -166,6 +166,13 @@ _SHAPE_SETTINGS = ("VOCAB_SIZE", "NUM_LAYERS", "MODEL_DIMS", "NUM_HEADS", "DIMS_
                    "USE_REPEATED_LAYER")
 
 
+def _fused_fits(model: TransformerConfig) -> bool:
+    """Whether a fused attention kernel can run the model's attention: not Gemma 2's logit
+    soft-cap, Llama 4's chunks or gpt-oss's sinks."""
+    return (model.attention_logit_cap is None and model.attention_chunk_size is None
+            and not model.attention_sinks)
+
+
 def _from_checkpoint(name: str) -> Derived:
     read = _FROM_CHECKPOINT[name]
     return Derived(lambda hp: read(checkpoint_model(hp.CHECKPOINT_RESTORE_PATH)),
@@ -220,6 +227,10 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
             raise ConfigError(f"ATTENTION_KIND='flash' with the checkpoint's attention logit "
                               f"soft-cap {cap} (Gemma 2): JAX's fused attention kernels have "
                               "none; use ATTENTION_KIND='dot_product' (its default for it)")
+        if model.attention_sinks and self.ATTENTION_KIND == "flash":  # nor has a sink logit
+            raise ConfigError("ATTENTION_KIND='flash' with the checkpoint's attention sinks "
+                              "(gpt-oss): JAX's fused attention kernels have none; use "
+                              "ATTENTION_KIND='dot_product' (its default for it)")
         if problems:
             raise ConfigError(
                 f"{'; '.join(problems)}: the weights in CHECKPOINT_RESTORE_PATH="
@@ -275,11 +286,28 @@ class FineTune(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings
     ROPE_SCALING_ORIGINAL_MAX_POSITION = _from_checkpoint("ROPE_SCALING_ORIGINAL_MAX_POSITION")
     VOCAB_PATH = Derived(lambda hp: _tokenizer_beside(hp.CHECKPOINT_RESTORE_PATH),
                          doc="the tokenizer.json or tokenizer.model beside the checkpoint")
-    # fused kernels where they can run the checkpoint's attention (not Gemma 2's soft-cap)
+    # fused kernels where they can run the checkpoint's attention (not Gemma 2's soft-cap, not
+    # Llama 4's chunks, gpt-oss's sinks)
     ATTENTION_KIND = Derived(
-        lambda hp: "flash" if checkpoint_model(hp.CHECKPOINT_RESTORE_PATH).attention_logit_cap
-        is None else "dot_product",
-        doc="'flash', or 'dot_product' for a checkpoint whose attention logits are soft-capped")
+        lambda hp: "flash" if _fused_fits(checkpoint_model(hp.CHECKPOINT_RESTORE_PATH))
+        else "dot_product",
+        doc="'flash', or 'dot_product' for a checkpoint whose attention logits are soft-capped, "
+            "whose layers attend in chunks or whose attention has sinks")
+
+    def rope_scaling(self) -> RopeScaling | None:
+        """The settings' scaling; for a YaRN checkpoint kept YaRN, its fields no setting names
+        (beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate) the
+        checkpoint's."""
+        scaling = super().rope_scaling()
+        recorded = self.checkpoint_model().rope_scaling
+        yarn = RopeScalingKind.YARN
+        if scaling is None or scaling.kind is not yarn or recorded is None or (
+                recorded.kind is not yarn):
+            return scaling
+        return dataclasses.replace(
+            recorded, factor=scaling.factor,
+            original_max_position_embeddings=scaling.original_max_position_embeddings)
+
     ICI_MESH_SHAPE = [1, 8, 1]
     DCN_MESH_SHAPE = [1, 1, 1]
     PACKED_INPUT = False

@@ -108,7 +108,7 @@ class MoeSettings:
     NUM_EXPERTS_PER_TOKEN: int = 2
     # gshard_top2: GLaM's capacity-limited top-2 (tokens over capacity drop); dropless_topk:
     # Mixtral's, nothing drops.
-    MOE_ROUTING: Literal["gshard_top2", "dropless_topk"] = "gshard_top2"
+    MOE_ROUTING: Literal["gshard_top2", "dropless_topk", "sigmoid_topk"] = "gshard_top2"
     # gshard_top2 only: each expert takes int(S x CAPACITY_FACTOR / E) assignments per group of S
     # tokens; 2.0 is room for both choices of every token on average (Pax).
     CAPACITY_FACTOR: float = 2.0

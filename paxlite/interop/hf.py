@@ -26,7 +26,15 @@ from typing import Any
 import numpy as np
 
 from paxlite.errors import NotFoundError, SettingError
-from paxlite.interop import gpt2_layout, hf_deepseek, hf_gemma, hf_write, layouts
+from paxlite.interop import (
+    gpt2_layout,
+    gpt_oss_layout,
+    hf_deepseek,
+    hf_gemma,
+    hf_llama4,
+    hf_write,
+    layouts,
+)
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import (
     LLAMA_LAYOUT_FAMILIES,
@@ -153,9 +161,13 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
     tensors = read_hf_tensors(directory)
     if family.value in hf_deepseek.MODEL_TYPES:
         params = dict(hf_deepseek.iter_deepseek_params(tensors, config=config))
+    elif family is Family.GPT_OSS:
+        params = gpt_oss_layout.gpt_oss_to_params(tensors, config=config)
     elif family in LLAMA_LAYOUT_FAMILIES:
         params = layouts.llama_to_params(tensors, config=config,
                                          naming=hf_gemma.tensor_naming(family.value))
+    elif family is Family.LLAMA4_TEXT:
+        params = dict(hf_llama4.iter_llama4_params(tensors, config=config))
     else:
         params = gpt2_layout.gpt2_to_params(tensors, config=config)
     params = cast_params(params, dtype)
@@ -205,9 +217,13 @@ def stand_in(array: Any) -> np.ndarray:
 def _hf_tensors(params: Mapping[str, Any], *, config: TransformerConfig, family: Family):
     if family.value in hf_deepseek.MODEL_TYPES:
         return hf_deepseek.iter_deepseek_tensors(params, config=config)
+    if family is Family.GPT_OSS:
+        return gpt_oss_layout.iter_gpt_oss_tensors(params, config=config)
     if family in LLAMA_LAYOUT_FAMILIES:
         return layouts.iter_llama_tensors(params, config=config,
                                           naming=hf_gemma.tensor_naming(family.value))
+    if family is Family.LLAMA4_TEXT:
+        return hf_llama4.iter_llama4_tensors(params, config=config)
     return gpt2_layout.iter_gpt2_tensors(params, config=config)
 
 

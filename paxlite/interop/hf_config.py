@@ -1,5 +1,6 @@
 """Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models (LLaMA-1/2/3,
-Mistral, Qwen2/2.5, Qwen3), Mixtral, Qwen3-MoE (their experts in hf_moe.py) and GPT-2.
+Mistral, Qwen2/2.5, Qwen3), Mixtral, Qwen3-MoE (their experts in hf_moe.py), GPT-2 and gpt-oss
+(hf_gpt_oss.py).
 
 Readers accept both transformers 4.x spellings (``rope_theta`` at the top level, ``torch_dtype``)
 and 5.x spellings (a ``rope_parameters`` object, ``dtype``). Writers emit the 5.x form, and also the
@@ -19,7 +20,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.interop import hf_deepseek, hf_gemma, hf_moe
+from paxlite.interop import hf_deepseek, hf_gemma, hf_gpt_oss, hf_llama4, hf_moe
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
 from paxlite.interop.layouts import hf_decoder_shape
@@ -50,13 +51,15 @@ class Family(str, enum.Enum):
     GEMMA3_TEXT = "gemma3_text"
     DEEPSEEK_V3 = "deepseek_v3"  # DeepSeek-V3 and V2 (V2-Lite): hf_deepseek.py
     DEEPSEEK_V2 = "deepseek_v2"
+    LLAMA4_TEXT = "llama4_text"  # Llama 4's text model: hf_llama4.py
+    GPT_OSS = "gpt_oss"  # hf_gpt_oss.py, its tensors gpt_oss_layout.py
 
 
 # The families whose tensors are LLaMA's (interop/layouts.py), with their extra tensors.
 LLAMA_LAYOUT_FAMILIES: frozenset[Family] = frozenset(
     {Family.LLAMA, Family.MISTRAL, Family.QWEN2, Family.QWEN3, Family.MIXTRAL, Family.QWEN3_MOE,
      Family.GEMMA2, Family.GEMMA3_TEXT})
-MOE_FAMILIES: frozenset[Family] = frozenset({Family.MIXTRAL, Family.QWEN3_MOE})
+MOE_FAMILIES: frozenset[Family] = frozenset({Family.MIXTRAL, Family.QWEN3_MOE, Family.GPT_OSS})
 _ARCHITECTURES: Mapping[Family, str] = {
     Family.LLAMA: "LlamaForCausalLM", Family.MISTRAL: "MistralForCausalLM",
     Family.QWEN2: "Qwen2ForCausalLM", Family.QWEN3: "Qwen3ForCausalLM",
@@ -125,14 +128,15 @@ def family_of(hf: Mapping[str, Any]) -> Family:
     _refuse_shared_or_unknown_moe(hf)
     model_type = hf.get("model_type")
     hf_gemma.refuse_multimodal(model_type)
+    hf_llama4.refuse_multimodal(model_type)
     try:
         return Family(model_type)
     except ValueError:
         raise UnsupportedCheckpointError(
             f"config.json model_type={model_type!r} is not supported; supported: 'llama' "
             "(LLaMA-1/2/3 shapes, GQA, any rope_theta, head_dim, 'llama3' RoPE scaling), "
-            "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'gemma2', 'gemma3_text' and "
-            "'gpt2'") from None
+            "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'gemma2', 'gemma3_text', "
+            "'gpt2' and 'gpt_oss'") from None
 
 
 def _refuse_qwen_windows(hf: Mapping[str, Any]) -> None:
@@ -301,6 +305,10 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
         config = hf_deepseek.deepseek_config(hf)
     elif family is Family.GPT2:
         config = _gpt2_config(hf)
+    elif family is Family.LLAMA4_TEXT:
+        config = hf_llama4.llama4_config(hf)
+    elif family is Family.GPT_OSS:
+        config = hf_gpt_oss.gpt_oss_config(hf)
     else:
         config = _llama_config(hf, family=family)
     return family, dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
@@ -339,7 +347,7 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
         **plain, **unscaled,
         "qkv_bias (resolved)": (config.uses_qkv_bias, True),  # GPT-2's biases are everywhere
     }
-    return {
+    table = {
         Family.LLAMA: {**llama, **plain},
         Family.MISTRAL: {**llama, **unscaled, **{k: v for k, v in plain.items()
                                                  if k != "sliding_window"}},
@@ -352,6 +360,16 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
         **{Family(t): wanted for t, wanted in hf_gemma.gemma_requirements(config).items()},
         **{Family(t): wanted for t, wanted in hf_deepseek.requirements(config).items()},
     }
+    # every other family has none of Llama 4's or gpt-oss's fields, and those two none of the
+    # other's (nor DeepSeek's)
+    llama4_off, gpt_oss_off = hf_llama4.llama4_off(config), hf_gpt_oss.gpt_oss_off(config)
+    deepseek_off = hf_deepseek.off(config)
+    return {**{family: {**wanted, **llama4_off, **gpt_oss_off} for family, wanted in table.items()},
+            Family.LLAMA4_TEXT: {**hf_llama4.llama4_requirements(config), **gpt_oss_off,
+                                 **{k: v for k, v in deepseek_off.items()  # Llama 4 has its own
+                                    if k in ("mla", "moe.deepseek_router")}},  # shared experts
+            Family.GPT_OSS: {**hf_gpt_oss.gpt_oss_requirements(config), **llama4_off,
+                             **deepseek_off}}
 
 
 def family_of_config(config: TransformerConfig, *, prefer: Family | None = None) -> Family:
@@ -377,6 +395,8 @@ _NAMES: Mapping[Family, str] = {
     Family.QWEN3: "Qwen3", Family.MIXTRAL: "Mixtral", Family.QWEN3_MOE: "Qwen3-MoE",
     Family.GPT2: "GPT-2", Family.GEMMA2: "Gemma 2", Family.GEMMA3_TEXT: "Gemma 3 (text)",
     Family.DEEPSEEK_V3: "DeepSeek-V3", Family.DEEPSEEK_V2: "DeepSeek-V2",
+    Family.LLAMA4_TEXT: "Llama 4 (text)",
+    Family.GPT_OSS: "gpt-oss",
 }
 
 
@@ -427,6 +447,8 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
         raise UnsupportedCheckpointError(f"the model does not fit the {family.value} layout")
     if family.value in hf_deepseek.MODEL_TYPES:
         out = hf_deepseek.deepseek_hf_config(config)
+    elif family is Family.GPT_OSS:
+        out = hf_gpt_oss.gpt_oss_hf_config(config, router_aux_loss_coef=router_aux_loss_coef)
     elif family in LLAMA_LAYOUT_FAMILIES:
         rope, legacy_scaling = rope_fields(config)
         out: dict[str, Any] = {
@@ -455,6 +477,8 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
             out.update(hf_moe.qwen3_moe_fields(config, router_aux_loss_coef=router_aux_loss_coef))
         if family.value in hf_gemma.GEMMA_MODEL_TYPES:
             out = hf_gemma.gemma_hf_config(config, model_type=family.value)
+    elif family is Family.LLAMA4_TEXT:
+        out = hf_llama4.llama4_hf_config(config)
     else:
         out = {
             "architectures": ["GPT2LMHeadModel"],

@@ -19,7 +19,7 @@ import numpy as np
 
 from paxlite.checkpointing.stream_write import write_subtrees
 from paxlite.errors import NotFoundError
-from paxlite.interop import gpt2_layout, hf_deepseek, hf_gemma, layouts
+from paxlite.interop import gpt2_layout, gpt_oss_layout, hf_deepseek, hf_gemma, hf_llama4, layouts
 from paxlite.interop.errors import ConversionError
 from paxlite.interop.hf_config import Family, from_hf_config
 from paxlite.models.transformer import TransformerConfig
@@ -29,6 +29,9 @@ INDEX = "model.safetensors.index.json"
 # safetensors dtypes a float32 / bfloat16 paxlite model holds (F16 and F64 convert; integers and
 # FP8 are quantized weights, which need their scales: not a plain cast).
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+# ...except MXFP4's blocks and scales (bytes; gpt-oss's experts), which its layout dequantises
+# (gpt_oss_layout.py): read as uint8 under these name endings only.
+MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 
 class LazySafetensors(Mapping):
@@ -71,7 +74,8 @@ class LazySafetensors(Mapping):
             self._layout[name] = _read_header(path)
             for tensor in handle.keys():  # noqa: SIM118  safe_open is not iterable
                 stored = handle.get_slice(tensor).get_dtype()
-                if stored not in FLOAT_DTYPES:
+                if stored not in FLOAT_DTYPES and not (stored == "U8"
+                                                       and tensor.endswith(MXFP4_SUFFIXES)):
                     raise ConversionError(
                         f"{path}: tensor {tensor} is stored as {stored}; paxlite converts float "
                         f"weights only ({', '.join(FLOAT_DTYPES)}): a quantized checkpoint (int8, "
@@ -124,7 +128,7 @@ def _numpy_dtype(code: str) -> np.dtype:
     import ml_dtypes
 
     return {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"),
-            "BF16": np.dtype(ml_dtypes.bfloat16)}[code]
+            "BF16": np.dtype(ml_dtypes.bfloat16), "U8": np.dtype(np.uint8)}[code]
 
 
 def _read_header(path: str) -> tuple[int, dict[str, Any]]:
@@ -167,6 +171,10 @@ class HfSource:
             return gpt2_layout.iter_gpt2_params(tensors, config=config)
         if self.family.value in hf_deepseek.MODEL_TYPES:
             return hf_deepseek.iter_deepseek_params(tensors, config=config)
+        if self.family is Family.LLAMA4_TEXT:
+            return hf_llama4.iter_llama4_params(tensors, config=config)
+        if self.family is Family.GPT_OSS:
+            return gpt_oss_layout.iter_gpt_oss_params(tensors, config=config)
         return layouts.iter_llama_params(tensors, config=config,
                                          naming=hf_gemma.tensor_naming(self.family.value))
 

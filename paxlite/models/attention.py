@@ -45,8 +45,9 @@ from paxlite.models.attention_kernels import (
     einsum_attention,
     fused_attention,
     make_attention_mask,
-    sliding_window_mask,
 )
+from paxlite.models.attention_sinks import sinks_param
+from paxlite.models.chunked_attention import local_mask, refuse_fused_chunks, tune_query_key
 from paxlite.models.context_parallel import context_parallel_attention
 from paxlite.models.kv_cache import extend_cache
 from paxlite.models.linear import Fp8Config, Linear, projection
@@ -165,6 +166,10 @@ class Attention(nn.Module):
         query_scale_dims: the query is scaled by this ** -0.5 (Gemma); None: dims_per_head.
         logit_cap: the logits become ``cap * tanh(logits / cap)`` before the mask (Gemma 2), in
             the einsum cores only; the fused and sequence-parallel ones refuse it (SettingError).
+        sinks: a learned logit per head (``sinks`` [N]) in every softmax (gpt-oss,
+            models/attention_sinks.py), in the einsum cores only, as ``logit_cap``.
+        out_bias: a bias on the output projection; None: as ``use_bias`` (gpt-oss: True beside
+            use_bias False, whose MLP has none).
         context_parallel_strategy: how the keys and values of other ``seq`` shards reach a
             shard's queries (ALL_GATHER or RING, models/context_parallel.py); read only when the
             mesh has a ``seq`` axis larger than 1. There, FLASH runs the same XLA einsum core
@@ -203,6 +208,14 @@ class Attention(nn.Module):
     qk_norm_kind: NormKind = NormKind.RMS_NORM
     query_scale_dims: int | None = None
     logit_cap: float | None = None
+    # Llama 4 (models/chunked_attention.py): keys of the query's own chunk of positions only; q, k
+    # RMS-normed without weights after RoPE; the query times its position's temperature, given
+    # as (floor, scale). None / False: off.
+    chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    query_temperature: tuple[int, float] | None = None
+    sinks: bool = False
+    out_bias: bool | None = None
 
     def _linear(self, *, equation: str, shape: tuple[int, ...], axes: tuple[str, ...],
                 name: str, lora_groups: int = 0) -> Linear:
@@ -238,7 +251,8 @@ class Attention(nn.Module):
 
         sequence_parallel = core is AttentionCore.SEQUENCE_PARALLEL
         if positions is None and (self.rope_theta is not None or sequence_parallel
-                                  or self.sliding_window is not None):
+                                  or self.sliding_window is not None or self.chunk_size
+                                  or self.query_temperature is not None):
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         if self.qk_norm:  # per head, over H: q [B, T, N, H], k [B, T, K, H]
             q = self._head_norm(name="query_norm")(q)
@@ -246,6 +260,8 @@ class Attention(nn.Module):
         if self.rope_theta is not None:
             q = apply_rotary(q, positions, theta=self.rope_theta, scaling=self.rope_scaling)
             k = apply_rotary(k, positions, theta=self.rope_theta, scaling=self.rope_scaling)
+        q, k = tune_query_key(q, k, positions, l2_norm=self.qk_l2_norm,
+                              epsilon=self.qk_norm_epsilon, temperature=self.query_temperature)
         if self.scale_query:
             scale_dims = self.query_scale_dims or self.dims_per_head
             q = q * jnp.asarray(scale_dims**-0.5, dtype=self.dtype)
@@ -254,35 +270,37 @@ class Attention(nn.Module):
             k, v, key_positions = extend_cache(self, k, v, positions, kv_axes=kv_axes)
         if not sequence_parallel:  # sharded rows take the relative bias by distance, not [T, S]
             bias = self._logit_bias(bias, positions, key_positions, batch=batch, length=length)
-        if self.sliding_window is not None and core in (AttentionCore.EINSUM,
-                                                        AttentionCore.CACHED):
-            if mask is None:
-                mask = make_attention_mask(seq_len=length, segment_ids=segment_ids)
-            mask = mask & sliding_window_mask(positions, key_positions,
-                                              window=self.sliding_window)  # [B, 1, T, S]
+        if core in (AttentionCore.EINSUM, AttentionCore.CACHED):  # [B, 1, T, S] or None
+            mask = local_mask(mask, positions, key_positions, length=length,
+                              segment_ids=segment_ids, window=self.sliding_window,
+                              chunk=self.chunk_size)
 
+        sinks = sinks_param(self, einsum_core=core in (AttentionCore.EINSUM,
+                                                       AttentionCore.CACHED), core=core.value)
         if core is AttentionCore.SEQUENCE_PARALLEL:
             out = self._sequence_parallel_core(q, k, v, mask=mask, bias=bias,
                                                positions=positions, segment_ids=segment_ids,
                                                seq_shards=seq_shards)
         elif core is AttentionCore.CACHED:  # the caller's mask over the whole cache
             out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype,
-                                   logit_cap=self.logit_cap)
+                                   logit_cap=self.logit_cap, sinks=sinks)
         elif core is AttentionCore.FUSED:
+            refuse_fused_chunks(self.chunk_size)
             out = fused_attention(q, k, v, implementation=self.attention_implementation,
                                   mask=mask, bias=bias, segment_ids=segment_ids,
                                   vmapped_stages=self.pipelined,
                                   sliding_window=self.sliding_window, logit_cap=self.logit_cap)
         else:
             out = einsum_attention(q, k, v, mask=mask, bias=bias, segment_ids=segment_ids,
-                                   dtype=self.dtype, logit_cap=self.logit_cap)
+                                   dtype=self.dtype, logit_cap=self.logit_cap, sinks=sinks)
         out = nn.with_logical_constraint(out, HEAD_ACTIVATION_AXES)  # [B, T, N, H]
         out = checkpoint_name(out, CONTEXT_NAME)
 
+        out_bias = self.use_bias if self.out_bias is None else self.out_bias
         out = projection(
             self, equation="BTNH,NHD->BTD",
             shape=(self.num_heads, self.dims_per_head, x.shape[-1]),
-            axes=("heads", "kv", "embed"), bias_axes=("norm",) if self.use_bias else None,
+            axes=("heads", "kv", "embed"), bias_axes=("norm",) if out_bias else None,
             name="out", lora=self.lora)(out)  # [B, T, D]
         return checkpoint_name(out, OUT_PROJ_NAME)
 
@@ -343,7 +361,8 @@ class Attention(nn.Module):
         """
         where = f"the mesh's {SEQ_AXIS!r} axis has size {seq_shards}"
         refused = (("sliding_window", self.sliding_window, "attends to the whole context"),
-                   ("attention_logit_cap", self.logit_cap, "has no logit soft-capping"))
+                   ("attention_logit_cap", self.logit_cap, "has no logit soft-capping"),
+                   ("attention_chunk_size", self.chunk_size, "has no chunked attention"))
         for name, value, why in refused:
             if value is not None:
                 raise SettingError(f"{name}={value} cannot run with sequence parallelism "

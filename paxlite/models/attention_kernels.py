@@ -42,6 +42,7 @@ from flax import linen as nn
 from jax.typing import DTypeLike
 
 from paxlite.errors import SettingError
+from paxlite.models.attention_sinks import softmax_with_sinks
 from paxlite.models.splash_attention import mesh_spec, require_splash, splash_attention
 from paxlite.parallel.compile_targets import compile_platform
 
@@ -97,9 +98,12 @@ def einsum_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
     bias: jax.Array | None = None, segment_ids: jax.Array | None = None,
     dtype: DTypeLike = jnp.float32, logit_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Pax's DotProductAttention core (AttentionKind.DOT_PRODUCT): prescaled q [B, T, N, H], k, v
     [B, S, K, H] -> [B, T, N, H]; logits and softmax in float32, probabilities cast to dtype.
+    sinks: [N] logits that join each head's softmax and are dropped (gpt-oss,
+    models/attention_sinks.py); None: none.
 
     mask: bool [B|1, 1, T, S]; None: causal, restricted to segment_ids [B, T] when given.
     bias: float32 [B|1, N|1, T, S] added to the logits before the mask. With K < N, query head
@@ -115,7 +119,7 @@ def einsum_attention(
         if bias is not None:
             logits = logits + bias  # [B, N, T, S]
         logits = jnp.where(mask, logits, LARGE_NEGATIVE)
-        probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, N, T, S]
+        probs = softmax_with_sinks(logits, sinks).astype(dtype)  # [B, N, T, S]
         return jnp.einsum("BNTS,BSNH->BTNH", probs, v)
     qg = q.reshape(batch, length, kv, n // kv, h)  # [B, T, K, G, H]; head i = k*G + g
     logits = soft_cap(jnp.einsum("BTKGH,BSKH->BKGTS", qg, k).astype(jnp.float32), logit_cap)
@@ -126,7 +130,7 @@ def einsum_attention(
             grouped_bias = bias.reshape(bias.shape[0], kv, n // kv, *bias.shape[2:])
         logits = logits + grouped_bias  # [B, K, G, T, S]
     logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)  # mask [B|1, 1, 1, T, S]
-    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)  # [B, K, G, T, S]
+    probs = softmax_with_sinks(logits, sinks).astype(dtype)  # [B, K, G, T, S]
     return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(batch, length, n, h)
 
 

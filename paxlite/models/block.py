@@ -45,9 +45,10 @@ def make_norm(config: TransformerConfig, *, name: str) -> nn.Module:
 
 def layer_rope(config: TransformerConfig, *, layer_index: int
                ) -> tuple[float | None, RopeScaling | None]:
-    """(RoPE base, scaling) of layer ``layer_index``: None for no rotary embedding; Gemma 3's
-    sliding layers their ``local_rope_theta``, unscaled."""
-    if config.position_kind is not PositionEmbedding.ROTARY:
+    """(RoPE base, scaling) of layer ``layer_index``: None for no rotary embedding (Llama 4's
+    NoPE layers too); Gemma 3's sliding layers their ``local_rope_theta``, unscaled."""
+    if (config.position_kind is not PositionEmbedding.ROTARY
+            or layer_attention(config, layer_index=layer_index) is LayerAttention.FULL_NO_ROPE):
         return None, None
     if (config.local_rope_theta is not None
             and layer_attention(config, layer_index=layer_index) is LayerAttention.SLIDING):
@@ -128,7 +129,9 @@ class Block(nn.Module):
                 lora=cfg.lora_spec if cfg.lora_targets.attention else None, fp8=cfg.fp8,
                 decode=self.decode, pipelined=cfg.pipeline is not None, name="attention")
         kind = layer_attention(cfg, layer_index=self.layer_index)
-        window = None if kind is LayerAttention.FULL else cfg.sliding_window
+        window = cfg.sliding_window if kind in (None, LayerAttention.SLIDING) else None
+        temperature = (None if cfg.query_temperature_floor is None or rope_theta is not None
+                       else (cfg.query_temperature_floor, cfg.query_temperature_scale))
         return Attention(
             num_heads=cfg.num_heads,
             dims_per_head=cfg.dims_per_head,
@@ -160,6 +163,11 @@ class Block(nn.Module):
                           else NormKind.RMS_NORM),
             query_scale_dims=cfg.query_scale_dims,
             logit_cap=cfg.attention_logit_cap,
+            chunk_size=cfg.attention_chunk_size if kind is LayerAttention.CHUNKED else None,
+            qk_l2_norm=cfg.qk_l2_norm and rope_theta is not None,
+            query_temperature=temperature,
+            sinks=cfg.attention_sinks,
+            out_bias=cfg.out_bias,
             name="attention",
         )
 

@@ -162,6 +162,8 @@ class ExpertLinear(nn.Module):
         fp8: None, or an Fp8Config: ``einsum`` runs in FP8 with this matmul's own scaling state
             (one state per ExpertLinear, never shared between wi, wi_gate and wo). The grouped
             matmul of dropless routing has no FP8 form, so ``kernel_value`` refuses it.
+        bias_axes: None, or the logical names of a ``bias`` [E, out] per expert (gpt-oss), zeros
+            at init; dropless routing adds it (``bias_value``), ``einsum`` refuses it.
     """
 
     kernel_shape: tuple[int, int, int]
@@ -170,6 +172,7 @@ class ExpertLinear(nn.Module):
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
     fp8: Fp8Config | None = None
+    bias_axes: tuple[str, str] | None = None
 
     def setup(self) -> None:
         if len(self.kernel_shape) != 3 or len(self.kernel_axes) != 3:
@@ -179,11 +182,21 @@ class ExpertLinear(nn.Module):
             )
         self.kernel = _kernel(self)
         self.fp8_einsum = _fp8_einsum(self)
+        if self.bias_axes is not None:
+            shape = (self.kernel_shape[0], self.kernel_shape[2])
+            self.bias = self.param("bias", nn.with_logical_partitioning(
+                nn.initializers.zeros, self.bias_axes), shape, self.param_dtype)
 
     def einsum(self, equation: str, x: jax.Array) -> jax.Array:
         """``einsum(equation, x, kernel)`` in dtype (FP8 with ``fp8``); the kernel is the second
         operand."""
+        if self.bias_axes is not None:
+            raise ValueError("expert biases are added by dropless routing only (bias_value)")
         return _einsum(self, equation, x)
+
+    def bias_value(self) -> jax.Array | None:
+        """The [E, out] bias in the compute dtype; None without one."""
+        return None if self.bias_axes is None else self.bias.astype(self.dtype)
 
     def kernel_value(self) -> jax.Array:
         """The kernel in the compute dtype, to hand to :func:`grouped_matmul`."""

@@ -51,7 +51,9 @@ from paxlite.models.moe_gating import (
     top2_gating,
     topk_routing,
 )
+from paxlite.models.moe_gpt_oss import GatedUnit, add_expert_bias, gated_unit
 from paxlite.models.moe_router_deepseek import SCORE_BIAS_NAME, deepseek_routing
+from paxlite.models.moe_sigmoid_gating import sigmoid_topk_routing
 from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
 from paxlite.models.tiled_grouped_matmul import tiled_grouped_matmul
 
@@ -141,13 +143,19 @@ def _dropless_experts(
     wi: jax.Array,  # [E_local, D, F_local]
     wi_gate: jax.Array | None,  # [E_local, D, F_local]
     wo: jax.Array,  # [E_local, F_local, D]
+    biases: tuple[jax.Array | None, ...] = (None,) * 3,  # wi, wi_gate [E_l, F_l], wo [E_l, D]
     *,
     activation,
     expert_axis: str | None,
     tensor_axes: tuple[str, ...],
     kernel_fn: GroupedMatmulKernel,
+    weights_on_input: bool = False,
+    unit: GatedUnit | None = None,
 ) -> jax.Array:
-    """The body run per shard (or once, without a mesh): [N, D] -> [N, D] in x's dtype."""
+    """The body run per shard (or once, without a mesh): [N, D] -> [N, D] in x's dtype.
+    ``weights_on_input`` (Llama 4): each expert gets its token times the weight, and the K
+    outputs are summed unweighted. Gated experts combine gate and up by ``unit`` (None:
+    ``activation(gate) * up``); ``biases`` (gpt-oss) are added per row's expert."""
     local_experts = wi.shape[0]
     if expert_axis is not None:  # every shard of the expert group sees every token of the group
         x = jax.lax.all_gather(x, expert_axis, tiled=True)  # [N', D], N' = N * ep
@@ -165,19 +173,26 @@ def _dropless_experts(
     group_sizes = jnp.bincount(sort_key, length=local_experts + 1)[:local_experts]  # [E_local]
 
     rows = jnp.repeat(x, k, axis=0)  # [M, D]: row m is token m // K
+    if weights_on_input:
+        rows = (rows * weights.reshape(-1, 1)).astype(x.dtype)
+        weights = (weights != 0).astype(jnp.float32)  # padding (weight 0) stays out
     rows = _permute(rows, order, inverse)  # sorted by local expert
     # Rows past sum(group_sizes) belong to other shards' experts (with an expert axis). The kernel
     # may leave anything there; grouped_matmul masks them to zero in its output and keeps their
     # gradient out, so `out` below is exactly zero there before it is un-permuted and combined.
     matmul = functools.partial(grouped_matmul, group_sizes=group_sizes, kernel_fn=kernel_fn)
-    hidden = matmul(rows, wi)  # [M, F]
+    row_expert = sort_key[order]  # [M]: each sorted row's local expert (local_experts: foreign)
+    bi, bi_gate, bo = biases
+    hidden = add_expert_bias(matmul(rows, wi), bi, row_expert)  # [M, F]
     if wi_gate is not None:
-        hidden = activation(matmul(rows, wi_gate)) * hidden
+        gate = add_expert_bias(matmul(rows, wi_gate), bi_gate, row_expert)
+        hidden = (unit or (lambda g, u: activation(g) * u))(gate, hidden)
     else:
         hidden = activation(hidden)
     out = matmul(hidden, wo)  # [M, D]; zero rows for other shards' experts
     if tensor_axes:  # F was split over the tensor axes: partial sums
         out = jax.lax.psum(out, tensor_axes)
+    out = add_expert_bias(out, bo, row_expert)  # after the sum: bo is not split over F
     out = _permute(out, inverse, order).reshape(num_tokens, k, -1)  # [N', K, D] token-major
     y = jnp.einsum("NKD,NK->ND", out.astype(jnp.float32), weights)  # combine in float32
     if expert_axis is not None:
@@ -212,9 +227,10 @@ class MoeMlp(nn.Module):
     grouped_matmul_fn: GroupedMatmulKernel | None = None
 
     def _expert(self, shape: tuple[int, int, int], axes: tuple[str, str, str], name: str):
+        bias = (axes[0], axes[2]) if self.config.use_bias else None  # gpt-oss: [E, out]
         return ExpertLinear(kernel_shape=shape, kernel_axes=axes, init_std=self.init_std,
                             dtype=self.dtype, param_dtype=self.param_dtype, fp8=self.fp8,
-                            name=name)
+                            bias_axes=bias, name=name)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, paddings: jax.Array | None = None) -> jax.Array:
@@ -225,6 +241,7 @@ class MoeMlp(nn.Module):
         # Router in float32 (Praxis and HF Mixtral both route in full precision).
         router = Linear(equation="NTD,DE->NTE", kernel_shape=(model_dims, e),
                         kernel_axes=("embed", "router"), init_std=self.init_std,
+                        bias_axes=("router",) if cfg.use_bias else None,
                         dtype=jnp.float32, param_dtype=self.param_dtype, name="router")
         wi = self._expert((e, model_dims, f), ("expert", "embed", "mlp"), "wi")
         wi_gate = (self._expert((e, model_dims, f), ("expert", "embed", "mlp"), "wi_gate")
@@ -299,10 +316,7 @@ class MoeMlp(nn.Module):
         batch, length, model_dims = x.shape
         logits = router(x)  # [B, T, E] float32
         flat_logits = logits.reshape(batch * length, -1)
-        if cfg.deepseek_router is None:
-            weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
-                                                   renormalize=cfg.renormalize_top_k)  # [N, K]
-        else:
+        if cfg.deepseek_router is not None:
             bias = (self.param(SCORE_BIAS_NAME,
                                nn.with_logical_partitioning(nn.initializers.zeros, ("router",)),
                                (cfg.num_experts,), jnp.float32)
@@ -310,6 +324,11 @@ class MoeMlp(nn.Module):
             weights, experts, probs = deepseek_routing(
                 flat_logits, bias, cfg.deepseek_router, k=cfg.experts_per_token,
                 renormalize=cfg.renormalize_top_k)
+        elif cfg.routing is MoeRouting.SIGMOID_TOPK:
+            weights, experts, probs = sigmoid_topk_routing(flat_logits, k=cfg.experts_per_token)
+        else:
+            weights, experts, probs = topk_routing(flat_logits, k=cfg.experts_per_token,
+                                                   renormalize=cfg.renormalize_top_k)  # [N, K]
         pad = None if paddings is None else paddings.reshape(-1).astype(jnp.float32)
         aux = load_balancing_loss_topk(probs, experts, num_experts=cfg.num_experts, paddings=pad)
         z_loss = router_z_loss(flat_logits, pad)
@@ -330,28 +349,39 @@ class MoeMlp(nn.Module):
         run = functools.partial(
             _dropless_experts, activation=act,
             expert_axis=expert_axes[0] if ep > 1 else None, tensor_axes=tensor_axes,
-            kernel_fn=kernel_fn)
+            kernel_fn=kernel_fn, weights_on_input=cfg.routing is MoeRouting.SIGMOID_TOPK,
+            unit=gated_unit(cfg, act))
         gate_kernel = None if wi_gate is None else wi_gate.kernel_value()
+        biases = (wi.bias_value(), None if wi_gate is None else wi_gate.bias_value(),
+                  wo.bias_value())
         x2 = x.reshape(batch * length, model_dims).astype(self.dtype)
         weights = weights * real[:, None]  # padding contributes nothing
         if jax.sharding.get_abstract_mesh().empty:
-            y = run(x2, experts, weights, wi.kernel_value(), gate_kernel, wo.kernel_value())
+            y = run(x2, experts, weights, wi.kernel_value(), gate_kernel, wo.kernel_value(),
+                    biases)
         else:
             rows = PartitionSpec(batch_axes or None)
             expert_w = PartitionSpec(expert_axes[0] if ep > 1 else None, None,
                                      tensor_axes or None)
             expert_wo = PartitionSpec(expert_w[0], tensor_axes or None, None)
+            bias_specs = (PartitionSpec(expert_w[0], tensor_axes or None),) * 2 + (
+                PartitionSpec(expert_w[0], None),)
             kernels = [wi.kernel_value(), wo.kernel_value()] + (
                 [] if gate_kernel is None else [gate_kernel])
+            present = [b for b in biases if b is not None]
+            specs = [spec for b, spec in zip(biases, bias_specs, strict=True) if b is not None]
 
-            def body(x_, experts_, weights_, wi_, wo_, *gate_):
-                return run(x_, experts_, weights_, wi_, gate_[0] if gate_ else None, wo_)
+            def body(x_, experts_, weights_, wi_, wo_, *rest):
+                gate_, given = rest[:len(kernels) - 2], iter(rest[len(kernels) - 2:])
+                these = tuple(None if b is None else next(given) for b in biases)
+                return run(x_, experts_, weights_, wi_, gate_[0] if gate_ else None, wo_, these)
 
             y = jax.shard_map(
                 body,
-                in_specs=(rows, rows, rows, expert_w, expert_wo) + (expert_w,) * len(kernels[2:]),
+                in_specs=((rows, rows, rows, expert_w, expert_wo)
+                          + (expert_w,) * len(kernels[2:]) + tuple(specs)),
                 out_specs=rows,
                 check_vma=False,  # outputs are psum'd over the tensor axes: replicated there
-            )(x2, experts, weights, *kernels)
+            )(x2, experts, weights, *kernels, *present)
         return y.reshape(batch, length, model_dims), (aux, z_loss, assignments,
                                                       jnp.zeros((), jnp.float32))

@@ -26,6 +26,9 @@ class MoeRouting(str, enum.Enum):
 
     GSHARD_TOP2 = "gshard_top2"  # GLaM: top-2 with a capacity per group; over-capacity tokens drop
     DROPLESS_TOPK = "dropless_topk"  # Mixtral: softmax -> top-k (-> renormalise); nothing drops
+    # Llama 4: top-k logits -> sigmoid gates that scale each token's input to its experts;
+    # dropless (models/moe_sigmoid_gating.py)
+    SIGMOID_TOPK = "sigmoid_topk"
 
 
 class GroupedMatmul(str, enum.Enum):
@@ -96,6 +99,13 @@ class MoeConfig:
             differ from the rest has no period to scan or pipeline, so those refuse a value > 0.
         deepseek_router: dropless only: DeepSeek-V2/V3's scores and choice
             (models/moe_router_deepseek.py) instead of the softmax top-k; None: softmax top-k.
+        use_bias: dropless only: biases on the router logits and on each expert's wi, wi_gate and
+            wo (gpt-oss; models/moe_gpt_oss.py).
+        swiglu_limit: dropless gated SiLU experts only: gpt-oss's clamped SwiGLU, gate clamped to
+            <= limit and up to [-limit, limit], ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``;
+            None: ``silu(gate) * up``.
+        swiglu_alpha: the sigmoid's gain in that clamped SwiGLU (gpt-oss: 1.702); read only with
+            swiglu_limit.
     """
 
     num_experts: int
@@ -114,6 +124,9 @@ class MoeConfig:
     shared_expert_hidden_dims: int | None = None
     first_moe_layer: int = 0
     deepseek_router: DeepseekRouter | None = None
+    use_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for field, enum_cls in (("routing", MoeRouting), ("expert_activation", Activation),
@@ -193,4 +206,34 @@ def moe_problems(**fields: object) -> list[str]:
             and MoeRouting(routing) is MoeRouting.GSHARD_TOP2):
         problems.append("renormalize_top_k=False with routing='gshard_top2': GShard's top-2 "
                         "always renormalises its two gates; use routing='dropless_topk'")
+    if (fields.get("renormalize_top_k") is True and routing in tuple(MoeRouting)
+            and MoeRouting(routing) is MoeRouting.SIGMOID_TOPK):
+        problems.append("renormalize_top_k=True with routing='sigmoid_topk': its sigmoid gates "
+                        "are never renormalised; set renormalize_top_k=False")
+    return problems + _gpt_oss_problems(fields)
+
+
+def _gpt_oss_problems(fields: dict[str, object]) -> list[str]:
+    """use_bias, swiglu_limit and swiglu_alpha (gpt-oss's experts)."""
+    problems = []
+    if "use_bias" in fields and not isinstance(fields["use_bias"], bool):
+        problems.append(f"use_bias={fields['use_bias']!r} must be True or False")
+    for name in ("swiglu_limit", "swiglu_alpha"):
+        value = fields.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0):
+            problems.append(f"{name}={value!r} must be a positive number"
+                            + (" or None (silu(gate) * up)" if name == "swiglu_limit" else ""))
+    routing = fields.get("routing")
+    gshard = routing in tuple(MoeRouting) and MoeRouting(routing) is MoeRouting.GSHARD_TOP2
+    for name, on in (("use_bias", fields.get("use_bias") is True),
+                     ("swiglu_limit", fields.get("swiglu_limit") is not None)):
+        if on and gshard:
+            problems.append(f"{name} with routing='gshard_top2': gpt-oss's experts are dropless; "
+                            "use routing='dropless_topk'")
+    if fields.get("swiglu_limit") is not None and not (
+            fields.get("gated_experts") is True
+            and fields.get("expert_activation") in (Activation.SILU, Activation.SILU.value)):
+        problems.append("swiglu_limit (the clamped SwiGLU) needs gated_experts=True and "
+                        "expert_activation='silu'")
     return problems

@@ -6,10 +6,11 @@ one token pass through (``num_active_params``: the router and its top-k experts 
 not all E), and how large is a config whose modules are not all written yet. The formulas follow
 the parameter tree of ``docs/moe_experiments.md`` (and the MoE design): MoE layers hold
 ``moe/router/kernel [D, E]``, ``moe/wi/kernel [E, D, F]``, ``moe/wi_gate/kernel [E, D, F]``
-(gated experts only) and ``moe/wo/kernel [E, F, D]``, with no biases; the relative position bias
-of ``PositionEmbedding.RELATIVE_BIAS`` is one ``[buckets, heads]`` table per layer, as in Praxis's
-``RelativeBias`` (each attention layer owns one). A test checks the dense part against the built
-model, so the two cannot drift apart unnoticed.
+(gated experts only) and ``moe/wo/kernel [E, F, D]``, with no biases but gpt-oss's
+(``moe.use_bias``: ``bias`` [E, out] beside each kernel, [E] beside the router's); the relative
+position bias of ``PositionEmbedding.RELATIVE_BIAS`` is one ``[buckets, heads]`` table per layer,
+as in Praxis's ``RelativeBias`` (each attention layer owns one). A test checks the dense part
+against the built model, so the two cannot drift apart unnoticed.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ def expert_hidden_dims(config: TransformerConfig) -> int:
 
 
 def params_per_expert(config: TransformerConfig) -> int:
-    """One expert's weights: wi and wo (and wi_gate when gated), no biases."""
+    """One expert's weights: wi and wo (and wi_gate when gated), and their biases with
+    ``moe.use_bias``."""
     matrices = 3 if config.moe.gated_experts else 2
-    return matrices * config.model_dims * expert_hidden_dims(config)
+    f = expert_hidden_dims(config)
+    biases = ((matrices - 1) * f + config.model_dims) if config.moe.use_bias else 0
+    return matrices * config.model_dims * f + biases
 
 
 def router_params(config: TransformerConfig) -> int:
-    """The router of one MoE layer: a [D, E] kernel, no bias."""
-    return config.model_dims * config.moe.num_experts
+    """The router of one MoE layer: a [D, E] kernel, and an [E] bias with ``moe.use_bias``."""
+    return (config.model_dims + int(config.moe.use_bias)) * config.moe.num_experts
 
 
 def shared_expert_params(config: TransformerConfig) -> int:
@@ -84,7 +88,9 @@ def _attention_params(config: TransformerConfig) -> int:
     q, kv = config.num_heads * h, config.kv_heads * h
     weights = d * (q + 2 * kv) + q * d
     qkv_bias = config.use_bias if config.qkv_bias is None else config.qkv_bias
-    biases = (q + 2 * kv if qkv_bias else 0) + (d if config.use_bias else 0)
+    out_bias = config.use_bias if config.out_bias is None else config.out_bias
+    biases = (q + 2 * kv if qkv_bias else 0) + (d if out_bias else 0)
+    biases += config.num_heads if config.attention_sinks else 0  # gpt-oss's sinks [N]
     norms = 2 * h if config.qk_norm else 0  # Qwen3's RMSNorm scales of q and k, [H] each
     relative = 0
     if config.position_kind is PositionEmbedding.RELATIVE_BIAS:

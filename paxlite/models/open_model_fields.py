@@ -1,6 +1,6 @@
 """The checks of TransformerConfig's open-model fields (LLaMA-3's RoPE scaling, Qwen's q/k/v
-biases and q/k norms, Mistral's window, Gemma 2/3's norms, soft-caps and per-layer attention),
-and the per-layer attention pattern they define.
+biases and q/k norms, Mistral's window, Gemma 2/3's norms, soft-caps and per-layer attention,
+Llama 4's chunked and NoPE layers), and the per-layer attention pattern they define.
 
 Apart from models/transformer_config.py, which keeps the dataclass: these fields grew with every
 family, and their rules (which combinations a kernel, a scan or a pipeline can run) read best
@@ -11,6 +11,7 @@ enums there are coerced.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,12 @@ class LayerAttention(str, enum.Enum):
 
     FULL = "full_attention"  # the whole context (Gemma's global layers)
     SLIDING = "sliding_attention"  # the last ``sliding_window`` positions (Gemma's local layers)
+    # Llama 4's RoPE layers: the keys of the query's own chunk of ``attention_chunk_size``
+    # positions, causally (models/chunked_attention.py)
+    CHUNKED = "chunked_attention"
+    # Llama 4's NoPE layers: the whole context without a rotary embedding (paxlite's name: in
+    # transformers' config a 'full_attention' layer whose ``no_rope_layers`` entry is 0)
+    FULL_NO_ROPE = "full_attention_no_rope"
 
 
 def layer_pattern_period(layer_types: Sequence[LayerAttention] | None) -> int:
@@ -71,6 +78,57 @@ def check_open_model_fields(config: Any) -> None:
         raise ValueError(f"TransformerConfig.rope_scaling is set but the position embedding is "
                          f"{config.position_kind.value!r}: it rescales rotary embeddings only")
     _check_gemma_fields(config)
+    _check_llama4_fields(config)
+    _check_gpt_oss_fields(config)
+
+
+def _check_llama4_fields(config: Any) -> None:
+    """attention_chunk_size, qk_l2_norm and the query temperature: valid values, and each set
+    only where a layer reads it."""
+    types = config.layer_types or ()
+    chunk, floor = config.attention_chunk_size, config.query_temperature_floor
+    for name, value in (("attention_chunk_size", chunk), ("query_temperature_floor", floor)):
+        if value is not None and not _is_size(value):
+            raise ValueError(f"TransformerConfig.{name}={value!r} must be None or a positive "
+                             "integer")
+    scale = config.query_temperature_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 0:
+        raise ValueError(f"TransformerConfig.query_temperature_scale={scale!r} must be a number "
+                         ">= 0")
+    if not isinstance(config.qk_l2_norm, bool):
+        raise ValueError(f"TransformerConfig.qk_l2_norm={config.qk_l2_norm!r} must be True or "
+                         "False")
+    if (chunk is None) == (LayerAttention.CHUNKED in types):
+        raise ValueError(
+            f"TransformerConfig.attention_chunk_size={chunk!r} with layer_types "
+            f"{'without' if chunk is not None else 'with'} 'chunked_attention' layers: it is set "
+            "exactly when such layers are there")
+    if floor is not None and LayerAttention.FULL_NO_ROPE not in types:
+        raise ValueError(f"TransformerConfig.query_temperature_floor={floor} is set but no layer "
+                         "is 'full_attention_no_rope', the only ones it tempers")
+    rotary = config.position_kind.value == "rotary"
+    if not rotary and (config.qk_l2_norm or LayerAttention.FULL_NO_ROPE in types):
+        raise ValueError(f"TransformerConfig.qk_l2_norm or 'full_attention_no_rope' layers with "
+                         f"position embedding {config.position_kind.value!r}: they are defined "
+                         "against rotary layers")
+    if chunk is not None and config.attention_kind.value == "flash":
+        raise ValueError(f"TransformerConfig.attention_chunk_size={chunk} with attention kind "
+                         "'flash': no fused kernel has a chunk pattern; use 'dot_product'")
+
+
+
+def _check_gpt_oss_fields(config: Any) -> None:
+    """attention_sinks and out_bias (gpt-oss)."""
+    if not isinstance(config.attention_sinks, bool):
+        raise ValueError(f"TransformerConfig.attention_sinks={config.attention_sinks!r} must be "
+                         "True or False")
+    if config.out_bias is not None and not isinstance(config.out_bias, bool):
+        raise ValueError(f"TransformerConfig.out_bias={config.out_bias!r} must be None (as "
+                         "use_bias), True or False")
+    if config.attention_sinks and config.attention_kind.value == "flash":
+        raise ValueError("TransformerConfig.attention_sinks=True with attention kind 'flash': "
+                         "JAX's fused kernels (XLA, cuDNN, Pallas-Triton, splash) have no sink "
+                         "logit; use attention kind 'dot_product'")
 
 
 def _check_gemma_fields(config: Any) -> None:
@@ -108,8 +166,9 @@ def _check_layer_types(config: Any) -> None:
                              "'sliding_attention' layers of layer_types")
         return
     if isinstance(types, str) or not isinstance(types, Sequence):
+        valid = " / ".join(repr(m.value) for m in LayerAttention)
         raise ValueError(f"TransformerConfig.layer_types={types!r} must be None or a sequence "
-                         "of 'full_attention' / 'sliding_attention', one per layer")
+                         f"of {valid}, one per layer")
     try:
         types = tuple(LayerAttention(kind) for kind in types)
     except ValueError:
@@ -124,10 +183,11 @@ def _check_layer_types(config: Any) -> None:
         raise ValueError("TransformerConfig.layer_types has 'sliding_attention' layers but "
                          "sliding_window is None: set the window they attend over")
     period = layer_pattern_period(types)
-    if period > 1 and config.moe is not None:
+    interval = 1 if config.moe is None else config.moe.moe_layer_interval
+    if period > 1 and math.lcm(period, interval) != max(period, interval):
         raise ValueError(f"TransformerConfig.layer_types (a pattern of period {period}) with "
-                         "moe: paxlite's scan unit is either a pattern period or an MoE unit; "
-                         "give every layer the same attention, or moe=None")
+                         f"moe_layer_interval={interval}: paxlite's scan unit is the longer of "
+                         "the two, so one must divide the other")
     stacked = [what for what, on in (("scan_layers=True", config.scan_layers),
                                      ("a pipeline", config.pipeline is not None)) if on]
     if period > 1 and config.num_layers % period and stacked:
@@ -141,10 +201,12 @@ def transformer_engine_problems(config: Any) -> list[str]:
     """What of these fields TE's TransformerLayer cannot express, one clause each."""
     problems = [f"{name}={getattr(config, name)!r} is paxlite's attention option"
                 for name in ("rope_scaling", "qkv_bias", "sliding_window", "query_scale_dims",
-                             "attention_logit_cap", "layer_types", "local_rope_theta")
+                             "attention_logit_cap", "layer_types", "local_rope_theta",
+                             "attention_chunk_size", "query_temperature_floor", "out_bias")
                 if getattr(config, name) is not None]
     problems += [f"{name}=True is paxlite's option"
-                 for name in ("qk_norm", "post_norms", "scale_embeddings")
+                 for name in ("qk_norm", "post_norms", "scale_embeddings", "qk_l2_norm",
+                              "attention_sinks")
                  if getattr(config, name)]
     if config.final_logit_cap is not None:
         problems.append(f"final_logit_cap={config.final_logit_cap!r} is paxlite's output option")

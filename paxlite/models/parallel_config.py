@@ -24,7 +24,8 @@ def scan_unit_layers(*, moe_layer_interval: int | None, pattern_period: int = 1)
     """Layers in one scanned body, the unit a pipeline splits the stack by: 1 for dense models,
     the MoE layer interval for MoE ones (GLaM's dense + MoE pair is 2; ``None``: no MoE layers),
     the period of the layers' attention pattern where they differ (Gemma 2's local + global pair
-    is 2; the config allows one of the two above 1)."""
+    is 2); where both are above 1 the config has the longer a multiple of the shorter (gpt-oss:
+    a local + global pair, both MoE)."""
     return max(1 if moe_layer_interval is None else moe_layer_interval, pattern_period)
 
 

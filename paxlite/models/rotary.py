@@ -98,10 +98,11 @@ class RopeScaling:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"RopeScaling.{name}={value!r} must be a positive number")
-        if not self.high_freq_factor > self.low_freq_factor:
+        if not self.high_freq_factor >= self.low_freq_factor:
             raise ValueError(
                 f"RopeScaling.high_freq_factor={self.high_freq_factor!r} must be larger than "
-                f"low_freq_factor={self.low_freq_factor!r} (they bound the blended band)")
+                f"or equal to low_freq_factor={self.low_freq_factor!r} (they bound the blended "
+                "band; equal: no band, Llama 4's)")
         original = self.original_max_position_embeddings
         if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
             raise ValueError(f"RopeScaling.original_max_position_embeddings={original!r} must be "
@@ -164,6 +165,8 @@ class RopeScaling:
         wavelength = 2 * math.pi / inv_freq  # [H/2]
         slow = jnp.where(wavelength > original / self.low_freq_factor, inv_freq / self.factor,
                          inv_freq)
+        if self.high_freq_factor == self.low_freq_factor:  # an empty band: a step
+            return slow
         blend = ((original / wavelength - self.low_freq_factor)
                  / (self.high_freq_factor - self.low_freq_factor))
         blended = (1 - blend) * slow / self.factor + blend * slow

@@ -310,6 +310,17 @@ class TransformerConfig:
     local_rope_theta: float | None = None
     # Multi-head latent attention (DeepSeek-V2/V3, models/mla_attention.py); None: Attention.
     mla: MlaConfig | None = None
+    # Llama 4 (models/chunked_attention.py): the chunk of the 'chunked_attention' layers; q/k
+    # RMS-normed without weights after RoPE (RoPE layers); the NoPE layers' query times
+    # 1 + query_temperature_scale * log1p(floor((pos + 1) / query_temperature_floor)) (None: off).
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    query_temperature_floor: int | None = None
+    query_temperature_scale: float = 0.1
+    # gpt-oss (models/open_model_fields.py): a learned logit per head in every attention softmax
+    # (models/attention_sinks.py); a bias on the attention output projection (None: as use_bias).
+    attention_sinks: bool = False
+    out_bias: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, Mapping):  # read back from JSON
@@ -330,10 +341,10 @@ class TransformerConfig:
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise ValueError(f"TransformerConfig.fp8={self.fp8!r} must be None or an Fp8Config")
         if (self.fp8 is not None and self.moe is not None
-                and MoeRouting(self.moe.routing) is MoeRouting.DROPLESS_TOPK):
+                and MoeRouting(self.moe.routing) is not MoeRouting.GSHARD_TOP2):
             raise ValueError(
-                "TransformerConfig.fp8 with moe.routing='dropless_topk': the dropless grouped "
-                "matmul has no FP8 form; use routing='gshard_top2' with FP8, or fp8=None")
+                f"TransformerConfig.fp8 with moe.routing={self.moe.routing.value!r}: the dropless "
+                "grouped matmul has no FP8 form; use routing='gshard_top2' with FP8, or fp8=None")
         _coerce_enum(self, "norm", NormKind)
         _coerce_enum(self, "lora_targets", LoraTargets)
         if self.lora_rank is not None:

@@ -105,7 +105,7 @@ def test_pallas_triton_refuses_a_window():
     (dict(qkv_bias="yes"), "qkv_bias='yes' must be None"),
     (dict(qk_norm=None), "qk_norm=None must be True or False"),
     (dict(rope_scaling=3), "rope_scaling=3 must be None or a RopeScaling"),
-    (dict(rope_scaling={"kind": "yarn"}), "RopeScaling.kind='yarn' is not valid"),
+    (dict(rope_scaling={"kind": "dynamic"}), "RopeScaling.kind='dynamic' is not valid"),
     (dict(rope_scaling={"low_freq_factor": 4.0, "high_freq_factor": 1.0}),
      "RopeScaling.high_freq_factor=1.0 must be larger"),
     (dict(attention_kind="flash", attention_implementation="pallas_triton"),

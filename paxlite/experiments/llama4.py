@@ -1,0 +1,102 @@
+"""Meta's Llama 4 Scout (Hugging Face `meta-llama/Llama-4-Scout-17B-16E`): its text model at the
+published size, set up for fine-tuning.
+
+The shape is the published config.json's ``text_config`` (transformers' ``Llama4TextConfig``):
+LLaMA's layout (RMSNorm eps 1e-5, SwiGLU, grouped-query attention, no biases, an untied output
+head) with Llama 4's differences, each a TransformerConfig option (models/chunked_attention.py,
+models/moe_sigmoid_gating.py):
+
+- Every 4th layer is NoPE: no rotary embedding, the whole context, and its query tempered by
+  position (``1 + 0.1 * log1p(floor((p + 1) / 8192))``). The other three are chunked: RoPE
+  (base 5e5, LLaMA-3's scaling with factor 16, low and high frequency factors both 1, original
+  context 8,192), the keys of the query's own chunk of 8,192 positions only, and q and k
+  RMS-normalised without weights after RoPE.
+- Every layer's feed-forward block is a mixture of 16 SwiGLU experts of width 8,192, one per token:
+  the sigmoid of the chosen expert's router logit scales the token before that expert, and a
+  shared SwiGLU expert of the same width adds its output for every token. transformers' Llama 4
+  adds no load-balancing loss, so neither does this experiment (LOAD_BALANCING_WEIGHT 0).
+
+Parameter count equal to transformers' for the same text config (107,769,861,120). Attention runs
+Pax's einsums (ATTENTION_KIND 'dot_product': no fused kernel has a chunk pattern); the layers are
+scanned in units of 4 (three chunked layers and a NoPE one). The weights come from a converted
+``llama4_text`` checkpoint (`python -m paxlite convert --from=hf --to=paxlite`), then
+--fdl.CHECKPOINT_RESTORE_PATH=DIR.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import fiddle as fdl
+
+from paxlite.experiments.architecture_settings import RopeScalingSettings, TiedEmbeddingSettings
+from paxlite.experiments.fine_tuning import FineTuningRecipe
+from paxlite.experiments.llama import BaseLLaMA
+from paxlite.experiments.model_settings import RotarySettings
+from paxlite.experiments.moe_settings import MoeSettings
+from paxlite.models.activations import Activation
+from paxlite.models.open_model_fields import LayerAttention
+from paxlite.models.transformer import TransformerConfig
+
+
+class Llama4Scout17B16E(MoeSettings, FineTuningRecipe, TiedEmbeddingSettings,
+                        RopeScalingSettings, RotarySettings, BaseLLaMA):
+    """Llama 4 Scout's text model: 48 layers (every 4th NoPE, the others chunked by 8,192), 40
+    query and 8 key/value heads x 128, d_model 5120, on every layer 16 experts of ffn 8192, one per
+    token, plus a shared expert; vocabulary 202,048; 107,769,861,120 parameters."""
+
+    hf_ids = ("meta-llama/Llama-4-Scout-17B-16E", "meta-llama/Llama-4-Scout-17B-16E-Instruct")
+
+    moe_layer_interval: ClassVar[int] = 1  # interleave_moe_layer_step 1: every layer sparse
+    gated_experts: ClassVar[bool] = True
+    expert_activation: ClassVar[Activation] = Activation.SILU
+    no_rope_layer_interval: ClassVar[int] = 4  # layer i is NoPE when (i + 1) % 4 == 0
+
+    NUM_LAYERS = 48
+    NUM_HEADS = 40
+    NUM_KV_HEADS = 8
+    DIMS_PER_HEAD = 128
+    MODEL_DIMS = 5120
+    HIDDEN_DIMS = 16384  # intermediate_size_mlp: a dense layer's, which Scout has none of
+    VOCAB_SIZE = 202_048
+    LAYERNORM_EPSILON = 1e-5
+    ROPE_THETA = 5e5
+    ROPE_SCALING = "llama3"
+    ROPE_SCALING_FACTOR = 16.0
+    ROPE_SCALING_LOW_FREQ_FACTOR = 1.0
+    ROPE_SCALING_HIGH_FREQ_FACTOR = 1.0
+    ROPE_SCALING_ORIGINAL_MAX_POSITION = 8192
+    MAX_SEQ_LEN = 8192
+    ATTENTION_KIND = "dot_product"
+    NUM_EXPERTS = 16
+    NUM_EXPERTS_PER_TOKEN = 1
+    EXPERT_HIDDEN_DIMS = 8192
+    MOE_ROUTING = "sigmoid_topk"
+    LOAD_BALANCING_WEIGHT = 0.0
+    PERCORE_BATCH_SIZE = 1
+    # Llama 4's attention (module docstring)
+    ATTENTION_CHUNK_SIZE: int = 8192
+    ATTN_FLOOR_SCALE: int = 8192
+    ATTN_SCALE: float = 0.1
+
+    def layers_per_scan_unit(self) -> int:
+        """Three chunked layers and a NoPE one: what the model scans and a pipeline splits."""
+        return max(super().layers_per_scan_unit(), self.no_rope_layer_interval)
+
+    def model_config(self) -> fdl.Config[TransformerConfig]:
+        config = super().model_config()
+        moe = self.moe_config()
+        moe.renormalize_top_k = False  # sigmoid gates
+        moe.shared_expert_hidden_dims = self.EXPERT_HIDDEN_DIMS
+        config.moe = moe
+        config.layer_types = tuple(
+            LayerAttention.CHUNKED if (i + 1) % self.no_rope_layer_interval
+            else LayerAttention.FULL_NO_ROPE for i in range(self.NUM_LAYERS))
+        config.attention_chunk_size = self.ATTENTION_CHUNK_SIZE
+        config.qk_l2_norm = True
+        config.query_temperature_floor = self.ATTN_FLOOR_SCALE
+        config.query_temperature_scale = self.ATTN_SCALE
+        return config
+
+
+LLAMA4_EXPERIMENTS = (Llama4Scout17B16E,)
