@@ -185,8 +185,8 @@ def test_cli_converts_both_ways(tmp_path, monkeypatch, capfd):
     ({"model_type": "glm4_moe", "n_shared_experts": 1, "n_routed_experts": 4},
      "n_shared_experts=1 (model_type='glm4_moe')"),
     ({"model_type": "glm4_moe", "n_routed_experts": 4},
-     "model_type='glm4_moe' (n_routed_experts=4) is a mixture-of-experts model paxlite does "
-     "not convert"),
+     ("model_type='glm4_moe' (n_routed_experts=4) is a mixture-of-experts model paxlite does "
+      "not convert")),
     ({"model_type": "olmoe", "num_experts": 4}, "model_type='olmoe' (num_experts=4)"),
     ({"num_experts_per_tok": 5}, ("num_experts_per_tok=5 is not supported: it must be between 1 "
                                  "and num_local_experts=4")),
