@@ -16,45 +16,44 @@ plus 58 x 256 = 14,848 (`num_trainable_params` is transformers' count).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import fiddle as fdl
 
 from paxlite.experiments.fine_tuning import FineTuningRecipe
 from paxlite.experiments.llama import BaseLLaMA
 from paxlite.experiments.model_settings import RotarySettings
+from paxlite.experiments.moe_settings import MoeSettings
 from paxlite.models.activations import Activation
-from paxlite.models.mla_attention import MlaConfig
-from paxlite.models.moe_config import MoeConfig
+from paxlite.models.mla_attention import MlaConfig, softmax_scale
 from paxlite.models.moe_router_deepseek import DeepseekRouter
 from paxlite.models.rotary import RopeScaling
 from paxlite.models.transformer import TransformerConfig
 
 
 def _yarn_scale(*, qk_head_dims: int, factor: float, mscale_all_dim: float) -> float:
-    from paxlite.interop.hf_deepseek import softmax_scale
-
     return softmax_scale(qk_head_dims=qk_head_dims, scaling=RopeScaling(
         kind="yarn", factor=factor, original_max_position_embeddings=4096,
         mscale_all_dim=mscale_all_dim))
 
 
-class BaseDeepSeek(FineTuningRecipe, RotarySettings, BaseLLaMA):
-    """DeepSeek's shared architecture; not registered. The class attributes below are the
-    published config.json's fields that paxlite's settings do not name."""
+class BaseDeepSeek(FineTuningRecipe, RotarySettings, MoeSettings, BaseLLaMA):
+    """DeepSeek's shared architecture; not registered. The MoE sizes are MoeSettings' (NUM_EXPERTS
+    = n_routed_experts, NUM_EXPERTS_PER_TOKEN, EXPERT_HIDDEN_DIMS = moe_intermediate_size); the
+    class attributes below are the published config.json's fields that paxlite's settings do not
+    name."""
 
     family_adds_bos = True
+    gated_experts = True
+    expert_activation = Activation.SILU
+    first_moe_layer: ClassVar[int] = 1  # first_k_dense_replace
 
     q_lora_rank: ClassVar[int | None] = None
     kv_lora_rank: ClassVar[int] = 512
     qk_nope_head_dim: ClassVar[int] = 128
     qk_rope_head_dim: ClassVar[int] = 64
     v_head_dim: ClassVar[int] = 128
-    n_routed_experts: ClassVar[int] = 64
     n_shared_experts: ClassVar[int] = 2
-    moe_intermediate_size: ClassVar[int] = 1408
-    top_k: ClassVar[int] = 6
-    first_k_dense: ClassVar[int] = 1
     score: ClassVar[str] = "softmax"
     topk_method: ClassVar[str] = "greedy"
     n_group: ClassVar[int] = 1
@@ -66,6 +65,12 @@ class BaseDeepSeek(FineTuningRecipe, RotarySettings, BaseLLaMA):
     LAYERNORM_EPSILON = 1e-6
     ROPE_THETA = 1e4
     MAX_SEQ_LEN = 4096
+    NUM_EXPERTS = 64
+    NUM_EXPERTS_PER_TOKEN = 6
+    EXPERT_HIDDEN_DIMS = 1408
+    MOE_ROUTING = "dropless_topk"
+    MOE_GROUPED_MATMUL = "tiled"
+    LOAD_BALANCING_WEIGHT = 0.0  # transformers' DeepSeek adds no auxiliary loss
     DIMS_PER_HEAD = 192  # qk_nope_head_dim + qk_rope_head_dim
     PERCORE_BATCH_SIZE = 1
     USE_REPEATED_LAYER = False  # dense first layers: no period to scan (moe_config.py)
@@ -81,16 +86,20 @@ class BaseDeepSeek(FineTuningRecipe, RotarySettings, BaseLLaMA):
             qk_rope_head_dims=self.qk_rope_head_dim, v_head_dims=self.v_head_dim,
             q_lora_rank=self.q_lora_rank, softmax_scale=_yarn_scale(
                 qk_head_dims=qk_head, factor=40.0, mscale_all_dim=self.yarn_mscale))
-        config.moe = MoeConfig(
-            num_experts=self.n_routed_experts, experts_per_token=self.top_k,
-            routing="dropless_topk", gated_experts=True, expert_activation=Activation.SILU,
-            expert_hidden_dims=self.moe_intermediate_size, grouped_matmul="tiled",
-            renormalize_top_k=self.norm_topk_prob,
-            shared_expert_hidden_dims=self.n_shared_experts * self.moe_intermediate_size,
-            first_moe_layer=self.first_k_dense, deepseek_router=DeepseekRouter(
-                score=self.score, choice=self.topk_method, num_groups=self.n_group,
-                top_groups=self.topk_group, routed_scaling=self.routed_scaling))
+        config.moe = self.moe_config()
         return config
+
+    def moe_fields(self) -> dict[str, Any]:
+        return {
+            **super().moe_fields(),
+            "renormalize_top_k": self.norm_topk_prob,
+            "shared_expert_hidden_dims": self.n_shared_experts * self.EXPERT_HIDDEN_DIMS,
+            "first_moe_layer": self.first_moe_layer,
+            "deepseek_router": DeepseekRouter(
+                score=self.score, choice=self.topk_method, num_groups=self.n_group,
+                top_groups=self.topk_group, routed_scaling=self.routed_scaling,
+                bias_update_speed=self.MOE_BIAS_UPDATE_SPEED),
+        }
 
 
 class DeepSeekV2Lite(BaseDeepSeek):
@@ -115,13 +124,11 @@ class DeepSeekV3(BaseDeepSeek):
     hf_ids = ("deepseek-ai/DeepSeek-V3",)
 
     q_lora_rank: ClassVar[int | None] = 1536
-    n_routed_experts: ClassVar[int] = 256
     n_shared_experts: ClassVar[int] = 1
-    moe_intermediate_size: ClassVar[int] = 2048
-    top_k: ClassVar[int] = 8
-    first_k_dense: ClassVar[int] = 3
+    first_moe_layer: ClassVar[int] = 3
     score: ClassVar[str] = "sigmoid"
     topk_method: ClassVar[str] = "noaux_tc"
+    router_choice_bias = True  # e_score_correction_bias: MOE_BIAS_UPDATE_SPEED moves it
     n_group: ClassVar[int] = 8
     topk_group: ClassVar[int] = 4
     routed_scaling: ClassVar[float] = 2.5
@@ -133,6 +140,9 @@ class DeepSeekV3(BaseDeepSeek):
     NUM_HEADS = 128
     MODEL_DIMS = 7168
     HIDDEN_DIMS = 18432
+    NUM_EXPERTS = 256
+    NUM_EXPERTS_PER_TOKEN = 8
+    EXPERT_HIDDEN_DIMS = 2048
 
 
 DEEPSEEK_EXPERIMENTS = (DeepSeekV2Lite, DeepSeekV3)

@@ -96,8 +96,9 @@ class ModelShapeSettings:
         }
 
     def flops_per_token(self) -> int:
-        """MaxText's count, read off the model this experiment builds (so GQA, gated MLPs and the
-        top-k experts of MoE layers follow it).
+        """MaxText's count, read off the model this experiment builds (so GQA, gated MLPs, the
+        top-k and shared experts of MoE layers, dense first layers and latent attention follow
+        it).
 
         With USE_LORA the work actually done: the base weights are frozen (no weight-gradient
         matmuls) and the adapters train (paxlite/train/flops.py), so MFU is not overstated."""
@@ -124,6 +125,10 @@ class ModelShapeSettings:
             sliding_window=model.sliding_window,
             num_windowed_layers=None if model.layer_types is None else sum(
                 kind is LayerAttention.SLIDING for kind in model.layer_types),
+            shared_expert_hidden_dims=None if moe is None else moe.shared_expert_hidden_dims,
+            mla=None if model.mla is None else flops_lib.LatentAttentionSizes(
+                kv_lora_rank=model.mla.kv_lora_rank, qk_rope_head_dims=model.mla.qk_rope_head_dims,
+                v_head_dims=model.mla.v_head_dims, q_lora_rank=model.mla.q_lora_rank),
         )
 
 

@@ -19,6 +19,7 @@ from paxlite.experiments.field_names import in_hparam_names
 from paxlite.experiments.parallelism_settings import mesh_layout
 from paxlite.models.activations import Activation
 from paxlite.models.moe_config import GroupedMatmul, MoeConfig, MoeRouting, moe_problems
+from paxlite.models.moe_router_deepseek import bias_speed_problems
 from paxlite.parallel.mesh import MeshLayout, named_sizes
 
 # MoeConfig's fields set by hyperparameters -> their names (the mapping and the names its problems
@@ -102,6 +103,11 @@ class MoeSettings:
     moe_layer_interval: ClassVar[int] = 1  # layer i is MoE iff i % interval == 0 (GLaM 2)
     gated_experts: ClassVar[bool] = False  # True: SwiGLU experts (Mixtral); False: act(x wi) wo
     expert_activation: ClassVar[Activation] = Activation.RELU
+    # Layers before it are dense (DeepSeek's first_k_dense_replace); MoE layers count from it.
+    first_moe_layer: ClassVar[int] = 0
+    # Whether the router chooses by a per-expert bias that MOE_BIAS_UPDATE_SPEED can move
+    # (DeepSeek-V3's 'noaux_tc'); the family's moe_fields passes the speed on.
+    router_choice_bias: ClassVar[bool] = False
 
     NUM_EXPERTS: int = 8
     # k of top-k (Pax has no name for it: GShard routing is always top-2).
@@ -128,12 +134,19 @@ class MoeSettings:
     MOE_GROUPED_MATMUL: Literal["ragged_dot", "tiled"] = "ragged_dot"
     # Hidden size of each expert; None: HIDDEN_DIMS.
     EXPERT_HIDDEN_DIMS: int | None = None
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every MoE layer's choice bias
+    # moves by MOE_BIAS_UPDATE_SPEED x sign(mean load - expert's load), the loads counted over the
+    # step's batch (models/moe_router_deepseek.py); 0: off, the bias stays as loaded (fine-tuning).
+    # Only a router with a choice bias (DeepSeek-V3) reads it; its pretraining used 0.001.
+    MOE_BIAS_UPDATE_SPEED: float = 0.0
 
     def is_moe(self) -> bool:
         return True
 
     def num_moe_layers(self) -> int:
-        return sum(1 for i in range(self.NUM_LAYERS) if i % self.moe_layer_interval == 0)
+        first = self.first_moe_layer
+        return sum(1 for i in range(first, self.NUM_LAYERS)
+                   if (i - first) % self.moe_layer_interval == 0)
 
     def moe_problems(self) -> list[str]:
         """Every MoE setting that cannot work, each saying what would (checked before the base
@@ -168,6 +181,13 @@ class MoeSettings:
                     f"{', '.join(unused)} read only with MOE_ROUTING='gshard_top2' (dropless "
                     "routing has no capacity and no groups): drop them, or add "
                     "--fdl.MOE_ROUTING=gshard_top2")
+        speed = self.MOE_BIAS_UPDATE_SPEED
+        speed_problems = bias_speed_problems(speed, name="MOE_BIAS_UPDATE_SPEED")
+        problems += speed_problems
+        if speed and not speed_problems and not self.router_choice_bias:
+            problems.append(
+                f"MOE_BIAS_UPDATE_SPEED={speed!r}: {self.name}'s router has no choice bias to "
+                "move (only DeepSeek-V3's 'noaux_tc' router has one); drop it")
         if self.Z_LOSS_WEIGHT < 0:  # the loop's (Pax's z-loss on the logits), not MoeConfig's
             problems.append(f"Z_LOSS_WEIGHT={self.Z_LOSS_WEIGHT} must be >= 0 (0: off)")
         if self.USE_EXPERT_PARALLEL and expert == 1:

@@ -18,7 +18,6 @@ k's rotary dimensions alike, which leaves their products unchanged); V3 with
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -36,7 +35,7 @@ from paxlite.interop.layouts import (
     _experts_to_params,
 )
 from paxlite.models.activations import Activation
-from paxlite.models.mla_attention import MlaConfig
+from paxlite.models.mla_attention import MlaConfig, softmax_scale
 from paxlite.models.moe_config import MoeConfig, MoeRouting
 from paxlite.models.moe_router_deepseek import (
     SCORE_BIAS_NAME,
@@ -44,7 +43,6 @@ from paxlite.models.moe_router_deepseek import (
     ExpertChoice,
     ScoreFunction,
 )
-from paxlite.models.rotary import RopeScaling
 from paxlite.models.transformer_config import LLAMA_ARCHITECTURE, TransformerConfig
 
 V3, V2 = "deepseek_v3", "deepseek_v2"
@@ -63,20 +61,6 @@ def _int(hf: Mapping[str, Any], key: str) -> int:
         raise UnsupportedCheckpointError(f"config.json {key}={value!r} must be a positive "
                                          f"integer for model_type={hf.get('model_type')!r}")
     return value
-
-
-def yarn_mscale(scale: float, mscale: float) -> float:
-    """DeepSeek's ``yarn_get_mscale``: 1 up to a factor of 1, else 0.1 mscale ln(scale) + 1."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def softmax_scale(*, qk_head_dims: int, scaling: RopeScaling | None) -> float:
-    """qk_head_dims ** -0.5, times yarn_mscale(factor, mscale_all_dim) ** 2 under YaRN with a
-    nonzero ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``)."""
-    scale = qk_head_dims ** -0.5
-    if scaling is not None and scaling.mscale_all_dim:
-        scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
-    return scale
 
 
 def deepseek_config(hf: Mapping[str, Any]) -> TransformerConfig:

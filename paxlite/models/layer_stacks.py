@@ -34,7 +34,11 @@ from paxlite.models.attention import (
 from paxlite.models.block import EMBED_ACTIVATION_AXES, Block, BlockUnit
 from paxlite.models.linear import FP8_COLLECTION
 from paxlite.models.pipelined_stack import check_pipeline, pipelined_layers
-from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
+from paxlite.models.sown import (
+    AUX_LOSS_COLLECTION,
+    ROUTER_LOAD_COLLECTION,
+    SUMMARIES_COLLECTION,
+)
 from paxlite.models.te_layer import (
     TransformerEngineBlock,
     fp8_state_collections,
@@ -193,6 +197,7 @@ def _scanned(x: jax.Array, inputs: LayerInputs, *, attributes: dict[str, Any],
         # sown MoE losses and summaries are stacked per layer, like the parameters; so is the FP8
         # state (each layer has its own scales and histories, no sharing) and a KV cache
         variable_axes={"params": 0, AUX_LOSS_COLLECTION: 0, SUMMARIES_COLLECTION: 0,
+                       ROUTER_LOAD_COLLECTION: 0,
                        FP8_COLLECTION: 0, "cache": 0,
                        **{name: 0 for name in fp8_state_collections(config)}},
         split_rngs={"params": True, "dropout": True},

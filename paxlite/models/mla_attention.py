@@ -26,6 +26,7 @@ Einsum letters: B batch, T length, D model dims, R a latent rank, N heads, H dim
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,21 @@ LATENT_AXIS = "mla_latent"
 # DeepSeek's q_a_layernorm and kv_a_layernorm use their class's default epsilon, not the
 # model's rms_norm_eps.
 LATENT_NORM_EPSILON = 1e-6
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    """DeepSeek's ``yarn_get_mscale``: 1 up to a factor of 1, else 0.1 mscale ln(scale) + 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(*, qk_head_dims: int, scaling: RopeScaling | None) -> float:
+    """qk_head_dims ** -0.5, times yarn_mscale(factor, mscale_all_dim) ** 2 under YaRN with a
+    nonzero ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``): ``MlaConfig.softmax_scale``
+    of DeepSeek's config.json (interop) and of its registered experiments."""
+    scale = qk_head_dims ** -0.5
+    if scaling is not None and scaling.mscale_all_dim:
+        scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return scale
 
 
 def _count(value: object) -> bool:

@@ -54,7 +54,11 @@ from paxlite.models.moe_gating import (
 from paxlite.models.moe_gpt_oss import GatedUnit, add_expert_bias, gated_unit
 from paxlite.models.moe_router_deepseek import SCORE_BIAS_NAME, deepseek_routing
 from paxlite.models.moe_sigmoid_gating import sigmoid_topk_routing
-from paxlite.models.sown import AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION
+from paxlite.models.sown import (
+    AUX_LOSS_COLLECTION,
+    ROUTER_LOAD_COLLECTION,
+    SUMMARIES_COLLECTION,
+)
 from paxlite.models.tiled_grouped_matmul import tiled_grouped_matmul
 
 __all__ = ["GROUPED_MATMUL_KERNELS", "MoeMlp", "Top2Gating", "grouped_matmul_kernel", "top2_gating",
@@ -207,7 +211,9 @@ class MoeMlp(nn.Module):
     Sows into AUX_LOSS_COLLECTION the weighted load-balancing (and router z-) loss, and into
     SUMMARIES_COLLECTION ``moe``: aux_loss (unweighted; 1.0 for perfectly uniform routing),
     dropped_fraction, expert_load_min/max (share of assignments of the least and most loaded
-    expert) and router_z_loss (when weighted).
+    expert) and router_z_loss (when weighted). A DeepSeek router whose choice bias moves in
+    training (``bias_update_speed`` > 0) sows its per-expert token counts into
+    ROUTER_LOAD_COLLECTION under the bias's name (models/sown.py).
 
     Attributes:
         config: the MoE switches.
@@ -335,6 +341,11 @@ class MoeMlp(nn.Module):
         real = jnp.ones((batch * length,), jnp.float32) if pad is None else 1.0 - pad
         assignments = jnp.einsum(
             "NKE,N->E", jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32), real)
+        if cfg.deepseek_router is not None and cfg.deepseek_router.bias_update_speed:
+            # the counts the trainer moves the choice bias by, under the bias's own path
+            self.sow(ROUTER_LOAD_COLLECTION, SCORE_BIAS_NAME, assignments,
+                     init_fn=lambda: jnp.zeros((cfg.num_experts,), jnp.float32),
+                     reduce_fn=jnp.add)
 
         expert_axes = _mesh_axes("expert")
         batch_axes = _mesh_axes("activation_batch")

@@ -16,8 +16,11 @@ renormalisation).
 
 The bias is kept as a parameter (``moe/score_correction_bias`` [E]) that the train step never
 trains (``is_frozen_path``): so it loads, converts and checkpoints with the parameters, and the
-optimizer never touches it. Its update rule during training is not implemented: a nonzero
-``bias_update_speed`` is refused.
+optimizer never touches it. ``bias_update_speed`` > 0 moves it as the DeepSeek-V3 report's
+auxiliary-loss-free balancing does: after each train step, ``bias += speed * sign(mean load -
+load_e)``, where load_e counts the tokens of the step's whole batch (padding excluded) routed to
+expert e; the layer sows the counts (models/sown.py) and train/router_bias.py moves the bias inside
+the jitted step. 0 (the default, for fine-tuning) leaves the bias as loaded.
 
 Einsum letters: N tokens, E experts, G groups, K experts per token.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -83,10 +87,11 @@ class DeepseekRouter:
         scaling = self.routed_scaling
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
             problems.append(f"routed_scaling={scaling!r} must be a positive number")
-        if self.bias_update_speed != 0:
-            problems.append(f"bias_update_speed={self.bias_update_speed!r}: the auxiliary-loss-"
-                            "free bias update is not implemented; only 0 (the bias stays as "
-                            "loaded) is valid")
+        problems += bias_speed_problems(self.bias_update_speed, name="bias_update_speed")
+        if not problems and self.bias_update_speed and self.choice is not ExpertChoice.NOAUX_TC:
+            problems.append(f"bias_update_speed={self.bias_update_speed!r} with choice="
+                            f"{self.choice.value!r}: only 'noaux_tc' (DeepSeek-V3) routes by a "
+                            "choice bias; use 0")
         if (self.score is ScoreFunction.SIGMOID) != (self.choice is ExpertChoice.NOAUX_TC):
             problems.append(f"score={self.score.value!r} with choice={self.choice.value!r}: "
                             "DeepSeek pairs sigmoid with 'noaux_tc' (V3) and softmax with "
@@ -97,6 +102,17 @@ class DeepseekRouter:
     @property
     def uses_bias(self) -> bool:
         return self.choice is ExpertChoice.NOAUX_TC
+
+
+def bias_speed_problems(speed: object, *, name: str) -> list[str]:
+    """``speed`` as a choice-bias update speed: a finite number >= 0 (0: the bias stays as
+    loaded); else one clause naming it as ``name``."""
+    if (isinstance(speed, bool) or not isinstance(speed, (int, float))
+            or not math.isfinite(speed) or speed < 0):
+        clause = (f"{name}={speed!r} must be a finite number >= 0 (0: the choice bias stays as "
+                  "loaded; DeepSeek-V3's pretraining used 0.001)")
+        return [clause]
+    return []
 
 
 def router_problems(router: DeepseekRouter, *, num_experts: object,

@@ -20,7 +20,9 @@ it is neither initializing nor decoding. What this module promises:
   the Transformer's collections, per layer, as the MEAN over the M microbatches, under the names the
   unpipelined model uses. So ``sown.total_aux_loss`` and ``sown.summary_means`` give the mean over
   microbatches of what the unpipelined model gives for one microbatch (a per-microbatch statistic
-  such as ``moe/expert_load_max`` is averaged, not recomputed on the whole batch).
+  such as ``moe/expert_load_max`` is averaged, not recomputed on the whole batch). The routers'
+  token counts (``router_load``) are the exception: sown as the SUM over microbatches, the whole
+  batch's counts.
 - **Dropout.** Each (layer, microbatch) gets its own key: ``make_rng("dropout")`` folded with the
   layer (unit) index, then the microbatch index. Deterministic runs, or no dropout, need no rng.
 - **FP8.** Each layer's delayed-scaling state is used once per iteration, so autodiff would add the
@@ -46,6 +48,7 @@ from flax.linen import fp8_ops
 from paxlite.models.linear import FP8_COLLECTION
 from paxlite.models.pipeline import LayerCall, pipeline_apply_with_extras
 from paxlite.models.sown import COLLECTIONS as SOWN_COLLECTIONS
+from paxlite.models.sown import ROUTER_LOAD_COLLECTION
 from paxlite.models.te_layer import uses_transformer_engine
 from paxlite.models.transformer_config import TransformerConfig
 
@@ -194,7 +197,8 @@ def pipelined_layers(
     for collection, stacked in extras.items():
         if not module.is_mutable_collection(collection):
             continue
-        mean = jax.tree.map(lambda a: a / num_micro, stacked)
+        scale = 1.0 if collection == ROUTER_LOAD_COLLECTION else 1.0 / num_micro  # counts: sums
+        mean = jax.tree.map(lambda a, scale=scale: a * scale, stacked)
         for name, value in _per_layer_entries(cfg, mean).items():
             module.put_variable(collection, name, value)
     return merge_microbatches(out)

@@ -5,6 +5,13 @@ training objective adds as they are (MoE load balancing, router z-loss). ``summa
 scalars, ``self.sow("summaries", NAME, {KEY: value})``, logged as ``NAME/KEY`` averaged over every
 layer that sowed them (``moe/aux_loss``, ``moe/dropped_fraction``, ...). Under ``nn.scan`` the
 collections are stacked per layer like the parameters; averaging over all elements is the same mean.
+
+``router_load``: per-expert counts [E] of the tokens (padding excluded) each router sent to each
+expert, sown only by a router whose choice bias moves during training (DeepSeek-V3's auxiliary-
+loss-free balancing, models/moe_router_deepseek.py), under the bias parameter's own name, so its
+path is the bias's path. Counts are sums, never means: the trainer returns them in the summaries
+under ``ROUTER_LOAD_KEY`` (a tree, not a scalar) summed over microbatches, and train/router_bias.py
+moves each bias by them.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import jax.numpy as jnp
 
 AUX_LOSS_COLLECTION = "aux_loss"
 SUMMARIES_COLLECTION = "summaries"
-COLLECTIONS: tuple[str, ...] = (AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION)
+ROUTER_LOAD_COLLECTION = "router_load"
+COLLECTIONS: tuple[str, ...] = (AUX_LOSS_COLLECTION, SUMMARIES_COLLECTION, ROUTER_LOAD_COLLECTION)
+# The summaries entry holding the router_load tree (no "/": never a logged metric's name).
+ROUTER_LOAD_KEY = "router_load"
 
 
 def total_aux_loss(state: Any) -> jax.Array:
@@ -39,3 +49,19 @@ def summary_means(state: Any) -> dict[str, jax.Array]:
         groups.setdefault(f"{names[-2]}/{names[-1]}", []).append(
             jnp.ravel(leaf.astype(jnp.float32)))
     return {name: jnp.mean(jnp.concatenate(parts)) for name, parts in sorted(groups.items())}
+
+
+def collected_summaries(state: Any) -> dict[str, Any]:
+    """``summary_means``, plus ``{ROUTER_LOAD_KEY: the router_load tree}`` when a router sowed
+    counts."""
+    summaries: dict[str, Any] = summary_means(state)
+    loads = state.get(ROUTER_LOAD_COLLECTION)
+    if loads:
+        summaries[ROUTER_LOAD_KEY] = jax.tree.map(lambda a: a.astype(jnp.float32), loads)
+    return summaries
+
+
+def microbatch_means(sums: dict[str, Any], num_microbatches: int) -> dict[str, Any]:
+    """Summaries summed over microbatches -> their means; the router counts stay sums (the whole
+    batch's)."""
+    return {k: v if k == ROUTER_LOAD_KEY else v / num_microbatches for k, v in sums.items()}

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from paxlite.models import sown
 from paxlite.train.dpo import pair_mask, pair_metrics
 from paxlite.train.grad_accum import accumulated_sums_and_grads
 from paxlite.train.losses import pair_logps, pair_objective_sum
@@ -48,7 +49,7 @@ def pair_loss_and_grads(state, batch: Batch, train_params: PyTree, *, combine,
         metric_sums, grads, summary_sums, new_fp8 = accumulated_sums_and_grads(
             train_params, batch, sums_fn=sums, denom=pairs, dropout_rng=dropout_rng,
             num_microbatches=grad_accum_steps, fp8=state.fp8)
-        summaries = {k: v / grad_accum_steps for k, v in summary_sums.items()}
+        summaries = sown.microbatch_means(summary_sums, grad_accum_steps)
         if "moe/z_loss" in summaries:
             summaries["moe/z_loss"] = summary_sums["moe/z_loss"]
     if "moe/z_loss" in summaries:  # summed over tokens: a mean over the batch's tokens

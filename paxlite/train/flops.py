@@ -38,6 +38,27 @@ the other E - k experts cost it nothing. Dense layers keep their MLP term:
 
     MoE layer, forward   2 * D * E + k * 2 * D * F_e * (3 if gated else 2)    (replaces MLP)
 
+A shared expert (`shared_expert_hidden_dims` F_s: DeepSeek's `n_shared_experts *
+moe_intermediate_size`) is a gated MLP every token of an MoE layer runs beside its k experts:
+
+    MoE layer, forward   ... + 2 * D * F_s * 3                                (shared expert)
+
+Dense first layers (DeepSeek's `first_k_dense_replace`) are simply layers outside the
+`num_moe_layers`: they keep the dense MLP term of width F.
+
+Multi-head latent attention (`mla`, DeepSeek-V2/V3; `LatentAttentionSizes`): with h the query/key
+head size (qk_nope + qk_rope, `dims_per_head`), h_r its rotary part, v the value head size, r_kv
+the key/value latent and r_q the query latent (None: one query projection), the QKV and output
+terms are replaced by
+
+    query                2 * D * r_q + 2 * r_q * H * h      (q_a, q_b), or 2 * D * H * h (q_proj)
+    kv_a                 2 * D * (r_kv + h_r)                (latent and the shared rotary key)
+    kv_b                 2 * r_kv * H * ((h - h_r) + v)      (per-head nope keys and values)
+    attention output     2 * H * v * D
+    causal attention     3 * S * H * (h + v) per layer       (scores over h, context over v, halved)
+
+which for v = h is the attention term above.
+
 GShard's dispatch and combine einsums (tokens -> expert slots and back) and the slots left empty
 or dropped by the capacity limit are not counted, as MaxText does not count them either: the
 count is the model's work per token, not the padded work of the implementation.
@@ -50,11 +71,51 @@ higher MFU for the same run. MFU = tokens/s * flops_per_token / (peak per device
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 # The peaks per device (GPUs and TPUs, bf16, FP8 and int8) are the accelerators' table, shared
 # with the planner's compile targets: paxlite/parallel/compile_targets/chips.py.
 from paxlite.parallel.compile_targets.chips import peaks_for_device_kind
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LatentAttentionSizes:
+    """The sizes multi-head latent attention's count needs (models/mla_attention.py MlaConfig's)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dims: int
+    v_head_dims: int
+    q_lora_rank: int | None = None
+
+    def problems(self, *, dims_per_head: int) -> list[str]:
+        bad = [f"mla.{name}={getattr(self, name)!r} must be a positive integer"
+               for name in ("kv_lora_rank", "qk_rope_head_dims", "v_head_dims")
+               if not _positive(getattr(self, name))]
+        if self.q_lora_rank is not None and not _positive(self.q_lora_rank):
+            bad.append(f"mla.q_lora_rank={self.q_lora_rank!r} must be a positive integer or None")
+        if not bad and self.qk_rope_head_dims >= dims_per_head:
+            bad.append(f"mla.qk_rope_head_dims={self.qk_rope_head_dims} must be smaller than "
+                       f"dims_per_head={dims_per_head} (qk_nope + qk_rope)")
+        return bad
+
+
+def _positive(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value > 0
+
+
+def _latent_attention(mla: LatentAttentionSizes, *, model_dims: int, num_heads: int,
+                      dims_per_head: int) -> tuple[int, int, int]:
+    """(query + key/value projections, output projection) forward FLOPs per layer, and the
+    per-key attention width h + v (module docstring)."""
+    d, h, v, heads = model_dims, dims_per_head, mla.v_head_dims, num_heads
+    if mla.q_lora_rank is None:
+        query = 2 * d * heads * h
+    else:
+        query = 2 * d * mla.q_lora_rank + 2 * mla.q_lora_rank * heads * h
+    kv_a = 2 * d * (mla.kv_lora_rank + mla.qk_rope_head_dims)
+    kv_b = 2 * mla.kv_lora_rank * heads * ((h - mla.qk_rope_head_dims) + v)
+    return query + kv_a + kv_b, 2 * heads * v * d, h + v
 
 
 def flops_per_token(
@@ -76,6 +137,8 @@ def flops_per_token(
     gated_experts: bool = False,
     sliding_window: int | None = None,
     num_windowed_layers: int | None = None,
+    shared_expert_hidden_dims: int | None = None,
+    mla: LatentAttentionSizes | None = None,
 ) -> int:
     """Training FLOPs per token (see the module docstring for the formula).
 
@@ -84,7 +147,9 @@ def flops_per_token(
     `num_moe_layers` of the `num_layers` are MoE layers of `num_experts` experts (hidden size
     `expert_hidden_dims`, default `hidden_dims`), of which each token runs `experts_per_token`.
     `num_windowed_layers` of the layers (default: all of them when `sliding_window` is given)
-    attend over the last `sliding_window` positions only.
+    attend over the last `sliding_window` positions only. `shared_expert_hidden_dims`: each MoE
+    layer's shared expert (a gated MLP every token runs). `mla`: the layers' attention is
+    multi-head latent attention of these sizes (`dims_per_head` is its query/key head size).
     """
     sizes = {
         "num_layers": num_layers,
@@ -121,8 +186,19 @@ def flops_per_token(
         router = 2 * model_dims * num_experts
         expert = 2 * model_dims * expert_f * (3 if gated_experts else 2)
         moe_mlp = router + experts_per_token * expert
+        if shared_expert_hidden_dims is not None:
+            if not _positive(shared_expert_hidden_dims):
+                raise ValueError(f"shared_expert_hidden_dims must be a positive integer or None, "
+                                 f"got {shared_expert_hidden_dims!r}.")
+            moe_mlp += 2 * model_dims * shared_expert_hidden_dims * 3
     qkv = 2 * model_dims * (num_heads + 2 * num_kv_heads) * dims_per_head
     attention_out = 2 * model_dims * num_heads * dims_per_head
+    attention_width = 2 * dims_per_head  # scores over h, context over h
+    if mla is not None:
+        if problems := mla.problems(dims_per_head=dims_per_head):
+            raise ValueError("; ".join(problems) + ".")
+        qkv, attention_out, attention_width = _latent_attention(
+            mla, model_dims=model_dims, num_heads=num_heads, dims_per_head=dims_per_head)
     mlp = 2 * model_dims * hidden_dims * (3 if gated_mlp else 2)
     unembedding = 2 * model_dims * vocab_size
     forward_matmuls = (num_layers * (qkv + attention_out) + (num_layers - num_moe_layers) * mlp
@@ -139,7 +215,7 @@ def flops_per_token(
         raise ValueError(f"num_windowed_layers must be an integer in [0, num_layers={num_layers}]"
                          f", got {windowed!r}.")
     keys = (num_layers - windowed) * seq_len + windowed * min(sliding_window or 0, seq_len)
-    causal_attention = 3 * 2 * keys * num_heads * dims_per_head
+    causal_attention = 3 * keys * num_heads * attention_width  # (scores + context) / 2 x 3
     if lora_params is not None:  # frozen: forward + input gradient; adapters: 6 per parameter
         return 2 * forward_matmuls + 6 * lora_params + causal_attention
     return 3 * forward_matmuls + causal_attention

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from paxlite.errors import SettingError
+from paxlite.models import sown
 from paxlite.train.losses import forward_scores
 
 PyTree = Any
@@ -152,7 +153,7 @@ def accumulated_loss_and_grads(
     metric_sums, grads, summary_sums, new_fp8 = accumulated_sums_and_grads(
         params, batch, sums_fn=sums, denom=denom, dropout_rng=dropout_rng,
         num_microbatches=num_microbatches, fp8=fp8)
-    summaries = {k: v / num_microbatches for k, v in summary_sums.items()}
+    summaries = sown.microbatch_means(summary_sums, num_microbatches)
     if "moe/z_loss" in summaries:  # summed over tokens: a mean over the batch's tokens
         summaries["moe/z_loss"] = summary_sums["moe/z_loss"] / denom
     return (metric_sums["loss_sum"] / denom, metric_sums["correct_tokens"] / denom, grads,
@@ -215,8 +216,9 @@ def accumulated_sums_and_grads(
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zero = jnp.zeros((), jnp.float32)
     lowest = jax.tree.map(lambda f: jnp.full(f.shape, -jnp.inf, f.dtype), fp8)
-    init = (zeros, {k: zero for k in abstract_metrics}, {k: zero for k in abstract_summaries},
-            lowest)
+    # Summaries are scalars, except the routers' counts (a tree of [E] arrays: models/sown.py).
+    summary_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), abstract_summaries)
+    init = (zeros, {k: zero for k in abstract_metrics}, summary_zeros, lowest)
     (grad_sums, metric_sums, summary_sums, new_fp8), _ = jax.lax.scan(
         body, init, (jnp.arange(num_microbatches), micro)
     )

@@ -42,8 +42,8 @@ def _variables(model: nn.Module, params: PyTree, fp8: PyTree | None) -> dict[str
 def apply_model(model: nn.Module, params, batch: Batch, *, dropout_rng, deterministic: bool,
                 collect: bool = False, return_hidden: bool = False, fp8: PyTree | None = None):
     """The model's logits (with ``return_hidden``: its final hidden states, for a chunked loss);
-    with ``collect``, (that, sown auxiliary loss, sown summaries by name) for training
-    (models/sown.py)."""
+    with ``collect``, (that, sown auxiliary loss, sown summaries by name, plus the routers' counts
+    under ``sown.ROUTER_LOAD_KEY`` when any sowed them) for training (models/sown.py)."""
     rngs = {} if deterministic else {"dropout": dropout_rng}
     out = model.apply(
         _variables(model, params, fp8),
@@ -58,7 +58,7 @@ def apply_model(model: nn.Module, params, batch: Batch, *, dropout_rng, determin
     if not collect:
         return out
     logits, state = out
-    return logits, sown.total_aux_loss(state), sown.summary_means(state)
+    return logits, sown.total_aux_loss(state), sown.collected_summaries(state)
 
 
 def projection(model: nn.Module) -> Callable[[PyTree, jax.Array], jax.Array]:

@@ -55,6 +55,7 @@ from paxlite.train.losses import (
     projection,
 )
 from paxlite.train.optimizer import global_norm
+from paxlite.train.router_bias import apply_bias_update
 
 PyTree = Any
 Batch = Mapping[str, jax.Array]
@@ -172,6 +173,8 @@ def train_step(
         )
     updates, opt_state = optimizer.update(grads, state.opt_state, train_params)
     params = combine(optax.apply_updates(train_params, updates))
+    # DeepSeek-V3's choice biases move by the step's routing counts (train/router_bias.py)
+    params, summaries = apply_bias_update(params, summaries, model)
     metrics = {
         **summaries,
         "loss": loss,

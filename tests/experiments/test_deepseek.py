@@ -62,3 +62,19 @@ def test_hugging_face_ids_name_the_experiments() -> None:
     for hf_id, name in {"deepseek-ai/DeepSeek-V3": "DeepSeekV3",
                         "deepseek-ai/DeepSeek-V2-Lite": "DeepSeekV2Lite"}.items():
         assert EXPERIMENTS[hf_id] is EXPERIMENTS[name]
+
+
+def test_bias_update_speed_reaches_v3s_router_and_is_refused_elsewhere() -> None:
+    from paxlite.config.errors import ConfigError
+
+    assert fdl.build(EXPERIMENTS["DeepSeekV3"].resolve({}).model_config()
+                     ).moe.deepseek_router.bias_update_speed == 0.0  # off by default
+    v3 = EXPERIMENTS["DeepSeekV3"].resolve({"MOE_BIAS_UPDATE_SPEED": 0.001})
+    v3.validate()
+    assert fdl.build(v3.model_config()).moe.deepseek_router.bias_update_speed == 0.001
+    for name, speed, message in (
+            ("DeepSeekV2Lite", 0.001, "DeepSeekV2Lite's router has no choice bias to move"),
+            ("Mixtral8x7B", 0.001, "Mixtral8x7B's router has no choice bias to move"),
+            ("DeepSeekV3", -1.0, "MOE_BIAS_UPDATE_SPEED=-1.0 must be a finite number >= 0")):
+        with pytest.raises(ConfigError, match=message):
+            EXPERIMENTS[name].resolve({"MOE_BIAS_UPDATE_SPEED": speed}).validate()

@@ -181,11 +181,12 @@ def test_cli_converts_both_ways(tmp_path, monkeypatch, capfd):
     ({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 256, "num_experts": 4},
      ("shared_expert_intermediate_size=256 (model_type='qwen2_moe') is not supported: paxlite's "
      "MoE holds routed experts only")),
-    ({"model_type": "deepseek_v3", "n_shared_experts": 1, "n_routed_experts": 4},
-     "n_shared_experts=1 (model_type='deepseek_v3')"),
-    ({"model_type": "deepseek_v2", "n_routed_experts": 4},
-     ("model_type='deepseek_v2' (n_routed_experts=4) is a mixture-of-experts model paxlite does "
-     "not convert: paxlite's MoE holds routed experts only")),
+    # (DeepSeek converts now: tests/interop/test_hf_deepseek.py; GLM-4-MoE stays refused)
+    ({"model_type": "glm4_moe", "n_shared_experts": 1, "n_routed_experts": 4},
+     "n_shared_experts=1 (model_type='glm4_moe')"),
+    ({"model_type": "glm4_moe", "n_routed_experts": 4},
+     ("model_type='glm4_moe' (n_routed_experts=4) is a mixture-of-experts model paxlite does "
+      "not convert")),
     ({"model_type": "olmoe", "num_experts": 4}, "model_type='olmoe' (num_experts=4)"),
     ({"num_experts_per_tok": 5}, ("num_experts_per_tok=5 is not supported: it must be between 1 "
                                  "and num_local_experts=4")),
