@@ -126,6 +126,9 @@ class ModelShapeSettings:
             num_windowed_layers=None if model.layer_types is None else sum(
                 kind is LayerAttention.SLIDING for kind in model.layer_types),
             shared_expert_hidden_dims=None if moe is None else moe.shared_expert_hidden_dims,
+            attention_chunk_size=model.attention_chunk_size,
+            num_chunked_layers=0 if model.layer_types is None else sum(
+                kind is LayerAttention.CHUNKED for kind in model.layer_types),
             mla=None if model.mla is None else flops_lib.LatentAttentionSizes(
                 kv_lora_rank=model.mla.kv_lora_rank, qk_rope_head_dims=model.mla.qk_rope_head_dims,
                 v_head_dims=model.mla.v_head_dims, q_lora_rank=model.mla.q_lora_rank),

@@ -31,6 +31,12 @@ instead of S, MaxText's count for Gemma 2's local layers (halved for the mask as
 
     windowed layer, attention   3 * 2 * min(W, S) * H * h           (replaces 3 * 2 * S * H * h)
 
+Chunked attention (`attention_chunk_size` C on `num_chunked_layers` layers, Llama 4's RoPE layers):
+a query sees the keys of its own chunk of C positions, causally, which is causal attention over
+sequences of min(C, S), so the full term with S replaced by min(C, S):
+
+    chunked layer, attention    3 * 2 * min(C, S) * H * h           (replaces 3 * 2 * S * H * h)
+
 Mixture of experts (`num_moe_layers` > 0): an MoE layer replaces its dense MLP term by what one
 token actually runs through, MaxText's count: the router, 2 * D * E, plus the MLP of the
 `experts_per_token` (k) experts it is routed to, each 2 * D * F_e * (3 if gated experts else 2);
@@ -139,6 +145,8 @@ def flops_per_token(
     num_windowed_layers: int | None = None,
     shared_expert_hidden_dims: int | None = None,
     mla: LatentAttentionSizes | None = None,
+    attention_chunk_size: int | None = None,
+    num_chunked_layers: int = 0,
 ) -> int:
     """Training FLOPs per token (see the module docstring for the formula).
 
@@ -150,6 +158,8 @@ def flops_per_token(
     attend over the last `sliding_window` positions only. `shared_expert_hidden_dims`: each MoE
     layer's shared expert (a gated MLP every token runs). `mla`: the layers' attention is
     multi-head latent attention of these sizes (`dims_per_head` is its query/key head size).
+    `num_chunked_layers` of the other layers attend within chunks of `attention_chunk_size`
+    positions (Llama 4's RoPE layers).
     """
     sizes = {
         "num_layers": num_layers,
@@ -214,11 +224,27 @@ def flops_per_token(
             0 <= windowed <= num_layers):
         raise ValueError(f"num_windowed_layers must be an integer in [0, num_layers={num_layers}]"
                          f", got {windowed!r}.")
-    keys = (num_layers - windowed) * seq_len + windowed * min(sliding_window or 0, seq_len)
+    chunked = _chunked_layers(attention_chunk_size, num_chunked_layers,
+                              free_layers=num_layers - windowed)
+    keys = ((num_layers - windowed - chunked) * seq_len
+            + windowed * min(sliding_window or 0, seq_len)
+            + chunked * min(attention_chunk_size or 0, seq_len))
     causal_attention = 3 * keys * num_heads * attention_width  # (scores + context) / 2 x 3
     if lora_params is not None:  # frozen: forward + input gradient; adapters: 6 per parameter
         return 2 * forward_matmuls + 6 * lora_params + causal_attention
     return 3 * forward_matmuls + causal_attention
+
+
+def _chunked_layers(chunk: int | None, layers: int, *, free_layers: int) -> int:
+    """The number of chunked layers, checked: a chunk size exactly when there are such layers,
+    and no more of them than the layers not windowed."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 0 <= layers <= free_layers:
+        raise ValueError(f"num_chunked_layers must be an integer in [0, {free_layers}] (the "
+                         f"layers not windowed), got {layers!r}.")
+    if layers and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+        raise ValueError(f"attention_chunk_size must be a positive integer with chunked layers, "
+                         f"got {chunk!r}.")
+    return layers
 
 
 def peak_flops_per_device(

@@ -215,3 +215,31 @@ def test_mfu() -> None:
         model_flops_utilization(
             tokens_per_s=1.0, flops_per_token=1.0, peak_flops_per_device=1.0, num_devices=0
         )
+
+
+def test_chunked_layers_count_keys_of_their_chunk_by_hand() -> None:
+    """Llama 4's chunked layers: causal attention over min(C, S) keys. L4 (3 chunked, C 8, one
+    full) at S 24: attention 3 * 2 * (8 + 8 + 8 + 24) * H * h; the matmuls as without chunks."""
+    sizes = dict(num_layers=4, model_dims=8, num_heads=2, num_kv_heads=1, dims_per_head=4,
+                 hidden_dims=16, vocab_size=10, seq_len=24, gated_mlp=True)
+    full = flops_per_token(**sizes)
+    chunked = flops_per_token(**sizes, attention_chunk_size=8, num_chunked_layers=3)
+    assert full - chunked == 3 * 3 * 2 * (24 - 8) * 2 * 4
+    # a chunk at least the sequence long is the full count
+    assert flops_per_token(**sizes, attention_chunk_size=24, num_chunked_layers=3) == full
+    with pytest.raises(ValueError, match="num_chunked_layers"):
+        flops_per_token(**sizes, attention_chunk_size=8, num_chunked_layers=5)
+    with pytest.raises(ValueError, match="attention_chunk_size"):
+        flops_per_token(**sizes, num_chunked_layers=1)
+
+
+def test_llama4_scout_counts_its_36_chunked_layers() -> None:
+    """The experiment hands its layer pattern to the count: at 16,384 tokens, its 36 chunked
+    layers (of 48; every 4th is NoPE and global) see 8,192 keys, 40 heads of 128."""
+    from paxlite.experiments.build import load_experiment
+
+    name = "Llama4Scout17B16E"
+    short = load_experiment(name, ["MAX_SEQ_LEN=8192"]).flops_per_token()
+    long = load_experiment(name, ["MAX_SEQ_LEN=16384"]).flops_per_token()
+    # doubling S adds the attention of 8,192 more keys on the 12 global layers only
+    assert long - short == 12 * 3 * 2 * 8192 * 40 * 128
