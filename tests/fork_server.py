@@ -20,6 +20,9 @@ waits for it, so that the first command of an environment is forked too: a pair 
 started together (the two-process tests) costs one import of JAX and paxlite instead of three (two
 interpreters, and a server that only later commands would use). A served command's
 sys.executable is the client, so what it starts with sys.executable is served as well.
+`python -c` and `python -` are not served: their code sees the preloaded modules (the planner
+plans in a subprocess when JAX is imported), and the suite's such commands mostly import no JAX,
+so a forked child costs them more than the real interpreter (docs/performance.md, 2026-12-07).
 
 What must match between the server and a child, and how it does:
 - Environment variables read at import time (JAX's `JAX_*` configuration, `PYTHON*`, `LD_*`) are
