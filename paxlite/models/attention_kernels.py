@@ -169,9 +169,14 @@ def cudnn_max_head_dim(compute_capability: str | None) -> int:
 def cudnn_problems(
     *, dtype: Any, head_dim: int, seq_len: int | None = None, dense_bias: bool = False,
     backend: str | None = None, compute_capability: str | None = None,
-    vmapped_stages: bool = False,
+    vmapped_stages: bool = False, compile_only: bool = False,
 ) -> list[str]:
     """Why cuDNN flash attention cannot run here ([] when it can).
+
+    compile_only: the program is compiled for a GPU this process does not have (the planner's
+    targets): JAX checks cuDNN's head-dim limit against this process's devices, so there it is
+    the pre-Hopper 128 whatever the target (DeepSeek's 192-wide heads compile with XLA's
+    attention there, and with cuDNN on a real Hopper).
 
     backend / compute_capability None: not known yet (experiment validation), not checked.
     dense_bias: a mask (packed rows) or a logit bias reaches cuDNN as a dense bias, and its
@@ -188,9 +193,12 @@ def cudnn_problems(
         problems.append(
             f"cuDNN flash attention takes {' or '.join(CUDNN_DTYPES)} activations, and the compute "
             f"dtype is {name}")
-    limit = cudnn_max_head_dim(compute_capability)
+    limit = CUDNN_MAX_HEAD_DIM_PRE_HOPPER if compile_only else cudnn_max_head_dim(
+        compute_capability)
     if head_dim % CUDNN_HEAD_DIM_MULTIPLE or head_dim > limit:
-        where = f"compute capability {compute_capability}" if compute_capability else "Hopper"
+        where = ("a GPU compiled for without one: JAX checks the local devices" if compile_only
+                 else f"compute capability {compute_capability}" if compute_capability
+                 else "Hopper")
         problems.append(
             f"cuDNN flash attention needs dims per head a multiple of {CUDNN_HEAD_DIM_MULTIPLE} "
             f"and at most {limit} (on {where}; 128 before Hopper), got {head_dim}")
@@ -237,11 +245,13 @@ def resolve_implementation(
     backend None: this process's default backend and its first device's compute capability.
     """
     requested = AttentionImplementation(requested)
+    compile_only = False
     if backend is None:
         backend, compute_capability = _device_facts()
+        compile_only = backend == "gpu" and jax.default_backend() != "gpu"
     cudnn = cudnn_problems(dtype=dtype, head_dim=head_dim, seq_len=seq_len, dense_bias=dense_bias,
                            backend=backend, compute_capability=compute_capability,
-                           vmapped_stages=vmapped_stages)
+                           vmapped_stages=vmapped_stages, compile_only=compile_only)
     if requested is AttentionImplementation.AUTO:
         log_auto_choice(cudnn)
         return AttentionImplementation.CUDNN if not cudnn else AttentionImplementation.XLA

@@ -30,7 +30,12 @@ def test_a_topology_has_its_hosts_and_gpus():
 
 
 @pytest.mark.parametrize(("target", "capability", "head_dim", "chosen"), [
-    (CompileTarget.H100, "9.0", 256, AttentionImplementation.CUDNN),  # Hopper: up to 256 per head
+    # A real Hopper takes up to 256 per head, but JAX checks the limit against this process's
+    # devices, which a compile-only target is not: 128 here, whatever the target
+    # (test_cudnn_head_dims_past_128_do_not_compile_for_a_gpu_this_process_lacks)
+    (CompileTarget.H100, "9.0", 256, AttentionImplementation.XLA),
+    (CompileTarget.H100, "9.0", 192, AttentionImplementation.XLA),  # DeepSeek's MLA heads
+    (CompileTarget.H100, "9.0", 128, AttentionImplementation.CUDNN),
     (CompileTarget.A100, "8.0", 256, AttentionImplementation.XLA),  # 128 before Hopper
     (CompileTarget.A100, "8.0", 128, AttentionImplementation.CUDNN),
 ])
@@ -65,3 +70,19 @@ def test_cudnn_attention_compiles_to_cudnns_fused_kernels():
     assert custom_calls(compiled.as_text()) == {"__cudnn$fmhaSoftmax": 1,
                                                 "__cudnn$fmhaSoftmaxBackward": 1}
 
+
+
+def test_cudnn_head_dims_past_128_do_not_compile_for_a_gpu_this_process_lacks():
+    """Why AUTO picks XLA above 128 per head on a compile-only GPU (and a named 'cudnn' is
+    refused there): JAX's cuDNN attention checks Hopper's 256 against the local devices, so 192
+    (DeepSeek's latent-attention heads) fails for an H100 compiled for on a CPU host. When JAX
+    checks the target instead, this fails, and the limit in attention_kernels can go."""
+    mesh = Mesh(np.array(gpu_devices(CompileTarget.H100, GpuTopology(gpus_per_host=8))), ("data",))
+    spec = jax.ShapeDtypeStruct((8, 256, 4, 192), jnp.bfloat16,
+                                sharding=NamedSharding(mesh, PartitionSpec("data")))
+
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    with pytest.raises(NotImplementedError, match="head dim must be <= 128"):
+        jax.jit(attend).lower(spec, spec, spec).compile()
