@@ -57,7 +57,8 @@ _CHECKPOINT_S = "the checkpoint's"
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(all parameters, those one token passes through) of a built TransformerConfig.
+    """(all parameters, those one token passes through) of a built TransformerConfig: learned
+    weights, as transformers counts them (DeepSeek-V3's never-trained choice biases are not).
 
     Read off the config in closed form (moe_params.closed_form_num_params), which the golden test
     of every registered experiment checks against the abstractly traced model; tracing costs about
@@ -71,6 +72,7 @@ def parameter_counts(model) -> tuple[int, int]:
         from paxlite.models.transformer import num_params
 
         total = num_params(model)
+    total -= moe_params.choice_bias_params(model)
     return total, moe_params.num_active_params(model, total)
 
 

@@ -9,9 +9,10 @@ models/moe_router_deepseek.py says; RoPE base 1e4 with YaRN (factor 40 over 4,09
 softmax scaled by mscale_all_dim's mscale squared). The weights come from a converted checkpoint
 (`python -m paxlite convert --from=hf --to=paxlite`, then --fdl.CHECKPOINT_RESTORE_PATH=DIR).
 
-V3's router keeps a per-expert choice bias (``e_score_correction_bias``) as a parameter the train
-step never trains; transformers keeps it as a buffer, so paxlite's count of V3 is transformers'
-plus 58 x 256 = 14,848 (`num_trainable_params` is transformers' count).
+V3's router keeps a per-expert choice bias (``e_score_correction_bias``) in the parameter tree,
+where a converted checkpoint carries it, but the train step never trains it (it moves only by
+MOE_BIAS_UPDATE_SPEED's rule); transformers keeps it as a buffer, and `list` and `show` count the
+parameters as transformers does, without its 58 x 256 = 14,848 entries.
 """
 
 from __future__ import annotations
@@ -148,9 +149,8 @@ class DeepSeekV3(BaseDeepSeek):
 DEEPSEEK_EXPERIMENTS = (DeepSeekV2Lite, DeepSeekV3)
 # Under the family's table in docs/experiments.md.
 CATALOGUE_NOTE = """\
-The parameters are paxlite's count, which for `DeepSeekV3` includes its 58 MoE layers' router
-choice biases (58 x 256 = 14,848, `moe/score_correction_bias`, never trained); transformers keeps
-them as buffers and counts 671,026,404,352. `DeepSeekV2Lite` has no such bias: 15,706,484,224 in
-both. Dense first layers (`first_k_dense_replace`) leave the stack no period to scan, so both run
+The parameters are counted as transformers counts them: `DeepSeekV3`'s 58 MoE layers' router
+choice biases (58 x 256 = 14,848, `moe/score_correction_bias`, never trained by the optimizer) are
+state, as transformers' buffers are, and not among them. Dense first layers (`first_k_dense_replace`) leave the stack no period to scan, so both run
 unrolled (`USE_REPEATED_LAYER=False`) and without a pipeline. Not planned yet.
 """

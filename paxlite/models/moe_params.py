@@ -124,6 +124,16 @@ def closed_form_num_params(config: TransformerConfig) -> int:
     return total
 
 
+def choice_bias_params(config: TransformerConfig) -> int:
+    """Entries of DeepSeek-V3's per-expert choice biases (``score_correction_bias`` [E] in each
+    MoE layer): stored beside the parameters and never trained (transformers keeps them as
+    buffers), so a count of the model's parameters as transformers gives it leaves them out."""
+    router = None if config.moe is None else config.moe.deepseek_router
+    if router is None or not router.uses_bias:
+        return 0
+    return num_moe_layers(config) * config.moe.num_experts
+
+
 def num_active_params(config: TransformerConfig, num_params: int) -> int:
     """The parameters one token passes through: `num_params` (the whole model's count) less the
     experts it is not routed to, (E - k) per MoE layer. Equal to `num_params` for dense models.

@@ -1,6 +1,6 @@
 """The registered DeepSeek experiments against the published config.json values: transformers 5.24
 builds each on the meta device and counts its parameters, and paxlite's count of the experiment
-(traced, and the closed form) equals it, plus V3's router choice biases, which transformers keeps
+(traced, and the closed form) equals it plus V3's router choice biases, which transformers keeps
 as buffers and paxlite as parameters it never trains."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import fiddle as fdl
 import pytest
 
+from paxlite.cli.catalogue import parameter_counts
 from paxlite.experiments import EXPERIMENTS
 from paxlite.models.moe_params import closed_form_num_params
 from tests.experiments.traced import traced_num_params
@@ -56,6 +57,8 @@ def test_parameter_counts_equal_transformers(name: str) -> None:
     model = fdl.build(EXPERIMENTS[name].resolve({}).model_config())
     assert traced_num_params(model) == closed_form_num_params(model) == count + bias
     assert bias == (58 * 256 if name == "DeepSeekV3" else 0)
+    # what `list` and `show` print: transformers' count, the choice biases left out
+    assert parameter_counts(model)[0] == count == asked
 
 
 def test_hugging_face_ids_name_the_experiments() -> None:
