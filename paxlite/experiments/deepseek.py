@@ -151,6 +151,7 @@ DEEPSEEK_EXPERIMENTS = (DeepSeekV2Lite, DeepSeekV3)
 CATALOGUE_NOTE = """\
 The parameters are counted as transformers counts them: `DeepSeekV3`'s 58 MoE layers' router
 choice biases (58 x 256 = 14,848, `moe/score_correction_bias`, never trained by the optimizer) are
-state, as transformers' buffers are, and not among them. Dense first layers (`first_k_dense_replace`) leave the stack no period to scan, so both run
-unrolled (`USE_REPEATED_LAYER=False`) and without a pipeline. Not planned yet.
+state, as transformers' buffers are, and not among them. Dense first layers
+(`first_k_dense_replace`) leave the stack no period to scan, so both run unrolled
+(`USE_REPEATED_LAYER=False`) and without a pipeline. Not planned yet.
 """

@@ -82,8 +82,9 @@ def transformer_engine_fields(*, native_fp8: bool = False,
 
     ``native_fp8`` is the experiment's USE_FP8 (XLA's FP8 matmuls), which TE layers do not use.
     """
+    from paxlite.models.te_config import TransformerEngineConfig
     from paxlite.models.te_layer import import_transformer_engine
-    from paxlite.models.transformer_config import LayerImplementation, TransformerEngineConfig
+    from paxlite.models.transformer_config import LayerImplementation
 
     enable_te = env_flag("ENABLE_TE", environ)
     enable_fp8 = env_flag("ENABLE_FP8", environ)

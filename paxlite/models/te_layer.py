@@ -42,13 +42,13 @@ from flax import linen as nn
 from paxlite.errors import UserError
 from paxlite.models.attention import AttentionKind
 from paxlite.models.attention_kernels import AttentionImplementation
+from paxlite.models.te_config import te_mlp_activations
 from paxlite.models.transformer_config import (
     LayerImplementation,
     NormKind,
     PositionEmbedding,
     RematPolicy,
     TransformerConfig,
-    te_mlp_activations,
 )
 from paxlite.parallel.compile_targets import compile_platform
 from paxlite.parallel.rules import LogicalRules
