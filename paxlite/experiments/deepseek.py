@@ -153,5 +153,10 @@ The parameters are counted as transformers counts them: `DeepSeekV3`'s 58 MoE la
 choice biases (58 x 256 = 14,848, `moe/score_correction_bias`, never trained by the optimizer) are
 state, as transformers' buffers are, and not among them. Dense first layers
 (`first_k_dense_replace`) leave the stack no period to scan, so both run unrolled
-(`USE_REPEATED_LAYER=False`) and without a pipeline. Not planned yet.
+(`USE_REPEATED_LAYER=False`) and without a pipeline. `DeepSeekV3`'s train state alone (671.0
+billion parameters x 16 bytes: float32 weights, gradients and both Adam moments) is 9,999 GiB: at
+least 127 H100s of 79.11 GiB before any activation, so 16 nodes of 8 at the least (arithmetic, not a
+plan: an unrolled 61-layer step was not compiled here).
+`DeepSeekV2Lite`'s is 234 GiB, 29.3 GiB a device on 8 H100s; its H100 plan (the step's activations
+and temporaries) did not finish on a loaded 2-core host and is still to be run.
 """

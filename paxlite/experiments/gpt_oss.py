@@ -127,5 +127,9 @@ Planned 2026-12-07 with the CPU compiler (`python -m paxlite plan --fdl_config=G
 per step, einsum attention (one layer's float32 logits: 4.00 GiB), peak 65.58 GiB per device, fits
 with 14.42 GiB to spare. With `MOE_GROUPED_MATMUL=ragged_dot` and float32 Adam moments the same
 plan peaked at 99.87 GiB (19.87 GiB short); with only the first two memory settings, 97.95 GiB.
-`GptOss120B` was not planned.
+For 8 H100s (`--target=h100`, XLA's GPU compiler, compile-only; 2026-12-07): peak 65.10 GiB per
+device, fits in 79.11 GiB with 14.01 GiB to spare (planned in 89.5 s). `GptOss120B`'s plan did not
+finish in 15 minutes on a loaded 2-core host; its train state alone (116.8 billion parameters x 14
+bytes: float32 weights and gradients, bfloat16 first and float32 second Adam moments) is 1,523 GiB,
+190 GiB a device on 8: it needs at least 20 H100s before any activation (arithmetic, not a plan).
 """

@@ -100,3 +100,13 @@ class Llama4Scout17B16E(MoeSettings, FineTuningRecipe, TiedEmbeddingSettings,
 
 
 LLAMA4_EXPERIMENTS = (Llama4Scout17B16E,)
+
+# Under the family's table in docs/experiments.md.
+CATALOGUE_NOTE = """\
+Planned 2026-12-07 with the CPU compiler (`python -m paxlite plan --fdl_config=Llama4Scout17B16E
+--devices=8`, 8 fake devices of 80 GiB, compile-only): peak 331.50 GiB per device, so not 8 GPUs of
+80 GB. Its train state alone (107.8 billion parameters x 16 bytes: float32 weights, gradients and
+both Adam moments) is 1,606 GiB, 201 GiB a device on 8: at least 21 H100s before any activation
+(arithmetic, not a plan); `ADAM_MU_DTYPE=bfloat16` saves 2 bytes a parameter, LoRA
+(`--fdl.USE_LORA=true --fdl.LORA_TARGET_LAYERS=attention`) keeps only the frozen weights' 4.
+"""
