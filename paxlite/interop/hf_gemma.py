@@ -97,7 +97,8 @@ def _layer_types(hf: Mapping[str, Any], model_type: str, num_layers: int
         period = 2 if model_type == GEMMA2 else _count(
             hf, "sliding_window_pattern", _DEFAULTS[GEMMA3_TEXT]["sliding_window_pattern"])
         return tuple(LayerAttention(kind) for kind in _pattern(period, num_layers=num_layers))
-    valid = {kind.value for kind in LayerAttention}
+    # Gemma's two kinds only (Llama 4's chunked and NoPE layers are paxlite's too)
+    valid = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}
     refuse_if(not isinstance(given, list) or any(kind not in valid for kind in given),
               "layer_types", given, f"each entry must be one of {sorted(valid)}")
     refuse_if(len(given) != num_layers, "layer_types", given,
