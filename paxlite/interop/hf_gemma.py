@@ -117,7 +117,7 @@ def _rope(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     # base each entry lacks from rope_theta / rope_local_base_freq
     refuse_partial_rotation(hf)
     per_type = hf.get("rope_parameters") or {}
-    kinds = {kind.value for kind in LayerAttention}
+    kinds = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}
     refuse_if(not isinstance(per_type, Mapping) or not set(per_type) <= kinds, "rope_parameters",
               per_type, f"Gemma 3 keeps one entry per layer type ({sorted(kinds)})")
     full = dict(per_type.get("full_attention") or {"rope_type": "default"})
