@@ -1,4 +1,5 @@
-"""Pure NumPy maps between Hugging Face GPT-2 tensors and the unscanned paxlite params tree.
+"""Hugging Face GPT-2: its ``config.json`` <-> TransformerConfig, and pure NumPy maps between its
+tensors and the unscanned paxlite params tree.
 
 GPT-2 is the one family whose layout shares nothing with LLaMA's beyond the checked tensor source
 of `layouts`: its ``Conv1D`` weights are already [in, out] and are used as they are (no transpose,
@@ -11,16 +12,107 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
+from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.layouts import Dim, LayoutError, Params, TensorSource
-from paxlite.models.transformer import TransformerConfig
+from paxlite.models.transformer import (
+    Activation,
+    NormKind,
+    PositionEmbedding,
+    TransformerConfig,
+)
 
 _GPT2_BUFFERS = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 _GPT2_PREFIX = "transformer."
 
 
+# ---------------------------------------------------------------- config.json
+# HF activation names -> paxlite; "gelu_new" and "gelu_pytorch_tanh" are both tanh-approximate GELU.
+_GPT2_ACTIVATIONS: Mapping[str, Activation] = {
+    "gelu_new": Activation.GELU_TANH,
+    "gelu_pytorch_tanh": Activation.GELU_TANH,
+    "gelu_fast": Activation.GELU_TANH,
+    "gelu": Activation.GELU,
+    "relu": Activation.RELU,
+}
+
+
+def _required(hf: Mapping[str, Any], key: str) -> Any:
+    if key not in hf or hf[key] is None:
+        raise UnsupportedCheckpointError(f"config.json has no {key!r}; it is required for "
+                                         f"model_type={hf.get('model_type')!r}")
+    return hf[key]
+
+
+def gpt2_config(hf: Mapping[str, Any]) -> TransformerConfig:
+    """The TransformerConfig of a GPT-2 ``config.json``."""
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACTIVATIONS:
+        raise UnsupportedCheckpointError(
+            f"config.json activation_function={act!r} is not supported; supported: "
+            f"{sorted(_GPT2_ACTIVATIONS)}")
+    refuse_if(not hf.get("scale_attn_weights", True), "scale_attn_weights",
+               hf.get("scale_attn_weights"), "paxlite always scales attention by 1/sqrt(head_dim)")
+    refuse_if(bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
+               "scale_attn_by_inverse_layer_idx", hf.get("scale_attn_by_inverse_layer_idx"),
+               "paxlite does not scale attention per layer")
+    refuse_if(bool(hf.get("add_cross_attention", False)), "add_cross_attention",
+               hf.get("add_cross_attention"), "paxlite is decoder-only")
+    refuse_if(not hf.get("tie_word_embeddings", True), "tie_word_embeddings",
+               hf.get("tie_word_embeddings"), "GPT-2's output layer is the token embedding")
+    dims = int(_required(hf, "n_embd"))
+    heads = int(_required(hf, "n_head"))
+    if dims % heads:
+        raise UnsupportedCheckpointError(
+            f"config.json n_embd={dims} is not a multiple of n_head={heads}")
+    inner = hf.get("n_inner")
+    return TransformerConfig(
+        vocab_size=int(_required(hf, "vocab_size")),
+        num_layers=int(_required(hf, "n_layer")),
+        model_dims=dims,
+        num_heads=heads,
+        dims_per_head=dims // heads,
+        hidden_dims=4 * dims if inner is None else int(inner),
+        max_seq_len=int(_required(hf, "n_positions")),
+        norm=NormKind.LAYER_NORM,
+        norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+        activation=_GPT2_ACTIVATIONS[act],
+        gated_mlp=False,
+        use_bias=True,
+        tie_embeddings=True,
+        learned_position_embedding=True,
+        position_embedding=PositionEmbedding.LEARNED,
+    )
+
+
+def gpt2_hf_config(config: TransformerConfig) -> dict[str, Any]:
+    """The fields of the ``config.json`` transformers writes for this GPT-2 (hf_config adds the
+    token ids, dtype and version)."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_embd": config.model_dims,
+        "n_layer": config.num_layers,
+        "n_head": config.num_heads,
+        "n_inner": config.hidden_dims,
+        "n_positions": config.max_seq_len,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.norm_epsilon,
+        "tie_word_embeddings": True,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+
+
+# ---------------------------------------------------------------- tensors
 class _Renamed(Mapping):
     """``source`` under other names (new -> old), values read only on ``[]``."""
 

@@ -2,7 +2,7 @@
 (docs/interop.md, "Python API").
 
     from paxlite.interop import hf
-    pretrained = hf.load("path/to/hf_model_dir")   # LLaMA-style, Mixtral, Qwen3-MoE or GPT-2
+    pretrained = hf.load("path/to/hf_model_dir")   # any family of docs/interop.md
     logits = pretrained.logits(tokens)             # int32 [B, T] -> float32 [B, T, V]
     hf.save(pretrained, "out_dir")                 # loadable by transformers
 
@@ -156,7 +156,7 @@ def load(path: str | os.PathLike, *, dtype: str = "float32") -> Pretrained:
         raise NotFoundError(
             f"{directory} has no config.json: not a Hugging Face model directory")
     with open(config_path) as f:
-        hf_config = json.load(f)
+        hf_config = hf_llama4.text_config(json.load(f))  # a multimodal Llama 4's text model
     family, config = from_hf_config(hf_config, dtype=_check_dtype(dtype))
     tensors = read_hf_tensors(directory)
     if family.value in hf_deepseek.MODEL_TYPES:

@@ -1,5 +1,7 @@
 """Hugging Face ``config.json`` <-> :class:`TransformerConfig` for LLaMA-style models (LLaMA-1/2/3,
-Mistral, Qwen2/2.5, Qwen3), Mixtral, Qwen3-MoE (their experts in hf_moe.py), GPT-2 and gpt-oss
+Mistral, Qwen2/2.5, Qwen3), Mixtral, Qwen3-MoE (their experts in hf_moe.py), and through their own
+modules GPT-2 (gpt2_layout.py), Gemma 2/3 (hf_gemma.py), DeepSeek-V3/V2 (hf_deepseek.py), Llama 4
+(hf_llama4.py: ``llama4_text``, and the text model of a multimodal ``llama4``) and gpt-oss
 (hf_gpt_oss.py).
 
 Readers accept both transformers 4.x spellings (``rope_theta`` at the top level, ``torch_dtype``)
@@ -20,7 +22,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from paxlite.interop import hf_deepseek, hf_gemma, hf_gpt_oss, hf_llama4, hf_moe
+from paxlite.interop import gpt2_layout, hf_deepseek, hf_gemma, hf_gpt_oss, hf_llama4, hf_moe
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
 from paxlite.interop.hf_rope import DEFAULT_ROPE_THETA, rope_fields, rope_of, rope_theta_of
 from paxlite.interop.layouts import hf_decoder_shape
@@ -68,16 +70,6 @@ MISTRAL_DEFAULT_SLIDING_WINDOW: int = 4096  # MistralConfig's default when confi
 QWEN3_DEFAULT_HEAD_DIM: int = 128  # Qwen3Config's default when config.json has none
 
 
-# HF activation names -> paxlite; "gelu_new" and "gelu_pytorch_tanh" are both tanh-approximate GELU.
-_GPT2_ACTIVATIONS: Mapping[str, Activation] = {
-    "gelu_new": Activation.GELU_TANH,
-    "gelu_pytorch_tanh": Activation.GELU_TANH,
-    "gelu_fast": Activation.GELU_TANH,
-    "gelu": Activation.GELU,
-    "relu": Activation.RELU,
-}
-
-
 def _require(hf: Mapping[str, Any], key: str) -> Any:
     if key not in hf or hf[key] is None:
         raise UnsupportedCheckpointError(f"config.json has no {key!r}; it is required for "
@@ -104,6 +96,12 @@ _MOE_FIELDS: tuple[str, ...] = (
 )
 
 
+# The mixture-of-experts model types paxlite converts, and those of them with shared experts (which
+# DeepSeek's and Llama 4's layouts read under their own names).
+_MOE_TYPES = "'mixtral', 'qwen3_moe', 'deepseek_v3', 'deepseek_v2', 'llama4_text', 'gpt_oss'"
+_SHARED_TYPES = "'deepseek_v3', 'deepseek_v2', 'llama4_text'"
+
+
 def _refuse_shared_or_unknown_moe(hf: Mapping[str, Any]) -> None:
     model_type = hf.get("model_type")
     if model_type in hf_deepseek.MODEL_TYPES:  # shared experts are part of DeepSeek's layout
@@ -112,8 +110,9 @@ def _refuse_shared_or_unknown_moe(hf: Mapping[str, Any]) -> None:
         if hf.get(field):  # absent, null and 0 mean no shared expert
             raise UnsupportedCheckpointError(
                 f"config.json {field}={hf[field]!r} (model_type={model_type!r}) is not supported: "
-                "paxlite's MoE holds routed experts only, no shared experts (supported MoE "
-                "model_type: 'mixtral', 'qwen3_moe')")
+                f"paxlite's MoE holds routed experts only, no shared experts, except in the "
+                f"layouts that have them (model_type {_SHARED_TYPES}); supported MoE model_type: "
+                f"{_MOE_TYPES}")
     if model_type in {f.value for f in Family}:
         return
     for field in _MOE_FIELDS:
@@ -121,14 +120,14 @@ def _refuse_shared_or_unknown_moe(hf: Mapping[str, Any]) -> None:
             raise UnsupportedCheckpointError(
                 f"config.json model_type={model_type!r} ({field}={hf[field]!r}) is a "
                 "mixture-of-experts model paxlite does not convert: paxlite's MoE holds routed "
-                "experts only (supported MoE model_type: 'mixtral', 'qwen3_moe')")
+                f"experts only, and shared ones in the layouts that have them (supported MoE "
+                f"model_type: {_MOE_TYPES})")
 
 
 def family_of(hf: Mapping[str, Any]) -> Family:
     _refuse_shared_or_unknown_moe(hf)
     model_type = hf.get("model_type")
     hf_gemma.refuse_multimodal(model_type)
-    hf_llama4.refuse_multimodal(model_type)
     try:
         return Family(model_type)
     except ValueError:
@@ -136,7 +135,8 @@ def family_of(hf: Mapping[str, Any]) -> Family:
             f"config.json model_type={model_type!r} is not supported; supported: 'llama' "
             "(LLaMA-1/2/3 shapes, GQA, any rope_theta, head_dim, 'llama3' RoPE scaling), "
             "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'gemma2', 'gemma3_text', "
-            "'gpt2' and 'gpt_oss'") from None
+            "'gpt2', 'deepseek_v3', 'deepseek_v2', 'llama4_text' (and the text model of a "
+            "multimodal 'llama4') and 'gpt_oss'") from None
 
 
 def _refuse_qwen_windows(hf: Mapping[str, Any]) -> None:
@@ -251,49 +251,11 @@ def _mixtral_config(hf: Mapping[str, Any]) -> TransformerConfig:
     return dataclasses.replace(config, moe=moe)
 
 
-def _gpt2_config(hf: Mapping[str, Any]) -> TransformerConfig:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in _GPT2_ACTIVATIONS:
-        raise UnsupportedCheckpointError(
-            f"config.json activation_function={act!r} is not supported; supported: "
-            f"{sorted(_GPT2_ACTIVATIONS)}")
-    refuse_if(not hf.get("scale_attn_weights", True), "scale_attn_weights",
-               hf.get("scale_attn_weights"), "paxlite always scales attention by 1/sqrt(head_dim)")
-    refuse_if(bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
-               "scale_attn_by_inverse_layer_idx", hf.get("scale_attn_by_inverse_layer_idx"),
-               "paxlite does not scale attention per layer")
-    refuse_if(bool(hf.get("add_cross_attention", False)), "add_cross_attention",
-               hf.get("add_cross_attention"), "paxlite is decoder-only")
-    refuse_if(not hf.get("tie_word_embeddings", True), "tie_word_embeddings",
-               hf.get("tie_word_embeddings"), "GPT-2's output layer is the token embedding")
-    dims = int(_require(hf, "n_embd"))
-    heads = int(_require(hf, "n_head"))
-    if dims % heads:
-        raise UnsupportedCheckpointError(
-            f"config.json n_embd={dims} is not a multiple of n_head={heads}")
-    inner = hf.get("n_inner")
-    return TransformerConfig(
-        vocab_size=int(_require(hf, "vocab_size")),
-        num_layers=int(_require(hf, "n_layer")),
-        model_dims=dims,
-        num_heads=heads,
-        dims_per_head=dims // heads,
-        hidden_dims=4 * dims if inner is None else int(inner),
-        max_seq_len=int(_require(hf, "n_positions")),
-        norm=NormKind.LAYER_NORM,
-        norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
-        activation=_GPT2_ACTIVATIONS[act],
-        gated_mlp=False,
-        use_bias=True,
-        tie_embeddings=True,
-        learned_position_embedding=True,
-        position_embedding=PositionEmbedding.LEARNED,
-    )
-
-
 def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
                    ) -> tuple[Family, TransformerConfig]:
-    """(family, TransformerConfig) of an HF ``config.json`` dict; params and math in ``dtype``."""
+    """(family, TransformerConfig) of an HF ``config.json`` dict; params and math in ``dtype``
+    (a multimodal ``llama4``'s: its text model's, ``llama4_text``)."""
+    hf = hf_llama4.text_config(hf)
     family = family_of(hf)
     if family is Family.MIXTRAL:
         config = _mixtral_config(hf)
@@ -304,7 +266,7 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32"
     elif family.value in hf_deepseek.MODEL_TYPES:
         config = hf_deepseek.deepseek_config(hf)
     elif family is Family.GPT2:
-        config = _gpt2_config(hf)
+        config = gpt2_layout.gpt2_config(hf)
     elif family is Family.LLAMA4_TEXT:
         config = hf_llama4.llama4_config(hf)
     elif family is Family.GPT_OSS:
@@ -364,10 +326,11 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
     # other's (nor DeepSeek's)
     llama4_off, gpt_oss_off = hf_llama4.llama4_off(config), hf_gpt_oss.gpt_oss_off(config)
     deepseek_off = hf_deepseek.off(config)
+    # Llama 4 has a shared expert and dense layers before its first MoE layer, as DeepSeek has
+    shared = ("moe.shared_expert_hidden_dims", "moe.first_moe_layer")
     return {**{family: {**wanted, **llama4_off, **gpt_oss_off} for family, wanted in table.items()},
             Family.LLAMA4_TEXT: {**hf_llama4.llama4_requirements(config), **gpt_oss_off,
-                                 **{k: v for k, v in deepseek_off.items()  # Llama 4 has its own
-                                    if k in ("mla", "moe.deepseek_router")}},  # shared experts
+                                 **{k: v for k, v in deepseek_off.items() if k not in shared}},
             Family.GPT_OSS: {**hf_gpt_oss.gpt_oss_requirements(config), **llama4_off,
                              **deepseek_off}}
 
@@ -480,25 +443,7 @@ def to_hf_config(config: TransformerConfig, *, family: Family, dtype: str = "flo
     elif family is Family.LLAMA4_TEXT:
         out = hf_llama4.llama4_hf_config(config)
     else:
-        out = {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": config.vocab_size,
-            "n_embd": config.model_dims,
-            "n_layer": config.num_layers,
-            "n_head": config.num_heads,
-            "n_inner": config.hidden_dims,
-            "n_positions": config.max_seq_len,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": config.norm_epsilon,
-            "tie_word_embeddings": True,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-        }
+        out = gpt2_layout.gpt2_hf_config(config)
     out = {key: value for key, value in out.items()
            if value is not None or key not in _DROPPED_WHEN_NONE}
     out.update({

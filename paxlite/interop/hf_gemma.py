@@ -97,7 +97,8 @@ def _layer_types(hf: Mapping[str, Any], model_type: str, num_layers: int
         period = 2 if model_type == GEMMA2 else _count(
             hf, "sliding_window_pattern", _DEFAULTS[GEMMA3_TEXT]["sliding_window_pattern"])
         return tuple(LayerAttention(kind) for kind in _pattern(period, num_layers=num_layers))
-    valid = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}  # Llama 4's are not here
+    # Gemma's two kinds only (Llama 4's chunked and NoPE layers are paxlite's too)
+    valid = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}
     refuse_if(not isinstance(given, list) or any(kind not in valid for kind in given),
               "layer_types", given, f"each entry must be one of {sorted(valid)}")
     refuse_if(len(given) != num_layers, "layer_types", given,
@@ -116,7 +117,7 @@ def _rope(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     # base each entry lacks from rope_theta / rope_local_base_freq
     refuse_partial_rotation(hf)
     per_type = hf.get("rope_parameters") or {}
-    kinds = {kind.value for kind in LayerAttention}
+    kinds = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}
     refuse_if(not isinstance(per_type, Mapping) or not set(per_type) <= kinds, "rope_parameters",
               per_type, f"Gemma 3 keeps one entry per layer type ({sorted(kinds)})")
     full = dict(per_type.get("full_attention") or {"rope_type": "default"})

@@ -86,7 +86,8 @@ def _layer_types(hf: Mapping[str, Any], num_layers: int) -> tuple[LayerAttention
     if given is None:
         return tuple(LayerAttention.SLIDING if (i + 1) % 2 else LayerAttention.FULL
                      for i in range(num_layers))
-    valid = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}  # Llama 4's are not here
+    # gpt-oss's two kinds only (Llama 4's chunked and NoPE layers are paxlite's too)
+    valid = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}
     refuse_if(not isinstance(given, list) or any(kind not in valid for kind in given),
               "layer_types", given, f"each entry must be one of {sorted(valid)}")
     refuse_if(len(given) != num_layers, "layer_types", given,

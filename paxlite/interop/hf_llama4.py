@@ -22,12 +22,19 @@ layer's ``gate_proj`` / ``up_proj`` / ``down_proj``, a sparse layer's ``router``
 ``experts.gate_up_proj`` [E, D, 2F] (gate columns first) and ``experts.down_proj`` [E, F, D],
 stored fused as they are, and ``shared_expert.{gate,up,down}_proj``.
 
-The multimodal ``llama4`` checkpoints (Scout's and Maverick's, with a vision tower and the text
-model under ``text_config`` / ``language_model.``) are refused by name.
+The multimodal ``llama4`` checkpoints as published (Scout's and Maverick's,
+``Llama4ForConditionalGeneration``) hold the text model's config.json fields under
+``text_config`` and its tensors under ``language_model.`` (``language_model.model.*``,
+``language_model.lm_head.weight``) beside the vision tower (``vision_model.*``) and the projector
+(``multi_modal_projector.*``). paxlite reads the text model (`text_config`, `text_tensors`): the
+same Llama4ForCausalLM, and written back it is a ``llama4_text`` checkpoint; the vision tower and
+the projector are left out, which a warning logged as the config.json is read says in one
+line (`text_tower_note`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -45,6 +52,8 @@ from paxlite.models.transformer_config import (
     PositionEmbedding,
     TransformerConfig,
 )
+
+_log = logging.getLogger(__name__)
 
 LLAMA4_TEXT = "llama4_text"
 ARCHITECTURE = "Llama4ForCausalLM"
@@ -79,10 +88,63 @@ NAMES: Mapping[str, str] = {
 _MLP = (("gate", "wi_gate"), ("up", "wi"), ("down", "wo"))  # HF projection -> paxlite Mlp name
 
 
-def refuse_multimodal(model_type: Any) -> None:
-    refuse_if(model_type == "llama4", "model_type", model_type,
-              "the multimodal Llama 4 (vision tower, projector, and the text model under "
-              "text_config) is not converted; its text model alone is model_type 'llama4_text'")
+# ---------------------------------------------------------------- the multimodal checkpoint
+LLAMA4 = "llama4"  # Llama4ForConditionalGeneration's model_type
+TEXT_TOWER = "language_model."  # its text model's tensor names: this, then Llama4ForCausalLM's
+LEFT_OUT = ("vision_model.", "multi_modal_projector.")
+# what the checkpoint records once for the whole model, read for the text model
+_FILE_FIELDS = ("dtype", "torch_dtype")
+
+
+def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A multimodal ``llama4`` config.json's text model as a ``llama4_text`` config.json (its
+    ``text_config``, with the file's dtype where that has none); any other config as it is."""
+    if hf.get("model_type") != LLAMA4:
+        return hf
+    text = hf.get("text_config")
+    refuse_if(not isinstance(text, Mapping) or text.get("model_type", LLAMA4_TEXT) != LLAMA4_TEXT,
+              "text_config", text if not isinstance(text, Mapping) else text.get("model_type"),
+              f"a model_type='{LLAMA4}' checkpoint needs its text model's fields as text_config "
+              f"(model_type '{LLAMA4_TEXT}'), which paxlite converts")
+    _log.warning(text_tower_note(hf))
+    return {**{k: hf[k] for k in _FILE_FIELDS if k in hf}, **text, "model_type": LLAMA4_TEXT}
+
+
+def text_tower_note(hf: Mapping[str, Any]) -> str:
+    """The one line (logged when a multimodal config.json is read) saying what of the checkpoint
+    paxlite leaves out."""
+    return (f"config.json model_type='{LLAMA4}' "
+            f"({', '.join(hf.get('architectures') or ['multimodal'])}): its text model is read "
+            f"(as '{LLAMA4_TEXT}', tensors under '{TEXT_TOWER}'); the vision tower and the "
+            f"multimodal projector (tensors under {' and '.join(repr(p) for p in LEFT_OUT)}) are "
+            "left out")
+
+
+class _TextTower(Mapping):
+    """A multimodal checkpoint's tensors as its text model's: ``language_model.X`` named X, the
+    vision tower's and projector's not there, any other name as it is (reported as left over)."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray]) -> None:
+        self._tensors = tensors
+        self._names = {name.removeprefix(TEXT_TOWER): name for name in tensors
+                       if not name.startswith(LEFT_OUT)}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._tensors[self._names[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def text_tensors(tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """The text model's tensors: those of a multimodal checkpoint (its embedding under
+    ``language_model.``) by their Llama4ForCausalLM names; a text checkpoint's as they are."""
+    if TEXT_TOWER + NAMES["embed"] in tensors:
+        return _TextTower(tensors)
+    return tensors
 
 
 def _count(hf: Mapping[str, Any], key: str) -> int:
@@ -323,7 +385,7 @@ def iter_llama4_params(tensors: Mapping[str, np.ndarray], *, config: Transformer
     if config.moe is not None and config.moe.routing is not MoeRouting.SIGMOID_TOPK:
         raise LayoutError(f"a Llama 4 checkpoint needs moe.routing='sigmoid_topk', not "
                           f"{config.moe.routing.value!r}")
-    src = TensorSource(tensors, what="Hugging Face Llama 4 checkpoint")
+    src = TensorSource(text_tensors(tensors), what="Hugging Face Llama 4 checkpoint")
     d = _dims(config)
     embedding = src.take(NAMES["embed"], (d["vocab"], d["dims"]))
     yield "embedding", {"embedding": embedding}

@@ -261,6 +261,9 @@ def _gemma_json(**changes):
      "rope_parameters['sliding_attention']="),
     (dict(model_type="gemma3_text", rope_parameters={"rope_type": "default"}),
      "one entry per layer type"),
+    # Llama 4's layer kinds are paxlite's too, not Gemma 3's
+    (dict(model_type="gemma3_text", rope_parameters={"chunked_attention": {
+        "rope_type": "default"}}), "one entry per layer type (['full_attention', 'sliding"),
     # 4.x's form is named as the file spells it
     (dict(model_type="gemma3_text", rope_scaling={"rope_type": "yarn", "factor": 4.0}),
      "config.json rope_scaling="),

@@ -7,8 +7,9 @@ each Llama 4 feature bites (the logits move by far more than that without it); g
 over the KV cache across chunk boundaries equal to `generate(do_sample=False)`; `hf.save` read
 back by transformers with the same logits and bytes; `convert` + `generate --prompt` through the
 model's own tokenizer.json equal to transformers' greedy ids; FineTune (and LoRA) from the
-converted directory trains; training on an 8-device mesh equals one device; the refusals; the
-published Scout's parameter count against transformers' own on the meta device."""
+converted directory trains; the refusals; the published Scout's parameter count against
+transformers' own on the meta device; the published multimodal form (Llama4ForConditionalGeneration
+holding the same text model) read as its text model. Meshes: tests/models/test_llama4_layers.py."""
 
 import dataclasses
 import json
@@ -196,7 +197,7 @@ def _json(**changes):
     (dict(moe_layers=[0, 1, 3]), "moe_layers=[0, 1, 3]"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(attention_bias=True), "attention_bias=True"),
-    (dict(model_type="llama4"), "model_type='llama4'"),
+    (dict(model_type="llama4"), "text_config=None"),  # a multimodal file needs its text model
     (dict(no_rope_layers=[1, 2, 1, 0]), "no_rope_layers=[1, 2, 1, 0]"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
 ])
@@ -205,6 +206,19 @@ def test_refusals_name_the_field(changes, says):
         from_hf_config(_json(**changes))
     assert says in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_refusals_of_other_model_types_list_every_family():
+    """An unknown model_type's error lists every model_type paxlite converts (Llama 4's and
+    DeepSeek's among them); a shared expert outside the layouts that have one lists those."""
+    with pytest.raises(UnsupportedCheckpointError) as error:
+        from_hf_config({"model_type": "bert"})
+    assert all(repr(family.value) in str(error.value) for family in Family), error.value
+    assert "'llama4'" in str(error.value)
+    with pytest.raises(UnsupportedCheckpointError) as error:
+        from_hf_config({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 8})
+    for model_type in ("deepseek_v3", "deepseek_v2", "llama4_text", "gpt_oss"):
+        assert repr(model_type) in str(error.value)
 
 
 def test_chunks_refuse_a_fused_kernel_in_one_line():
@@ -250,17 +264,27 @@ def test_published_scout_count_is_transformers_own():
 
 
 # ---------------------------------------------------------------- the command line
-def _tokenizer_json(directory):
-    from tests.interop.test_tokenizer_json_generate import _tokenizer_json as write
-
-    write(directory)
-
-
-def test_convert_generate_finetune_and_lora(tiny, tmp_path, capsys):
-    """convert --to=paxlite, `generate --prompt` through the model's tokenizer.json (transformers'
-    greedy ids), FineTune and LoRA from the converted directory (2 steps each), convert --to=hf
-    read back by transformers with the same logits."""
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    """(the tiny model's directory with a tokenizer.json, its `convert --to=paxlite` output),
+    converted once for the command-line tests."""
     pytest.importorskip("tokenizers")
+    from paxlite.__main__ import main
+    from tests.interop.test_tokenizer_json_generate import _tokenizer_json
+
+    root = tmp_path_factory.mktemp("converted")
+    hf_dir, out = root / "hf", root / "pax"
+    shutil.copytree(tiny[0], hf_dir)
+    _tokenizer_json(hf_dir)
+    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={hf_dir}",
+                 f"--output={out}"]) == 0
+    return hf_dir, out
+
+
+def test_convert_generate_finetune_and_lora(tiny, converted, tmp_path, capsys):
+    """`generate --prompt` on the converted directory through the model's tokenizer.json
+    (transformers' greedy ids), FineTune and LoRA from it (2 steps each), convert --to=hf read
+    back by transformers with the same logits."""
     import torch
     import transformers
 
@@ -268,13 +292,8 @@ def test_convert_generate_finetune_and_lora(tiny, tmp_path, capsys):
     from paxlite.experiments.build import build_run_config
     from paxlite.train.loop import Run, RunContext
 
-    source, model, want, _ = tiny
-    hf_dir = tmp_path / "hf"
-    shutil.copytree(source, hf_dir)
-    _tokenizer_json(hf_dir)
-    out = tmp_path / "pax"
-    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={hf_dir}",
-                 f"--output={out}"]) == 0
+    _, model, want, _ = tiny
+    hf_dir, out = converted
     capsys.readouterr()
     texts = ["the quick brown fox said hello world to the lazy dog"]
     assert main(["generate", f"--checkpoint={out}", *[f"--prompt={t}" for t in texts],
@@ -312,3 +331,68 @@ def test_convert_generate_finetune_and_lora(tiny, tmp_path, capsys):
     again = transformers.AutoModelForCausalLM.from_pretrained(
         back, attn_implementation="eager").eval()
     np.testing.assert_allclose(hf_logits(again, TOKENS), want, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------- the published multimodal form
+def test_multimodal_checkpoint_reads_its_text_model(tiny, converted, tmp_path, caplog):
+    """A tiny Llama4ForConditionalGeneration (model_type 'llama4') whose text model holds the
+    tiny model's weights, as transformers saves it (text_config; tensors under language_model.,
+    beside vision_model. and multi_modal_projector.): `hf.load` and `convert` read the text model
+    (logits of transformers' Llama4ForCausalLM on the same weights; the same parameters as the
+    text checkpoint's conversion), saying in one logged line what is left out; `convert --to=hf`
+    writes it back as the text checkpoint, llama4_text."""
+    import logging
+
+    import transformers
+
+    from paxlite.__main__ import main
+    from paxlite.interop.hf_llama4 import TEXT_TOWER
+
+    directory, model, _, pretrained = tiny
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=32)
+    multimodal = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(
+        text_config=model.config.to_dict(), vision_config=vision)).eval()
+    multimodal.language_model.load_state_dict(model.state_dict())
+    multimodal.save_pretrained(tmp_path / "llama4")
+    written = json.loads((tmp_path / "llama4" / "config.json").read_text())
+    stored = _tensors(tmp_path / "llama4")
+    assert written["model_type"] == "llama4" and "text_config" in written
+    assert {name.split(".")[0] for name in stored} == {
+        "language_model", "vision_model", "multi_modal_projector"}
+    assert sorted(TEXT_TOWER + name for name in _tensors(directory)) == sorted(
+        name for name in stored if name.startswith(TEXT_TOWER))
+
+    def notes():
+        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                 and "vision tower" in r.getMessage()]
+        caplog.clear()
+        return lines
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        loaded = hf.load(tmp_path / "llama4")
+        [note] = notes()
+        assert "model_type='llama4'" in note and "'vision_model.'" in note and "\n" not in note
+        assert (loaded.family, loaded.config) == (Family.LLAMA4_TEXT, pretrained.config)
+        np.testing.assert_allclose(loaded.logits(TOKENS), hf_logits(multimodal.language_model,
+                                                                     TOKENS), atol=1e-4, rtol=0)
+        jax.tree.map(np.testing.assert_array_equal, loaded.params, pretrained.params)
+
+        out, back = tmp_path / "pax", tmp_path / "back"
+        assert main(["convert", "--from=hf", "--to=paxlite", f"--input={tmp_path / 'llama4'}",
+                     f"--output={out}"]) == 0
+        assert len(notes()) == 1
+    streamed, text = hf.from_paxlite(out), hf.from_paxlite(converted[1])
+    assert streamed.config == text.config
+    jax.tree.map(np.testing.assert_array_equal, streamed.params, text.params)
+    assert main(["convert", "--from=paxlite", "--to=hf", f"--input={out}",
+                 f"--output={back}"]) == 0
+    again = json.loads((back / "config.json").read_text())
+    assert (again["model_type"], again["architectures"]) == ("llama4_text", ["Llama4ForCausalLM"])
+    original = _tensors(directory)
+    ours = _tensors(back)
+    assert sorted(ours) == sorted(original)
+    for name in original:
+        assert ours[name].tobytes() == original[name].tobytes(), name

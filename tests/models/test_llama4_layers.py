@@ -6,6 +6,7 @@ device. Against transformers: tests/interop/test_hf_llama4.py."""
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +19,7 @@ from paxlite.models.moe_sigmoid_gating import sigmoid_topk_routing
 from paxlite.models.open_model_fields import LayerAttention
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, Transformer, TransformerConfig
 from paxlite.parallel.mesh import MeshConfig, build_mesh
+from tests.host_params import random_host_params
 from tests.parallel.test_moe_sharded import _loss_and_grads
 from tests.parallel.test_moe_sharded import (
     test_moe_mesh_matches_one_device as assert_mesh_matches_one_device,
@@ -70,12 +72,12 @@ def test_scanned_units_equal_the_unrolled_layers():
     scanned = dataclasses.replace(config, scan_layers=True)
     assert scanned.layers_per_scan_unit == 2
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, size=(2, 12)), jnp.int32)
-    variables = Transformer(config).init(jax.random.key(0), tokens)
-    params = jax.tree.map(np.asarray, variables["params"])
-    params = jax.tree.map(lambda x: getattr(x, "value", x), params,
-                          is_leaf=lambda x: hasattr(x, "value"))
-    want = Transformer(config).apply({"params": params}, tokens)
-    got = Transformer(scanned).apply(
+    # random host parameters of init's shapes: init itself (threefry) costs 8 s of compiles here
+    abstract = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens)["params"]
+    params = random_host_params(nn.meta.unbox(abstract))
+    # jitted: one compile each, not one per primitive as an eager apply has
+    want = jax.jit(Transformer(config).apply)({"params": params}, tokens)
+    got = jax.jit(Transformer(scanned).apply)(
         {"params": stack_layers(params, num_layers=4, unit=2)}, tokens)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
