@@ -158,7 +158,8 @@ def levers(experiment, base: StepMeasurement, *, num_devices: int, device_bytes:
         try:
             check_runs(variant(experiment, changes), num_devices=num_devices, target=target)
         except (ConfigError, MeshError, ValueError) as e:  # e.g. a batch that no longer divides
-            out.append(lever.refuse(str(e)))
+            # the reason only: Fiddle appends its build context (every argument) after a blank line
+            out.append(lever.refuse(str(e).split("\n\n", 1)[0].strip()))
             continue
         if len(to_compile) == _MAX_COMPILED_LEVERS:
             out.append(dataclasses.replace(lever, method="not compiled", skipped=(
