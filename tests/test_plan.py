@@ -630,3 +630,21 @@ def test_the_longest_sequence_request_travels_to_a_subprocess_and_bad_values_are
     with pytest.raises(ValueError, match=r"--seq_step=0: expected a positive integer"):
         plan_lib.PlanRequest(name="TinySynthetic", num_devices=8, seq_step=0)
     assert plan_lib.LongestSeq.AUTO.wanted(seq=2) and not plan_lib.LongestSeq.AUTO.wanted(seq=1)
+
+
+def test_a_lever_refused_while_its_model_is_built_says_the_reason_only():
+    """fdl.build's error carries Fiddle's build context (every argument) after a blank line; a
+    refused lever's line keeps the model's own reason."""
+    import fiddle as fdl
+
+    from paxlite.models.transformer import TransformerConfig
+    from paxlite.planner.levers import refusal_reason
+
+    bad = fdl.Config(TransformerConfig, vocab_size=64, num_layers=2, model_dims=16, num_heads=2,
+                     dims_per_head=8, hidden_dims=32, max_seq_len=8, sliding_window=0)
+    with pytest.raises(ValueError) as raised:
+        fdl.build(bad)
+    assert "Fiddle context" in str(raised.value)
+    reason = refusal_reason(raised.value)
+    assert reason.startswith("TransformerConfig.sliding_window=0")
+    assert "Fiddle" not in reason and "\n" not in reason

@@ -81,6 +81,12 @@ def _moved(named: dict[str, dict[str, int]], moves: list[tuple[str, str, str, in
 # Levers
 
 
+def refusal_reason(error: Exception) -> str:
+    """The one-line reason of a lever refused while its model is built: Fiddle appends its build
+    context (every argument of the config it failed on) after a blank line."""
+    return str(error).split("\n\n", 1)[0].strip()
+
+
 def levers(experiment, base: StepMeasurement, *, num_devices: int, device_bytes: int,
            target: CompileTarget = CompileTarget.CPU) -> list[Lever]:
     """Ways to make the run fit, each measured: analytic where the change is exact arithmetic,
@@ -158,8 +164,7 @@ def levers(experiment, base: StepMeasurement, *, num_devices: int, device_bytes:
         try:
             check_runs(variant(experiment, changes), num_devices=num_devices, target=target)
         except (ConfigError, MeshError, ValueError) as e:  # e.g. a batch that no longer divides
-            # the reason only: Fiddle appends its build context (every argument) after a blank line
-            out.append(lever.refuse(str(e).split("\n\n", 1)[0].strip()))
+            out.append(lever.refuse(refusal_reason(e)))
             continue
         if len(to_compile) == _MAX_COMPILED_LEVERS:
             out.append(dataclasses.replace(lever, method="not compiled", skipped=(
