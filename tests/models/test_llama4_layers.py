@@ -79,7 +79,7 @@ def test_scanned_units_equal_the_unrolled_layers():
     want = jax.jit(Transformer(config).apply)({"params": params}, tokens)
     got = jax.jit(Transformer(scanned).apply)(
         {"params": stack_layers(params, num_layers=4, unit=2)}, tokens)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # the scan reorders sums
 
 
 @pytest.fixture(scope="module")
