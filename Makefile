@@ -42,7 +42,7 @@ GPU_COMPILE_PACKAGES := jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12 nvid
 TPU_COMPILE := $(VENV)/tpu_compile
 TPU_COMPILE_STAMP := $(TPU_COMPILE)/.installed
 
-.PHONY: install gpu-compile tpu-compile test test-cpu-session test-gpu-compile-session test-tpu-compile-session test-quick test-durations demo bench lint clean
+.PHONY: install gpu-compile tpu-compile test test-cpu-session test-gpu-compile-session test-gpu-compile-tests test-tpu-compile-session test-quick test-durations demo bench lint clean
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "no Python 3.12 found (python3.12, ~/.pyenv/versions/3.12*): install one, or make PYTHON=/path/to/python3.12"; exit 2; }
@@ -107,16 +107,23 @@ test: $(STAMP) $(JEMALLOC)
 	$(BIN)/python tests/gpu_pass.py
 	$(BIN)/python tests/tpu_pass.py
 
-# The gpu_compile session of `make test` (above), its output in $(GPU_COMPILE_LOG); then, in the same
-# line of work, make test-py311 (below), its output in $(PY311_LOG).
+# The gpu_compile session of `make test` (above): test-gpu-compile-tests, its output in $(GPU_COMPILE_LOG);
+# then, in the same line of work, the tpu_compile session and make test-py311 (below), its output in
+# $(PY311_LOG). The sessions run as sub-makes, each line of a pytest target holding no $(MAKE): `make -n`
+# runs a line that names $(MAKE) instead of printing it (tests/test_allocator.py reads the pytest targets
+# with `make -n`, which would otherwise run whole sessions inside the CPU session).
 test-gpu-compile-session: $(GPU_COMPILE_STAMP) $(JEMALLOC)
-	@mkdir -p $(dir $(GPU_COMPILE_LOG))
 	@status=0; \
-	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -p no:xdist \
-		--durations=10 tests/gpu_compile $(PYTEST_ARGS) > $(GPU_COMPILE_LOG) 2>&1 || status=$$?; \
+	$(MAKE) --no-print-directory test-gpu-compile-tests || status=$$?; \
 	$(MAKE) --no-print-directory test-tpu-compile-session || status=$$?; \
 	$(MAKE) --no-print-directory test-py311 > $(PY311_LOG) 2>&1 || status=$$?; \
 	exit $$status
+
+# The gpu_compile tests alone (tests/gpu_compile: the plugin on PYTHONPATH, a missing plugin an error).
+test-gpu-compile-tests: $(GPU_COMPILE_STAMP) $(JEMALLOC)
+	@mkdir -p $(dir $(GPU_COMPILE_LOG))
+	PYTHONPATH=$(abspath $(GPU_COMPILE)) PAXLITE_REQUIRE_GPU_COMPILE=1 $(PYTEST) -q -p no:xdist \
+		--durations=10 tests/gpu_compile $(PYTEST_ARGS) > $(GPU_COMPILE_LOG) 2>&1
 
 # The tpu_compile session (tests/tpu_compile: plans compiled by the TPU compiler, libtpu on PYTHONPATH,
 # a missing libtpu an error), in the gpu_compile session's line of work; its output in $(TPU_COMPILE_LOG).
