@@ -81,11 +81,14 @@ def check_attention_settings(experiment) -> None:
             f"{implementation.value!r}: {experiment.name}'s model does not use them (it builds "
             f"{built})")
     relative_bias = model.position_embedding == PositionEmbedding.RELATIVE_BIAS
+    # Llama 4's chunks and gpt-oss's sinks: cuDNN and Pallas-Triton have neither
+    chunk, sinks = model.attention_chunk_size, bool(model.attention_sinks)
     if implementation is AttentionImplementation.CUDNN:
         problems = cudnn_problems(dtype=experiment.FPROP_DTYPE, head_dim=experiment.DIMS_PER_HEAD,
                                   seq_len=experiment.MAX_SEQ_LEN,
                                   dense_bias=experiment.PACKED_INPUT or relative_bias,
-                                  vmapped_stages=model.pipeline is not None)
+                                  vmapped_stages=model.pipeline is not None, chunk=chunk,
+                                  sinks=sinks)
         setting = ("USE_CUDNN_FLASH_ATTENTION=true" if experiment.USE_CUDNN_FLASH_ATTENTION
                    else "ATTENTION_IMPLEMENTATION='cudnn'")
         if problems:
@@ -98,7 +101,7 @@ def check_attention_settings(experiment) -> None:
         raise ConfigError(f"ATTENTION_IMPLEMENTATION='splash' cannot run {experiment.name}: "
                           + splash_problems(has_bias=True)[0])
     if implementation is AttentionImplementation.PALLAS_TRITON:
-        problems = pallas_problems(has_bias=relative_bias)
+        problems = pallas_problems(has_bias=relative_bias, chunk=chunk, sinks=sinks)
         if problems:
             raise ConfigError("ATTENTION_IMPLEMENTATION='pallas_triton' cannot run "
                               f"{experiment.name}: "

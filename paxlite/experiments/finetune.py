@@ -167,8 +167,9 @@ _SHAPE_SETTINGS = ("VOCAB_SIZE", "NUM_LAYERS", "MODEL_DIMS", "NUM_HEADS", "DIMS_
 
 
 def _fused_fits(model: TransformerConfig) -> bool:
-    """Whether a fused attention kernel can run the model's attention: not Gemma 2's logit
-    soft-cap, Llama 4's chunks or gpt-oss's sinks."""
+    """Whether AUTO's fused kernel (cuDNN on a GPU) can run the model's attention: not Gemma 2's
+    logit soft-cap (no fused kernel but splash has one), nor Llama 4's chunks or gpt-oss's sinks
+    (for which AUTO runs XLA's attention: 'flash' runs them, but not as a flash kernel)."""
     return (model.attention_logit_cap is None and model.attention_chunk_size is None
             and not model.attention_sinks)
 
@@ -227,10 +228,6 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
             raise ConfigError(f"ATTENTION_KIND='flash' with the checkpoint's attention logit "
                               f"soft-cap {cap} (Gemma 2): JAX's fused attention kernels have "
                               "none; use ATTENTION_KIND='dot_product' (its default for it)")
-        if model.attention_sinks and self.ATTENTION_KIND == "flash":  # nor has a sink logit
-            raise ConfigError("ATTENTION_KIND='flash' with the checkpoint's attention sinks "
-                              "(gpt-oss): JAX's fused attention kernels have none; use "
-                              "ATTENTION_KIND='dot_product' (its default for it)")
         if problems:
             raise ConfigError(
                 f"{'; '.join(problems)}: the weights in CHECKPOINT_RESTORE_PATH="
@@ -286,8 +283,8 @@ class FineTune(FineTuningRecipe, TiedEmbeddingSettings, AttentionVariantSettings
     ROPE_SCALING_ORIGINAL_MAX_POSITION = _from_checkpoint("ROPE_SCALING_ORIGINAL_MAX_POSITION")
     VOCAB_PATH = Derived(lambda hp: _tokenizer_beside(hp.CHECKPOINT_RESTORE_PATH),
                          doc="the tokenizer.json or tokenizer.model beside the checkpoint")
-    # fused kernels where they can run the checkpoint's attention (not Gemma 2's soft-cap, not
-    # Llama 4's chunks, gpt-oss's sinks)
+    # fused kernels where cuDNN can run the checkpoint's attention (not Gemma 2's soft-cap, not
+    # Llama 4's chunks, gpt-oss's sinks: _fused_fits)
     ATTENTION_KIND = Derived(
         lambda hp: "flash" if _fused_fits(checkpoint_model(hp.CHECKPOINT_RESTORE_PATH))
         else "dot_product",

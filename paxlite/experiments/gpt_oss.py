@@ -13,12 +13,12 @@ router and experts carry biases and whose experts compute the clamped SwiGLU (li
 1.702). The published weights store the experts in MXFP4, which `convert` dequantises.
 
 The weights come from a converted checkpoint (`python -m paxlite convert --from=hf --to=paxlite`,
-then --fdl.CHECKPOINT_RESTORE_PATH=DIR). The sinks have no fused attention kernel, so attention
-runs Pax's einsums (ATTENTION_KIND 'dot_product'); the stack is scanned by units of a sliding and
-a full layer. The load-balancing loss is HF's router_aux_loss_coef 0.001 times top-k 4, spread
-over the layers as interop/hf_moe.py maps it. The memory defaults follow Qwen3-30B-A3B's (qwen.py):
-Adam's first moment in bfloat16, the loss in blocks of 1,024 positions, the tiled grouped matmul
-(the catalogue note has what `plan` said).
+then --fdl.CHECKPOINT_RESTORE_PATH=DIR). cuDNN has no sink logit, so attention runs Pax's einsums
+(ATTENTION_KIND 'dot_product'; 'flash' runs XLA's attention, or splash on a TPU); the stack is
+scanned by units of a sliding and a full layer. The load-balancing loss is HF's
+router_aux_loss_coef 0.001 times top-k 4, spread over the layers as interop/hf_moe.py maps it. The
+memory defaults follow Qwen3-30B-A3B's (qwen.py): Adam's first moment in bfloat16, the loss in
+blocks of 1,024 positions, the tiled grouped matmul (the catalogue note has what `plan` said).
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ models/moe_sigmoid_gating.py):
   adds no load-balancing loss, so neither does this experiment (LOAD_BALANCING_WEIGHT 0).
 
 Parameter count equal to transformers' for the same text config (107,769,861,120). Attention runs
-Pax's einsums (ATTENTION_KIND 'dot_product': no fused kernel has a chunk pattern); the layers are
-scanned in units of 4 (three chunked layers and a NoPE one). The weights come from a converted
-``llama4_text`` checkpoint (`python -m paxlite convert --from=hf --to=paxlite`), then
+Pax's einsums (ATTENTION_KIND 'dot_product': cuDNN has no chunk pattern, so 'flash' runs XLA's
+attention on a GPU; ATTENTION_IMPLEMENTATION='splash' runs the chunks in a fused kernel on a TPU);
+the layers are scanned in units of 4 (three chunked layers and a NoPE one). The weights come from a
+converted ``llama4_text`` checkpoint (`python -m paxlite convert --from=hf --to=paxlite`), then
 --fdl.CHECKPOINT_RESTORE_PATH=DIR.
 """
 

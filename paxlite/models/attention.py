@@ -47,7 +47,7 @@ from paxlite.models.attention_kernels import (
     make_attention_mask,
 )
 from paxlite.models.attention_sinks import sinks_param
-from paxlite.models.chunked_attention import local_mask, refuse_fused_chunks, tune_query_key
+from paxlite.models.chunked_attention import local_mask, tune_query_key
 from paxlite.models.context_parallel import context_parallel_attention
 from paxlite.models.kv_cache import extend_cache
 from paxlite.models.linear import Fp8Config, Linear, projection
@@ -167,7 +167,7 @@ class Attention(nn.Module):
         logit_cap: the logits become ``cap * tanh(logits / cap)`` before the mask (Gemma 2), in
             the einsum cores only; the fused and sequence-parallel ones refuse it (SettingError).
         sinks: a learned logit per head (``sinks`` [N]) in every softmax (gpt-oss,
-            models/attention_sinks.py), in the einsum cores only, as ``logit_cap``.
+            models/attention_sinks.py); not in the sequence-parallel core (SettingError).
         out_bias: a bias on the output projection; None: as ``use_bias`` (gpt-oss: True beside
             use_bias False, whose MLP has none).
         context_parallel_strategy: how the keys and values of other ``seq`` shards reach a
@@ -275,8 +275,7 @@ class Attention(nn.Module):
                               segment_ids=segment_ids, window=self.sliding_window,
                               chunk=self.chunk_size)
 
-        sinks = sinks_param(self, einsum_core=core in (AttentionCore.EINSUM,
-                                                       AttentionCore.CACHED), core=core.value)
+        sinks = sinks_param(self, supported=not sequence_parallel, core=core.value)
         if core is AttentionCore.SEQUENCE_PARALLEL:
             out = self._sequence_parallel_core(q, k, v, mask=mask, bias=bias,
                                                positions=positions, segment_ids=segment_ids,
@@ -284,12 +283,12 @@ class Attention(nn.Module):
         elif core is AttentionCore.CACHED:  # the caller's mask over the whole cache
             out = einsum_attention(q, k, v, mask=mask, bias=bias, dtype=self.dtype,
                                    logit_cap=self.logit_cap, sinks=sinks)
-        elif core is AttentionCore.FUSED:
-            refuse_fused_chunks(self.chunk_size)
+        elif core is AttentionCore.FUSED:  # the kernel applies the window and the chunk
             out = fused_attention(q, k, v, implementation=self.attention_implementation,
                                   mask=mask, bias=bias, segment_ids=segment_ids,
                                   vmapped_stages=self.pipelined,
-                                  sliding_window=self.sliding_window, logit_cap=self.logit_cap)
+                                  sliding_window=self.sliding_window, logit_cap=self.logit_cap,
+                                  chunk=self.chunk_size, positions=positions, sinks=sinks)
         else:
             out = einsum_attention(q, k, v, mask=mask, bias=bias, segment_ids=segment_ids,
                                    dtype=self.dtype, logit_cap=self.logit_cap, sinks=sinks)

@@ -19,10 +19,14 @@ layer checks the parts it can know earlier (experiments/base.py). AUTO never fai
 to XLA, and says so once in the log (which kernel it chose and why), since a ``-flash`` run that
 quietly computes XLA's attention (float32 activations, no GPU) is not what its name promises.
 
-The explicit-einsum core of ``AttentionKind.DOT_PRODUCT`` (``einsum_attention``) and the mask it
-builds live here too, below every layer that computes attention: models/attention.py and the
-sequence-parallel core models/context_parallel.py both call it, and neither imports the other's
-module back.
+Llama 4's chunked attention and gpt-oss's sinks run in the XLA kernel (models/kernel_masks.py
+says how) and in splash; AUTO runs XLA for them, and cuDNN (as paxlite calls it: a causal kernel
+whose masks are dense biases) and Pallas-Triton refuse them in one line.
+
+The explicit-einsum core of ``AttentionKind.DOT_PRODUCT`` (``einsum_attention``) lives here too,
+below every layer that computes attention (its masks in models/kernel_masks.py): models/attention.py
+and the sequence-parallel core models/context_parallel.py both call it, and neither imports the
+other's module back.
 
 Shapes: q [B, T, N, H] (already scaled by the caller), k and v [B, S, K, H] with K dividing N,
 query head i using kv head i // (N / K) (JAX's grouping, as HF ``repeat_kv``).
@@ -43,6 +47,12 @@ from jax.typing import DTypeLike
 
 from paxlite.errors import SettingError
 from paxlite.models.attention_sinks import softmax_with_sinks
+from paxlite.models.kernel_masks import (
+    LARGE_NEGATIVE,
+    chunk_sink_problems,
+    make_attention_mask,
+    xla_attention,
+)
 from paxlite.models.splash_attention import mesh_spec, require_splash, splash_attention
 from paxlite.parallel.compile_targets import compile_platform
 
@@ -61,37 +71,6 @@ _HEAD_AXES: tuple[str, ...] = (
     "activation_batch", "activation_length", "activation_heads", "activation_kv",
 )
 _SEGMENT_AXES: tuple[str, ...] = ("activation_batch", "activation_length")
-
-
-# Pax uses -0.7 * max(float32) rather than -inf so that a fully masked row stays finite.
-LARGE_NEGATIVE: float = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def make_attention_mask(*, seq_len: int, segment_ids: jax.Array | None) -> jax.Array:
-    """Boolean mask [B or 1, 1, T, S]: True where query t may attend to key s.
-
-    Causal, and with packed rows also restricted to keys of the same segment, so that documents
-    packed into one row never see each other.
-    """
-    idx = jnp.arange(seq_len)
-    mask = idx[:, None] >= idx[None, :]  # [T, S]
-    if segment_ids is None:
-        return mask[None, None, :, :]
-    if segment_ids.ndim != 2 or segment_ids.shape[1] != seq_len:
-        raise ValueError(
-            f"segment_ids must have shape [batch, {seq_len}], got {segment_ids.shape}"
-        )
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-    return (mask[None, :, :] & same_segment)[:, None, :, :]
-
-
-def sliding_window_mask(q_positions: jax.Array, k_positions: jax.Array, *, window: int
-                        ) -> jax.Array:
-    """bool [B, 1, T, S]: True where the key's position j is within ``window`` of the query's i,
-    i - window < j (the window holds ``window`` positions, the query's own included); causality
-    (j <= i) is the other masks' part. q_positions [B, T], k_positions [B, S]."""
-    distance = q_positions[:, :, None] - k_positions[:, None, :]  # [B, T, S]
-    return (distance < window)[:, None]
 
 
 def einsum_attention(
@@ -169,9 +148,11 @@ def cudnn_max_head_dim(compute_capability: str | None) -> int:
 def cudnn_problems(
     *, dtype: Any, head_dim: int, seq_len: int | None = None, dense_bias: bool = False,
     backend: str | None = None, compute_capability: str | None = None,
-    vmapped_stages: bool = False, compile_only: bool = False,
+    vmapped_stages: bool = False, compile_only: bool = False, chunk: int | None = None,
+    sinks: bool = False,
 ) -> list[str]:
-    """Why cuDNN flash attention cannot run here ([] when it can).
+    """Why cuDNN flash attention cannot run here ([] when it can); chunk
+    (attention_chunk_size) and sinks: the layer's, which it cannot run.
 
     compile_only: the program is compiled for a GPU this process does not have (the planner's
     targets): JAX checks cuDNN's head-dim limit against this process's devices, so there it is
@@ -211,11 +192,13 @@ def cudnn_problems(
             "with a mask (packed rows) or a logit bias cuDNN cannot run inside a pipeline's stages "
             "(JAX's cuDNN batching rule cannot take the mask under the stages' vmap); unpacked "
             "rows (PACKED_INPUT=False) can")
-    return problems
+    return problems + chunk_sink_problems("cuDNN flash attention", chunk=chunk, sinks=sinks)
 
 
-def pallas_problems(*, has_bias: bool, backend: str | None = None) -> list[str]:
-    """Why the Pallas-Triton kernel cannot run here ([] when it can); backend None: not checked."""
+def pallas_problems(*, has_bias: bool, backend: str | None = None, chunk: int | None = None,
+                    sinks: bool = False) -> list[str]:
+    """Why the Pallas-Triton kernel cannot run here ([] when it can); backend None: not checked;
+    chunk (attention_chunk_size) and sinks: the layer's, which it cannot run."""
     problems = []
     if backend is not None and backend != "gpu":
         problems.append(
@@ -226,7 +209,8 @@ def pallas_problems(*, has_bias: bool, backend: str | None = None) -> list[str]:
         problems.append(
             "the Pallas-Triton attention kernel takes no logit bias (relative position bias): use "
             "'cudnn' or 'xla'")
-    return problems
+    return problems + chunk_sink_problems("the Pallas-Triton attention kernel", chunk=chunk,
+                                          sinks=sinks)
 
 
 def _device_facts() -> tuple[str, str | None]:
@@ -239,10 +223,13 @@ def resolve_implementation(
     requested: AttentionImplementation | str, *, dtype: Any, head_dim: int, seq_len: int,
     dense_bias: bool, has_bias: bool, backend: str | None = None,
     compute_capability: str | None = None, vmapped_stages: bool = False,
+    chunk: int | None = None, sinks: bool = False, sliding_window: int | None = None,
 ) -> AttentionImplementation:
     """The kernel that runs: AUTO resolved, a named kernel checked (SettingError with every reason).
 
     backend None: this process's default backend and its first device's compute capability.
+    chunk (attention_chunk_size), sinks and sliding_window: the layer's; AUTO runs XLA for a
+    chunk or sinks, which cuDNN cannot take.
     """
     requested = AttentionImplementation(requested)
     compile_only = False
@@ -251,19 +238,21 @@ def resolve_implementation(
         compile_only = backend == "gpu" and jax.default_backend() != "gpu"
     cudnn = cudnn_problems(dtype=dtype, head_dim=head_dim, seq_len=seq_len, dense_bias=dense_bias,
                            backend=backend, compute_capability=compute_capability,
-                           vmapped_stages=vmapped_stages, compile_only=compile_only)
+                           vmapped_stages=vmapped_stages, compile_only=compile_only,
+                           chunk=chunk, sinks=sinks)
     if requested is AttentionImplementation.AUTO:
         log_auto_choice(cudnn)
         return AttentionImplementation.CUDNN if not cudnn else AttentionImplementation.XLA
     if requested is AttentionImplementation.SPLASH:
-        require_splash(has_bias=has_bias, backend=backend)
+        require_splash(has_bias=has_bias, backend=backend, chunk=chunk,
+                       sliding_window=sliding_window)
         return requested
     if requested is AttentionImplementation.CUDNN and cudnn:
         raise SettingError(
             "attention implementation 'cudnn' (USE_CUDNN_FLASH_ATTENTION) cannot run: "
             + "; ".join(cudnn) + "; use 'auto' (cuDNN where it fits, else XLA) or 'xla'")
     if requested is AttentionImplementation.PALLAS_TRITON:
-        pallas = pallas_problems(has_bias=has_bias, backend=backend)
+        pallas = pallas_problems(has_bias=has_bias, backend=backend, chunk=chunk, sinks=sinks)
         if pallas:
             raise SettingError(
                 "attention implementation 'pallas_triton' cannot run: " + "; ".join(pallas))
@@ -299,6 +288,7 @@ def flash_attention(
     mask: jax.Array | None = None, bias: jax.Array | None = None,
     segment_ids: jax.Array | None = None, interpret: bool = False,
     sliding_window: int | None = None, logit_cap: float | None = None,
+    chunk: int | None = None, positions: jax.Array | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of prescaled q [B, T, N, H] over k, v [B, S, K, H] -> [B, T, N, H].
 
@@ -311,11 +301,20 @@ def flash_attention(
     implementation: a resolved kernel (not AUTO). mask: bool [B|1, 1, T, S], a subset of causal
     (None: causal only); the XLA and cuDNN kernels read it, the Pallas kernel reads segment_ids
     [B, T] instead (mask must then be the one they make). bias: float [B|1, N|1, T, S].
+
+    chunk: keys in the query's chunk of ``chunk`` positions only (Llama 4; ``positions`` [B, T],
+    None: the slots); sinks: float [N] logits in every softmax (gpt-oss). XLA and splash run them
+    (models/kernel_masks.py, models/splash_attention.py); cuDNN and Pallas-Triton refuse them.
     """
     implementation = AttentionImplementation(implementation)
     if implementation is AttentionImplementation.AUTO:
         raise ValueError("flash_attention needs a resolved implementation; see "
                          "resolve_implementation")
+    if implementation in (AttentionImplementation.CUDNN, AttentionImplementation.PALLAS_TRITON):
+        problems = chunk_sink_problems(f"attention implementation {implementation.value!r}",
+                                       chunk=chunk, sinks=sinks is not None)
+        if problems:
+            raise SettingError(problems[0])
     if implementation is AttentionImplementation.PALLAS_TRITON:
         if sliding_window is not None:
             raise SettingError(
@@ -334,7 +333,8 @@ def flash_attention(
             raise ValueError(
                 "the splash kernel masks by segment ids: pass segment_ids [B, T] for a mask")
         return splash_attention(q, k, v, segment_ids=segment_ids, sliding_window=sliding_window,
-                                logit_cap=logit_cap, interpret=interpret)
+                                logit_cap=logit_cap, interpret=interpret, chunk=chunk,
+                                positions=positions, sinks=sinks)
     if logit_cap is not None:
         raise SettingError(
             f"attention_logit_cap={logit_cap} cannot run with attention implementation "
@@ -345,6 +345,9 @@ def flash_attention(
         # cuDNN folds the mask into a bias of q's dtype; Pax computes the relative bias in the
         # activation dtype too.
         bias = bias.astype(q.dtype)
+    if implementation is AttentionImplementation.XLA and (chunk is not None or sinks is not None):
+        return xla_attention(q, k, v, mask=mask, bias=bias, sliding_window=sliding_window,
+                             chunk=chunk, positions=positions, sinks=sinks)
     window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(
         q, k, v, bias=bias, mask=mask, scale=1.0, is_causal=True,
@@ -356,6 +359,7 @@ def fused_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: AttentionImplementation,
     mask: jax.Array | None, bias: jax.Array | None, segment_ids: jax.Array | None,
     vmapped_stages: bool, sliding_window: int | None, logit_cap: float | None = None,
+    chunk: int | None = None, positions: jax.Array | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``AttentionCore.FUSED``: prescaled q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
 
@@ -363,15 +367,17 @@ def fused_attention(
     kernel reads segment_ids instead. Resolved per call: what a kernel can run depends on the
     traced dtype, sizes and bias, and on a pipeline's vmap. Only splash soft-caps the logits (the
     public XLA, cuDNN and Pallas-Triton APIs take no cap): a ``logit_cap`` with another kernel is
-    a SettingError."""
+    a SettingError. chunk (positions [B, T]) and sinks [N]: Llama 4's chunks and gpt-oss's
+    sinks, which XLA (AUTO's choice for them) and splash run (``flash_attention``)."""
     resolved = resolve_implementation(
         implementation, dtype=q.dtype, head_dim=q.shape[3], seq_len=q.shape[1],
         dense_bias=mask is not None or bias is not None, has_bias=bias is not None,
-        vmapped_stages=vmapped_stages,
+        vmapped_stages=vmapped_stages, chunk=chunk, sinks=sinks is not None,
+        sliding_window=sliding_window,
     )
     return flash_attention(q, k, v, implementation=resolved, mask=mask, bias=bias,
                            segment_ids=segment_ids, sliding_window=sliding_window,
-                           logit_cap=logit_cap)
+                           logit_cap=logit_cap, chunk=chunk, positions=positions, sinks=sinks)
 
 
 def splash_problems_text() -> str:

@@ -9,6 +9,11 @@ without the concatenation, the maximum taken over the logits and the sink togeth
 contribute exp(LARGE_NEGATIVE - max) = 0). The parameter is ``attention/sinks`` [N], float32 logits
 like the attention logits they join, on the heads' logical axis.
 
+Where they run: the einsum cores (``softmax_with_sinks``), and the fused core's XLA kernel (an
+extra key slot whose logit is the sink, models/kernel_masks.py; AUTO's choice for them) and splash
+kernel (its ``sinks`` argument). cuDNN and Pallas-Triton refuse them in one line
+(models/attention_kernels.py), and so does the sequence-parallel core (``sinks_param``).
+
 Einsum letters: B batch, N query heads (K kv heads x G heads per kv head), T query length,
 S key length.
 """
@@ -24,15 +29,15 @@ from paxlite.errors import SettingError
 SINKS_AXES: tuple[str, ...] = ("heads",)
 
 
-def sinks_param(layer: nn.Module, *, einsum_core: bool, core: str) -> jax.Array | None:
+def sinks_param(layer: nn.Module, *, supported: bool, core: str) -> jax.Array | None:
     """An Attention layer's ``sinks`` [N] when it has them (None otherwise), initialised as
-    transformers does (normal(0, init_std)); ``einsum_core``: whether the core the call runs
-    (``core``) is an einsum one, the only ones with a sink column (SettingError otherwise)."""
+    transformers does (normal(0, init_std)); ``supported``: whether the core the call runs
+    (``core``) has a sink logit (all but the sequence-parallel one; SettingError otherwise)."""
     if not layer.sinks:
         return None
-    if not einsum_core:
-        raise SettingError(f"attention sinks (gpt-oss) run in the einsum cores only, not the "
-                           f"{core} one: use attention kind 'dot_product' and a seq axis of 1")
+    if not supported:
+        raise SettingError(f"attention sinks (gpt-oss) cannot run in the {core} core, which has "
+                           "no sink logit: use a seq axis of 1")
     return layer.param("sinks", nn.with_logical_partitioning(
         nn.initializers.normal(layer.init_std), SINKS_AXES), (layer.num_heads,),
         layer.param_dtype)  # [N]

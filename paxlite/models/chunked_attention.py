@@ -9,9 +9,11 @@ and the rules of these pieces read together:
   only, causally: key j is visible to query i when ``j <= i`` and ``j // C == i // C``. So the
   first query of a chunk sees itself alone, however long the context. The rule compares
   *positions*, training's and the KV cache's alike (``cached_positions``), so decoding masks the
-  cache at the right absolute positions. Only the einsum cores take the mask; the fused kernels
-  have no chunk pattern (refused by the config, and here for a direct caller), nor does the
-  sequence-parallel core (refused in attention.py).
+  cache at the right absolute positions. The einsum cores take it as a mask (``local_mask``); the
+  fused core hands the chunk to its kernel (models/attention_kernels.py): XLA's attention ANDs
+  the same mask by positions, splash runs JAX's chunked causal mask (or, for packed rows, segment
+  ids per chunk), and AUTO runs XLA for it; cuDNN and Pallas-Triton refuse it in one line, and so
+  does the sequence-parallel core (attention.py).
 - The q/k norm (``qk_l2_norm``): each head's q and k divided by their root mean square over the
   head dims, ``x * rsqrt(mean(x^2) + eps)``, in float32 and without weights, *after* RoPE and on
   the RoPE layers only (transformers names it an L2 norm; it is the L2 norm times sqrt(H)).
@@ -27,15 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paxlite.errors import SettingError
-from paxlite.models.attention_kernels import make_attention_mask, sliding_window_mask
-
-
-def chunk_mask(q_positions: jax.Array, k_positions: jax.Array, *, chunk: int) -> jax.Array:
-    """bool [B, 1, T, S]: True where the key's position is in the query's chunk of ``chunk``
-    positions (causality is the other masks' part). q_positions [B, T], k_positions [B, S]."""
-    same = (q_positions // chunk)[:, :, None] == (k_positions // chunk)[:, None, :]  # [B, T, S]
-    return same[:, None]
+from paxlite.models.kernel_masks import chunk_mask, make_attention_mask, sliding_window_mask
 
 
 def local_mask(mask: jax.Array | None, positions: jax.Array | None,
@@ -53,14 +47,6 @@ def local_mask(mask: jax.Array | None, positions: jax.Array | None,
     if chunk is not None:
         mask = mask & chunk_mask(positions, key_positions, chunk=chunk)
     return mask
-
-
-def refuse_fused_chunks(chunk: int | None) -> None:
-    """The fused kernels are causal or windowed, never chunked."""
-    if chunk is not None:
-        raise SettingError(f"attention_chunk_size={chunk} (chunked attention) cannot run in a "
-                           "fused attention kernel, which has no chunk pattern; use attention "
-                           "kind 'dot_product'")
 
 
 def rms_unit_norm(x: jax.Array, *, epsilon: float) -> jax.Array:

@@ -111,10 +111,8 @@ def _check_llama4_fields(config: Any) -> None:
         raise ValueError(f"TransformerConfig.qk_l2_norm or 'full_attention_no_rope' layers with "
                          f"position embedding {config.position_kind.value!r}: they are defined "
                          "against rotary layers")
-    if chunk is not None and config.attention_kind.value == "flash":
-        raise ValueError(f"TransformerConfig.attention_chunk_size={chunk} with attention kind "
-                         "'flash': no fused kernel has a chunk pattern; use 'dot_product'")
-
+    _check_fused_kernel(config, f"attention_chunk_size={chunk}", chunk is not None,
+                        "chunk pattern")
 
 
 def _check_gpt_oss_fields(config: Any) -> None:
@@ -125,10 +123,18 @@ def _check_gpt_oss_fields(config: Any) -> None:
     if config.out_bias is not None and not isinstance(config.out_bias, bool):
         raise ValueError(f"TransformerConfig.out_bias={config.out_bias!r} must be None (as "
                          "use_bias), True or False")
-    if config.attention_sinks and config.attention_kind.value == "flash":
-        raise ValueError("TransformerConfig.attention_sinks=True with attention kind 'flash': "
-                         "JAX's fused kernels (XLA, cuDNN, Pallas-Triton, splash) have no sink "
-                         "logit; use attention kind 'dot_product'")
+    _check_fused_kernel(config, "attention_sinks=True", config.attention_sinks, "sink logit")
+
+
+def _check_fused_kernel(config: Any, setting: str, present: bool, what: str) -> None:
+    """Llama 4's chunks and gpt-oss's sinks run in the XLA and splash kernels (AUTO runs XLA for
+    them), not in cuDNN (as paxlite calls it) or Pallas-Triton (models/attention_kernels.py)."""
+    implementation = config.attention_implementation.value
+    if present and config.attention_kind.value == "flash" and implementation in (
+            "cudnn", "pallas_triton"):
+        raise ValueError(f"TransformerConfig.{setting} with attention implementation "
+                         f"{implementation!r}: that kernel has no {what}; use 'xla', 'auto' or "
+                         "'splash' (TPU), or attention kind 'dot_product'")
 
 
 def _check_gemma_fields(config: Any) -> None:

@@ -10,8 +10,19 @@ MaxText runs as ``attention=flash`` on TPUs.
 What it takes here: causal attention, packed rows (the [B, T] segment ids, compared inside the
 kernel: no dense mask is read), grouped kv heads (the kernel maps query head i to kv head
 i // (N / K) itself, as JAX's grouping does), a sliding window (a local mask: the query's own slot
-and the ``window - 1`` slots before it), and Gemma 2's logit soft-capping. No logit bias (relative
-position buckets): a ``SettingError``.
+and the ``window - 1`` slots before it), Gemma 2's logit soft-capping, gpt-oss's sinks (the
+kernel's ``sinks``, one float32 logit per query head) and Llama 4's chunks. No logit bias
+(relative position buckets), and not a chunk and a window in one layer (no family has both): a
+``SettingError``.
+
+Chunks: a row without segment ids is chunked by its slots, with JAX's ``ChunkedCausalMask``, whose
+block tables skip the blocks outside every chunk; its positions are then its slots (the
+Transformer's default ``arange(T)``). Packed rows are chunked by their positions, which restart
+in each document: the segment ids become one id per run of slots in the same document and chunk
+(``kernel_masks.chunk_segment_ids``), compared inside the kernel under a causal mask, exactly as
+the einsum cores' chunk mask (JAX 0.10.2, the oldest supported, has both ``ChunkedCausalMask`` and
+the ``sinks`` argument; its backward pass sums the sinks' gradient in the activations' dtype,
+JAX 0.12's in float32).
 
 Layout: paxlite's activations are [B, T, N, H]; the kernel runs on one example's [N, T, H], so the
 call transposes, maps the kernel over the batch, and transposes back. The sequence is padded to a
@@ -32,6 +43,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from paxlite.errors import SettingError
+from paxlite.models.kernel_masks import chunk_segment_ids
 
 # The kernel's tiles: key blocks are whole 128-lane vregs; 512 x 512 blocks are MaxText's defaults
 # (sa_block_q, sa_block_kv, ...), and a sequence shorter than that uses one block of its length.
@@ -44,8 +56,10 @@ _HEAD_AXES: tuple[str, ...] = (
 _SEGMENT_AXES: tuple[str, ...] = ("activation_batch", "activation_length")
 
 
-def splash_problems(*, has_bias: bool, backend: str | None = None) -> list[str]:
-    """Why splash attention cannot run here ([] when it can); backend None: not checked."""
+def splash_problems(*, has_bias: bool, backend: str | None = None, chunk: int | None = None,
+                    sliding_window: int | None = None) -> list[str]:
+    """Why splash attention cannot run here ([] when it can); backend None: not checked; chunk
+    (attention_chunk_size) and sliding_window: the layer's."""
     problems = []
     if backend is not None and backend != "tpu":
         problems.append(
@@ -55,6 +69,10 @@ def splash_problems(*, has_bias: bool, backend: str | None = None) -> list[str]:
     if has_bias:
         problems.append(
             "the splash attention kernel takes no logit bias (relative position bias): use 'xla'")
+    if chunk is not None and sliding_window is not None:
+        problems.append(
+            f"the splash attention kernel takes attention_chunk_size={chunk} or sliding_window="
+            f"{sliding_window} in one layer, not both: use 'xla'")
     return problems
 
 
@@ -83,7 +101,7 @@ def block_sizes(padded: int) -> Any:
 
 
 def _kernel(*, heads: int, padded: int, sliding_window: int | None, logit_cap: float | None,
-            interpret: bool) -> Any:
+            chunk: int | None, interpret: bool) -> Any:
     """One example's kernel, [N, T, H] x [K, T, H] -> [N, T, H]. Built in each trace that calls it,
     never cached across traces: the kernel holds its mask's block tables as arrays of the trace it
     was made in (a kernel kept from an earlier jit leaks that trace's values)."""
@@ -91,7 +109,9 @@ def _kernel(*, heads: int, padded: int, sliding_window: int | None, logit_cap: f
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     shape = (padded, padded)
-    if sliding_window is None:
+    if chunk is not None:  # causal within chunks of slots
+        one_head = sm.ChunkedCausalMask(shape, chunk_size=chunk)
+    elif sliding_window is None:
         one_head = sm.CausalMask(shape)
     else:  # the query's own slot and the window - 1 before it: causal within the window
         one_head = sm.LocalMask(shape, window_size=(sliding_window - 1, 0), offset=0)
@@ -121,18 +141,27 @@ def _shards(spec_entry: Any, mesh: Any) -> int:
 def splash_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
     sliding_window: int | None = None, logit_cap: float | None = None, interpret: bool = False,
+    chunk: int | None = None, positions: jax.Array | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal splash attention: q [B, T, N, H] prescaled, k, v [B, T, K, H] with K dividing N,
     segment_ids int [B, T] or None -> [B, T, N, H] in q's dtype.
 
     sliding_window: query slot i sees key slots j with i - window < j <= i. logit_cap: the
-    logits become ``cap * tanh(logits / cap)`` before the mask (Gemma 2)."""
+    logits become ``cap * tanh(logits / cap)`` before the mask (Gemma 2). chunk: keys in the
+    query's chunk of ``chunk`` positions only (packed rows: ``positions`` [B, T]; the module
+    docstring). sinks: float [N] logits in every softmax (gpt-oss)."""
     batch, length, n, _ = q.shape
     kv = k.shape[2]
     if k.shape[1] != length or v.shape[1] != length:
         raise ValueError(f"self-attention only: q has {length} positions, k/v {k.shape[1]}")
     if n % kv:
         raise ValueError(f"{n} query heads cannot share {kv} kv heads evenly")
+    require_splash(has_bias=False, backend=None, chunk=chunk, sliding_window=sliding_window)
+    if chunk is not None and segment_ids is not None:  # by positions, through the segment ids
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        segment_ids = chunk_segment_ids(segment_ids, positions, chunk=chunk)
+        chunk = None
     mesh = jax.sharding.get_abstract_mesh()
     head_spec = None if mesh.empty else mesh_spec(_HEAD_AXES, mesh)
     head_shards = 1 if head_spec is None else _shards(head_spec[2], mesh)
@@ -153,13 +182,24 @@ def splash_attention(
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
 
-    def per_shard(q, k, v, segment_ids=None):
+    # the optional inputs, by name, in the order the kernel's shards take them after q, k, v
+    extras: dict[str, tuple[jax.Array, Any]] = {}
+    if segment_ids is not None:
+        extras["segment_ids"] = (segment_ids, None if mesh.empty
+                                 else mesh_spec(_SEGMENT_AXES, mesh))
+    if sinks is not None:  # [N] on the heads' split
+        extras["sinks"] = (sinks.astype(jnp.float32), None if head_spec is None
+                           else PartitionSpec(head_spec[2]))
+
+    def per_shard(q, k, v, *rest):
         from jax.experimental.pallas.ops.tpu.splash_attention import (
             splash_attention_kernel as sk,
         )
 
+        given = dict(zip(extras, rest, strict=True))
         kernel = _kernel(heads=q.shape[2], padded=padded, sliding_window=sliding_window,
-                         logit_cap=logit_cap, interpret=interpret)
+                         logit_cap=logit_cap, chunk=chunk, interpret=interpret)
+        options = {} if "sinks" not in given else {"sinks": given["sinks"]}
         # Mosaic compiles a kernel's bfloat16 matmuls at the chip's native precision only (a
         # float32 contract precision on bfloat16 operands fails to compile: "Bad lhs type"), so a
         # caller's jax.default_matmul_precision('highest') applies to float32 inputs alone.
@@ -167,28 +207,26 @@ def splash_attention(
         # [B, T, N, H] -> [B, N, T, H]: one example's heads first, as the kernel takes them
         qt, kt, vt = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
         with jax.default_matmul_precision(precision):
-            if segment_ids is None:
-                out = jax.vmap(lambda a, b, c: kernel(a, b, c))(qt, kt, vt)
+            if "segment_ids" not in given:
+                out = jax.vmap(lambda a, b, c: kernel(a, b, c, **options))(qt, kt, vt)
             else:
-                ids = sk.SegmentIds(q=segment_ids, kv=segment_ids)
-                out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=s))(qt, kt, vt,
-                                                                                    ids)
+                ids = sk.SegmentIds(q=given["segment_ids"], kv=given["segment_ids"])
+                out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=s, **options))(
+                    qt, kt, vt, ids)
         return jnp.swapaxes(out, 1, 2).astype(q.dtype)  # [B, T, N, H]
 
     kernel = per_shard
     if head_spec is not None:
-        specs = [head_spec] * 3
-        if segment_ids is not None:
-            specs.append(mesh_spec(_SEGMENT_AXES, mesh))
-        kernel = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs), out_specs=head_spec,
+        specs = (head_spec,) * 3 + tuple(spec for _, spec in extras.values())
+        kernel = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=head_spec,
                                check_vma=False)
-    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
-    del batch
-    return kernel(*args)[:, :length]
+    return kernel(q, k, v, *(array for array, _ in extras.values()))[:, :length]
 
 
-def require_splash(*, has_bias: bool, backend: str | None) -> None:
+def require_splash(*, has_bias: bool, backend: str | None, chunk: int | None = None,
+                   sliding_window: int | None = None) -> None:
     """SettingError naming every reason splash cannot run here."""
-    problems = splash_problems(has_bias=has_bias, backend=backend)
+    problems = splash_problems(has_bias=has_bias, backend=backend, chunk=chunk,
+                               sliding_window=sliding_window)
     if problems:
         raise SettingError("attention implementation 'splash' cannot run: " + "; ".join(problems))

@@ -77,6 +77,21 @@ def test_pallas_refuses_a_relative_position_bias_model():
     assert model.attention_implementation is Impl.CUDNN
 
 
+def test_chunks_and_sinks_refuse_the_kernels_without_them():
+    """Llama 4's chunks and gpt-oss's sinks: cuDNN and Pallas-Triton named are one line at
+    validation; 'flash' with 'auto' (XLA for them) is accepted."""
+    refused = r"^ATTENTION_IMPLEMENTATION='pallas_triton' cannot run Llama4Scout17B16E: .*8192"
+    with pytest.raises(ConfigError, match=refused) as info:
+        load_experiment("Llama4Scout17B16E", ["ATTENTION_KIND=flash",
+                                              "ATTENTION_IMPLEMENTATION=pallas_triton"])
+    assert "\n" not in str(info.value) and "'xla'" in str(info.value)
+    with pytest.raises(ConfigError, match=r"^USE_CUDNN_FLASH_ATTENTION=true cannot run GptOss20B: "
+                                          r"cuDNN flash attention takes no attention sinks"):
+        load_experiment("GptOss20B", ["ATTENTION_KIND=flash", "USE_CUDNN_FLASH_ATTENTION=true",
+                                      "FPROP_DTYPE=bfloat16"])
+    assert load_experiment("GptOss20B", ["ATTENTION_KIND=flash"]).ATTENTION_IMPLEMENTATION == "auto"
+
+
 class _DropsAttention(GPT126M):
     """A family whose model_config overrides the mapped attention settings."""
 

@@ -221,10 +221,13 @@ def test_refusals_of_other_model_types_list_every_family():
         assert repr(model_type) in str(error.value)
 
 
-def test_chunks_refuse_a_fused_kernel_in_one_line():
+def test_chunks_refuse_a_kernel_without_them_in_one_line():
     _, config = from_hf_config(_json())
-    with pytest.raises(ValueError, match="attention_chunk_size=8192 with attention kind 'flash'"):
-        dataclasses.replace(config, attention_kind="flash")
+    assert dataclasses.replace(config, attention_kind="flash").attention_kind.value == "flash"
+    with pytest.raises(ValueError, match="attention_chunk_size=8192 with attention implementation "
+                                         "'pallas_triton': that kernel has no chunk pattern"):
+        dataclasses.replace(config, attention_kind="flash",
+                            attention_implementation="pallas_triton")
 
 
 def test_published_scout_count_is_transformers_own():

@@ -5,8 +5,10 @@ einsum attention computed on the CPU in float32 at "highest" precision, and agai
 Cases: causal rows, packed rows (segment ids), grouped kv heads, a sliding window, logit
 soft-capping (splash only: XLA's fused API takes no cap), a length that is not a whole number of
 128-slot lanes (the kernel pads it), a sharded call (batch and heads over two CPU meshes is the
-CPU test's part; one chip has one device), and bfloat16 activations. The splash kernel must be a
-Mosaic custom call in the compiled program: a fallback to XLA would pass every number here.
+CPU test's part; one chip has one device), and bfloat16 activations; then Llama 4's chunks and
+gpt-oss's sinks in both kernels, forward and the gradients of q, k, v and the sinks. The splash
+kernel must be a Mosaic custom call in the compiled program: a fallback to XLA would pass every
+number here.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from paxlite.models.attention_kernels import (
     einsum_attention,
     flash_attention,
     make_attention_mask,
-    sliding_window_mask,
 )
+from paxlite.models.kernel_masks import chunk_mask, sliding_window_mask
 
 CASES = {
     # name: (batch, length, heads, kv heads, head dim, packed, window, cap)
@@ -141,3 +143,122 @@ def test_tpu_bfloat16_splash_follows_xla(case):
     for implementation in ("splash", "xla"):
         out, grads, _ = kernel_run(case, implementation, tpu, dtype=jnp.bfloat16)
         assert_close((out, grads), want, rtol=2e-2)
+
+
+# Llama 4's chunks and gpt-oss's sinks (models/kernel_masks.py, models/splash_attention.py).
+# name: (batch, length, heads, kv heads, head dim, packed, window, chunk, sinks)
+CHUNK_SINK_CASES = {
+    # JAX's ChunkedCausalMask over the slots: 4 chunks of 256 in blocks of 512, partly skipped
+    "chunk_256": (2, 1024, 4, 2, 128, False, None, 256, False),
+    # packed rows chunked by their positions (restarting per document), through the segment ids
+    "chunk_packed": (2, 512, 4, 2, 128, True, None, 96, False),
+    # gpt-oss's sliding layers: sinks and a window, packed, one kv head per 4 query heads
+    "sinks_window_packed": (2, 512, 8, 2, 64, True, 64, None, True),
+    "sinks_gqa": (2, 384, 8, 1, 128, False, None, None, True),
+}
+
+
+def _positions(segments, batch, length):
+    """Positions restarting at 0 in each document (arange for unpacked rows)."""
+    if segments is None:
+        return np.broadcast_to(np.arange(length), (batch, length)).astype(np.int32)
+    starts = np.concatenate([np.ones((batch, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
+    first = np.maximum.accumulate(np.where(starts, np.arange(length), 0), axis=1)
+    return (np.arange(length) - first).astype(np.int32)
+
+
+def _chunk_sink_inputs(case, dtype=jnp.float32):
+    batch, length, heads, kv, dims, packed, window, chunk, with_sinks = CHUNK_SINK_CASES[case]
+    (q, k, v), segments = _inputs(batch, length, heads, kv, dims, packed, dtype=dtype)
+    positions = _positions(segments, batch, length)
+    sinks = (np.random.default_rng(2).standard_normal(heads) + 1.0).astype(np.float32)
+    cotangent = np.random.default_rng(1).standard_normal(q.shape).astype(dtype)
+    return (q, k, v, sinks if with_sinks else None, cotangent, segments, positions, window,
+            chunk)
+
+
+def _chunk_sink_run(f, q, k, v, sinks, cotangent, device, precision):
+    args = (q, k, v) if sinks is None else (q, k, v, sinks)
+
+    def forward_and_backward(cotangent, *args):
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(cotangent)
+
+    with jax.default_device(device), jax.default_matmul_precision(precision):
+        compiled = jax.jit(forward_and_backward).lower(cotangent, *args).compile()
+        out, grads = compiled(cotangent, *args)
+        return jax.device_get(out), jax.device_get(grads), compiled.as_text()
+
+
+def chunk_sink_reference(case, device):
+    """(output, gradients of q, k, v[, sinks]) of the einsum core in float32 at "highest"."""
+    q, k, v, sinks, cotangent, segments, positions, window, chunk = _chunk_sink_inputs(case)
+    length = q.shape[1]
+
+    def f(q, k, v, *sinks):
+        mask = make_attention_mask(seq_len=length, segment_ids=None if segments is None
+                                   else jnp.asarray(segments))
+        pos = jnp.asarray(positions)
+        if window is not None:
+            mask = mask & sliding_window_mask(pos, pos, window=window)
+        if chunk is not None:
+            mask = mask & chunk_mask(pos, pos, chunk=chunk)
+        return einsum_attention(q, k, v, mask=mask, sinks=sinks[0] if sinks else None)
+
+    out, grads, _ = _chunk_sink_run(f, q, k, v, sinks, cotangent, device, "highest")
+    return out, grads
+
+
+def chunk_sink_kernel_run(case, implementation, device, *, dtype=jnp.float32):
+    q, k, v, sinks, cotangent, segments, positions, window, chunk = _chunk_sink_inputs(case, dtype)
+    segment_ids = None if segments is None else jnp.asarray(segments)
+    implementation = AttentionImplementation(implementation)
+
+    def f(q, k, v, *sinks):
+        mask = None
+        if implementation is AttentionImplementation.XLA and segments is not None:
+            mask = make_attention_mask(seq_len=q.shape[1], segment_ids=segment_ids)
+        return flash_attention(q, k, v, implementation=implementation, mask=mask,
+                               segment_ids=segment_ids, sliding_window=window, chunk=chunk,
+                               positions=jnp.asarray(positions),
+                               sinks=sinks[0] if sinks else None)
+
+    precision = "highest" if jnp.dtype(dtype) == jnp.float32 else "default"
+    return _chunk_sink_run(f, q, k, v, sinks, cotangent, device, precision)
+
+
+def assert_chunk_sink_close(got, want, *, rtol):
+    """As assert_close, the sinks' gradient (when there are sinks) included."""
+    (out, grads), (ref_out, ref_grads) = got, want
+    assert len(grads) == len(ref_grads)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads),
+                          (ref_out, *ref_grads)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        error = np.max(np.abs(a - b)) / np.max(np.abs(b))
+        assert error < rtol, f"{name}: {error:.2e} of the largest entry"
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", list(CHUNK_SINK_CASES))
+@pytest.mark.parametrize("implementation", ["splash", "xla"])
+def test_tpu_chunks_and_sinks_equal_einsum_attention(case, implementation):
+    # float32 at "highest", as the cases above; dsinks is a sum over every query and dim
+    out, grads, program = chunk_sink_kernel_run(case, implementation, jax.devices("tpu")[0])
+    want = chunk_sink_reference(case, jax.devices("cpu")[0])
+    assert_chunk_sink_close((out, grads), want, rtol=1e-4)
+    if implementation == "splash":
+        assert program.count("tpu_custom_call") >= 2, "no splash kernel in the compiled program"
+    else:
+        assert "tpu_custom_call" not in program
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", ["chunk_packed", "sinks_window_packed"])
+def test_tpu_bfloat16_chunks_and_sinks_follow_float32(case):
+    # bfloat16 activations (the sinks stay float32): within 2% of the largest float32 entry, as
+    # the bfloat16 cases above; JAX 0.10.2's splash sums dsinks in bfloat16, JAX 0.12's in float32
+    tpu = jax.devices("tpu")[0]
+    want = chunk_sink_reference(case, jax.devices("cpu")[0])
+    for implementation in ("splash", "xla"):
+        out, grads, _ = chunk_sink_kernel_run(case, implementation, tpu, dtype=jnp.bfloat16)
+        assert_chunk_sink_close((out, grads), want, rtol=2e-2)

@@ -75,8 +75,9 @@ def _gpt_oss(**changes) -> TransformerConfig:
 def test_configs_that_cannot_run_are_refused():
     config = _gpt_oss(scan_layers=True)
     assert config.layers_per_scan_unit == 2
-    with pytest.raises(ValueError, match=r"attention_sinks=True with attention kind 'flash'"):
-        _gpt_oss(attention_kind="flash")
+    with pytest.raises(ValueError, match=r"attention_sinks=True with attention implementation "
+                                         r"'cudnn': that kernel has no sink logit"):
+        _gpt_oss(attention_kind="flash", attention_implementation="cudnn")
     with pytest.raises(ValueError, match=r"out_bias='yes' must be None"):
         _gpt_oss(out_bias="yes")
     with pytest.raises(ValueError, match=r"a pattern of period 2\) with moe_layer_interval=3"):

@@ -16,11 +16,8 @@ from flax import linen as nn
 
 from paxlite.checkpointing.pretrained import model_config_from_json, model_config_to_json
 from paxlite.errors import SettingError
-from paxlite.models.attention_kernels import (
-    AttentionImplementation,
-    flash_attention,
-    sliding_window_mask,
-)
+from paxlite.models.attention_kernels import AttentionImplementation, flash_attention
+from paxlite.models.kernel_masks import sliding_window_mask
 from paxlite.models.rotary import RopeScaling
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, TransformerConfig, logical_param_axes
 from paxlite.parallel.rules import DEFAULT_RULES, batch_sharding, logical_to_shardings
