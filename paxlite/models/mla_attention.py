@@ -249,7 +249,10 @@ def mla_problems(config) -> list[str]:
                              ("local_rope_theta", config.local_rope_theta, None),
                              ("scale_query", config.scale_query, True),
                              ("qkv_bias", config.qkv_bias, None),
-                             ("use_bias", config.use_bias, False)):
+                             ("use_bias", config.use_bias, False),
+                             ("out_bias", config.out_bias, None),
+                             ("qk_l2_norm", config.qk_l2_norm, False),
+                             ("attention_sinks", config.attention_sinks, False)):
         if value != off:
             problems.append(f"{name}={value!r} (MLA has no such option: use {off!r})")
     return problems

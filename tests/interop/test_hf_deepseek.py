@@ -195,3 +195,15 @@ def test_refusals_name_the_field(name, changes, field):
 def test_multi_token_prediction_layers_are_ignored_as_transformers_does():
     config = from_hf_config(_json("v3", num_nextn_predict_layers=1))[1]
     assert config == from_hf_config(_json("v3"))[1]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("attention_sinks", True), ("qk_l2_norm", True), ("out_bias", True)])
+def test_latent_attention_refuses_options_it_would_ignore(field, value):
+    """MLA has its own projections and softmax: a sink, a q/k L2 norm or an output bias set beside
+    it would be silently dropped, so the config refuses it, naming the field."""
+    import dataclasses
+
+    config = from_hf_config(_json("v2_lite"))[1]
+    with pytest.raises(ValueError, match=f"TransformerConfig.mla: .*{field}={value!r}"):
+        dataclasses.replace(config, **{field: value})
