@@ -46,6 +46,8 @@ from paxlite.experiments.model_settings import (
     KeyValueHeadSettings,
     RotarySettings,
 )
+from paxlite.experiments.moe_settings import RouterBiasSettings
+from paxlite.models.moe_router_deepseek import ExpertChoice, bias_speed_problems
 from paxlite.models.rotary import RopeScaling, RopeScalingKind
 from paxlite.models.transformer import NormKind, PositionEmbedding, TransformerConfig
 
@@ -187,14 +189,27 @@ def _tokenizer_beside(restore_path: str | None) -> str | None:
     return tokenizer_in(model_home(restore_path))
 
 
-class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
+class CheckpointModelSettings(KeyValueHeadSettings, RouterBiasSettings, LanguageModelExperiment):
     """The model of CHECKPOINT_RESTORE_PATH's model_config.json, its fields set by the
-    hyperparameters that name them (the mixins listed before this class)."""
+    hyperparameters that name them (the mixins listed before this class). MOE_BIAS_UPDATE_SPEED
+    is 0 whatever the checkpoint recorded (a converted DeepSeek-V3's bias stays as loaded, as
+    fine-tuning wants) unless given; a checkpoint whose router has no choice bias refuses it."""
 
     data_source = DataSource.TEXT
 
     def checkpoint_model(self) -> TransformerConfig:
         return checkpoint_model(self.CHECKPOINT_RESTORE_PATH)
+
+    def _bias_speed_problems(self, model: TransformerConfig) -> list[str]:
+        speed = self.MOE_BIAS_UPDATE_SPEED
+        problems = bias_speed_problems(speed, name="MOE_BIAS_UPDATE_SPEED")
+        router = None if model.moe is None else model.moe.deepseek_router
+        biased = router is not None and router.choice is ExpertChoice.NOAUX_TC
+        if speed and not problems and not biased:
+            problems.append(f"MOE_BIAS_UPDATE_SPEED={speed!r}: the checkpoint's router has no "
+                            "choice bias to move (only DeepSeek-V3's 'noaux_tc' router has one); "
+                            "drop it")
+        return problems
 
     @property
     def family_adds_bos(self) -> bool:
@@ -228,6 +243,8 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
             raise ConfigError(f"ATTENTION_KIND='flash' with the checkpoint's attention logit "
                               f"soft-cap {cap} (Gemma 2): JAX's fused attention kernels have "
                               "none; use ATTENTION_KIND='dot_product' (its default for it)")
+        if speed_problems := self._bias_speed_problems(model):
+            raise ConfigError("; ".join(speed_problems))
         if problems:
             raise ConfigError(
                 f"{'; '.join(problems)}: the weights in CHECKPOINT_RESTORE_PATH="
@@ -245,6 +262,10 @@ class CheckpointModelSettings(KeyValueHeadSettings, LanguageModelExperiment):
         # NUM_KV_HEADS cannot differ from the checkpoint's: validate says so)
         if model.softmax_init_std is None and self.SOFTMAX_INIT_STD == self.INIT_STD:
             fields["softmax_init_std"] = None
+        router = None if model.moe is None else model.moe.deepseek_router
+        if router is not None and router.choice is ExpertChoice.NOAUX_TC:
+            fields["moe"] = dataclasses.replace(model.moe, deepseek_router=dataclasses.replace(
+                router, bias_update_speed=self.MOE_BIAS_UPDATE_SPEED))
         return fdl.Config(TransformerConfig, **fields)
 
 

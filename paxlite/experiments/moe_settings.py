@@ -92,7 +92,19 @@ class ExpertParallelSettings:
         return problems
 
 
-class MoeSettings:
+class RouterBiasSettings:
+    """Mixin: MOE_BIAS_UPDATE_SPEED, for the registered MoE experiments (MoeSettings) and for
+    FineTune of a converted DeepSeek-V3 (experiments/finetune.py), each checking it against its
+    router."""
+
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every MoE layer's choice bias
+    # moves by MOE_BIAS_UPDATE_SPEED x sign(mean load - expert's load), the loads counted over the
+    # step's batch (models/moe_router_deepseek.py); 0: off, the bias stays as loaded (fine-tuning).
+    # Only a router with a choice bias (DeepSeek-V3) reads it; its pretraining used 0.001.
+    MOE_BIAS_UPDATE_SPEED: float = 0.0
+
+
+class MoeSettings(RouterBiasSettings):
     """Mixin: the MoE knobs of an experiment (list it before the dense family class).
 
     Pax's names where Pax has one (NUM_EXPERTS, CAPACITY_FACTOR, NUM_GROUPS,
@@ -134,11 +146,6 @@ class MoeSettings:
     MOE_GROUPED_MATMUL: Literal["ragged_dot", "tiled"] = "ragged_dot"
     # Hidden size of each expert; None: HIDDEN_DIMS.
     EXPERT_HIDDEN_DIMS: int | None = None
-    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every MoE layer's choice bias
-    # moves by MOE_BIAS_UPDATE_SPEED x sign(mean load - expert's load), the loads counted over the
-    # step's batch (models/moe_router_deepseek.py); 0: off, the bias stays as loaded (fine-tuning).
-    # Only a router with a choice bias (DeepSeek-V3) reads it; its pretraining used 0.001.
-    MOE_BIAS_UPDATE_SPEED: float = 0.0
 
     def is_moe(self) -> bool:
         return True

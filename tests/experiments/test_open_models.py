@@ -418,3 +418,36 @@ def test_fine_tuning_text_starts_with_bos_as_the_model_is_prompted(converted: st
                                           r"only .*SYNTHETIC_DATA=True: drop it"):
         load_experiment("FineTune", [f"CHECKPOINT_RESTORE_PATH={converted}",
                                      "SYNTHETIC_DATA=true", "DOCUMENT_START=zero"])
+
+
+def test_finetune_moves_a_deepseek_v3_choice_bias_only_when_asked(tmp_path) -> None:
+    """MOE_BIAS_UPDATE_SPEED reaches a converted DeepSeek-V3's routers (0 by default, whatever the
+    checkpoint recorded: the bias stays as loaded), and is refused in one line for a checkpoint
+    whose router has no choice bias (V2's) and for a bad value."""
+    import dataclasses
+
+    from paxlite.checkpointing.pretrained import MODEL_CONFIG_FILE, model_config_to_json
+    from paxlite.interop.hf_config import from_hf_config
+    from tests.interop.test_hf_deepseek import _json
+
+    v3, v2 = tmp_path / "v3", tmp_path / "v2"
+    _, recorded = from_hf_config(_json("v3"))
+    router = recorded.moe.deepseek_router
+    moving = dataclasses.replace(recorded, moe=dataclasses.replace(
+        recorded.moe, deepseek_router=dataclasses.replace(router, bias_update_speed=0.5)))
+    for directory, model in ((v3, moving), (v2, from_hf_config(_json("v2_lite"))[1])):
+        directory.mkdir()
+        (directory / MODEL_CONFIG_FILE).write_text(model_config_to_json(model))
+
+    def speed(*overrides):
+        e = load_experiment("FineTune", [f"CHECKPOINT_RESTORE_PATH={v3}", *overrides])
+        return fdl.build(e.model_config()).moe.deepseek_router.bias_update_speed
+
+    assert speed() == 0.0
+    assert speed("MOE_BIAS_UPDATE_SPEED=0.001") == 0.001
+    with pytest.raises(ConfigError, match=r"^MOE_BIAS_UPDATE_SPEED=0.001: the checkpoint's router "
+                                          r"has no choice bias"):
+        load_experiment("FineTune", [f"CHECKPOINT_RESTORE_PATH={v2}",
+                                     "MOE_BIAS_UPDATE_SPEED=0.001"])
+    with pytest.raises(ConfigError, match="MOE_BIAS_UPDATE_SPEED=-1.0"):
+        load_experiment("FineTune", [f"CHECKPOINT_RESTORE_PATH={v3}", "MOE_BIAS_UPDATE_SPEED=-1.0"])
