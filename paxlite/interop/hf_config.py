@@ -327,10 +327,9 @@ def _layout_requirements(config: TransformerConfig) -> dict[Family, dict[str, tu
     llama4_off, gpt_oss_off = hf_llama4.llama4_off(config), hf_gpt_oss.gpt_oss_off(config)
     deepseek_off = hf_deepseek.off(config)
     # Llama 4 has a shared expert and dense layers before its first MoE layer, as DeepSeek has
-    shared = ("moe.shared_expert_hidden_dims", "moe.first_moe_layer")
     return {**{family: {**wanted, **llama4_off, **gpt_oss_off} for family, wanted in table.items()},
             Family.LLAMA4_TEXT: {**hf_llama4.llama4_requirements(config), **gpt_oss_off,
-                                 **{k: v for k, v in deepseek_off.items() if k not in shared}},
+                                 **hf_deepseek.latent_attention_off(config)},
             Family.GPT_OSS: {**hf_gpt_oss.gpt_oss_requirements(config), **llama4_off,
                              **deepseek_off}}
 

@@ -169,13 +169,24 @@ def requirements(config: TransformerConfig) -> dict[str, dict[str, tuple[Any, An
     return {t: {**wanted, "model_type": (mine, t)} for t in MODEL_TYPES}
 
 
-def off(config: TransformerConfig) -> dict[str, tuple[Any, Any]]:
-    """What the other families need of DeepSeek's parts: none of them."""
+def latent_attention_off(config: TransformerConfig) -> dict[str, tuple[Any, Any]]:
+    """What every other family needs of DeepSeek's own parts (MLA, its router): none of them."""
     moe = config.moe
     return {"mla": ("set" if config.mla is not None else None, None),
-            "moe.shared_expert_hidden_dims": (moe and moe.shared_expert_hidden_dims, None),
-            "moe.first_moe_layer": (moe.first_moe_layer if moe else 0, 0),
             "moe.deepseek_router": ("set" if moe and moe.deepseek_router else None, None)}
+
+
+def shared_experts_off(config: TransformerConfig) -> dict[str, tuple[Any, Any]]:
+    """What the families without shared experts or dense first layers need of them (Llama 4 has
+    both, as DeepSeek does): none."""
+    moe = config.moe
+    return {"moe.shared_expert_hidden_dims": (moe and moe.shared_expert_hidden_dims, None),
+            "moe.first_moe_layer": (moe.first_moe_layer if moe else 0, 0)}
+
+
+def off(config: TransformerConfig) -> dict[str, tuple[Any, Any]]:
+    """What the families with none of DeepSeek's layout need of it: all of it off."""
+    return {**latent_attention_off(config), **shared_experts_off(config)}
 
 
 def deepseek_hf_config(config: TransformerConfig) -> dict[str, Any]:

@@ -97,7 +97,12 @@ def _layer_types(hf: Mapping[str, Any], model_type: str, num_layers: int
         period = 2 if model_type == GEMMA2 else _count(
             hf, "sliding_window_pattern", _DEFAULTS[GEMMA3_TEXT]["sliding_window_pattern"])
         return tuple(LayerAttention(kind) for kind in _pattern(period, num_layers=num_layers))
-    # Gemma's two kinds only (Llama 4's chunked and NoPE layers are paxlite's too)
+    return sliding_full_layer_types(given, num_layers)
+
+
+def sliding_full_layer_types(given: Any, num_layers: int) -> tuple[LayerAttention, ...]:
+    """A config.json's ``layer_types`` list of Gemma's and gpt-oss's two kinds, one per layer
+    (Llama 4's chunked and NoPE layers are paxlite's too, but not these families')."""
     valid = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}
     refuse_if(not isinstance(given, list) or any(kind not in valid for kind in given),
               "layer_types", given, f"each entry must be one of {sorted(valid)}")

@@ -25,6 +25,7 @@ from typing import Any
 
 from paxlite.interop import hf_moe
 from paxlite.interop.errors import UnsupportedCheckpointError, refuse_if
+from paxlite.interop.hf_gemma import sliding_full_layer_types
 from paxlite.interop.hf_rope import YARN_ONLY, rope_fields, rope_of
 from paxlite.interop.layouts import hf_decoder_shape
 from paxlite.models.activations import Activation
@@ -86,13 +87,7 @@ def _layer_types(hf: Mapping[str, Any], num_layers: int) -> tuple[LayerAttention
     if given is None:
         return tuple(LayerAttention.SLIDING if (i + 1) % 2 else LayerAttention.FULL
                      for i in range(num_layers))
-    # gpt-oss's two kinds only (Llama 4's chunked and NoPE layers are paxlite's too)
-    valid = {LayerAttention.SLIDING.value, LayerAttention.FULL.value}
-    refuse_if(not isinstance(given, list) or any(kind not in valid for kind in given),
-              "layer_types", given, f"each entry must be one of {sorted(valid)}")
-    refuse_if(len(given) != num_layers, "layer_types", given,
-              f"it has {len(given)} entries for num_hidden_layers={num_layers}")
-    return tuple(LayerAttention(kind) for kind in given)
+    return sliding_full_layer_types(given, num_layers)
 
 
 def gpt_oss_config(hf: Mapping[str, Any]) -> TransformerConfig:
