@@ -153,13 +153,27 @@ The parameters are counted as transformers counts them: `DeepSeekV3`'s 58 MoE la
 choice biases (58 x 256 = 14,848, `moe/score_correction_bias`, never trained by the optimizer) are
 state, as transformers' buffers are, and not among them. Dense first layers
 (`first_k_dense_replace`) leave the stack no period to scan, so both run unrolled
-(`USE_REPEATED_LAYER=False`) and without a pipeline. `DeepSeekV3`'s train state alone (671.0
-billion parameters x 16 bytes: float32 weights, gradients and both Adam moments) is 9,999 GiB: at
-least 127 H100s of 79.11 GiB before any activation, so 16 nodes of 8 at the least (arithmetic, not a
-plan: an unrolled 61-layer step was not compiled here).
-`DeepSeekV2Lite` on 8 H100s (`python -m paxlite plan --fdl_config=DeepSeekV2Lite --devices=8
---target=h100`, XLA's GPU compiler, compile-only, 2026-12-07; XLA's attention, since JAX compiles
-cuDNN's only up to 128 per head without a GPU): at the defaults, which keep every activation of the
-unrolled layers, 139.11 GiB a device, 60.00 GiB short; with `--fdl.CHECKPOINT_POLICY=SAVE_NOTHING`
-(each layer recomputed in the backward pass) 34.13 GiB, fits with 44.98 GiB to spare.
+(`USE_REPEATED_LAYER=False`) and without a pipeline; `--fdl.CHECKPOINT_POLICY=SAVE_NOTHING`, given
+explicitly, recomputes each unrolled layer in the backward pass.
+
+Planned with XLA's GPU compiler (`python -m paxlite plan --fdl_config=NAME --devices=N
+--target=h100|h200 [--fdl.X=Y ...]`, compile-only on a 2-core CPU host, 2026-12-07; XLA's
+attention, since JAX compiles cuDNN's only up to 128 per head without a GPU; peaks per device,
+against 79.11 GiB for an H100 and 141.00 GiB for an H200):
+
+- `DeepSeekV2Lite` on its 8 devices. H100s: at the defaults, which keep every activation of the
+  unrolled layers, 139.11 GiB, 60.00 GiB short; with `--fdl.CHECKPOINT_POLICY=SAVE_NOTHING`
+  34.13 GiB, fits with 44.98 GiB to spare. H200s: 110.18 GiB at the defaults, fits with 30.82 GiB
+  to spare (the same step: XLA's GPU compiler schedules it differently for the two memories).
+- `DeepSeekV3`: its train state alone (671.0 billion parameters x 16 bytes: float32 weights,
+  gradients and both Adam moments) is 9,999 GiB, 1,250 GiB a device on its 8 devices (not
+  compiled): at least 127 H100s or 71 H200s before any activation (arithmetic). One plan was
+  tried, 256 H100s (32 nodes: `--fdl.ICI_MESH_SHAPE=[1,1,1,8] --fdl.DCN_MESH_SHAPE=[1,32,1]`,
+  expert 8 within each node, fsdp 32 across nodes) with `--fdl.CHECKPOINT_POLICY=SAVE_NOTHING
+  --fdl.ADAM_MU_DTYPE=bfloat16`, and it did not finish in 25 minutes: the step was lowered and
+  partitioned in 2, then XLA's GPU compiler ran for the rest, the last 9 minutes or more in its
+  rematerialization pass (which runs only when a program is over the device's memory). So there
+  is no V3 plan, only arithmetic: that run's state is 40.3 GiB a device before any activation (14
+  bytes a parameter; the 653.9 billion expert parameters over all 256 devices, the other 17.1
+  billion over fsdp 32).
 """

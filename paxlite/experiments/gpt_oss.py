@@ -127,9 +127,31 @@ Planned 2026-12-07 with the CPU compiler (`python -m paxlite plan --fdl_config=G
 per step, einsum attention (one layer's float32 logits: 4.00 GiB), peak 65.58 GiB per device, fits
 with 14.42 GiB to spare. With `MOE_GROUPED_MATMUL=ragged_dot` and float32 Adam moments the same
 plan peaked at 99.87 GiB (19.87 GiB short); with only the first two memory settings, 97.95 GiB.
-For 8 H100s (`--target=h100`, XLA's GPU compiler, compile-only; 2026-12-07): peak 65.10 GiB per
-device, fits in 79.11 GiB with 14.01 GiB to spare (planned in 89.5 s). `GptOss120B`'s plan did not
-finish in 15 minutes on a loaded 2-core host; its train state alone (116.8 billion parameters x 14
-bytes: float32 weights and gradients, bfloat16 first and float32 second Adam moments) is 1,523 GiB,
-190 GiB a device on 8: it needs at least 20 H100s before any activation (arithmetic, not a plan).
+
+With XLA's GPU compiler (`python -m paxlite plan --fdl_config=NAME --devices=N
+--target=h100|h200 [--fdl.X=Y ...]`, compile-only on a 2-core CPU host, 2026-12-07; peaks per
+device, against 79.11 GiB for an H100 and 141.00 GiB for an H200):
+
+- `GptOss20B` on its 8 devices fits both: 65.10 GiB on H100s (14.01 GiB to spare), 70.49 GiB on
+  H200s (70.51 to spare).
+- `GptOss120B` on its 8 devices: 299.00 GiB on H100s, 219.89 GiB short. Its train state (116.8
+  billion parameters x 14 bytes: float32 weights and gradients, bfloat16 first and float32 second
+  Adam moments; 1,523 GiB) is 190.4 GiB a device on 8, more than an H200 holds too (8 H200s not
+  compiled). It needs more nodes: fsdp across them (`--fdl.DCN_MESH_SHAPE=[1,NODES,1]`) and,
+  within each node, fsdp 2 x expert 4 (`--fdl.ICI_MESH_SHAPE=[1,2,1,4]`, so that a device gathers
+  32 experts of a layer, not all 128):
+  - 48 H100s (6 nodes, `--fdl.DCN_MESH_SHAPE=[1,6,1]`): 76.33 GiB, fits with 2.78 GiB to spare.
+    32 H100s (`[1,4,1]`): 95.03 GiB, 15.92 short (experts over 8 instead, `[1,1,1,8]`: 99.26;
+    with `--fdl.MAX_SEQ_LEN=2048` as well: 83.15 GiB, still 4.04 short).
+  - 32 H200s (4 nodes, `[1,4,1]`): 100.11 GiB, fits with 40.89 GiB to spare. 16 H200s
+    (`[1,2,1]`): 162.15 GiB, 21.15 short. 24 H200s (`[1,3,1]`) did not compile: XLA's SPMD
+    partitioner aborts (`Check failed: sliced.has_value() Could not slice dimension 0 with size
+    4`, in its gather partitioning; the same with the experts over 8), so a 3-node fsdp axis is
+    not planned.
+
+  More devices shrink the state, not the temporaries: besides the gradients these were 43 to 62
+  GiB a device in every plan above (one 4,096-token row per device; about 21 GiB whatever the
+  sequence plus about 12 GiB per 2,048 tokens), 108.28 GiB at the default mesh on 8 H100s. 40
+  H100s (5 nodes) were not planned: by the same arithmetic their state (about 40 GiB) leaves too
+  little room.
 """

@@ -104,10 +104,27 @@ LLAMA4_EXPERIMENTS = (Llama4Scout17B16E,)
 
 # Under the family's table in docs/experiments.md.
 CATALOGUE_NOTE = """\
-Planned 2026-12-07 with the CPU compiler (`python -m paxlite plan --fdl_config=Llama4Scout17B16E
---devices=8`, 8 fake devices of 80 GiB, compile-only): peak 331.50 GiB per device, so not 8 GPUs of
-80 GB. Its train state alone (107.8 billion parameters x 16 bytes: float32 weights, gradients and
-both Adam moments) is 1,606 GiB, 201 GiB a device on 8: at least 21 H100s before any activation
-(arithmetic, not a plan); `ADAM_MU_DTYPE=bfloat16` saves 2 bytes a parameter, LoRA
-(`--fdl.USE_LORA=true --fdl.LORA_TARGET_LAYERS=attention`) keeps only the frozen weights' 4.
+Planned with XLA's GPU compiler (`python -m paxlite plan --fdl_config=Llama4Scout17B16E
+--devices=N --target=h100|h200 [--fdl.X=Y ...]`, compile-only on a 2-core CPU host, 2026-12-07;
+peaks per device, against 79.11 GiB for an H100 and 141.00 GiB for an H200). On its 8 devices,
+at the defaults: 340.49 GiB on H100s, 261.38 GiB short (the CPU compiler's plan said 331.50). Its
+train state alone (107.8 billion parameters x 16 bytes: float32 weights, gradients and both Adam
+moments; 1,606 GiB) is 200.8 GiB a device on 8, more than an H200 holds too (8 H200s not
+compiled). More nodes (fsdp across them, `--fdl.DCN_MESH_SHAPE=[1,NODES,1]`) shrink mostly the
+state: with one 8,192-token row a device the temporaries besides the gradients stay over 100 GiB
+(32 H100s with `--fdl.ADAM_MU_DTYPE=bfloat16`: 150.82 GiB, 71.71 short). Four settings shrink them:
+`MOE_GROUPED_MATMUL=tiled` (the default ragged_dot, which XLA:GPU expands to every row for every
+expert), `LOSS_CHUNK_SIZE=1024`, `MAX_SEQ_LEN=4096` (the einsum attention's float32 logits are
+10 GiB a layer at 8,192, 2.5 at 4,096) and `ADAM_MU_DTYPE=bfloat16` (2 bytes a parameter less);
+below, "the four" are all of them, "the three" all but MAX_SEQ_LEN:
+
+- H100s: 64 (8 nodes) with the four and fsdp 2 x expert 4 within each node
+  (`--fdl.ICI_MESH_SHAPE=[1,2,1,4] --fdl.DCN_MESH_SHAPE=[1,8,1]`): 77.80 GiB, fits with 1.31 GiB
+  to spare. 32 (`--fdl.DCN_MESH_SHAPE=[1,4,1]`, fsdp 32) with the four: 123.98 GiB, 44.87 short.
+- H200s: 32 (4 nodes, `--fdl.DCN_MESH_SHAPE=[1,4,1]`, fsdp 32) with the four: 120.34 GiB, fits
+  with 20.66 GiB to spare. At the full 8,192 tokens with the three: 147.88 GiB, 6.88 short (with
+  expert 4, `--fdl.ICI_MESH_SHAPE=[1,2,1,4]`: 162.41 GiB, 21.41 short).
+
+LoRA (`--fdl.USE_LORA=true --fdl.LORA_TARGET_LAYERS=attention`, which keeps only the frozen
+weights' 4 bytes a parameter) was not planned.
 """
