@@ -133,12 +133,11 @@ def test_fits_flips_and_levers_are_computed(fsdp_plans, monkeypatch):
     m = fits.memory_per_device
     state = m.parameter_bytes + m.optimizer_state_bytes + m.gradient_bytes
     assert levers["fsdp 2 -> 4 (data 4 -> 2)"].peak_bytes == peak - state + math.ceil(state / 2)
-    remat = levers[
-        "USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)"
-    ]
+    remat = levers["CHECKPOINT_POLICY=SAVE_NOTHING (recompute each unrolled layer)"]
     # Compiled (on this one-layer model recomputation saves nothing; the LLaMA70B plan in
-    # docs/parallelism.md shows the lever at scale).
-    assert remat.method == "compiled" and remat.overrides["USE_REPEATED_LAYER"] is True
+    # docs/parallelism.md shows the lever at scale), the layers left unrolled: the policy set
+    # explicitly wraps each of them, and the checkpoint layout stays.
+    assert remat.method == "compiled" and remat.overrides == {"CHECKPOINT_POLICY": "SAVE_NOTHING"}
     assert remat.peak_bytes > 0 and remat.verdict is not None
     half = levers["PERCORE_BATCH_SIZE 1 -> 0.5"]
     # Half of 8 rows over data x fsdp = 8 ways is not a whole number of rows per device.
@@ -207,7 +206,7 @@ def test_gradient_accumulation_lever_lowers_the_peak(lever_plan):
     seq = by_name["seq 1 -> 2"]
     assert set(seq.overrides) == {"ICI_MESH_SHAPE", "DCN_MESH_SHAPE", "GRAD_ACCUM_STEPS"}
     want = {**by_name["fsdp 1 -> 2"].overrides,
-            **by_name["USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING"].overrides,
+            **by_name["CHECKPOINT_POLICY=SAVE_NOTHING"].overrides,
             **accum.overrides}
     assert together.overrides == want and "PERCORE_BATCH_SIZE" not in together.overrides
     assert seq.lever not in together.lever

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from typing import Any
 
+from paxlite.models.transformer_config import RematPolicy
 from paxlite.parallel.compile_targets import CompileTarget
 from paxlite.planner.base_plan import moe_plan
 from paxlite.planner.results import Lever, StepMeasurement
@@ -129,17 +130,18 @@ def levers(experiment, base: StepMeasurement, *, num_devices: int, device_bytes:
     else:
         out.append(Lever(lever="more fsdp").refuse(
             "the data axis is 1: no data-parallel devices are left to move to fsdp"))
-    if not experiment.USE_REPEATED_LAYER:
-        # Unrolled layers keep every activation for the backward pass (Pax applies the policy to
-        # the repeated stack only), so the remat lever is the scanned stack with SAVE_NOTHING.
-        candidates.append((("USE_REPEATED_LAYER=true + CHECKPOINT_POLICY=SAVE_NOTHING "
-                            "(recompute each layer)"),
-                           {"USE_REPEATED_LAYER": True, "CHECKPOINT_POLICY": "SAVE_NOTHING"}))
-    elif experiment.CHECKPOINT_POLICY != "SAVE_NOTHING":
+    if experiment.remat_policy() is RematPolicy.SAVE_NOTHING:
+        out.append(Lever(lever="CHECKPOINT_POLICY=SAVE_NOTHING").refuse("already SAVE_NOTHING"))
+    elif experiment.USE_REPEATED_LAYER:
         candidates.append(("CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)",
                            {"CHECKPOINT_POLICY": "SAVE_NOTHING"}))
     else:
-        out.append(Lever(lever="CHECKPOINT_POLICY=SAVE_NOTHING").refuse("already SAVE_NOTHING"))
+        # Unrolled layers keep every activation unless a policy is set explicitly, which then
+        # wraps each layer (ModelLayerSettings.remat_policy): the parameters stay unstacked, so
+        # the run's checkpoints keep their layout (scanning would stack them, and models with
+        # dense first layers cannot scan at all).
+        candidates.append(("CHECKPOINT_POLICY=SAVE_NOTHING (recompute each unrolled layer)",
+                           {"CHECKPOINT_POLICY": "SAVE_NOTHING"}))
     accum = experiment.GRAD_ACCUM_STEPS
     candidates.append(((f"GRAD_ACCUM_STEPS {accum} -> {2 * accum} (same global batch, same "
                         "training)"), {"GRAD_ACCUM_STEPS": 2 * accum}))
