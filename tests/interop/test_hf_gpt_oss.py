@@ -258,8 +258,10 @@ def test_finetune_trains_from_the_converted_directory(converted, tmp_path, lora)
 @pytest.fixture(scope="module")
 def reference():
     """A scanned two-layer gpt-oss (a sliding + full unit, both MoE) on one device, the
-    load-balancing loss on."""
+    load-balancing loss on, from seeded host parameters (init's mesh invariance is
+    tests/parallel/test_moe_sharded.py's)."""
     from paxlite.parallel.mesh import MeshConfig, build_mesh
+    from tests.host_params import random_host_params
     from tests.parallel.test_moe_sharded import _loss_and_grads
 
     hf_json = {"model_type": "gpt_oss", **SIZES, "hidden_size": 32, "head_dim": 8,
@@ -268,15 +270,14 @@ def reference():
     config = dataclasses.replace(from_hf_config(hf_json)[1], scan_layers=True)
     assert config.layers_per_scan_unit == 2
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
-    return config, _loss_and_grads(config, one)
+    return config, _loss_and_grads(config, one, random_host_params)
 
 
 def test_training_on_a_mesh_equals_one_device(reference):
-    from tests.parallel.test_moe_sharded import (
-        test_moe_mesh_matches_one_device as assert_mesh_matches_one_device,
-    )
+    from tests.host_params import random_host_params
+    from tests.parallel.test_moe_sharded import assert_mesh_matches_one_device
 
-    assert_mesh_matches_one_device((1, 2, 2, 2), (1, 1, 1), reference)
+    assert_mesh_matches_one_device((1, 2, 2, 2), (1, 1, 1), reference, params=random_host_params)
 
 
 # ---------------------------------------------------------------- refusals
