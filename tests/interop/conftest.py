@@ -164,9 +164,9 @@ FINETUNE = ("SYNTHETIC_DATA=true", "MAX_STEPS=1", "MAX_SEQ_LEN=16", "PERCORE_BAT
 def finetune(restore_path, job, *overrides: str, save: bool = False):
     """FineTune from the converted `restore_path` in this process with FINETUNE's settings and then
     `overrides`: (the run's config, its parameters at the start, after training), each flat by
-    `jax.tree_util.keystr` as NumPy. No
-    evaluation (eval_data dropped: no test here reads it, and it compiled an eval step per run);
-    `save`: checkpoints under `job`/checkpoints (none otherwise)."""
+    `jax.tree_util.keystr` as NumPy. No evaluation (eval_data dropped: no test here reads it, and
+    it compiled an eval step per run); `save`: checkpoints under `job`/checkpoints (none
+    otherwise)."""
     import jax
 
     from paxlite.experiments.build import build_run_config
