@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from paxlite.__main__ import main
-from paxlite.checkpointing.pretrained import saved_param_shapes
+from paxlite.checkpointing.pretrained import restore_params, saved_param_shapes
 from tests.interop.conftest import convert_with_tokenizer, finetune, generate_matches_transformers
 from tests.interop.test_hf_deepseek import CASES, SIZES
 from tests.interop.test_tokenizer_json_generate import NEW, TEXTS
@@ -57,16 +57,18 @@ def test_generate_through_the_tokenizer_json_matches_transformers(converted, cap
     assert all(ids[0] == AutoTokenizer.from_pretrained(hf_dir).bos_token_id for ids in prompts)
 
 
-def _losses(job) -> list[float]:
+def _finetune(out, job, *overrides: str, save: bool = False):
+    """conftest.finetune on MESH, its one step's loss logged and finite."""
+    _, start, after = finetune(out, job, *MESH, *overrides, save=save)
     lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    return [line["loss"] for line in lines if "loss" in line]
+    losses = [line["loss"] for line in lines if "loss" in line]
+    assert len(losses) == 1 and all(np.isfinite(losses)), losses
+    return start, after
 
 
 def test_finetune_trains_and_keeps_the_router_bias(converted, tmp_path):
     _, _, out = converted
-    _, before, after = finetune(out, tmp_path / "job", *MESH)
-    losses = _losses(tmp_path / "job")
-    assert len(losses) == 1 and all(np.isfinite(losses)), losses
+    before, after = _finetune(out, tmp_path / "job")
     biases = [name for name in before if BIAS in name]
     assert biases  # the MoE layers' choice biases
     for name in biases:
@@ -77,30 +79,33 @@ def test_finetune_trains_and_keeps_the_router_bias(converted, tmp_path):
 
 
 def test_lora_trains_only_its_adapters(converted, tmp_path):
-    """The base (the choice biases included) stays as converted, the adapters move, and the
-    checkpoint holds them."""
+    """The base (the choice biases included) stays as converted, in the run and in its checkpoint,
+    which holds the adapters too; the adapters move."""
+    import jax
+
     from paxlite.interop import hf
+
+    def keyed(params):
+        return {jax.tree_util.keystr(k): np.asarray(v)
+                for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
     _, _, out = converted
     job = tmp_path / "job"
-    _, start, after = finetune(out, job, *MESH, "USE_LORA=true", "LORA_RANK=4",
-                               "LORA_TARGET_LAYERS=attention", save=True)
-    converted_params = dict(_keyed(hf.from_paxlite(out).params))
-    assert any(BIAS in name for name in converted_params)
-    for name, value in converted_params.items():
+    start, after = _finetune(out, job, "USE_LORA=true", "LORA_RANK=4",
+                             "LORA_TARGET_LAYERS=attention", save=True)
+    base = hf.from_paxlite(out).params
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), base)
+    saved = keyed(restore_params(job / "checkpoints", abstract)[1])  # the base (LoRA's left out)
+    base = keyed(base)
+    assert any(BIAS in name for name in base)
+    for name, value in base.items():
         np.testing.assert_array_equal(after[name], value, err_msg=name)
-    adapters = [name for name in after if name not in converted_params]
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    adapters = [name for name in after if name not in base]
     assert adapters and all("lora" in name for name in adapters), adapters
     assert any(not np.array_equal(after[name], start[name]) for name in adapters)
     _, _, shapes = saved_param_shapes(job / "checkpoints")
     assert any("lora" in name for name in shapes), sorted(shapes)[:5]
-
-
-def _keyed(params):
-    import jax
-
-    return [(jax.tree_util.keystr(k), np.asarray(v))
-            for k, v in jax.tree_util.tree_leaves_with_path(params)]
 
 
 def test_plan_gives_a_verdict(converted, capsys):
