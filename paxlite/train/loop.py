@@ -36,7 +36,7 @@ from paxlite.train.preemption import Preemption
 from paxlite.train.profiling import StepProfiler
 from paxlite.train.run_build import RunContext
 from paxlite.train.run_config import RunConfig, SaveFailure
-from paxlite.train.step import CompiledSteps, TrainState, join_params
+from paxlite.train.step import CompiledSteps, TrainState
 from paxlite.train.watchdog import Watchdog
 
 # Steps (and evaluation batches) the host may dispatch beyond the newest one known to be computed:
@@ -139,19 +139,16 @@ class Run:
     def _init_state(self) -> TrainState:
         """A fresh state, its parameters overwritten from CHECKPOINT_RESTORE_PATH where one is set
         (read first, so a bad path or shape is reported before anything compiles)."""
-        loaded = None
-        if self.config.loop.checkpoint_restore_path is not None:
-            # Checked when the run was built; again only if this run had checkpoints of its own
-            # then.
-            plan = self._pretrained_plan or self._plan_pretrained()
-            loaded = run_build.read_pretrained(self.config, plan=plan)
-        state = self.steps.init()
-        if loaded is None:
-            return state
+        if self.config.loop.checkpoint_restore_path is None:
+            return self.steps.init()
+        # Checked when the run was built; again only if this run had checkpoints of its own then.
+        plan = self._pretrained_plan or self._plan_pretrained()
+        # The restored parameters are never sampled first (init_with: only the rest is).
+        state = self.steps.init_with(run_build.read_pretrained(self.config, plan=plan))
         if jax.tree.leaves(state.fp8):  # a restore path holds parameters only (pretrained.py)
             logging.info("FP8 scaling state (%d arrays) starts fresh: CHECKPOINT_RESTORE_PATH "
                          "provides parameters only", len(jax.tree.leaves(state.fp8)))
-        return state.replace(params=join_params(loaded, state.params))
+        return state
 
     def _bind_reference(self, state: TrainState) -> None:
         self.steps = self._with_reference(state)

@@ -230,6 +230,10 @@ class CompiledSteps:
     """The jitted functions of one run and the shardings they were built for."""
 
     init: Callable[[], TrainState]
+    # init_with(restored): init()'s state with the parameters of `restored` (a subset of the params
+    # tree, sharded as the state's; donated) in place of fresh ones, which are never sampled; the
+    # optimizer state is that of the joined parameters.
+    init_with: Callable[[PyTree], TrainState]
     train: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
     # train_voting(state, batch, votes) -> (state, metrics, stop): `train` that also reduces the
     # processes' stop flags (int32 [devices], laid out by vote_sharding) to their maximum, inside
@@ -400,6 +404,21 @@ def compile_steps(
     init = jax.jit(
         _with_rules(init_state, logical_rules, name="init_state"), out_shardings=state_shardings
     )
+
+    def init_state_with(restored: PyTree) -> TrainState:
+        boxed, fp8 = boxed_variables()
+        params = join_params(restored, nn.meta.unbox(boxed))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=optimizer.init(trained(params)), fp8=fp8)
+
+    # The parameters `restored` gives are never sampled: their initialisers' outputs are unused, so
+    # the traced program drops them (a run from CHECKPOINT_RESTORE_PATH compiles and runs the random
+    # init of only what the checkpoint does not hold: LoRA adapters, ignored parameters). Donated:
+    # the state's parameters are the restored buffers, not copies of them.
+    init_with = jax.jit(
+        _with_rules(init_state_with, logical_rules, name="init_state"),
+        out_shardings=state_shardings, donate_argnums=(0,),
+    )
     # From the shapes traced above, not from `init.eval_shape()`: that would trace the model's
     # init a second time, which a plan (it compiles the steps and never runs init) pays for
     # nothing; a run traces init once, when it calls it.
@@ -482,6 +501,7 @@ def compile_steps(
     )
     return CompiledSteps(
         init=init,
+        init_with=init_with,
         train=train,
         train_voting=train_voting,
         vote_sharding=vote_sharding,

@@ -2,9 +2,9 @@
 nonzero choice bias, a shared expert, a dense first layer), with a tokenizer.json beside it,
 converted once by `python -m paxlite convert` for the module: `generate --prompt=TEXT` continues as
 transformers' tokenizer and greedy generate do; `FineTune` from the converted directory trains a
-few steps on a data x fsdp x tensor mesh with the router's choice bias unchanged (speed 0, the
-default) and the rest moving; LoRA trains only its adapters (the base, the bias included, stays as
-converted); `plan --fdl_config=FineTune` gives a verdict.
+step on a data x fsdp x tensor mesh with the router's choice bias unchanged (speed 0, the default)
+and the rest moving; LoRA trains only its adapters (the base, the bias included, stays as
+converted; its checkpoint holds them); `plan --fdl_config=FineTune` gives a verdict.
 
 Plain RoPE: FineTune reads a YaRN checkpoint's own scaling fields once RopeScalingSettings knows
 'yarn' (the gpt-oss work); YaRN itself is tested against transformers in test_hf_deepseek.py."""
@@ -13,29 +13,24 @@ from __future__ import annotations
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
 from paxlite.__main__ import main
-from paxlite.checkpointing.pretrained import (
-    load_model_config,
-    restore_params,
-    saved_param_shapes,
-)
-from paxlite.experiments.build import build_run_config
-from paxlite.interop import hf
-from paxlite.train.loop import Run, RunContext
+from paxlite.checkpointing.pretrained import restore_params, saved_param_shapes
+from tests.interop.conftest import convert_with_tokenizer, finetune, generate_matches_transformers
 from tests.interop.test_hf_deepseek import CASES, SIZES
-from tests.interop.test_tokenizer_json_generate import NEW, TEXTS, _tokenizer_json
+from tests.interop.test_tokenizer_json_generate import NEW, TEXTS
 
-STEPS = 3
 BIAS = "score_correction_bias"
+# data x fsdp x tensor; one step shows what trains and what stays
+MESH = ("ICI_MESH_SHAPE=[2,2,2]", "LEARNING_RATE=1e-3")
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """(transformers model, its directory, the converted paxlite directory)."""
+    """(transformers model, its directory with a tokenizer.json, the converted paxlite
+    directory)."""
     pytest.importorskip("tokenizers")
     import torch
     import transformers
@@ -50,54 +45,25 @@ def converted(tmp_path_factory):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.3 * torch.randn_like(buffer))
-    model.save_pretrained(root / "hf")
-    _tokenizer_json(root / "hf")
-    out = root / "paxlite"
-    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={root / 'hf'}",
-                 f"--output={out}"]) == 0
-    return model, root / "hf", out
-
-
-def _flat(params) -> dict[str, np.ndarray]:
-    return {jax.tree_util.keystr(p): np.asarray(v)
-            for p, v in jax.tree_util.tree_leaves_with_path(params)}
+    model.save_pretrained(root / "model")
+    return (model, *convert_with_tokenizer(root / "model", root))
 
 
 def test_generate_through_the_tokenizer_json_matches_transformers(converted, capsys):
-    import torch
     from transformers import AutoTokenizer
 
     model, hf_dir, out = converted
-    capsys.readouterr()
-    assert main(["generate", f"--checkpoint={out}", *[f"--prompt={t}" for t in TEXTS],
-                 f"--max_new_tokens={NEW}", "--format=json"]) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    theirs = AutoTokenizer.from_pretrained(hf_dir)
-    for record, text in zip(records, TEXTS, strict=True):
-        ids = theirs(text)["input_ids"]
-        assert record["prompt_ids"] == ids and ids[0] == theirs.bos_token_id
-        with torch.no_grad():
-            want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
-                                  eos_token_id=theirs.eos_token_id,
-                                  pad_token_id=theirs.eos_token_id)
-        assert record["ids"] == want[0, len(ids):].tolist()
+    prompts = generate_matches_transformers(model, hf_dir, out, TEXTS, NEW, capsys)
+    assert all(ids[0] == AutoTokenizer.from_pretrained(hf_dir).bos_token_id for ids in prompts)
 
 
-def _finetune(converted_dir, job, *extra: str):
-    overrides = [f"CHECKPOINT_RESTORE_PATH={converted_dir}", "SYNTHETIC_DATA=true",
-                 f"MAX_STEPS={STEPS}", "MAX_SEQ_LEN=16", "PERCORE_BATCH_SIZE=1",
-                 "ICI_MESH_SHAPE=[2,2,2]", "SUMMARY_INTERVAL_STEPS=1", "LEARNING_RATE=1e-3",
-                 f"CHECKPOINT_EVERY_N_STEPS={STEPS}", "EVAL_INTERVAL_STEPS=1000", *extra]
-    with Run(build_run_config("FineTune", overrides)[1], RunContext(job_dir=str(job))) as run:
-        run.train()
-    losses = [json.loads(line).get("loss") for line in
-              (job / "metrics.jsonl").read_text().splitlines()]
-    losses = [loss for loss in losses if loss is not None]
-    assert len(losses) == STEPS and all(np.isfinite(losses)), losses
-    start = hf.from_paxlite(converted_dir, config=load_model_config(converted_dir)).params
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), start)
-    _, trained = restore_params(job / "checkpoints", abstract)  # the base (LoRA's left out)
-    return _flat(start), _flat(trained)
+def _finetune(out, job, *overrides: str, save: bool = False):
+    """conftest.finetune on MESH, its one step's loss logged and finite."""
+    _, start, after = finetune(out, job, *MESH, *overrides, save=save)
+    lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    losses = [line["loss"] for line in lines if "loss" in line]
+    assert len(losses) == 1 and all(np.isfinite(losses)), losses
+    return start, after
 
 
 def test_finetune_trains_and_keeps_the_router_bias(converted, tmp_path):
@@ -113,12 +79,31 @@ def test_finetune_trains_and_keeps_the_router_bias(converted, tmp_path):
 
 
 def test_lora_trains_only_its_adapters(converted, tmp_path):
+    """The base (the choice biases included) stays as converted, in the run and in its checkpoint,
+    which holds the adapters too; the adapters move."""
+    import jax
+
+    from paxlite.interop import hf
+
+    def keyed(params):
+        return {jax.tree_util.keystr(k): np.asarray(v)
+                for k, v in jax.tree_util.tree_leaves_with_path(params)}
+
     _, _, out = converted
     job = tmp_path / "job"
-    before, after = _finetune(out, job, "USE_LORA=true", "LORA_RANK=4",
-                              "LORA_TARGET_LAYERS=attention")
-    for name, value in before.items():  # the base, the choice biases included
+    start, after = _finetune(out, job, "USE_LORA=true", "LORA_RANK=4",
+                             "LORA_TARGET_LAYERS=attention", save=True)
+    base = hf.from_paxlite(out).params
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), base)
+    saved = keyed(restore_params(job / "checkpoints", abstract)[1])  # the base (LoRA's left out)
+    base = keyed(base)
+    assert any(BIAS in name for name in base)
+    for name, value in base.items():
         np.testing.assert_array_equal(after[name], value, err_msg=name)
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    adapters = [name for name in after if name not in base]
+    assert adapters and all("lora" in name for name in adapters), adapters
+    assert any(not np.array_equal(after[name], start[name]) for name in adapters)
     _, _, shapes = saved_param_shapes(job / "checkpoints")
     assert any("lora" in name for name in shapes), sorted(shapes)[:5]
 

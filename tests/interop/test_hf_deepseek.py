@@ -10,8 +10,6 @@ paxlite cannot hold."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,6 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from jax.sharding import AxisType
-from safetensors import safe_open
 
 from paxlite.interop import hf
 from paxlite.interop.hf_config import Family, UnsupportedCheckpointError, from_hf_config
@@ -27,7 +24,12 @@ from paxlite.models.decode import generate
 from paxlite.models.moe_router_deepseek import SCORE_BIAS_NAME, trainable_paths
 from paxlite.models.transformer import Transformer, logical_param_axes, num_params
 from paxlite.parallel.rules import DEFAULT_RULES, batch_sharding, logical_to_shardings
-from tests.interop.conftest import _perturb_norms, hf_logits
+from tests.interop.conftest import (
+    _perturb_norms,
+    hf_logits,
+    save_and_read_back,
+    transformers_greedy,
+)
 from tests.models.test_seq_parallel_transformer import AXES
 
 TOKENS = np.random.default_rng(5).integers(0, 256, size=(2, 20)).astype(np.int32)
@@ -50,11 +52,6 @@ CASES = {
 }
 PROMPTS = [[17, 3, 99, 200, 5, 8, 41, 7, 90, 11], [61, 2, 3]]
 NEW = 6
-
-
-def _tensors(directory):
-    with safe_open(os.path.join(directory, "model.safetensors"), framework="np") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  not iterable
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -94,31 +91,14 @@ def test_logits_match_transformers(case):
 
 
 def test_greedy_generation_matches_transformers(case):
-    import torch
-
     _, _, model, _, pretrained = case
-    want = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW,
-                                 eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(prompt):].tolist())
+    want = transformers_greedy(model, PROMPTS, NEW)
     assert generate(pretrained.config, pretrained.params, PROMPTS, max_new_tokens=NEW) == want
 
 
 def test_save_loads_in_transformers_with_the_same_logits(case, tmp_path):
-    import transformers
-
     _, directory, _, want, pretrained = case
-    hf.save(pretrained, tmp_path / "out")
-    original, ours = _tensors(directory), _tensors(tmp_path / "out")
-    assert sorted(ours) == sorted(original)
-    for tensor in original:
-        assert ours[tensor].tobytes() == original[tensor].tobytes(), tensor
-    written = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert from_hf_config(written)[1] == pretrained.config
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
+    _, model = save_and_read_back(pretrained, directory, tmp_path / "out")
     buffers = sum(b.numel() for n, b in model.named_buffers()
                   if n.endswith("e_score_correction_bias"))
     assert sum(p.numel() for p in model.parameters()) + buffers == pretrained.num_params
@@ -162,7 +142,9 @@ def test_training_on_a_mesh_equals_one_device_and_keeps_the_bias(case):
 def test_lora_on_latent_attention(case):
     _, _, _, _, pretrained = case
     config = dataclasses.replace(pretrained.config, lora_rank=2, lora_targets="attention")
-    variables = Transformer(config).init(jax.random.key(0), TOKENS[:, :8])
+    # the same init traced abstractly: the tree is what is checked (eager, it compiled each of
+    # its ops: 13 CPU-s)
+    variables = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), TOKENS[:, :8]))
     attention = nn.meta.unbox(variables["params"])["layers_0"]["attention"]
     assert {"lora_a", "lora_b"} <= set(attention["kv_a"]) and "lora_a" in attention["out"]
     assert num_params(config) > pretrained.num_params

@@ -10,13 +10,11 @@ paxlite cannot hold."""
 
 import dataclasses
 import json
-import os
 import shutil
 
 import jax
 import numpy as np
 import pytest
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from paxlite.interop import hf
@@ -30,7 +28,16 @@ from paxlite.interop.hf_config import (
 from paxlite.models.decode import generate
 from paxlite.models.open_model_fields import LayerAttention
 from paxlite.models.rotary import RopeScalingKind
-from tests.interop.conftest import hf_logits
+from tests.interop.conftest import (
+    FINETUNE,
+    convert_with_tokenizer,
+    finetune,
+    generate_matches_transformers,
+    hf_logits,
+    safetensors_of,
+    save_and_read_back,
+    transformers_greedy,
+)
 from tests.interop.test_hf_open_families import legacy_form
 
 TOKENS = np.random.default_rng(7).integers(0, 256, size=(2, 20)).astype(np.int32)
@@ -43,11 +50,6 @@ SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_la
              initializer_range=0.1, rope_parameters=YARN, swiglu_limit=1.5)
 PROMPTS = [[17, 3, 99, 200, 5, 8, 41, 7, 90, 11], [61, 2, 3]]  # the first longer than WINDOW
 NEW = 6
-
-
-def _tensors(directory) -> dict[str, np.ndarray]:
-    with safe_open(os.path.join(directory, "model.safetensors"), framework="np") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  not iterable
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,7 @@ def test_features_are_read(tiny):
     assert (moe.num_experts, moe.experts_per_token, moe.moe_layer_interval, moe.use_bias,
             moe.swiglu_limit, moe.swiglu_alpha, moe.renormalize_top_k) == (
         4, 2, 1, True, 1.5, 1.702, True)
-    tensors = _tensors(directory)
+    tensors = safetensors_of(directory)
     layer = pretrained.params["layers_1"]
     p = "model.layers.1.mlp."
     gate_up = tensors[p + "experts.gate_up_proj"]  # [E, D, 2F], gate and up interleaved
@@ -110,35 +112,18 @@ def test_features_are_read(tiny):
 
 
 def test_greedy_generation_matches_transformers(tiny):
-    import torch
-
     _, model, _, pretrained = tiny
-    want = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW,
-                                 eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(prompt):].tolist())
+    want = transformers_greedy(model, PROMPTS, NEW)
     config = dataclasses.replace(pretrained.config, scan_layers=False)
     assert generate(config, pretrained.params, PROMPTS, max_new_tokens=NEW) == want
 
 
 def test_save_loads_in_transformers_with_the_same_logits(tiny, tmp_path):
-    import transformers
-
     directory, _, want, pretrained = tiny
-    hf.save(pretrained, tmp_path / "out")
-    original, ours = _tensors(directory), _tensors(tmp_path / "out")
-    assert sorted(ours) == sorted(original)
-    for tensor in original:
-        assert ours[tensor].tobytes() == original[tensor].tobytes(), tensor
-    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    written, model = save_and_read_back(pretrained, directory, tmp_path / "out")
     assert (written["model_type"], written["architectures"], written["layer_types"],
             written["rope_parameters"]["rope_type"], written["rope_parameters"]["truncate"]) == (
         "gpt_oss", ["GptOssForCausalLM"], ["sliding_attention", "full_attention"], "yarn", False)
-    assert from_hf_config(written)[1] == pretrained.config
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
     assert sum(p.numel() for p in model.parameters()) == pretrained.num_params
     np.testing.assert_allclose(hf_logits(model, TOKENS), want, atol=1e-4, rtol=0)
 
@@ -170,7 +155,7 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(tiny, tmp_path):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     directory, model, _, _ = tiny
-    tensors = _tensors(directory)
+    tensors = safetensors_of(directory)
     dequantized = {}
     for i in range(SIZES["num_hidden_layers"]):
         for proj in ("gate_up_proj", "down_proj"):
@@ -208,38 +193,25 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(tiny, tmp_path):
 
 
 # ---------------------------------------------------------------- the command line
-def test_cli_convert_generate_and_back(tiny, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    """(the tiny model's directory with a tokenizer.json, its `convert --to=paxlite` output),
+    converted once for the command line and FineTune."""
+    pytest.importorskip("tokenizers")
+    return convert_with_tokenizer(tiny[0], tmp_path_factory.mktemp("converted"))
+
+
+def test_cli_convert_generate_and_back(tiny, converted, tmp_path, capsys):
     """convert --to=paxlite with a tokenizer.json beside the model, generate --prompt equal to
     transformers' greedy ids through AutoTokenizer, convert --to=hf read back by transformers."""
-    pytest.importorskip("tokenizers")
-    import torch
     import transformers
-    from transformers import AutoTokenizer
 
     from paxlite.__main__ import main
-    from tests.interop.test_tokenizer_json_generate import _tokenizer_json
 
-    directory, model, want, _ = tiny
-    hf_dir = tmp_path / "hf"
-    shutil.copytree(directory, hf_dir)
-    _tokenizer_json(hf_dir)
-    out = tmp_path / "pax"
-    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={hf_dir}",
-                 f"--output={out}"]) == 0
-    capsys.readouterr()
+    _, model, want, _ = tiny
+    hf_dir, out = converted
     texts = ["the quick brown fox said hello", "lazy dog"]
-    assert main(["generate", f"--checkpoint={out}", *[f"--prompt={t}" for t in texts],
-                 f"--max_new_tokens={NEW}", "--format=json"]) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    theirs = AutoTokenizer.from_pretrained(hf_dir)
-    for record, text in zip(records, texts, strict=True):
-        ids = theirs(text)["input_ids"]
-        assert record["prompt_ids"] == ids
-        with torch.no_grad():
-            greedy = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
-                                    eos_token_id=theirs.eos_token_id,
-                                    pad_token_id=theirs.eos_token_id)
-        assert record["ids"] == greedy[0, len(ids):].tolist()
+    generate_matches_transformers(model, hf_dir, out, texts, NEW, capsys)
     back = tmp_path / "hf_again"
     assert main(["convert", "--from=paxlite", "--to=hf", f"--input={out}",
                  f"--output={back}"]) == 0
@@ -248,59 +220,36 @@ def test_cli_convert_generate_and_back(tiny, tmp_path, capsys):
     np.testing.assert_allclose(hf_logits(again, TOKENS), want, atol=1e-4, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def converted(tiny, tmp_path_factory):
-    from paxlite.__main__ import main
-
-    out = tmp_path_factory.mktemp("converted") / "pax"
-    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={tiny[0]}",
-                 f"--output={out}"]) == 0
-    return str(out)
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_attention"])
 def test_finetune_trains_from_the_converted_directory(converted, tmp_path, lora):
     """FineTune reads the model (sinks: einsum attention by default; the YaRN fields kept),
-    starts from exactly the converted parameters and trains 2 steps; with LoRA on attention the
-    adapters move and the base stays."""
+    starts from exactly the converted parameters and trains (one step: what moves); with LoRA on
+    attention the adapters move and the base stays."""
     import fiddle as fdl
 
     from paxlite.checkpointing.pretrained import load_model_config, read_state
-    from paxlite.experiments.build import build_run_config, load_experiment
-    from paxlite.train.loop import Run, RunContext
+    from paxlite.experiments.build import load_experiment
 
-    overrides = [f"CHECKPOINT_RESTORE_PATH={converted}", "SYNTHETIC_DATA=true", "MAX_STEPS=2",
-                 "MAX_SEQ_LEN=16", "PERCORE_BATCH_SIZE=1", "EVAL_INTERVAL_STEPS=2",
-                 "SUMMARY_INTERVAL_STEPS=1", "CHECKPOINT_EVERY_N_STEPS=2"]
-    if lora:
-        overrides += ["USE_LORA=true", "LORA_TARGET_LAYERS=attention", "LORA_RANK=2"]
-    experiment = load_experiment("FineTune", overrides)
+    out = str(converted[1])
+    overrides = ["USE_LORA=true", "LORA_TARGET_LAYERS=attention", "LORA_RANK=2"] if lora else []
+    experiment = load_experiment("FineTune", [f"CHECKPOINT_RESTORE_PATH={out}", *FINETUNE,
+                                              *overrides])
     assert experiment.ATTENTION_KIND == "dot_product"
     model = fdl.build(experiment.model_config())
-    recorded = load_model_config(converted)
+    recorded = load_model_config(out)
     assert dataclasses.replace(model, lora_rank=None, lora_alpha=None, lora_targets=(
         recorded.lora_targets), max_seq_len=recorded.max_seq_len, dtype=recorded.dtype,
         scan_layers=recorded.scan_layers, remat_policy=recorded.remat_policy) == recorded
-    _, config = build_run_config("FineTune", overrides)
-    saved = read_state(converted)[2]["params"]
-    context = RunContext(job_dir=str(tmp_path / "job"), enable_checkpoint_saving=False)
-    with Run(config, context) as run:
-        start = run.restore_or_init()
-        flat = {jax.tree_util.keystr(k): v
-                for k, v in jax.tree_util.tree_flatten_with_path(start.params)[0]}
-        for key, value in jax.tree_util.tree_flatten_with_path(saved)[0]:
-            np.testing.assert_array_equal(np.asarray(flat[jax.tree_util.keystr(key)]), value)
-        final = run.train()
-    assert int(final.step) == 2
-    after = {jax.tree_util.keystr(k): np.asarray(v)
-             for k, v in jax.tree_util.tree_flatten_with_path(final.params)[0]}
-    base = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    saved = read_state(out)[2]["params"]
+    base = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(saved)}
+    _, start, after = finetune(out, tmp_path / "job", *overrides)
+    for key, value in base.items():
+        np.testing.assert_array_equal(start[key], value, err_msg=key)
     moved = {key for key, value in base.items() if not np.array_equal(after[key], value)}
     if lora:
         assert not moved  # the base is frozen
-        assert any("lora" in key and not np.array_equal(value, start_value)
-                   for key, value in after.items()
-                   for start_value in [np.asarray(flat[key])])
+        assert any("lora" in key and not np.array_equal(value, start[key])
+                   for key, value in after.items())
     else:
         assert moved == set(base)
 
@@ -309,8 +258,10 @@ def test_finetune_trains_from_the_converted_directory(converted, tmp_path, lora)
 @pytest.fixture(scope="module")
 def reference():
     """A scanned two-layer gpt-oss (a sliding + full unit, both MoE) on one device, the
-    load-balancing loss on."""
+    load-balancing loss on, from seeded host parameters (init's mesh invariance is
+    tests/parallel/test_moe_sharded.py's)."""
     from paxlite.parallel.mesh import MeshConfig, build_mesh
+    from tests.host_params import random_host_params
     from tests.parallel.test_moe_sharded import _loss_and_grads
 
     hf_json = {"model_type": "gpt_oss", **SIZES, "hidden_size": 32, "head_dim": 8,
@@ -319,15 +270,14 @@ def reference():
     config = dataclasses.replace(from_hf_config(hf_json)[1], scan_layers=True)
     assert config.layers_per_scan_unit == 2
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
-    return config, _loss_and_grads(config, one)
+    return config, _loss_and_grads(config, one, random_host_params)
 
 
 def test_training_on_a_mesh_equals_one_device(reference):
-    from tests.parallel.test_moe_sharded import (
-        test_moe_mesh_matches_one_device as assert_mesh_matches_one_device,
-    )
+    from tests.host_params import random_host_params
+    from tests.parallel.test_moe_sharded import assert_mesh_matches_one_device
 
-    assert_mesh_matches_one_device((1, 2, 2, 2), (1, 1, 1), reference)
+    assert_mesh_matches_one_device((1, 2, 2, 2), (1, 1, 1), reference, params=random_host_params)
 
 
 # ---------------------------------------------------------------- refusals

@@ -13,13 +13,10 @@ holding the same text model) read as its text model. Meshes: tests/models/test_l
 
 import dataclasses
 import json
-import os
-import shutil
 
 import jax
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 from paxlite.interop import hf
 from paxlite.interop.hf_config import (
@@ -32,7 +29,16 @@ from paxlite.interop.hf_config import (
 from paxlite.models.decode import generate
 from paxlite.models.moe_config import MoeRouting
 from paxlite.models.open_model_fields import LayerAttention
-from tests.interop.conftest import _perturb_norms, hf_logits
+from tests.interop.conftest import (
+    _perturb_norms,
+    convert_with_tokenizer,
+    finetune,
+    generate_matches_transformers,
+    hf_logits,
+    safetensors_of,
+    save_and_read_back,
+    transformers_greedy,
+)
 
 TOKENS = np.random.default_rng(7).integers(0, 256, size=(2, 24)).astype(np.int32)
 CHUNK = 8
@@ -47,11 +53,6 @@ SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_
 PROMPTS = [[17, 3, 99, 200, 5, 8, 41, 7, 90, 11], [61, 2, 3]]  # the first crosses a chunk
 NEW = 9  # ... and generation crosses the next one
 C, F, N = LayerAttention.CHUNKED, LayerAttention.FULL, LayerAttention.FULL_NO_ROPE
-
-
-def _tensors(directory):
-    with safe_open(os.path.join(directory, "model.safetensors"), framework="np") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118  not iterable
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_features_are_read(tiny):
     assert (config.rope_scaling.low_freq_factor, config.rope_scaling.high_freq_factor) == (1, 1)
     assert family_of_config(config) is Family.LLAMA4_TEXT
     # the fused experts as stored: gate columns first, no q/k row permutation
-    tensors = _tensors(directory)
+    tensors = safetensors_of(directory)
     layer = pretrained.params["layers_1"]
     gate_up = tensors["model.layers.1.feed_forward.experts.gate_up_proj"]
     np.testing.assert_array_equal(layer["moe"]["wi_gate"]["kernel"], gate_up[:, :, :32])
@@ -130,37 +131,20 @@ def test_each_feature_bites(tiny, change):
 
 
 def test_greedy_generation_matches_transformers(tiny):
-    import torch
-
     _, model, _, pretrained = tiny
-    want = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW,
-                                 eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(prompt):].tolist())
+    want = transformers_greedy(model, PROMPTS, NEW)
     assert generate(pretrained.config, pretrained.params, PROMPTS, max_new_tokens=NEW) == want
 
 
 def test_save_loads_in_transformers_with_the_same_logits(tiny, tmp_path):
-    import transformers
-
     directory, _, want, pretrained = tiny
-    hf.save(pretrained, tmp_path / "out")
-    original, ours = _tensors(directory), _tensors(tmp_path / "out")
-    assert sorted(ours) == sorted(original)
-    for tensor in original:
-        assert ours[tensor].tobytes() == original[tensor].tobytes(), tensor
-    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    written, model = save_and_read_back(pretrained, directory, tmp_path / "out")
     source = json.loads((directory / "config.json").read_text())
     for key in ("model_type", "architectures", "layer_types", "no_rope_layers", "moe_layers",
                 "attention_chunk_size", "use_qk_norm", "floor_scale", "attn_scale",
                 "attn_temperature_tuning", "rope_parameters", "intermediate_size",
                 "intermediate_size_mlp"):
         assert written[key] == source[key], key
-    assert from_hf_config(written)[1] == pretrained.config
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
     assert sum(p.numel() for p in model.parameters()) == pretrained.num_params
     np.testing.assert_allclose(hf_logits(model, TOKENS), want, atol=1e-4, rtol=0)
 
@@ -272,59 +256,27 @@ def converted(tiny, tmp_path_factory):
     """(the tiny model's directory with a tokenizer.json, its `convert --to=paxlite` output),
     converted once for the command-line tests."""
     pytest.importorskip("tokenizers")
-    from paxlite.__main__ import main
-    from tests.interop.test_tokenizer_json_generate import _tokenizer_json
-
-    root = tmp_path_factory.mktemp("converted")
-    hf_dir, out = root / "hf", root / "pax"
-    shutil.copytree(tiny[0], hf_dir)
-    _tokenizer_json(hf_dir)
-    assert main(["convert", "--from=hf", "--to=paxlite", f"--input={hf_dir}",
-                 f"--output={out}"]) == 0
-    return hf_dir, out
+    return convert_with_tokenizer(tiny[0], tmp_path_factory.mktemp("converted"))
 
 
 def test_convert_generate_finetune_and_lora(tiny, converted, tmp_path, capsys):
     """`generate --prompt` on the converted directory through the model's tokenizer.json
-    (transformers' greedy ids), FineTune and LoRA from it (2 steps each), convert --to=hf read
-    back by transformers with the same logits."""
-    import torch
+    (transformers' greedy ids), FineTune and LoRA from it (one step each: what moves), convert
+    --to=hf read back by transformers with the same logits."""
     import transformers
 
     from paxlite.__main__ import main
-    from paxlite.experiments.build import build_run_config
-    from paxlite.train.loop import Run, RunContext
 
     _, model, want, _ = tiny
     hf_dir, out = converted
-    capsys.readouterr()
     texts = ["the quick brown fox said hello world to the lazy dog"]
-    assert main(["generate", f"--checkpoint={out}", *[f"--prompt={t}" for t in texts],
-                 f"--max_new_tokens={NEW}", "--format=json"]) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    for record, text in zip(records, texts, strict=True):
-        ids = theirs(text)["input_ids"]
-        assert record["prompt_ids"] == ids and len(ids) > CHUNK
-        with torch.no_grad():
-            greedy = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
-                                    eos_token_id=None, pad_token_id=0)
-        assert record["ids"] == greedy[0, len(ids):].tolist()
+    [ids] = generate_matches_transformers(model, hf_dir, out, texts, NEW, capsys,
+                                          stop_at_eos=False)
+    assert len(ids) > CHUNK
 
     for extra in ([], ["USE_LORA=true", "LORA_RANK=4", "LORA_TARGET_LAYERS=attention"]):
-        _, config = build_run_config("FineTune", [
-            f"CHECKPOINT_RESTORE_PATH={out}", "SYNTHETIC_DATA=true", "MAX_STEPS=2",
-            "MAX_SEQ_LEN=16", "PERCORE_BATCH_SIZE=1",
-            "EVAL_INTERVAL_STEPS=2", "SUMMARY_INTERVAL_STEPS=1", *extra])
-        job = tmp_path / f"job{len(extra)}"
-        with Run(config, RunContext(job_dir=str(job), enable_checkpoint_saving=False)) as run:
-            start = run.restore_or_init()
-            final = run.train()
-        assert int(final.step) == 2
-        before = dict(jax.tree_util.tree_flatten_with_path(start.params)[0])
-        after = dict(jax.tree_util.tree_flatten_with_path(final.params)[0])
-        moved = {jax.tree_util.keystr(k) for k in after
-                 if not np.array_equal(np.asarray(after[k]), np.asarray(before[k]))}
+        _, before, after = finetune(out, tmp_path / f"job{len(extra)}", *extra)
+        moved = {k for k in after if not np.array_equal(after[k], before[k])}
         lora = {k for k in moved if "lora" in k}
         assert moved and (lora == moved if extra else not lora), moved
 
@@ -360,11 +312,11 @@ def test_multimodal_checkpoint_reads_its_text_model(tiny, converted, tmp_path, c
     multimodal.language_model.load_state_dict(model.state_dict())
     multimodal.save_pretrained(tmp_path / "llama4")
     written = json.loads((tmp_path / "llama4" / "config.json").read_text())
-    stored = _tensors(tmp_path / "llama4")
+    stored = safetensors_of(tmp_path / "llama4")
     assert written["model_type"] == "llama4" and "text_config" in written
     assert {name.split(".")[0] for name in stored} == {
         "language_model", "vision_model", "multi_modal_projector"}
-    assert sorted(TEXT_TOWER + name for name in _tensors(directory)) == sorted(
+    assert sorted(TEXT_TOWER + name for name in safetensors_of(directory)) == sorted(
         name for name in stored if name.startswith(TEXT_TOWER))
 
     def notes():
@@ -394,8 +346,8 @@ def test_multimodal_checkpoint_reads_its_text_model(tiny, converted, tmp_path, c
                  f"--output={back}"]) == 0
     again = json.loads((back / "config.json").read_text())
     assert (again["model_type"], again["architectures"]) == ("llama4_text", ["Llama4ForCausalLM"])
-    original = _tensors(directory)
-    ours = _tensors(back)
+    original = safetensors_of(directory)
+    ours = safetensors_of(back)
     assert sorted(ours) == sorted(original)
     for name in original:
         assert ours[name].tobytes() == original[name].tobytes(), name

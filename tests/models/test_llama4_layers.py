@@ -20,10 +20,7 @@ from paxlite.models.open_model_fields import LayerAttention
 from paxlite.models.transformer import LLAMA_ARCHITECTURE, Transformer, TransformerConfig
 from paxlite.parallel.mesh import MeshConfig, build_mesh
 from tests.host_params import random_host_params
-from tests.parallel.test_moe_sharded import _loss_and_grads
-from tests.parallel.test_moe_sharded import (
-    test_moe_mesh_matches_one_device as assert_mesh_matches_one_device,
-)
+from tests.parallel.test_moe_sharded import _loss_and_grads, assert_mesh_matches_one_device
 
 C, N = LayerAttention.CHUNKED, LayerAttention.FULL_NO_ROPE
 
@@ -84,13 +81,14 @@ def test_scanned_units_equal_the_unrolled_layers():
 
 @pytest.fixture(scope="module")
 def reference():
-    # layer 0 dense and chunked, layer 1 sparse and NoPE: every Llama 4 piece in 2 layers
+    # layer 0 dense and chunked, layer 1 sparse and NoPE: every Llama 4 piece in 2 layers; seeded
+    # host parameters (init's mesh invariance is tests/parallel/test_moe_sharded.py's)
     config = _llama4(num_layers=2, interval=2, first=1)
     one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
-    return config, _loss_and_grads(config, one)
+    return config, _loss_and_grads(config, one, random_host_params)
 
 
 @pytest.mark.parametrize("ici,dcn", [((2, 1, 1, 4), (1, 1, 1)), ((1, 2, 2, 2), (1, 1, 1))],
                          ids=["data2xexpert4", "fsdp2xtensor2xexpert2"])
 def test_training_on_expert_meshes_equals_one_device(ici, dcn, reference):
-    assert_mesh_matches_one_device(ici, dcn, reference)
+    assert_mesh_matches_one_device(ici, dcn, reference, params=random_host_params)

@@ -110,10 +110,19 @@ def _rel_err(a, b):
 
 @pytest.mark.parametrize("ici,dcn", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_moe_mesh_matches_one_device(ici, dcn, reference):
+    assert_mesh_matches_one_device(ici, dcn, reference)
+
+
+def assert_mesh_matches_one_device(ici, dcn, reference, *, params=None):
+    """On the mesh `ici` x `dcn`, `reference`'s (config, `_loss_and_grads` on one device) again:
+    the same parameters (init's, when `params` is None: its mesh invariance), objective, loss,
+    summaries and every gradient. `params`: as `_loss_and_grads`'s, the reference's own (host
+    parameters: one compile a mesh instead of two, init's threefry sampler costing about as much
+    as the step)."""
     config, (objective_ref, loss_ref, summaries_ref, params_ref, grads_ref) = reference
     mesh = build_mesh(MeshConfig(ici_mesh_shape=ici, dcn_mesh_shape=dcn))
     assert mesh.shape["expert"] == ici[3] * (dcn[3] if len(dcn) == 4 else 1)
-    objective, loss, summaries, params, grads = _loss_and_grads(config, mesh)
+    objective, loss, summaries, params, grads = _loss_and_grads(config, mesh, params)
     jax.tree.map(np.testing.assert_array_equal, params, params_ref)
     assert objective > loss  # the load-balancing (and router z-) losses are in the objective
     assert abs(objective - objective_ref) / abs(objective_ref) < 1e-5

@@ -70,6 +70,25 @@ def test_restored_params_are_exact_and_ignored_ones_fresh(tmp_path, job_a):
     assert all(not np.any(leaf) for leaf in jax.tree.leaves(opt_state))
 
 
+def test_restored_parameters_are_never_sampled(tmp_path, job_a):
+    """The fresh state a restore path starts from (init_with) samples only the parameters the
+    checkpoint does not give: with every parameter restored its program draws no random numbers
+    (init's does), with ignored ones only theirs; the values are checked above."""
+    job, _ = job_a
+    with Run(_restoring(job, ["MAX_STEPS=1"]), RunContext(job_dir=str(tmp_path / "b"))) as run:
+        abstract = run.steps.abstract_state.params
+        with jax.set_mesh(run.mesh):
+            everything = run.steps.init_with.lower(abstract).as_text()
+            flat = traverse_util.flatten_dict(abstract, sep="/")
+            kept = {k: v for k, v in flat.items() if not k.startswith("layers_1/mlp/")}
+            partial = run.steps.init_with.lower(
+                traverse_util.unflatten_dict(kept, sep="/")).as_text()
+            fresh = run.steps.init.lower().as_text()
+    sampler = "threefry2x32"
+    assert fresh.count(sampler) > partial.count(sampler) > 0
+    assert sampler not in everything
+
+
 def _numpy_loss(model_config, params, batch):
     """Mean weighted cross entropy in float64 from the model's logits: independent of train_step."""
     logits = np.asarray(jax.jit(lambda p, x: Transformer(model_config).apply({"params": p}, x))(

@@ -70,19 +70,19 @@ def _step(config: TransformerConfig, *, ici=(1, 1, 1), accum: int = 1):
         return params, jax.device_get(new.params), jax.device_get(new.opt_state)
 
 
-def _numpy_update(config: TransformerConfig, params, speed: float, *,
-                  count_padding: bool = False) -> dict[str, np.ndarray]:
+def _numpy_updates(config: TransformerConfig, params, speed: float
+                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Each MoE layer's bias moved by the rule, its loads routed in NumPy from the router logits
-    the model computes on the batch (captured, not sown); ``count_padding``: the wrong rule that
-    counts padding too (the test checks that it would be seen)."""
+    the model computes on the batch (captured, not sown); and by the wrong rule that counts padding
+    too (the test checks that it would be seen)."""
     batch = _batch()
     _, state = jax.jit(lambda p: Transformer(config).apply(
         {"params": p}, batch["inputs"], positions=batch["positions"],
         segment_ids=batch["segment_ids"], deterministic=True,
         capture_intermediates=lambda mdl, _: isinstance(mdl, Linear) and mdl.name == "router",
     ))(params)
-    real = (batch["segment_ids"] > 0).reshape(-1) | count_padding
-    want = {}
+    real = (batch["segment_ids"] > 0).reshape(-1)
+    want, wrong = {}, {}
     for layer in MOE_LAYERS:
         logits = np.asarray(state["intermediates"][layer]["moe"]["router"]["__call__"][0],
                             np.float64).reshape(-1, E)
@@ -95,9 +95,10 @@ def _numpy_update(config: TransformerConfig, params, speed: float, *,
         np.put_along_axis(mask, kept, True, axis=-1)
         choice = np.where(np.repeat(mask, E // GROUPS, axis=-1), choice, -np.inf)
         chosen = np.argsort(-choice, axis=-1)[:, :K]  # [N, K]
-        load = np.bincount(chosen[real].reshape(-1), minlength=E).astype(np.float64)
-        want[layer] = bias + speed * np.sign(load.mean() - load)
-    return want
+        for rule, rows in ((want, real), (wrong, np.ones_like(real))):
+            load = np.bincount(chosen[rows].reshape(-1), minlength=E).astype(np.float64)
+            rule[layer] = bias + speed * np.sign(load.mean() - load)
+    return want, wrong
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +113,8 @@ def _biases(params) -> dict[str, np.ndarray]:
 
 def test_bias_moves_by_the_steps_own_routing(one_device):
     before, after, _ = one_device
-    want = _numpy_update(_config(SPEED), before, SPEED)
+    want, wrong = _numpy_updates(_config(SPEED), before, SPEED)
     got = _biases(after)
-    wrong = _numpy_update(_config(SPEED), before, SPEED, count_padding=True)
     assert any(np.any(wrong[layer] != want[layer]) for layer in MOE_LAYERS)
     for layer in MOE_LAYERS:
         np.testing.assert_allclose(got[layer], want[layer], rtol=0, atol=1e-7, err_msg=layer)
