@@ -431,7 +431,9 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ main
-_PRESET_ENV: dict[str, dict[str, str]] = {}
+# The preset's variables (with its flags resolved against this jaxlib) by its flags and variables:
+# presets that set the same ones (llama and moe) are probed once.
+_PRESET_ENV: dict[tuple, dict[str, str]] = {}
 
 
 def _environment(cpu: bool, preset: str | None) -> dict[str, str]:
@@ -444,16 +446,18 @@ def _environment(cpu: bool, preset: str | None) -> dict[str, str]:
     ).strip()
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
-    if preset is not None:  # probed once per preset (a short JAX start on the CPU)
-        if preset not in _PRESET_ENV:
-            _PRESET_ENV[preset], dropped = xla_presets.environment(
-                xla_presets.get_preset(preset), base_flags=env.get("BASE_XLA_FLAGS"), environ=env)
+    if preset is not None:  # probed once per flag set (a short JAX start on the CPU)
+        spec = xla_presets.get_preset(preset)
+        key = (spec.flags, spec.env)
+        if key not in _PRESET_ENV:
+            _PRESET_ENV[key], dropped = xla_presets.environment(
+                spec, base_flags=env.get("BASE_XLA_FLAGS"), environ=env)
             print(
-                f"[bench] XLA preset {preset}: {_PRESET_ENV[preset]}"
+                f"[bench] XLA preset {preset}: {_PRESET_ENV[key]}"
                 + "".join(f"; left out (unknown to this jaxlib): {f.spellings}" for f in dropped),
                 flush=True,
             )
-        env.update(_PRESET_ENV[preset])
+        env.update(_PRESET_ENV[key])
     return env
 
 

@@ -240,7 +240,11 @@ def run_case(case: Case, *, steps: int, tiny: bool, job_dir: str) -> dict:
             result["measured_bytes"] = (stats["peak_bytes_in_use"]
                                         + stats.get("peak_bytes_reserved", 0))
         batch = next(iter(run.data.eval_batches(1, run.steps.batch_sharding)))
-        compiled = run.steps.train.lower(run.steps.abstract_state, batch).compile()
+        # Under the run's mesh, as the loop calls the step: the same program, so its compile is
+        # read back from the cache. Outside it the activations' sharding constraints are left out
+        # and the step compiles again, a different program.
+        with jax.set_mesh(run.mesh):
+            compiled = run.steps.train.lower(run.steps.abstract_state, batch).compile()
         result["planned_bytes"] = compiled_bytes(compiled)
         analysis = compiled.memory_analysis()
         result["memory_analysis"] = {name: getattr(analysis, name) for name in dir(analysis)
@@ -297,6 +301,20 @@ def _child_main(args) -> int:
     return 0
 
 
+def _ceilings_main(*, tiny: bool) -> int:
+    """The ceilings part (its own process): one JSON line, with the chip's published peaks."""
+    import jax
+
+    from paxlite.train import flops
+
+    kind = jax.devices()[0].device_kind
+    ceilings = matmul_ceilings([256, 512] if tiny else [4096, 8192, 16384])
+    peaks = {"bf16": (flops.peak_flops_per_device(kind) or 0) / 1e12 or None,
+             "int8": (flops.peak_int8_ops_per_device(kind) or 0) / 1e12 or None}
+    print(json.dumps({"ceilings": ceilings, "peaks": peaks, "device_kind": kind}))
+    return 0
+
+
 def _first_error(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for line in reversed(lines):
@@ -316,9 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--job_dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--ceilings_child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return _child_main(args)
+    if args.ceilings_child:
+        return _ceilings_main(tiny=args.tiny)
     known = {c.name for c in CASES}
     wanted = [n for n in args.cases.split(",") if n]
     unknown = [n for n in wanted if n not in known]
@@ -334,16 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), ROOT) if p)
-    sizes = "[256, 512]" if args.tiny else "[4096, 8192, 16384]"
-    ceiling_code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
-                    "from benchmarks.tpu.bench import matmul_ceilings; "
-                    "import jax; from paxlite.train import flops; "
-                    "kind = jax.devices()[0].device_kind; "
-                    f"print(json.dumps({{'ceilings': matmul_ceilings({sizes}), "
-                    "'peaks': {'bf16': (flops.peak_flops_per_device(kind) or 0) / 1e12 or None, "
-                    "'int8': (getattr(flops, 'peak_int8_ops_per_device', lambda k: None)(kind) "
-                    "or 0) / 1e12 or None}, 'device_kind': kind}))")
-    done = subprocess.run([sys.executable, "-c", ceiling_code, ROOT], env=env,
+    # the ceilings in a process of their own too (this one never holds the chip)
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--log_dir", args.log_dir,
+                           "--ceilings_child", *(["--tiny"] if args.tiny else [])], env=env,
                           capture_output=True, text=True, check=False)
     try:
         head = json.loads(done.stdout.strip().splitlines()[-1])
