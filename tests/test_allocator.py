@@ -8,8 +8,8 @@ import subprocess
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# The targets whose recipes run pytest (test-gpu-compile-session runs the gpu_compile and tpu_compile
-# ones as sub-makes).
+# The targets whose recipes run pytest (test-gpu-compile-session runs the gpu_compile and
+# tpu_compile ones as sub-makes).
 PYTEST_TARGETS = ("test-cpu-session", "test-gpu-compile-tests", "test-tpu-compile-session",
                   "test-quick")
 

@@ -1,4 +1,5 @@
-"""ms per forward + backward of Llama 4's chunked attention and gpt-oss's sinks, per kernel, on a TPU.
+"""ms per forward + backward of Llama 4's chunked attention and gpt-oss's sinks, per kernel, on a
+TPU.
 
 Why: the fused paths run these two layers differently. XLA's attention (``ATTENTION_IMPLEMENTATION
 =xla``, and ``auto``) masks the chunks densely and carries the sinks as one extra key slot with a
