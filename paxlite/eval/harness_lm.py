@@ -68,7 +68,7 @@ def task_manager(include_path: str | None, tasks: list[str]):
         local = TaskManager(include_path=include_path, include_defaults=False)
         if not _missing(local, tasks):
             return local
-    manager = TaskManager(include_path=include_path)
+    manager = _full_index(include_path)
     missing = _missing(manager, tasks)
     if missing:
         close = difflib.get_close_matches(missing[0], manager.all_tasks, n=3)
@@ -77,6 +77,17 @@ def task_manager(include_path: str | None, tasks: list[str]):
         raise SettingError(f"--tasks: {missing[0]!r} is not a task in {where}{hint}; "
                            "`lm_eval ls tasks` lists them")
     return manager
+
+
+@functools.cache
+def _full_index(include_path: str | None):
+    """lm_eval's TaskManager over its own tasks (and include_path's), built once per process and
+    include path: its index of thousands of task files took ~8 CPU-s, which a training run with an
+    lm_eval interval paid at every scoring. The task files are read when the index is built: one
+    edited during the run is read by the next process."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
 
 
 def _missing(manager, tasks: list[str]) -> list[str]:
