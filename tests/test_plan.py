@@ -486,7 +486,7 @@ def test_the_longest_sequence_fits_and_the_next_step_does_not(monkeypatch):
     two lengths. Every compile the search makes is recorded here, keyed by the MAX_SEQ_LEN of the
     experiment it was given, so the two are checked against compiles of their own lengths without
     compiling them a second time (the seq axis keeps these programs out of the persistent cache:
-    train/step.py's _NotPersistentlyCached). Step 128 (the default) at 10.24 MiB: the first fit,
+    NotPersistentlyCached). Step 128 (the default) at 10.24 MiB: the first fit,
     through T = 128, 256, 512 beside the plan's 32, lands on the answer, in 4 compiles beyond the
     plan's (step 16 took 6 there, and this test compiled 2 more to check them)."""
     memory_gib = 0.01

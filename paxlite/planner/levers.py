@@ -14,7 +14,6 @@ import dataclasses
 import math
 from typing import Any
 
-from paxlite.models.transformer_config import RematPolicy
 from paxlite.parallel.compile_targets import CompileTarget
 from paxlite.planner.base_plan import moe_plan
 from paxlite.planner.results import Lever, StepMeasurement
@@ -130,7 +129,8 @@ def levers(experiment, base: StepMeasurement, *, num_devices: int, device_bytes:
     else:
         out.append(Lever(lever="more fsdp").refuse(
             "the data axis is 1: no data-parallel devices are left to move to fsdp"))
-    if experiment.remat_policy() is RematPolicy.SAVE_NOTHING:
+    # RematPolicy.SAVE_NOTHING, by value: the planner's command line imports no JAX before it runs
+    if experiment.remat_policy().value == "save_nothing":
         out.append(Lever(lever="CHECKPOINT_POLICY=SAVE_NOTHING").refuse("already SAVE_NOTHING"))
     elif experiment.USE_REPEATED_LAYER:
         candidates.append(("CHECKPOINT_POLICY=SAVE_NOTHING (recompute each layer)",

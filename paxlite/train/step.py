@@ -33,7 +33,6 @@ import optax
 from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from paxlite.compat import thread_cache_min_compile_time
 from paxlite.parallel import rules as rules_lib
 from paxlite.train.chunked_loss import check_chunk_size, chunked_row_sums
 from paxlite.train.dpo import (
@@ -55,6 +54,7 @@ from paxlite.train.losses import (
     projection,
 )
 from paxlite.train.optimizer import global_norm
+from paxlite.train.persistent_cache import cache_safe
 from paxlite.train.router_bias import apply_bias_update
 
 PyTree = Any
@@ -269,47 +269,6 @@ class CompiledSteps:
             abstract_reference=())
 
 
-class _NotPersistentlyCached:
-    """A jitted step (or its lowered form) whose compiled program stays out of JAX's persistent
-    compilation cache.
-
-    Why: on XLA:CPU a program with a pipeline's collective-permutes inside its loop, read back from
-    that cache, intermittently deadlocks in its collectives (jax 0.12.0.1, 8 host devices: "Expected
-    8 threads to join the rendezvous, but only 4 of them arrived"; 5 of 7 runs with the cache, 0 of
-    4 without, 2026-12-03). Raising the cache's minimum compile time for this thread's compiles
-    means such programs are never written, so never read; other programs keep the cache. `lower`
-    and the rest are the jitted function's own.
-    """
-
-    def __init__(self, fn):
-        self._fn = fn
-
-    def __call__(self, *args, **kwargs):
-        with thread_cache_min_compile_time(float("inf")):
-            return self._fn(*args, **kwargs)
-
-    def lower(self, *args, **kwargs):
-        """The jitted function's `lower`, whose `compile` (the planner's) stays out of the cache
-        too: a CPU run of the same step would read the planned program back."""
-        return _NotPersistentlyCached(self._fn.lower(*args, **kwargs))
-
-    def compile(self, *args, **kwargs):
-        with thread_cache_min_compile_time(float("inf")):
-            return self._fn.compile(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._fn, name)
-
-
-def _cache_safe(fn, mesh: Mesh):
-    """`fn` as is, or kept out of the persistent cache on a CPU mesh with a pipeline or seq axis
-    (their loops of collective-permutes: `_NotPersistentlyCached`)."""
-    loops_of_permutes = any(mesh.shape.get(axis, 1) > 1 for axis in ("pipeline", "seq"))
-    if loops_of_permutes and mesh.devices.flat[0].platform == "cpu":
-        return _NotPersistentlyCached(fn)
-    return fn
-
-
 def _with_rules(fn, logical_rules, *, name: str):
     """Trace `fn` under the logical-axis rules; `name` is what compile logs and profiles show."""
 
@@ -497,7 +456,7 @@ def compile_steps(
         out_shardings=replicated,
     )
     train, train_voting, evaluate_jit = (
-        _cache_safe(f, mesh) for f in (train, train_voting, evaluate_jit)
+        cache_safe(f, mesh) for f in (train, train_voting, evaluate_jit)
     )
     return CompiledSteps(
         init=init,

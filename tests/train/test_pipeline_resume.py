@@ -161,13 +161,13 @@ def test_a_pipelined_checkpoint_decodes_as_the_flat_one(runs, capsys):
 
 def test_cpu_programs_with_pipeline_or_seq_loops_stay_out_of_the_persistent_cache():
     """XLA:CPU deadlocked in the collectives of a pipelined step read back from JAX's persistent
-    cache (train/step.py `_NotPersistentlyCached`): such steps compile with an infinite minimum
+    cache (`NotPersistentlyCached`): such steps compile with an infinite minimum
     compile time for the cache, so they are never written, also when the planner compiles them
     through `lower` (a CPU run of the same step would read the planned program back); other meshes
     keep the cache."""
     from jax._src import config as jax_config
 
-    from paxlite.train.step import _cache_safe
+    from paxlite.train.persistent_cache import cache_safe
 
     seen = []
 
@@ -186,7 +186,7 @@ def test_cpu_programs_with_pipeline_or_seq_loops_stay_out_of_the_persistent_cach
 
     for shape, guarded in (((1, 1, 1, 1, 2), True), ((1, 1, 1, 1, 1, 2), True), ((2, 2, 2), False)):
         seen.clear()
-        step = _cache_safe(Step(), _mesh_of(shape))
+        step = cache_safe(Step(), _mesh_of(shape))
         step()
         step.lower().compile()
         assert (seen == [float("inf")] * 2) is guarded, (shape, seen)
