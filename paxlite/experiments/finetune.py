@@ -47,7 +47,7 @@ from paxlite.experiments.model_settings import (
     RotarySettings,
 )
 from paxlite.experiments.moe_settings import RouterBiasSettings
-from paxlite.models.moe_router_deepseek import ExpertChoice, bias_speed_problems
+from paxlite.models.moe_router_deepseek import ExpertChoice
 from paxlite.models.rotary import RopeScaling, RopeScalingKind
 from paxlite.models.transformer import NormKind, PositionEmbedding, TransformerConfig
 
@@ -200,17 +200,6 @@ class CheckpointModelSettings(KeyValueHeadSettings, RouterBiasSettings, Language
     def checkpoint_model(self) -> TransformerConfig:
         return checkpoint_model(self.CHECKPOINT_RESTORE_PATH)
 
-    def _bias_speed_problems(self, model: TransformerConfig) -> list[str]:
-        speed = self.MOE_BIAS_UPDATE_SPEED
-        problems = bias_speed_problems(speed, name="MOE_BIAS_UPDATE_SPEED")
-        router = None if model.moe is None else model.moe.deepseek_router
-        biased = router is not None and router.choice is ExpertChoice.NOAUX_TC
-        if speed and not problems and not biased:
-            problems.append(f"MOE_BIAS_UPDATE_SPEED={speed!r}: the checkpoint's router has no "
-                            "choice bias to move (only DeepSeek-V3's 'noaux_tc' router has one); "
-                            "drop it")
-        return problems
-
     @property
     def family_adds_bos(self) -> bool:
         return _starts_with_bos(self.checkpoint_model())
@@ -243,7 +232,10 @@ class CheckpointModelSettings(KeyValueHeadSettings, RouterBiasSettings, Language
             raise ConfigError(f"ATTENTION_KIND='flash' with the checkpoint's attention logit "
                               f"soft-cap {cap} (Gemma 2): JAX's fused attention kernels have "
                               "none; use ATTENTION_KIND='dot_product' (its default for it)")
-        if speed_problems := self._bias_speed_problems(model):
+        router = None if model.moe is None else model.moe.deepseek_router
+        biased = router is not None and router.choice is ExpertChoice.NOAUX_TC
+        if speed_problems := self.router_bias_problems(has_choice_bias=biased,
+                                                       router="the checkpoint's router"):
             raise ConfigError("; ".join(speed_problems))
         if problems:
             raise ConfigError(

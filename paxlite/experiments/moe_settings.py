@@ -103,6 +103,16 @@ class RouterBiasSettings:
     # Only a router with a choice bias (DeepSeek-V3) reads it; its pretraining used 0.001.
     MOE_BIAS_UPDATE_SPEED: float = 0.0
 
+    def router_bias_problems(self, *, has_choice_bias: bool, router: str) -> list[str]:
+        """MOE_BIAS_UPDATE_SPEED's problems: a bad value, or a speed for ``router`` (its name in
+        the message) without a choice bias to move."""
+        speed = self.MOE_BIAS_UPDATE_SPEED
+        problems = bias_speed_problems(speed, name="MOE_BIAS_UPDATE_SPEED")
+        if speed and not problems and not has_choice_bias:
+            problems.append(f"MOE_BIAS_UPDATE_SPEED={speed!r}: {router} has no choice bias to "
+                            "move (only DeepSeek-V3's 'noaux_tc' router has one); drop it")
+        return problems
+
 
 class MoeSettings(RouterBiasSettings):
     """Mixin: the MoE knobs of an experiment (list it before the dense family class).
@@ -188,13 +198,8 @@ class MoeSettings(RouterBiasSettings):
                     f"{', '.join(unused)} read only with MOE_ROUTING='gshard_top2' (dropless "
                     "routing has no capacity and no groups): drop them, or add "
                     "--fdl.MOE_ROUTING=gshard_top2")
-        speed = self.MOE_BIAS_UPDATE_SPEED
-        speed_problems = bias_speed_problems(speed, name="MOE_BIAS_UPDATE_SPEED")
-        problems += speed_problems
-        if speed and not speed_problems and not self.router_choice_bias:
-            problems.append(
-                f"MOE_BIAS_UPDATE_SPEED={speed!r}: {self.name}'s router has no choice bias to "
-                "move (only DeepSeek-V3's 'noaux_tc' router has one); drop it")
+        problems += self.router_bias_problems(has_choice_bias=self.router_choice_bias,
+                                              router=f"{self.name}'s router")
         if self.Z_LOSS_WEIGHT < 0:  # the loop's (Pax's z-loss on the logits), not MoeConfig's
             problems.append(f"Z_LOSS_WEIGHT={self.Z_LOSS_WEIGHT} must be >= 0 (0: off)")
         if self.USE_EXPERT_PARALLEL and expert == 1:
