@@ -5,8 +5,9 @@ and the message alone says what. The entry points print `paxlite: error: <messag
 status 2 (`exit_status`, the one place that prints it; `report_errors` and `exit_usage` call it).
 `RunStoppedError`: the job was set up correctly but could not go on (a diverged loss, an unreachable
 coordinator); one line too, but exit status 1, since nothing on the command line was wrong. Its
-`StorageFaultError` (a full disk, a quota, a read-only or removed job directory) exits with 75,
-EX_TEMPFAIL, so that a launcher can tell "free space and retry" from a failed job.
+`StorageFaultError` (a full disk, a quota, a read-only or removed job directory) and its
+`PeerLostError` (another process of the run died or froze) exit with 75, EX_TEMPFAIL, so that a
+launcher can tell "fix it, or just rerun the same command" from a failed job.
 
 Everything else is a bug in paxlite or a library, and keeps its traceback (exit status 1). So a type
 raised for a user-facing condition must derive from one of these two; the built-in type it also
@@ -36,13 +37,19 @@ class RunStoppedError(Exception):
 
 USER_ERROR_EXIT_STATUS = 2  # as argparse and absl exit after a bad command line
 
-# sysexits.h's EX_TEMPFAIL: a temporary failure, the same command succeeds once storage is fixed.
+# sysexits.h's EX_TEMPFAIL: a temporary failure, the same command succeeds once storage is fixed
+# (or, for a lost peer, once the scheduler gives the job its hosts again).
 STORAGE_FAULT_EXIT_STATUS = 75
 
 
 class StorageFaultError(RunStoppedError, OSError):
     """Storage refused a write (no space, quota, file size, read-only, permissions, a removed
     directory); the message names the path, the OS's words and what to do. Exit status 75."""
+
+
+class PeerLostError(RunStoppedError):
+    """Another process of the run died or froze (train/peer_liveness.py); the message names it,
+    the step and the last complete checkpoint. Exit status 75: the same command resumes."""
 
 
 class NotFoundError(UserError, FileNotFoundError):
@@ -59,10 +66,11 @@ class UsageError(UserError, ValueError):
 
 def line_status(error: UserError | RunStoppedError) -> int:
     """The exit status that goes with a one-line failure: 2 for a user's mistake, 75 for a storage
-    fault, 1 for another stopped run."""
+    fault or a lost peer, 1 for another stopped run."""
     if isinstance(error, UserError):
         return USER_ERROR_EXIT_STATUS
-    return STORAGE_FAULT_EXIT_STATUS if isinstance(error, StorageFaultError) else 1
+    temporary = isinstance(error, (StorageFaultError, PeerLostError))
+    return STORAGE_FAULT_EXIT_STATUS if temporary else 1
 
 
 def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException], ...] = (),
@@ -70,7 +78,8 @@ def exit_status(error: BaseException, *, user_errors: tuple[type[BaseException],
     """The status a command exits with after `error`, its one line `PROGRAM: error: MESSAGE`
     printed on stderr: 2 for a user's mistake (a UserError, or one of `user_errors`: what a
     library raises for a bad value the user gave, e.g. argparse's ValueError), 1 for a run that
-    stopped (a RunStoppedError), 75 for one whose storage refused a write (a StorageFaultError).
+    stopped (a RunStoppedError), 75 for one whose storage refused a write (a StorageFaultError) or
+    whose peer was lost (a PeerLostError).
     Anything else is a bug and is raised again, traceback and all.
 
     The only place that prints such a line (tests/test_errors.py checks), so that every entry

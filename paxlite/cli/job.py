@@ -91,6 +91,25 @@ def _write_keeping_history(path: str, text: str, *, same_run: bool) -> None:
         f.write(text)
 
 
+def _layout(record: dict) -> str:
+    devices = record.get("devices", {})
+    processes = devices.get("process_count")
+    return (f"{processes} process{'es' if processes != 1 else ''} and {devices.get('count')} "
+            f"devices (mesh {record.get('mesh')}, global batch {record.get('global_batch_size')})")
+
+
+def _say_what_changed(previous: dict, record: dict) -> None:
+    """A job resumed on another number of processes or devices (a smaller allocation after a lost
+    host): one line on what changed, since its checkpoint is restored onto the new mesh."""
+    was = previous.get("devices", {})
+    now = record["devices"]
+    if not was or (was.get("count"), was.get("process_count")) == (
+            now["count"], now["process_count"]):
+        return
+    logging.warning("This job last ran on %s; it now runs on %s: its latest checkpoint is "
+                    "restored onto the new mesh", _layout(previous), _layout(record))
+
+
 def write_job_configs(job_dir: str, *, experiment, tree, run, argv) -> None:
     """config.json (hyperparameters, command line, versions, devices) and config.txt (the Fiddle
     tree)."""
@@ -123,7 +142,8 @@ def write_job_configs(job_dir: str, *, experiment, tree, run, argv) -> None:
             same_run = (previous.get("experiment"), previous.get("hparams")) == (
                 record["experiment"], record["hparams"])
         except (OSError, ValueError):
-            same_run = False
+            previous, same_run = {}, False
+        _say_what_changed(previous, record)
     _write_keeping_history(json_path, json.dumps(record, indent=2, sort_keys=True) + "\n",
                            same_run=same_run)
     _write_keeping_history(os.path.join(job_dir, "config.txt"),
@@ -206,6 +226,7 @@ def run_job(
 
     from paxlite.train.loop import Run, RunContext, stop_signals
     from paxlite.train.peer_faults import PeerFaults
+    from paxlite.train.peer_liveness import Activity
 
     exit_code_if_preempted = preemption_exit_code()  # a bad value is reported before any work
     job_dir = os.path.abspath(job_dir)
@@ -220,7 +241,8 @@ def run_job(
         # it is computed).
         preemption = stack.enter_context(stop_signals()) if training else None
         # Several processes: a fault one of them meets from here on stops them all with its line.
-        peers = stack.enter_context(PeerFaults())
+        # A process that dies or freezes stops the others with a line naming it (peer_liveness.py).
+        peers = stack.enter_context(PeerFaults(job_dir=job_dir))
         try:
             stack.enter_context(compilation_cache(run_config, job_dir=job_dir))
             run = stack.enter_context(Run(run_config, RunContext(
@@ -229,12 +251,21 @@ def run_job(
             if jax.process_index() == 0:
                 write_job_configs(job_dir, experiment=experiment, tree=tree, run=run, argv=argv)
             if not training:
+                peers.progress.activity = Activity.EVALUATING
                 run.run_eval()
                 return 0
         except (UserError, RunStoppedError) as error:
             peers.stop_every_process(error)
             raise
-        run.train(preemption=preemption, peers=peers)
+        except Exception as error:  # a failed collective may be a lost peer: wait for the verdict
+            peers.await_lost_peer(error)
+            raise
+        try:
+            run.train(preemption=preemption, peers=peers)
+        except Exception as error:  # one-line faults were told inside
+            if not isinstance(error, (UserError, RunStoppedError)):
+                peers.await_lost_peer(error)
+            raise
         if run.preempted_at is not None:
             return exit_code_if_preempted if run.preempted_saved else PREEMPTED_UNSAVED_EXIT_CODE
     return 0

@@ -17,9 +17,11 @@ which breaks Pax's one-process-per-node layout with 8 GPUs. Restrict devices wit
 `JAX_LOCAL_DEVICE_IDS` or `CUDA_VISIBLE_DEVICES`.
 
 Timeouts are bounded so a process whose peer died exits with an error instead of waiting forever:
-`PAXLITE_INIT_TIMEOUT_S` (connecting, default 300), `PAXLITE_HEARTBEAT_TIMEOUT_S` (a silent peer is
-declared dead, default 100) and `PAXLITE_SHUTDOWN_TIMEOUT_S` (waiting for peers at exit,
-default 60).
+`PAXLITE_INIT_TIMEOUT_S` (connecting, default 300), `PAXLITE_HEARTBEAT_TIMEOUT_S` (a peer silent
+this long is declared lost, default 60) and `PAXLITE_SHUTDOWN_TIMEOUT_S` (waiting for peers at exit,
+default 60). paxlite's own watcher declares the lost peer (train/peer_liveness.py: one line, exit
+status 75); JAX's heartbeat timeout is set `JAX_HEARTBEAT_MARGIN_S` above it, so that the runtime's
+own end of the process (SIGABRT) is left for what paxlite's watcher cannot see.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from absl import logging
 from paxlite.errors import RunStoppedError, UserError
 
 DEFAULT_SLURM_PORT = 12345
+JAX_HEARTBEAT_MARGIN_S = 30
 
 
 class DistributedError(UserError, ValueError):
@@ -78,8 +81,13 @@ class Timeouts:
     """Seconds for `jax.distributed.initialize`: connect, declare a silent peer dead, exit."""
 
     initialization_s: int = 300
-    heartbeat_s: int = 100
+    heartbeat_s: int = 60
     shutdown_s: int = 60
+
+    @property
+    def jax_heartbeat_s(self) -> int:
+        """JAX's own heartbeat timeout: past paxlite's, and its verdict's publication and wait."""
+        return self.heartbeat_s + JAX_HEARTBEAT_MARGIN_S
 
 
 def _int(value: str | int | None, *, name: str, minimum: int) -> int:
@@ -301,7 +309,7 @@ def initialize(launch: Launch, *, timeouts: Timeouts) -> None:
             process_id=launch.process_id,
             cluster_detection_method="deactivate",
             initialization_timeout=timeouts.initialization_s,
-            heartbeat_timeout_seconds=timeouts.heartbeat_s,
+            heartbeat_timeout_seconds=timeouts.jax_heartbeat_s,
             shutdown_timeout_seconds=timeouts.shutdown_s,
         )
     except RuntimeError as e:  # includes jax.errors.JaxRuntimeError

@@ -32,6 +32,7 @@ from paxlite.errors import NotFoundError, RunStoppedError, UserError
 from paxlite.train import device_metrics, run_build
 from paxlite.train.eval_loop import Evaluator
 from paxlite.train.peer_faults import PeerFaults
+from paxlite.train.peer_liveness import Activity, RunProgress
 from paxlite.train.preemption import Preemption
 from paxlite.train.profiling import StepProfiler
 from paxlite.train.run_build import RunContext
@@ -84,6 +85,7 @@ class Run:
         # checkpoint was written and committed (not with --enable_checkpoint_saving=false).
         self.preempted_at: int | None = None
         self.preempted_saved = False
+        self._progress = RunProgress()  # where the loop is; train() shares its peers' record
         # checkpoint/save_s (the loop's seconds in saves since the last train line; None: no save)
         # and checkpoint/failed_saves (refused saves so far, CHECKPOINT_SAVE_FAILURE='continue').
         self._save_seconds: float | None = None
@@ -210,6 +212,7 @@ class Run:
             )
         step, state = restored
         self._bind_reference(state)
+        logging.info("Evaluating step %d", step)
         metrics = self.evaluate(state)
         self.writer.write_eval(step, metrics)
         if self.lm_eval is not None:
@@ -243,6 +246,7 @@ class Run:
                 peers = stack.enter_context(PeerFaults())
             if peers.active:
                 self.checkpointer.on_refused_save(peers.publish)
+            self._progress = peers.progress
             try:
                 state = self._train(preemption, watchdog)
             except (UserError, RunStoppedError) as error:
@@ -289,8 +293,10 @@ class Run:
             self.data, start=start, stop=loop.max_steps, sharding=self.steps.batch_sharding,
             balance_seq_shards=self.mesh.shape["seq"] if loop.seq_load_balance else 1)
         with jax.set_mesh(self.mesh), contextlib.closing(profiler), contextlib.closing(batches):
+            progress = self._progress
             for index in range(start, loop.max_steps):
                 step = index + 1
+                progress.step, progress.activity = step, Activity.TRAINING
                 with profiler.step(step):
                     with self._reading_inputs(step):  # the batch only, not the step's dispatch
                         batch, position = timer.next_batch(batches)
@@ -329,6 +335,7 @@ class Run:
                                              **dpo_train_summaries(self.data)})
                 if self.eval_data is not None and (
                         step % loop.eval_interval_steps == 0 or step == loop.max_steps):
+                    progress.activity = Activity.EVALUATING
                     with self._reading_inputs(step):
                         evaluated = self.evaluate(state, watchdog=watchdog)
                     self.writer.write_eval(step, evaluated)
@@ -339,6 +346,7 @@ class Run:
                 saved = False
                 if self.checkpointer.should_save(step) or last:
                     self._check_state_finite(step, state)
+                    progress.activity = Activity.SAVING
                     with watchdog.committing():  # it may wait for the previous save's commit
                         saved = self._save(step, state, force=last,
                                            data_state=self.data.state(position))
@@ -349,6 +357,7 @@ class Run:
                 timer.restart()
             if len(kept):
                 self._read_checked(kept)
+        progress.activity = Activity.FINISHING
         with watchdog.committing():
             self.checkpointer.wait_until_finished()
         return state

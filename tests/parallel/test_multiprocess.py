@@ -175,8 +175,10 @@ def test_incomplete_environment(env, message):
 
 
 def test_timeouts():
-    assert timeouts_from_env({}) == Timeouts(initialization_s=300, heartbeat_s=100, shutdown_s=60)
+    assert timeouts_from_env({}) == Timeouts(initialization_s=300, heartbeat_s=60, shutdown_s=60)
     assert timeouts_from_env({"PAXLITE_HEARTBEAT_TIMEOUT_S": "7"}).heartbeat_s == 7
+    # JAX's own timeout lies past paxlite's verdict (train/peer_liveness.py), which comes first
+    assert Timeouts(heartbeat_s=7).jax_heartbeat_s == 37
     with pytest.raises(DistributedError, match="PAXLITE_INIT_TIMEOUT_S=0 must be at least 1"):
         timeouts_from_env({"PAXLITE_INIT_TIMEOUT_S": "0"})
 
@@ -227,11 +229,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(job: Path, flags: list[str], *, log: Path, num_cpu_devices: int) -> subprocess.Popen:
+def _start(job: Path, flags: list[str], *, log: Path, num_cpu_devices: int,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(
             [paxlite_python(), "-m", "paxlite.main", f"--job_log_dir={job}", *flags],
-            env=_env(num_cpu_devices),
+            env={**_env(num_cpu_devices), **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
