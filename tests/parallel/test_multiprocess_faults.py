@@ -9,8 +9,11 @@ fault only through the distributed runtime's key-value store.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import os
+import random
 import subprocess
 import sys
 import threading
@@ -19,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from paxlite.data import tfds_datasets
+from paxlite.data.train_tokenizer import train_tokenizer
 from paxlite.errors import RunStoppedError, StorageFaultError, UserError, exit_status
 from paxlite.train import peer_faults
 from tests.parallel.test_multiprocess import (
@@ -29,6 +34,7 @@ from tests.parallel.test_multiprocess import (
     _start,
     _start_pair,
 )
+from tests.train.test_text_training import WORDS
 
 # Below every save's fixed-size files, above what else the resumed process writes
 # (tests/train/test_storage_faults.py says why).
@@ -142,3 +148,76 @@ def test_every_process_reports_a_published_fault_with_its_line_and_status(error,
     assert exit_status(peer_faults.error_of(record)) == exit_status(error) == status
     out = capsys.readouterr().err.splitlines()
     assert out == [f"paxlite: error: {error}"] * 2
+
+
+@pytest.fixture(scope="module")
+def pile_tfrecord(tmp_path_factory) -> tuple[str, str]:
+    """(TFDS data dir, vocab path): a tiny Pile in TFRecord files, as Pax's scripts wrote it."""
+    root = tmp_path_factory.mktemp("pile")
+    rng = random.Random(0)
+    paragraphs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40)))
+                  for _ in range(120)]
+    (root / "corpus.txt").write_text("\n".join(paragraphs) + "\n")
+    vocab = train_tokenizer([str(root / "corpus.txt")], str(root / "spm"), vocab_size=300)
+    (root / "pile" / "train").mkdir(parents=True)
+    (root / "pile" / "train" / "00.jsonl").write_text(
+        "".join(json.dumps({"text": p}) + "\n" for p in paragraphs[:100]))
+    (root / "pile" / "val.jsonl").write_text(
+        "".join(json.dumps({"text": p}) + "\n" for p in paragraphs[100:]))
+    tfds_datasets.build(tfds_datasets.THE_PILE, data_dir=str(root / "tfds"),
+                        file_format="tfrecord", local_dir=str(root / "pile"))
+    return str(root / "tfds"), vocab
+
+
+@pytest.mark.slow  # two processes start TensorFlow and SeqIO (~30 s on 2 cores)
+@pytest.mark.multiprocess
+def test_an_evaluation_file_vanishing_mid_training_stops_both_with_its_line(
+        tmp_path, pile_tfrecord):
+    """SeqIO opens its evaluation files again at every evaluation: the file moved away after the
+    first one (an unmounted filesystem) stops both processes at the next, each with the line of
+    the process that met it first, exit 75, and nothing saved after the fault."""
+    data_dir, vocab = pile_tfrecord
+    settings = [f"TFDS_DATA_DIR={data_dir!r}", f"VOCAB_PATH={vocab}", "INPUT_PIPELINE=seqio",
+                "NUM_LAYERS=1", "MODEL_DIMS=32", "NUM_HEADS=4", "DIMS_PER_HEAD=8",
+                "HIDDEN_DIMS=64", "VOCAB_SIZE=320", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1",
+                "ICI_MESH_SHAPE=[1,2,1]", "DCN_MESH_SHAPE=[2,1,1]", "SUMMARY_INTERVAL_STEPS=1",
+                "CHECKPOINT_EVERY_N_STEPS=10", "EVAL_INTERVAL_STEPS=20", "EVAL_LOOP_NUM_BATCHES=1",
+                "MAX_STEPS=40"]
+    flags = ["--fdl_config=TinyShakespeare", "--alsologtostderr",
+             *(f"--fdl.{s}" for s in settings)]
+    job = tmp_path / "job"
+    logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
+    (path,) = glob.glob(os.path.join(data_dir, "the_pile", "**", "*-validation.tfrecord-*"),
+                        recursive=True)
+    procs = _start_pair(job, flags, tmp_path, devices_per_process=2)
+    try:
+        deadline = time.monotonic() + 240
+        while not any("eval/loss" in r for r in _metrics(job)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+                "\n".join(log.read_text()[-3000:] for log in logs))
+            time.sleep(0.02)
+        os.rename(path, path + ".away")
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if os.path.exists(path + ".away"):
+            os.rename(path + ".away", path)
+    texts = [log.read_text() for log in logs]
+    lines = [[line for line in text.splitlines() if line.startswith("paxlite: error: ")]
+             for text in texts]
+    assert codes == [75, 75] and lines[0] == lines[1] and len(lines[0]) == 1, texts[0][-3000:]
+    assert lines[0][0] == (
+        f"paxlite: error: could not read {path} for step 40: No such file or directory (ENOENT); "
+        "put it back (or remount its filesystem) and run the same command again to resume from "
+        "step 30"), lines[0][0]
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()
+                  if not p.name.endswith(".orbax-checkpoint-tmp")) == [
+        "checkpoint_00000010", "checkpoint_00000020", "checkpoint_00000030"]
+
+
+def _metrics(job: Path) -> list[dict]:
+    path = job / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
