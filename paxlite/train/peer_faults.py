@@ -120,10 +120,10 @@ class PeerFaults:
             logging.get_absl_handler().addFilter(self._tracebacks)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self._stop.set()
         if self._liveness is not None:
-            self._liveness.stop()
+            self._liveness.stop(finished=kind is None)
             logging.get_absl_handler().removeFilter(self._tracebacks)
 
     def publish(self, error: OneLineError, *, lost: Sequence[int] = ()) -> None:

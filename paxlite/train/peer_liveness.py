@@ -40,6 +40,7 @@ from paxlite.errors import PeerLostError
 
 ALIVE_KEY = "paxlite/alive/"  # + the process index: a counter, rewritten every poll
 HOST_KEY = "paxlite/host/"  # + the process index: its host name, written once
+FINISHED = "finished"  # a process's last sign: it ended its work, and will say no more
 POLL_S = 1.0
 _CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)")
 
@@ -158,8 +159,16 @@ class PeerLiveness:
         except Exception:  # noqa: BLE001  never written: the line names the index alone
             return
 
-    def stop(self) -> None:
+    def stop(self, *, finished: bool) -> None:
+        """No more signs of life from here; `finished`: this process ended its work without an
+        error, which process 0 must not take for a loss while the others finish theirs."""
         self._stop.set()
+        if finished:
+            try:
+                self._client.key_value_set(f"{ALIVE_KEY}{self._index}", FINISHED,
+                                           allow_overwrite=True)
+            except Exception as e:  # noqa: BLE001  the service ended with process 0: nothing to tell
+                logging.info("Could not mark process %d finished: %s", self._index, e)
 
     def _beat(self) -> None:
         beats = 0
@@ -182,6 +191,8 @@ class PeerLiveness:
         lost, silent = [], 0.0
         for index in range(self._count):
             counter = counters.get(f"{ALIVE_KEY}{index}")
+            if counter == FINISHED:
+                continue
             previous, since = self._seen.get(index, (None, now))
             if counter != previous or index not in self._seen:
                 self._seen[index] = (counter, now)
