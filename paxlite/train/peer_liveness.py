@@ -75,7 +75,7 @@ class LostPeerTracebacks(logging_std.Filter):
 class Activity(enum.Enum):
     """What the run was doing when a peer was lost (said in the line)."""
 
-    BUILDING = "building the run (reading its data and checkpoint, compiling its steps)"
+    BUILDING = "being built (reading its data and checkpoint, compiling its steps)"
     TRAINING = "training"
     EVALUATING = "evaluating"
     SAVING = "saving a checkpoint"
