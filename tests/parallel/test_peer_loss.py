@@ -11,16 +11,18 @@ loss left, so that every resume is checked and no pair of processes starts only 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.fork_server import DISABLE_VAR
-from tests.parallel.test_multiprocess import EXPERIMENT, _finish, _free_port, _start
+from tests.fork_server import DISABLE_VAR, FORK_DIR_VAR, served_file
+from tests.parallel.test_multiprocess import EXPERIMENT, _env, _finish, _free_port, _start
 
 HEARTBEAT_S = 3
 ENV = {"PAXLITE_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_S)}
@@ -45,6 +47,18 @@ def _committed(job: Path) -> list[int]:
     directory = job / "checkpoints"
     names = [p.name for p in directory.iterdir()] if directory.exists() else []
     return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"checkpoint_(\d+)", n)))
+
+
+def _paxlite_pid(proc: subprocess.Popen, port: int, *, host_idx: int) -> int:
+    """The process that runs the pair member on `port`: the one the fork server forked for it
+    (tests/fork_server.py), or `proc` itself where no server runs."""
+    if FORK_DIR_VAR not in os.environ or os.environ.get(DISABLE_VAR) == "1":
+        return proc.pid
+    for line in Path(served_file({**_env(2), **ENV})).read_text().splitlines():
+        child, args = json.loads(line)
+        if f"--server_addr=127.0.0.1:{port}" in args and f"--host_idx={host_idx}" in args:
+            return child
+    pytest.fail(f"the fork server lists no process for the pair on port {port}")
 
 
 class Chain:
@@ -84,22 +98,21 @@ class Chain:
         for log in self.logs:
             log.write_text("")
         before = len(_records(self.job))
-        # Process 1 to be frozen in an interpreter of its own: the fork server's client passes
-        # SIGKILL on (its child dies with it) but cannot pass SIGSTOP (tests/fork_server.py).
-        own = {DISABLE_VAR: "1"} if sig is signal.SIGSTOP else {}
         port = _free_port()
         procs = [_start(self.job, [*FLAGS, *flags, "--multiprocess_gpu",
                                    f"--server_addr=127.0.0.1:{port}", "--num_hosts=2",
                                    f"--host_idx={i}"],
-                        log=self.logs[i], num_cpu_devices=2,
-                        env={**ENV, **(own if i else {})}) for i in range(2)]
+                        log=self.logs[i], num_cpu_devices=2, env=ENV) for i in range(2)]
         try:
             deadline = time.monotonic() + 240
             while not moment(self._new_records(before)):
                 assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
                     "\n".join(log.read_text()[-3000:] for log in self.logs))
                 time.sleep(0.005)
-            procs[1].send_signal(sig)
+            if sig is signal.SIGSTOP:  # the fork server's client cannot pass it on: the child
+                os.kill(_paxlite_pid(procs[1], port, host_idx=1), sig)
+            else:  # the client passes SIGKILL on: its child dies with it (tests/fork_server.py)
+                procs[1].send_signal(sig)
             lost_at = time.monotonic()
             code = procs[0].wait(timeout=STOP_WITHIN_S + 30)
             elapsed = time.monotonic() - lost_at
