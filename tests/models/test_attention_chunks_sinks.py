@@ -150,13 +150,15 @@ def test_xla_kernel_against_float64_numpy():
 
 
 def test_the_comparison_catches_a_missing_chunk_or_sink():
-    # the same call without the chunk, or without the sinks, is far from the reference
+    # the same call without the chunk, or without the sinks, is far from the reference (jitted: one
+    # compile each, not one per primitive as an eager call has)
     chunk, sinks, _, q, k, v, _, segments, positions = _case_inputs("chunk_sinks_packed_gqa", 16)
     want = _einsum("chunk_sinks_packed_gqa", 16)[0]
     mask = make_attention_mask(seq_len=16, segment_ids=segments)
     for drop in ({"chunk": None, "sinks": sinks}, {"chunk": chunk, "sinks": None}):
-        out = flash_attention(q, k, v, implementation=Impl.XLA, mask=mask, positions=positions,
-                              **drop)
+        out = jax.jit(lambda q, k, v, mask, positions, sinks, chunk=drop["chunk"]: flash_attention(
+            q, k, v, implementation=Impl.XLA, mask=mask, positions=positions, chunk=chunk,
+            sinks=sinks))(q, k, v, mask, positions, drop["sinks"])
         assert np.max(np.abs(np.asarray(out) - want)) > 1e-2 * np.max(np.abs(want))
 
 

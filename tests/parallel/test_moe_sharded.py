@@ -96,11 +96,21 @@ def _loss_and_grads(config: TransformerConfig, mesh, params=None):
                 jax.device_get(state_params), jax.device_get(grads))
 
 
+def _one_device():
+    return build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
+
+
+@functools.cache
+def _reference(name: str):
+    """(config, `_loss_and_grads` on one device at init's parameters) of MODELS[name]: computed
+    once, for the mesh tests and the scanned GLaM's."""
+    config = MODELS[name]
+    return config, _loss_and_grads(config, _one_device())
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def reference(request):
-    config = MODELS[request.param]
-    one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
-    return config, _loss_and_grads(config, one)
+    return _reference(request.param)
 
 
 def _rel_err(a, b):
@@ -191,27 +201,48 @@ def test_the_token_exchange_is_the_designed_collective(routing, collectives):
     assert found == collectives, found
 
 
-# scanned, rematerialised MoE steps compiled sharded and on one device (~30 s each)
+# scanned, rematerialised MoE steps compiled sharded (and Mixtral's on one device: ~30 s each)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_scanned_rematerialised_moe_on_a_mesh_matches_one_device(name):
     """The scanned layer stack (GLaM: a 2-layer unit) with SAVE_NOTHING remat: the sown losses and
-    summaries stacked by nn.scan, and the dropless shard_map inside scan and remat. The same random
-    parameters on both (init's mesh invariance is test_moe_mesh_matches_one_device's)."""
+    summaries stacked by nn.scan, and the dropless shard_map inside scan and remat.
+
+    GLaM's two layers are the whole of MODELS["glam"]: its one-device reference is the module's
+    (`_reference`: unrolled, not rematerialised, at init's parameters, computed once for the mesh
+    tests), here against the scanned stack on the mesh at the same parameters stacked, whose
+    gradients are unstacked to compare. Mixtral's scanned stack has two layers where MODELS' has
+    one: its reference is the scanned stack on one device, both sides at the same random
+    parameters (init's mesh invariance is test_moe_mesh_matches_one_device's)."""
     import dataclasses
+
+    from paxlite.interop.layouts import stack_layers, unstack_layers
 
     config = dataclasses.replace(MODELS[name], num_layers=2, scan_layers=True,
                                  remat_policy="save_nothing")
-    one = build_mesh(MeshConfig(ici_mesh_shape=(1, 1, 1)), devices=jax.devices()[:1])
-    objective_ref, loss_ref, summaries_ref, _, grads_ref = _loss_and_grads(
-        config, one, params=random_host_params)
+    unit = config.layers_per_scan_unit
+    if name == "glam":
+        assert MODELS[name].num_layers == 2
+        _, (objective_ref, loss_ref, summaries_ref, params_ref, grads_ref) = _reference(name)
+        stacked = stack_layers(params_ref, num_layers=2, unit=unit)
+
+        def params(abstract):
+            assert jax.tree.structure(abstract) == jax.tree.structure(stacked)
+            return stacked
+    else:
+        params = random_host_params
+        objective_ref, loss_ref, summaries_ref, _, grads_ref = _loss_and_grads(
+            config, _one_device(), params=params)
     objective, loss, summaries, _, grads = _loss_and_grads(
-        config, build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 1, 4))), params=random_host_params)
+        config, build_mesh(MeshConfig(ici_mesh_shape=(1, 2, 1, 4))), params=params)
+    if name == "glam":
+        grads = unstack_layers(grads, num_layers=2, unit=unit)
     assert abs(objective - objective_ref) / abs(objective_ref) < 1e-5
     assert abs(loss - loss_ref) / abs(loss_ref) < 1e-5
+    assert set(summaries) == set(summaries_ref)
     for key, value in summaries_ref.items():
         np.testing.assert_allclose(summaries[key], value, rtol=1e-5, err_msg=key)
-    for (path, ref), got in zip(
-        jax.tree_util.tree_leaves_with_path(grads_ref), jax.tree.leaves(grads)
-    ):
+    flat_ref = jax.tree_util.tree_leaves_with_path(grads_ref)
+    assert jax.tree.structure(grads) == jax.tree.structure(grads_ref)
+    for (path, ref), got in zip(flat_ref, jax.tree.leaves(grads)):
         assert _rel_err(got, ref) < 1e-5, f"gradient {jax.tree_util.keystr(path)} differs"
