@@ -112,41 +112,56 @@ def model_inputs(cfg: TransformerConfig, data: dict) -> dict:
     return {}
 
 
-def pipelined_forward(cfg: TransformerConfig):
-    """variables -> (loss, (logits, aux loss, summaries)): the model as it is."""
+def pipelined_forward(cfg: TransformerConfig, sown_shapes: list | None = None):
+    """variables -> (loss, (logits, aux loss, summaries)): the model as it is. `sown_shapes`: a
+    list that gets the sown collections' tree (names and shapes) when the forward is traced."""
     def forward(variables, data):
         logits, state = Transformer(cfg).apply(
             variables, data["tokens"], **model_inputs(cfg, data), mutable=list(sown.COLLECTIONS))
+        if sown_shapes is not None:
+            sown_shapes.append(_shapes(state))
         aux = sown.total_aux_loss(state)
         loss = jnp.sum(logits * data["cotangent"]) + aux
         return loss, (logits, aux, sown.summary_means(state))
     return forward
 
 
-def reference_forward(cfg: TransformerConfig):
-    """The unpipelined model looped over microbatches m = rows m, m + M, ...; the loss sums the
-    microbatches' logit terms plus the mean of their auxiliary losses."""
+def _shapes(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a.shape, tree)
+
+
+def reference(cfg: TransformerConfig, variables: dict, data: dict) -> tuple[tuple, Any]:
+    """((logits, aux, summaries, gradients), the sown collections' tree) of the unpipelined model
+    run on each microbatch m = rows m, m + M, ... separately: one compiled program for one
+    microbatch, called M times, its results put back in row order and combined in float64 NumPy.
+    The loss it differentiates is the microbatches' logit terms plus the mean of their auxiliary
+    losses (each microbatch's gradient carries 1/M of its own), and summaries are the mean over
+    microbatches, as the pipeline promises."""
     num_micro = cfg.pipeline.num_microbatches
     model = Transformer(plain(cfg))
+    sown_shapes = []
 
-    def split(x):
-        return jnp.stack([x[m::num_micro] for m in range(num_micro)])
+    def one(variables, tokens, cotangent, extra):
+        logits, state = model.apply(variables, tokens, **extra, mutable=list(sown.COLLECTIONS))
+        sown_shapes.append(_shapes(state))  # while tracing
+        aux = sown.total_aux_loss(state)
+        loss = jnp.sum(logits * cotangent) + aux / num_micro
+        return loss, (logits, aux, sown.summary_means(state))
 
-    def forward(variables, data):
-        def one(micro):  # one microbatch through the plain model (lax.map: a loop, not a vmap)
-            tokens, extra = micro
-            logits, state = model.apply(variables, tokens, **extra, mutable=list(sown.COLLECTIONS))
-            return logits, sown.total_aux_loss(state), sown.summary_means(state)
-
-        extra = {k: split(v) for k, v in model_inputs(cfg, data).items()}
-        logits, aux, summaries = jax.lax.map(one, (split(data["tokens"]), extra))
-        merged = jnp.zeros((B, T, V), jnp.float32)
-        for m in range(num_micro):
-            merged = merged.at[m::num_micro].set(logits[m])
-        aux = jnp.mean(aux)
-        loss = jnp.sum(merged * data["cotangent"]) + aux
-        return loss, (merged, aux, {k: jnp.mean(v) for k, v in summaries.items()})
-    return forward
+    step = jax.jit(jax.value_and_grad(one, has_aux=True))
+    logits = np.zeros((B, T, V), np.float64)
+    aux, summaries, grads = 0.0, {}, None
+    for m in range(num_micro):
+        rows = slice(m, None, num_micro)
+        extra = {k: v[rows] for k, v in model_inputs(cfg, data).items()}
+        (_, (lg, a, sm)), g = jax.device_get(
+            step(variables, data["tokens"][rows], data["cotangent"][rows], extra))
+        logits[rows] = lg
+        aux += float(a) / num_micro
+        summaries = {k: summaries.get(k, 0.0) + float(v) / num_micro for k, v in sm.items()}
+        g = jax.tree.map(lambda x: np.asarray(x, np.float64), g)
+        grads = g if grads is None else jax.tree.map(np.add, grads, g)
+    return (logits, aux, summaries, grads), sown_shapes[0]
 
 
 def value_and_grads(forward, variables, data):
@@ -205,12 +220,13 @@ def assert_same(got, want, *, atol=1e-5, rtol=1e-5):
 
 @pytest.fixture(scope="module")
 def references():
-    """The unpipelined per-microbatch results, computed once per (model, microbatch count)."""
+    """The unpipelined per-microbatch results and sown shapes, computed once per (model,
+    microbatch count)."""
     data, cache, refs = inputs(), {}, {}
     for name, cfg in CASES.items():
         key = (plain(cfg), cfg.pipeline.num_microbatches)
         if key not in cache:
-            cache[key] = value_and_grads(reference_forward(cfg), params_of(cfg), data)
+            cache[key] = reference(cfg, params_of(cfg), data)
         refs[name] = cache[key]
     return refs
 
@@ -222,7 +238,7 @@ def test_one_device_equals_unpipelined_per_microbatch(name, references):
     cfg = CASES[name]
     with bubble_fill_for_tests(jnp.nan):
         got = value_and_grads(pipelined_forward(cfg), params_of(cfg), inputs())
-    assert_same(got, references[name])
+    assert_same(got, references[name][0])
 
 
 def _mesh(shape):
@@ -245,25 +261,16 @@ def test_mesh_equals_unpipelined_per_microbatch(name, references):
         variables = {"params": jax.device_put(variables["params"], shardings)}
         rows = nn.logical_to_mesh_sharding(P("activation_batch"), mesh, DEFAULT_RULES)
         data = {k: jax.device_put(v, rows) for k, v in inputs().items()}
-        step = jax.jit(jax.value_and_grad(pipelined_forward(cfg), has_aux=True))
+        sown_shapes = []  # the pipelined model's, on all B rows
+        step = jax.jit(jax.value_and_grad(pipelined_forward(cfg, sown_shapes), has_aux=True))
         compiled = step.lower(variables, data).compile()
         (_, (logits, aux, summaries)), grads = compiled(variables, data)
-    assert_same((logits, aux, summaries, grads), references[name])
+    results, plain_sown_shapes = references[name]  # the plain model's, on one microbatch
+    assert_same((logits, aux, summaries, grads), results)
     assert "collective-permute" in compiled.as_text()
     if cfg.moe is not None:
         assert float(aux) > 0 and "moe/aux_loss" in summaries
-        micro = cfg.pipeline.num_microbatches
-        assert _sown_shapes(cfg, rows=B) == _sown_shapes(plain(cfg), rows=B // micro)
-
-
-def _sown_shapes(cfg: TransformerConfig, *, rows: int) -> Any:
-    """The sown collections' tree (names and shapes) of a forward on the first `rows` rows, traced
-    only (no compile)."""
-    data = inputs()
-    extra = {k: v[:rows] for k, v in model_inputs(cfg, data).items()}
-    _, state = jax.eval_shape(lambda v: Transformer(cfg).apply(
-        v, data["tokens"][:rows], **extra, mutable=list(sown.COLLECTIONS)), params_of(cfg))
-    return jax.tree.map(lambda a: a.shape, state)
+        assert sown_shapes[0] == plain_sown_shapes
 
 
 def test_init_equals_the_unpipelined_model():
@@ -311,17 +318,21 @@ def test_fp8_new_state_is_the_max_over_microbatches():
     data = inputs()
     params, fp8 = params_of(cfg)["params"], _fp8_state(cfg)
 
-    def new_state(c, tokens, cotangent):
+    def new_state(c, p, f, tokens, cotangent):
         return jax.grad(lambda f: jnp.sum(Transformer(c).apply(
-            {"params": params, FP8_COLLECTION: f}, tokens) * cotangent))(fp8)
+            {"params": p, FP8_COLLECTION: f}, tokens) * cotangent))(f)
 
+    # Parameters and state are the programs' arguments, not host arrays closed over (which the
+    # programs would carry as constants); the reference is one microbatch's program, called for
+    # each of the 4 (the pipeline's strided split), the max taken in NumPy.
     with (jax.set_mesh(_mesh((2, 1, 2, 1, 2, 1))), nn.logical_axis_rules(DEFAULT_RULES),
           bubble_fill_for_tests(jnp.nan)):
-        got = jax.jit(lambda d: new_state(cfg, d["tokens"], d["cotangent"]))(data)
-    per_micro = jax.jit(jax.vmap(lambda t, c: new_state(plain(cfg), t, c)))(
-        np.stack([data["tokens"][m::4] for m in range(4)]),
-        np.stack([data["cotangent"][m::4] for m in range(4)]))
-    want = jax.tree.map(lambda a: np.max(np.asarray(a), axis=0), per_micro)
+        got = jax.jit(lambda p, f, d: new_state(cfg, p, f, d["tokens"], d["cotangent"]))(
+            params, fp8, data)
+    one = jax.jit(functools.partial(new_state, plain(cfg)))  # one microbatch, called 4 times
+    per_micro = [jax.device_get(one(params, fp8, data["tokens"][m::4], data["cotangent"][m::4]))
+                 for m in range(4)]
+    want = jax.tree.map(lambda *a: np.max(np.stack(a), axis=0), *per_micro)
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
                             strict=True):
         assert g.dtype == jnp.float32

@@ -199,16 +199,21 @@ def test_pipelined_fp8_training_equals_the_unpipelined_one_device_run(nan_bubble
     """FP8 quantises element by element with the step's scales, so microbatching changes no value;
     the new amax histories are the max over microbatches, i.e. the whole batch's. Losses of three
     steps (each uses the scales the previous ones wrote) and the FP8 state after them match; with
-    gradient accumulation on top, so both max-merges (pipeline and accumulation) run."""
+    gradient accumulation on top, so both max-merges (pipeline and accumulation) run. The
+    reference takes the whole batch at once (no pipeline, no accumulation: a smaller program to
+    compile than an accumulating one), so both merges are checked against the whole batch's own
+    values."""
     settings = ["USE_FP8=true", "FP8_AMAX_HISTORY_LENGTH=4", "USE_REPEATED_LAYER=true",
-                "NUM_LAYERS=2", "GRAD_ACCUM_STEPS=2"]
+                "NUM_LAYERS=2"]
     one = _run_config("TinySynthetic", [*settings, "ICI_MESH_SHAPE=[1,1,1]"])
     losses_ref, fp8_ref = _fp8_losses_and_state(
         one, build_mesh(one.mesh, devices=jax.devices()[:1])
     )
     run = _run_config(
-        "TinySynthetic", [*settings, "ICI_MESH_SHAPE=[2,2,1,1,2]", "NUM_MICROBATCHES=2"]
+        "TinySynthetic",
+        [*settings, "GRAD_ACCUM_STEPS=2", "ICI_MESH_SHAPE=[2,2,1,1,2]", "NUM_MICROBATCHES=2"]
     )
+    assert run.loop.grad_accum_steps == 2 and one.loop.grad_accum_steps == 1
     losses, fp8 = _fp8_losses_and_state(run, build_mesh(run.mesh))
     np.testing.assert_allclose(losses, losses_ref, rtol=1e-5)
     flat_ref = jax.tree_util.tree_leaves_with_path(fp8_ref)
@@ -227,16 +232,26 @@ def test_pipelined_fp8_training_equals_the_unpipelined_one_device_run(nan_bubble
         np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=name)
 
 
+class _StepReached(Exception):
+    """Raised in place of the train step: the loop has handed it its first batch."""
+
+
 @pytest.mark.parametrize(("balance", "shards"), [("true", 2), ("false", 1)])
 def test_the_train_loop_balances_batches_only_when_asked(tmp_path, monkeypatch, balance, shards):
     """Attention is exact in either token order, so only this test sees whether the loop feeds the
     load-balanced (dual_chunk_swap) order: by default on a seq axis, and not with the setting
-    off."""
+    off. Both check that the train step is handed the very batch the balancing returned. With the
+    setting on the run trains its step to the end; with it off the run stops when the step is
+    called: that step is the same program (only the tokens' order differs), already compiled and
+    run by the other case, and compiling it again on the seq mesh was most of this case's time."""
+    import contextlib
+    import dataclasses
+
     from paxlite.data import feed as feed_lib
     from paxlite.experiments.build import build_run_config
     from paxlite.train.loop import Run, RunContext
 
-    seen = []
+    seen, balanced, fed = [], [], []
     original = feed_lib.balance_batch_for_seq
 
     def spy(batch, *, seq_shards):
@@ -246,12 +261,26 @@ def test_the_train_loop_balances_batches_only_when_asked(tmp_path, monkeypatch, 
             # chunks 0 and 3, shard 1 chunks 1 and 2
             positions = np.asarray(jax.device_get(out["positions"]))[0]
             assert positions.tolist() == [*range(16), *range(48, 64), *range(16, 48)]
+        balanced.append(out)
         return out
+
+    stop = balance == "false"
 
     monkeypatch.setattr(feed_lib, "balance_batch_for_seq", spy)
     _, config = build_run_config("TinySynthetic", [
         "NUM_LAYERS=1", "MAX_STEPS=1", "ICI_MESH_SHAPE=[4,1,1,1,1,2]",
         f"CONTEXT_PARALLEL_LOAD_BALANCE={balance}", "EVAL_INTERVAL_STEPS=1000"])
     with Run(config, RunContext(job_dir=str(tmp_path), enable_checkpoint_saving=False)) as run:
-        run.train()
+        steps = run.steps
+
+        def step(state, batch, *votes):
+            fed.append(batch)
+            if stop:
+                raise _StepReached
+            return (steps.train_voting if votes else steps.train)(state, batch, *votes)
+
+        run.steps = dataclasses.replace(steps, train=step, train_voting=step)
+        with pytest.raises(_StepReached) if stop else contextlib.nullcontext():
+            run.train()
     assert seen == [shards]
+    assert len(fed) == 1 and fed[0] is balanced[0]
