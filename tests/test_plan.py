@@ -178,13 +178,18 @@ def lever_plan(lever_plan_and_base) -> Plan:
 def test_levers_compiled_at_once_measure_what_one_at_a_time_measures(lever_plan_and_base,
                                                                      monkeypatch):
     """The levers compile in threads (plan_search.compile_variants), each under its own mesh: a mesh
-    or rules context leaking between threads would change some lever's bytes."""
+    or rules context leaking between threads would change some lever's bytes. The levers-together
+    compile that ends the plan is one variant, compiled without a thread either way: it is not
+    compiled again here (test_gradient_accumulation_lever_lowers_the_peak checks it)."""
     lever_plan, base = lever_plan_and_base
-    assert sum(lever.method == "compiled" for lever in lever_plan.levers) >= 3
+    *singles, together = lever_plan.levers
+    assert together.lever.startswith("together: ")
+    assert sum(lever.method == "compiled" for lever in singles) >= 3
     monkeypatch.setattr(plan_lib.os, "cpu_count", lambda: 1)  # one worker: one lever after another
+    monkeypatch.setattr(plan_levers, "_combined_lever", lambda *args, **kwargs: None)
     serial = plan_levers.levers(load_experiment("TinySynthetic", (*TINY, *LEVER_SETTINGS)), base,
                                num_devices=2, device_bytes=lever_plan.device_memory_bytes)
-    assert tuple(serial) == lever_plan.levers
+    assert tuple(serial) == tuple(singles)
 
 
 @pytest.mark.slow  # compiles the step with and without accumulation (~29 s on 2 cores)
@@ -213,11 +218,20 @@ def test_gradient_accumulation_lever_lowers_the_peak(lever_plan):
     assert together.peak_bytes < min(lever.peak_bytes for lever in singles if lever is not seq)
 
 
-def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(monkeypatch):
-    # only the fsdp move: one more compile
-    monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)
-    plan = _tiny_plan("ICI_MESH_SHAPE=[2,1,1,1]", "DCN_MESH_SHAPE=[1,1,1]", num_devices=2,
-                      device_memory_gib=1e-4)
+@pytest.fixture(scope="module")
+def four_entry_plan() -> Plan:
+    """Pax's 4-entry mesh on 2 devices, nothing fitting, with a fused attention kernel requested:
+    the plan of the two tests below (before: one plan each, the same step compiled twice). Only
+    the fsdp move is compiled: one more compile."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)
+        return _tiny_plan("ICI_MESH_SHAPE=[2,1,1,1]", "DCN_MESH_SHAPE=[1,1,1]",
+                          "ATTENTION_IMPLEMENTATION=pallas_triton", num_devices=2,
+                          device_memory_gib=1e-4)
+
+
+def test_a_four_entry_mesh_is_planned_and_its_levers_keep_the_expert_entry(four_entry_plan):
+    plan = four_entry_plan
     assert plan.mesh == MeshSizes(pipeline=1, data=2, fsdp=1, seq=1, tensor=1, expert=1)
     assert plan.ici_mesh_shape == (2, 1, 1, 1) and plan.dcn_mesh_shape == (1, 1, 1)
     assert plan.attention_logits_bytes_per_layer == 4 * (2 // 2) * 8 * 32 * 32
@@ -410,12 +424,12 @@ def test_a_dpo_plan_takes_the_reference_parameters_beside_the_state(fsdp_plans, 
     assert "DPO reference" in text and "(state + batch + DPO reference)" in text
 
 
-def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so(fsdp_plans):
+def test_a_fused_attention_kernel_is_planned_with_xla_attention_and_says_so(four_entry_plan,
+                                                                          fsdp_plans):
     """The CPU compiler has no Triton or cuDNN kernels: the plan compiles XLA's attention
-    instead."""
-    plan = _tiny_plan(
-        "ICI_MESH_SHAPE=[2,1,1]", "ATTENTION_IMPLEMENTATION=pallas_triton", num_devices=2
-    )
+    instead (the 4-entry mesh plan above asks for 'pallas_triton')."""
+    plan = four_entry_plan
+    assert plan.overrides["ATTENTION_IMPLEMENTATION"] == "pallas_triton"
     assert plan.attention_note.startswith("attention planned with 'xla': the CPU compiler cannot "
                                           "compile 'pallas_triton'")
     # the same model with its default attention (a plan the module has made already): no note
@@ -457,7 +471,7 @@ def test_a_pipelined_plan_reports_its_schedule_and_the_bubble_formula(pipelined_
     json.dumps(pipelined_plan.to_json())
 
 
-def test_a_stage_holds_its_half_of_the_layers(pipelined_plan):
+def test_a_stage_holds_its_half_of_the_layers(pipelined_plan, unpipelined_plan):
     """Per-device (= per-stage) parameters against a hand count and against the same stack
     unpipelined."""
     block = _hand_count(layers=1, seq=32) - _hand_count(layers=0, seq=32)
@@ -467,8 +481,8 @@ def test_a_stage_holds_its_half_of_the_layers(pipelined_plan):
     assert pipe.parameter_bytes_on_every_stage == 4 * rest
     staged = pipelined_plan.memory_per_device.parameter_bytes
     assert staged == 4 * (2 * block + rest)
-    # data 2: the same global batch
-    whole = _tiny_plan_of(STACK, "ICI_MESH_SHAPE=[2,1,1]", num_devices=2)
+    # data 2: the same global batch, the same four layers (unrolled: the parameters are the same)
+    whole = unpipelined_plan
     assert whole.global_batch_size == pipelined_plan.global_batch_size and whole.pipeline is None
     assert whole.memory_per_device.parameter_bytes == 4 * (4 * block + rest) > staged
     assert pipelined_plan.memory_per_device.optimizer_state_bytes < \
@@ -481,14 +495,28 @@ def _tiny_plan_of(base: tuple[str, ...], *more: str, num_devices: int, **kwargs)
     )
 
 
+@pytest.fixture(scope="module")
+def unpipelined_plan() -> Plan:
+    """STACK's four layers unrolled on data 2, in memory that not even all-FSDP state fits: the
+    whole stack the stage above is compared with, and the plan the pipeline lever is offered for
+    (before: a plan of its own, of a 2-layer model, for the lever). One lever compiled: the
+    pipeline lever, the first candidate."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # the pipeline lever only
+        return _tiny_plan_of(STACK, "USE_REPEATED_LAYER=false", "ICI_MESH_SHAPE=[2,1,1]",
+                             num_devices=2, device_memory_gib=1e-4)
+
+
 def test_the_longest_sequence_fits_and_the_next_step_does_not(monkeypatch):
     """A seq run: the search's answer and the step above it are what the compiler measured at those
     two lengths. Every compile the search makes is recorded here, keyed by the MAX_SEQ_LEN of the
     experiment it was given, so the two are checked against compiles of their own lengths without
     compiling them a second time (the seq axis keeps these programs out of the persistent cache:
-    NotPersistentlyCached). Step 128 (the default) at 10.24 MiB: the first fit,
-    through T = 128, 256, 512 beside the plan's 32, lands on the answer, in 4 compiles beyond the
-    plan's (step 16 took 6 there, and this test compiled 2 more to check them)."""
+    NotPersistentlyCached). The plan is made at T = 128, a step of the default 128, so the search
+    compiles only T = 256 and 512 before its first fit (through those and the plan's 128), whose
+    root at 10.24 MiB lands on the answer: 3 compiles beyond the plan's (a plan at T = 32 took 4:
+    128 is added to the first lengths; step 16 took 6, and this test compiled 2 more to check
+    them)."""
     memory_gib = 0.01
     step = 128
     compiled = {}  # MAX_SEQ_LEN -> the measurement compile_train_step returned for it
@@ -502,17 +530,20 @@ def test_the_longest_sequence_fits_and_the_next_step_does_not(monkeypatch):
         return measured
 
     monkeypatch.setattr(plan_search, "compile_train_step", recording_compile)
-    p = _tiny_plan_of(TINY, "PERCORE_BATCH_SIZE=0.5", "ICI_MESH_SHAPE=[1,1,1,1,1,2]", num_devices=2,
-                      device_memory_gib=memory_gib, seq_step=step)
+    p = _tiny_plan_of(TINY, "MAX_SEQ_LEN=128", "PERCORE_BATCH_SIZE=0.5",
+                      "ICI_MESH_SHAPE=[1,1,1,1,1,2]", num_devices=2, device_memory_gib=memory_gib,
+                      seq_step=step)
+    # T / seq = 128 / 2 tokens a shard; half a row per device over 2 devices: one row, on seq
     assert p.sequence_parallel.to_json() == {
-        "seq": 2, "strategy": "all_gather", "load_balance": True, "tokens_per_shard": 16,
-        "rows_per_device": 1, "tokens_per_device": 16}
+        "seq": 2, "strategy": "all_gather", "load_balance": True, "tokens_per_shard": 64,
+        "rows_per_device": 1, "tokens_per_device": 64}
     found = p.longest_seq  # a seq run: searched without being asked
     assert found.pinned and found.step == 128  # lcm(128, 2 x seq chunks)
     length = found.seq_len
     assert length % 128 == 0 and found.tokens_per_shard == length // 2
     assert found.method.startswith(
-        "peak(T) = a + b*T + c*T^2 fitted to compiles at T = 32, 128, 256, 512")
+        "peak(T) = a + b*T + c*T^2 fitted to compiles at T = 128, 256, 512")
+    assert found.fit is not None and found.fit.through == (128, 256, 512)
     assert found.compiles == len(compiled) <= plan_longest_seq.MAX_SEQ_SEARCH_COMPILES
     device_bytes = int(memory_gib * 2**30)
     at, above = compiled[length], compiled[length + step]
@@ -590,23 +621,18 @@ def test_the_length_search_stops_at_its_compile_budget_and_says_where(monkeypatc
         assert hi == lo + 1 and found.seq_len == lo
 
 
-def test_the_pipeline_lever_appears_when_fsdp_alone_does_not_fit(monkeypatch):
+def test_the_pipeline_lever_appears_when_fsdp_alone_does_not_fit(unpipelined_plan):
     """Memory that not even all-FSDP state fits: pipelining (stages from data) is offered first and
     compiled."""
-    monkeypatch.setattr(plan_levers, "_MAX_COMPILED_LEVERS", 1)  # the pipeline lever only
-    p = _tiny_plan_of(
-        ("NUM_LAYERS=2", "MAX_SEQ_LEN=32", "PERCORE_BATCH_SIZE=1"),
-        "ICI_MESH_SHAPE=[2,1,1]",
-        num_devices=2,
-        device_memory_gib=1e-4,
-    )
+    p = unpipelined_plan
     assert not p.verdict.fits and p.pipeline is None
     lever = next(lever for lever in p.levers if lever.lever.startswith("pipeline"))
+    # 2 stages (the ICI data axis has 2 devices); each holds 4 rows, so 2 x 2 microbatches
     assert lever.lever.startswith("pipeline 1 -> 2 stages (2 from data in ICI), "
-                                  "NUM_MICROBATCHES=2 + USE_REPEATED_LAYER=true")
-    assert "bubble 33.3%" in lever.lever  # (2 - 1) / (2 + 2 - 1)
+                                  "NUM_MICROBATCHES=4 + USE_REPEATED_LAYER=true")
+    assert "bubble 20.0%" in lever.lever  # (2 - 1) / (4 + 2 - 1)
     assert lever.overrides == {"ICI_MESH_SHAPE": [1, 1, 1, 1, 2], "DCN_MESH_SHAPE": [1, 1, 1],
-                               "NUM_MICROBATCHES": 2, "USE_REPEATED_LAYER": True}
+                               "NUM_MICROBATCHES": 4, "USE_REPEATED_LAYER": True}
     assert lever.method == "compiled" and lever.peak_bytes < p.memory_per_device.peak_bytes
     assert any("not compiled" in (lever.method or "") for lever in p.levers)
     assert "not compiled (the planner compiles at most 1 levers per plan)" in plan_lib.format_text(
