@@ -22,7 +22,14 @@ from absl import logging
 
 import paxlite
 from paxlite.checkpointing.storage_faults import refused_writes
-from paxlite.errors import NotFoundError, RunStoppedError, SettingError, UserError
+from paxlite.errors import (
+    ExistsError,
+    NotFoundError,
+    RunStoppedError,
+    SettingError,
+    UsageError,
+    UserError,
+)
 
 _VERSIONED = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "fiddle", "grain", "numpy")
 # Exit status of a run stopped by SIGTERM/SIGINT after its checkpoint committed
@@ -83,7 +90,8 @@ def _write_keeping_history(path: str, text: str, *, same_run: bool) -> None:
         n = 1
         while os.path.exists(f"{stem}.previous-{n}{ext}"):
             n += 1
-        os.replace(path, f"{stem}.previous-{n}{ext}")
+        with refused_writes(path):  # a read-only job directory: one line
+            os.replace(path, f"{stem}.previous-{n}{ext}")
         logging.warning("Hyperparameters differ from the previous run in this directory; kept %s "
                         "as %s",
                         path, f"{stem}.previous-{n}{ext}")
@@ -199,6 +207,47 @@ def _jax_settings(settings: dict[str, object]) -> Iterator[None]:
         jax_cache.reset_cache()
 
 
+# What a job directory holds once paxlite has written to it (the checkpoints, the summaries, the
+# metrics, the configs).
+_JOB_ENTRIES = ("checkpoints", "summaries", "metrics.jsonl", "config.json", "config.txt")
+
+
+def make_job_dir(job_dir: str) -> None:
+    """--job_log_dir made, or found, as a directory: a path that cannot be one is a one-line
+    mistake (exit 2), storage that refuses to make it a one-line storage fault (exit 75), both
+    before anything is built. A directory of files that are not a job's is trained into with a
+    warning, since nothing there is overwritten but the user may have meant another one."""
+    if os.path.exists(job_dir) and not os.path.isdir(job_dir):
+        raise ExistsError(f"--job_log_dir={job_dir} is a file, not a directory: give the path "
+                          "of a directory (a new one is made)")
+    above = os.path.dirname(job_dir)
+    while above and not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if above and os.path.exists(above) and not os.path.isdir(above):
+        raise UsageError(f"--job_log_dir={job_dir} lies under {above}, which is a file: give the "
+                         "path of a directory")
+    with refused_writes(job_dir):
+        os.makedirs(job_dir, exist_ok=True)
+    names = os.listdir(job_dir)
+    if names and not any(name in _JOB_ENTRIES for name in names):
+        logging.warning("--job_log_dir=%s holds %d entr%s and none of a paxlite job's (%s): the "
+                        "run writes its own beside them", job_dir, len(names),
+                        "y" if len(names) == 1 else "ies", ", ".join(_JOB_ENTRIES))
+
+
+def check_checkpoints_writable(job_dir: str) -> None:
+    """A job's checkpoints/ that storage will not write to (read-only, its permissions taken) is
+    found before the first step, not at the first save: one file made and removed there."""
+    directory = os.path.join(job_dir, "checkpoints")
+    if not os.path.isdir(directory):
+        return
+    probe = os.path.join(directory, f".paxlite-write-check-{os.getpid()}")
+    with refused_writes(directory):
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+
+
 def _require_checkpoints(job_dir: str) -> None:
     directory = os.path.join(job_dir, "checkpoints")
     names = os.listdir(directory) if os.path.isdir(directory) else []
@@ -233,7 +282,9 @@ def run_job(
     training = mode is Mode.TRAIN
     if not training and run_config.loop.checkpoint_restore_path is None:
         _require_checkpoints(job_dir)  # before the run is built and anything written
-    os.makedirs(job_dir, exist_ok=True)
+    make_job_dir(job_dir)
+    if training and enable_checkpoint_saving:
+        check_checkpoints_writable(job_dir)
     with contextlib.ExitStack() as stack:
         # Stop signals are caught from before the run is built: one that comes while the step
         # compiles or the checkpoint is read stops the run after its first step, with a checkpoint;

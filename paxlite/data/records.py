@@ -351,7 +351,10 @@ def read_info(directory: str | os.PathLike) -> DatasetInfo:
     for name, split in splits.items():
         for shard in split.shards:
             if not os.path.isfile(os.path.join(directory, shard)):
-                raise DatasetError(f"{where}: shard {shard} of split {name!r} is missing")
+                raise DatasetError(
+                    f"{where}: shard {shard} of split {name!r} is missing; put it back (or "
+                    "remount its filesystem), or prepare the dataset again, and run the same "
+                    "command again")
     sources = raw.get("sources", [])
     if not isinstance(sources, list):
         raise DatasetError(f"{where}: sources must be a list, got {sources!r:.80}")
