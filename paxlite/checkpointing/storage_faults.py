@@ -339,3 +339,18 @@ class QuietStorageFaults(logging.Filter):
             sys.excepthook = self._previous_excepthook
         for logger in self._loggers:
             logger.removeFilter(self)
+
+
+def close_keeping(close: Callable[[], None], *, ending: type[BaseException] | None) -> None:
+    """`close()`; while an error is ending the block (`ending`), one of close's own is logged in a
+    line and not raised: Orbax's close raises a failed save's error again (a disk full when the
+    save started), which would replace the one line already made of it with its traceback."""
+    if ending is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as error:  # noqa: BLE001  the error in flight is the one to report
+        first = str(error).splitlines()[0] if str(error) else ""
+        logging.getLogger("absl").warning("While closing after %s: %s: %s", ending.__name__,
+                                          type(error).__name__, first[:300])

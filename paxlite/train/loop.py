@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 
 from paxlite.checkpointing.checkpoint import CheckpointSaveError
-from paxlite.checkpointing.storage_faults import reading_inputs
+from paxlite.checkpointing.storage_faults import close_keeping, reading_inputs
 from paxlite.data.chat_pipeline import chat_train_summaries
 from paxlite.data.dpo_pipeline import dpo_train_summaries
 from paxlite.data.feed import close_feeds, mixture_summaries, prefetch_train_batches
@@ -113,8 +113,8 @@ class Run:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        close_keeping(self.close, ending=kind)  # the error in flight keeps its one line
 
     # ---------------------------------------------------------------- state
     def restore_or_init(self) -> TrainState:

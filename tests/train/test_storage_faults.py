@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from paxlite.checkpointing.checkpoint import Checkpointer, CheckpointSaveError
-from paxlite.checkpointing.storage_faults import StorageFault, storage_fault
+from paxlite.checkpointing.storage_faults import StorageFault, close_keeping, storage_fault
 from paxlite.errors import StorageFaultError, exit_status
 from paxlite.train.metrics import MetricsWriter
 from tests.in_process import train_in_this_process
@@ -306,3 +306,45 @@ def test_slow_saves_never_stack_and_their_seconds_are_reported(tmp_path):
     seconds = [r["checkpoint/save_s"] for r in records if "loss" in r and r["step"] > 2]
     assert len(seconds) == 2 and all(s > 0 for s in seconds), records
     assert not any("checkpoint/failed_saves" in r for r in records)
+
+
+@contextlib.contextmanager
+def _small_tmpfs(directory: Path, *, size: str):
+    """A tmpfs of `size` mounted on `directory` (root only; the test is skipped, saying so,
+    where mounting is not allowed)."""
+    directory.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(directory)], capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def test_a_disk_full_before_a_save_starts_keeps_its_one_line_through_the_close(tmp_path):
+    """The disk is already full when a save starts (a tmpfs filled after the last commit): the
+    save's one line is the error the run ends with. Orbax's close raises the save's error again;
+    the run's close (train/loop.py: Run.__exit__, through close_keeping) logs it instead of letting
+    it replace the line with its traceback."""
+    with _small_tmpfs(tmp_path / "disk", size="4m") as disk:
+        directory = disk / "checkpoints"
+        checkpointer = Checkpointer(directory, save_interval_steps=1, max_to_keep=None)
+        checkpointer.save(1, _state(1.0))
+        checkpointer.wait_until_finished()
+        before = _tree_digest(directory)
+        # the disk full to its last byte
+        with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        with pytest.raises(CheckpointSaveError) as raised, contextlib.ExitStack() as stack:
+            stack.push(lambda kind, *exc: close_keeping(checkpointer.close, ending=kind))
+            checkpointer.save(2, _state(2.0))
+            checkpointer.wait_until_finished()
+        assert "No space left on device (ENOSPC)" in str(raised.value)
+        assert "the last complete checkpoint, step 1, is untouched" in str(raised.value)
+        assert exit_status(raised.value) == 75
+        (disk / "filler").unlink()
+        assert _tree_digest(directory) == before
