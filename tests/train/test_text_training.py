@@ -193,7 +193,8 @@ def test_files_removed_mid_run_and_before_a_resume(tmp_path, dataset):
     with pytest.raises(DatasetError) as raised:
         Run(config, RunContext(job_dir=str(job)))
     assert str(raised.value) == (f"{data_dir / 'paxlite_dataset.json'}: shard {shard} of split "
-                                 "'train' is missing")
+                                 "'train' is missing; put it back (or remount its filesystem), "
+                                 "or prepare the dataset again, and run the same command again")
     assert exit_status(raised.value) == 2
     shutil.copy(tmp_path / "away" / shard, data_dir / shard)
     with Run(config, RunContext(job_dir=str(job))) as run:
