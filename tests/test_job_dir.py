@@ -91,3 +91,26 @@ def test_a_directory_of_other_files_is_trained_into_with_a_warning(tmp_path, cap
     with caplog.at_level(logging.WARNING):
         make_job_dir(str(tmp_path))  # a job's directory: nothing to say
     assert caplog.records == []
+
+
+def test_a_refused_newer_format_leaves_the_record_it_points_to(tmp_path, monkeypatch, capfd):
+    """A job whose newest checkpoint a newer paxlite wrote: the refusal's line says the job's
+    config.json names that paxlite, so the start refuses before writing anything (it rewrote
+    config.json with its own version before, or set it aside per attempt)."""
+    job = tmp_path / "job"
+    step = job / "checkpoints" / "checkpoint_00000005"
+    step.mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_text(json.dumps(
+        {"custom_metadata": {"paxlite_checkpoint_format": 99}}))
+    record = json.dumps({"experiment": "TinySynthetic", "versions": {"paxlite": "9.9.0"}})
+    (job / "config.json").write_text(record)
+    before = sorted(p.name for p in job.iterdir())
+    with paxlite_main(monkeypatch, capfd) as run:
+        proc = run(*TRAIN, f"--job_log_dir={job}")
+    assert proc.returncode == 2
+    assert _one_line(proc) == (
+        f"paxlite: error: {step} was written in paxlite checkpoint format 99, and this paxlite "
+        "reads format 1 and older: read it with the paxlite that wrote it (its job's config.json "
+        "names the version), or point at another checkpoint")
+    assert (job / "config.json").read_text() == record
+    assert sorted(p.name for p in job.iterdir()) == before

@@ -248,6 +248,22 @@ def check_checkpoints_writable(job_dir: str) -> None:
         os.remove(probe)
 
 
+def refuse_a_newer_format(job_dir: str) -> None:
+    """The job's newest checkpoint written in a format this paxlite does not read: refused before
+    anything is written, so that the job's config.json still names the paxlite that wrote it (the
+    refusal's line points the user there)."""
+    from etils import epath
+
+    from paxlite.checkpointing.checkpoint_damage import CheckpointFormatError, newer_format
+
+    directory = os.path.join(job_dir, "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    steps = [(int(name[len("checkpoint_"):]), name) for name in names
+             if name.startswith("checkpoint_") and name[len("checkpoint_"):].isdigit()]
+    if steps and (problem := newer_format(epath.Path(directory) / max(steps)[1])):
+        raise CheckpointFormatError(problem)
+
+
 def _require_checkpoints(job_dir: str) -> None:
     directory = os.path.join(job_dir, "checkpoints")
     names = os.listdir(directory) if os.path.isdir(directory) else []
@@ -283,6 +299,7 @@ def run_job(
     if not training and run_config.loop.checkpoint_restore_path is None:
         _require_checkpoints(job_dir)  # before the run is built and anything written
     make_job_dir(job_dir)
+    refuse_a_newer_format(job_dir)
     if training and enable_checkpoint_saving:
         check_checkpoints_writable(job_dir)
     with contextlib.ExitStack() as stack:
