@@ -14,11 +14,14 @@ the targets shifted right within each segment, with 0 at every segment start.
 from __future__ import annotations
 
 import enum
+import errno
 import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
 from array_record.python import array_record_module
+
+from paxlite.data.errors import DatasetError
 
 
 class DocumentStart(str, enum.Enum):
@@ -85,6 +88,16 @@ def join_with_eos(docs: Sequence[np.ndarray] | None, *, flat: np.ndarray | None 
     return out, lengths + 1
 
 
+def _why_unreadable(path: str) -> str:
+    """The OS's words for why `path` cannot be opened, or ArrayRecord's finding that it can be
+    opened but not read as records."""
+    try:
+        with open(path, "rb"):
+            return "ArrayRecord cannot read it as records"
+    except OSError as error:
+        return f"{error.strerror} ({errno.errorcode.get(error.errno, error.errno)})"
+
+
 class ShardedRecords:
     """Random access over ArrayRecord shards, read one shard at a time per request.
 
@@ -96,6 +109,11 @@ class ShardedRecords:
         self._readers = [
             array_record_module.ArrayRecordReader(p, "readahead_buffer_size:0") for p in paths
         ]
+        for path, reader in zip(paths, self._readers, strict=True):
+            if not reader.ok():  # ArrayRecord raises nothing: it reports no records
+                raise DatasetError(f"shard {path} cannot be read ({_why_unreadable(path)}); make "
+                                   "it readable for this user again (or remount its filesystem) "
+                                   "and run the same command again")
         counts = [reader.num_records() for reader in self._readers]
         self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 

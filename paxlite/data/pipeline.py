@@ -258,7 +258,14 @@ class TextData(ProcessShare):
         for path in paths:
             if not os.path.isfile(path):
                 raise records.DatasetError(f"split {split!r} shard {path!r} does not exist")
-        return ShardedRecords(paths)
+        opened = ShardedRecords(paths)
+        expected = self.info.splits[split].documents
+        if len(opened) != expected:  # every shard read as the manifest says, or none
+            raise records.DatasetError(
+                f"split {split!r} of {self._data_dir} holds {len(opened):,} records and its "
+                f"manifest says {expected:,}: a shard was changed after `prepare` wrote it; "
+                "prepare the dataset again")
+        return opened
 
     def _make_encoder(self) -> _EncodeDocument:
         config, info = self.config, self.info

@@ -4,8 +4,10 @@ resume."""
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -267,3 +269,46 @@ def test_a_dataset_without_validation_split_trains_without_evaluation(
     _, config = build_run_config("TinyShakespeare", overrides)
     with pytest.raises(ValueError, match="no validation split.*--fdl.EVAL_TASK=lambada"):
         Run(config, RunContext(job_dir=str(tmp_path / "job"), training=False))
+
+
+def test_a_shard_that_cannot_be_read_is_one_line_not_a_shorter_dataset(tmp_path, dataset):
+    """A shard that exists but that this user cannot read (mode 000, read by an unprivileged user
+    through `unshare --user`: root reads it anyway): ArrayRecord reports no records and raises
+    nothing, so the run trained on the other shards. Now it is one line naming the shard. A shard
+    replaced after `prepare` (fewer records than the manifest says) is one line too."""
+    import tempfile
+
+    from array_record.python import array_record_module
+
+    shard = "train-00001-of-00002.array_record"
+    readable = tempfile.mkdtemp(prefix="paxlite-unreadable-")  # a directory anyone may enter
+    try:
+        os.chmod(readable, 0o755)
+        path = os.path.join(readable, shard)
+        shutil.copy(os.path.join(dataset[0], shard), path)
+        os.chmod(path, 0)
+        code = ("from paxlite.data.packing import ShardedRecords\n"
+                f"try:\n    ShardedRecords([{path!r}])\n"
+                "except Exception as e:\n    print(type(e).__name__, e)\n")
+        # the real interpreter (not the fork server's client, whose children the server forks)
+        out = subprocess.run(["unshare", "--user", sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        shutil.rmtree(readable)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == (
+        f"DatasetError shard {path} cannot be read (Permission denied (EACCES)); make it readable "
+        "for this user again (or remount its filesystem) and run the same command again"), out
+
+    data_dir = shutil.copytree(dataset[0], tmp_path / "data")
+    writer = array_record_module.ArrayRecordWriter(str(data_dir / shard), "group_size:1")
+    writer.write(b"\0\0\0\0")  # one record where prepare wrote many
+    writer.close()
+    _, config = build_run_config("TinyShakespeare", _overrides((str(data_dir), dataset[1]), 2))
+    with pytest.raises(DatasetError) as raised:
+        Run(config, RunContext(job_dir=str(tmp_path / "job")))
+    assert re.fullmatch(
+        rf"split 'train' of {re.escape(str(data_dir))} holds [\d,]+ records and its manifest says "
+        r"[\d,]+: a shard was changed after `prepare` wrote it; prepare the dataset again",
+        str(raised.value)), str(raised.value)
+    assert exit_status(raised.value) == 2
