@@ -243,8 +243,7 @@ def check_checkpoints_writable(job_dir: str) -> None:
         return
     probe = os.path.join(directory, f".paxlite-write-check-{os.getpid()}")
     with refused_writes(directory):
-        with open(probe, "w"):
-            pass
+        open(probe, "w").close()
         os.remove(probe)
 
 

@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from paxlite.checkpointing.checkpoint import Checkpointer, CheckpointSaveError
-from paxlite.checkpointing.storage_faults import StorageFault, close_keeping, storage_fault
+from paxlite.checkpointing.storage_faults import StorageFault, storage_fault
 from paxlite.errors import StorageFaultError, exit_status
 from paxlite.train.metrics import MetricsWriter
 from tests.in_process import train_in_this_process
@@ -308,43 +308,60 @@ def test_slow_saves_never_stack_and_their_seconds_are_reported(tmp_path):
     assert not any("checkpoint/failed_saves" in r for r in records)
 
 
-@contextlib.contextmanager
-def _small_tmpfs(directory: Path, *, size: str):
-    """A tmpfs of `size` mounted on `directory` (root only; the test is skipped, saying so,
-    where mounting is not allowed)."""
-    directory.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
-                              str(directory)], capture_output=True, text=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
+# Run in a user and mount namespace of its own (`unshare --user --map-root-user --mount`), where
+# any user may mount a tmpfs: a checkpoint saved, the disk filled to its last byte, the next save
+# refused, closed as Run.__exit__ closes (close_keeping); what it found, as JSON.
+_FULL_DISK_SCRIPT = """
+import contextlib, hashlib, json, pathlib, sys
+import jax.numpy as jnp
+from paxlite.checkpointing.checkpoint import Checkpointer, CheckpointSaveError
+from paxlite.checkpointing.storage_faults import close_keeping
+from paxlite.errors import exit_status
+disk = pathlib.Path(sys.argv[1])
+def digest():
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((disk / "checkpoints").rglob("*")) if p.is_file()}
+state = lambda scale: {"w": jnp.full((64, 64), scale), "b": jnp.full((64,), scale)}
+checkpointer = Checkpointer(disk / "checkpoints", save_interval_steps=1, max_to_keep=None)
+checkpointer.save(1, state(1.0))
+checkpointer.wait_until_finished()
+before = digest()
+with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
+    while True:
+        f.write(bytes(65536))
+        f.flush()
+raised = None
+try:
+    with contextlib.ExitStack() as stack:
+        stack.push(lambda kind, *exc: close_keeping(checkpointer.close, ending=kind))
+        checkpointer.save(2, state(2.0))
+        checkpointer.wait_until_finished()
+except Exception as error:
+    raised = error
+(disk / "filler").unlink()
+saved_error = isinstance(raised, CheckpointSaveError)
+print(json.dumps({"kind": type(raised).__name__, "line": str(raised),
+                  "status": exit_status(raised) if saved_error else None,
+                  "untouched": digest() == before}))
+"""
 
 
 def test_a_disk_full_before_a_save_starts_keeps_its_one_line_through_the_close(tmp_path):
-    """The disk is already full when a save starts (a tmpfs filled after the last commit): the
-    save's one line is the error the run ends with. Orbax's close raises the save's error again;
-    the run's close (train/loop.py: Run.__exit__, through close_keeping) logs it instead of letting
-    it replace the line with its traceback."""
-    with _small_tmpfs(tmp_path / "disk", size="4m") as disk:
-        directory = disk / "checkpoints"
-        checkpointer = Checkpointer(directory, save_interval_steps=1, max_to_keep=None)
-        checkpointer.save(1, _state(1.0))
-        checkpointer.wait_until_finished()
-        before = _tree_digest(directory)
-        # the disk full to its last byte
-        with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        with pytest.raises(CheckpointSaveError) as raised, contextlib.ExitStack() as stack:
-            stack.push(lambda kind, *exc: close_keeping(checkpointer.close, ending=kind))
-            checkpointer.save(2, _state(2.0))
-            checkpointer.wait_until_finished()
-        assert "No space left on device (ENOSPC)" in str(raised.value)
-        assert "the last complete checkpoint, step 1, is untouched" in str(raised.value)
-        assert exit_status(raised.value) == 75
-        (disk / "filler").unlink()
-        assert _tree_digest(directory) == before
+    """The disk is already full when a save starts (a 4 MB tmpfs filled after the last commit):
+    the save's one line is the error the run ends with. Orbax's close raises the save's error
+    again; the run's close (train/loop.py: Run.__exit__, through close_keeping) logs it instead of
+    letting it replace the line with its traceback."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+         f'mount -t tmpfs -o size=4m tmpfs "$1" && exec "{sys.executable}" -c "$2" "$1"', "sh",
+         str(disk), _FULL_DISK_SCRIPT],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=180,
+        check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["kind"] == "CheckpointSaveError", found
+    assert "No space left on device (ENOSPC)" in found["line"]
+    assert "the last complete checkpoint, step 1, is untouched" in found["line"]
+    assert found["status"] == 75 and found["untouched"], found
